@@ -1,0 +1,729 @@
+//! The message engine both CPU backends share.
+//!
+//! Every rank owns an [`Inbox`] with one queue per peer. A backend only has to move frames
+//! into the right inbox (the local backend pushes directly, the socket backend through a
+//! reader thread per connection) and report peers that fail or leave; the collectives, the
+//! sequence checks, the deadlines and the poisoning live here, once.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::stats::StatsCounters;
+use crate::{ByteBuf, CommStats, DataType, PeerExchange, ReduceOp, Result, TransportConfig, TransportError};
+
+/// Kind of a data frame. The numeric values are part of the socket wire format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum OpKind {
+    AllGather = 1,
+    Gather = 2,
+    Broadcast = 3,
+    AllReduce = 4,
+    Barrier = 5,
+    Exchange = 6,
+}
+
+impl OpKind {
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::AllGather,
+            2 => Self::Gather,
+            3 => Self::Broadcast,
+            4 => Self::AllReduce,
+            5 => Self::Barrier,
+            6 => Self::Exchange,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::AllGather => "all_gather",
+            Self::Gather => "gather",
+            Self::Broadcast => "broadcast",
+            Self::AllReduce => "all_reduce",
+            Self::Barrier => "barrier",
+            Self::Exchange => "exchange",
+        }
+    }
+}
+
+/// What a frame claims to be part of: checked against what the receiver is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: OpKind,
+    /// Group-wide collective counter, or the per-pair counter for exchanges.
+    pub seq: u64,
+    /// Kind-specific agreement: element type, root, reduce op.
+    pub tag: u64,
+}
+
+impl Header {
+    fn tag_for(dtype: DataType, root: usize, op: Option<ReduceOp>) -> u64 {
+        (dtype as u64) | ((op.map_or(0, |o| o as u64)) << 8) | ((root as u64) << 16)
+    }
+
+    fn describe(&self) -> String {
+        let dtype = DataType::from_u8((self.tag & 0xff) as u8).map_or_else(|| "?".to_string(), |d| d.to_string());
+        let op = match (self.tag >> 8) & 0xff {
+            1 => ", sum",
+            2 => ", max",
+            _ => "",
+        };
+        let root = match self.kind {
+            OpKind::Gather | OpKind::Broadcast => format!(", root {}", self.tag >> 16),
+            _ => String::new(),
+        };
+        format!("{}#{}({dtype}{op}{root})", self.kind.name(), self.seq)
+    }
+}
+
+/// Shared payload: one copy out of the sender serves every receiver of a local collective.
+pub(crate) type Payload = Arc<Vec<u8>>;
+
+/// A data frame in an inbox.
+#[derive(Debug)]
+pub(crate) struct Frame {
+    pub header: Header,
+    pub payload: Payload,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PeerStatus {
+    Alive,
+    Left,
+}
+
+#[derive(Debug)]
+struct InboxState {
+    collective: Vec<VecDeque<Frame>>,
+    exchange: Vec<VecDeque<Frame>>,
+    status: Vec<PeerStatus>,
+    /// The first failure of any rank this rank has heard of.
+    group_failure: Option<(usize, String)>,
+}
+
+/// The receiving side of one rank.
+#[derive(Debug)]
+pub(crate) struct Inbox {
+    state: Mutex<InboxState>,
+    arrived: Condvar,
+}
+
+impl Inbox {
+    pub(crate) fn new(size: usize) -> Self {
+        Self {
+            state: Mutex::new(InboxState {
+                collective: (0..size).map(|_| VecDeque::new()).collect(),
+                exchange: (0..size).map(|_| VecDeque::new()).collect(),
+                status: vec![PeerStatus::Alive; size],
+                group_failure: None,
+            }),
+            arrived: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, InboxState> {
+        // A panic while holding this lock cannot leave the queues inconsistent (every update
+        // is a single push/pop), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A frame from `from` arrived.
+    pub(crate) fn deliver(&self, from: usize, frame: Frame) {
+        let mut state = self.lock();
+        match frame.header.kind {
+            OpKind::Exchange => state.exchange[from].push_back(frame),
+            _ => state.collective[from].push_back(frame),
+        }
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// `rank` failed: every pending and later wait of this rank fails.
+    pub(crate) fn peer_failed(&self, rank: usize, reason: String) {
+        let mut state = self.lock();
+        if state.group_failure.is_none() {
+            state.group_failure = Some((rank, reason));
+        }
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// `rank` left cleanly: waits on it fail once its queued frames are consumed.
+    pub(crate) fn peer_left(&self, rank: usize) {
+        self.lock().status[rank] = PeerStatus::Left;
+        self.arrived.notify_all();
+    }
+
+    /// Waits for the next frame from `from` of the given class.
+    fn wait(
+        &self,
+        me: usize,
+        from: usize,
+        exchange: bool,
+        op: &'static str,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<Frame> {
+        let mut state = self.lock();
+        loop {
+            // Frames that already arrived are still good: the peer did its part of this
+            // collective before anything failed. Only a wait that cannot be satisfied fails.
+            let queue = if exchange { &mut state.exchange[from] } else { &mut state.collective[from] };
+            if let Some(frame) = queue.pop_front() {
+                return Ok(frame);
+            }
+            if let Some((rank, reason)) = &state.group_failure {
+                return Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
+            }
+            if state.status[from] == PeerStatus::Left {
+                return Err(TransportError::PeerLeft { rank: from, waiting: me, op });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TransportError::Timeout { rank: from, waiting: me, op, waited: now - started });
+            }
+            state = self.arrived.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// The first failure this rank has heard of, if any.
+    fn group_failure(&self) -> Option<(usize, String)> {
+        self.lock().group_failure.clone()
+    }
+}
+
+/// How a backend moves frames to other ranks.
+pub(crate) trait Wire: Send + Sync {
+    /// Delivers a frame to rank `to`'s inbox (possibly through a socket).
+    fn send(&self, to: usize, header: Header, payload: &Payload) -> Result<()>;
+    /// Best effort: tell every peer that `failed_rank` (this rank, or the rank whose failure
+    /// made this one give up) failed for `reason`.
+    fn announce_failure(&self, failed_rank: usize, reason: &str);
+    /// Best effort: tell every peer this rank leaves cleanly.
+    fn announce_departure(&self);
+}
+
+#[derive(Debug)]
+struct Sequence {
+    collective: u64,
+    exchange_sent: Vec<u64>,
+    exchange_received: Vec<u64>,
+}
+
+/// A communicator over any [`Wire`].
+pub(crate) struct MeshComm<W: Wire> {
+    rank: usize,
+    size: usize,
+    backend: &'static str,
+    wire: W,
+    inbox: Arc<Inbox>,
+    config: TransportConfig,
+    /// Held for the whole of an operation: calls from several threads are serialised.
+    sequence: Mutex<Sequence>,
+    poisoned: Mutex<Option<TransportError>>,
+    left: AtomicBool,
+    stats: StatsCounters,
+}
+
+impl<W: Wire> MeshComm<W> {
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        backend: &'static str,
+        wire: W,
+        inbox: Arc<Inbox>,
+        config: TransportConfig,
+    ) -> Self {
+        Self {
+            rank,
+            size,
+            backend,
+            wire,
+            inbox,
+            config,
+            sequence: Mutex::new(Sequence {
+                collective: 0,
+                exchange_sent: vec![0; size],
+                exchange_received: vec![0; size],
+            }),
+            poisoned: Mutex::new(None),
+            left: AtomicBool::new(false),
+            stats: StatsCounters::default(),
+        }
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    pub(crate) fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    pub(crate) fn wire(&self) -> &W {
+        &self.wire
+    }
+
+    fn others(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.size).filter(move |&r| r != self.rank)
+    }
+
+    /// Runs one operation: refuses if poisoned, serialises, poisons on failure.
+    fn run<R>(&self, op: &'static str, body: impl FnOnce(&mut Sequence, Instant, Instant) -> Result<R>) -> Result<R> {
+        if let Some(first) = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Err(TransportError::Poisoned(Box::new(first)));
+        }
+        let mut seq = self.sequence.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let deadline = started + self.config.collective_timeout;
+        // A collective that starts after a failure is known cannot complete in step.
+        let result = match self.inbox.group_failure() {
+            Some((rank, reason)) => Err(TransportError::PeerFailed { rank, reason }),
+            None => body(&mut seq, started, deadline),
+        };
+        drop(seq);
+        if let Err(err) = &result {
+            tracing::debug!(rank = self.rank, op, error = %err, "collective failed");
+            self.poison(err.clone());
+        }
+        result
+    }
+
+    /// Records the first failure and, unless every rank already knows, tells the others.
+    fn poison(&self, err: TransportError) {
+        let mut slot = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return;
+        }
+        let already_known = matches!(err, TransportError::PeerFailed { .. });
+        let reason = err.to_string();
+        *slot = Some(err);
+        drop(slot);
+        if !already_known {
+            self.wire.announce_failure(self.rank, &reason);
+        }
+    }
+
+    pub(crate) fn abort(&self, reason: &str) {
+        let err = TransportError::Aborted { rank: self.rank, reason: reason.to_string() };
+        let mut slot = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return;
+        }
+        *slot = Some(err);
+        drop(slot);
+        tracing::debug!(rank = self.rank, reason, "aborting the group");
+        self.wire.announce_failure(self.rank, reason);
+    }
+
+    /// Leaves the group: a failure if unwinding from a panic, a clean departure otherwise.
+    /// Idempotent; backends call it from `Drop`.
+    pub(crate) fn leave(&self) {
+        if self.left.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if std::thread::panicking() {
+            self.abort(&format!("rank {} panicked", self.rank));
+            return;
+        }
+        let poisoned = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match poisoned {
+            None => self.wire.announce_departure(),
+            // Leaving after a failure: repeat who failed first, so that a peer that has not
+            // heard of it yet blames the right rank rather than this departure.
+            Some(err) => {
+                let (rank, reason) = match err.root_cause() {
+                    TransportError::PeerFailed { rank, reason } => (*rank, reason.clone()),
+                    other => (self.rank, other.to_string()),
+                };
+                self.wire.announce_failure(rank, &reason);
+            }
+        }
+    }
+
+    fn send_to(&self, to: usize, header: Header, payload: &Payload) -> Result<()> {
+        self.wire.send(to, header, payload)
+    }
+
+    fn recv_from(
+        &self,
+        from: usize,
+        expected: Header,
+        op: &'static str,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<Frame> {
+        let frame = self.inbox.wait(self.rank, from, expected.kind == OpKind::Exchange, op, started, deadline)?;
+        if frame.header != expected {
+            return Err(TransportError::CollectiveMismatch {
+                local_rank: self.rank,
+                rank: from,
+                local: expected.describe(),
+                remote: frame.header.describe(),
+            });
+        }
+        Ok(frame)
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> Result<()> {
+        if r >= self.size {
+            return Err(TransportError::InvalidArgument(format!(
+                "{what} {r} is not a rank of a group of {}",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn all_gather_bytes(&self, dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
+        const OP: &str = "all_gather";
+        self.run(OP, |seq, started, deadline| {
+            let header = Header {
+                kind: OpKind::AllGather,
+                seq: next(&mut seq.collective),
+                tag: Header::tag_for(dtype, 0, None),
+            };
+            let payload = self.share(send);
+            for peer in self.others() {
+                self.send_to(peer, header, &payload)?;
+            }
+            let mut parts: Vec<Option<Payload>> = vec![None; self.size];
+            for peer in self.others() {
+                parts[peer] = Some(self.recv_from(peer, header, OP, started, deadline)?.payload);
+            }
+            let counts: Vec<usize> =
+                (0..self.size).map(|r| parts[r].as_ref().map_or(send.len(), |p| p.len())).collect();
+            let out = recv.resize_bytes(counts.iter().sum())?;
+            let mut at = 0;
+            for (r, count) in counts.iter().enumerate() {
+                let bytes: &[u8] = parts[r].as_deref().map_or(send, |p| p.as_slice());
+                out[at..at + count].copy_from_slice(bytes);
+                at += count;
+            }
+            let received = at - send.len();
+            self.stats.all_gather.record(send.len() * (self.size - 1), received);
+            Ok(counts)
+        })
+    }
+
+    pub(crate) fn gather_bytes(
+        &self,
+        root: usize,
+        dtype: DataType,
+        send: &[u8],
+        recv: &mut dyn ByteBuf,
+    ) -> Result<Option<Vec<usize>>> {
+        const OP: &str = "gather";
+        self.run(OP, |seq, started, deadline| {
+            self.check_rank("gather root", root)?;
+            let header = Header {
+                kind: OpKind::Gather,
+                seq: next(&mut seq.collective),
+                tag: Header::tag_for(dtype, root, None),
+            };
+            if self.rank != root {
+                self.send_to(root, header, &self.share(send))?;
+                self.stats.gather.record(send.len(), 0);
+                return Ok(None);
+            }
+            let mut parts: Vec<Option<Payload>> = vec![None; self.size];
+            for peer in self.others() {
+                parts[peer] = Some(self.recv_from(peer, header, OP, started, deadline)?.payload);
+            }
+            let counts: Vec<usize> =
+                (0..self.size).map(|r| parts[r].as_ref().map_or(send.len(), |p| p.len())).collect();
+            let out = recv.resize_bytes(counts.iter().sum())?;
+            let mut at = 0;
+            for (r, count) in counts.iter().enumerate() {
+                let bytes: &[u8] = parts[r].as_deref().map_or(send, |p| p.as_slice());
+                out[at..at + count].copy_from_slice(bytes);
+                at += count;
+            }
+            self.stats.gather.record(0, at - send.len());
+            Ok(Some(counts))
+        })
+    }
+
+    pub(crate) fn broadcast_bytes(&self, root: usize, dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
+        const OP: &str = "broadcast";
+        self.run(OP, |seq, started, deadline| {
+            self.check_rank("broadcast root", root)?;
+            let header = Header {
+                kind: OpKind::Broadcast,
+                seq: next(&mut seq.collective),
+                tag: Header::tag_for(dtype, root, None),
+            };
+            if self.rank == root {
+                let payload = self.share(buf.as_bytes());
+                for peer in self.others() {
+                    self.send_to(peer, header, &payload)?;
+                }
+                self.stats.broadcast.record(payload.len() * (self.size - 1), 0);
+            } else {
+                let frame = self.recv_from(root, header, OP, started, deadline)?;
+                buf.resize_bytes(frame.payload.len())?.copy_from_slice(&frame.payload);
+                self.stats.broadcast.record(0, frame.payload.len());
+            }
+            Ok(())
+        })
+    }
+
+    pub(crate) fn all_reduce_bytes(&self, dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<()> {
+        const OP: &str = "all_reduce";
+        self.run(OP, |seq, started, deadline| {
+            if !buf.len().is_multiple_of(dtype.size_in_bytes()) {
+                return Err(TransportError::InvalidArgument(format!(
+                    "all_reduce buffer of {} bytes is not a whole number of {dtype} elements",
+                    buf.len()
+                )));
+            }
+            let header = Header {
+                kind: OpKind::AllReduce,
+                seq: next(&mut seq.collective),
+                tag: Header::tag_for(dtype, 0, Some(op)),
+            };
+            if self.size == 1 {
+                self.stats.all_reduce.record(0, 0);
+                return Ok(());
+            }
+            let payload = self.share(buf);
+            for peer in self.others() {
+                self.send_to(peer, header, &payload)?;
+            }
+            let mut parts: Vec<Option<Payload>> = vec![None; self.size];
+            for peer in self.others() {
+                let frame = self.recv_from(peer, header, OP, started, deadline)?;
+                if frame.payload.len() != buf.len() {
+                    return Err(TransportError::LengthMismatch {
+                        op: OP,
+                        local_rank: self.rank,
+                        local: buf.len(),
+                        rank: peer,
+                        remote: frame.payload.len(),
+                    });
+                }
+                parts[peer] = Some(frame.payload);
+            }
+            // Reduce in rank order on every rank, so float results are identical everywhere.
+            let own = payload;
+            let ordered: Vec<&[u8]> =
+                (0..self.size).map(|r| parts[r].as_deref().map_or(own.as_slice(), |p| p.as_slice())).collect();
+            reduce_into(dtype, op, &ordered, buf);
+            self.stats.all_reduce.record(buf.len() * (self.size - 1), buf.len() * (self.size - 1));
+            Ok(())
+        })
+    }
+
+    pub(crate) fn exchange_bytes(&self, dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
+        const OP: &str = "exchange";
+        self.run(OP, |seq, started, deadline| {
+            for (i, leg) in legs.iter().enumerate() {
+                self.check_rank("exchange peer", leg.peer)?;
+                if leg.peer == self.rank {
+                    return Err(TransportError::InvalidArgument(format!(
+                        "rank {} cannot exchange with itself",
+                        self.rank
+                    )));
+                }
+                if legs[..i].iter().any(|l| l.peer == leg.peer) {
+                    return Err(TransportError::InvalidArgument(format!(
+                        "peer {} listed twice in one exchange",
+                        leg.peer
+                    )));
+                }
+            }
+            let tag = Header::tag_for(dtype, 0, None);
+            let mut sent = 0;
+            for leg in legs.iter() {
+                let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_sent[leg.peer]), tag };
+                self.send_to(leg.peer, header, &self.share(leg.send))?;
+                sent += leg.send.len();
+            }
+            let mut received = 0;
+            for leg in legs.iter_mut() {
+                let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_received[leg.peer]), tag };
+                let frame = self.recv_from(leg.peer, header, OP, started, deadline)?;
+                leg.recv.resize_bytes(frame.payload.len())?.copy_from_slice(&frame.payload);
+                received += frame.payload.len();
+            }
+            self.stats.exchange.record(sent, received);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn barrier(&self) -> Result<()> {
+        const OP: &str = "barrier";
+        self.run(OP, |seq, started, deadline| {
+            let header = Header { kind: OpKind::Barrier, seq: next(&mut seq.collective), tag: 0 };
+            let empty = Payload::default();
+            for peer in self.others() {
+                self.send_to(peer, header, &empty)?;
+            }
+            for peer in self.others() {
+                self.recv_from(peer, header, OP, started, deadline)?;
+            }
+            self.stats.barrier.record(0, 0);
+            Ok(())
+        })
+    }
+
+    /// One shared copy of an outgoing buffer (none at all for a group of one).
+    fn share(&self, bytes: &[u8]) -> Payload {
+        if self.size == 1 { Payload::default() } else { Arc::new(bytes.to_vec()) }
+    }
+}
+
+impl<W: Wire> Drop for MeshComm<W> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+fn next(counter: &mut u64) -> u64 {
+    let v = *counter;
+    *counter += 1;
+    v
+}
+
+/// Element-wise reduction of `parts` (all of `out.len()` bytes) into `out`, in slice order.
+fn reduce_into(dtype: DataType, op: ReduceOp, parts: &[&[u8]], out: &mut [u8]) {
+    macro_rules! reduce {
+        ($t:ty, $sum:expr, $max:expr) => {{
+            const N: usize = std::mem::size_of::<$t>();
+            let read = |bytes: &[u8], i: usize| {
+                <$t>::from_ne_bytes(bytes[i * N..(i + 1) * N].try_into().expect("length checked"))
+            };
+            let combine: fn($t, $t) -> $t = match op {
+                ReduceOp::Sum => $sum,
+                ReduceOp::Max => $max,
+            };
+            for i in 0..out.len() / N {
+                let mut acc = read(parts[0], i);
+                for part in &parts[1..] {
+                    acc = combine(acc, read(part, i));
+                }
+                out[i * N..(i + 1) * N].copy_from_slice(&acc.to_ne_bytes());
+            }
+        }};
+    }
+    match dtype {
+        DataType::U8 => reduce!(u8, |a, b| a.wrapping_add(b), |a, b| a.max(b)),
+        DataType::I64 => reduce!(i64, |a, b| a.wrapping_add(b), |a, b| a.max(b)),
+        DataType::U64 => reduce!(u64, |a, b| a.wrapping_add(b), |a, b| a.max(b)),
+        DataType::F32 => reduce!(f32, |a, b| a + b, f32::max),
+        DataType::F64 => reduce!(f64, |a, b| a + b, f64::max),
+    }
+}
+
+/// Implements [`crate::Communicator`] for a backend type holding a `MeshComm` in `inner`.
+macro_rules! delegate_communicator {
+    ($ty:ty) => {
+        impl $crate::Communicator for $ty {
+            fn rank(&self) -> usize {
+                self.inner.rank()
+            }
+            fn size(&self) -> usize {
+                self.inner.size()
+            }
+            fn backend(&self) -> &'static str {
+                self.inner.backend()
+            }
+            fn all_gather_bytes(
+                &self,
+                dtype: $crate::DataType,
+                send: &[u8],
+                recv: &mut dyn $crate::ByteBuf,
+            ) -> $crate::Result<Vec<usize>> {
+                self.inner.all_gather_bytes(dtype, send, recv)
+            }
+            fn gather_bytes(
+                &self,
+                root: usize,
+                dtype: $crate::DataType,
+                send: &[u8],
+                recv: &mut dyn $crate::ByteBuf,
+            ) -> $crate::Result<Option<Vec<usize>>> {
+                self.inner.gather_bytes(root, dtype, send, recv)
+            }
+            fn broadcast_bytes(
+                &self,
+                root: usize,
+                dtype: $crate::DataType,
+                buf: &mut dyn $crate::ByteBuf,
+            ) -> $crate::Result<()> {
+                self.inner.broadcast_bytes(root, dtype, buf)
+            }
+            fn all_reduce_bytes(
+                &self,
+                dtype: $crate::DataType,
+                op: $crate::ReduceOp,
+                buf: &mut [u8],
+            ) -> $crate::Result<()> {
+                self.inner.all_reduce_bytes(dtype, op, buf)
+            }
+            fn exchange_bytes(
+                &self,
+                dtype: $crate::DataType,
+                legs: &mut [$crate::PeerExchange<'_>],
+            ) -> $crate::Result<()> {
+                self.inner.exchange_bytes(dtype, legs)
+            }
+            fn barrier(&self) -> $crate::Result<()> {
+                self.inner.barrier()
+            }
+            fn abort(&self, reason: &str) {
+                self.inner.abort(reason)
+            }
+            fn stats(&self) -> $crate::CommStats {
+                self.inner.stats()
+            }
+        }
+    };
+}
+pub(crate) use delegate_communicator;
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn reduce_is_in_rank_order() {
+        // 1e8 + 1 - 1e8 in f32 depends on order; every rank must compute the same order.
+        let a = 1.0e8f32.to_ne_bytes();
+        let b = 1.0f32.to_ne_bytes();
+        let c = (-1.0e8f32).to_ne_bytes();
+        let mut out = [0u8; 4];
+        reduce_into(DataType::F32, ReduceOp::Sum, &[&a, &b, &c], &mut out);
+        assert_eq!(f32::from_ne_bytes(out), (1.0e8f32 + 1.0) + -1.0e8);
+    }
+
+    #[test]
+    fn header_description_names_kind_type_and_root() {
+        let h = Header { kind: OpKind::Broadcast, seq: 3, tag: Header::tag_for(DataType::F32, 2, None) };
+        assert_eq!(h.describe(), "broadcast#3(f32, root 2)");
+        let h = Header { kind: OpKind::AllReduce, seq: 0, tag: Header::tag_for(DataType::I64, 0, Some(ReduceOp::Max)) };
+        assert_eq!(h.describe(), "all_reduce#0(i64, max)");
+    }
+
+    #[test]
+    fn inbox_times_out_and_names_the_peer() {
+        let inbox = Inbox::new(2);
+        let start = Instant::now();
+        let err = inbox.wait(0, 1, false, "barrier", start, start + Duration::from_millis(20)).unwrap_err();
+        assert!(matches!(err, TransportError::Timeout { rank: 1, waiting: 0, op: "barrier", .. }), "{err}");
+    }
+}

@@ -1,0 +1,823 @@
+//! The `socket` backend: ranks are processes, on one host or several, connected by a full mesh
+//! of TCP or Unix-domain stream sockets. No MPI, no system packages.
+//!
+//! # Rendezvous
+//! Rank 0 listens at the master address; every other rank listens at an address of its own,
+//! connects to the master and says hello (rank, world size, own address). When all have joined,
+//! rank 0 sends everyone the table of addresses; rank `i` then connects to ranks `1..i` and
+//! accepts ranks `i+1..`, so every pair has one connection (the master connection is the link
+//! between rank 0 and each rank). The same rendezvous will hand out the NCCL unique id.
+//!
+//! # Failure detection
+//! A reader thread per connection moves frames into the rank's inbox. A peer whose process dies
+//! closes its sockets, which the reader sees at once; a peer that is alive sends a heartbeat
+//! every quarter of the failure timeout, so a peer that goes silent (hung host, lost network)
+//! is declared failed after `failure_timeout`. A rank that aborts sends an abort frame with
+//! its reason; a rank that finishes says goodbye.
+//!
+//! # Wire format
+//! Every frame is a 32-byte header — magic `VAEF`, kind, 3 reserved bytes, sequence (u64),
+//! tag (u64), payload length (u64), all little-endian — followed by the payload. Payloads of
+//! typed buffers are sent in native byte order; the handshake refuses peers of the other
+//! endianness.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::mesh::{Frame, Header, Inbox, MeshComm, OpKind, Payload, Wire, delegate_communicator};
+use crate::{Result, TransportConfig, TransportError};
+
+/// Environment variable: this process's rank.
+pub const ENV_RANK: &str = "VAE_RANK";
+/// Environment variable: number of ranks.
+pub const ENV_WORLD_SIZE: &str = "VAE_WORLD_SIZE";
+/// Environment variable: the master address (`host:port`, `tcp://host:port` or `unix:/path`).
+pub const ENV_MASTER_ADDR: &str = "VAE_MASTER_ADDR";
+
+const MAGIC: [u8; 4] = *b"VAEF";
+const PROTOCOL_VERSION: u32 = 1;
+const HEADER_LEN: usize = 32;
+/// Largest payload a peer may announce; larger means a corrupt or foreign stream.
+const MAX_PAYLOAD: u64 = 1 << 40;
+
+// Control frame kinds (data kinds are `OpKind`, 1..=6).
+const KIND_HEARTBEAT: u8 = 16;
+const KIND_ABORT: u8 = 17;
+const KIND_GOODBYE: u8 = 18;
+const KIND_HELLO: u8 = 32;
+const KIND_WELCOME: u8 = 33;
+const KIND_REJECT: u8 = 34;
+const KIND_PEER_HELLO: u8 = 35;
+
+/// Where a socket listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A TCP `host:port`.
+    Tcp(String),
+    /// A Unix-domain socket path (one host only).
+    Unix(PathBuf),
+}
+
+impl FromStr for Endpoint {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(TransportError::InvalidArgument("empty Unix socket path".into()));
+            }
+            return Ok(Self::Unix(PathBuf::from(path)));
+        }
+        let hostport = s.strip_prefix("tcp://").unwrap_or(s);
+        match hostport.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(Self::Tcp(hostport.to_string()))
+            }
+            _ => Err(TransportError::InvalidArgument(format!(
+                "master address {s:?} is neither host:port, tcp://host:port nor unix:/path"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tcp(hp) => write!(f, "tcp://{hp}"),
+            Self::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// How one process joins a socket group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketOptions {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank 0's listening address.
+    pub master: Endpoint,
+    /// Timeouts.
+    pub config: TransportConfig,
+}
+
+impl SocketOptions {
+    /// Reads `VAE_RANK`, `VAE_WORLD_SIZE`, `VAE_MASTER_ADDR` and the timeouts
+    /// ([`TransportConfig::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| {
+            std::env::var(name)
+                .map_err(|_| TransportError::InvalidArgument(format!("environment variable {name} is not set")))
+        };
+        let number = |name: &str| -> Result<usize> {
+            let text = var(name)?;
+            text.trim()
+                .parse()
+                .map_err(|_| TransportError::InvalidArgument(format!("{name}={text:?} is not a non-negative integer")))
+        };
+        Ok(Self {
+            rank: number(ENV_RANK)?,
+            world_size: number(ENV_WORLD_SIZE)?,
+            master: var(ENV_MASTER_ADDR)?.parse()?,
+            config: TransportConfig::from_env()?,
+        })
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(TransportError::InvalidArgument("world size must be at least 1".into()));
+        }
+        if self.rank >= self.world_size {
+            return Err(TransportError::InvalidArgument(format!(
+                "rank {} is out of range for world size {}",
+                self.rank, self.world_size
+            )));
+        }
+        self.config.validate()
+    }
+}
+
+/// A connected stream of either family.
+#[derive(Debug)]
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Self> {
+        Ok(match self {
+            Self::Tcp(s) => Self::Tcp(s.try_clone()?),
+            Self::Unix(s) => Self::Unix(s.try_clone()?),
+        })
+    }
+
+    fn set_read_timeout(&self, d: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(d),
+            Self::Unix(s) => s.set_read_timeout(d),
+        }
+    }
+
+    fn set_write_timeout(&self, d: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_write_timeout(d),
+            Self::Unix(s) => s.set_write_timeout(d),
+        }
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Self::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Self::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    fn prepare(&self) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => {
+                s.set_nonblocking(false)?;
+                s.set_nodelay(true)
+            }
+            Self::Unix(s) => s.set_nonblocking(false),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.flush(),
+            Self::Unix(s) => s.flush(),
+        }
+    }
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    fn bind(endpoint: &Endpoint) -> io::Result<Self> {
+        match endpoint {
+            Endpoint::Tcp(hp) => Ok(Self::Tcp(TcpListener::bind(hp.as_str())?)),
+            Endpoint::Unix(path) => {
+                // A socket file left by a crashed run would make bind fail; nobody can be
+                // listening on it if connecting is refused.
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path);
+                }
+                let listener = UnixListener::bind(path)?;
+                Ok(Self::Unix(listener, path.clone()))
+            }
+        }
+    }
+
+    fn advertised(&self, tcp_host: Option<std::net::IpAddr>) -> io::Result<String> {
+        match self {
+            Self::Tcp(l) => {
+                let mut addr = l.local_addr()?;
+                if let Some(ip) = tcp_host {
+                    addr.set_ip(ip);
+                }
+                Ok(format!("tcp://{addr}"))
+            }
+            Self::Unix(_, path) => Ok(format!("unix:{}", path.display())),
+        }
+    }
+
+    /// Accepts one connection before `deadline`.
+    fn accept(&self, deadline: Instant) -> io::Result<Stream> {
+        match self {
+            Self::Tcp(l) => l.set_nonblocking(true)?,
+            Self::Unix(l, _) => l.set_nonblocking(true)?,
+        }
+        loop {
+            let accepted = match self {
+                Self::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
+                Self::Unix(l, _) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            };
+            match accepted {
+                Ok(stream) => {
+                    stream.prepare()?;
+                    return Ok(stream);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+                    if Instant::now() >= deadline {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "no connection before the deadline"));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn path(&self) -> Option<&Path> {
+        match self {
+            Self::Tcp(_) => None,
+            Self::Unix(_, p) => Some(p),
+        }
+    }
+}
+
+/// Connects to `endpoint`, retrying refused or missing listeners until `deadline` (the other
+/// side may simply not have started yet).
+fn connect(endpoint: &Endpoint, deadline: Instant) -> io::Result<Stream> {
+    loop {
+        let attempt = match endpoint {
+            Endpoint::Tcp(hp) => {
+                let addrs: Vec<SocketAddr> = hp.to_socket_addrs()?.collect();
+                let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{hp} resolves to no address"));
+                let mut connected = None;
+                for addr in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+                    match TcpStream::connect_timeout(&addr, left) {
+                        Ok(s) => {
+                            connected = Some(Stream::Tcp(s));
+                            break;
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                connected.ok_or(last)
+            }
+            Endpoint::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+        };
+        match attempt {
+            Ok(stream) => {
+                stream.prepare()?;
+                return Ok(stream);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound | io::ErrorKind::TimedOut
+                ) && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn write_frame(stream: &mut Stream, kind: u8, seq: u64, tag: u64, payload: &[u8]) -> io::Result<()> {
+    let mut header = [0u8; HEADER_LEN];
+    header[0..4].copy_from_slice(&MAGIC);
+    header[4] = kind;
+    header[8..16].copy_from_slice(&seq.to_le_bytes());
+    header[16..24].copy_from_slice(&tag.to_le_bytes());
+    header[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    stream.write_all(&header)?;
+    stream.write_all(payload)?;
+    stream.flush()
+}
+
+struct RawFrame {
+    kind: u8,
+    seq: u64,
+    tag: u64,
+    payload: Vec<u8>,
+}
+
+fn read_frame(stream: &mut Stream) -> io::Result<RawFrame> {
+    let mut header = [0u8; HEADER_LEN];
+    stream.read_exact(&mut header)?;
+    if header[0..4] != MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad frame magic: not a vae-parallel peer"));
+    }
+    let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().expect("8 bytes"));
+    let len = word(24);
+    if len > MAX_PAYLOAD {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame announces {len} bytes")));
+    }
+    let mut payload = vec![0u8; len as usize];
+    stream.read_exact(&mut payload)?;
+    Ok(RawFrame { kind: header[4], seq: word(8), tag: word(16), payload })
+}
+
+/// Little helper for the handshake payloads.
+#[derive(Default)]
+struct Encoder(Vec<u8>);
+
+impl Encoder {
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn str(self, s: &str) -> Self {
+        let mut me = self.u64(s.len() as u64);
+        me.0.extend_from_slice(s.as_bytes());
+        me
+    }
+}
+
+struct Decoder<'a>(&'a [u8]);
+
+impl Decoder<'_> {
+    fn u64(&mut self) -> io::Result<u64> {
+        if self.0.len() < 8 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated handshake"));
+        }
+        let (head, rest) = self.0.split_at(8);
+        self.0 = rest;
+        Ok(u64::from_le_bytes(head.try_into().expect("8 bytes")))
+    }
+    fn str(&mut self) -> io::Result<String> {
+        let len = self.u64()? as usize;
+        if self.0.len() < len {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated handshake"));
+        }
+        let (head, rest) = self.0.split_at(len);
+        self.0 = rest;
+        String::from_utf8(head.to_vec())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "handshake text is not UTF-8"))
+    }
+}
+
+/// Identity every connection starts with: protocol, byte order, group size, rank.
+fn hello_payload(rank: usize, world: usize, addr: &str) -> Vec<u8> {
+    let little_endian = u64::from(cfg!(target_endian = "little"));
+    Encoder::default()
+        .u64(u64::from(PROTOCOL_VERSION))
+        .u64(little_endian)
+        .u64(world as u64)
+        .u64(rank as u64)
+        .str(addr)
+        .0
+}
+
+struct Hello {
+    rank: usize,
+    addr: String,
+}
+
+fn parse_hello(payload: &[u8], world: usize) -> std::result::Result<Hello, String> {
+    let mut d = Decoder(payload);
+    let parsed = (|| -> io::Result<_> { Ok((d.u64()?, d.u64()?, d.u64()?, d.u64()?, d.str()?)) })();
+    let (version, little, their_world, rank, addr) = parsed.map_err(|e| e.to_string())?;
+    if version != u64::from(PROTOCOL_VERSION) {
+        return Err(format!("protocol version {version}, expected {PROTOCOL_VERSION}"));
+    }
+    if little != u64::from(cfg!(target_endian = "little")) {
+        return Err("peer has the other byte order".into());
+    }
+    if their_world as usize != world {
+        return Err(format!("rank {rank} was started with world size {their_world}, this rank with {world}"));
+    }
+    if rank as usize >= world {
+        return Err(format!("rank {rank} is out of range for world size {world}"));
+    }
+    Ok(Hello { rank: rank as usize, addr })
+}
+
+fn rendezvous_err(context: &str, e: &io::Error) -> TransportError {
+    TransportError::Rendezvous(format!("{context}: {e}"))
+}
+
+/// One rank's links: a writer per peer (`None` for itself) and the state the threads share.
+struct SocketWire {
+    rank: usize,
+    writers: Writers,
+}
+
+/// One writer per peer (`None` for this rank), shared with the heartbeat thread; the lock keeps
+/// frames whole.
+type Writers = Arc<Vec<Option<Mutex<Stream>>>>;
+
+impl SocketWire {
+    fn write_control(&self, kind: u8, payload: &[u8]) {
+        for writer in self.writers.iter().flatten() {
+            let mut stream = writer.lock().unwrap_or_else(|e| e.into_inner());
+            // Best effort: a dead peer is exactly the case this is for.
+            let _ = write_frame(&mut stream, kind, 0, 0, payload);
+        }
+    }
+}
+
+impl Wire for SocketWire {
+    fn send(&self, to: usize, header: Header, payload: &Payload) -> Result<()> {
+        let writer =
+            self.writers[to].as_ref().ok_or_else(|| TransportError::InvalidArgument("no link to self".into()))?;
+        let mut stream = writer.lock().unwrap_or_else(|e| e.into_inner());
+        write_frame(&mut stream, header.kind as u8, header.seq, header.tag, payload)
+            .map_err(|e| TransportError::io(Some(to), format!("rank {} sending to rank {to}", self.rank), &e))
+    }
+
+    fn announce_failure(&self, failed_rank: usize, reason: &str) {
+        let mut payload = (failed_rank as u64).to_le_bytes().to_vec();
+        payload.extend_from_slice(reason.as_bytes());
+        self.write_control(KIND_ABORT, &payload);
+    }
+
+    fn announce_departure(&self) {
+        self.write_control(KIND_GOODBYE, &[]);
+    }
+}
+
+/// Stops the heartbeat thread.
+#[derive(Default)]
+struct Stop {
+    stopped: Mutex<bool>,
+    signal: Condvar,
+}
+
+/// One rank of a multi-process group over sockets.
+pub struct SocketComm {
+    inner: MeshComm<SocketWire>,
+    closing: Arc<AtomicBool>,
+    stop: Arc<Stop>,
+    readers: Vec<JoinHandle<()>>,
+    heartbeat: Option<JoinHandle<()>>,
+    shutdown_handles: Vec<Stream>,
+    socket_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for SocketComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SocketComm").field("rank", &self.inner.rank()).field("size", &self.inner.size()).finish()
+    }
+}
+
+delegate_communicator!(SocketComm);
+
+impl SocketComm {
+    /// Joins the group described by [`SocketOptions::from_env`].
+    pub fn from_env() -> Result<Self> {
+        Self::connect(&SocketOptions::from_env()?)
+    }
+
+    /// Joins a group: rendezvous at the master, full mesh, a barrier. Returns once every rank
+    /// is connected to every other, or fails within `connect_timeout`.
+    pub fn connect(options: &SocketOptions) -> Result<Self> {
+        options.validate()?;
+        let (rank, world) = (options.rank, options.world_size);
+        let deadline = Instant::now() + options.config.connect_timeout;
+        let mut links: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
+        let mut socket_file = None;
+
+        if world > 1 {
+            if rank == 0 {
+                let listener = Listener::bind(&options.master).map_err(|e| {
+                    rendezvous_err(&format!("rank 0 binding the master address {}", options.master), &e)
+                })?;
+                socket_file = listener.path().map(Path::to_path_buf);
+                let result = master_rendezvous(&listener, world, deadline, &mut links);
+                if let Err(e) = result {
+                    if let Some(p) = &socket_file {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    return Err(e);
+                }
+            } else {
+                socket_file = worker_rendezvous(options, deadline, &mut links)?;
+            }
+        }
+
+        let inbox = Arc::new(Inbox::new(world));
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut writers = Vec::with_capacity(world);
+        let mut readers = Vec::new();
+        let mut shutdown_handles = Vec::new();
+        let setup = |e: io::Error| TransportError::io(None, "configuring a link", &e);
+        for (peer, link) in links.into_iter().enumerate() {
+            let Some(stream) = link else {
+                writers.push(None);
+                continue;
+            };
+            stream.set_write_timeout(Some(options.config.collective_timeout)).map_err(setup)?;
+            let mut reader = stream.try_clone().map_err(setup)?;
+            reader.set_read_timeout(Some(options.config.failure_timeout)).map_err(setup)?;
+            shutdown_handles.push(stream.try_clone().map_err(setup)?);
+            writers.push(Some(Mutex::new(stream)));
+            let inbox = Arc::clone(&inbox);
+            let closing = Arc::clone(&closing);
+            let failure_timeout = options.config.failure_timeout;
+            let handle = std::thread::Builder::new()
+                .name(format!("vae-rank{rank}-from{peer}"))
+                .spawn(move || read_loop(&mut reader, peer, &inbox, &closing, failure_timeout))
+                .map_err(|e| TransportError::io(Some(peer), "spawning a reader thread", &e))?;
+            readers.push(handle);
+        }
+
+        let wire = SocketWire { rank, writers: Arc::new(writers) };
+        let inner = MeshComm::new(rank, world, "socket", wire, inbox, options.config);
+        let stop = Arc::new(Stop::default());
+        let mut comm = Self { inner, closing, stop, readers, heartbeat: None, shutdown_handles, socket_file };
+        if world > 1 {
+            comm.start_heartbeat(options.config.failure_timeout / 4)?;
+        }
+        comm.inner.barrier()?;
+        tracing::debug!(rank, world, master = %options.master, "socket group connected");
+        Ok(comm)
+    }
+
+    fn start_heartbeat(&mut self, interval: Duration) -> Result<()> {
+        let stop = Arc::clone(&self.stop);
+        let writers = Arc::clone(&self.inner.wire().writers);
+        let handle = std::thread::Builder::new()
+            .name(format!("vae-rank{}-heartbeat", self.inner.rank()))
+            .spawn(move || heartbeat_loop(&writers, &stop, interval))
+            .map_err(|e| TransportError::io(None, "spawning the heartbeat thread", &e))?;
+        self.heartbeat = Some(handle);
+        Ok(())
+    }
+}
+
+fn heartbeat_loop(writers: &Writers, stop: &Stop, interval: Duration) {
+    let mut stopped = stop.stopped.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        stopped = stop.signal.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner()).0;
+        if *stopped {
+            return;
+        }
+        for writer in writers.iter().flatten() {
+            // A writer busy with a data frame proves liveness by itself: skip it.
+            if let Ok(mut stream) = writer.try_lock() {
+                let _ = write_frame(&mut stream, KIND_HEARTBEAT, 0, 0, &[]);
+            }
+        }
+    }
+}
+
+fn read_loop(stream: &mut Stream, peer: usize, inbox: &Inbox, closing: &AtomicBool, failure_timeout: Duration) {
+    loop {
+        match read_frame(stream) {
+            Ok(frame) => match frame.kind {
+                KIND_HEARTBEAT => {}
+                KIND_ABORT => {
+                    // Payload: the failed rank (u64) and the reason; the sender may be passing
+                    // on another rank's failure.
+                    let (rank, reason) = match frame.payload.split_first_chunk::<8>() {
+                        Some((rank, reason)) => (u64::from_le_bytes(*rank) as usize, reason),
+                        None => (peer, &frame.payload[..]),
+                    };
+                    inbox.peer_failed(rank, String::from_utf8_lossy(reason).into_owned());
+                    return;
+                }
+                KIND_GOODBYE => {
+                    inbox.peer_left(peer);
+                    return;
+                }
+                kind => match OpKind::from_u8(kind) {
+                    Some(kind) => inbox.deliver(
+                        peer,
+                        Frame {
+                            header: Header { kind, seq: frame.seq, tag: frame.tag },
+                            payload: Arc::new(frame.payload),
+                        },
+                    ),
+                    None => {
+                        inbox.peer_failed(peer, format!("protocol error: unknown frame kind {kind}"));
+                        return;
+                    }
+                },
+            },
+            Err(e) => {
+                if closing.load(Ordering::SeqCst) {
+                    return;
+                }
+                let reason = match e.kind() {
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        format!("no message or heartbeat for {failure_timeout:?} (process hung or network lost)")
+                    }
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
+                        "connection closed without a goodbye (process died?)".to_string()
+                    }
+                    _ => format!("connection error: {e}"),
+                };
+                inbox.peer_failed(peer, reason);
+                return;
+            }
+        }
+    }
+}
+
+fn master_rendezvous(listener: &Listener, world: usize, deadline: Instant, links: &mut [Option<Stream>]) -> Result<()> {
+    let mut addrs = vec![String::new(); world];
+    let mut joined = 0;
+    let reject_all = |links: &mut [Option<Stream>], reason: &str| {
+        for stream in links.iter_mut().flatten() {
+            let _ = write_frame(stream, KIND_REJECT, 0, 0, reason.as_bytes());
+        }
+    };
+    while joined < world - 1 {
+        let mut stream = listener.accept(deadline).map_err(|e| {
+            let msg = format!("rank 0 waiting for {} more rank(s) to join", world - 1 - joined);
+            reject_all(links, &msg);
+            rendezvous_err(&msg, &e)
+        })?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+        stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a joining rank", &e))?;
+        let frame = match read_frame(&mut stream) {
+            Ok(f) if f.kind == KIND_HELLO => f,
+            // Not a vae-parallel peer (a port scanner, a stale client): ignore it.
+            _ => continue,
+        };
+        let problem = match parse_hello(&frame.payload, world) {
+            Ok(hello) if hello.rank == 0 => Err("a second process claims rank 0".to_string()),
+            Ok(hello) if links[hello.rank].is_some() => Err(format!("two processes claim rank {}", hello.rank)),
+            Ok(hello) => Ok(hello),
+            Err(reason) => Err(reason),
+        };
+        match problem {
+            Ok(hello) => {
+                stream.set_read_timeout(None).map_err(|e| rendezvous_err("configuring a joining rank", &e))?;
+                addrs[hello.rank] = hello.addr;
+                links[hello.rank] = Some(stream);
+                joined += 1;
+            }
+            Err(reason) => {
+                let _ = write_frame(&mut stream, KIND_REJECT, 0, 0, reason.as_bytes());
+                reject_all(links, &reason);
+                return Err(TransportError::Rendezvous(reason));
+            }
+        }
+    }
+    let mut table = Encoder::default().u64(world as u64);
+    for addr in &addrs {
+        table = table.str(addr);
+    }
+    for (peer, stream) in links.iter_mut().enumerate() {
+        if let Some(stream) = stream {
+            write_frame(stream, KIND_WELCOME, 0, 0, &table.0)
+                .map_err(|e| rendezvous_err(&format!("welcoming rank {peer}"), &e))?;
+        }
+    }
+    Ok(())
+}
+
+fn worker_rendezvous(
+    options: &SocketOptions,
+    deadline: Instant,
+    links: &mut [Option<Stream>],
+) -> Result<Option<PathBuf>> {
+    let (rank, world) = (options.rank, options.world_size);
+    let mut master = connect(&options.master, deadline)
+        .map_err(|e| rendezvous_err(&format!("rank {rank} connecting to the master at {}", options.master), &e))?;
+    // Listen where the others can reach us: the interface that reaches the master, or a
+    // socket file next to the master's.
+    let (listener, host) = match (&options.master, &master) {
+        (Endpoint::Unix(path), _) => {
+            let mut name = path.as_os_str().to_owned();
+            name.push(format!(".rank{rank}"));
+            (Listener::bind(&Endpoint::Unix(PathBuf::from(name))), None)
+        }
+        (Endpoint::Tcp(_), Stream::Tcp(s)) => {
+            let ip = s.local_addr().map_err(|e| rendezvous_err("reading the local address", &e))?.ip();
+            (Listener::bind(&Endpoint::Tcp(SocketAddr::new(ip, 0).to_string())), Some(ip))
+        }
+        (Endpoint::Tcp(_), Stream::Unix(_)) => unreachable!("a TCP endpoint yields a TCP stream"),
+    };
+    let listener = listener.map_err(|e| rendezvous_err(&format!("rank {rank} binding its listener"), &e))?;
+    let socket_file = listener.path().map(Path::to_path_buf);
+    let advertised = listener.advertised(host).map_err(|e| rendezvous_err("reading the listener address", &e))?;
+
+    write_frame(&mut master, KIND_HELLO, 0, 0, &hello_payload(rank, world, &advertised))
+        .map_err(|e| rendezvous_err("sending hello to the master", &e))?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+    master.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring the master link", &e))?;
+    let reply = read_frame(&mut master)
+        .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for the master's table of ranks"), &e))?;
+    master.set_read_timeout(None).map_err(|e| rendezvous_err("configuring the master link", &e))?;
+    let addrs = match reply.kind {
+        KIND_WELCOME => {
+            let mut d = Decoder(&reply.payload);
+            let n = d.u64().map_err(|e| rendezvous_err("reading the table", &e))? as usize;
+            (0..n)
+                .map(|_| d.str())
+                .collect::<io::Result<Vec<_>>>()
+                .map_err(|e| rendezvous_err("reading the table", &e))?
+        }
+        KIND_REJECT => {
+            return Err(TransportError::Rendezvous(format!(
+                "rank 0 rejected rank {rank}: {}",
+                String::from_utf8_lossy(&reply.payload)
+            )));
+        }
+        other => return Err(TransportError::Rendezvous(format!("unexpected frame kind {other} from the master"))),
+    };
+    if addrs.len() != world {
+        return Err(TransportError::Rendezvous(format!("master sent {} addresses for {world} ranks", addrs.len())));
+    }
+    links[0] = Some(master);
+
+    for (peer, addr) in addrs.iter().enumerate().take(rank).skip(1) {
+        let endpoint: Endpoint = addr.parse()?;
+        let mut stream = connect(&endpoint, deadline)
+            .map_err(|e| rendezvous_err(&format!("rank {rank} connecting to rank {peer}"), &e))?;
+        write_frame(&mut stream, KIND_PEER_HELLO, 0, 0, &hello_payload(rank, world, ""))
+            .map_err(|e| rendezvous_err(&format!("greeting rank {peer}"), &e))?;
+        links[peer] = Some(stream);
+    }
+    for _ in rank + 1..world {
+        let mut stream = listener
+            .accept(deadline)
+            .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for higher ranks"), &e))?;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+        stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
+        let frame = read_frame(&mut stream).map_err(|e| rendezvous_err("reading a peer's hello", &e))?;
+        stream.set_read_timeout(None).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
+        let hello = if frame.kind == KIND_PEER_HELLO {
+            parse_hello(&frame.payload, world).map_err(TransportError::Rendezvous)?
+        } else {
+            return Err(TransportError::Rendezvous(format!("unexpected frame kind {} from a peer", frame.kind)));
+        };
+        if hello.rank <= rank || links[hello.rank].is_some() {
+            return Err(TransportError::Rendezvous(format!("unexpected connection from rank {}", hello.rank)));
+        }
+        links[hello.rank] = Some(stream);
+    }
+    Ok(socket_file)
+}
+
+impl Drop for SocketComm {
+    fn drop(&mut self) {
+        // Say goodbye (or report the panic) while the links are still up.
+        self.inner.leave();
+        self.closing.store(true, Ordering::SeqCst);
+        {
+            *self.stop.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            self.stop.signal.notify_all();
+        }
+        if let Some(h) = self.heartbeat.take() {
+            let _ = h.join();
+        }
+        for stream in &self.shutdown_handles {
+            stream.shutdown();
+        }
+        for h in self.readers.drain(..) {
+            let _ = h.join();
+        }
+        if let Some(p) = &self.socket_file {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}

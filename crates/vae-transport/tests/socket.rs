@@ -1,0 +1,242 @@
+//! The socket backend with real processes: the test binary re-runs itself once per rank
+//! (`child_process_entry`), so every rank is a separate process with its own sockets.
+
+#![allow(clippy::print_stdout)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use vae_transport::{Communicator, CommunicatorExt, SocketComm, TransportError};
+
+const SCENARIO: &str = "VAE_TEST_SCENARIO";
+
+/// The process side: joins the group from the environment and plays one scenario.
+#[test]
+#[ignore = "entry point of the rank processes that the socket tests spawn"]
+fn child_process_entry() {
+    let scenario = std::env::var(SCENARIO).expect("spawned by a socket test");
+    let rank: usize = std::env::var("VAE_RANK").unwrap().parse().unwrap();
+    if scenario == "rendezvous_rejected" {
+        let err = SocketComm::from_env().expect_err("a world-size mismatch must fail the rendezvous");
+        assert!(matches!(err, TransportError::Rendezvous(_)), "{err}");
+        println!("REJECTED {err}");
+        return;
+    }
+    let comm = SocketComm::from_env().expect("rendezvous");
+    assert_eq!(comm.rank(), rank);
+    match scenario.as_str() {
+        "collectives" => common::exercise_all_collectives(&comm),
+        "abort" => {
+            if rank == 1 {
+                comm.abort("tile 3 failed to decode");
+            }
+            let err = comm.barrier().expect_err("the group failed");
+            assert_eq!(err.failed_rank(), Some(1), "{err}");
+            if rank != 1 {
+                assert!(err.to_string().contains("tile 3 failed to decode"), "{err}");
+            }
+        }
+        "panic" => {
+            if rank == 3 {
+                panic!("rank 3 breaks on purpose");
+            }
+            let err = comm.all_gather(&[rank as u64]).expect_err("rank 3 panicked");
+            assert!(matches!(err, TransportError::PeerFailed { rank: 3, .. }), "{err}");
+            assert!(err.to_string().contains("panicked"), "{err}");
+        }
+        "victim" => {
+            // Every rank reports ready; the victim then blocks until the parent kills or stops
+            // it, the others wait for it in a barrier and must be told it failed.
+            comm.barrier().unwrap();
+            println!("READY");
+            let victim: usize = std::env::var("VAE_TEST_VICTIM").unwrap().parse().unwrap();
+            if rank == victim {
+                std::thread::sleep(Duration::from_secs(120));
+                return;
+            }
+            let waiting = Instant::now();
+            let err = comm.barrier().expect_err("the victim never arrives");
+            assert_eq!(err.failed_rank(), Some(victim), "{err}");
+            println!("DETECTED after {:?}: {err}", waiting.elapsed());
+        }
+        "mismatch" => {
+            let first =
+                if rank == 0 { comm.broadcast(0, &mut vec![1u8; 8]) } else { comm.all_gather(&[2u8]).map(|_| ()) };
+            let second = comm.barrier();
+            assert!(first.is_err() || second.is_err(), "rank {rank} continued after a mismatch");
+            assert!(second.is_err());
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+
+fn unix_master(tag: &str) -> String {
+    let n = NEXT_ID.fetch_add(1, Ordering::SeqCst);
+    let path: PathBuf = std::env::temp_dir().join(format!("vae-t-{}-{tag}-{n}.sock", std::process::id()));
+    format!("unix:{}", path.display())
+}
+
+fn tcp_master() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    format!("127.0.0.1:{port}")
+}
+
+struct Rank {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+fn spawn(scenario: &str, world: usize, master: &str, env: &[(&str, String)], worlds: Option<&[usize]>) -> Vec<Rank> {
+    let exe = std::env::current_exe().unwrap();
+    (0..worlds.map_or(world, <[usize]>::len))
+        .map(|rank| {
+            let claimed_world = worlds.map_or(world, |w| w[rank]);
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--exact", "child_process_entry", "--include-ignored", "--nocapture", "--test-threads=1", "-q"])
+                .env(SCENARIO, scenario)
+                .env("VAE_RANK", rank.to_string())
+                .env("VAE_WORLD_SIZE", claimed_world.to_string())
+                .env("VAE_MASTER_ADDR", master)
+                .env("VAE_CONNECT_TIMEOUT_S", "30")
+                .env("VAE_COLLECTIVE_TIMEOUT_S", "60")
+                .env("RUST_BACKTRACE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().unwrap();
+            let stdout = child.stdout.take().unwrap();
+            let (tx, lines) = mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+            Rank { child, lines }
+        })
+        .collect()
+}
+
+fn finish(rank: usize, r: Rank) -> (bool, String) {
+    let output = r.child.wait_with_output().unwrap();
+    let mut text: Vec<String> = r.lines.try_iter().collect();
+    text.push(String::from_utf8_lossy(&output.stderr).into_owned());
+    (output.status.success(), format!("rank {rank}:\n{}", text.join("\n")))
+}
+
+fn run_all_ok(scenario: &str, world: usize, master: &str) {
+    let ranks = spawn(scenario, world, master, &[], None);
+    let outcomes: Vec<(bool, String)> = ranks.into_iter().enumerate().map(|(rank, r)| finish(rank, r)).collect();
+    if outcomes.iter().any(|(ok, _)| !ok) {
+        let text: Vec<&str> = outcomes.iter().map(|(_, t)| t.as_str()).collect();
+        panic!("{scenario} on {world} ranks at {master} failed:\n{}", text.join("\n"));
+    }
+}
+
+#[test]
+fn every_collective_on_one_to_eight_processes_over_unix_sockets() {
+    for world in 1..=8 {
+        run_all_ok("collectives", world, &unix_master("coll"));
+    }
+}
+
+#[test]
+fn every_collective_over_tcp() {
+    for world in [2, 3, 5] {
+        run_all_ok("collectives", world, &tcp_master());
+    }
+}
+
+#[test]
+fn an_aborting_rank_fails_every_process_with_its_reason() {
+    run_all_ok("abort", 3, &unix_master("abort"));
+}
+
+#[test]
+fn a_panicking_rank_fails_every_other_process() {
+    let ranks = spawn("panic", 4, &unix_master("panic"), &[], None);
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let (ok, text) = finish(rank, r);
+        assert_eq!(ok, rank != 3, "{text}");
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_every_process() {
+    run_all_ok("mismatch", 3, &tcp_master());
+}
+
+#[test]
+fn a_world_size_disagreement_is_rejected_at_rendezvous() {
+    let ranks = spawn("rendezvous_rejected", 0, &unix_master("rdv"), &[], Some(&[2, 3]));
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let (ok, text) = finish(rank, r);
+        assert!(ok, "{text}");
+        assert!(text.contains("world size"), "{text}");
+    }
+}
+
+/// Starts the victim scenario, waits until every rank is ready, hits the victim with `signal`,
+/// and returns how long each survivor took to report the failure.
+fn victim_run(master: &str, signal: &str, failure_timeout_s: &str) -> Vec<Duration> {
+    let world = 4;
+    let victim = 2;
+    let env = [("VAE_TEST_VICTIM", victim.to_string()), ("VAE_FAILURE_TIMEOUT_S", failure_timeout_s.to_string())];
+    let mut ranks = spawn("victim", world, master, &env, None);
+    for (rank, r) in ranks.iter().enumerate() {
+        loop {
+            let line =
+                r.lines.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("rank {rank} never got ready"));
+            if line == "READY" {
+                break;
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(200)); // let the survivors block in the barrier
+    let pid = ranks[victim].child.id().to_string();
+    let hit = Instant::now();
+    assert!(Command::new("kill").args([signal, &pid]).status().unwrap().success());
+    let mut detection = Vec::new();
+    for (rank, r) in ranks.iter_mut().enumerate() {
+        if rank == victim {
+            continue;
+        }
+        let status = r.child.wait().unwrap();
+        detection.push(hit.elapsed());
+        assert!(status.success(), "rank {rank} did not report the failed rank {victim}");
+    }
+    let mut victim_rank = ranks.remove(victim);
+    let _ = victim_rank.child.kill();
+    let _ = victim_rank.child.wait();
+    detection
+}
+
+#[test]
+fn a_killed_process_is_reported_to_every_other_rank_within_the_failure_timeout() {
+    let detection = victim_run(&unix_master("kill"), "-KILL", "5");
+    for d in &detection {
+        assert!(*d < Duration::from_secs(5), "failure reported after {d:?}");
+    }
+    println!("killed rank reported after {detection:?}");
+}
+
+#[test]
+fn a_hung_process_is_detected_by_missing_heartbeats() {
+    // SIGSTOP keeps the sockets open: only the heartbeat window can tell.
+    let detection = victim_run(&tcp_master(), "-STOP", "1");
+    for d in &detection {
+        assert!(*d < Duration::from_secs(5), "silent rank reported after {d:?}");
+        assert!(*d >= Duration::from_millis(500), "reported before the heartbeat window could pass: {d:?}");
+    }
+    println!("stopped rank reported after {detection:?}");
+}
