@@ -1,0 +1,111 @@
+//! Devices and element types.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::TensorError;
+
+/// Where a tensor lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    /// Host memory, computed by the CPU backend.
+    #[default]
+    Cpu,
+    /// A CUDA device by ordinal. Tensors cannot be created there until the CUDA backend lands;
+    /// every attempt returns [`TensorError::DeviceUnavailable`].
+    Cuda(usize),
+}
+
+impl Device {
+    /// True for [`Device::Cpu`].
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Self::Cpu)
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = TensorError;
+
+    /// Parses `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self, TensorError> {
+        let bad = || TensorError::InvalidArgument { op: "device", reason: format!("{s:?} is not cpu, cuda or cuda:N") };
+        match s.trim() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Self::Cuda).ok_or_else(bad),
+        }
+    }
+}
+
+/// Element type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DType {
+    /// 32-bit float: the CPU backend's type, and diffusers' reference precision.
+    #[default]
+    F32,
+    /// bfloat16 (CUDA backend).
+    BF16,
+    /// IEEE half (CUDA backend).
+    F16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_in_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::BF16 | Self::F16 => 2,
+        }
+    }
+
+    /// A stable numeric code, for wire formats.
+    pub const fn code(self) -> u8 {
+        match self {
+            Self::F32 => 0,
+            Self::BF16 => 1,
+            Self::F16 => 2,
+        }
+    }
+
+    /// The inverse of [`DType::code`].
+    pub const fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::F32),
+            1 => Some(Self::BF16),
+            2 => Some(Self::F16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::BF16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
+}
+
+impl FromStr for DType {
+    type Err = TensorError;
+
+    fn from_str(s: &str) -> Result<Self, TensorError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "fp32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::BF16),
+            "f16" | "float16" | "fp16" | "half" => Ok(Self::F16),
+            _ => Err(TensorError::InvalidArgument { op: "dtype", reason: format!("{s:?} is not f32, bf16 or f16") }),
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! The tensor type and its ops (CPU backend).
+
+use crate::{DType, Device, Result, Shape, TensorError};
+
+/// Backend storage. Only the CPU variant exists until the CUDA backend lands; the enum keeps
+/// the type above independent of any one backend.
+#[derive(Debug, Clone, PartialEq)]
+enum Storage {
+    Cpu(CpuStorage),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum CpuStorage {
+    F32(Vec<f32>),
+}
+
+/// A dense row-major tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    shape: Shape,
+    storage: Storage,
+}
+
+fn check_device(op: &'static str, device: &Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(_) => Err(TensorError::DeviceUnavailable {
+            device: *device,
+            reason: format!("{op}: this build has no CUDA backend yet"),
+        }),
+    }
+}
+
+impl Tensor {
+    /// A tensor of zeros.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Self> {
+        check_device("zeros", device)?;
+        let shape = shape.into();
+        match dtype {
+            DType::F32 => Ok(Self { storage: Storage::Cpu(CpuStorage::F32(vec![0.0; shape.elem_count()])), shape }),
+            other => Err(TensorError::UnsupportedDType { op: "zeros", dtype: other, device: *device }),
+        }
+    }
+
+    /// A tensor owning `data` (row-major) with the given shape.
+    pub fn from_vec(data: Vec<f32>, shape: impl Into<Shape>, device: &Device) -> Result<Self> {
+        check_device("from_vec", device)?;
+        let shape = shape.into();
+        if data.len() != shape.elem_count() {
+            return Err(TensorError::ElementCount {
+                op: "from_vec",
+                expected: shape.elem_count(),
+                got: data.len(),
+                shape,
+            });
+        }
+        Ok(Self { shape, storage: Storage::Cpu(CpuStorage::F32(data)) })
+    }
+
+    /// A tensor from raw native-endian element bytes, as [`Tensor::as_bytes`] produces.
+    pub fn from_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8], device: &Device) -> Result<Self> {
+        check_device("from_bytes", device)?;
+        let shape = shape.into();
+        let expected = shape.elem_count() * dtype.size_in_bytes();
+        if bytes.len() != expected {
+            return Err(TensorError::ElementCount { op: "from_bytes", shape, expected, got: bytes.len() });
+        }
+        match dtype {
+            DType::F32 => {
+                let data = bytes.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes"))).collect();
+                Ok(Self { shape, storage: Storage::Cpu(CpuStorage::F32(data)) })
+            }
+            other => Err(TensorError::UnsupportedDType { op: "from_bytes", dtype: other, device: *device }),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    /// The extents.
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape.rank()
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.shape.elem_count()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::Cpu(CpuStorage::F32(_)) => DType::F32,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        match &self.storage {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    /// Size of the data in bytes.
+    pub fn size_in_bytes(&self) -> usize {
+        self.elem_count() * self.dtype().size_in_bytes()
+    }
+
+    /// The f32 elements, for host-resident f32 tensors.
+    pub fn as_slice_f32(&self) -> Result<&[f32]> {
+        match &self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+        }
+    }
+
+    fn as_mut_slice_f32(&mut self) -> Result<&mut [f32]> {
+        match &mut self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+        }
+    }
+
+    /// A copy of the elements as f32.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        Ok(self.as_slice_f32()?.to_vec())
+    }
+
+    /// The raw element bytes (native endian), for transport.
+    pub fn as_bytes(&self) -> Result<&[u8]> {
+        Ok(bytemuck::cast_slice(self.as_slice_f32()?))
+    }
+
+    /// A 64-bit content hash of dtype, shape and data (xxh3), to check that ranks hold the
+    /// same input without sending it.
+    pub fn content_hash(&self) -> Result<u64> {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&[self.dtype().code()]);
+        hasher.update(&(self.rank() as u64).to_le_bytes());
+        for d in self.dims() {
+            hasher.update(&(*d as u64).to_le_bytes());
+        }
+        hasher.update(self.as_bytes()?);
+        Ok(hasher.digest())
+    }
+
+    fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
+        if dim >= self.rank() {
+            return Err(TensorError::DimOutOfRange { op, dim, shape: self.shape.clone() });
+        }
+        Ok(())
+    }
+
+    /// A copy of `len` positions from `start` along `dim`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
+        self.check_dim("narrow", dim)?;
+        if start + len > self.dims()[dim] {
+            return Err(TensorError::RangeOutOfBounds {
+                op: "narrow",
+                dim,
+                start,
+                end: start + len,
+                shape: self.shape.clone(),
+            });
+        }
+        let mut dims = self.dims().to_vec();
+        dims[dim] = len;
+        let mut out = Self::zeros(dims.clone(), self.dtype(), &self.device())?;
+        let mut src_off = vec![0; self.rank()];
+        src_off[dim] = start;
+        copy_box(self, &src_off, &mut out, &vec![0; self.rank()], &dims)?;
+        Ok(out)
+    }
+
+    /// Concatenation along `dim`; all other extents must agree.
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Self> {
+        let first = tensors.first().ok_or(TensorError::InvalidArgument { op: "cat", reason: "no tensors".into() })?;
+        first.check_dim("cat", dim)?;
+        let mut dims = first.dims().to_vec();
+        dims[dim] = 0;
+        for t in tensors {
+            let same_rest = t.rank() == first.rank()
+                && t.dims().iter().zip(first.dims()).enumerate().all(|(i, (a, b))| i == dim || a == b);
+            if !same_rest {
+                return Err(TensorError::ShapeMismatch { op: "cat", lhs: first.shape.clone(), rhs: t.shape.clone() });
+            }
+            dims[dim] += t.dims()[dim];
+        }
+        let mut out = Self::zeros(dims, first.dtype(), &first.device())?;
+        let mut at = vec![0; first.rank()];
+        for t in tensors {
+            copy_box(t, &vec![0; t.rank()], &mut out, &at, t.dims())?;
+            at[dim] += t.dims()[dim];
+        }
+        Ok(out)
+    }
+
+    /// Copies the box of `extent` at `src_offset` in `src` to `dst_offset` in `self`.
+    pub fn copy_box_from(
+        &mut self,
+        dst_offset: &[usize],
+        src: &Tensor,
+        src_offset: &[usize],
+        extent: &[usize],
+    ) -> Result<()> {
+        copy_box(src, src_offset, self, dst_offset, extent)
+    }
+
+    /// Every element times `factor`.
+    pub fn scale(&self, factor: f32) -> Result<Self> {
+        let data = self.as_slice_f32()?.iter().map(|x| x * factor).collect();
+        Self::from_vec(data, self.shape.clone(), &self.device())
+    }
+
+    /// `x * mul + add` element-wise, rounded after each operation (as two PyTorch ops).
+    pub fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+        let data = self.as_slice_f32()?.iter().map(|x| (x * mul) + add).collect();
+        Self::from_vec(data, self.shape.clone(), &self.device())
+    }
+
+    /// Nearest-neighbour upsampling of the last two dimensions by an integer factor (the
+    /// `F.interpolate(scale_factor=k, mode="nearest")` of the VAE decoders).
+    pub fn upsample_nearest2d(&self, factor: usize) -> Result<Self> {
+        if self.rank() < 2 || factor == 0 {
+            return Err(TensorError::InvalidArgument {
+                op: "upsample_nearest2d",
+                reason: format!("needs rank >= 2 and factor >= 1, got shape {} and factor {factor}", self.shape),
+            });
+        }
+        let n = self.rank();
+        let (h, w) = (self.dims()[n - 2], self.dims()[n - 1]);
+        let planes = self.elem_count() / (h * w).max(1);
+        let mut dims = self.dims().to_vec();
+        dims[n - 2] = h * factor;
+        dims[n - 1] = w * factor;
+        let src = self.as_slice_f32()?;
+        let (oh, ow) = (h * factor, w * factor);
+        let mut out = vec![0.0f32; planes * oh * ow];
+        for p in 0..planes {
+            for y in 0..oh {
+                let src_row = &src[p * h * w + (y / factor) * w..][..w];
+                let dst_row = &mut out[p * oh * ow + y * ow..][..ow];
+                for (x, v) in dst_row.iter_mut().enumerate() {
+                    *v = src_row[x / factor];
+                }
+            }
+        }
+        Self::from_vec(out, dims, &self.device())
+    }
+
+    /// diffusers' `blend_v` / `blend_h` along `dim`, in place: for `y` in `0..weights.len()`,
+    /// `self[y] = prev[len_prev - e + y] * w_prev + self[y] * w_cur` where `e = weights.len()`
+    /// and `(w_prev, w_cur) = weights[y]`. Two roundings per element, no fused multiply-add,
+    /// exactly as PyTorch evaluates the expression. Only the first `e` positions of `self` are
+    /// written; `prev` is read from its last `e` positions. All extents but `dim` must agree.
+    pub fn blend_leading(&mut self, prev: &Tensor, dim: usize, weights: &[(f32, f32)]) -> Result<()> {
+        const OP: &str = "blend_leading";
+        self.check_dim(OP, dim)?;
+        let e = weights.len();
+        let same_rest = prev.rank() == self.rank()
+            && prev.dims().iter().zip(self.dims()).enumerate().all(|(i, (a, b))| i == dim || a == b);
+        if !same_rest || e > prev.dims()[dim] || e > self.dims()[dim] {
+            return Err(TensorError::ShapeMismatch { op: OP, lhs: prev.shape.clone(), rhs: self.shape.clone() });
+        }
+        let outer: usize = self.dims()[..dim].iter().product();
+        let inner: usize = self.dims()[dim + 1..].iter().product();
+        let (len_cur, len_prev) = (self.dims()[dim], prev.dims()[dim]);
+        let prev_data = prev.as_slice_f32()?;
+        let cur = self.as_mut_slice_f32()?;
+        for o in 0..outer {
+            for (y, &(w_prev, w_cur)) in weights.iter().enumerate() {
+                let a = &prev_data[(o * len_prev + len_prev - e + y) * inner..][..inner];
+                let b = &mut cur[(o * len_cur + y) * inner..][..inner];
+                for (bv, av) in b.iter_mut().zip(a) {
+                    let from_prev = *av * w_prev;
+                    let from_cur = *bv * w_cur;
+                    *bv = from_prev + from_cur;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Largest absolute element-wise difference (infinite if shapes differ, NaN-aware: a NaN
+    /// anywhere gives NaN).
+    pub fn max_abs_diff(&self, other: &Tensor) -> Result<f32> {
+        if self.shape != other.shape {
+            return Ok(f32::INFINITY);
+        }
+        let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
+        Ok(a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
+            let d = (x - y).abs();
+            if d.is_nan() || m.is_nan() { f32::NAN } else { m.max(d) }
+        }))
+    }
+
+    /// True when shape, dtype and every bit of the data are equal.
+    pub fn bit_eq(&self, other: &Tensor) -> bool {
+        self.shape == other.shape
+            && self.dtype() == other.dtype()
+            && match (self.as_bytes(), other.as_bytes()) {
+                (Ok(a), Ok(b)) => a == b,
+                _ => false,
+            }
+    }
+}
+
+/// Copies a box between two tensors of equal rank and dtype, in contiguous runs of the last
+/// dimension.
+fn copy_box(src: &Tensor, src_off: &[usize], dst: &mut Tensor, dst_off: &[usize], extent: &[usize]) -> Result<()> {
+    const OP: &str = "copy_box";
+    let rank = src.rank();
+    if dst.rank() != rank || src_off.len() != rank || dst_off.len() != rank || extent.len() != rank {
+        return Err(TensorError::InvalidArgument {
+            op: OP,
+            reason: format!(
+                "ranks differ: src {}, dst {}, offsets {}/{}, extent {}",
+                src.shape,
+                dst.shape,
+                src_off.len(),
+                dst_off.len(),
+                extent.len()
+            ),
+        });
+    }
+    for d in 0..rank {
+        for (t, off) in [(src, src_off), (&*dst, dst_off)] {
+            if off[d] + extent[d] > t.dims()[d] {
+                return Err(TensorError::RangeOutOfBounds {
+                    op: OP,
+                    dim: d,
+                    start: off[d],
+                    end: off[d] + extent[d],
+                    shape: t.shape.clone(),
+                });
+            }
+        }
+    }
+    if extent.contains(&0) {
+        return Ok(());
+    }
+    if rank == 0 {
+        dst.as_mut_slice_f32()?[0] = src.as_slice_f32()?[0];
+        return Ok(());
+    }
+    let (src_strides, dst_strides) = (src.shape.strides(), dst.shape.strides());
+    let run = extent[rank - 1];
+    let src_data = src.as_slice_f32()?;
+    let dst_data = dst.as_mut_slice_f32()?;
+    let mut index = vec![0usize; rank - 1];
+    loop {
+        let mut s = src_off[rank - 1];
+        let mut t = dst_off[rank - 1];
+        for d in 0..rank - 1 {
+            s += (src_off[d] + index[d]) * src_strides[d];
+            t += (dst_off[d] + index[d]) * dst_strides[d];
+        }
+        dst_data[t..t + run].copy_from_slice(&src_data[s..s + run]);
+        // Odometer over the outer dimensions.
+        let mut d = rank - 1;
+        loop {
+            if d == 0 {
+                return Ok(());
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < extent[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iota(dims: &[usize]) -> Tensor {
+        let n: usize = dims.iter().product();
+        Tensor::from_vec((0..n).map(|i| i as f32).collect(), dims, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn narrow_then_cat_round_trips() {
+        let t = iota(&[2, 3, 5, 7]);
+        for dim in 0..4 {
+            let len = t.dims()[dim];
+            let a = t.narrow(dim, 0, len / 2).unwrap();
+            let b = t.narrow(dim, len / 2, len - len / 2).unwrap();
+            assert!(Tensor::cat(&[&a, &b], dim).unwrap().bit_eq(&t), "dim {dim}");
+        }
+    }
+
+    #[test]
+    fn narrow_picks_the_right_elements() {
+        let t = iota(&[1, 1, 3, 4]);
+        let n = t.narrow(3, 1, 2).unwrap();
+        assert_eq!(n.to_vec_f32().unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
+        assert!(matches!(t.narrow(2, 2, 2), Err(TensorError::RangeOutOfBounds { .. })));
+        assert!(matches!(t.narrow(4, 0, 1), Err(TensorError::DimOutOfRange { .. })));
+    }
+
+    #[test]
+    fn upsample_repeats_pixels() {
+        let t = iota(&[1, 1, 2, 2]);
+        let u = t.upsample_nearest2d(2).unwrap();
+        assert_eq!(u.dims(), &[1, 1, 4, 4]);
+        assert_eq!(u.to_vec_f32().unwrap(), vec![0., 0., 1., 1., 0., 0., 1., 1., 2., 2., 3., 3., 2., 2., 3., 3.]);
+    }
+
+    #[test]
+    #[allow(clippy::needless_range_loop)] // index arithmetic mirrors the layout being checked
+    fn blend_matches_the_pytorch_expression_and_touches_only_leading_rows() {
+        let prev = iota(&[1, 2, 4, 3]).scale(0.37).unwrap();
+        let mut cur = iota(&[1, 2, 5, 3]).scale(-1.3).unwrap();
+        let before = cur.clone();
+        let e = 3;
+        let weights: Vec<(f32, f32)> =
+            (0..e).map(|y| ((1.0 - y as f64 / e as f64) as f32, (y as f64 / e as f64) as f32)).collect();
+        cur.blend_leading(&prev, 2, &weights).unwrap();
+        for c in 0..2 {
+            for y in 0..5 {
+                for x in 0..3 {
+                    let i = (c * 5 + y) * 3 + x;
+                    let got = cur.as_slice_f32().unwrap()[i];
+                    let old = before.as_slice_f32().unwrap()[i];
+                    if y < e {
+                        let a = prev.as_slice_f32().unwrap()[(c * 4 + 4 - e + y) * 3 + x];
+                        let (wp, wc) = weights[y];
+                        assert_eq!(got.to_bits(), ((a * wp) + (old * wc)).to_bits());
+                    } else {
+                        assert_eq!(got.to_bits(), old.to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_round_trip_and_hash_sees_shape() {
+        let t = iota(&[2, 3]);
+        let back = Tensor::from_bytes(DType::F32, [2, 3], t.as_bytes().unwrap(), &Device::Cpu).unwrap();
+        assert!(back.bit_eq(&t));
+        let reshaped = Tensor::from_bytes(DType::F32, [3, 2], t.as_bytes().unwrap(), &Device::Cpu).unwrap();
+        assert_ne!(t.content_hash().unwrap(), reshaped.content_hash().unwrap());
+        assert_eq!(t.content_hash().unwrap(), back.content_hash().unwrap());
+    }
+
+    #[test]
+    fn cuda_is_a_typed_error_until_the_backend_lands() {
+        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(0)).unwrap_err();
+        assert!(matches!(err, TensorError::DeviceUnavailable { .. }), "{err}");
+        assert_eq!("cuda:1".parse::<Device>().unwrap(), Device::Cuda(1));
+        assert!("gpu".parse::<Device>().is_err());
+    }
+}
