@@ -1,0 +1,78 @@
+//! The runtime error type.
+
+use std::fmt;
+
+use vae_planner::PlanError;
+use vae_tensor::TensorError;
+use vae_transport::TransportError;
+
+/// The operator stage an error came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Splitting the input into tiles.
+    Split,
+    /// Executing one tile.
+    Exec {
+        /// The tile.
+        tile_id: usize,
+    },
+    /// Merging the tiles on the owner.
+    Merge,
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Split => f.write_str("split"),
+            Self::Exec { tile_id } => write!(f, "exec of tile {tile_id}"),
+            Self::Merge => f.write_str("merge"),
+        }
+    }
+}
+
+/// Errors of a distributed request. Every error that is not a transport failure is agreed
+/// on: all ranks of the group return the same error, and the group stays usable for the next
+/// request.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RuntimeError {
+    /// The transport failed (a peer died, timed out, or the ranks fell out of step). The
+    /// communicator is unusable afterwards.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A tensor op failed on this rank.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// A plan was invalid on this rank.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The ranks do not hold the same input.
+    #[error("ranks hold different inputs (content hash per rank: {hashes:x?}); every rank must pass the same tensor")]
+    InputMismatch {
+        /// Each rank's input hash, in rank order.
+        hashes: Vec<u64>,
+    },
+    /// The model operator failed on some rank; every rank reports it.
+    #[error("{stage} failed on rank {rank}: {message}")]
+    Operator {
+        /// Where it failed.
+        stage: Stage,
+        /// The rank it failed on.
+        rank: usize,
+        /// The operator's error, with its causes.
+        message: String,
+    },
+    /// Invalid executor configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Ranks sent each other something inconsistent (a bug, or mixed versions).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl RuntimeError {
+    /// True when every rank of the group returns this error for the same request (so nobody
+    /// needs to be told about it).
+    pub fn is_agreed(&self) -> bool {
+        matches!(self, Self::InputMismatch { .. } | Self::Operator { .. } | Self::Config(_))
+    }
+}

@@ -1,0 +1,20 @@
+//! Mechanism for distributed VAE work, shared by every model family.
+//!
+//! [`DistributedVaeExecutor`] runs a model's [`TileOperator`] (split / exec / merge) over the
+//! ranks of a [`vae_transport::Communicator`]: every rank splits, assigns tiles with LPT,
+//! executes its own, and the owner merges what it gathered. [`stitch`] is the diffusers-style
+//! blend-and-crop merge that the tiled VAEs share. Model *policy* (which strategy, which tile
+//! sizes, who gets the output) lives in the model adapters, never here.
+
+mod codec;
+mod error;
+mod executor;
+pub mod stitch;
+pub mod synthetic;
+
+pub use error::{RuntimeError, Stage};
+pub use executor::{
+    DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, TileMap,
+    TileOperator, TilePlan,
+};
+pub use stitch::StitchSpec;

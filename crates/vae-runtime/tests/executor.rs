@@ -1,0 +1,359 @@
+//! The tile executor on the local (threads) backend: bit-identical output for 1..8 ranks,
+//! against an independent serial replay of the diffusers loop, and every failure path.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use vae_planner::{GridSpec, TileTask};
+use vae_runtime::synthetic::SyntheticDecoder;
+use vae_runtime::{
+    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec, TileMap, TileOperator,
+    TilePlan,
+};
+use vae_tensor::{DType, Device, Tensor};
+use vae_transport::{Communicator, TransportConfig, TransportError, run_local};
+
+fn config() -> TransportConfig {
+    TransportConfig { collective_timeout: Duration::from_secs(30), ..TransportConfig::default() }
+}
+
+/// Deterministic pseudo-random input.
+fn input(dims: &[usize], seed: u32) -> Tensor {
+    let n: usize = dims.iter().product();
+    let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
+    let data = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state as f32 / u32::MAX as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(data, dims, &Device::Cpu).unwrap()
+}
+
+/// diffusers' Wan `tiled_decode` loop, replayed serially and independently of the executor
+/// and of `stitch`: decode every tile, blend_v then blend_h in place in row-major order, keep
+/// `[:stride, :stride]`, concatenate, crop.
+fn serial_reference(op: &SyntheticDecoder, x: &Tensor) -> Tensor {
+    let r = x.rank();
+    let (h, w) = (x.dims()[r - 2], x.dims()[r - 1]);
+    let s = op.scale;
+    let blend = (op.tile - op.stride) * s;
+    let keep = op.stride * s;
+    let mut rows: Vec<Vec<Tensor>> = Vec::new();
+    let mut id = 0;
+    for i in (0..h).step_by(op.stride) {
+        let mut row = Vec::new();
+        for j in (0..w).step_by(op.stride) {
+            row.push(op.tile_output(x, i..(i + op.tile).min(h), j..(j + op.tile).min(w), id).unwrap());
+            id += 1;
+        }
+        rows.push(row);
+    }
+    let blend_along = |a: &Tensor, b: &Tensor, dim: usize| -> Tensor {
+        let e = blend.min(a.dims()[dim]).min(b.dims()[dim]);
+        let mut out = b.to_vec_f32().unwrap();
+        let (av, dims_a, dims_b) = (a.to_vec_f32().unwrap(), a.dims().to_vec(), b.dims().to_vec());
+        let stride_of = |dims: &[usize], d: usize| dims[d + 1..].iter().product::<usize>();
+        for (idx, v) in out.iter_mut().enumerate() {
+            let y = (idx / stride_of(&dims_b, dim)) % dims_b[dim];
+            if y < e {
+                let shift = (dims_a[dim] - e + y) as isize - y as isize;
+                let outer = idx / (stride_of(&dims_b, dim) * dims_b[dim]);
+                let inner = idx % stride_of(&dims_b, dim);
+                let a_idx = (outer * dims_a[dim] + (y as isize + shift) as usize) * stride_of(&dims_a, dim) + inner;
+                let t = y as f64 / e as f64;
+                *v = (av[a_idx] * (1.0 - t) as f32) + (*v * t as f32);
+            }
+        }
+        Tensor::from_vec(out, dims_b, &Device::Cpu).unwrap()
+    };
+    for i in 0..rows.len() {
+        for j in 0..rows[i].len() {
+            if i > 0 {
+                rows[i][j] = blend_along(&rows[i - 1][j], &rows[i][j], r - 2);
+            }
+            if j > 0 {
+                rows[i][j] = blend_along(&rows[i][j - 1], &rows[i][j], r - 1);
+            }
+        }
+    }
+    let result_rows: Vec<Tensor> = rows
+        .iter()
+        .map(|row| {
+            let kept: Vec<Tensor> = row
+                .iter()
+                .map(|t| {
+                    let t = t.narrow(r - 2, 0, keep.min(t.dims()[r - 2])).unwrap();
+                    t.narrow(r - 1, 0, keep.min(t.dims()[r - 1])).unwrap()
+                })
+                .collect();
+            Tensor::cat(&kept.iter().collect::<Vec<_>>(), r - 1).unwrap()
+        })
+        .collect();
+    let full = Tensor::cat(&result_rows.iter().collect::<Vec<_>>(), r - 2).unwrap();
+    full.narrow(r - 2, 0, h * s).unwrap().narrow(r - 1, 0, w * s).unwrap()
+}
+
+fn run<O: TileOperator + Sync>(
+    world: usize,
+    parallel: usize,
+    op: &O,
+    x: &Tensor,
+    placement: OutputPlacement,
+) -> Vec<Result<vae_runtime::ExecOutput, RuntimeError>> {
+    run_local(world, config(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap();
+        exec.execute(x, op, placement)
+    })
+    .unwrap()
+    .into_iter()
+    .map(|r| r.expect("no rank panics"))
+    .collect()
+}
+
+fn small_op() -> SyntheticDecoder {
+    SyntheticDecoder { tile: 8, stride: 6, scale: 4, ..SyntheticDecoder::default() }
+}
+
+#[test]
+fn one_rank_equals_the_serial_diffusers_loop() {
+    let op = small_op();
+    for dims in [[1, 3, 17, 23], [2, 2, 8, 8], [1, 1, 5, 31], [1, 4, 13, 6], [1, 1, 1, 1]] {
+        let x = input(&dims, 7);
+        let out = run(1, 1, &op, &x, OutputPlacement::OwnerOnly).remove(0).unwrap().tensor.unwrap();
+        let reference = serial_reference(&op, &x);
+        assert!(out.bit_eq(&reference), "{dims:?}: max diff {}", out.max_abs_diff(&reference).unwrap());
+    }
+}
+
+#[test]
+fn bit_identical_for_one_to_eight_ranks_with_and_without_broadcast() {
+    let op = small_op();
+    let x = input(&[1, 3, 20, 27], 11); // 4×5 tiles, unequal edge tiles
+    let reference = serial_reference(&op, &x);
+    for world in 1..=8 {
+        for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
+            let results = run(world, world, &op, &x, placement);
+            let mut executed = Vec::new();
+            for (rank, result) in results.into_iter().enumerate() {
+                let out = result.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
+                executed.extend(out.report.tiles.iter().copied());
+                match (&out.tensor, placement, rank) {
+                    (Some(t), _, 0) | (Some(t), OutputPlacement::AllRanks, _) => {
+                        assert!(t.bit_eq(&reference), "world {world} rank {rank} {placement:?}")
+                    }
+                    (None, OutputPlacement::OwnerOnly, r) if r > 0 => {}
+                    other => panic!("world {world} rank {rank}: unexpected placement {:?}", other.0.is_some()),
+                }
+            }
+            executed.sort_unstable();
+            assert_eq!(executed, (0..20).collect::<Vec<_>>(), "every tile exactly once on {world} ranks");
+        }
+    }
+}
+
+#[test]
+fn tiles_without_overlap_reassemble_the_doubled_input_exactly() {
+    let op = SyntheticDecoder { tile: 5, stride: 5, scale: 3, tile_offset: 0.0, ..SyntheticDecoder::default() };
+    let x = input(&[1, 2, 12, 9], 3);
+    let expected = x.upsample_nearest2d(3).unwrap().affine(2.0, 0.0).unwrap();
+    for world in [1, 3, 4] {
+        let out = run(world, world, &op, &x, OutputPlacement::OwnerOnly).remove(0).unwrap().tensor.unwrap();
+        assert!(out.bit_eq(&expected), "world {world}");
+    }
+}
+
+#[test]
+fn ranks_beyond_the_parallel_size_idle_but_take_part() {
+    let op = small_op();
+    let x = input(&[1, 1, 20, 20], 5);
+    let reference = serial_reference(&op, &x);
+    let results = run(5, 2, &op, &x, OutputPlacement::AllRanks);
+    for (rank, r) in results.into_iter().enumerate() {
+        let out = r.unwrap();
+        assert_eq!(out.report.parallel_size, 2);
+        assert_eq!(out.report.tiles.is_empty(), rank >= 2, "rank {rank}");
+        assert!(out.tensor.unwrap().bit_eq(&reference));
+    }
+}
+
+#[test]
+fn fewer_tiles_than_ranks_leaves_ranks_idle() {
+    let op = small_op();
+    let x = input(&[1, 1, 8, 12], 5); // 1×2 tiles on 6 ranks
+    let reference = serial_reference(&op, &x);
+    let results = run(6, 6, &op, &x, OutputPlacement::AllRanks);
+    for r in results {
+        assert!(r.unwrap().tensor.unwrap().bit_eq(&reference));
+    }
+}
+
+#[test]
+fn a_parallel_size_larger_than_the_group_is_clamped() {
+    let sizes =
+        run_local(3, config(), |comm| DistributedVaeExecutor::new(Arc::new(comm), 8).unwrap().parallel_size()).unwrap();
+    assert!(sizes.into_iter().all(|s| s.unwrap() == 3));
+    let zero = run_local(1, config(), |comm| DistributedVaeExecutor::new(Arc::new(comm), 0).map(|_| ())).unwrap();
+    assert!(matches!(zero[0].as_ref().unwrap(), Err(RuntimeError::Config(_))));
+}
+
+#[test]
+fn lpt_puts_the_big_tiles_first() {
+    let op = small_op();
+    // Rows and columns start at 0, 6, 12: extents 8, 8, 2, so areas
+    // [64, 64, 16, 64, 64, 16, 16, 16, 4] in tile order.
+    let x = input(&[1, 1, 14, 14], 1);
+    let results = run(2, 2, &op, &x, OutputPlacement::OwnerOnly);
+    let reports: Vec<_> = results.into_iter().map(|r| r.unwrap().report).collect();
+    assert_eq!(reports[0].tiles, vec![0, 3, 2, 6, 8]);
+    assert_eq!(reports[1].tiles, vec![1, 4, 5, 7]);
+    assert_eq!((reports[0].workload, reports[1].workload), (164, 160));
+}
+
+/// Wraps an operator and makes one stage fail, by error or by panic.
+struct Failing {
+    inner: SyntheticDecoder,
+    fail_exec_tile: Option<usize>,
+    panic: bool,
+    fail_merge: bool,
+}
+
+impl TileOperator for Failing {
+    type Payload = <SyntheticDecoder as TileOperator>::Payload;
+    type TileSpec = StitchSpec;
+
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+        self.inner.split(input)
+    }
+
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
+        if Some(task.tile_id) == self.fail_exec_tile {
+            if self.panic {
+                panic!("tile {} exploded", task.tile_id);
+            }
+            return Err(format!("tile {} is corrupt", task.tile_id).into());
+        }
+        self.inner.exec(input, task)
+    }
+
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+        if self.fail_merge {
+            return Err("merge refused".into());
+        }
+        self.inner.merge(tiles, grid)
+    }
+}
+
+#[test]
+fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() {
+    for panic in [false, true] {
+        let failing = Failing { inner: small_op(), fail_exec_tile: Some(3), panic, fail_merge: false };
+        let x = input(&[1, 1, 14, 20], 2);
+        let results = run_local(4, config(), |comm| {
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
+            let first = exec.execute(&x, &failing, OutputPlacement::OwnerOnly);
+            // Agreed errors leave the communicator usable for the next request.
+            let second = exec.execute(&x, &small_op(), OutputPlacement::AllRanks);
+            (first, second)
+        })
+        .unwrap();
+        let reference = serial_reference(&small_op(), &x);
+        let mut failing_rank = None;
+        for r in results {
+            let (first, second) = r.unwrap();
+            match first.unwrap_err() {
+                RuntimeError::Operator { stage: Stage::Exec { tile_id: 3 }, rank, message } => {
+                    assert!(message.contains(if panic { "exploded" } else { "corrupt" }), "{message}");
+                    assert_eq!(*failing_rank.get_or_insert(rank), rank, "every rank names the same rank");
+                }
+                other => panic!("unexpected error {other}"),
+            }
+            assert!(second.unwrap().tensor.unwrap().bit_eq(&reference));
+        }
+    }
+}
+
+#[test]
+fn a_merge_error_on_the_owner_reaches_every_rank() {
+    let failing = Failing { inner: small_op(), fail_exec_tile: None, panic: false, fail_merge: true };
+    let x = input(&[1, 1, 10, 10], 2);
+    for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
+        for r in run(3, 3, &failing, &x, placement) {
+            let err = r.unwrap_err();
+            assert!(matches!(&err, RuntimeError::Operator { stage: Stage::Merge, rank: 0, .. }), "{err}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_input_is_a_split_error_on_every_rank() {
+    let x = input(&[7], 1);
+    for r in run(3, 3, &small_op(), &x, OutputPlacement::OwnerOnly) {
+        let err = r.unwrap_err();
+        assert!(matches!(&err, RuntimeError::Operator { stage: Stage::Split, rank: 0, .. }), "{err}");
+        assert!(err.to_string().contains("at least 2 dimensions"), "{err}");
+    }
+}
+
+#[test]
+fn different_inputs_on_different_ranks_are_refused_everywhere() {
+    let a = input(&[1, 1, 10, 10], 1);
+    let b = input(&[1, 1, 10, 10], 2);
+    let results = run_local(3, config(), |comm| {
+        let x = if comm.rank() == 1 { &b } else { &a };
+        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().execute(x, &small_op(), OutputPlacement::OwnerOnly)
+    })
+    .unwrap();
+    for r in results {
+        match r.unwrap() {
+            Err(RuntimeError::InputMismatch { hashes }) => {
+                assert_eq!(hashes[0], hashes[2]);
+                assert_ne!(hashes[0], hashes[1]);
+            }
+            other => panic!("expected an input mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_dies_mid_request_fails_the_others_naming_it() {
+    let x = input(&[1, 1, 20, 20], 4);
+    let results = run_local(3, config(), |comm| {
+        if comm.rank() == 2 {
+            // Dies before joining the request (its communicator is dropped while panicking).
+            let _comm = comm;
+            panic!("rank 2 lost its device");
+        }
+        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().execute(&x, &small_op(), OutputPlacement::OwnerOnly)
+    })
+    .unwrap();
+    assert!(results[2].is_err());
+    for r in &results[..2] {
+        match r.as_ref().unwrap() {
+            Err(RuntimeError::Transport(e)) => {
+                assert_eq!(e.failed_rank(), Some(2), "{e}");
+                assert!(matches!(e.root_cause(), TransportError::PeerFailed { .. }), "{e}");
+            }
+            other => panic!("expected a transport error, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn the_report_accounts_for_the_request() {
+    let op = small_op();
+    let x = input(&[1, 1, 20, 20], 4);
+    let results = run(3, 3, &op, &x, OutputPlacement::AllRanks);
+    for r in results {
+        let report = r.unwrap().report;
+        assert_eq!(report.tile_count, 16);
+        assert_eq!(report.world_size, 3);
+        assert!(report.traffic.all_gather.calls == 2 && report.traffic.gather.calls == 1);
+        assert_eq!(report.traffic.broadcast.calls, 1);
+        if report.rank > 0 {
+            assert!(report.traffic.gather.bytes_sent > 0);
+        }
+    }
+}
