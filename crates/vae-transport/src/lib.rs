@@ -24,6 +24,7 @@ mod config;
 mod error;
 pub mod local;
 mod mesh;
+mod pool;
 pub mod socket;
 mod stats;
 
@@ -125,14 +126,15 @@ macro_rules! element {
 }
 element!(u8 => U8, i64 => I64, u64 => U64, f32 => F32, f64 => F64);
 
-/// A growable receive buffer, seen as bytes. Implemented for `Vec<T>` of every [`Element`],
-/// so that backends write straight into a correctly aligned, typed vector.
+/// A receive buffer, seen as bytes. Implemented for `Vec<T>` of every [`Element`], so that
+/// backends write straight into a correctly aligned, typed vector, without zero-filling it
+/// first.
 pub trait ByteBuf {
     /// The current contents as bytes.
     fn as_bytes(&self) -> &[u8];
-    /// Resizes to exactly `len` bytes and returns them for writing. Fails when `len` is not a
-    /// whole number of elements.
-    fn resize_bytes(&mut self, len: usize) -> Result<&mut [u8]>;
+    /// Replaces the contents with the concatenation of `parts`. Fails when a part is not a
+    /// whole number of elements (the sender used another element type).
+    fn assign_concat(&mut self, parts: &[&[u8]]) -> Result<()>;
 }
 
 impl<T: Element> ByteBuf for Vec<T> {
@@ -140,17 +142,25 @@ impl<T: Element> ByteBuf for Vec<T> {
         bytemuck::cast_slice(self)
     }
 
-    fn resize_bytes(&mut self, len: usize) -> Result<&mut [u8]> {
+    fn assign_concat(&mut self, parts: &[&[u8]]) -> Result<()> {
         let size = std::mem::size_of::<T>();
-        if !len.is_multiple_of(size) {
+        if let Some(bad) = parts.iter().find(|p| !p.len().is_multiple_of(size)) {
             return Err(TransportError::InvalidArgument(format!(
-                "received {len} bytes, not a whole number of {} elements",
+                "received {} bytes, not a whole number of {} elements",
+                bad.len(),
                 T::DTYPE
             )));
         }
         self.clear();
-        self.resize(len / size, T::zeroed());
-        Ok(bytemuck::cast_slice_mut(self))
+        self.reserve_exact(parts.iter().map(|p| p.len() / size).sum());
+        for part in parts {
+            match bytemuck::try_cast_slice::<u8, T>(part) {
+                Ok(elements) => self.extend_from_slice(elements),
+                // Payload buffers are byte vectors: alignment is likely but not promised.
+                Err(_) => self.extend(part.chunks_exact(size).map(bytemuck::pod_read_unaligned::<T>)),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -288,6 +298,14 @@ pub trait CommunicatorExt: Communicator {
         let mut recv = Vec::<T>::new();
         let counts = self.all_gather_bytes(T::DTYPE, bytemuck::cast_slice(send), &mut recv)?;
         Ok(Gathered::new(recv, &counts))
+    }
+
+    /// Like [`Self::all_gather`], into a caller-owned vector (its capacity is reused, which
+    /// spares the page faults of a fresh allocation per call). Returns the element count per
+    /// rank.
+    fn all_gather_into<T: Element>(&self, send: &[T], recv: &mut Vec<T>) -> Result<Vec<usize>> {
+        let counts = self.all_gather_bytes(T::DTYPE, bytemuck::cast_slice(send), recv)?;
+        Ok(counts.into_iter().map(|c| c / std::mem::size_of::<T>()).collect())
     }
 
     /// Typed [`Communicator::gather_bytes`]: `Some` on `root`, `None` elsewhere.

@@ -9,12 +9,14 @@
 use std::sync::Arc;
 
 use crate::mesh::{Frame, Header, Inbox, MeshComm, Payload, Wire, delegate_communicator};
+use crate::pool::BufferPool;
 use crate::{Result, TransportConfig, TransportError};
 
 /// All inboxes of one in-process group.
 #[derive(Debug)]
 struct LocalWorld {
     inboxes: Vec<Arc<Inbox>>,
+    buffers: Arc<BufferPool>,
 }
 
 struct LocalWire {
@@ -23,8 +25,12 @@ struct LocalWire {
 }
 
 impl Wire for LocalWire {
-    fn send(&self, to: usize, header: Header, payload: &Payload) -> Result<()> {
-        self.world.inboxes[to].deliver(self.rank, Frame { header, payload: Arc::clone(payload) });
+    fn send(&self, to: &[usize], header: Header, payload: &[u8]) -> Result<()> {
+        // One copy out of the sender, shared by every receiver.
+        let shared: Payload = Arc::new(self.world.buffers.copy_of(payload));
+        for &peer in to {
+            self.world.inboxes[peer].deliver(self.rank, Frame { header, payload: Arc::clone(&shared) });
+        }
         Ok(())
     }
 
@@ -65,7 +71,10 @@ pub fn local_group(size: usize, config: TransportConfig) -> Result<Vec<LocalComm
         return Err(TransportError::InvalidArgument("a group needs at least one rank".into()));
     }
     config.validate()?;
-    let world = Arc::new(LocalWorld { inboxes: (0..size).map(|_| Arc::new(Inbox::new(size))).collect() });
+    let world = Arc::new(LocalWorld {
+        inboxes: (0..size).map(|_| Arc::new(Inbox::new(size))).collect(),
+        buffers: Arc::new(BufferPool::default()),
+    });
     Ok((0..size)
         .map(|rank| {
             let wire = LocalWire { rank, world: Arc::clone(&world) };

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::pool::PooledBuf;
 use crate::stats::StatsCounters;
 use crate::{ByteBuf, CommStats, DataType, PeerExchange, ReduceOp, Result, TransportConfig, TransportError};
 
@@ -81,7 +82,7 @@ impl Header {
 }
 
 /// Shared payload: one copy out of the sender serves every receiver of a local collective.
-pub(crate) type Payload = Arc<Vec<u8>>;
+pub(crate) type Payload = Arc<PooledBuf>;
 
 /// A data frame in an inbox.
 #[derive(Debug)]
@@ -198,8 +199,9 @@ impl Inbox {
 
 /// How a backend moves frames to other ranks.
 pub(crate) trait Wire: Send + Sync {
-    /// Delivers a frame to rank `to`'s inbox (possibly through a socket).
-    fn send(&self, to: usize, header: Header, payload: &Payload) -> Result<()>;
+    /// Delivers one frame to the inbox of every rank in `to` (possibly through sockets). The
+    /// local backend copies `payload` once and shares it; the socket backend writes it as is.
+    fn send(&self, to: &[usize], header: Header, payload: &[u8]) -> Result<()>;
     /// Best effort: tell every peer that `failed_rank` (this rank, or the rank whose failure
     /// made this one give up) failed for `reason`.
     fn announce_failure(&self, failed_rank: usize, reason: &str);
@@ -280,6 +282,10 @@ impl<W: Wire> MeshComm<W> {
         (0..self.size).filter(move |&r| r != self.rank)
     }
 
+    fn other_ranks(&self) -> Vec<usize> {
+        self.others().collect()
+    }
+
     /// Runs one operation: refuses if poisoned, serialises, poisons on failure.
     fn run<R>(&self, op: &'static str, body: impl FnOnce(&mut Sequence, Instant, Instant) -> Result<R>) -> Result<R> {
         if let Some(first) = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone() {
@@ -353,8 +359,8 @@ impl<W: Wire> MeshComm<W> {
         }
     }
 
-    fn send_to(&self, to: usize, header: Header, payload: &Payload) -> Result<()> {
-        self.wire.send(to, header, payload)
+    fn send_to(&self, to: &[usize], header: Header, payload: &[u8]) -> Result<()> {
+        if to.is_empty() { Ok(()) } else { self.wire.send(to, header, payload) }
     }
 
     fn recv_from(
@@ -390,29 +396,12 @@ impl<W: Wire> MeshComm<W> {
     pub(crate) fn all_gather_bytes(&self, dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
         const OP: &str = "all_gather";
         self.run(OP, |seq, started, deadline| {
-            let header = Header {
-                kind: OpKind::AllGather,
-                seq: next(&mut seq.collective),
-                tag: Header::tag_for(dtype, 0, None),
-            };
-            let payload = self.share(send);
-            for peer in self.others() {
-                self.send_to(peer, header, &payload)?;
-            }
-            let mut parts: Vec<Option<Payload>> = vec![None; self.size];
-            for peer in self.others() {
-                parts[peer] = Some(self.recv_from(peer, header, OP, started, deadline)?.payload);
-            }
-            let counts: Vec<usize> =
-                (0..self.size).map(|r| parts[r].as_ref().map_or(send.len(), |p| p.len())).collect();
-            let out = recv.resize_bytes(counts.iter().sum())?;
-            let mut at = 0;
-            for (r, count) in counts.iter().enumerate() {
-                let bytes: &[u8] = parts[r].as_deref().map_or(send, |p| p.as_slice());
-                out[at..at + count].copy_from_slice(bytes);
-                at += count;
-            }
-            let received = at - send.len();
+            let tag = Header::tag_for(dtype, 0, None);
+            let header = Header { kind: OpKind::AllGather, seq: next(&mut seq.collective), tag };
+            self.send_to(&self.other_ranks(), header, send)?;
+            let parts = self.receive_from_all(header, OP, started, deadline)?;
+            let counts = concat_into(recv, send, &parts)?;
+            let received = counts.iter().sum::<usize>() - send.len();
             self.stats.all_gather.record(send.len() * (self.size - 1), received);
             Ok(counts)
         })
@@ -428,32 +417,33 @@ impl<W: Wire> MeshComm<W> {
         const OP: &str = "gather";
         self.run(OP, |seq, started, deadline| {
             self.check_rank("gather root", root)?;
-            let header = Header {
-                kind: OpKind::Gather,
-                seq: next(&mut seq.collective),
-                tag: Header::tag_for(dtype, root, None),
-            };
+            let tag = Header::tag_for(dtype, root, None);
+            let header = Header { kind: OpKind::Gather, seq: next(&mut seq.collective), tag };
             if self.rank != root {
-                self.send_to(root, header, &self.share(send))?;
+                self.send_to(&[root], header, send)?;
                 self.stats.gather.record(send.len(), 0);
                 return Ok(None);
             }
-            let mut parts: Vec<Option<Payload>> = vec![None; self.size];
-            for peer in self.others() {
-                parts[peer] = Some(self.recv_from(peer, header, OP, started, deadline)?.payload);
-            }
-            let counts: Vec<usize> =
-                (0..self.size).map(|r| parts[r].as_ref().map_or(send.len(), |p| p.len())).collect();
-            let out = recv.resize_bytes(counts.iter().sum())?;
-            let mut at = 0;
-            for (r, count) in counts.iter().enumerate() {
-                let bytes: &[u8] = parts[r].as_deref().map_or(send, |p| p.as_slice());
-                out[at..at + count].copy_from_slice(bytes);
-                at += count;
-            }
-            self.stats.gather.record(0, at - send.len());
+            let parts = self.receive_from_all(header, OP, started, deadline)?;
+            let counts = concat_into(recv, send, &parts)?;
+            self.stats.gather.record(0, counts.iter().sum::<usize>() - send.len());
             Ok(Some(counts))
         })
+    }
+
+    /// One frame from every other rank (`None` in this rank's own slot).
+    fn receive_from_all(
+        &self,
+        header: Header,
+        op: &'static str,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<Vec<Option<Payload>>> {
+        let mut parts: Vec<Option<Payload>> = vec![None; self.size];
+        for peer in self.others() {
+            parts[peer] = Some(self.recv_from(peer, header, op, started, deadline)?.payload);
+        }
+        Ok(parts)
     }
 
     pub(crate) fn broadcast_bytes(&self, root: usize, dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
@@ -466,14 +456,12 @@ impl<W: Wire> MeshComm<W> {
                 tag: Header::tag_for(dtype, root, None),
             };
             if self.rank == root {
-                let payload = self.share(buf.as_bytes());
-                for peer in self.others() {
-                    self.send_to(peer, header, &payload)?;
-                }
-                self.stats.broadcast.record(payload.len() * (self.size - 1), 0);
+                let bytes = buf.as_bytes();
+                self.send_to(&self.other_ranks(), header, bytes)?;
+                self.stats.broadcast.record(bytes.len() * (self.size - 1), 0);
             } else {
                 let frame = self.recv_from(root, header, OP, started, deadline)?;
-                buf.resize_bytes(frame.payload.len())?.copy_from_slice(&frame.payload);
+                buf.assign_concat(&[&frame.payload[..]])?;
                 self.stats.broadcast.record(0, frame.payload.len());
             }
             Ok(())
@@ -498,10 +486,8 @@ impl<W: Wire> MeshComm<W> {
                 self.stats.all_reduce.record(0, 0);
                 return Ok(());
             }
-            let payload = self.share(buf);
-            for peer in self.others() {
-                self.send_to(peer, header, &payload)?;
-            }
+            self.send_to(&self.other_ranks(), header, buf)?;
+            let own = buf.to_vec();
             let mut parts: Vec<Option<Payload>> = vec![None; self.size];
             for peer in self.others() {
                 let frame = self.recv_from(peer, header, OP, started, deadline)?;
@@ -517,9 +503,8 @@ impl<W: Wire> MeshComm<W> {
                 parts[peer] = Some(frame.payload);
             }
             // Reduce in rank order on every rank, so float results are identical everywhere.
-            let own = payload;
             let ordered: Vec<&[u8]> =
-                (0..self.size).map(|r| parts[r].as_deref().map_or(own.as_slice(), |p| p.as_slice())).collect();
+                (0..self.size).map(|r| parts[r].as_deref().map_or(own.as_slice(), |p| &p[..])).collect();
             reduce_into(dtype, op, &ordered, buf);
             self.stats.all_reduce.record(buf.len() * (self.size - 1), buf.len() * (self.size - 1));
             Ok(())
@@ -548,14 +533,14 @@ impl<W: Wire> MeshComm<W> {
             let mut sent = 0;
             for leg in legs.iter() {
                 let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_sent[leg.peer]), tag };
-                self.send_to(leg.peer, header, &self.share(leg.send))?;
+                self.send_to(&[leg.peer], header, leg.send)?;
                 sent += leg.send.len();
             }
             let mut received = 0;
             for leg in legs.iter_mut() {
                 let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_received[leg.peer]), tag };
                 let frame = self.recv_from(leg.peer, header, OP, started, deadline)?;
-                leg.recv.resize_bytes(frame.payload.len())?.copy_from_slice(&frame.payload);
+                leg.recv.assign_concat(&[&frame.payload[..]])?;
                 received += frame.payload.len();
             }
             self.stats.exchange.record(sent, received);
@@ -567,10 +552,7 @@ impl<W: Wire> MeshComm<W> {
         const OP: &str = "barrier";
         self.run(OP, |seq, started, deadline| {
             let header = Header { kind: OpKind::Barrier, seq: next(&mut seq.collective), tag: 0 };
-            let empty = Payload::default();
-            for peer in self.others() {
-                self.send_to(peer, header, &empty)?;
-            }
+            self.send_to(&self.other_ranks(), header, &[])?;
             for peer in self.others() {
                 self.recv_from(peer, header, OP, started, deadline)?;
             }
@@ -578,17 +560,20 @@ impl<W: Wire> MeshComm<W> {
             Ok(())
         })
     }
-
-    /// One shared copy of an outgoing buffer (none at all for a group of one).
-    fn share(&self, bytes: &[u8]) -> Payload {
-        if self.size == 1 { Payload::default() } else { Arc::new(bytes.to_vec()) }
-    }
 }
 
 impl<W: Wire> Drop for MeshComm<W> {
     fn drop(&mut self) {
         self.leave();
     }
+}
+
+/// Writes `own` (in the empty slot) and the received parts, in rank order, into `recv`;
+/// returns the byte count per rank.
+fn concat_into(recv: &mut dyn ByteBuf, own: &[u8], parts: &[Option<Payload>]) -> Result<Vec<usize>> {
+    let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_deref().map_or(own, |v| &v[..])).collect();
+    recv.assign_concat(&slices)?;
+    Ok(slices.iter().map(|s| s.len()).collect())
 }
 
 fn next(counter: &mut u64) -> u64 {

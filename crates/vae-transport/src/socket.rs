@@ -31,7 +31,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::mesh::{Frame, Header, Inbox, MeshComm, OpKind, Payload, Wire, delegate_communicator};
+use crate::mesh::{Frame, Header, Inbox, MeshComm, OpKind, Wire, delegate_communicator};
+use crate::pool::{BufferPool, PooledBuf};
 use crate::{Result, TransportConfig, TransportError};
 
 /// Environment variable: this process's rank.
@@ -344,10 +345,10 @@ struct RawFrame {
     kind: u8,
     seq: u64,
     tag: u64,
-    payload: Vec<u8>,
+    payload: PooledBuf,
 }
 
-fn read_frame(stream: &mut Stream) -> io::Result<RawFrame> {
+fn read_frame(stream: &mut Stream, buffers: &Arc<BufferPool>) -> io::Result<RawFrame> {
     let mut header = [0u8; HEADER_LEN];
     stream.read_exact(&mut header)?;
     if header[0..4] != MAGIC {
@@ -358,9 +359,14 @@ fn read_frame(stream: &mut Stream) -> io::Result<RawFrame> {
     if len > MAX_PAYLOAD {
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame announces {len} bytes")));
     }
-    let mut payload = vec![0u8; len as usize];
-    stream.read_exact(&mut payload)?;
+    let mut payload = buffers.take(len as usize);
+    stream.read_exact(payload.as_mut_slice())?;
     Ok(RawFrame { kind: header[4], seq: word(8), tag: word(16), payload })
+}
+
+/// A handshake frame (small; not worth a pooled buffer).
+fn read_control_frame(stream: &mut Stream) -> io::Result<RawFrame> {
+    read_frame(stream, &Arc::default())
 }
 
 /// Little helper for the handshake payloads.
@@ -463,12 +469,16 @@ impl SocketWire {
 }
 
 impl Wire for SocketWire {
-    fn send(&self, to: usize, header: Header, payload: &Payload) -> Result<()> {
-        let writer =
-            self.writers[to].as_ref().ok_or_else(|| TransportError::InvalidArgument("no link to self".into()))?;
-        let mut stream = writer.lock().unwrap_or_else(|e| e.into_inner());
-        write_frame(&mut stream, header.kind as u8, header.seq, header.tag, payload)
-            .map_err(|e| TransportError::io(Some(to), format!("rank {} sending to rank {to}", self.rank), &e))
+    fn send(&self, to: &[usize], header: Header, payload: &[u8]) -> Result<()> {
+        for &peer in to {
+            let writer =
+                self.writers[peer].as_ref().ok_or_else(|| TransportError::InvalidArgument("no link to self".into()))?;
+            let mut stream = writer.lock().unwrap_or_else(|e| e.into_inner());
+            write_frame(&mut stream, header.kind as u8, header.seq, header.tag, payload).map_err(|e| {
+                TransportError::io(Some(peer), format!("rank {} sending to rank {peer}", self.rank), &e)
+            })?;
+        }
+        Ok(())
     }
 
     fn announce_failure(&self, failed_rank: usize, reason: &str) {
@@ -542,6 +552,7 @@ impl SocketComm {
         }
 
         let inbox = Arc::new(Inbox::new(world));
+        let buffers = Arc::new(BufferPool::default());
         let closing = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::with_capacity(world);
         let mut readers = Vec::new();
@@ -558,11 +569,12 @@ impl SocketComm {
             shutdown_handles.push(stream.try_clone().map_err(setup)?);
             writers.push(Some(Mutex::new(stream)));
             let inbox = Arc::clone(&inbox);
+            let buffers = Arc::clone(&buffers);
             let closing = Arc::clone(&closing);
             let failure_timeout = options.config.failure_timeout;
             let handle = std::thread::Builder::new()
                 .name(format!("vae-rank{rank}-from{peer}"))
-                .spawn(move || read_loop(&mut reader, peer, &inbox, &closing, failure_timeout))
+                .spawn(move || read_loop(&mut reader, peer, &inbox, &buffers, &closing, failure_timeout))
                 .map_err(|e| TransportError::io(Some(peer), "spawning a reader thread", &e))?;
             readers.push(handle);
         }
@@ -607,9 +619,16 @@ fn heartbeat_loop(writers: &Writers, stop: &Stop, interval: Duration) {
     }
 }
 
-fn read_loop(stream: &mut Stream, peer: usize, inbox: &Inbox, closing: &AtomicBool, failure_timeout: Duration) {
+fn read_loop(
+    stream: &mut Stream,
+    peer: usize,
+    inbox: &Inbox,
+    buffers: &Arc<BufferPool>,
+    closing: &AtomicBool,
+    failure_timeout: Duration,
+) {
     loop {
-        match read_frame(stream) {
+        match read_frame(stream, buffers) {
             Ok(frame) => match frame.kind {
                 KIND_HEARTBEAT => {}
                 KIND_ABORT => {
@@ -676,7 +695,7 @@ fn master_rendezvous(listener: &Listener, world: usize, deadline: Instant, links
         })?;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
         stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a joining rank", &e))?;
-        let frame = match read_frame(&mut stream) {
+        let frame = match read_control_frame(&mut stream) {
             Ok(f) if f.kind == KIND_HELLO => f,
             // Not a vae-parallel peer (a port scanner, a stale client): ignore it.
             _ => continue,
@@ -744,7 +763,7 @@ fn worker_rendezvous(
         .map_err(|e| rendezvous_err("sending hello to the master", &e))?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
     master.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring the master link", &e))?;
-    let reply = read_frame(&mut master)
+    let reply = read_control_frame(&mut master)
         .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for the master's table of ranks"), &e))?;
     master.set_read_timeout(None).map_err(|e| rendezvous_err("configuring the master link", &e))?;
     let addrs = match reply.kind {
@@ -783,7 +802,7 @@ fn worker_rendezvous(
             .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for higher ranks"), &e))?;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
         stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
-        let frame = read_frame(&mut stream).map_err(|e| rendezvous_err("reading a peer's hello", &e))?;
+        let frame = read_control_frame(&mut stream).map_err(|e| rendezvous_err("reading a peer's hello", &e))?;
         stream.set_read_timeout(None).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
         let hello = if frame.kind == KIND_PEER_HELLO {
             parse_hello(&frame.payload, world).map_err(TransportError::Rendezvous)?
