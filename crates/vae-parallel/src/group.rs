@@ -1,0 +1,157 @@
+//! Starting a group of ranks: threads in this process, or processes over sockets.
+//!
+//! With the socket transport a program can be started once per rank by the user (each with
+//! `VAE_RANK`, `VAE_WORLD_SIZE`, `VAE_MASTER_ADDR`), or once without them, in which case it
+//! becomes a supervisor: [`launch_processes`] starts one copy of the current executable per rank
+//! on this host, with a fresh Unix-socket rendezvous, and waits for all of them.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use vae_transport::socket::{ENV_MASTER_ADDR, ENV_RANK, ENV_WORLD_SIZE};
+
+/// Which transport a group uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Ranks are threads of this process.
+    Local,
+    /// Ranks are processes connected by sockets.
+    Socket,
+}
+
+impl FromStr for TransportKind {
+    type Err = GroupError;
+
+    fn from_str(s: &str) -> Result<Self, GroupError> {
+        match s {
+            "local" => Ok(Self::Local),
+            "socket" => Ok(Self::Socket),
+            other => Err(GroupError::Config(format!("unknown transport {other:?} (expected local or socket)"))),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Local => "local",
+            Self::Socket => "socket",
+        })
+    }
+}
+
+/// Errors of starting or supervising a group.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    /// Invalid settings.
+    #[error("{0}")]
+    Config(String),
+    /// A rank process could not be started or waited for.
+    #[error("rank process {rank}: {source}")]
+    Spawn {
+        /// The rank.
+        rank: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// True when this process was started as one rank of a socket group (its environment names a
+/// rank), as opposed to being the program a user ran directly.
+pub fn is_rank_process() -> bool {
+    std::env::var_os(ENV_RANK).is_some()
+}
+
+/// How the rank processes of a launched group ended.
+#[derive(Debug)]
+pub struct GroupExit {
+    /// Exit status per rank, in rank order (`None`: killed by the supervisor after the grace
+    /// period).
+    pub statuses: Vec<Option<ExitStatus>>,
+}
+
+impl GroupExit {
+    /// True when every rank exited successfully.
+    pub fn success(&self) -> bool {
+        self.statuses.iter().all(|s| s.is_some_and(|s| s.success()))
+    }
+
+    /// Ranks that failed or had to be killed.
+    pub fn failed_ranks(&self) -> Vec<usize> {
+        self.statuses.iter().enumerate().filter(|(_, s)| !s.is_some_and(|s| s.success())).map(|(r, _)| r).collect()
+    }
+}
+
+/// Starts `ranks` copies of the current executable with `args`, each told its rank and a fresh
+/// Unix-socket master address, and waits for them. Once one rank has failed, the others get
+/// `grace` to report the failure themselves before they are killed.
+pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Result<GroupExit, GroupError> {
+    if ranks == 0 {
+        return Err(GroupError::Config("a group needs at least one rank".into()));
+    }
+    let exe = std::env::current_exe().map_err(|source| GroupError::Spawn { rank: 0, source })?;
+    let master = rendezvous_path();
+    let mut children: Vec<Child> = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let spawned = Command::new(&exe)
+            .args(args)
+            .env(ENV_RANK, rank.to_string())
+            .env(ENV_WORLD_SIZE, ranks.to_string())
+            .env(ENV_MASTER_ADDR, format!("unix:{}", master.display()))
+            .spawn();
+        match spawned {
+            Ok(child) => children.push(child),
+            Err(source) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(GroupError::Spawn { rank, source });
+            }
+        }
+    }
+    tracing::debug!(ranks, master = %master.display(), "launched rank processes");
+    let statuses = supervise(children, grace);
+    let _ = std::fs::remove_file(&master);
+    Ok(GroupExit { statuses })
+}
+
+fn supervise(mut children: Vec<Child>, grace: Duration) -> Vec<Option<ExitStatus>> {
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut failure_seen: Option<Instant> = None;
+    loop {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if statuses[rank].is_none()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                if !status.success() && failure_seen.is_none() {
+                    failure_seen = Some(Instant::now());
+                }
+                statuses[rank] = Some(status);
+            }
+        }
+        if statuses.iter().all(Option::is_some) {
+            return statuses;
+        }
+        if failure_seen.is_some_and(|t| t.elapsed() > grace) {
+            for (rank, child) in children.iter_mut().enumerate() {
+                if statuses[rank].is_none() {
+                    tracing::warn!(rank, "killing a rank that did not exit after another rank failed");
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+            return statuses;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn rendezvous_path() -> PathBuf {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    std::env::temp_dir().join(format!("vae-parallel-{}-{nanos:x}.sock", std::process::id()))
+}

@@ -1,0 +1,63 @@
+//! Running one body on every rank of a group, whatever the transport.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use vae_parallel::group::{GroupExit, TransportKind, is_rank_process, launch_processes};
+use vae_parallel::transport::{Communicator, SocketComm, TransportConfig, run_local};
+
+/// Where the ranks run.
+#[derive(Debug, Clone, Args)]
+pub struct GroupArgs {
+    /// Number of ranks.
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// `local` (threads of this process) or `socket` (one process per rank; started here, or by
+    /// you with VAE_RANK / VAE_WORLD_SIZE / VAE_MASTER_ADDR set).
+    #[arg(long, default_value = "local")]
+    pub transport: TransportKind,
+}
+
+/// What this process saw of a group run.
+pub enum GroupOutcome<R> {
+    /// Every rank ran here (local transport): results in rank order.
+    AllRanks(Vec<anyhow::Result<R>>),
+    /// This process was one rank of a socket group.
+    OneRank(usize, anyhow::Result<R>),
+    /// This process launched and supervised the rank processes.
+    Supervised(GroupExit),
+}
+
+/// Runs `body` on every rank of the group `args` describes.
+pub fn run_group<R: Send>(
+    args: &GroupArgs,
+    body: impl Fn(Arc<dyn Communicator>) -> anyhow::Result<R> + Sync,
+) -> anyhow::Result<GroupOutcome<R>> {
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    let config = TransportConfig::from_env()?;
+    match args.transport {
+        TransportKind::Local => {
+            let results = run_local(args.ranks, config, |comm| body(Arc::new(comm)))?;
+            Ok(GroupOutcome::AllRanks(
+                results
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|panic| Err(anyhow::anyhow!("panicked: {panic}"))))
+                    .collect(),
+            ))
+        }
+        TransportKind::Socket if is_rank_process() => {
+            let comm = SocketComm::from_env().context("joining the socket group")?;
+            let rank = comm.rank();
+            Ok(GroupOutcome::OneRank(rank, body(Arc::new(comm))))
+        }
+        TransportKind::Socket => {
+            let forwarded: Vec<_> = std::env::args_os().skip(1).collect();
+            let grace = config.failure_timeout + Duration::from_secs(5);
+            Ok(GroupOutcome::Supervised(launch_processes(args.ranks, &forwarded, grace)?))
+        }
+    }
+}

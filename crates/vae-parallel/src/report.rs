@@ -1,0 +1,210 @@
+//! Request reports: per-rank summaries gathered to rank 0, rendered as a table or JSON.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+use vae_runtime::RankReport;
+use vae_transport::{Communicator, CommunicatorExt, TransportError};
+
+/// Traffic of one kind of collective.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrafficSummary {
+    /// Collective kind.
+    pub op: String,
+    /// Calls.
+    pub calls: u64,
+    /// Bytes sent.
+    pub bytes_sent: u64,
+    /// Bytes received.
+    pub bytes_received: u64,
+}
+
+/// One rank's part of a request, in plain serialisable units.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankSummary {
+    /// The rank.
+    pub rank: usize,
+    /// Tiles it executed.
+    pub tiles: Vec<usize>,
+    /// Their total workload.
+    pub workload: u64,
+    /// Whether it merged.
+    pub is_owner: bool,
+    /// Milliseconds per phase: split, agree, exec, gather, merge, broadcast.
+    pub phase_ms: PhaseMs,
+    /// Traffic by collective kind (kinds with no calls left out).
+    pub traffic: Vec<TrafficSummary>,
+}
+
+/// Milliseconds per phase.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PhaseMs {
+    /// Split.
+    pub split: f64,
+    /// Input agreement.
+    pub agree: f64,
+    /// Tile execution.
+    pub exec: f64,
+    /// Shape exchange and gather.
+    pub gather: f64,
+    /// Merge.
+    pub merge: f64,
+    /// Final broadcast.
+    pub broadcast: f64,
+    /// Sum.
+    pub total: f64,
+}
+
+impl From<&RankReport> for RankSummary {
+    fn from(r: &RankReport) -> Self {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let t = &r.timings;
+        Self {
+            rank: r.rank,
+            tiles: r.tiles.clone(),
+            workload: r.workload,
+            is_owner: r.is_owner,
+            phase_ms: PhaseMs {
+                split: ms(t.split),
+                agree: ms(t.agree),
+                exec: ms(t.exec),
+                gather: ms(t.gather),
+                merge: ms(t.merge),
+                broadcast: ms(t.broadcast),
+                total: ms(t.total()),
+            },
+            traffic: r
+                .traffic
+                .by_kind()
+                .iter()
+                .filter(|(_, s)| s.calls > 0)
+                .map(|(op, s)| TrafficSummary {
+                    op: (*op).to_string(),
+                    calls: s.calls,
+                    bytes_sent: s.bytes_sent,
+                    bytes_received: s.bytes_received,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A whole request as seen by every rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestReport {
+    /// What ran ("tile", later also the shard strategies), and why.
+    pub strategy: String,
+    /// Transport backend.
+    pub backend: String,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// Ranks that executed tiles.
+    pub parallel_size: usize,
+    /// Tiles in the plan.
+    pub tile_count: usize,
+    /// Per rank, in rank order.
+    pub ranks: Vec<RankSummary>,
+}
+
+impl RequestReport {
+    /// A fixed-width table: one row per rank.
+    pub fn to_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:>4}  {:>5}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>9}  {:>11}  {:>11}",
+            "rank",
+            "tiles",
+            "workload",
+            "exec ms",
+            "gather",
+            "merge",
+            "bcast",
+            "total ms",
+            "other ms",
+            "sent",
+            "received"
+        );
+        for r in &self.ranks {
+            let p = &r.phase_ms;
+            let sent: u64 = r.traffic.iter().map(|t| t.bytes_sent).sum();
+            let received: u64 = r.traffic.iter().map(|t| t.bytes_received).sum();
+            let _ = writeln!(
+                out,
+                "{:>4}  {:>5}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}",
+                format!("{}{}", r.rank, if r.is_owner { "*" } else { "" }),
+                r.tiles.len(),
+                r.workload,
+                p.exec,
+                p.gather,
+                p.merge,
+                p.broadcast,
+                p.total,
+                p.split + p.agree,
+                human_bytes(sent),
+                human_bytes(received),
+            );
+        }
+        out
+    }
+}
+
+/// `1.5 MiB`-style sizes.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{n} B") } else { format!("{value:.1} {}", UNITS[unit]) }
+}
+
+/// Errors of collecting reports.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// The gather failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A rank sent something that is not a summary.
+    #[error("rank {rank} sent an unreadable report: {source}")]
+    Decode {
+        /// The rank.
+        rank: usize,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Gathers every rank's summary to `root`; `Some` there, `None` elsewhere. Every rank calls it.
+pub fn gather_summaries(
+    comm: &dyn Communicator,
+    root: usize,
+    report: &RankReport,
+) -> Result<Option<Vec<RankSummary>>, ReportError> {
+    let bytes = serde_json::to_vec(&RankSummary::from(report)).expect("a summary always serialises");
+    let Some(parts) = comm.gather(root, &bytes)? else {
+        return Ok(None);
+    };
+    parts
+        .parts()
+        .enumerate()
+        .map(|(rank, part)| serde_json::from_slice(part).map_err(|source| ReportError::Decode { rank, source }))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_readable() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(32 << 20), "32.0 MiB");
+    }
+}

@@ -1,0 +1,64 @@
+//! The `vae-parallel` binary, as a user runs it.
+
+use std::process::Command;
+
+fn cli(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+#[test]
+fn the_demo_runs_on_local_ranks_and_is_bit_identical() {
+    let (ok, text) = cli(&["demo", "--ranks", "4"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("bit-identical to a single-rank run"), "{text}");
+    assert!(text.contains("output [1, 4, 480, 832]"), "{text}");
+}
+
+#[test]
+fn the_demo_runs_on_rank_processes_with_broadcast() {
+    let (ok, text) =
+        cli(&["demo", "--transport", "socket", "--ranks", "3", "--broadcast", "--height", "30", "--width", "40"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("transport socket, 3 rank(s)"), "{text}");
+    assert!(text.contains("bit-identical"), "{text}");
+}
+
+#[test]
+fn the_demo_writes_its_report_as_json() {
+    let path = std::env::temp_dir().join(format!("vae-cli-report-{}.json", std::process::id()));
+    let (ok, text) = cli(&["demo", "--ranks", "2", "--json", path.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    let json = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(json.contains("\"world_size\": 2") && json.contains("\"phase_ms\""), "{json}");
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let (ok, text) = cli(&["demo", "--ranks", "0"]);
+    assert!(!ok);
+    assert!(text.contains("--ranks must be at least 1"), "{text}");
+    let (ok, text) = cli(&["demo", "--transport", "carrier-pigeon"]);
+    assert!(!ok);
+    assert!(text.contains("unknown transport"), "{text}");
+    let (ok, text) = cli(&["demo", "--stride", "0"]);
+    assert!(!ok);
+    assert!(text.contains("stride"), "{text}");
+}
+
+#[test]
+fn failover_is_reported_by_every_surviving_rank() {
+    let (ok, text) = cli(&["bench", "failover", "--ranks", "3", "--delay-ms", "20"]);
+    assert!(ok, "{text}");
+    assert_eq!(text.matches("death of rank 2 reported").count(), 2, "{text}");
+}
+
+#[test]
+fn the_transport_bench_runs_over_sockets() {
+    let (ok, text) =
+        cli(&["bench", "transport", "--transport", "socket", "--ranks", "2", "--mib", "1", "--iters", "2"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("all_gather") && text.contains("busbw"), "{text}");
+}

@@ -1,0 +1,97 @@
+//! Support for the workspace integration tests: running one test scenario in N rank processes.
+//!
+//! A test binary re-runs itself once per rank, selecting an `#[ignore]`d entry test with
+//! `--exact NAME --include-ignored`; the entry reads [`SCENARIO_ENV`] and joins the socket group
+//! from the usual `VAE_RANK` / `VAE_WORLD_SIZE` / `VAE_MASTER_ADDR` variables.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+/// Environment variable naming the scenario a rank process plays.
+pub const SCENARIO_ENV: &str = "VAE_TEST_SCENARIO";
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A fresh Unix-socket master address in the temporary directory.
+pub fn unix_master(tag: &str) -> String {
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    let path = std::env::temp_dir().join(format!("vae-it-{}-{tag}-{n}.sock", std::process::id()));
+    format!("unix:{}", path.display())
+}
+
+/// One spawned rank.
+pub struct RankProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+/// How a rank process ended.
+pub struct RankExit {
+    /// Exit status was success.
+    pub success: bool,
+    /// Its stdout and stderr.
+    pub output: String,
+}
+
+/// Starts `world` copies of this test binary running the ignored test `entry` as the ranks of
+/// a socket group at `master`, playing `scenario`.
+pub fn spawn_ranks(entry: &str, scenario: &str, world: usize, master: &str, env: &[(&str, &str)]) -> Vec<RankProcess> {
+    let exe = std::env::current_exe().expect("test binary path");
+    (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--exact", entry, "--include-ignored", "--nocapture", "--test-threads=1", "-q"])
+                .env(SCENARIO_ENV, scenario)
+                .env("VAE_RANK", rank.to_string())
+                .env("VAE_WORLD_SIZE", world.to_string())
+                .env("VAE_MASTER_ADDR", master)
+                .env("VAE_CONNECT_TIMEOUT_S", "60")
+                .env("VAE_COLLECTIVE_TIMEOUT_S", "120")
+                .env("RUST_BACKTRACE", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().expect("spawn a rank process");
+            let stdout = child.stdout.take().expect("piped stdout");
+            let (tx, lines) = mpsc::channel();
+            let reader = std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+            RankProcess { child, lines, reader }
+        })
+        .collect()
+}
+
+/// Waits for every rank and returns how each ended.
+pub fn wait_all(ranks: Vec<RankProcess>) -> Vec<RankExit> {
+    ranks
+        .into_iter()
+        .map(|r| {
+            let out = r.child.wait_with_output().expect("wait for a rank process");
+            // Every line of stdout has been read once the reader sees end of file.
+            let _ = r.reader.join();
+            let mut text: Vec<String> = r.lines.try_iter().collect();
+            text.push(String::from_utf8_lossy(&out.stderr).into_owned());
+            RankExit { success: out.status.success(), output: text.join("\n") }
+        })
+        .collect()
+}
+
+/// Panics with every rank's output unless all ranks succeeded — having actually run the entry
+/// test (a filter that matches nothing would also exit successfully).
+pub fn assert_all_succeeded(what: &str, exits: &[RankExit]) {
+    if exits.iter().any(|e| !e.success || !e.output.contains("1 passed")) {
+        let text: Vec<String> =
+            exits.iter().enumerate().map(|(r, e)| format!("--- rank {r} ---\n{}", e.output)).collect();
+        panic!("{what} failed:\n{}", text.join("\n"));
+    }
+}

@@ -1,0 +1,118 @@
+//! The tile executor over the socket transport: every rank is a separate process, and the
+//! result must be bit-identical to a single-rank run for every group size.
+
+use std::sync::Arc;
+
+use vae_integration_tests::{SCENARIO_ENV, assert_all_succeeded, spawn_ranks, unix_master, wait_all};
+use vae_planner::{GridSpec, TileTask};
+use vae_runtime::synthetic::SyntheticDecoder;
+use vae_runtime::{
+    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec, TileMap, TileOperator,
+    TilePlan,
+};
+use vae_tensor::{DType, Device, Tensor};
+use vae_transport::{Communicator, SocketComm, TransportConfig, run_local};
+
+const ENTRY: &str = "rank_process_entry";
+
+fn input() -> Tensor {
+    let dims = [1, 3, 22, 29];
+    let n: usize = dims.iter().product();
+    let data = (0..n).map(|i| ((i as f32) * 0.37).sin() + ((i * 7919) % 101) as f32 * 0.01).collect();
+    Tensor::from_vec(data, dims, &Device::Cpu).unwrap()
+}
+
+fn op() -> SyntheticDecoder {
+    SyntheticDecoder { tile: 8, stride: 6, scale: 4, ..SyntheticDecoder::default() }
+}
+
+fn single_rank_reference() -> Tensor {
+    run_local(1, TransportConfig::default(), |c| {
+        DistributedVaeExecutor::new(Arc::new(c), 1).unwrap().execute(&input(), &op(), OutputPlacement::OwnerOnly)
+    })
+    .unwrap()
+    .remove(0)
+    .unwrap()
+    .unwrap()
+    .tensor
+    .unwrap()
+}
+
+/// Fails tile 2 of every request.
+struct FailsTileTwo(SyntheticDecoder);
+
+impl TileOperator for FailsTileTwo {
+    type Payload = <SyntheticDecoder as TileOperator>::Payload;
+    type TileSpec = StitchSpec;
+
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+        self.0.split(input)
+    }
+
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
+        if task.tile_id == 2 {
+            return Err("tile 2 is corrupt".into());
+        }
+        self.0.exec(input, task)
+    }
+
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+        self.0.merge(tiles, grid)
+    }
+}
+
+#[test]
+#[ignore = "entry point of the rank processes that the tests below spawn"]
+fn rank_process_entry() {
+    let scenario = std::env::var(SCENARIO_ENV).expect("spawned by a test");
+    let comm: Arc<dyn Communicator> = Arc::new(SocketComm::from_env().expect("join the group"));
+    let rank = comm.rank();
+    let executor = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size()).unwrap();
+    let x = input();
+    match scenario.as_str() {
+        "parity" => {
+            let reference = single_rank_reference();
+            for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
+                let out = executor.execute(&x, &op(), placement).unwrap();
+                match out.tensor {
+                    Some(t) => {
+                        assert!(rank == 0 || placement == OutputPlacement::AllRanks);
+                        assert!(
+                            t.bit_eq(&reference),
+                            "rank {rank} {placement:?}: max diff {}",
+                            t.max_abs_diff(&reference).unwrap()
+                        );
+                    }
+                    None => assert!(rank > 0 && placement == OutputPlacement::OwnerOnly),
+                }
+            }
+        }
+        "exec_error" => {
+            let err = executor.execute(&x, &FailsTileTwo(op()), OutputPlacement::OwnerOnly).unwrap_err();
+            match &err {
+                RuntimeError::Operator { stage: Stage::Exec { tile_id: 2 }, message, .. } => {
+                    assert!(message.contains("corrupt"), "{err}")
+                }
+                other => panic!("rank {rank}: expected the exec error, got {other}"),
+            }
+            // The failure was agreed: the same group serves the next request.
+            let out = executor.execute(&x, &op(), OutputPlacement::AllRanks).unwrap();
+            assert!(out.tensor.unwrap().bit_eq(&single_rank_reference()));
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+#[test]
+fn bit_identical_on_one_to_eight_processes_with_and_without_broadcast() {
+    for world in 1..=8 {
+        let exits = wait_all(spawn_ranks(ENTRY, "parity", world, &unix_master("parity"), &[]));
+        assert_all_succeeded(&format!("parity on {world} processes"), &exits);
+    }
+}
+
+#[test]
+fn an_exec_error_in_one_process_is_an_error_in_every_process() {
+    let exits = wait_all(spawn_ranks(ENTRY, "exec_error", 4, &unix_master("execerr"), &[]));
+    assert_all_succeeded("exec error on 4 processes", &exits);
+}
