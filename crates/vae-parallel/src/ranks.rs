@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use vae_parallel::group::{GroupExit, TransportKind, is_rank_process, launch_processes};
-use vae_parallel::transport::{Communicator, SocketComm, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
 
 /// Where the ranks run.
 #[derive(Debug, Clone, Args)]
@@ -14,10 +14,17 @@ pub struct GroupArgs {
     /// Number of ranks.
     #[arg(long, default_value_t = 4)]
     pub ranks: usize,
-    /// `local` (threads of this process) or `socket` (one process per rank; started here, or by
-    /// you with VAE_RANK / VAE_WORLD_SIZE / VAE_MASTER_ADDR set).
+    /// `local` (threads of this process) or `socket` (one process per rank; launched here, or
+    /// started by you once per rank with --rank/--master-addr or VAE_RANK / VAE_WORLD_SIZE /
+    /// VAE_MASTER_ADDR).
     #[arg(long, default_value = "local")]
     pub transport: TransportKind,
+    /// Join a socket group as this rank (instead of VAE_RANK); needs --master-addr.
+    #[arg(long, requires = "master_addr")]
+    pub rank: Option<usize>,
+    /// Rank 0's address for --rank: host:port, tcp://host:port or unix:/path.
+    #[arg(long, requires = "rank")]
+    pub master_addr: Option<String>,
 }
 
 /// What this process saw of a group run.
@@ -49,8 +56,14 @@ pub fn run_group<R: Send>(
                     .collect(),
             ))
         }
-        TransportKind::Socket if is_rank_process() => {
-            let comm = SocketComm::from_env().context("joining the socket group")?;
+        TransportKind::Socket if args.rank.is_some() || is_rank_process() => {
+            let options = match (args.rank, &args.master_addr) {
+                (Some(rank), Some(master)) => {
+                    SocketOptions { rank, world_size: args.ranks, master: master.parse()?, config }
+                }
+                _ => SocketOptions::from_env()?,
+            };
+            let comm = SocketComm::connect(&options).context("joining the socket group")?;
             let rank = comm.rank();
             Ok(GroupOutcome::OneRank(rank, body(Arc::new(comm))))
         }

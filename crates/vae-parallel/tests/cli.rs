@@ -62,3 +62,22 @@ fn the_transport_bench_runs_over_sockets() {
     assert!(ok, "{text}");
     assert!(text.contains("all_gather") && text.contains("busbw"), "{text}");
 }
+
+#[test]
+fn ranks_can_be_started_by_hand_with_flags() {
+    let master =
+        format!("unix:{}", std::env::temp_dir().join(format!("vae-cli-{}.sock", std::process::id())).display());
+    let exe = env!("CARGO_BIN_EXE_vae-parallel");
+    let args = |rank: &str| {
+        let mut cmd = Command::new(exe);
+        cmd.args(["demo", "--transport", "socket", "--ranks", "2", "--rank", rank, "--master-addr", &master]);
+        cmd.args(["--height", "20", "--width", "20"]).env("VAE_CONNECT_TIMEOUT_S", "30");
+        cmd
+    };
+    let other = args("1").stdout(std::process::Stdio::null()).spawn().unwrap();
+    let first = args("0").output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&first.stdout);
+    assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
+    assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
+}
