@@ -64,7 +64,11 @@ pub enum RuntimeError {
     /// Invalid executor configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// Ranks sent each other something inconsistent (a bug, or mixed versions).
+    /// The ranks disagree about the request (a non-deterministic split, tiles lost or
+    /// duplicated). Found from data every rank gathered, so every rank reports it.
+    #[error("ranks disagree: {0}")]
+    Inconsistent(String),
+    /// A message from a peer could not be read (a bug, or mixed versions).
     #[error("protocol error: {0}")]
     Protocol(String),
 }
@@ -73,6 +77,6 @@ impl RuntimeError {
     /// True when every rank of the group returns this error for the same request (so nobody
     /// needs to be told about it).
     pub fn is_agreed(&self) -> bool {
-        matches!(self, Self::InputMismatch { .. } | Self::Operator { .. } | Self::Config(_))
+        matches!(self, Self::InputMismatch { .. } | Self::Operator { .. } | Self::Config(_) | Self::Inconsistent(_))
     }
 }

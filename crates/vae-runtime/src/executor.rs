@@ -258,13 +258,16 @@ impl DistributedVaeExecutor {
         };
         let gathered = comm.all_gather(&msg.0)?;
         let mut hashes = Vec::with_capacity(world);
+        let mut tile_counts = Vec::with_capacity(world);
         let mut first_split_error = None;
         for (r, part) in gathered.parts().enumerate() {
             let mut rd = Reader::new(part, "input agreement");
-            hashes.push(rd.u64()?);
-            if rd.u8()? == 1 {
-                let message = rd.str()?;
+            hashes.push(rd.u64().map_err(inconsistent)?);
+            if rd.u8().map_err(inconsistent)? == 1 {
+                let message = rd.str().map_err(inconsistent)?;
                 first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
+            } else {
+                tile_counts.push((r, rd.usize().map_err(inconsistent)?));
             }
         }
         timings.agree = clock.elapsed();
@@ -273,6 +276,12 @@ impl DistributedVaeExecutor {
         }
         if let Some(err) = first_split_error {
             return Err(err);
+        }
+        if let Some((r, n)) = tile_counts.iter().find(|(_, n)| *n != tile_counts[0].1) {
+            return Err(RuntimeError::Inconsistent(format!(
+                "the split is not deterministic: rank {r} made {n} tiles, rank {} made {}",
+                tile_counts[0].0, tile_counts[0].1
+            )));
         }
         let plan = split.expect("split errors returned above");
 
@@ -328,27 +337,17 @@ impl DistributedVaeExecutor {
         let mut produced: Vec<Vec<(usize, DType, Shape)>> = Vec::with_capacity(world);
         let mut first_exec_error = None;
         for (r, part) in summaries.parts().enumerate() {
-            let mut rd = Reader::new(part, "tile summary");
-            let mut tiles = Vec::new();
-            if rd.u8()? == 1 {
-                let tile_id = rd.usize()?;
-                let message = rd.str()?;
-                first_exec_error.get_or_insert(RuntimeError::Operator {
-                    stage: Stage::Exec { tile_id },
-                    rank: r,
-                    message,
-                });
-            } else {
-                for _ in 0..rd.usize()? {
-                    let tile_id = rd.usize()?;
-                    let dtype = DType::from_code(rd.u8()?)
-                        .ok_or_else(|| RuntimeError::Protocol(format!("rank {r} sent an unknown dtype")))?;
-                    let ndim = rd.usize()?;
-                    let dims = (0..ndim).map(|_| rd.usize()).collect::<Result<Vec<_>, _>>()?;
-                    tiles.push((tile_id, dtype, Shape::new(dims)));
+            match decode_summary(r, part).map_err(inconsistent)? {
+                Err((tile_id, message)) => {
+                    first_exec_error.get_or_insert(RuntimeError::Operator {
+                        stage: Stage::Exec { tile_id },
+                        rank: r,
+                        message,
+                    });
+                    produced.push(Vec::new());
                 }
+                Ok(tiles) => produced.push(tiles),
             }
-            produced.push(tiles);
         }
         if let Some(err) = first_exec_error {
             return Err(err);
@@ -443,6 +442,40 @@ impl DistributedVaeExecutor {
     }
 }
 
+/// A rank's tile summary: its tiles' ids, dtypes and shapes, or the exec error it hit.
+type Summary = Result<Vec<(usize, DType, Shape)>, (usize, String)>;
+
+fn decode_summary(rank: usize, bytes: &[u8]) -> Result<Summary, RuntimeError> {
+    let mut rd = Reader::new(bytes, "tile summary");
+    if rd.u8()? == 1 {
+        let tile_id = rd.usize()?;
+        return Ok(Err((tile_id, rd.str()?)));
+    }
+    let count = rd.usize()?;
+    let mut tiles = Vec::with_capacity(count.min(bytes.len()));
+    for _ in 0..count {
+        let tile_id = rd.usize()?;
+        let dtype = DType::from_code(rd.u8()?)
+            .ok_or_else(|| RuntimeError::Protocol(format!("rank {rank} sent an unknown dtype")))?;
+        let ndim = rd.usize()?;
+        let dims = (0..ndim).map(|_| rd.usize()).collect::<Result<Vec<_>, _>>()?;
+        let shape = Shape::new(dims);
+        if shape.checked_elem_count().and_then(|n| n.checked_mul(dtype.size_in_bytes())).is_none() {
+            return Err(RuntimeError::Protocol(format!("rank {rank} reported an impossible tile shape {shape}")));
+        }
+        tiles.push((tile_id, dtype, shape));
+    }
+    Ok(Ok(tiles))
+}
+
+/// Problems found in data that every rank gathered are found by every rank alike.
+fn inconsistent(err: RuntimeError) -> RuntimeError {
+    match err {
+        RuntimeError::Protocol(msg) => RuntimeError::Inconsistent(msg),
+        other => other,
+    }
+}
+
 /// Every planned tile must come back exactly once.
 fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) -> Result<(), RuntimeError> {
     let mut seen = vec![false; count];
@@ -450,13 +483,15 @@ fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) 
         for (tile_id, _, _) in tiles {
             match seen.get_mut(*tile_id) {
                 Some(s) if !*s => *s = true,
-                Some(_) => return Err(RuntimeError::Protocol(format!("tile {tile_id} came back twice (rank {r})"))),
-                None => return Err(RuntimeError::Protocol(format!("rank {r} returned unknown tile {tile_id}"))),
+                Some(_) => {
+                    return Err(RuntimeError::Inconsistent(format!("tile {tile_id} came back twice (rank {r})")));
+                }
+                None => return Err(RuntimeError::Inconsistent(format!("rank {r} returned unknown tile {tile_id}"))),
             }
         }
     }
     match seen.iter().position(|s| !s) {
-        Some(missing) => Err(RuntimeError::Protocol(format!("tile {missing} was not executed by any rank"))),
+        Some(missing) => Err(RuntimeError::Inconsistent(format!("tile {missing} was not executed by any rank"))),
         None => Ok(()),
     }
 }
@@ -477,11 +512,13 @@ fn assemble<P, S>(
         if r == OWNER {
             continue;
         }
-        let mut at = 0;
+        let mut at = 0usize;
         for (tile_id, dtype, shape) in tiles {
+            // Shapes were checked for overflow when the summaries were decoded.
             let len = shape.elem_count() * dtype.size_in_bytes();
-            let bytes = parts[r].get(at..at + len).ok_or_else(|| format!("rank {r} sent too few bytes"))?;
-            at += len;
+            let end = at.checked_add(len).ok_or_else(|| format!("rank {r}'s tiles overflow"))?;
+            let bytes = parts[r].get(at..end).ok_or_else(|| format!("rank {r} sent too few bytes"))?;
+            at = end;
             let tensor = Tensor::from_bytes(*dtype, shape.clone(), bytes, device).map_err(|e| e.to_string())?;
             map.insert(plan.tasks[*tile_id].grid_coord.clone(), tensor);
         }

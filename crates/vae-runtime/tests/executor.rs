@@ -357,3 +357,46 @@ fn the_report_accounts_for_the_request() {
         }
     }
 }
+
+/// Splits differently on its first call than on later ones: a non-deterministic operator.
+struct FirstSplitDiffers {
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl TileOperator for FirstSplitDiffers {
+    type Payload = <SyntheticDecoder as TileOperator>::Payload;
+    type TileSpec = StitchSpec;
+
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+        let first = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let tile = if first { 10 } else { 8 };
+        SyntheticDecoder { tile, stride: tile - 2, scale: 2, ..SyntheticDecoder::default() }.split(input)
+    }
+
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
+        small_op().exec(input, task)
+    }
+
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+        small_op().merge(tiles, grid)
+    }
+}
+
+#[test]
+fn a_non_deterministic_split_is_the_same_error_everywhere_and_the_group_survives() {
+    let op = FirstSplitDiffers { calls: Default::default() };
+    let x = input(&[1, 1, 30, 30], 9);
+    let results = run_local(3, config(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+        let first = exec.execute(&x, &op, OutputPlacement::OwnerOnly);
+        let second = exec.execute(&x, &small_op(), OutputPlacement::OwnerOnly);
+        (first, second.map(|_| ()))
+    })
+    .unwrap();
+    for r in results {
+        let (first, second) = r.unwrap();
+        let err = first.unwrap_err();
+        assert!(matches!(&err, RuntimeError::Inconsistent(m) if m.contains("not deterministic")), "{err}");
+        second.unwrap();
+    }
+}

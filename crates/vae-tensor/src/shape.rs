@@ -27,6 +27,12 @@ impl Shape {
         self.0.iter().product()
     }
 
+    /// Number of elements, or `None` if it overflows `usize` (for shapes that come from
+    /// outside, such as a peer's message).
+    pub fn checked_elem_count(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
     /// Row-major strides in elements.
     pub fn strides(&self) -> Vec<usize> {
         let mut strides = vec![1; self.0.len()];

@@ -61,7 +61,13 @@ impl Tensor {
     pub fn from_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8], device: &Device) -> Result<Self> {
         check_device("from_bytes", device)?;
         let shape = shape.into();
-        let expected = shape.elem_count() * dtype.size_in_bytes();
+        let expected = shape.checked_elem_count().and_then(|n| n.checked_mul(dtype.size_in_bytes()));
+        let Some(expected) = expected else {
+            return Err(TensorError::InvalidArgument {
+                op: "from_bytes",
+                reason: format!("shape {shape} has more elements than memory can hold"),
+            });
+        };
         if bytes.len() != expected {
             return Err(TensorError::ElementCount { op: "from_bytes", shape, expected, got: bytes.len() });
         }

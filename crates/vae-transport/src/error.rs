@@ -5,10 +5,10 @@ use std::time::Duration;
 /// Everything that can go wrong in a collective. Errors are values: no backend panics on a
 /// failed peer, a timeout or a protocol mismatch.
 ///
-/// Once a communicator has returned an error other than [`TransportError::InvalidArgument`] it
-/// is *poisoned*: the group is out of step, so every later call returns
-/// [`TransportError::Poisoned`] wrapping the first error, and every other rank learns of the
-/// failure within the backend's failure timeout.
+/// Once a communicator has returned an error it is *poisoned*: the group is out of step (even
+/// an invalid argument leaves the other ranks inside a collective this rank will not join), so
+/// every later call returns [`TransportError::Poisoned`] wrapping the first error, and every
+/// other rank learns of the failure within the backend's failure timeout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransportError {
     /// Another rank failed (returned an error, panicked, died or went silent).

@@ -99,8 +99,9 @@ enum PeerStatus {
 
 #[derive(Debug)]
 struct InboxState {
-    collective: Vec<VecDeque<Frame>>,
-    exchange: Vec<VecDeque<Frame>>,
+    /// One FIFO per peer: two ranks that run the same program do the operations that involve
+    /// both of them in the same order, so the next frame from a peer must be the one expected.
+    queues: Vec<VecDeque<Frame>>,
     status: Vec<PeerStatus>,
     /// The first failure of any rank this rank has heard of.
     group_failure: Option<(usize, String)>,
@@ -117,8 +118,7 @@ impl Inbox {
     pub(crate) fn new(size: usize) -> Self {
         Self {
             state: Mutex::new(InboxState {
-                collective: (0..size).map(|_| VecDeque::new()).collect(),
-                exchange: (0..size).map(|_| VecDeque::new()).collect(),
+                queues: (0..size).map(|_| VecDeque::new()).collect(),
                 status: vec![PeerStatus::Alive; size],
                 group_failure: None,
             }),
@@ -134,12 +134,7 @@ impl Inbox {
 
     /// A frame from `from` arrived.
     pub(crate) fn deliver(&self, from: usize, frame: Frame) {
-        let mut state = self.lock();
-        match frame.header.kind {
-            OpKind::Exchange => state.exchange[from].push_back(frame),
-            _ => state.collective[from].push_back(frame),
-        }
-        drop(state);
+        self.lock().queues[from].push_back(frame);
         self.arrived.notify_all();
     }
 
@@ -159,23 +154,29 @@ impl Inbox {
         self.arrived.notify_all();
     }
 
-    /// Waits for the next frame from `from` of the given class.
-    fn wait(
-        &self,
-        me: usize,
-        from: usize,
-        exchange: bool,
-        op: &'static str,
-        started: Instant,
-        deadline: Instant,
-    ) -> Result<Frame> {
+    /// Waits for the next frame from `from`. `stale_below` is the first collective sequence
+    /// number this rank has not finished: a collective frame older than that, still queued,
+    /// belongs to a collective this rank completed without expecting it (say, ranks that
+    /// disagree on a gather root) — a mismatch to report now rather than a hang later.
+    fn wait(&self, me: usize, from: usize, expected: Header, stale_below: u64, clock: &OpClock) -> Result<Frame> {
+        let OpClock { op, started, deadline } = *clock;
         let mut state = self.lock();
         loop {
             // Frames that already arrived are still good: the peer did its part of this
             // collective before anything failed. Only a wait that cannot be satisfied fails.
-            let queue = if exchange { &mut state.exchange[from] } else { &mut state.collective[from] };
-            if let Some(frame) = queue.pop_front() {
+            if let Some(frame) = state.queues[from].pop_front() {
                 return Ok(frame);
+            }
+            let stale = state.queues.iter().enumerate().find_map(|(peer, q)| {
+                q.front().filter(|f| f.header.kind != OpKind::Exchange && f.header.seq < stale_below).map(|f| (peer, f))
+            });
+            if let Some((peer, frame)) = stale {
+                return Err(TransportError::CollectiveMismatch {
+                    local_rank: me,
+                    rank: peer,
+                    local: expected.describe(),
+                    remote: format!("{} (which rank {me} did not take part in)", frame.header.describe()),
+                });
             }
             if let Some((rank, reason)) = &state.group_failure {
                 return Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
@@ -195,6 +196,14 @@ impl Inbox {
     fn group_failure(&self) -> Option<(usize, String)> {
         self.lock().group_failure.clone()
     }
+}
+
+/// The operation a rank is in, and until when it may wait.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpClock {
+    op: &'static str,
+    started: Instant,
+    deadline: Instant,
 }
 
 /// How a backend moves frames to other ranks.
@@ -287,17 +296,17 @@ impl<W: Wire> MeshComm<W> {
     }
 
     /// Runs one operation: refuses if poisoned, serialises, poisons on failure.
-    fn run<R>(&self, op: &'static str, body: impl FnOnce(&mut Sequence, Instant, Instant) -> Result<R>) -> Result<R> {
+    fn run<R>(&self, op: &'static str, body: impl FnOnce(&mut Sequence, &OpClock) -> Result<R>) -> Result<R> {
         if let Some(first) = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             return Err(TransportError::Poisoned(Box::new(first)));
         }
         let mut seq = self.sequence.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
-        let deadline = started + self.config.collective_timeout;
+        let clock = OpClock { op, started, deadline: started + self.config.collective_timeout };
         // A collective that starts after a failure is known cannot complete in step.
         let result = match self.inbox.group_failure() {
             Some((rank, reason)) => Err(TransportError::PeerFailed { rank, reason }),
-            None => body(&mut seq, started, deadline),
+            None => body(&mut seq, &clock),
         };
         drop(seq);
         if let Err(err) = &result {
@@ -313,13 +322,12 @@ impl<W: Wire> MeshComm<W> {
         if slot.is_some() {
             return;
         }
-        let already_known = matches!(err, TransportError::PeerFailed { .. });
-        let reason = err.to_string();
+        let (rank, reason) = blame(&err, self.rank);
         *slot = Some(err);
         drop(slot);
-        if !already_known {
-            self.wire.announce_failure(self.rank, &reason);
-        }
+        // Passed on even when this rank only heard of it: a failure one link saw (missed
+        // heartbeats) may be news to the others.
+        self.wire.announce_failure(rank, &reason);
     }
 
     pub(crate) fn abort(&self, reason: &str) {
@@ -331,6 +339,8 @@ impl<W: Wire> MeshComm<W> {
         *slot = Some(err);
         drop(slot);
         tracing::debug!(rank = self.rank, reason, "aborting the group");
+        // Wake this rank's own waits too (abort may come from another thread).
+        self.inbox.peer_failed(self.rank, reason.to_string());
         self.wire.announce_failure(self.rank, reason);
     }
 
@@ -350,10 +360,7 @@ impl<W: Wire> MeshComm<W> {
             // Leaving after a failure: repeat who failed first, so that a peer that has not
             // heard of it yet blames the right rank rather than this departure.
             Some(err) => {
-                let (rank, reason) = match err.root_cause() {
-                    TransportError::PeerFailed { rank, reason } => (*rank, reason.clone()),
-                    other => (self.rank, other.to_string()),
-                };
+                let (rank, reason) = blame(&err, self.rank);
                 self.wire.announce_failure(rank, &reason);
             }
         }
@@ -363,15 +370,12 @@ impl<W: Wire> MeshComm<W> {
         if to.is_empty() { Ok(()) } else { self.wire.send(to, header, payload) }
     }
 
-    fn recv_from(
-        &self,
-        from: usize,
-        expected: Header,
-        op: &'static str,
-        started: Instant,
-        deadline: Instant,
-    ) -> Result<Frame> {
-        let frame = self.inbox.wait(self.rank, from, expected.kind == OpKind::Exchange, op, started, deadline)?;
+    /// The next frame from `from`, which must be `expected`. For a collective, queued frames of
+    /// earlier collectives are stale; for an exchange, those of every collective started so far
+    /// (`collectives_started`).
+    fn recv_from(&self, from: usize, expected: Header, collectives_started: u64, clock: &OpClock) -> Result<Frame> {
+        let stale_below = if expected.kind == OpKind::Exchange { collectives_started } else { expected.seq };
+        let frame = self.inbox.wait(self.rank, from, expected, stale_below, clock)?;
         if frame.header != expected {
             return Err(TransportError::CollectiveMismatch {
                 local_rank: self.rank,
@@ -395,11 +399,11 @@ impl<W: Wire> MeshComm<W> {
 
     pub(crate) fn all_gather_bytes(&self, dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
         const OP: &str = "all_gather";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             let tag = Header::tag_for(dtype, 0, None);
             let header = Header { kind: OpKind::AllGather, seq: next(&mut seq.collective), tag };
             self.send_to(&self.other_ranks(), header, send)?;
-            let parts = self.receive_from_all(header, OP, started, deadline)?;
+            let parts = self.receive_from_all(header, clock)?;
             let counts = concat_into(recv, send, &parts)?;
             let received = counts.iter().sum::<usize>() - send.len();
             self.stats.all_gather.record(send.len() * (self.size - 1), received);
@@ -415,7 +419,7 @@ impl<W: Wire> MeshComm<W> {
         recv: &mut dyn ByteBuf,
     ) -> Result<Option<Vec<usize>>> {
         const OP: &str = "gather";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             self.check_rank("gather root", root)?;
             let tag = Header::tag_for(dtype, root, None);
             let header = Header { kind: OpKind::Gather, seq: next(&mut seq.collective), tag };
@@ -424,7 +428,7 @@ impl<W: Wire> MeshComm<W> {
                 self.stats.gather.record(send.len(), 0);
                 return Ok(None);
             }
-            let parts = self.receive_from_all(header, OP, started, deadline)?;
+            let parts = self.receive_from_all(header, clock)?;
             let counts = concat_into(recv, send, &parts)?;
             self.stats.gather.record(0, counts.iter().sum::<usize>() - send.len());
             Ok(Some(counts))
@@ -432,23 +436,17 @@ impl<W: Wire> MeshComm<W> {
     }
 
     /// One frame from every other rank (`None` in this rank's own slot).
-    fn receive_from_all(
-        &self,
-        header: Header,
-        op: &'static str,
-        started: Instant,
-        deadline: Instant,
-    ) -> Result<Vec<Option<Payload>>> {
+    fn receive_from_all(&self, header: Header, clock: &OpClock) -> Result<Vec<Option<Payload>>> {
         let mut parts: Vec<Option<Payload>> = vec![None; self.size];
         for peer in self.others() {
-            parts[peer] = Some(self.recv_from(peer, header, op, started, deadline)?.payload);
+            parts[peer] = Some(self.recv_from(peer, header, header.seq, clock)?.payload);
         }
         Ok(parts)
     }
 
     pub(crate) fn broadcast_bytes(&self, root: usize, dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
         const OP: &str = "broadcast";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             self.check_rank("broadcast root", root)?;
             let header = Header {
                 kind: OpKind::Broadcast,
@@ -460,7 +458,7 @@ impl<W: Wire> MeshComm<W> {
                 self.send_to(&self.other_ranks(), header, bytes)?;
                 self.stats.broadcast.record(bytes.len() * (self.size - 1), 0);
             } else {
-                let frame = self.recv_from(root, header, OP, started, deadline)?;
+                let frame = self.recv_from(root, header, header.seq, clock)?;
                 buf.assign_concat(&[&frame.payload[..]])?;
                 self.stats.broadcast.record(0, frame.payload.len());
             }
@@ -470,7 +468,7 @@ impl<W: Wire> MeshComm<W> {
 
     pub(crate) fn all_reduce_bytes(&self, dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<()> {
         const OP: &str = "all_reduce";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             if !buf.len().is_multiple_of(dtype.size_in_bytes()) {
                 return Err(TransportError::InvalidArgument(format!(
                     "all_reduce buffer of {} bytes is not a whole number of {dtype} elements",
@@ -490,7 +488,7 @@ impl<W: Wire> MeshComm<W> {
             let own = buf.to_vec();
             let mut parts: Vec<Option<Payload>> = vec![None; self.size];
             for peer in self.others() {
-                let frame = self.recv_from(peer, header, OP, started, deadline)?;
+                let frame = self.recv_from(peer, header, header.seq, clock)?;
                 if frame.payload.len() != buf.len() {
                     return Err(TransportError::LengthMismatch {
                         op: OP,
@@ -513,7 +511,7 @@ impl<W: Wire> MeshComm<W> {
 
     pub(crate) fn exchange_bytes(&self, dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
         const OP: &str = "exchange";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             for (i, leg) in legs.iter().enumerate() {
                 self.check_rank("exchange peer", leg.peer)?;
                 if leg.peer == self.rank {
@@ -539,7 +537,7 @@ impl<W: Wire> MeshComm<W> {
             let mut received = 0;
             for leg in legs.iter_mut() {
                 let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_received[leg.peer]), tag };
-                let frame = self.recv_from(leg.peer, header, OP, started, deadline)?;
+                let frame = self.recv_from(leg.peer, header, seq.collective, clock)?;
                 leg.recv.assign_concat(&[&frame.payload[..]])?;
                 received += frame.payload.len();
             }
@@ -550,11 +548,11 @@ impl<W: Wire> MeshComm<W> {
 
     pub(crate) fn barrier(&self) -> Result<()> {
         const OP: &str = "barrier";
-        self.run(OP, |seq, started, deadline| {
+        self.run(OP, |seq, clock| {
             let header = Header { kind: OpKind::Barrier, seq: next(&mut seq.collective), tag: 0 };
             self.send_to(&self.other_ranks(), header, &[])?;
             for peer in self.others() {
-                self.recv_from(peer, header, OP, started, deadline)?;
+                self.recv_from(peer, header, header.seq, clock)?;
             }
             self.stats.barrier.record(0, 0);
             Ok(())
@@ -574,6 +572,15 @@ fn concat_into(recv: &mut dyn ByteBuf, own: &[u8], parts: &[Option<Payload>]) ->
     let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_deref().map_or(own, |v| &v[..])).collect();
     recv.assign_concat(&slices)?;
     Ok(slices.iter().map(|s| s.len()).collect())
+}
+
+/// Whom to name when passing a failure on, and why: the rank that failed first where the error
+/// names one (a dead, silent or departed peer), else this rank.
+fn blame(err: &TransportError, me: usize) -> (usize, String) {
+    match err.root_cause() {
+        TransportError::PeerFailed { rank, reason } => (*rank, reason.clone()),
+        other => (other.failed_rank().unwrap_or(me), other.to_string()),
+    }
 }
 
 fn next(counter: &mut u64) -> u64 {
@@ -705,10 +712,27 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_collective_frame_is_a_mismatch_not_a_hang() {
+        // Rank 2 sent a gather to this rank that this rank did not expect (it thought another
+        // rank was the root); this rank is now in collective #1.
+        let inbox = Inbox::new(3);
+        let stale = Header { kind: OpKind::Gather, seq: 0, tag: Header::tag_for(DataType::U8, 1, None) };
+        inbox.deliver(2, Frame { header: stale, payload: Payload::default() });
+        let start = Instant::now();
+        let expected = Header { kind: OpKind::Broadcast, seq: 1, tag: 0 };
+        let clock = OpClock { op: "broadcast", started: start, deadline: start + Duration::from_secs(30) };
+        let err = inbox.wait(1, 0, expected, 1, &clock).unwrap_err();
+        assert!(matches!(err, TransportError::CollectiveMismatch { rank: 2, .. }), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
     fn inbox_times_out_and_names_the_peer() {
         let inbox = Inbox::new(2);
         let start = Instant::now();
-        let err = inbox.wait(0, 1, false, "barrier", start, start + Duration::from_millis(20)).unwrap_err();
+        let expected = Header { kind: OpKind::Barrier, seq: 0, tag: 0 };
+        let clock = OpClock { op: "barrier", started: start, deadline: start + Duration::from_millis(20) };
+        let err = inbox.wait(0, 1, expected, 0, &clock).unwrap_err();
         assert!(matches!(err, TransportError::Timeout { rank: 1, waiting: 0, op: "barrier", .. }), "{err}");
     }
 }

@@ -5,6 +5,7 @@
 //! faults: a 32 MiB all_gather over Unix sockets measured 4× slower with fresh buffers than with
 //! reused ones. Buffers return here when the last reference to a payload drops.
 
+use std::io::Read;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
@@ -22,15 +23,16 @@ pub(crate) struct BufferPool {
 }
 
 impl BufferPool {
-    /// A buffer of exactly `len` bytes (contents unspecified but initialised).
-    pub(crate) fn take(self: &Arc<Self>, len: usize) -> PooledBuf {
-        let mut data = if len >= MIN_POOLED {
+    /// An empty buffer, with an idle buffer's capacity when one of at least `capacity` bytes
+    /// is available (contents are appended by the caller, so nothing is zero-filled).
+    pub(crate) fn take(self: &Arc<Self>, capacity: usize) -> PooledBuf {
+        let mut data = if capacity >= MIN_POOLED {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             // Smallest idle buffer that fits, so big buffers stay for big messages.
             let best = idle
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.capacity() >= len)
+                .filter(|(_, b)| b.capacity() >= capacity)
                 .min_by_key(|(_, b)| b.capacity())
                 .map(|(i, _)| i);
             best.map(|i| idle.swap_remove(i)).unwrap_or_default()
@@ -38,13 +40,12 @@ impl BufferPool {
             Vec::new()
         };
         data.clear();
-        data.resize(len, 0);
         PooledBuf { data, pool: Some(Arc::clone(self)) }
     }
 
     /// A pooled copy of `bytes`.
     pub(crate) fn copy_of(self: &Arc<Self>, bytes: &[u8]) -> PooledBuf {
-        let mut buf = self.take(0);
+        let mut buf = self.take(bytes.len());
         buf.data.extend_from_slice(bytes);
         buf
     }
@@ -83,9 +84,23 @@ pub(crate) struct PooledBuf {
 }
 
 impl PooledBuf {
-    /// The bytes, mutable (to read a message into).
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.data
+    /// Appends exactly `len` bytes from `reader`, growing the buffer only as bytes arrive (in
+    /// steps of at most `step`), so a peer that announces more than it sends cannot make this
+    /// process allocate it. Allocation failure is an error, not an abort.
+    pub(crate) fn fill_from(&mut self, reader: &mut impl Read, len: usize, step: usize) -> std::io::Result<()> {
+        let mut remaining = len;
+        while remaining > 0 {
+            let chunk = remaining.min(step.max(1));
+            self.data.try_reserve(chunk).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::OutOfMemory, format!("cannot buffer a {len}-byte message: {e}"))
+            })?;
+            let got = reader.by_ref().take(chunk as u64).read_to_end(&mut self.data)?;
+            if got < chunk {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "message cut short"));
+            }
+            remaining -= chunk;
+        }
+        Ok(())
     }
 }
 
@@ -112,11 +127,12 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_the_pool_is_bounded() {
         let pool = Arc::new(BufferPool::default());
-        let first = pool.take(1 << 20);
+        let first = pool.copy_of(&vec![7u8; 1 << 20]);
         let ptr = first.as_ptr();
         drop(first);
         assert_eq!(pool.idle_count(), 1);
-        let again = pool.take(1000 << 10);
+        let mut again = pool.take(1000 << 10);
+        again.fill_from(&mut &vec![1u8; 1000 << 10][..], 1000 << 10, 4096).unwrap();
         assert_eq!(again.as_ptr(), ptr, "the idle buffer is reused");
         assert_eq!(again.len(), 1000 << 10);
         drop(again);
@@ -125,5 +141,8 @@ mod tests {
         assert!(pool.idle_count() <= MAX_IDLE_BUFFERS);
         let small = pool.copy_of(b"abc");
         assert_eq!(&*small, b"abc");
+        let mut short = pool.take(0);
+        let err = short.fill_from(&mut &b"only ten b"[..], 100, 64).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

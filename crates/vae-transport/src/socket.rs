@@ -24,7 +24,7 @@
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -45,8 +45,12 @@ pub const ENV_MASTER_ADDR: &str = "VAE_MASTER_ADDR";
 const MAGIC: [u8; 4] = *b"VAEF";
 const PROTOCOL_VERSION: u32 = 1;
 const HEADER_LEN: usize = 32;
-/// Largest payload a peer may announce; larger means a corrupt or foreign stream.
+/// Largest payload a data frame may announce; larger means a corrupt or foreign stream.
 const MAX_PAYLOAD: u64 = 1 << 40;
+/// Largest payload of a control or handshake frame (abort reasons, address tables).
+const MAX_CONTROL_PAYLOAD: u64 = 1 << 20;
+/// A data payload's buffer grows in steps of this as its bytes arrive.
+const RECEIVE_STEP: usize = 64 << 20;
 
 // Control frame kinds (data kinds are `OpKind`, 1..=6).
 const KIND_HEARTBEAT: u8 = 16;
@@ -230,8 +234,10 @@ impl Listener {
             Endpoint::Tcp(hp) => Ok(Self::Tcp(TcpListener::bind(hp.as_str())?)),
             Endpoint::Unix(path) => {
                 // A socket file left by a crashed run would make bind fail; nobody can be
-                // listening on it if connecting is refused.
-                if path.exists() && UnixStream::connect(path).is_err() {
+                // listening on it if connecting is refused. Never remove anything else.
+                use std::os::unix::fs::FileTypeExt;
+                let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+                if is_socket && UnixStream::connect(path).is_err() {
                     let _ = std::fs::remove_file(path);
                 }
                 let listener = UnixListener::bind(path)?;
@@ -279,11 +285,14 @@ impl Listener {
             }
         }
     }
+}
 
-    fn path(&self) -> Option<&Path> {
-        match self {
-            Self::Tcp(_) => None,
-            Self::Unix(_, p) => Some(p),
+impl Drop for Listener {
+    /// The socket file is only needed while ranks join: it goes with the listener, so no run
+    /// leaves files behind, even one that fails half way.
+    fn drop(&mut self) {
+        if let Self::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -355,13 +364,15 @@ fn read_frame(stream: &mut Stream, buffers: &Arc<BufferPool>) -> io::Result<RawF
         return Err(io::Error::new(io::ErrorKind::InvalidData, "bad frame magic: not a vae-parallel peer"));
     }
     let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().expect("8 bytes"));
-    let len = word(24);
-    if len > MAX_PAYLOAD {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame announces {len} bytes")));
-    }
-    let mut payload = buffers.take(len as usize);
-    stream.read_exact(payload.as_mut_slice())?;
-    Ok(RawFrame { kind: header[4], seq: word(8), tag: word(16), payload })
+    let (kind, len) = (header[4], word(24));
+    let limit = if OpKind::from_u8(kind).is_some() { MAX_PAYLOAD } else { MAX_CONTROL_PAYLOAD };
+    let len = usize::try_from(len).ok().filter(|&l| l as u64 <= limit).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidData, format!("frame of kind {kind} announces {len} bytes"))
+    })?;
+    // Reserve what a well-behaved peer sends at once, then grow only as bytes arrive.
+    let mut payload = buffers.take(len.min(RECEIVE_STEP));
+    payload.fill_from(stream, len, RECEIVE_STEP)?;
+    Ok(RawFrame { kind, seq: word(8), tag: word(16), payload })
 }
 
 /// A handshake frame (small; not worth a pooled buffer).
@@ -492,7 +503,7 @@ impl Wire for SocketWire {
     }
 }
 
-/// Stops the heartbeat thread.
+/// Stops the heartbeat threads.
 #[derive(Default)]
 struct Stop {
     stopped: Mutex<bool>,
@@ -505,9 +516,8 @@ pub struct SocketComm {
     closing: Arc<AtomicBool>,
     stop: Arc<Stop>,
     readers: Vec<JoinHandle<()>>,
-    heartbeat: Option<JoinHandle<()>>,
+    heartbeats: Vec<JoinHandle<()>>,
     shutdown_handles: Vec<Stream>,
-    socket_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for SocketComm {
@@ -531,23 +541,14 @@ impl SocketComm {
         let (rank, world) = (options.rank, options.world_size);
         let deadline = Instant::now() + options.config.connect_timeout;
         let mut links: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
-        let mut socket_file = None;
-
         if world > 1 {
             if rank == 0 {
                 let listener = Listener::bind(&options.master).map_err(|e| {
                     rendezvous_err(&format!("rank 0 binding the master address {}", options.master), &e)
                 })?;
-                socket_file = listener.path().map(Path::to_path_buf);
-                let result = master_rendezvous(&listener, world, deadline, &mut links);
-                if let Err(e) = result {
-                    if let Some(p) = &socket_file {
-                        let _ = std::fs::remove_file(p);
-                    }
-                    return Err(e);
-                }
+                master_rendezvous(&listener, world, deadline, options.config.failure_timeout, &mut links)?;
             } else {
-                socket_file = worker_rendezvous(options, deadline, &mut links)?;
+                worker_rendezvous(options, deadline, &mut links)?;
             }
         }
 
@@ -563,18 +564,24 @@ impl SocketComm {
                 writers.push(None);
                 continue;
             };
-            stream.set_write_timeout(Some(options.config.collective_timeout)).map_err(setup)?;
+            // Every peer's reader thread drains its sockets at all times, so a write that makes
+            // no progress for the failure timeout means the peer is gone or hung.
+            stream.set_write_timeout(Some(options.config.failure_timeout)).map_err(setup)?;
             let mut reader = stream.try_clone().map_err(setup)?;
             reader.set_read_timeout(Some(options.config.failure_timeout)).map_err(setup)?;
             shutdown_handles.push(stream.try_clone().map_err(setup)?);
             writers.push(Some(Mutex::new(stream)));
-            let inbox = Arc::clone(&inbox);
-            let buffers = Arc::clone(&buffers);
-            let closing = Arc::clone(&closing);
-            let failure_timeout = options.config.failure_timeout;
+            let cx = ReaderContext {
+                peer,
+                world,
+                inbox: Arc::clone(&inbox),
+                buffers: Arc::clone(&buffers),
+                closing: Arc::clone(&closing),
+                failure_timeout: options.config.failure_timeout,
+            };
             let handle = std::thread::Builder::new()
                 .name(format!("vae-rank{rank}-from{peer}"))
-                .spawn(move || read_loop(&mut reader, peer, &inbox, &buffers, &closing, failure_timeout))
+                .spawn(move || read_loop(&mut reader, &cx))
                 .map_err(|e| TransportError::io(Some(peer), "spawning a reader thread", &e))?;
             readers.push(handle);
         }
@@ -582,53 +589,67 @@ impl SocketComm {
         let wire = SocketWire { rank, writers: Arc::new(writers) };
         let inner = MeshComm::new(rank, world, "socket", wire, inbox, options.config);
         let stop = Arc::new(Stop::default());
-        let mut comm = Self { inner, closing, stop, readers, heartbeat: None, shutdown_handles, socket_file };
-        if world > 1 {
-            comm.start_heartbeat(options.config.failure_timeout / 4)?;
-        }
+        let mut comm = Self { inner, closing, stop, readers, heartbeats: Vec::new(), shutdown_handles };
+        comm.start_heartbeats(options.config.failure_timeout / 4)?;
         comm.inner.barrier()?;
         tracing::debug!(rank, world, master = %options.master, "socket group connected");
         Ok(comm)
     }
 
-    fn start_heartbeat(&mut self, interval: Duration) -> Result<()> {
-        let stop = Arc::clone(&self.stop);
+    /// One heartbeat thread per link, so that a peer whose socket stops draining (hung) can
+    /// only stall the heartbeats it would not read anyway.
+    fn start_heartbeats(&mut self, interval: Duration) -> Result<()> {
+        let interval = interval.max(Duration::from_millis(1));
         let writers = Arc::clone(&self.inner.wire().writers);
-        let handle = std::thread::Builder::new()
-            .name(format!("vae-rank{}-heartbeat", self.inner.rank()))
-            .spawn(move || heartbeat_loop(&writers, &stop, interval))
-            .map_err(|e| TransportError::io(None, "spawning the heartbeat thread", &e))?;
-        self.heartbeat = Some(handle);
+        for peer in (0..writers.len()).filter(|&p| writers[p].is_some()) {
+            let (stop, writers) = (Arc::clone(&self.stop), Arc::clone(&writers));
+            let handle = std::thread::Builder::new()
+                .name(format!("vae-rank{}-beat{peer}", self.inner.rank()))
+                .spawn(move || heartbeat_loop(&writers, peer, &stop, interval))
+                .map_err(|e| TransportError::io(None, "spawning a heartbeat thread", &e))?;
+            self.heartbeats.push(handle);
+        }
         Ok(())
     }
 }
 
-fn heartbeat_loop(writers: &Writers, stop: &Stop, interval: Duration) {
-    let mut stopped = stop.stopped.lock().unwrap_or_else(|e| e.into_inner());
+fn heartbeat_loop(writers: &Writers, peer: usize, stop: &Stop, interval: Duration) {
+    let Some(writer) = &writers[peer] else { return };
     loop {
-        stopped = stop.signal.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner()).0;
-        if *stopped {
-            return;
-        }
-        for writer in writers.iter().flatten() {
-            // A writer busy with a data frame proves liveness by itself: skip it.
-            if let Ok(mut stream) = writer.try_lock() {
-                let _ = write_frame(&mut stream, KIND_HEARTBEAT, 0, 0, &[]);
+        {
+            let stopped = stop.stopped.lock().unwrap_or_else(|e| e.into_inner());
+            let (stopped, _) = stop.signal.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner());
+            if *stopped {
+                return;
             }
+        }
+        // A writer busy with a data frame proves liveness by itself: skip it.
+        if let Ok(mut stream) = writer.try_lock()
+            && write_frame(&mut stream, KIND_HEARTBEAT, 0, 0, &[]).is_err()
+        {
+            return; // the link is gone; its reader reports why
         }
     }
 }
 
-fn read_loop(
-    stream: &mut Stream,
+struct ReaderContext {
     peer: usize,
-    inbox: &Inbox,
-    buffers: &Arc<BufferPool>,
-    closing: &AtomicBool,
+    world: usize,
+    inbox: Arc<Inbox>,
+    buffers: Arc<BufferPool>,
+    closing: Arc<AtomicBool>,
     failure_timeout: Duration,
-) {
+}
+
+fn read_loop(stream: &mut Stream, cx: &ReaderContext) {
+    let failed = |stream: &Stream, rank: usize, reason: String| {
+        cx.inbox.peer_failed(rank, reason);
+        // Unblocks any write to this peer at once instead of after its timeout.
+        stream.shutdown();
+    };
+    let (peer, inbox, closing, failure_timeout) = (cx.peer, &cx.inbox, &cx.closing, cx.failure_timeout);
     loop {
-        match read_frame(stream, buffers) {
+        match read_frame(stream, &cx.buffers) {
             Ok(frame) => match frame.kind {
                 KIND_HEARTBEAT => {}
                 KIND_ABORT => {
@@ -638,6 +659,7 @@ fn read_loop(
                         Some((rank, reason)) => (u64::from_le_bytes(*rank) as usize, reason),
                         None => (peer, &frame.payload[..]),
                     };
+                    let rank = if rank < cx.world { rank } else { peer };
                     inbox.peer_failed(rank, String::from_utf8_lossy(reason).into_owned());
                     return;
                 }
@@ -654,7 +676,7 @@ fn read_loop(
                         },
                     ),
                     None => {
-                        inbox.peer_failed(peer, format!("protocol error: unknown frame kind {kind}"));
+                        failed(stream, peer, format!("protocol error: unknown frame kind {kind}"));
                         return;
                     }
                 },
@@ -672,14 +694,20 @@ fn read_loop(
                     }
                     _ => format!("connection error: {e}"),
                 };
-                inbox.peer_failed(peer, reason);
+                failed(stream, peer, reason);
                 return;
             }
         }
     }
 }
 
-fn master_rendezvous(listener: &Listener, world: usize, deadline: Instant, links: &mut [Option<Stream>]) -> Result<()> {
+fn master_rendezvous(
+    listener: &Listener,
+    world: usize,
+    deadline: Instant,
+    hello_timeout: Duration,
+    links: &mut [Option<Stream>],
+) -> Result<()> {
     let mut addrs = vec![String::new(); world];
     let mut joined = 0;
     let reject_all = |links: &mut [Option<Stream>], reason: &str| {
@@ -693,7 +721,9 @@ fn master_rendezvous(listener: &Listener, world: usize, deadline: Instant, links
             reject_all(links, &msg);
             rendezvous_err(&msg, &e)
         })?;
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+        // A rank says hello as soon as it connects; a connection that stays silent is not a
+        // rank and must not hold up the others.
+        let left = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), hello_timeout);
         stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a joining rank", &e))?;
         let frame = match read_control_frame(&mut stream) {
             Ok(f) if f.kind == KIND_HELLO => f,
@@ -733,11 +763,7 @@ fn master_rendezvous(listener: &Listener, world: usize, deadline: Instant, links
     Ok(())
 }
 
-fn worker_rendezvous(
-    options: &SocketOptions,
-    deadline: Instant,
-    links: &mut [Option<Stream>],
-) -> Result<Option<PathBuf>> {
+fn worker_rendezvous(options: &SocketOptions, deadline: Instant, links: &mut [Option<Stream>]) -> Result<()> {
     let (rank, world) = (options.rank, options.world_size);
     let mut master = connect(&options.master, deadline)
         .map_err(|e| rendezvous_err(&format!("rank {rank} connecting to the master at {}", options.master), &e))?;
@@ -756,7 +782,6 @@ fn worker_rendezvous(
         (Endpoint::Tcp(_), Stream::Unix(_)) => unreachable!("a TCP endpoint yields a TCP stream"),
     };
     let listener = listener.map_err(|e| rendezvous_err(&format!("rank {rank} binding its listener"), &e))?;
-    let socket_file = listener.path().map(Path::to_path_buf);
     let advertised = listener.advertised(host).map_err(|e| rendezvous_err("reading the listener address", &e))?;
 
     write_frame(&mut master, KIND_HELLO, 0, 0, &hello_payload(rank, world, &advertised))
@@ -814,7 +839,7 @@ fn worker_rendezvous(
         }
         links[hello.rank] = Some(stream);
     }
-    Ok(socket_file)
+    Ok(())
 }
 
 impl Drop for SocketComm {
@@ -826,7 +851,7 @@ impl Drop for SocketComm {
             *self.stop.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
             self.stop.signal.notify_all();
         }
-        if let Some(h) = self.heartbeat.take() {
+        for h in self.heartbeats.drain(..) {
             let _ = h.join();
         }
         for stream in &self.shutdown_handles {
@@ -834,9 +859,6 @@ impl Drop for SocketComm {
         }
         for h in self.readers.drain(..) {
             let _ = h.join();
-        }
-        if let Some(p) = &self.socket_file {
-            let _ = std::fs::remove_file(p);
         }
     }
 }

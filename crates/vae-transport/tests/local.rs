@@ -176,3 +176,68 @@ fn float_all_reduce_is_bit_identical_on_every_rank() {
 fn zero_ranks_is_an_error() {
     assert!(matches!(vae_transport::local_group(0, config()), Err(TransportError::InvalidArgument(_))));
 }
+
+/// A short collective timeout: these cases must be detected, not waited out.
+fn impatient() -> TransportConfig {
+    TransportConfig { collective_timeout: Duration::from_secs(20), ..TransportConfig::default() }
+}
+
+#[test]
+fn an_exchange_met_by_a_collective_is_a_mismatch_at_once() {
+    let started = Instant::now();
+    let results = run_local(2, impatient(), |comm| {
+        if comm.rank() == 0 { comm.send_recv(1, &[1u8]).map(|_| ()) } else { comm.all_gather(&[2u8]).map(|_| ()) }
+    })
+    .unwrap();
+    for r in results {
+        assert!(r.unwrap().is_err());
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn ranks_that_disagree_on_a_gather_root_fail_fast() {
+    let started = Instant::now();
+    let results = run_local(3, impatient(), |comm| {
+        let root = if comm.rank() == 2 { 1 } else { 0 };
+        let first = comm.gather(root, &[comm.rank() as u8]).map(|_| ());
+        let second = comm.broadcast(0, &mut vec![0u8; 3]);
+        (first, second)
+    })
+    .unwrap();
+    let mut saw_mismatch = false;
+    for r in results {
+        let (first, second) = r.unwrap();
+        assert!(first.is_err() || second.is_err());
+        for e in [first.err(), second.err()].into_iter().flatten() {
+            saw_mismatch |= matches!(e.root_cause(), TransportError::CollectiveMismatch { .. });
+        }
+    }
+    assert!(saw_mismatch);
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn abort_from_another_thread_wakes_this_ranks_own_wait() {
+    let started = Instant::now();
+    let results = run_local(2, impatient(), |comm| {
+        if comm.rank() == 1 {
+            // Rank 1 is slow but alive; rank 0's watchdog gives up on the request.
+            std::thread::sleep(Duration::from_millis(300));
+            return comm.barrier();
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                comm.abort("watchdog: request cancelled");
+            });
+            comm.all_gather(&[0u8]).map(|_| ())
+        })
+    })
+    .unwrap();
+    let e0 = results[0].as_ref().unwrap().as_ref().unwrap_err();
+    assert!(e0.to_string().contains("watchdog"), "{e0}");
+    let e1 = results[1].as_ref().unwrap().as_ref().unwrap_err();
+    assert_eq!(e1.failed_rank(), Some(0), "{e1}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}

@@ -243,3 +243,46 @@ fn a_hung_process_is_detected_by_missing_heartbeats() {
     }
     println!("stopped rank reported after {detection:?}");
 }
+
+#[test]
+fn foreign_and_silent_connections_do_not_break_the_rendezvous() {
+    use std::io::Write;
+    let master = tcp_master();
+    let ranks = spawn("collectives", 3, &master, &[("VAE_FAILURE_TIMEOUT_S", "1".into())], None);
+    // Before and while ranks join: a client announcing a 1 TiB frame, and one that says nothing.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut silent = None;
+    while Instant::now() < deadline {
+        if let Ok(mut s) = std::net::TcpStream::connect(&master) {
+            let mut header = [0u8; 32];
+            header[0..4].copy_from_slice(b"VAEF");
+            header[4] = 32; // hello
+            header[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+            let _ = s.write_all(&header);
+            silent = std::net::TcpStream::connect(&master).ok();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(silent.is_some(), "the master never listened");
+    let outcomes: Vec<(bool, String)> = ranks.into_iter().enumerate().map(|(rank, r)| finish(rank, r)).collect();
+    for (ok, text) in &outcomes {
+        assert!(*ok && text.contains("1 passed"), "{text}");
+    }
+}
+
+#[test]
+fn a_unix_master_path_that_is_a_regular_file_is_refused_not_deleted() {
+    let path = std::env::temp_dir().join(format!("vae-t-{}-not-a-socket", std::process::id()));
+    std::fs::write(&path, b"precious").unwrap();
+    let options = vae_transport::SocketOptions {
+        rank: 0,
+        world_size: 2,
+        master: format!("unix:{}", path.display()).parse().unwrap(),
+        config: vae_transport::TransportConfig { connect_timeout: Duration::from_secs(1), ..Default::default() },
+    };
+    let err = SocketComm::connect(&options).unwrap_err();
+    assert!(matches!(err, TransportError::Rendezvous(_)), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+    std::fs::remove_file(&path).unwrap();
+}
