@@ -3,20 +3,35 @@
 //! - `ci`: what `.ci/run` checks — formatting, clippy with warnings denied, the test suite.
 //! - `bench`: the transport and failure-detection benchmarks of the CLI, in release mode, for
 //!   the rank counts the reports quote.
+//! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
+//!   (`fixtures/autoencoder_kl/`) with `scripts/gen_fixtures.py`, after checking that the Python
+//!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
+//!   `$VAE_FIXTURES_PYTHON`, else `python3`.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)] // a terminal tool
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask <ci | bench>";
+const USAGE: &str = "usage: cargo xtask <ci | bench | fixtures [--python PATH] [--out DIR]>";
+
+/// The pinned Python packages of the fixture generator, relative to the repository root.
+const FIXTURE_REQUIREMENTS: &str = "scripts/requirements-fixtures.txt";
+
+/// The fixture generator, relative to the repository root.
+const FIXTURE_SCRIPT: &str = "scripts/gen_fixtures.py";
+
+/// Environment variable naming the Python that `fixtures` runs when `--python` is not given.
+const FIXTURE_PYTHON_ENV: &str = "VAE_FIXTURES_PYTHON";
 
 fn main() -> anyhow::Result<()> {
     let task = std::env::args().nth(1);
     match task.as_deref() {
         Some("ci") => ci(),
         Some("bench") => bench(),
+        Some("fixtures") => fixtures(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -25,6 +40,7 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Runs `program` with `args`, failing unless it exits successfully.
 fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
     eprintln!("$ {program} {}", args.join(" "));
     let status = Command::new(program).args(args).status().with_context(|| format!("starting {program}"))?;
@@ -34,16 +50,19 @@ fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs the `cargo` that started this task (or `cargo` from `PATH`).
 fn cargo(args: &[&str]) -> anyhow::Result<()> {
     run(&std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()), args)
 }
 
+/// Formatting, clippy with warnings denied, and the test suite.
 fn ci() -> anyhow::Result<()> {
     cargo(&["fmt", "--all", "--", "--check"])?;
     cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
     cargo(&["test", "--workspace"])
 }
 
+/// The transport and failover benchmarks and the demo, in release mode.
 fn bench() -> anyhow::Result<()> {
     cargo(&["build", "--release", "-p", "vae-parallel"])?;
     let exe = "target/release/vae-parallel";
@@ -54,4 +73,114 @@ fn bench() -> anyhow::Result<()> {
         run(exe, &["bench", "failover", "--transport", transport, "--ranks", "4"])?;
     }
     run(exe, &["demo", "--ranks", "4", "--work-ms", "20"])
+}
+
+/// The repository root (the parent of this crate's directory).
+fn repo_root() -> PathBuf {
+    let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    xtask_dir.parent().unwrap_or(xtask_dir).to_path_buf()
+}
+
+/// Regenerates the diffusers fixtures: checks the pinned packages, then runs the generator.
+fn fixtures(mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    let mut python = None;
+    let mut out = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--python" => python = Some(args.next().context("--python needs a path")?),
+            "--out" => out = Some(args.next().context("--out needs a directory")?),
+            other => bail!("unknown argument {other:?} to fixtures\n{USAGE}"),
+        }
+    }
+    let python = python
+        .or_else(|| std::env::var(FIXTURE_PYTHON_ENV).ok().filter(|p| !p.is_empty()))
+        .unwrap_or_else(|| "python3".into());
+    let root = repo_root();
+    check_fixture_python(&python, &root)?;
+
+    let script = root.join(FIXTURE_SCRIPT);
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).current_dir(&root);
+    if let Some(out) = &out {
+        cmd.arg(out);
+    }
+    eprintln!("$ {python} {} {}", script.display(), out.as_deref().unwrap_or(""));
+    let status = cmd.status().with_context(|| format!("starting {python}"))?;
+    if !status.success() {
+        bail!("{FIXTURE_SCRIPT} failed with {status}");
+    }
+    Ok(())
+}
+
+/// The `name==version` pins of the requirements file, comments and blank lines skipped.
+fn parse_pins(text: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let mut pins = Vec::new();
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let (name, version) =
+            line.split_once("==").with_context(|| format!("{FIXTURE_REQUIREMENTS}: {line:?} is not name==version"))?;
+        pins.push((name.trim().to_owned(), version.trim().to_owned()));
+    }
+    Ok(pins)
+}
+
+/// Checks that `python` imports every pinned package at exactly its pinned version.
+fn check_fixture_python(python: &str, root: &Path) -> anyhow::Result<()> {
+    let requirements = root.join(FIXTURE_REQUIREMENTS);
+    let text = std::fs::read_to_string(&requirements).with_context(|| format!("reading {}", requirements.display()))?;
+    let pins = parse_pins(&text)?;
+
+    // Arguments: name, version, name, version, ... Prints one line per problem; exit 1 if any.
+    const CHECK: &str = r#"
+import importlib, importlib.metadata as md, sys
+bad = []
+a = sys.argv[1:]
+for name, want in zip(a[0::2], a[1::2]):
+    try:
+        importlib.import_module(name.replace("-", "_"))
+        have = md.version(name)
+    except Exception as e:
+        bad.append(f"{name}=={want}: not importable ({type(e).__name__}: {e})")
+        continue
+    if have.split("+")[0] != want:
+        bad.append(f"{name}=={want}: found {have}")
+print("\n".join(bad))
+sys.exit(1 if bad else 0)
+"#;
+    let mut cmd = Command::new(python);
+    cmd.arg("-c").arg(CHECK);
+    for (name, version) in &pins {
+        cmd.arg(name).arg(version);
+    }
+    let output = cmd.output().with_context(|| {
+        format!(
+            "starting {python:?} (set --python or ${FIXTURE_PYTHON_ENV} to a Python with {})",
+            requirements.display()
+        )
+    })?;
+    if !output.status.success() {
+        bail!(
+            "{python} lacks the packages pinned in {} (install them with `{python} -m pip install -r {FIXTURE_REQUIREMENTS}`, \
+             or pass --python / set ${FIXTURE_PYTHON_ENV}):\n{}{}",
+            requirements.display(),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_pins;
+
+    #[test]
+    fn pins_skip_comments_and_blanks() {
+        let pins = parse_pins("# c\n\ntorch==2.15.0  # cpu\n diffusers == 0.38.0\n").unwrap();
+        assert_eq!(pins, [("torch".to_owned(), "2.15.0".to_owned()), ("diffusers".to_owned(), "0.38.0".to_owned())]);
+        assert!(parse_pins("numpy>=2\n").is_err());
+    }
 }

@@ -1,0 +1,488 @@
+#!/usr/bin/env python3
+"""Generate the diffusers ground-truth fixtures for the Rust VAE reimplementation.
+
+Writes tiny randomly initialised diffusers VAEs (``save_pretrained``, safetensors) and input /
+output ``.npy`` pairs (little-endian float32, C order) plus ``manifest.json`` under
+``fixtures/autoencoder_kl/`` (or the directory given as the first argument).
+
+Everything is deterministic: fixed seeds, float32, CPU, one thread. Run with the packages pinned
+in ``scripts/requirements-fixtures.txt`` (``cargo xtask fixtures`` checks them first).
+
+Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import diffusers
+from diffusers import AutoencoderKL, AutoencoderKLFlux2
+
+PINNED = {"torch": "2.15.0", "diffusers": "0.38.0"}
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "fixtures" / "autoencoder_kl"
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def perturb(model: nn.Module, seed: int) -> None:
+    """Make every normalisation non-trivial and attention non-uniform.
+
+    Conv / linear weights keep PyTorch's default init. GroupNorm affine parameters become
+    weight = 1 + 0.1 * randn, bias = 0.1 * randn. The attention query/key projections are scaled by
+    2 so that softmax is far from uniform (with default init the logits are tiny).
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+        for name, m in model.named_modules():
+            if name.endswith(".to_q") or name.endswith(".to_k"):
+                m.weight.mul_(2.0)
+
+
+def build_sd_like(mid_block_add_attention: bool = True) -> AutoencoderKL:
+    # The no-attention variant uses narrower blocks to keep the committed size down.
+    torch.manual_seed(1000 if mid_block_add_attention else 1001)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16) if mid_block_add_attention else (8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.18215,
+        shift_factor=None,
+        use_quant_conv=True,
+        use_post_quant_conv=True,
+        mid_block_add_attention=mid_block_add_attention,
+    )
+    perturb(vae, 2000 if mid_block_add_attention else 2001)
+    return vae
+
+
+def build_flux1_like() -> AutoencoderKL:
+    torch.manual_seed(1100)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=48,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+    )
+    perturb(vae, 2100)
+    return vae
+
+
+def build_flux2_like() -> AutoencoderKLFlux2:
+    torch.manual_seed(1200)
+    vae = AutoencoderKLFlux2(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        decoder_block_out_channels=(8, 16, 16, 24),
+        layers_per_block=1,
+        latent_channels=32,
+        norm_num_groups=4,
+        sample_size=64,
+        use_quant_conv=True,
+        use_post_quant_conv=True,
+        mid_block_add_attention=True,
+        batch_norm_eps=1e-4,
+        patch_size=(2, 2),
+    )
+    perturb(vae, 2200)
+    g = torch.Generator().manual_seed(2201)
+    with torch.no_grad():
+        n = vae.bn.running_mean.shape[0]
+        vae.bn.running_mean.copy_(0.1 * torch.randn(n, generator=g))
+        vae.bn.running_var.copy_(0.5 + torch.rand(n, generator=g))
+    return vae
+
+
+MODELS = {
+    "sd_like": lambda: build_sd_like(True),
+    "sd_like_noattn": lambda: build_sd_like(False),
+    "flux1_like": build_flux1_like,
+    "flux2_like": build_flux2_like,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def levels(vae) -> int:
+    return len(vae.config.block_out_channels)
+
+
+def set_tiling(vae, tile_sample_min_size: int | None, tile_overlap_factor: float | None):
+    """Enable tiling, optionally overriding the tile attributes the way a diffusers user can."""
+    vae.enable_tiling()
+    if tile_sample_min_size is not None:
+        vae.tile_sample_min_size = tile_sample_min_size
+        vae.tile_latent_min_size = int(tile_sample_min_size / (2 ** (levels(vae) - 1)))
+    if tile_overlap_factor is not None:
+        vae.tile_overlap_factor = tile_overlap_factor
+    return vae
+
+
+def reset_tiling(vae) -> None:
+    """Back to the constructor's state: tiling off, default tile attributes."""
+    vae.disable_tiling()
+    vae.tile_sample_min_size = vae.config.sample_size
+    vae.tile_latent_min_size = int(vae.config.sample_size / (2 ** (levels(vae) - 1)))
+    vae.tile_overlap_factor = 0.25
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """Flux2Pipeline._patchify_latents."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2)
+    latents = latents.permute(0, 1, 3, 5, 2, 4)
+    return latents.reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    """Flux2Pipeline._unpatchify_latents."""
+    b, c, h, w = latents.shape
+    latents = latents.reshape(b, c // (2 * 2), 2, 2, h, w)
+    latents = latents.permute(0, 1, 4, 2, 5, 3)
+    return latents.reshape(b, c // (2 * 2), h * 2, w * 2)
+
+
+def bn_stats(vae):
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return mean, std
+
+
+def latent_input(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+
+def image_input(shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g, dtype=torch.float32) * 2.0 - 1.0
+
+
+def save_npy(path: Path, t: torch.Tensor) -> None:
+    a = np.ascontiguousarray(t.detach().cpu().numpy().astype("<f4"))
+    with open(path, "wb") as f:
+        np.save(f, a, allow_pickle=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------
+
+
+class Writer:
+    def __init__(self, out: Path):
+        self.out = out
+        self.cases: list[dict] = []
+        self.inputs: dict[str, tuple] = {}
+
+    def input(self, name: str, t: torch.Tensor) -> str:
+        file = f"{name}.npy"
+        if file not in self.inputs:
+            save_npy(self.out / file, t)
+            self.inputs[file] = tuple(t.shape)
+        return file
+
+    def case(self, *, name, model, op, x_file, x, y, output_kind, notes, tiling=None):
+        out_file = f"{name}.out.npy"
+        save_npy(self.out / out_file, y)
+        tiling = tiling or {}
+        self.cases.append(
+            {
+                "name": name,
+                "model": model,
+                "op": op,
+                "tiling": bool(tiling),
+                "tile_sample_min_size": tiling.get("tile_sample_min_size"),
+                "tile_latent_min_size": tiling.get("tile_latent_min_size"),
+                "tile_overlap_factor": tiling.get("tile_overlap_factor"),
+                "input": x_file,
+                "input_shape": list(x.shape),
+                "output": out_file,
+                "output_shape": list(y.shape),
+                "output_kind": output_kind,
+                "notes": notes,
+            }
+        )
+
+
+def tiling_record(vae) -> dict:
+    return {
+        "tile_sample_min_size": int(vae.tile_sample_min_size),
+        "tile_latent_min_size": int(vae.tile_latent_min_size),
+        "tile_overlap_factor": float(vae.tile_overlap_factor),
+    }
+
+
+def tiling_note(vae, size: int | None = None, factor: float | None = None) -> str:
+    s = (
+        f"vae.enable_tiling(); tile_sample_min_size={vae.tile_sample_min_size}, "
+        f"tile_latent_min_size={vae.tile_latent_min_size}, tile_overlap_factor={vae.tile_overlap_factor}"
+    )
+    set_by_hand = []
+    if size is not None:
+        set_by_hand.append(f"vae.tile_sample_min_size = {size}")
+        set_by_hand.append(
+            f"vae.tile_latent_min_size = int({size} / 2**({levels(vae)} - 1)) = {vae.tile_latent_min_size}"
+        )
+    if factor is not None:
+        set_by_hand.append(f"vae.tile_overlap_factor = {factor}")
+    if set_by_hand:
+        s += " (set by hand after enable_tiling(): " + "; ".join(set_by_hand) + "; the rest are model defaults)"
+    else:
+        s += " (all model defaults, derived from config.sample_size)"
+    return s
+
+
+def decode_cases(w: Writer, model: str, vae, *, plain, tiled, tiled_custom, extra=()):
+    """plain: latent shape; tiled: (latent shape); tiled_custom: (latent shape, S, F)."""
+    z = latent_input(plain, seed=hash_seed(model, "decode"))
+    f = w.input(f"{model}.decode.in", z)
+    reset_tiling(vae)
+    y = vae.decode(z).sample
+    w.case(name=f"{model}.decode", model=model, op="decode", x_file=f, x=z, y=y, output_kind="sample",
+           notes="vae.decode(z).sample, tiling disabled")
+
+    if tiled is not None:
+        z = latent_input(tiled, seed=hash_seed(model, "decode_tiled"))
+        f = w.input(f"{model}.decode_tiled.in", z)
+        set_tiling(vae, None, None)
+        y = vae.decode(z).sample
+        w.case(name=f"{model}.decode_tiled", model=model, op="decode", x_file=f, x=z, y=y,
+               output_kind="sample", tiling=tiling_record(vae),
+               notes=f"vae.decode(z).sample with {tiling_note(vae)}")
+        reset_tiling(vae)
+
+    if tiled_custom is not None:
+        shape, size, factor = tiled_custom
+        z = latent_input(shape, seed=hash_seed(model, "decode_tiled_custom"))
+        f = w.input(f"{model}.decode_tiled_custom.in", z)
+        set_tiling(vae, size, factor)
+        y = vae.decode(z).sample
+        w.case(name=f"{model}.decode_tiled_custom", model=model, op="decode", x_file=f, x=z, y=y,
+               output_kind="sample", tiling=tiling_record(vae),
+               notes=f"vae.decode(z).sample with {tiling_note(vae, size, factor)}")
+        reset_tiling(vae)
+
+    for tag, shape, note in extra:
+        z = latent_input(shape, seed=hash_seed(model, tag))
+        f = w.input(f"{model}.{tag}.in", z)
+        set_tiling(vae, None, None)
+        y = vae.decode(z).sample
+        w.case(name=f"{model}.{tag}", model=model, op="decode", x_file=f, x=z, y=y, output_kind="sample",
+               tiling=tiling_record(vae), notes=f"vae.decode(z).sample with {tiling_note(vae)}. {note}")
+        reset_tiling(vae)
+
+
+def encode_cases(w: Writer, model: str, vae, *, plain, tiled, tiled_custom, mean=True):
+    x = image_input(plain, seed=hash_seed(model, "encode"))
+    f = w.input(f"{model}.encode.in", x)
+    reset_tiling(vae)
+    h = vae._encode(x)
+    w.case(name=f"{model}.encode_moments", model=model, op="encode", x_file=f, x=x, y=h, output_kind="moments",
+           notes="vae._encode(x): encoder (+ quant_conv when present) output, channels = [mean; logvar] "
+                 "before DiagonalGaussianDistribution (logvar NOT clamped); tiling disabled")
+    if mean:
+        m = vae.encode(x).latent_dist.mean
+        w.case(name=f"{model}.encode_mean", model=model, op="encode", x_file=f, x=x, y=m, output_kind="mean",
+               notes="vae.encode(x).latent_dist.mean (first half of the moment channels); tiling disabled")
+
+    if tiled is not None:
+        x = image_input(tiled, seed=hash_seed(model, "encode_tiled"))
+        f = w.input(f"{model}.encode_tiled.in", x)
+        set_tiling(vae, None, None)
+        h = vae._encode(x)
+        w.case(name=f"{model}.encode_tiled_moments", model=model, op="encode", x_file=f, x=x, y=h,
+               output_kind="moments", tiling=tiling_record(vae),
+               notes=f"vae._encode(x) (routes to _tiled_encode) with {tiling_note(vae)}")
+        reset_tiling(vae)
+
+    if tiled_custom is not None:
+        shape, size, factor = tiled_custom
+        x = image_input(shape, seed=hash_seed(model, "encode_tiled_custom"))
+        f = w.input(f"{model}.encode_tiled_custom.in", x)
+        set_tiling(vae, size, factor)
+        h = vae._encode(x)
+        w.case(name=f"{model}.encode_tiled_custom_moments", model=model, op="encode", x_file=f, x=x, y=h,
+               output_kind="moments", tiling=tiling_record(vae),
+               notes=f"vae._encode(x) (routes to _tiled_encode) with {tiling_note(vae, size, factor)}")
+        reset_tiling(vae)
+
+
+def kl_normalized_cases(w: Writer, model: str, vae, *, latent_shape, image_file):
+    sf = vae.config.scaling_factor
+    shift = vae.config.shift_factor
+    reset_tiling(vae)
+    zn = latent_input(latent_shape, seed=hash_seed(model, "decode_normalized"))
+    f = w.input(f"{model}.decode_normalized.in", zn)
+    z = zn / sf
+    if shift is not None:
+        z = z + shift
+    y = vae.decode(z).sample
+    formula = f"vae.decode(z_n / {sf}" + (f" + {shift}" if shift is not None else "") + ").sample"
+    w.case(name=f"{model}.decode_normalized", model=model, op="decode_normalized", x_file=f, x=zn, y=y,
+           output_kind="sample",
+           notes=f"{formula} (pipeline denormalisation: / scaling_factor"
+                 + (", + shift_factor" if shift is not None else ", no shift_factor") + "); tiling disabled")
+
+    x = torch.from_numpy(np.load(w.out / image_file))
+    m = vae.encode(x).latent_dist.mean
+    y = m
+    if shift is not None:
+        y = y - shift
+    y = y * sf
+    formula = "(mean" + (f" - {shift}" if shift is not None else "") + f") * {sf}"
+    w.case(name=f"{model}.encode_normalized", model=model, op="encode_normalized", x_file=image_file, x=x, y=y,
+           output_kind="latents",
+           notes=f"{formula} with mean = vae.encode(x).latent_dist.mean (pipeline normalisation); tiling disabled")
+
+
+def flux2_normalized_cases(w: Writer, model: str, vae, *, packed_shape, image_shape):
+    reset_tiling(vae)
+    bn_mean, bn_std = bn_stats(vae)
+    zn = latent_input(packed_shape, seed=hash_seed(model, "decode_normalized"))
+    f = w.input(f"{model}.decode_normalized.in", zn)
+    z = unpatchify(zn * bn_std + bn_mean)
+    y = vae.decode(z).sample
+    w.case(name=f"{model}.decode_normalized", model=model, op="decode_normalized", x_file=f, x=zn, y=y,
+           output_kind="sample",
+           notes="Flux2Pipeline decode: z = z_n * sqrt(bn.running_var + batch_norm_eps) + bn.running_mean "
+                 "(per channel of the 4*latent_channels patchified layout), then _unpatchify_latents "
+                 "([B, 4C, h, w] -> [B, C, 2h, 2w]; channel index = c*4 + dy*2 + dx), then vae.decode(z).sample; "
+                 "tiling disabled")
+
+    x = image_input(image_shape, seed=hash_seed(model, "encode_normalized"))
+    f = w.input(f"{model}.encode_normalized.in", x)
+    m = vae.encode(x).latent_dist.mean
+    y = (patchify(m) - bn_mean) / bn_std
+    w.case(name=f"{model}.encode_normalized", model=model, op="encode_normalized", x_file=f, x=x, y=y,
+           output_kind="latents",
+           notes="Flux2Pipeline._encode_vae_image: mean = vae.encode(x).latent_dist.mean (sample_mode argmax), "
+                 "_patchify_latents ([B, C, H, W] -> [B, 4C, H/2, W/2]; channel index = c*4 + dy*2 + dx), "
+                 "then (p - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps); tiling disabled")
+
+
+def hash_seed(model: str, tag: str) -> int:
+    """A stable (not Python-hash-randomised) seed per (model, case)."""
+    s = 0
+    for ch in f"{model}/{tag}":
+        s = (s * 131 + ord(ch)) % 2_147_483_647
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def check_versions() -> None:
+    have = {"torch": torch.__version__.split("+")[0], "diffusers": diffusers.__version__}
+    bad = [f"{k}=={have[k]} (want {v})" for k, v in PINNED.items() if have[k] != v]
+    if bad:
+        sys.exit("gen_fixtures.py: wrong package versions: " + ", ".join(bad)
+                 + "; install scripts/requirements-fixtures.txt")
+
+
+def main() -> None:
+    check_versions()
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float32)
+
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").exists():
+            sys.exit(f"gen_fixtures.py: {out} is not empty and holds no manifest.json; refusing to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Save, then reload from disk, so the fixtures are computed from exactly the committed weights.
+    vaes = {}
+    for name, build in MODELS.items():
+        vae = build()
+        vae.save_pretrained(out / name, safe_serialization=True)
+        cls = type(vae)
+        vaes[name] = cls.from_pretrained(out / name).to(torch.float32).eval()
+
+    w = Writer(out)
+    with torch.no_grad():
+        # sd_like: 4 levels (8x), tile 64 px / 8 latent, stride 48 px / 6 latent.
+        vae = vaes["sd_like"]
+        decode_cases(w, "sd_like", vae, plain=(1, 4, 6, 9), tiled=(1, 4, 9, 14),
+                     tiled_custom=((1, 4, 5, 8), 48, 0.5))
+        encode_cases(w, "sd_like", vae, plain=(1, 3, 40, 56), tiled=(1, 3, 56, 104),
+                     tiled_custom=((1, 3, 40, 64), 48, 0.5))
+        kl_normalized_cases(w, "sd_like", vae, latent_shape=(1, 4, 6, 9), image_file="sd_like.encode.in.npy")
+
+        # sd_like_noattn: mid_block_add_attention=False.
+        vae = vaes["sd_like_noattn"]
+        decode_cases(w, "sd_like_noattn", vae, plain=(1, 4, 6, 9), tiled=None, tiled_custom=None)
+        encode_cases(w, "sd_like_noattn", vae, plain=(1, 3, 40, 56), tiled=None, tiled_custom=None)
+
+        # flux1_like: 3 levels (4x), tile 48 px / 12 latent, stride 36 px / 9 latent; batch 2 here.
+        vae = vaes["flux1_like"]
+        decode_cases(
+            w, "flux1_like", vae, plain=(1, 16, 6, 9), tiled=(2, 16, 11, 20),
+            tiled_custom=((1, 16, 8, 14), 32, None),
+            extra=[
+                ("decode_tiled_one_row", (1, 16, 12, 14),
+                 "Routing: height == tile_latent_min_size (not >) but width > it, so the tiled path runs "
+                 "with a single row of tiles."),
+                ("decode_tiling_enabled_small", (1, 16, 12, 12),
+                 "Routing: tiling enabled but neither side > tile_latent_min_size, so the plain path runs."),
+            ],
+        )
+        encode_cases(w, "flux1_like", vae, plain=(2, 3, 40, 56), tiled=(1, 3, 52, 84),
+                     tiled_custom=((1, 3, 40, 64), 32, None))
+        kl_normalized_cases(w, "flux1_like", vae, latent_shape=(1, 16, 6, 9), image_file="flux1_like.encode.in.npy")
+
+        # flux2_like: 4 levels (8x), decoder channels differ from encoder ones, BatchNorm stats set.
+        vae = vaes["flux2_like"]
+        decode_cases(w, "flux2_like", vae, plain=(1, 32, 6, 9), tiled=(1, 32, 9, 14),
+                     tiled_custom=((1, 32, 6, 10), None, 0.5))
+        encode_cases(w, "flux2_like", vae, plain=(1, 3, 40, 56), tiled=(1, 3, 64, 112),
+                     tiled_custom=((1, 3, 48, 80), None, 0.5))
+        flux2_normalized_cases(w, "flux2_like", vae, packed_shape=(1, 128, 3, 5), image_shape=(1, 3, 48, 80))
+
+    (out / "manifest.json").write_text(json.dumps(w.cases, indent=2) + "\n")
+    for c in w.cases:
+        print(f"{c['name']:45s} {c['op']:18s} {str(c['input_shape']):18s} -> {c['output_shape']}")
+
+
+if __name__ == "__main__":
+    main()
