@@ -95,3 +95,38 @@ pub fn assert_all_succeeded(what: &str, exits: &[RankExit]) {
         panic!("{what} failed:\n{}", text.join("\n"));
     }
 }
+
+/// The repository's `fixtures/` directory.
+pub fn fixtures_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("fixtures")
+}
+
+/// One ground-truth case of `fixtures/<family>/manifest.json`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct FixtureCase {
+    /// Case name.
+    pub name: String,
+    /// Model directory name.
+    pub model: String,
+    /// `decode`, `encode`, `decode_normalized` or `encode_normalized`.
+    pub op: String,
+    /// Whether diffusers' tiling was enabled.
+    pub tiling: bool,
+    /// `tile_sample_min_size` set on the model, if any.
+    pub tile_sample_min_size: Option<usize>,
+    /// `tile_overlap_factor` set on the model, if any.
+    pub tile_overlap_factor: Option<f64>,
+    /// Input `.npy`.
+    pub input: String,
+    /// Expected output `.npy`.
+    pub output: String,
+    /// `sample`, `moments`, `mean` or `latents`.
+    pub output_kind: String,
+}
+
+/// The cases of one family's manifest.
+pub fn fixture_cases(family: &str) -> Vec<FixtureCase> {
+    let path = fixtures_dir().join(family).join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}

@@ -4,9 +4,15 @@
 //! request, its tile geometry, and who receives the output. Shared crates below only provide
 //! mechanism.
 //!
-//! The model code itself arrives with the AutoencoderKL and video-VAE work; this crate already
-//! holds the part of the policy that the specification fixes per family: output placement.
+//! Families so far: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2). The video VAEs
+//! (Wan, Qwen-Image) come next.
 
+pub mod autoencoder_kl;
+mod error;
+pub mod layers;
+pub mod weights;
+
+pub use error::{ModelError, Result};
 use vae_runtime::OutputPlacement;
 
 /// The VAE families vae-parallel targets.

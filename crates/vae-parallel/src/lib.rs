@@ -9,7 +9,9 @@
 //! (pure tile geometry and balancing), [`runtime`] (the distributed executor), [`models`] (VAE
 //! families and their policies).
 
+pub mod engine;
 pub mod group;
+pub mod io;
 pub mod report;
 
 pub use vae_models as models;

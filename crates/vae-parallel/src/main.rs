@@ -4,6 +4,7 @@
 
 mod bench;
 mod demo;
+mod model_cmds;
 mod ranks;
 
 use std::process::ExitCode;
@@ -28,6 +29,12 @@ enum Command {
     /// Run the tile executor across ranks on a built-in synthetic decoder (no downloads) and
     /// check the result is bit-identical to one rank.
     Demo(demo::DemoArgs),
+    /// Decode a latent with a diffusers VAE.
+    Decode(model_cmds::DecodeArgs),
+    /// Encode an image with a diffusers VAE.
+    Encode(model_cmds::EncodeArgs),
+    /// Describe a diffusers VAE directory.
+    Inspect(model_cmds::InspectArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -45,6 +52,9 @@ fn main() -> ExitCode {
 
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
+        Command::Decode(args) => model_cmds::decode(&args),
+        Command::Encode(args) => model_cmds::encode(&args),
+        Command::Inspect(args) => model_cmds::inspect(&args),
         Command::Bench(which) => bench::run(&which),
     };
     match result {

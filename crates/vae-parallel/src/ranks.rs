@@ -48,7 +48,7 @@ pub fn run_group<R: Send>(
     let config = TransportConfig::from_env()?;
     match args.transport {
         TransportKind::Local => {
-            let results = run_local(args.ranks, config, |comm| body(Arc::new(comm)))?;
+            let results = run_local(args.ranks, config, |comm| run_rank(Arc::new(comm), &body))?;
             Ok(GroupOutcome::AllRanks(
                 results
                     .into_iter()
@@ -65,7 +65,7 @@ pub fn run_group<R: Send>(
             };
             let comm = SocketComm::connect(&options).context("joining the socket group")?;
             let rank = comm.rank();
-            Ok(GroupOutcome::OneRank(rank, body(Arc::new(comm))))
+            Ok(GroupOutcome::OneRank(rank, run_rank(Arc::new(comm), &body)))
         }
         TransportKind::Socket => {
             let forwarded: Vec<_> = std::env::args_os().skip(1).collect();
@@ -73,4 +73,17 @@ pub fn run_group<R: Send>(
             Ok(GroupOutcome::Supervised(launch_processes(args.ranks, &forwarded, grace)?))
         }
     }
+}
+
+/// Runs one rank's body; a failure is announced to the other ranks with its reason (a no-op
+/// when they already know), so nobody waits for this rank or blames the wrong one.
+fn run_rank<R>(
+    comm: Arc<dyn Communicator>,
+    body: &(impl Fn(Arc<dyn Communicator>) -> anyhow::Result<R> + Sync),
+) -> anyhow::Result<R> {
+    let result = body(Arc::clone(&comm));
+    if let Err(err) = &result {
+        comm.abort(&format!("{err:#}"));
+    }
+    result
 }

@@ -476,6 +476,23 @@ fn inconsistent(err: RuntimeError) -> RuntimeError {
     }
 }
 
+/// Runs an operator on this thread alone: split, execute every tile in order, merge. The same
+/// result [`DistributedVaeExecutor::execute`] returns on any number of ranks, without a
+/// communicator (what a single-device caller, or a reference, needs).
+pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor, RuntimeError> {
+    let failed = |stage, message| RuntimeError::Operator { stage, rank: 0, message };
+    let plan = guarded(|| op.split(input)).map_err(|m| failed(Stage::Split, m))?;
+    plan.grid.validate_tasks(&plan.tasks)?;
+    let mut tiles = TileMap::new();
+    for task in &plan.tasks {
+        let out = guarded(|| op.exec(input, task)).map_err(|m| failed(Stage::Exec { tile_id: task.tile_id }, m))?;
+        tiles.insert(task.grid_coord.clone(), out);
+    }
+    guarded(|| op.merge(tiles, &plan.grid))
+        .and_then(|out| cast_output(out, plan.grid.output_dtype))
+        .map_err(|m| failed(Stage::Merge, m))
+}
+
 /// Every planned tile must come back exactly once.
 fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) -> Result<(), RuntimeError> {
     let mut seen = vec![false; count];

@@ -9,12 +9,14 @@
 mod codec;
 mod error;
 mod executor;
+mod mode;
 pub mod stitch;
 pub mod synthetic;
 
 pub use error::{RuntimeError, Stage};
 pub use executor::{
     DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, TileMap,
-    TileOperator, TilePlan,
+    TileOperator, TilePlan, execute_serial,
 };
+pub use mode::{ParallelMode, UnknownMode};
 pub use stitch::StitchSpec;

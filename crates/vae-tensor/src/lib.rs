@@ -2,15 +2,23 @@
 //!
 //! Tensors are dense and row-major (NCHW for images, NCTHW for video, as diffusers). A
 //! [`Tensor`] owns its storage; ops return new tensors, except the few in-place ones that the
-//! diffusers semantics need (the tile blend writes into the current tile). Storage is an enum
-//! over backends so that the layers above never name one.
+//! diffusers semantics need (the tile blend writes into the current tile) or that save a copy
+//! on the hot path (`*_inplace`, [`Tensor::add_assign`]). Storage is an enum over backends so
+//! that the layers above never name one.
+//!
+//! The ops (convolution, group norm, attention, matmul, element-wise and layout ops) follow
+//! PyTorch's semantics in f32; every buffer is charged to the allocating thread's
+//! [`memory`] counters.
 
 mod device;
 mod error;
+pub mod memory;
+mod ops;
 mod shape;
 mod tensor;
 
 pub use device::{DType, Device};
 pub use error::{Result, TensorError};
+pub use ops::conv::Conv2dParams;
 pub use shape::Shape;
 pub use tensor::Tensor;

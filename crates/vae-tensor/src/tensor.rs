@@ -1,5 +1,6 @@
 //! The tensor type and its ops (CPU backend).
 
+use crate::memory::Buffer;
 use crate::{DType, Device, Result, Shape, TensorError};
 
 /// Backend storage. Only the CPU variant exists until the CUDA backend lands; the enum keeps
@@ -9,9 +10,10 @@ enum Storage {
     Cpu(CpuStorage),
 }
 
+/// Host buffers, charged to the allocating thread's [`crate::memory`] counters.
 #[derive(Debug, Clone, PartialEq)]
 enum CpuStorage {
-    F32(Vec<f32>),
+    F32(Buffer),
 }
 
 /// A dense row-major tensor.
@@ -21,7 +23,7 @@ pub struct Tensor {
     storage: Storage,
 }
 
-fn check_device(op: &'static str, device: &Device) -> Result<()> {
+pub(crate) fn check_device(op: &'static str, device: &Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
         Device::Cuda(_) => Err(TensorError::DeviceUnavailable {
@@ -37,7 +39,7 @@ impl Tensor {
         check_device("zeros", device)?;
         let shape = shape.into();
         match dtype {
-            DType::F32 => Ok(Self { storage: Storage::Cpu(CpuStorage::F32(vec![0.0; shape.elem_count()])), shape }),
+            DType::F32 => Ok(Self::from_buffer(Buffer::zeros(shape.elem_count()), shape)),
             other => Err(TensorError::UnsupportedDType { op: "zeros", dtype: other, device: *device }),
         }
     }
@@ -54,7 +56,14 @@ impl Tensor {
                 shape,
             });
         }
-        Ok(Self { shape, storage: Storage::Cpu(CpuStorage::F32(data)) })
+        Ok(Self::from_buffer(Buffer::from_vec(data), shape))
+    }
+
+    /// A host f32 tensor over `buffer`, whose length the caller has made equal to the shape's
+    /// element count.
+    pub(crate) fn from_buffer(buffer: Buffer, shape: Shape) -> Self {
+        debug_assert_eq!(buffer.as_slice().len(), shape.elem_count());
+        Self { shape, storage: Storage::Cpu(CpuStorage::F32(buffer)) }
     }
 
     /// A tensor from raw native-endian element bytes, as [`Tensor::as_bytes`] produces.
@@ -74,7 +83,7 @@ impl Tensor {
         match dtype {
             DType::F32 => {
                 let data = bytes.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes"))).collect();
-                Ok(Self { shape, storage: Storage::Cpu(CpuStorage::F32(data)) })
+                Ok(Self::from_buffer(Buffer::from_vec(data), shape))
             }
             other => Err(TensorError::UnsupportedDType { op: "from_bytes", dtype: other, device: *device }),
         }
@@ -122,13 +131,14 @@ impl Tensor {
     /// The f32 elements, for host-resident f32 tensors.
     pub fn as_slice_f32(&self) -> Result<&[f32]> {
         match &self.storage {
-            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_slice()),
         }
     }
 
-    fn as_mut_slice_f32(&mut self) -> Result<&mut [f32]> {
+    /// The f32 elements, mutable, for host-resident f32 tensors.
+    pub(crate) fn as_mut_slice_f32(&mut self) -> Result<&mut [f32]> {
         match &mut self.storage {
-            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_mut_slice()),
         }
     }
 
@@ -155,7 +165,30 @@ impl Tensor {
         Ok(hasher.digest())
     }
 
-    fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
+    /// Replaces the shape; the caller has checked that the element count is unchanged.
+    pub(crate) fn set_shape(&mut self, shape: Shape) {
+        debug_assert_eq!(shape.elem_count(), self.elem_count());
+        self.shape = shape;
+    }
+
+    /// An error unless `other` lives on the same device as `self`.
+    pub(crate) fn check_same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.device() != other.device() {
+            return Err(TensorError::DeviceMismatch { op, lhs: self.device(), rhs: other.device() });
+        }
+        Ok(())
+    }
+
+    /// An error unless `other` has the same shape and device as `self` (element-wise ops).
+    pub(crate) fn check_same_shape(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        self.check_same_device(op, other)?;
+        if self.shape != other.shape {
+            return Err(TensorError::ShapeMismatch { op, lhs: self.shape.clone(), rhs: other.shape.clone() });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
         if dim >= self.rank() {
             return Err(TensorError::DimOutOfRange { op, dim, shape: self.shape.clone() });
         }

@@ -1,0 +1,457 @@
+//! The modules of diffusers' `AutoencoderKL` / `AutoencoderKLFlux2`: `Encoder`, `Decoder`,
+//! `quant_conv`, `post_quant_conv`, and FLUX.2's latent batch-norm statistics.
+
+use std::path::Path;
+
+use vae_planner::AutoencoderKlTiling;
+use vae_runtime::ParallelMode;
+use vae_tensor::Tensor;
+
+use super::config::{AutoencoderKlConfig, KlVariant};
+use crate::layers::{Conv2d, Downsample2d, GroupNorm, MidBlock2d, ResnetBlock2d, Upsample2d};
+use crate::weights::{WeightStore, Weights};
+use crate::{ModelError, Result};
+
+/// Epsilon of every GroupNorm in these VAEs (diffusers hard-codes it).
+const NORM_EPS: f32 = 1e-6;
+
+struct DownBlock {
+    resnets: Vec<ResnetBlock2d>,
+    downsample: Option<Downsample2d>,
+}
+
+/// diffusers `Encoder` (`double_z=True`): image → moments (mean and log-variance).
+pub struct Encoder {
+    conv_in: Conv2d,
+    down_blocks: Vec<DownBlock>,
+    mid_block: MidBlock2d,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Encoder {
+    fn load(w: &mut Weights<'_>, c: &AutoencoderKlConfig) -> Result<Self> {
+        let widths = &c.block_out_channels;
+        let groups = c.norm_num_groups;
+        let conv_in = Conv2d::load3x3(&mut w.pp("conv_in"), c.in_channels, widths[0])?;
+        let mut down_blocks = Vec::with_capacity(widths.len());
+        let mut output = widths[0];
+        for (i, &width) in widths.iter().enumerate() {
+            let input = output;
+            output = width;
+            let mut block = w.pp(format!("down_blocks.{i}"));
+            let resnets = (0..c.layers_per_block)
+                .map(|j| {
+                    let cin = if j == 0 { input } else { output };
+                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let last = i + 1 == widths.len();
+            let downsample =
+                if last { None } else { Some(Downsample2d::load(&mut block.pp("downsamplers").pp(0), output)?) };
+            down_blocks.push(DownBlock { resnets, downsample });
+        }
+        let top = *widths.last().expect("validated non-empty");
+        Ok(Self {
+            conv_in,
+            down_blocks,
+            mid_block: MidBlock2d::load(&mut w.pp("mid_block"), top, groups, c.mid_block_add_attention)?,
+            conv_norm_out: GroupNorm::load(&mut w.pp("conv_norm_out"), groups, top, NORM_EPS)?,
+            conv_out: Conv2d::load3x3(&mut w.pp("conv_out"), top, 2 * c.latent_channels)?,
+        })
+    }
+
+    /// Runs the encoder on an NCHW image.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = self.conv_in.forward(x)?;
+        for block in &self.down_blocks {
+            for resnet in &block.resnets {
+                h = resnet.forward(&h)?;
+            }
+            if let Some(down) = &block.downsample {
+                h = down.forward(&h)?;
+            }
+        }
+        h = self.mid_block.forward(&h)?;
+        let mut h = self.conv_norm_out.forward(&h)?;
+        h.silu_inplace()?;
+        self.conv_out.forward(&h)
+    }
+}
+
+struct UpBlock {
+    resnets: Vec<ResnetBlock2d>,
+    upsample: Option<Upsample2d>,
+}
+
+/// diffusers `Decoder`: latent → image.
+pub struct Decoder {
+    conv_in: Conv2d,
+    mid_block: MidBlock2d,
+    up_blocks: Vec<UpBlock>,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Decoder {
+    fn load(w: &mut Weights<'_>, c: &AutoencoderKlConfig) -> Result<Self> {
+        let widths = &c.decoder_block_out_channels;
+        let groups = c.norm_num_groups;
+        let top = *widths.last().expect("validated non-empty");
+        let conv_in = Conv2d::load3x3(&mut w.pp("conv_in"), c.latent_channels, top)?;
+        let mid_block = MidBlock2d::load(&mut w.pp("mid_block"), top, groups, c.mid_block_add_attention)?;
+        let mut up_blocks = Vec::with_capacity(widths.len());
+        let mut output = top;
+        for (i, &width) in widths.iter().rev().enumerate() {
+            let prev = output;
+            output = width;
+            let mut block = w.pp(format!("up_blocks.{i}"));
+            let resnets = (0..=c.layers_per_block)
+                .map(|j| {
+                    let cin = if j == 0 { prev } else { output };
+                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let last = i + 1 == widths.len();
+            let upsample = if last { None } else { Some(Upsample2d::load(&mut block.pp("upsamplers").pp(0), output)?) };
+            up_blocks.push(UpBlock { resnets, upsample });
+        }
+        Ok(Self {
+            conv_in,
+            mid_block,
+            up_blocks,
+            conv_norm_out: GroupNorm::load(&mut w.pp("conv_norm_out"), groups, widths[0], NORM_EPS)?,
+            conv_out: Conv2d::load3x3(&mut w.pp("conv_out"), widths[0], c.out_channels)?,
+        })
+    }
+
+    /// Runs the decoder on an NCHW latent (after `post_quant_conv`).
+    pub fn forward(&self, z: &Tensor) -> Result<Tensor> {
+        let h = self.conv_in.forward(z)?;
+        let mut h = self.mid_block.forward(&h)?;
+        for block in &self.up_blocks {
+            for resnet in &block.resnets {
+                h = resnet.forward(&h)?;
+            }
+            if let Some(up) = &block.upsample {
+                h = up.forward(&h)?;
+            }
+        }
+        let mut h = self.conv_norm_out.forward(&h)?;
+        h.silu_inplace()?;
+        self.conv_out.forward(&h)
+    }
+}
+
+/// FLUX.2's `bn` running statistics over 2×2-patchified latents, which the FLUX.2 pipeline uses
+/// to (de)normalise latents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LatentBatchNorm {
+    /// `bn.running_mean`, per patchified channel.
+    pub mean: Vec<f32>,
+    /// `bn.running_var`, per patchified channel.
+    pub var: Vec<f32>,
+    /// `batch_norm_eps`.
+    pub eps: f64,
+}
+
+impl LatentBatchNorm {
+    /// `sqrt(running_var + eps)` in f32, as the pipeline computes it on an f32 tensor.
+    pub fn std(&self) -> Vec<f32> {
+        self.var.iter().map(|v| (v + self.eps as f32).sqrt()).collect()
+    }
+}
+
+/// A loaded AutoencoderKL-family VAE.
+pub struct AutoencoderKl {
+    config: AutoencoderKlConfig,
+    encoder: Encoder,
+    decoder: Decoder,
+    quant_conv: Option<Conv2d>,
+    post_quant_conv: Option<Conv2d>,
+    latent_bn: Option<LatentBatchNorm>,
+    tiling: AutoencoderKlTiling,
+    parameter_count: usize,
+    stored_dtypes: Vec<(String, usize)>,
+}
+
+impl std::fmt::Debug for AutoencoderKl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AutoencoderKl").field("config", &self.config).field("tiling", &self.tiling).finish()
+    }
+}
+
+impl AutoencoderKl {
+    /// Loads a diffusers model directory (`config.json` and the safetensors weights).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = AutoencoderKlConfig::from_file(&dir.join("config.json"))?;
+        let mut store = WeightStore::open_dir(dir)?;
+        let model = Self::from_store(config, &mut store)?;
+        store.finish()?;
+        Ok(model)
+    }
+
+    /// Builds the model from a config and weights (every weight the config implies must be
+    /// there with its shape; call [`WeightStore::finish`] afterwards to refuse extra ones).
+    pub fn from_store(config: AutoencoderKlConfig, store: &mut WeightStore) -> Result<Self> {
+        let parameter_count = store.parameter_count();
+        let mut stored_dtypes: Vec<(String, usize)> = store.dtypes().into_iter().collect();
+        stored_dtypes.sort();
+        let mut w = Weights::new(store);
+        let encoder = Encoder::load(&mut w.pp("encoder"), &config)?;
+        let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
+        let latent = config.latent_channels;
+        let quant_conv = if config.use_quant_conv {
+            Some(Conv2d::load1x1(&mut w.pp("quant_conv"), 2 * latent, 2 * latent)?)
+        } else {
+            None
+        };
+        let post_quant_conv = if config.use_post_quant_conv {
+            Some(Conv2d::load1x1(&mut w.pp("post_quant_conv"), latent, latent)?)
+        } else {
+            None
+        };
+        let latent_bn = match config.variant {
+            KlVariant::AutoencoderKl => None,
+            KlVariant::Flux2 => {
+                let channels = config.patch_size[0] * config.patch_size[1] * latent;
+                let mut bn = w.pp("bn");
+                let mean = bn.get("running_mean", &[channels])?.to_vec_f32()?;
+                let var = bn.get("running_var", &[channels])?.to_vec_f32()?;
+                bn.skip("num_batches_tracked");
+                Some(LatentBatchNorm { mean, var, eps: config.batch_norm_eps })
+            }
+        };
+        let tiling = AutoencoderKlTiling::from_config(config.sample_size, config.levels());
+        Ok(Self {
+            config,
+            encoder,
+            decoder,
+            quant_conv,
+            post_quant_conv,
+            latent_bn,
+            tiling,
+            parameter_count,
+            stored_dtypes,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AutoencoderKlConfig {
+        &self.config
+    }
+
+    /// Scalar parameters in the checkpoint.
+    pub fn parameter_count(&self) -> usize {
+        self.parameter_count
+    }
+
+    /// Element types the checkpoint stores, with tensor counts (weights are used as f32).
+    pub fn stored_dtypes(&self) -> &[(String, usize)] {
+        &self.stored_dtypes
+    }
+
+    /// FLUX.2's latent statistics (`None` for AutoencoderKL).
+    pub fn latent_batch_norm(&self) -> Option<&LatentBatchNorm> {
+        self.latent_bn.as_ref()
+    }
+
+    /// The tile geometry in use (diffusers' defaults from the config unless changed).
+    pub fn tiling(&self) -> &AutoencoderKlTiling {
+        &self.tiling
+    }
+
+    /// Changes the tile size and/or overlap as a diffusers user can: `tile_sample_min_size` in
+    /// pixels (the latent tile follows as `int(size / 2^(levels-1))`, diffusers' formula) and
+    /// `tile_overlap_factor`.
+    pub fn set_tiling(&mut self, tile_sample_min_size: Option<usize>, tile_overlap_factor: Option<f64>) -> Result<()> {
+        let mut tiling = self.tiling;
+        if let Some(size) = tile_sample_min_size {
+            tiling = AutoencoderKlTiling {
+                tile_overlap_factor: tiling.tile_overlap_factor,
+                ..AutoencoderKlTiling::from_config(size, self.config.levels())
+            };
+        }
+        if let Some(f) = tile_overlap_factor {
+            tiling.tile_overlap_factor = f;
+        }
+        // Reject geometry that cannot tile (zero stride, blend wider than the tile) up front.
+        tiling.decode_layout(1, 1, 1).map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
+        tiling.encode_stride().map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
+        if tiling.tile_latent_min_size == 0 {
+            return Err(ModelError::InvalidInput(format!(
+                "tile_sample_min_size {} is smaller than one latent pixel ({} px)",
+                tiling.tile_sample_min_size,
+                self.config.spatial_scale()
+            )));
+        }
+        self.tiling = tiling;
+        Ok(())
+    }
+
+    /// This family's answer to a requested parallel mode: `tile` (and `auto`, which can only
+    /// choose tile here) run; the spatial-shard modes need a distributed GroupNorm this family
+    /// does not have yet, and are refused rather than silently run as tiles.
+    pub fn resolve_mode(&self, mode: ParallelMode) -> Result<ParallelMode> {
+        match mode {
+            ParallelMode::Tile | ParallelMode::Auto => Ok(ParallelMode::Tile),
+            shard => Err(ModelError::Unsupported(format!(
+                "{} does not support the {shard} parallel mode yet (its GroupNorms need distributed statistics); use tile",
+                self.config.variant.class_name()
+            ))),
+        }
+    }
+
+    /// Checks a latent: `[B, latent_channels, H, W]`, finite.
+    pub fn check_latent(&self, z: &Tensor) -> Result<()> {
+        check_nchw(z, self.config.latent_channels, "latent")
+    }
+
+    /// Checks an image: `[B, in_channels, H, W]` with H, W ≥ one latent pixel, finite.
+    pub fn check_image(&self, x: &Tensor) -> Result<()> {
+        check_nchw(x, self.config.in_channels, "image")?;
+        let scale = self.config.spatial_scale();
+        if x.dims()[2] < scale || x.dims()[3] < scale {
+            return Err(ModelError::InvalidInput(format!(
+                "image of {}x{} pixels is smaller than one latent pixel ({scale}x{scale})",
+                x.dims()[2],
+                x.dims()[3]
+            )));
+        }
+        Ok(())
+    }
+
+    /// `post_quant_conv` (when present) then the decoder: `vae.decode(z)` without tiling.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        self.check_latent(z)?;
+        self.decode_unchecked(z)
+    }
+
+    pub(crate) fn decode_unchecked(&self, z: &Tensor) -> Result<Tensor> {
+        match &self.post_quant_conv {
+            Some(conv) => self.decoder.forward(&conv.forward(z)?),
+            None => self.decoder.forward(z),
+        }
+    }
+
+    /// The encoder then `quant_conv` (when present): the raw moments `[B, 2·latent, h, w]`
+    /// (`vae._encode(x)` without tiling).
+    pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_image(x)?;
+        self.encode_unchecked(x)
+    }
+
+    pub(crate) fn encode_unchecked(&self, x: &Tensor) -> Result<Tensor> {
+        let moments = self.encoder.forward(x)?;
+        match &self.quant_conv {
+            Some(conv) => conv.forward(&moments),
+            None => Ok(moments),
+        }
+    }
+
+    /// Whether diffusers, with tiling enabled, takes the tiled path for this latent.
+    pub fn decode_is_tiled(&self, z: &Tensor) -> bool {
+        let d = z.dims();
+        d.len() == 4 && self.tiling.needs_tiling_decode(d[2], d[3])
+    }
+
+    /// Whether diffusers, with tiling enabled, takes the tiled path for this image.
+    pub fn encode_is_tiled(&self, x: &Tensor) -> bool {
+        let d = x.dims();
+        d.len() == 4 && self.tiling.needs_tiling_encode(d[2], d[3])
+    }
+
+    /// Latents as a diffusion pipeline produces them → latents the VAE decodes. AutoencoderKL:
+    /// `z / scaling_factor + shift_factor` (shift only when set). FLUX.2: patchified latents
+    /// `[B, 4·C, h, w]` → `z·sqrt(var + eps) + mean`, then unpatchified to `[B, C, 2h, 2w]`.
+    pub fn denormalize_latents(&self, z: &Tensor) -> Result<Tensor> {
+        match &self.latent_bn {
+            None => {
+                self.check_latent(z)?;
+                let scale = self.config.scaling_factor.unwrap_or(1.0);
+                // PyTorch divides (`z / s`), which can differ from multiplying by 1/s in the last
+                // bit; divide element-wise to match.
+                let mut out = z.div_scalar(scale as f32)?;
+                if let Some(shift) = self.config.shift_factor {
+                    out = out.add_scalar(shift as f32)?;
+                }
+                Ok(out)
+            }
+            Some(bn) => {
+                let channels = bn.mean.len();
+                check_nchw(z, channels, "patchified FLUX.2 latent")?;
+                let scaled = z.channel_affine(&bn.std(), &bn.mean)?;
+                unpatchify2x2(&scaled)
+            }
+        }
+    }
+
+    /// The inverse for encoded means: AutoencoderKL `(mean - shift_factor) · scaling_factor`;
+    /// FLUX.2 patchify 2×2, then `(x - mean) / sqrt(var + eps)`.
+    pub fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor> {
+        self.check_latent(mean)?;
+        match &self.latent_bn {
+            None => {
+                let scale = self.config.scaling_factor.unwrap_or(1.0) as f32;
+                let shifted = match self.config.shift_factor {
+                    Some(shift) => mean.add_scalar(-(shift as f32))?,
+                    None => mean.clone(),
+                };
+                Ok(shifted.mul_scalar(scale)?)
+            }
+            Some(bn) => {
+                let patched = patchify2x2(mean)?;
+                Ok(patched.channel_normalize(&bn.mean, &bn.std())?)
+            }
+        }
+    }
+}
+
+/// `[B, C, H, W]` → `[B, 4C, H/2, W/2]`, channel `c·4 + dy·2 + dx` (FLUX.2 `_patchify_latents`).
+pub fn patchify2x2(x: &Tensor) -> Result<Tensor> {
+    let d = x.dims().to_vec();
+    if d.len() != 4 || !d[2].is_multiple_of(2) || !d[3].is_multiple_of(2) {
+        return Err(ModelError::InvalidInput(format!("cannot patchify a latent of shape {:?} 2x2", d)));
+    }
+    let (b, c, h, w) = (d[0], d[1], d[2], d[3]);
+    Ok(x.reshape(vec![b, c, h / 2, 2, w / 2, 2])?.permute(&[0, 1, 3, 5, 2, 4])?.reshape(vec![
+        b,
+        c * 4,
+        h / 2,
+        w / 2,
+    ])?)
+}
+
+/// The inverse of [`patchify2x2`] (FLUX.2 `_unpatchify_latents`).
+pub fn unpatchify2x2(x: &Tensor) -> Result<Tensor> {
+    let d = x.dims().to_vec();
+    if d.len() != 4 || !d[1].is_multiple_of(4) {
+        return Err(ModelError::InvalidInput(format!("cannot unpatchify a latent of shape {:?}", d)));
+    }
+    let (b, c, h, w) = (d[0], d[1] / 4, d[2], d[3]);
+    Ok(x.reshape(vec![b, c, 2, 2, h, w])?.permute(&[0, 1, 4, 2, 5, 3])?.reshape(vec![b, c, h * 2, w * 2])?)
+}
+
+fn check_nchw(t: &Tensor, channels: usize, what: &str) -> Result<()> {
+    let d = t.dims();
+    if d.len() != 4 {
+        return Err(ModelError::InvalidInput(format!("{what} must be [B, C, H, W], got shape {:?}", d)));
+    }
+    if d[1] != channels {
+        return Err(ModelError::InvalidInput(format!("{what} has {} channels, the model expects {channels}", d[1])));
+    }
+    if d.contains(&0) {
+        return Err(ModelError::InvalidInput(format!("{what} of shape {:?} is empty", d)));
+    }
+    let values = t.as_slice_f32()?;
+    if let Some(first) = values.iter().position(|v| !v.is_finite()) {
+        let count = values.iter().filter(|v| !v.is_finite()).count();
+        let strides = t.shape().strides();
+        let index: Vec<usize> = strides.iter().zip(d).map(|(s, n)| (first / s) % n).collect();
+        return Err(ModelError::InvalidInput(format!(
+            "{what} has {count} non-finite value(s); the first is {} at index {index:?}",
+            values[first]
+        )));
+    }
+    Ok(())
+}

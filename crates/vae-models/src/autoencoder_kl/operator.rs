@@ -1,0 +1,123 @@
+//! Tile operators of the AutoencoderKL family for the distributed executor: diffusers'
+//! `tiled_decode` and `_tiled_encode` cut into split / exec / merge, and the untiled paths as a
+//! single tile (so small inputs are computed once, by one rank, instead of on every rank).
+
+use std::ops::Range;
+
+use vae_planner::{GridSpec, MergeRule, TileLayout2d, TileTask};
+use vae_runtime::stitch::{StitchSpec, stitch};
+use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
+use vae_tensor::{DType, Tensor};
+
+use super::model::AutoencoderKl;
+use crate::ModelError;
+
+/// Encode or decode, tiled as diffusers would for the input (`use_tiling` and larger than a
+/// tile), or in one piece.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KlTask {
+    /// Latent → image.
+    Decode,
+    /// Image → raw moments (after `quant_conv`).
+    Encode,
+}
+
+/// The operator the executor runs for one request.
+pub struct KlOperator<'m> {
+    model: &'m AutoencoderKl,
+    task: KlTask,
+    use_tiling: bool,
+}
+
+impl<'m> KlOperator<'m> {
+    /// An operator for `task`; with `use_tiling`, inputs larger than a tile are tiled exactly as
+    /// diffusers' `enable_tiling()` does.
+    pub fn new(model: &'m AutoencoderKl, task: KlTask, use_tiling: bool) -> Self {
+        Self { model, task, use_tiling }
+    }
+
+    fn tiled(&self, input: &Tensor) -> bool {
+        self.use_tiling
+            && match self.task {
+                KlTask::Decode => self.model.decode_is_tiled(input),
+                KlTask::Encode => self.model.encode_is_tiled(input),
+            }
+    }
+
+    fn layout(&self, h: usize, w: usize) -> Result<TileLayout2d, ModelError> {
+        let tiling = self.model.tiling();
+        let levels = self.model.config().levels() as u32;
+        let plan = match self.task {
+            KlTask::Decode => tiling.decode_layout(h, w, self.model.config().spatial_scale()),
+            // Each Downsample2D (pad right/bottom by 1, 3×3 stride 2) maps n to n / 2.
+            KlTask::Encode => tiling.encode_layout(h, w, |n| n >> (levels - 1)),
+        };
+        plan.map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))
+    }
+
+    fn rule(&self) -> Result<MergeRule, ModelError> {
+        let tiling = self.model.tiling();
+        let rule = match self.task {
+            KlTask::Decode => tiling.decode_rule(),
+            KlTask::Encode => tiling.encode_rule(),
+        };
+        rule.map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))
+    }
+}
+
+impl TileOperator for KlOperator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        match self.task {
+            KlTask::Decode => self.model.check_latent(input)?,
+            KlTask::Encode => self.model.check_image(input)?,
+        }
+        let (h, w) = (input.dims()[2], input.dims()[3]);
+        if !self.tiled(input) {
+            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
+            let grid = GridSpec {
+                split_dims: vec![2, 3],
+                grid_shape: vec![1, 1],
+                tile_spec: None,
+                output_dtype: Some(DType::F32),
+            };
+            return Ok(TilePlan { tasks: vec![task], grid });
+        }
+        let layout = self.layout(h, w)?;
+        let rule = self.rule()?;
+        let tasks = layout.to_tasks(|tile| tile.input.clone());
+        let [rows, cols] = layout.grid_shape();
+        let grid = GridSpec {
+            split_dims: vec![2, 3],
+            grid_shape: vec![rows, cols],
+            tile_spec: Some(StitchSpec { dims: [2, 3], rules: [rule, rule] }),
+            output_dtype: Some(DType::F32),
+        };
+        Ok(TilePlan { tasks, grid })
+    }
+
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let whole = rows.len() == input.dims()[2] && cols.len() == input.dims()[3];
+        let tile;
+        let tile_ref = if whole {
+            input
+        } else {
+            tile = input.narrow(2, rows.start, rows.len())?.narrow(3, cols.start, cols.len())?;
+            &tile
+        };
+        Ok(match self.task {
+            KlTask::Decode => self.model.decode_unchecked(tile_ref)?,
+            KlTask::Encode => self.model.encode_unchecked(tile_ref)?,
+        })
+    }
+
+    fn merge(&self, mut tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
+        match &grid.tile_spec {
+            None => tiles.take(&[0, 0]).ok_or_else(|| "the single tile is missing".into()),
+            Some(spec) => Ok(stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?),
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The model error type.
+
+use std::path::PathBuf;
+
+use vae_runtime::RuntimeError;
+use vae_tensor::TensorError;
+
+/// What can go wrong loading or running a VAE.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` (or an index file) is not what diffusers writes.
+    #[error("{path}: {message}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A weights file is not a readable safetensors file.
+    #[error("{path}: not a valid safetensors file: {message}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// The model needs a weight the checkpoint lacks.
+    #[error("missing weight {key:?} (expected shape {expected:?})")]
+    MissingWeight {
+        /// The state-dict key.
+        key: String,
+        /// The shape the model needs.
+        expected: Vec<usize>,
+    },
+    /// The checkpoint has weights the model does not use.
+    #[error("unexpected weight(s) in the checkpoint: {}", keys.join(", "))]
+    UnexpectedWeights {
+        /// The keys, sorted.
+        keys: Vec<String>,
+    },
+    /// A weight has the wrong shape.
+    #[error("weight {key:?} has shape {found:?}, the model needs {expected:?}")]
+    WeightShape {
+        /// The state-dict key.
+        key: String,
+        /// What the model needs.
+        expected: Vec<usize>,
+        /// What the checkpoint has.
+        found: Vec<usize>,
+    },
+    /// A weight stored in an element type that is not a float type.
+    #[error("weight {key:?} is stored as {dtype}, expected f32, f16 or bf16")]
+    WeightDtype {
+        /// The state-dict key.
+        key: String,
+        /// The stored type.
+        dtype: String,
+    },
+    /// The input does not fit the model (channels, rank, non-finite values, ...).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// A request the family cannot serve (e.g. a parallel mode it does not support).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A tensor op failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// The distributed runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -1,0 +1,239 @@
+//! The building blocks diffusers' 2-D VAEs share (`diffusers.models.resnet`,
+//! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), loaded by
+//! their state-dict names.
+
+use vae_tensor::{Conv2dParams, Tensor};
+
+use crate::Result;
+use crate::weights::Weights;
+
+/// `nn.Conv2d` with bias.
+#[derive(Debug, Clone)]
+pub struct Conv2d {
+    weight: Tensor,
+    bias: Tensor,
+    params: Conv2dParams,
+}
+
+impl Conv2d {
+    /// Loads `weight` [cout, cin, k, k] and `bias` [cout] from `w`.
+    pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: usize, params: Conv2dParams) -> Result<Self> {
+        Ok(Self { weight: w.get("weight", &[cout, cin, k, k])?, bias: w.get("bias", &[cout])?, params })
+    }
+
+    /// A 3×3 convolution with padding 1 (the VAE's workhorse).
+    pub fn load3x3(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+        Self::load(w, cin, cout, 3, Conv2dParams::same(3))
+    }
+
+    /// A 1×1 convolution.
+    pub fn load1x1(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+        Self::load(w, cin, cout, 1, Conv2dParams::same(1))
+    }
+
+    /// Output channels.
+    pub fn out_channels(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// Applies the convolution to an NCHW tensor.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.conv2d(&self.weight, Some(&self.bias), &self.params)?)
+    }
+}
+
+/// `nn.GroupNorm` with affine parameters.
+#[derive(Debug, Clone)]
+pub struct GroupNorm {
+    weight: Tensor,
+    bias: Tensor,
+    groups: usize,
+    eps: f32,
+}
+
+impl GroupNorm {
+    /// Loads `weight` and `bias` [channels].
+    pub fn load(w: &mut Weights<'_>, groups: usize, channels: usize, eps: f32) -> Result<Self> {
+        Ok(Self { weight: w.get("weight", &[channels])?, bias: w.get("bias", &[channels])?, groups, eps })
+    }
+
+    /// Normalises an `[N, C, ...]` tensor.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.group_norm(self.groups, &self.weight, &self.bias, self.eps)?)
+    }
+}
+
+/// `nn.Linear` with bias.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Linear {
+    /// Loads `weight` [out, in] and `bias` [out].
+    pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+        Ok(Self { weight: w.get("weight", &[cout, cin])?, bias: w.get("bias", &[cout])? })
+    }
+
+    /// Applies the layer over the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.linear(&self.weight, Some(&self.bias))?)
+    }
+}
+
+/// diffusers `ResnetBlock2D` as the VAEs use it: no time embedding, SiLU, output scale 1.
+#[derive(Debug, Clone)]
+pub struct ResnetBlock2d {
+    norm1: GroupNorm,
+    conv1: Conv2d,
+    norm2: GroupNorm,
+    conv2: Conv2d,
+    conv_shortcut: Option<Conv2d>,
+}
+
+impl ResnetBlock2d {
+    /// Loads a block mapping `cin` to `cout` channels (a 1×1 `conv_shortcut` when they differ).
+    pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, groups: usize, eps: f32) -> Result<Self> {
+        Ok(Self {
+            norm1: GroupNorm::load(&mut w.pp("norm1"), groups, cin, eps)?,
+            conv1: Conv2d::load3x3(&mut w.pp("conv1"), cin, cout)?,
+            norm2: GroupNorm::load(&mut w.pp("norm2"), groups, cout, eps)?,
+            conv2: Conv2d::load3x3(&mut w.pp("conv2"), cout, cout)?,
+            conv_shortcut: if cin != cout {
+                Some(Conv2d::load1x1(&mut w.pp("conv_shortcut"), cin, cout)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = self.norm1.forward(x)?;
+        h.silu_inplace()?;
+        let h = self.conv1.forward(&h)?;
+        let mut h = self.norm2.forward(&h)?;
+        h.silu_inplace()?;
+        let h = self.conv2.forward(&h)?;
+        // diffusers computes `(input + hidden) / output_scale_factor` with a factor of 1.0,
+        // which changes nothing.
+        match &self.conv_shortcut {
+            Some(shortcut) => {
+                let mut out = shortcut.forward(x)?;
+                out.add_assign(&h)?;
+                Ok(out)
+            }
+            None => Ok(x.add(&h)?),
+        }
+    }
+}
+
+/// diffusers `Downsample2D(use_conv=True, padding=0)`: pad right and bottom by one, then a 3×3
+/// stride-2 convolution.
+#[derive(Debug, Clone)]
+pub struct Downsample2d {
+    conv: Conv2d,
+}
+
+impl Downsample2d {
+    /// Loads `conv`.
+    pub fn load(w: &mut Weights<'_>, channels: usize) -> Result<Self> {
+        Ok(Self { conv: Conv2d::load(&mut w.pp("conv"), channels, channels, 3, Conv2dParams::diffusers_downsample())? })
+    }
+
+    /// Halves the spatial size (rounding down).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.conv.forward(x)
+    }
+}
+
+/// diffusers `Upsample2D(use_conv=True)`: nearest 2× upsampling, then a 3×3 convolution.
+#[derive(Debug, Clone)]
+pub struct Upsample2d {
+    conv: Conv2d,
+}
+
+impl Upsample2d {
+    /// Loads `conv`.
+    pub fn load(w: &mut Weights<'_>, channels: usize) -> Result<Self> {
+        Ok(Self { conv: Conv2d::load3x3(&mut w.pp("conv"), channels, channels)? })
+    }
+
+    /// Doubles the spatial size.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.conv.forward(&x.upsample_nearest2d(2)?)
+    }
+}
+
+/// The VAE mid-block attention: diffusers `Attention(heads=1, dim_head=C, residual_connection,
+/// norm_num_groups, bias=True)` over the `H·W` positions of an NCHW map.
+#[derive(Debug, Clone)]
+pub struct SpatialAttention {
+    group_norm: GroupNorm,
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+}
+
+impl SpatialAttention {
+    /// Loads `group_norm`, `to_q`, `to_k`, `to_v` and `to_out.0`.
+    pub fn load(w: &mut Weights<'_>, channels: usize, groups: usize, eps: f32) -> Result<Self> {
+        Ok(Self {
+            group_norm: GroupNorm::load(&mut w.pp("group_norm"), groups, channels, eps)?,
+            to_q: Linear::load(&mut w.pp("to_q"), channels, channels)?,
+            to_k: Linear::load(&mut w.pp("to_k"), channels, channels)?,
+            to_v: Linear::load(&mut w.pp("to_v"), channels, channels)?,
+            to_out: Linear::load(&mut w.pp("to_out").pp(0), channels, channels)?,
+        })
+    }
+
+    /// `x + to_out(attention(to_q(n), to_k(n), to_v(n)))` with `n = group_norm(x)` as a sequence.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let (b, c, hw) = (dims[0], dims[1], dims[2..].iter().product::<usize>());
+        // GroupNorm over [B, C, H·W] equals GroupNorm over [B, C, H, W].
+        let normed = self.group_norm.forward(x)?.reshape(vec![b, c, hw])?.transpose(1, 2)?;
+        let q = self.to_q.forward(&normed)?;
+        let k = self.to_k.forward(&normed)?;
+        let v = self.to_v.forward(&normed)?;
+        drop(normed);
+        let attended = Tensor::attention(&q, &k, &v)?;
+        let out = self.to_out.forward(&attended)?.transpose(1, 2)?.reshape(dims)?;
+        Ok(out.add(x)?)
+    }
+}
+
+/// diffusers `UNetMidBlock2D` as the VAEs use it: resnet, (attention), resnet.
+#[derive(Debug, Clone)]
+pub struct MidBlock2d {
+    first: ResnetBlock2d,
+    attention: Option<SpatialAttention>,
+    second: ResnetBlock2d,
+}
+
+impl MidBlock2d {
+    /// Loads `resnets.0`, `attentions.0` (when `with_attention`) and `resnets.1`.
+    pub fn load(w: &mut Weights<'_>, channels: usize, groups: usize, with_attention: bool) -> Result<Self> {
+        const EPS: f32 = 1e-6;
+        Ok(Self {
+            first: ResnetBlock2d::load(&mut w.pp("resnets").pp(0), channels, channels, groups, EPS)?,
+            attention: if with_attention {
+                Some(SpatialAttention::load(&mut w.pp("attentions").pp(0), channels, groups, EPS)?)
+            } else {
+                None
+            },
+            second: ResnetBlock2d::load(&mut w.pp("resnets").pp(1), channels, channels, groups, EPS)?,
+        })
+    }
+
+    /// Runs the block.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = self.first.forward(x)?;
+        if let Some(attention) = &self.attention {
+            h = attention.forward(&h)?;
+        }
+        self.second.forward(&h)
+    }
+}

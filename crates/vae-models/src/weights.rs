@@ -1,0 +1,239 @@
+//! Loading diffusers weights: `diffusion_pytorch_model.safetensors`, or shards listed in
+//! `diffusion_pytorch_model.safetensors.index.json`; memory-mapped; f32, f16 and bf16 stored
+//! weights become f32 tensors.
+//!
+//! Modules take their weights by state-dict key with the shape they need; afterwards
+//! [`WeightStore::finish`] reports every key nobody took, so a checkpoint that does not match the
+//! config fails loudly instead of silently running with half its weights.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors};
+use vae_tensor::{Device, Tensor};
+
+use crate::{ModelError, Result};
+
+/// File name of a single-file diffusers checkpoint.
+pub const WEIGHTS_FILE: &str = "diffusion_pytorch_model.safetensors";
+/// File name of the index of a sharded diffusers checkpoint.
+pub const WEIGHTS_INDEX_FILE: &str = "diffusion_pytorch_model.safetensors.index.json";
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+}
+
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    range: (usize, usize),
+}
+
+/// The weights of one model directory, by state-dict key.
+pub struct WeightStore {
+    shards: Vec<Shard>,
+    entries: BTreeMap<String, Entry>,
+    taken: BTreeSet<String>,
+}
+
+impl std::fmt::Debug for WeightStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightStore").field("shards", &self.shards.len()).field("tensors", &self.entries.len()).finish()
+    }
+}
+
+impl WeightStore {
+    /// Opens the weights of a diffusers model directory (single file or sharded).
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join(WEIGHTS_FILE);
+        let index = dir.join(WEIGHTS_INDEX_FILE);
+        if single.is_file() {
+            return Self::open_files(&[single]);
+        }
+        if index.is_file() {
+            let text =
+                std::fs::read_to_string(&index).map_err(|source| ModelError::Io { path: index.clone(), source })?;
+            let parsed: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Config { path: index.clone(), message: e.to_string() })?;
+            let map = parsed.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Config {
+                path: index.clone(),
+                message: "no \"weight_map\" object".into(),
+            })?;
+            let mut files: Vec<String> = Vec::new();
+            for (key, file) in map {
+                let file = file.as_str().ok_or_else(|| ModelError::Config {
+                    path: index.clone(),
+                    message: format!("weight_map entry {key:?} is not a file name"),
+                })?;
+                if !files.iter().any(|f| f == file) {
+                    files.push(file.to_string());
+                }
+            }
+            files.sort();
+            let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+            return Self::open_files(&paths);
+        }
+        Err(ModelError::Io {
+            path: single,
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("neither it nor {WEIGHTS_INDEX_FILE} exists"),
+            ),
+        })
+    }
+
+    /// Opens one or more safetensors files whose keys together form the state dict.
+    pub fn open_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut shards = Vec::with_capacity(paths.len());
+        let mut entries = BTreeMap::new();
+        for path in paths {
+            let file = File::open(path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+            // SAFETY: the map is read-only and lives as long as the store; like every reader
+            // of model files (PyTorch, candle) we rely on nobody truncating the file meanwhile.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.clone(), source })?;
+            let bad = |e: safetensors::SafeTensorError| ModelError::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            };
+            let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(bad)?;
+            let shard = shards.len();
+            for (name, info) in metadata.tensors() {
+                let entry = Entry { shard, dtype: info.dtype, shape: info.shape.clone(), range: info.data_offsets };
+                if entries.insert(name.clone(), entry).is_some() {
+                    return Err(ModelError::Safetensors {
+                        path: path.clone(),
+                        message: format!("weight {name:?} appears in more than one file"),
+                    });
+                }
+            }
+            shards.push(Shard { path: path.clone(), mmap, data_start: 8 + header_len });
+        }
+        Ok(Self { shards, entries, taken: BTreeSet::new() })
+    }
+
+    /// Number of tensors in the checkpoint.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True for an empty checkpoint.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether the checkpoint has `key`.
+    pub fn contains(&self, key: &str) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    /// The stored element types, with how many tensors use each (for `inspect`).
+    pub fn dtypes(&self) -> HashMap<String, usize> {
+        let mut counts = HashMap::new();
+        for e in self.entries.values() {
+            *counts.entry(format!("{:?}", e.dtype).to_lowercase()).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// Total number of scalar parameters.
+    pub fn parameter_count(&self) -> usize {
+        self.entries.values().map(|e| e.shape.iter().product::<usize>()).sum()
+    }
+
+    /// The tensor `key` as f32, which must have shape `expected`.
+    pub fn take(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
+        let entry = self
+            .entries
+            .get(key)
+            .ok_or_else(|| ModelError::MissingWeight { key: key.to_string(), expected: expected.to_vec() })?;
+        if entry.shape != expected {
+            return Err(ModelError::WeightShape {
+                key: key.to_string(),
+                expected: expected.to_vec(),
+                found: entry.shape.clone(),
+            });
+        }
+        let shard = &self.shards[entry.shard];
+        let (start, end) = (shard.data_start + entry.range.0, shard.data_start + entry.range.1);
+        let bytes = shard.mmap.get(start..end).ok_or_else(|| ModelError::Safetensors {
+            path: shard.path.clone(),
+            message: format!("weight {key:?} lies outside the file"),
+        })?;
+        let data: Vec<f32> = match entry.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::WeightDtype {
+                    key: key.to_string(),
+                    dtype: format!("{other:?}").to_lowercase(),
+                });
+            }
+        };
+        self.taken.insert(key.to_string());
+        Ok(Tensor::from_vec(data, expected.to_vec(), &Device::Cpu)?)
+    }
+
+    /// Marks `key` as accounted for without loading it (bookkeeping buffers such as
+    /// BatchNorm's `num_batches_tracked`). Absent keys are fine.
+    pub fn skip(&mut self, key: &str) {
+        if self.entries.contains_key(key) {
+            self.taken.insert(key.to_string());
+        }
+    }
+
+    /// Fails with every key that no module took.
+    pub fn finish(self) -> Result<()> {
+        let unused: Vec<String> = self.entries.keys().filter(|k| !self.taken.contains(*k)).cloned().collect();
+        if unused.is_empty() { Ok(()) } else { Err(ModelError::UnexpectedWeights { keys: unused }) }
+    }
+}
+
+/// A view of the store under a key prefix, as diffusers' module tree nests them
+/// (`decoder.up_blocks.0.resnets.1.conv1.weight`).
+pub struct Weights<'a> {
+    store: &'a mut WeightStore,
+    prefix: String,
+}
+
+impl<'a> Weights<'a> {
+    /// The root of `store`.
+    pub fn new(store: &'a mut WeightStore) -> Self {
+        Self { store, prefix: String::new() }
+    }
+
+    /// The sub-tree `name` (a module or an index).
+    pub fn pp(&mut self, name: impl std::fmt::Display) -> Weights<'_> {
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Weights { store: self.store, prefix }
+    }
+
+    /// The tensor `name` under this prefix, with shape `shape`.
+    pub fn get(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let key = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        self.store.take(&key, shape)
+    }
+
+    /// Accounts for `name` under this prefix without loading it (see [`WeightStore::skip`]).
+    pub fn skip(&mut self, name: &str) {
+        let key = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        self.store.skip(&key);
+    }
+
+    /// Whether the tensor `name` exists under this prefix.
+    pub fn contains(&self, name: &str) -> bool {
+        let key = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        self.store.contains(&key)
+    }
+}

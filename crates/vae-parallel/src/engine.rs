@@ -1,0 +1,206 @@
+//! The engine: load a diffusers VAE directory, serve decode and encode requests over a group
+//! of ranks. Model policy (supported modes, tile geometry, output placement) comes from the
+//! family's adapter in `vae-models`; the engine only routes.
+
+use std::path::{Path, PathBuf};
+
+use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
+use vae_models::{Direction, Family, ModelError};
+use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError};
+use vae_tensor::Tensor;
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model could not be loaded or refused the request.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The distributed run failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// The directory holds a VAE class vae-parallel does not implement (yet).
+    #[error("{path}: {message}")]
+    Unsupported {
+        /// The model directory.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+}
+
+/// How one request runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOptions {
+    /// `--vae-parallel-mode`.
+    pub mode: ParallelMode,
+    /// `--vae-use-tiling` (forced on by a parallel size above 1, as the reference does).
+    pub use_tiling: bool,
+    /// Latents are as the diffusion pipeline produces them (normalised): undo / apply the
+    /// family's normalisation around the VAE.
+    pub latents_normalized: bool,
+    /// Who receives the output; `None` = the family's contract.
+    pub placement: Option<OutputPlacement>,
+}
+
+impl Default for RequestOptions {
+    fn default() -> Self {
+        Self { mode: ParallelMode::Tile, use_tiling: false, latents_normalized: false, placement: None }
+    }
+}
+
+/// What `encode` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EncodeOutput {
+    /// The raw moments (mean and log-variance) after `quant_conv`.
+    Moments,
+    /// The mean of the latent distribution.
+    Mean,
+}
+
+/// A loaded model.
+pub enum Model {
+    /// AutoencoderKL or AutoencoderKLFlux2.
+    AutoencoderKl(Box<AutoencoderKl>),
+}
+
+/// A loaded VAE ready to serve requests.
+pub struct Engine {
+    model: Model,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("dir", &self.dir).field("family", &self.family()).finish()
+    }
+}
+
+/// Reads `_class_name` from a model directory's `config.json`.
+pub fn class_name(dir: &Path) -> Result<String, EngineError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
+    Ok(value.get("_class_name").and_then(|v| v.as_str()).unwrap_or("AutoencoderKL").to_string())
+}
+
+impl Engine {
+    /// Loads a diffusers VAE directory, with optional tile overrides (`tile_sample_min_size`,
+    /// `tile_overlap_factor`).
+    pub fn load(
+        dir: &Path,
+        tile_sample_min_size: Option<usize>,
+        tile_overlap_factor: Option<f64>,
+    ) -> Result<Self, EngineError> {
+        let class = class_name(dir)?;
+        let model = match class.as_str() {
+            "AutoencoderKL" | "AutoencoderKLFlux2" => {
+                let mut m = AutoencoderKl::load(dir)?;
+                m.set_tiling(tile_sample_min_size, tile_overlap_factor)?;
+                Model::AutoencoderKl(Box::new(m))
+            }
+            "AutoencoderKLWan" | "AutoencoderKLQwenImage" => {
+                return Err(EngineError::Unsupported {
+                    path: dir.to_path_buf(),
+                    message: format!(
+                        "{class} (a video VAE) is not implemented yet; AutoencoderKL and AutoencoderKLFlux2 are"
+                    ),
+                });
+            }
+            other => {
+                return Err(EngineError::Unsupported {
+                    path: dir.to_path_buf(),
+                    message: format!("{other:?} is not a VAE class vae-parallel knows"),
+                });
+            }
+        };
+        Ok(Self { model, dir: dir.to_path_buf() })
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The family.
+    pub fn family(&self) -> Family {
+        match &self.model {
+            Model::AutoencoderKl(m) => match m.config().variant {
+                vae_models::autoencoder_kl::KlVariant::AutoencoderKl => Family::AutoencoderKl,
+                vae_models::autoencoder_kl::KlVariant::Flux2 => Family::Flux2,
+            },
+        }
+    }
+
+    /// The modes this model accepts, for `inspect`.
+    pub fn supported_modes(&self) -> Vec<ParallelMode> {
+        ParallelMode::ALL
+            .into_iter()
+            .filter(|m| match &self.model {
+                Model::AutoencoderKl(k) => k.resolve_mode(*m).is_ok(),
+            })
+            .collect()
+    }
+
+    fn placement(&self, direction: Direction, options: &RequestOptions) -> OutputPlacement {
+        options.placement.unwrap_or_else(|| self.family().default_placement(direction))
+    }
+
+    /// Decodes a latent over the executor's ranks. Every rank calls it with the same latent.
+    pub fn decode(
+        &self,
+        executor: &DistributedVaeExecutor,
+        latent: &Tensor,
+        options: &RequestOptions,
+    ) -> Result<ExecOutput, EngineError> {
+        let Model::AutoencoderKl(model) = &self.model;
+        model.resolve_mode(options.mode)?;
+        let use_tiling = options.use_tiling || executor.parallel_size() > 1;
+        let denormalized;
+        let z = if options.latents_normalized {
+            denormalized = model.denormalize_latents(latent)?;
+            &denormalized
+        } else {
+            latent
+        };
+        let op = KlOperator::new(model, KlTask::Decode, use_tiling);
+        Ok(executor.execute(z, &op, self.placement(Direction::Decode, options))?)
+    }
+
+    /// Encodes an image in [-1, 1] over the executor's ranks; every rank calls it.
+    pub fn encode(
+        &self,
+        executor: &DistributedVaeExecutor,
+        image: &Tensor,
+        options: &RequestOptions,
+        output: EncodeOutput,
+    ) -> Result<ExecOutput, EngineError> {
+        let Model::AutoencoderKl(model) = &self.model;
+        model.resolve_mode(options.mode)?;
+        if output == EncodeOutput::Moments && options.latents_normalized {
+            return Err(ModelError::InvalidInput(
+                "normalised output is defined for the mean, not the raw moments (use --output mean)".into(),
+            )
+            .into());
+        }
+        let use_tiling = options.use_tiling || executor.parallel_size() > 1;
+        let op = KlOperator::new(model, KlTask::Encode, use_tiling);
+        let mut out = executor.execute(image, &op, self.placement(Direction::Encode, options))?;
+        if let Some(moments) = out.tensor.take() {
+            let shaped = match output {
+                EncodeOutput::Moments => moments,
+                EncodeOutput::Mean => {
+                    let mean = moments.diag_gaussian_mean().map_err(ModelError::from)?;
+                    if options.latents_normalized { model.normalize_latents(&mean)? } else { mean }
+                }
+            };
+            out.tensor = Some(shaped);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,284 @@
+//! Tensor files: `.npy` (read and write, f32 little-endian C order; f64/f16 read as f32),
+//! `.safetensors` (read: a file holding one tensor), and PNG images with diffusers' pre- and
+//! post-processing. Outputs are written atomically: a temporary sibling, then a rename.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use vae_tensor::{Device, Tensor};
+
+/// Errors of reading or writing tensor files.
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    /// The OS refused.
+    #[error("{path}: {source}")]
+    Os {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not in the format its name says.
+    #[error("{path}: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tensor that cannot be written in the requested format.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+fn format_err(path: &Path, message: impl Into<String>) -> IoError {
+    IoError::Format { path: path.to_path_buf(), message: message.into() }
+}
+
+fn os_err(path: &Path) -> impl FnOnce(std::io::Error) -> IoError + '_ {
+    move |source| IoError::Os { path: path.to_path_buf(), source }
+}
+
+/// Reads a tensor from `.npy` or `.safetensors` (by extension).
+pub fn read_tensor(path: &Path) -> Result<Tensor, IoError> {
+    match extension(path).as_str() {
+        "npy" => read_npy(path),
+        "safetensors" => read_safetensors(path),
+        other => Err(format_err(path, format!("unsupported tensor file type {other:?} (use .npy or .safetensors)"))),
+    }
+}
+
+fn extension(path: &Path) -> String {
+    path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase()
+}
+
+/// Reads a `.npy` array of f32 (also f64 and f16, converted), little-endian, C order.
+pub fn read_npy(path: &Path) -> Result<Tensor, IoError> {
+    let bytes = std::fs::read(path).map_err(os_err(path))?;
+    parse_npy(&bytes).map_err(|m| format_err(path, m))
+}
+
+fn parse_npy(bytes: &[u8]) -> Result<Tensor, String> {
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err("not a .npy file (bad magic)".into());
+    }
+    let (header_len, start) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        v => return Err(format!("unsupported .npy version {v}")),
+    };
+    let header = bytes.get(start..start + header_len).ok_or("truncated .npy header")?;
+    let header = std::str::from_utf8(header).map_err(|_| "the .npy header is not text")?;
+    let field = |name: &str| -> Result<&str, String> {
+        let key = format!("'{name}':");
+        let at = header.find(&key).ok_or(format!("the .npy header has no {name}"))? + key.len();
+        Ok(header[at..].trim_start())
+    };
+    let descr = field("descr")?;
+    let descr = descr.strip_prefix('\'').and_then(|d| d.split('\'').next()).ok_or("bad descr")?;
+    if field("fortran_order")?.starts_with("True") {
+        return Err("Fortran-order arrays are not supported; save with np.ascontiguousarray".into());
+    }
+    let shape_text = field("shape")?;
+    let shape_text = shape_text.strip_prefix('(').and_then(|s| s.split(')').next()).ok_or("bad shape")?;
+    let dims: Vec<usize> = shape_text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<usize>().map_err(|_| format!("bad dimension {s:?}")))
+        .collect::<Result<_, _>>()?;
+    let count = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or("shape overflows")?;
+    let data = &bytes[start + header_len..];
+    let values: Vec<f32> = match descr {
+        "<f4" | "|f4" => chunks(data, 4, count)?.map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect(),
+        "<f8" => chunks(data, 8, count)?.map(|c| f64::from_le_bytes(c.try_into().expect("8")) as f32).collect(),
+        "<f2" => chunks(data, 2, count)?.map(|c| half::f16::from_le_bytes(c.try_into().expect("2")).to_f32()).collect(),
+        other => return Err(format!("element type {other:?} is not supported (need <f4, <f8 or <f2)")),
+    };
+    Tensor::from_vec(values, dims, &Device::Cpu).map_err(|e| e.to_string())
+}
+
+fn chunks(data: &[u8], size: usize, count: usize) -> Result<std::slice::ChunksExact<'_, u8>, String> {
+    let need = count.checked_mul(size).ok_or("array too large")?;
+    if data.len() < need {
+        return Err(format!("truncated data: {} bytes for {count} elements of {size} bytes", data.len()));
+    }
+    Ok(data[..need].chunks_exact(size))
+}
+
+fn read_safetensors(path: &Path) -> Result<Tensor, IoError> {
+    let bytes = std::fs::read(path).map_err(os_err(path))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format_err(path, e.to_string()))?;
+    let names = st.names();
+    let [name] = names.as_slice() else {
+        return Err(format_err(path, format!("expected exactly one tensor, found {}", names.len())));
+    };
+    let view = st.tensor(name).map_err(|e| format_err(path, e.to_string()))?;
+    let values: Vec<f32> = match view.dtype() {
+        safetensors::Dtype::F32 => {
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
+        }
+        safetensors::Dtype::F16 => {
+            view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().expect("2")).to_f32()).collect()
+        }
+        safetensors::Dtype::BF16 => {
+            view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().expect("2")).to_f32()).collect()
+        }
+        other => return Err(format_err(path, format!("tensor {name:?} is {other:?}, expected a float type"))),
+    };
+    Tensor::from_vec(values, view.shape().to_vec(), &Device::Cpu).map_err(|e| format_err(path, e.to_string()))
+}
+
+/// The bytes of a `.npy` file holding `t` as little-endian f32.
+pub fn npy_bytes(t: &Tensor) -> Result<Vec<u8>, IoError> {
+    let data = t.as_slice_f32().map_err(|e| IoError::Unsupported(e.to_string()))?;
+    let shape = match t.dims() {
+        [d] => format!("({d},)"),
+        dims => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
+    // Pad so that the data starts on a 64-byte boundary, ending the header with a newline.
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat((64 - total % 64) % 64));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in data {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// Writes `bytes` to `path` through a temporary sibling and a rename, so a reader never sees a
+/// partial file and a failure leaves nothing behind.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| format_err(path, "no file name"))?;
+    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(source) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(IoError::Os { path: path.to_path_buf(), source });
+    }
+    Ok(())
+}
+
+/// diffusers' image post-processing of one decoded image `[3, H, W]` (or `[1, H, W]`):
+/// `(x / 2 + 0.5).clamp(0, 1)`, `× 255`, rounded half to even (numpy) — as 8-bit pixels.
+pub fn postprocess_image(image: &Tensor) -> Result<(usize, usize, usize, Vec<u8>), IoError> {
+    let d = image.dims();
+    let [c, h, w] = [d[0], d[1], d[2]];
+    if d.len() != 3 || !(c == 1 || c == 3) {
+        return Err(IoError::Unsupported(format!("cannot write an image of shape {d:?} as PNG (need [1|3, H, W])")));
+    }
+    let data = image.as_slice_f32().map_err(|e| IoError::Unsupported(e.to_string()))?;
+    let mut pixels = vec![0u8; c * h * w];
+    for ch in 0..c {
+        for i in 0..h * w {
+            let v = (data[ch * h * w + i] / 2.0 + 0.5).clamp(0.0, 1.0) * 255.0;
+            pixels[i * c + ch] = v.round_ties_even() as u8;
+        }
+    }
+    Ok((c, h, w, pixels))
+}
+
+/// Writes every image of a decoded batch `[B, C, H, W]` as PNG: `out.png` for one image,
+/// `out_0000.png`, `out_0001.png`, … for several. Returns the paths written.
+pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoError> {
+    let d = batch.dims();
+    if d.len() != 4 {
+        return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images")));
+    }
+    let mut written = Vec::with_capacity(d[0]);
+    for b in 0..d[0] {
+        let one = batch
+            .narrow(0, b, 1)
+            .and_then(|t| t.reshape(d[1..].to_vec()))
+            .map_err(|e| IoError::Unsupported(e.to_string()))?;
+        let (c, h, w, pixels) = postprocess_image(&one)?;
+        let target = if d[0] == 1 {
+            path.to_path_buf()
+        } else {
+            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
+            path.with_file_name(format!("{stem}_{b:04}.png"))
+        };
+        let mut encoded = Vec::new();
+        {
+            let mut encoder = png::Encoder::new(&mut encoded, w as u32, h as u32);
+            encoder.set_color(if c == 3 { png::ColorType::Rgb } else { png::ColorType::Grayscale });
+            encoder.set_depth(png::BitDepth::Eight);
+            let mut writer = encoder.write_header().map_err(|e| IoError::Unsupported(e.to_string()))?;
+            writer.write_image_data(&pixels).map_err(|e| IoError::Unsupported(e.to_string()))?;
+        }
+        write_atomically(&target, &encoded)?;
+        written.push(target);
+    }
+    Ok(written)
+}
+
+/// Reads an 8-bit RGB(A) or gray PNG as `[1, 3, H, W]` in [-1, 1] (diffusers' `x / 255 · 2 − 1`;
+/// no resizing: the size must already suit the model).
+pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
+    let file = std::fs::File::open(path).map_err(os_err(path))?;
+    let mut decoder = png::Decoder::new(std::io::BufReader::new(file));
+    decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    let mut reader = decoder.read_info().map_err(|e| format_err(path, e.to_string()))?;
+    let size = reader.output_buffer_size().ok_or_else(|| format_err(path, "image too large"))?;
+    let mut buf = vec![0u8; size];
+    let info = reader.next_frame(&mut buf).map_err(|e| format_err(path, e.to_string()))?;
+    let (w, h) = (info.width as usize, info.height as usize);
+    let channels = match info.color_type {
+        png::ColorType::Rgb => 3,
+        png::ColorType::Rgba => 4,
+        png::ColorType::Grayscale => 1,
+        png::ColorType::GrayscaleAlpha => 2,
+        png::ColorType::Indexed => return Err(format_err(path, "indexed PNG after expansion")),
+    };
+    let mut data = vec![0f32; 3 * h * w];
+    for i in 0..h * w {
+        for ch in 0..3 {
+            let src = if channels >= 3 { ch } else { 0 };
+            let byte = buf[i * channels + src] as f32;
+            data[ch * h * w + i] = byte / 255.0 * 2.0 - 1.0;
+        }
+    }
+    Tensor::from_vec(data, vec![1, 3, h, w], &Device::Cpu).map_err(|e| format_err(path, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn npy_round_trips() {
+        let t = Tensor::from_vec((0..24).map(|i| i as f32 * 0.5).collect(), vec![2, 3, 4], &Device::Cpu).unwrap();
+        let back = parse_npy(&npy_bytes(&t).unwrap()).unwrap();
+        assert!(back.bit_eq(&t));
+        let one = Tensor::from_vec(vec![1.5, 2.5], vec![2], &Device::Cpu).unwrap();
+        assert!(parse_npy(&npy_bytes(&one).unwrap()).unwrap().bit_eq(&one));
+    }
+
+    #[test]
+    fn bad_npy_is_an_error_not_a_panic() {
+        assert!(parse_npy(b"hello").is_err());
+        let t = Tensor::from_vec(vec![1.0; 8], vec![8], &Device::Cpu).unwrap();
+        let bytes = npy_bytes(&t).unwrap();
+        assert!(parse_npy(&bytes[..bytes.len() - 4]).unwrap_err().contains("truncated"));
+    }
+
+    #[test]
+    fn postprocess_matches_diffusers_rounding() {
+        let t = Tensor::from_vec(vec![-1.0, 1.0, 0.0, 3.0], vec![1, 2, 2], &Device::Cpu).unwrap();
+        let (_, _, _, px) = postprocess_image(&t).unwrap();
+        // 0.5 * 255 = 127.5 rounds half to even: 128.
+        assert_eq!(px, vec![0, 255, 128, 255]);
+    }
+}

@@ -1,0 +1,378 @@
+//! `decode`, `encode` and `inspect`: the engine on a real diffusers model directory.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde::Deserialize;
+use vae_parallel::engine::{EncodeOutput, Engine, Model, RequestOptions};
+use vae_parallel::io;
+use vae_parallel::report::{RequestReport, gather_summaries};
+use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
+use vae_parallel::transport::Communicator;
+
+use crate::ranks::{GroupArgs, GroupOutcome, run_group};
+
+/// Settings shared by `decode` and `encode`; each can also come from `--config FILE` (TOML, the
+/// same names with underscores), flags winning.
+#[derive(Debug, Clone, Args)]
+pub struct ParallelArgs {
+    /// A diffusers VAE directory (`config.json` + safetensors weights).
+    #[arg(long)]
+    model: PathBuf,
+    /// Ranks that execute tiles (the reference's `vae_patch_parallel_size`); also the number
+    /// of ranks started, unless --ranks says otherwise.
+    #[arg(long)]
+    vae_patch_parallel_size: Option<usize>,
+    /// `tile` (default), `auto`, `spatial_shard_height` or `spatial_shard_width`.
+    #[arg(long)]
+    vae_parallel_mode: Option<String>,
+    /// Tile large inputs as diffusers' `enable_tiling()` does (forced on by a parallel size > 1).
+    #[arg(long)]
+    vae_use_tiling: bool,
+    /// Tile size in pixels (diffusers' `tile_sample_min_size`; default: the config's sample_size).
+    #[arg(long)]
+    tile_sample_min_size: Option<usize>,
+    /// Tile overlap (diffusers' `tile_overlap_factor`, default 0.25).
+    #[arg(long)]
+    tile_overlap_factor: Option<f64>,
+    /// Latents are as the diffusion pipeline produces them: undo (decode) or apply (encode) the
+    /// family's latent normalisation.
+    #[arg(long)]
+    latents_normalized: bool,
+    /// Give the output to every rank (`all`) or rank 0 (`owner`); default: the family's contract.
+    #[arg(long)]
+    placement: Option<String>,
+    /// Number of ranks (default: the parallel size).
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// `local` (threads) or `socket` (processes).
+    #[arg(long)]
+    transport: Option<String>,
+    /// Compute threads of this process (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// TOML file with any of the settings above.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Also write the per-rank report as JSON to this file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    vae_patch_parallel_size: Option<usize>,
+    vae_parallel_mode: Option<String>,
+    vae_use_tiling: Option<bool>,
+    tile_sample_min_size: Option<usize>,
+    tile_overlap_factor: Option<f64>,
+    latents_normalized: Option<bool>,
+    placement: Option<String>,
+    ranks: Option<usize>,
+    transport: Option<String>,
+    threads: Option<usize>,
+}
+
+/// Flags over the config file over defaults.
+struct Resolved {
+    model: PathBuf,
+    parallel_size: usize,
+    group: GroupArgs,
+    options: RequestOptions,
+    tile_sample_min_size: Option<usize>,
+    tile_overlap_factor: Option<f64>,
+    report: Option<PathBuf>,
+}
+
+impl ParallelArgs {
+    fn resolve(&self) -> anyhow::Result<Resolved> {
+        let file: FileConfig = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let parallel_size = self.vae_patch_parallel_size.or(file.vae_patch_parallel_size).unwrap_or(1);
+        if parallel_size == 0 {
+            bail!("--vae-patch-parallel-size must be at least 1");
+        }
+        let mode: ParallelMode =
+            self.vae_parallel_mode.clone().or(file.vae_parallel_mode).unwrap_or_else(|| "tile".into()).parse()?;
+        let placement = match self.placement.clone().or(file.placement).as_deref() {
+            None => None,
+            Some("owner") => Some(OutputPlacement::OwnerOnly),
+            Some("all") => Some(OutputPlacement::AllRanks),
+            Some(other) => bail!("--placement must be owner or all, not {other:?}"),
+        };
+        if let Some(n) = self.threads.or(file.threads) {
+            if n == 0 {
+                bail!("--threads must be at least 1");
+            }
+            // Only the first configuration takes effect; later calls in one process are no-ops.
+            let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+        }
+        let transport = self.transport.clone().or(file.transport).unwrap_or_else(|| "local".into()).parse()?;
+        let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
+        Ok(Resolved {
+            model: self.model.clone(),
+            parallel_size,
+            group: GroupArgs { ranks, transport, rank: None, master_addr: None },
+            options: RequestOptions {
+                mode,
+                use_tiling: self.vae_use_tiling || file.vae_use_tiling.unwrap_or(false),
+                latents_normalized: self.latents_normalized || file.latents_normalized.unwrap_or(false),
+                placement,
+            },
+            tile_sample_min_size: self.tile_sample_min_size.or(file.tile_sample_min_size),
+            tile_overlap_factor: self.tile_overlap_factor.or(file.tile_overlap_factor),
+            report: self.report.clone(),
+        })
+    }
+}
+
+/// Options of `decode`.
+#[derive(Debug, Clone, Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    parallel: ParallelArgs,
+    /// The latent: `.npy` or `.safetensors`, f32 `[B, C, H, W]`.
+    #[arg(long)]
+    latent: PathBuf,
+    /// `.npy`: the raw decoder output (`vae.decode(z).sample`); `.png`: diffusers' image
+    /// post-processing, one file per batch item.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Options of `encode`.
+#[derive(Debug, Clone, Args)]
+pub struct EncodeArgs {
+    #[command(flatten)]
+    parallel: ParallelArgs,
+    /// The image: `.npy` `[B, 3, H, W]` in [-1, 1], or an 8-bit `.png`.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where the latent goes (`.npy`).
+    #[arg(long)]
+    out: PathBuf,
+    /// `moments` (mean and log-variance after quant_conv) or `mean`.
+    #[arg(long, default_value = "mean")]
+    output: String,
+}
+
+/// Options of `inspect`.
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    /// A diffusers VAE directory.
+    #[arg(long)]
+    model: PathBuf,
+}
+
+fn check_output_path(path: &Path, allowed: &[&str]) -> anyhow::Result<()> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if !allowed.contains(&ext.as_str()) {
+        bail!(
+            "output {} must end in {}",
+            path.display(),
+            allowed.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(" or ")
+        );
+    }
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        bail!("output directory {} does not exist", dir.display());
+    }
+    Ok(())
+}
+
+struct Done {
+    report: RequestReport,
+    written: Vec<PathBuf>,
+    seconds: f64,
+}
+
+fn finish_rank(
+    comm: &Arc<dyn Communicator>,
+    executor: &DistributedVaeExecutor,
+    out: vae_parallel::runtime::ExecOutput,
+    write: impl FnOnce(&vae_parallel::tensor::Tensor) -> anyhow::Result<Vec<PathBuf>>,
+    strategy: String,
+    started: Instant,
+) -> anyhow::Result<Option<Done>> {
+    let written = match (&out.tensor, comm.rank()) {
+        (Some(t), 0) => write(t)?,
+        _ => Vec::new(),
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let Some(ranks) = gather_summaries(comm.as_ref(), 0, &out.report)? else { return Ok(None) };
+    Ok(Some(Done {
+        report: RequestReport {
+            strategy,
+            backend: comm.backend().to_string(),
+            world_size: comm.size(),
+            parallel_size: executor.parallel_size(),
+            tile_count: out.report.tile_count,
+            ranks,
+        },
+        written,
+        seconds,
+    }))
+}
+
+fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let Some(done) = done else { return Ok(ExitCode::SUCCESS) };
+    println!(
+        "{what}: {} tile(s), mode {}, {} rank(s) ({} transport), parallel size {}: {:.3} s",
+        done.report.tile_count,
+        done.report.strategy,
+        done.report.world_size,
+        done.report.backend,
+        done.report.parallel_size,
+        done.seconds
+    );
+    print!("{}", done.report.to_table());
+    for path in &done.written {
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = report_path {
+        io::write_atomically(path, &serde_json::to_vec_pretty(&done.report)?)?;
+        println!("report written to {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
+    match outcome {
+        GroupOutcome::AllRanks(mut results) => {
+            // Rank 0's error first: an agreed error is the same everywhere, and a failure
+            // elsewhere shows on rank 0 naming the rank.
+            if results.first().is_some_and(|r| r.is_ok())
+                && let Some((rank, Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err())
+            {
+                bail!("rank {rank}: {e:#}");
+            }
+            Ok(Some(results.swap_remove(0)?))
+        }
+        GroupOutcome::OneRank(rank, result) => {
+            let r = result?;
+            Ok((rank == 0).then_some(r))
+        }
+        GroupOutcome::Supervised(exit) => {
+            if exit.success() {
+                Ok(None)
+            } else {
+                bail!("rank process(es) {:?} failed", exit.failed_ranks())
+            }
+        }
+    }
+}
+
+/// `vae-parallel decode`.
+pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
+    let r = args.parallel.resolve()?;
+    check_output_path(&args.out, &["npy", "png"])?;
+    let png = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    let result = run_group(&r.group, |comm| {
+        let started = Instant::now();
+        let engine = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+        let latent = io::read_tensor(&args.latent)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let out = engine.decode(&executor, &latent, &r.options)?;
+        let strategy = r.options.mode.to_string();
+        finish_rank(
+            &comm,
+            &executor,
+            out,
+            |t| {
+                if png {
+                    Ok(io::write_png_batch(&args.out, t)?)
+                } else {
+                    io::write_atomically(&args.out, &io::npy_bytes(t)?)?;
+                    Ok(vec![args.out.clone()])
+                }
+            },
+            strategy,
+            started,
+        )
+    })?;
+    print_done("decode", outcome(result)?.flatten(), r.report.as_deref())
+}
+
+/// `vae-parallel encode`.
+pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
+    let r = args.parallel.resolve()?;
+    check_output_path(&args.out, &["npy"])?;
+    let output = match args.output.as_str() {
+        "moments" => EncodeOutput::Moments,
+        "mean" => EncodeOutput::Mean,
+        other => bail!("--output must be moments or mean, not {other:?}"),
+    };
+    let result = run_group(&r.group, |comm| {
+        let started = Instant::now();
+        let engine = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+        let image = match args.input.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+            Some("png") => io::read_png(&args.input)?,
+            _ => io::read_tensor(&args.input)?,
+        };
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let out = engine.encode(&executor, &image, &r.options, output)?;
+        let strategy = r.options.mode.to_string();
+        finish_rank(
+            &comm,
+            &executor,
+            out,
+            |t| {
+                io::write_atomically(&args.out, &io::npy_bytes(t)?)?;
+                Ok(vec![args.out.clone()])
+            },
+            strategy,
+            started,
+        )
+    })?;
+    print_done("encode", outcome(result)?.flatten(), r.report.as_deref())
+}
+
+/// `vae-parallel inspect`.
+pub fn inspect(args: &InspectArgs) -> anyhow::Result<ExitCode> {
+    let engine = Engine::load(&args.model, None, None)?;
+    let Model::AutoencoderKl(model) = engine.model();
+    let c = model.config();
+    let t = model.tiling();
+    println!("model       {}", args.model.display());
+    println!("class       {} (family {:?})", c.variant.class_name(), engine.family());
+    println!("parameters  {}", model.parameter_count());
+    let stored: Vec<String> = model.stored_dtypes().iter().map(|(d, n)| format!("{n} {d}")).collect();
+    println!("weights     stored as {}; computed in f32", stored.join(", "));
+    println!("channels    in {}, out {}, latent {}", c.in_channels, c.out_channels, c.latent_channels);
+    println!("encoder     block_out_channels {:?}, layers_per_block {}", c.block_out_channels, c.layers_per_block);
+    println!(
+        "decoder     block_out_channels {:?}, layers_per_block {}",
+        c.decoder_block_out_channels,
+        c.layers_per_block + 1
+    );
+    println!("norm        GroupNorm, {} groups; mid-block attention {}", c.norm_num_groups, c.mid_block_add_attention);
+    println!("scale       {}x (latent pixel = {} px)", c.spatial_scale(), c.spatial_scale());
+    if let Some(s) = c.scaling_factor {
+        println!("latents     scaling_factor {s}, shift_factor {:?}", c.shift_factor);
+    }
+    if let Some(bn) = model.latent_batch_norm() {
+        println!("latents     batch-norm over {} patchified channels, eps {}", bn.mean.len(), bn.eps);
+    }
+    println!(
+        "tiling      {} px tiles ({} latent), overlap {}",
+        t.tile_sample_min_size, t.tile_latent_min_size, t.tile_overlap_factor
+    );
+    let modes: Vec<String> = engine.supported_modes().iter().map(ToString::to_string).collect();
+    println!("modes       {}", modes.join(", "));
+    println!(
+        "placement   decode → {:?}, encode → {:?}",
+        engine.family().default_placement(vae_parallel::models::Direction::Decode),
+        engine.family().default_placement(vae_parallel::models::Direction::Encode)
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,205 @@
+//! Per-thread accounting of live tensor bytes and their high-water mark.
+//!
+//! Each local rank runs on its own thread, so a per-thread counter is a per-rank counter. Every
+//! CPU buffer a tensor owns (and the large scratch buffers ops allocate while they run) is
+//! charged to the counter of the thread that allocated it, and released from that same counter
+//! when it is dropped, whichever thread drops it: a tensor handed to another rank's thread must
+//! not make the sender's count drift. The buffer therefore holds a shared handle to its counter
+//! instead of looking up the dropping thread's one.
+//!
+//! Bytes are the tensor's element bytes (`len × 4` for f32), not the allocator's capacity.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// One thread's counters. Atomics because releases may come from other threads.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Counters {
+    fn charge(&self, bytes: usize) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn release(&self, bytes: usize) {
+        self.live.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    /// The account this thread charges: its own unless an [`AccountGuard`] redirects it.
+    static CURRENT: RefCell<Arc<Counters>> = RefCell::new(Arc::new(Counters::default()));
+}
+
+/// The current thread's counters. During thread teardown, when the thread-local is gone, a
+/// detached counter keeps allocation working (nobody can read that thread's counts any more).
+fn current() -> Arc<Counters> {
+    CURRENT.try_with(|c| Arc::clone(&c.borrow())).unwrap_or_default()
+}
+
+/// Bytes of tensor storage charged to the current thread's account that are still alive.
+pub fn live_bytes() -> usize {
+    Account::current().live_bytes()
+}
+
+/// The most bytes that were alive at once in the current thread's account since it was
+/// created or since the last [`reset_peak`].
+pub fn peak_bytes() -> usize {
+    Account::current().peak_bytes()
+}
+
+/// Restarts the current thread's high-water mark from its live bytes, to measure one phase.
+pub fn reset_peak() {
+    Account::current().reset_peak();
+}
+
+/// A set of counters that allocations are charged to. Every thread starts with its own.
+///
+/// Work run through `rayon::ThreadPool::install` executes on a pool thread, so its
+/// allocations would be charged to that thread. A rank that runs its ops in its own pool
+/// therefore takes [`Account::current`] on its thread and [`Account::enter`]s it inside the
+/// pool closure, so that the rank's high-water mark sees them.
+#[derive(Debug, Clone, Default)]
+pub struct Account(Arc<Counters>);
+
+impl Account {
+    /// A new account with nothing charged.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The account the current thread charges now.
+    pub fn current() -> Self {
+        Self(current())
+    }
+
+    /// Live bytes charged to this account.
+    pub fn live_bytes(&self) -> usize {
+        self.0.live.load(Ordering::Relaxed)
+    }
+
+    /// High-water mark of [`Account::live_bytes`] since creation or the last reset.
+    pub fn peak_bytes(&self) -> usize {
+        self.0.peak.load(Ordering::Relaxed)
+    }
+
+    /// Restarts the high-water mark from the live bytes.
+    pub fn reset_peak(&self) {
+        self.0.peak.store(self.0.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// Charges the current thread's allocations to this account until the guard drops.
+    pub fn enter(&self) -> AccountGuard {
+        let previous = CURRENT.with(|c| c.replace(Arc::clone(&self.0)));
+        AccountGuard { previous: Some(previous), _same_thread: PhantomData }
+    }
+}
+
+/// Restores the thread's previous account on drop; see [`Account::enter`]. Not `Send`, so it
+/// is dropped on the thread whose account it changed.
+#[derive(Debug)]
+pub struct AccountGuard {
+    previous: Option<Arc<Counters>>,
+    _same_thread: PhantomData<*const ()>,
+}
+
+impl Drop for AccountGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            // Ignoring the error is right: it only fails during thread teardown.
+            let _ = CURRENT.try_with(|c| c.replace(previous));
+        }
+    }
+}
+
+/// An f32 buffer charged to the allocating thread's counters for as long as it lives.
+pub(crate) struct Buffer {
+    data: Vec<f32>,
+    counters: Arc<Counters>,
+}
+
+impl Buffer {
+    /// Takes ownership of `data` and charges it to the current thread.
+    pub(crate) fn from_vec(data: Vec<f32>) -> Self {
+        let counters = current();
+        counters.charge(byte_len(&data));
+        Self { data, counters }
+    }
+
+    /// A zero-filled buffer of `len` elements.
+    pub(crate) fn zeros(len: usize) -> Self {
+        Self::from_vec(vec![0.0; len])
+    }
+
+    /// The elements.
+    pub(crate) fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// The elements, mutable. A slice, not the `Vec`, so the charged length cannot change.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
+
+fn byte_len(data: &[f32]) -> usize {
+    std::mem::size_of_val(data)
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        self.counters.release(byte_len(&self.data));
+    }
+}
+
+impl Clone for Buffer {
+    /// A copy is a new allocation, charged to the thread that makes it.
+    fn clone(&self) -> Self {
+        Self::from_vec(self.data.clone())
+    }
+}
+
+impl PartialEq for Buffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.data == other.data
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.data.fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charges_and_releases_on_the_allocating_thread() {
+        let base = live_bytes();
+        reset_peak();
+        let a = Buffer::zeros(100);
+        let b = a.clone();
+        assert_eq!(live_bytes(), base + 800);
+        drop(a);
+        assert_eq!(live_bytes(), base + 400);
+        assert_eq!(peak_bytes(), base + 800);
+        // Dropped on another thread: still released from this thread's counter.
+        std::thread::spawn(move || {
+            let before = live_bytes();
+            drop(b);
+            assert_eq!(live_bytes(), before);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(live_bytes(), base);
+    }
+}

@@ -1,0 +1,194 @@
+//! Element-wise ops and zero padding.
+
+use rayon::prelude::*;
+
+use crate::memory::Buffer;
+use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply};
+use crate::{Result, Shape, Tensor, TensorError};
+
+/// `x · sigmoid(x)`, written as `x / (1 + e^(−x))`: for very negative `x` the exponential
+/// overflows to infinity and the quotient is a correctly signed zero, as in PyTorch.
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// PyTorch's clamp: NaN stays NaN, and `min > max` gives `max` everywhere.
+#[inline]
+fn clamp(x: f32, min: f32, max: f32) -> f32 {
+    let x = if x < min { min } else { x };
+    if x > max { max } else { x }
+}
+
+impl Tensor {
+    /// A new tensor of `f` applied to every element, in parallel for large tensors.
+    fn map(&self, f: impl Fn(f32) -> f32 + Sync + Send) -> Result<Tensor> {
+        let src = self.as_slice_f32()?;
+        let data: Vec<f32> = if src.len() < PAR_MIN_ELEMS {
+            src.iter().map(|&x| f(x)).collect()
+        } else {
+            src.par_iter().with_min_len(PAR_MIN_ELEMS / 4).map(|&x| f(x)).collect()
+        };
+        Ok(Tensor::from_buffer(Buffer::from_vec(data), self.shape().clone()))
+    }
+
+    /// Applies `f` to every element in place.
+    fn map_inplace(&mut self, f: impl Fn(f32) -> f32 + Sync + Send) -> Result<()> {
+        par_chunks_apply(self.as_mut_slice_f32()?, |c| c.iter_mut().for_each(|x| *x = f(*x)));
+        Ok(())
+    }
+
+    /// SiLU (swish), `x · sigmoid(x)`, element-wise.
+    pub fn silu(&self) -> Result<Tensor> {
+        self.map(silu)
+    }
+
+    /// [`Tensor::silu`] in place.
+    pub fn silu_inplace(&mut self) -> Result<()> {
+        self.map_inplace(silu)
+    }
+
+    /// Element-wise sum of two tensors of the same shape (no broadcasting).
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        self.check_same_shape("add", other)?;
+        let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
+        let data: Vec<f32> = if a.len() < PAR_MIN_ELEMS {
+            a.iter().zip(b).map(|(x, y)| x + y).collect()
+        } else {
+            a.par_iter().zip(b).with_min_len(PAR_MIN_ELEMS / 4).map(|(x, y)| x + y).collect()
+        };
+        Ok(Tensor::from_buffer(Buffer::from_vec(data), self.shape().clone()))
+    }
+
+    /// `self += other` element-wise; shapes must be equal.
+    pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
+        self.check_same_shape("add_assign", other)?;
+        let b = other.as_slice_f32()?;
+        let a = self.as_mut_slice_f32()?;
+        if a.len() < PAR_MIN_ELEMS {
+            a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+        } else {
+            a.par_chunks_mut(PAR_MIN_ELEMS / 2)
+                .zip(b.par_chunks(PAR_MIN_ELEMS / 2))
+                .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(x, y)| *x += y));
+        }
+        Ok(())
+    }
+
+    /// Every element times `factor` (the same as [`Tensor::scale`]).
+    pub fn mul_scalar(&self, factor: f32) -> Result<Tensor> {
+        self.map(|x| x * factor)
+    }
+
+    /// [`Tensor::mul_scalar`] in place.
+    pub fn mul_scalar_inplace(&mut self, factor: f32) -> Result<()> {
+        self.map_inplace(|x| x * factor)
+    }
+
+    /// Every element divided by `divisor` (a true division, as PyTorch's `x / s`, which can
+    /// differ in the last bit from multiplying by `1 / s`).
+    pub fn div_scalar(&self, divisor: f32) -> Result<Tensor> {
+        self.map(|x| x / divisor)
+    }
+
+    /// `value` added to every element.
+    pub fn add_scalar(&self, value: f32) -> Result<Tensor> {
+        self.map(|x| x + value)
+    }
+
+    /// `x · scale[c] + shift[c]` per channel (dimension 1 of `[N, C, *]`), rounded after the
+    /// product and after the sum as PyTorch's `x * scale + shift` with broadcast vectors.
+    pub fn channel_affine(&self, scale: &[f32], shift: &[f32]) -> Result<Tensor> {
+        self.per_channel("channel_affine", scale, shift, |x, s, t| (x * s) + t)
+    }
+
+    /// `(x − mean[c]) / std[c]` per channel (dimension 1 of `[N, C, *]`), as PyTorch's
+    /// `(x - mean) / std` with broadcast vectors.
+    pub fn channel_normalize(&self, mean: &[f32], std: &[f32]) -> Result<Tensor> {
+        self.per_channel("channel_normalize", mean, std, |x, m, s| (x - m) / s)
+    }
+
+    /// Applies `f(x, a[c], b[c])` to every element of channel `c` of `[N, C, *]`.
+    fn per_channel(
+        &self,
+        op: &'static str,
+        a: &[f32],
+        b: &[f32],
+        f: impl Fn(f32, f32, f32) -> f32 + Sync + Send,
+    ) -> Result<Tensor> {
+        if self.rank() < 2 {
+            return Err(TensorError::InvalidArgument { op, reason: format!("needs [N, C, *], got {}", self.shape()) });
+        }
+        let c = self.dims()[1];
+        for v in [a, b] {
+            if v.len() != c {
+                return Err(TensorError::ShapeMismatch { op, lhs: self.shape().clone(), rhs: Shape::new([v.len()]) });
+            }
+        }
+        let spatial: usize = self.dims()[2..].iter().product();
+        let mut out = self.clone();
+        if spatial > 0 {
+            out.as_mut_slice_f32()?.par_chunks_mut(spatial).enumerate().for_each(|(i, plane)| {
+                let (x, y) = (a[i % c], b[i % c]);
+                plane.iter_mut().for_each(|v| *v = f(*v, x, y));
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every element limited to `[min, max]`, as `torch.clamp`: NaN elements stay NaN, and
+    /// `min > max` sets everything to `max`. NaN bounds are an error.
+    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
+        check_bounds(min, max)?;
+        self.map(|x| clamp(x, min, max))
+    }
+
+    /// [`Tensor::clamp`] in place.
+    pub fn clamp_inplace(&mut self, min: f32, max: f32) -> Result<()> {
+        check_bounds(min, max)?;
+        self.map_inplace(|x| clamp(x, min, max))
+    }
+
+    /// Zero padding of the last two dimensions by `[top, bottom, left, right]`, as
+    /// `F.pad(x, (left, right, top, bottom))`.
+    pub fn pad2d(&self, padding: [usize; 4]) -> Result<Tensor> {
+        const OP: &str = "pad2d";
+        let r = self.rank();
+        if r < 2 {
+            return Err(TensorError::InvalidArgument {
+                op: OP,
+                reason: format!("needs rank >= 2, got {}", self.shape()),
+            });
+        }
+        let [top, bottom, left, right] = padding;
+        let (h, w) = (self.dims()[r - 2], self.dims()[r - 1]);
+        let overflow = || TensorError::InvalidArgument { op: OP, reason: format!("padding {padding:?} overflows") };
+        let hp = h.checked_add(top).and_then(|v| v.checked_add(bottom)).ok_or_else(overflow)?;
+        let wp = w.checked_add(left).and_then(|v| v.checked_add(right)).ok_or_else(overflow)?;
+        let mut dims = self.dims().to_vec();
+        dims[r - 2] = hp;
+        dims[r - 1] = wp;
+        let shape = Shape::new(dims);
+        let len = shape.checked_elem_count().ok_or_else(overflow)?;
+        let mut out = Buffer::zeros(len);
+        let src = self.as_slice_f32()?;
+        if h * w > 0 && len > 0 {
+            out.as_mut_slice().par_chunks_mut(hp * wp).zip(src.par_chunks(h * w)).for_each(|(dst, src)| {
+                for (y, row) in src.chunks_exact(w).enumerate() {
+                    dst[(y + top) * wp + left..][..w].copy_from_slice(row);
+                }
+            });
+        }
+        Ok(Tensor::from_buffer(out, shape))
+    }
+}
+
+fn check_bounds(min: f32, max: f32) -> Result<()> {
+    if min.is_nan() || max.is_nan() {
+        return Err(TensorError::InvalidArgument {
+            op: "clamp",
+            reason: format!("bounds must not be NaN: {min}, {max}"),
+        });
+    }
+    Ok(())
+}
