@@ -34,11 +34,15 @@ struct Entry {
     range: (usize, usize),
 }
 
-/// The weights of one model directory, by state-dict key.
+/// The weights of one model directory, by state-dict key — or, for presets and tests, seeded
+/// random weights generated on request ([`WeightStore::synthetic`]).
 pub struct WeightStore {
     shards: Vec<Shard>,
     entries: BTreeMap<String, Entry>,
     taken: BTreeSet<String>,
+    /// `Some(seed)`: every `take` makes up a tensor instead of reading one.
+    synthetic: Option<u64>,
+    synthetic_params: usize,
 }
 
 impl std::fmt::Debug for WeightStore {
@@ -113,7 +117,55 @@ impl WeightStore {
             }
             shards.push(Shard { path: path.clone(), mmap, data_start: 8 + header_len });
         }
-        Ok(Self { shards, entries, taken: BTreeSet::new() })
+        Ok(Self { shards, entries, taken: BTreeSet::new(), synthetic: None, synthetic_params: 0 })
+    }
+
+    /// A store that answers every request with seeded random weights: weights and biases of
+    /// convolutions and linear layers uniform in ±1/√fan_in (PyTorch's default scale), norm
+    /// scales near 1 and shifts near 0, BatchNorm variances positive. The same seed and key
+    /// always give the same tensor, so a preset model is identical on every rank and run.
+    pub fn synthetic(seed: u64) -> Self {
+        Self {
+            shards: Vec::new(),
+            entries: BTreeMap::new(),
+            taken: BTreeSet::new(),
+            synthetic: Some(seed),
+            synthetic_params: 0,
+        }
+    }
+
+    fn make_up(&mut self, seed: u64, key: &str, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        self.synthetic_params += n;
+        let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+        for b in key.bytes() {
+            state = (state ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let mut uniform = move || {
+            // splitmix64: small, seedable, good enough for weights.
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let is_norm = key.contains("norm") && !key.contains("conv");
+        let data: Vec<f32> = if key.ends_with("running_var") {
+            (0..n).map(|_| 0.75 + 0.25 * uniform()).collect()
+        } else if key.ends_with("running_mean") || (is_norm && key.ends_with("bias")) {
+            (0..n).map(|_| 0.1 * uniform()).collect()
+        } else if is_norm {
+            (0..n).map(|_| 1.0 + 0.1 * uniform()).collect()
+        } else {
+            // Conv weight [out, in, kh, kw], linear [out, in], or a bias [out]: scale by the
+            // fan-in the layer's weight has (unknown for a bias; its layer's width will do).
+            let fan_in = if shape.len() > 1 { shape[1..].iter().product::<usize>() } else { shape[0].max(1) };
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            (0..n).map(|_| bound * uniform()).collect()
+        };
+        self.taken.insert(key.to_string());
+        Ok(Tensor::from_vec(data, shape.to_vec(), &Device::Cpu)?)
     }
 
     /// Number of tensors in the checkpoint.
@@ -126,9 +178,9 @@ impl WeightStore {
         self.entries.is_empty()
     }
 
-    /// Whether the checkpoint has `key`.
+    /// Whether the checkpoint has `key` (a synthetic store has every key).
     pub fn contains(&self, key: &str) -> bool {
-        self.entries.contains_key(key)
+        self.synthetic.is_some() || self.entries.contains_key(key)
     }
 
     /// The stored element types, with how many tensors use each (for `inspect`).
@@ -140,13 +192,16 @@ impl WeightStore {
         counts
     }
 
-    /// Total number of scalar parameters.
+    /// Total number of scalar parameters (for a synthetic store: made up so far).
     pub fn parameter_count(&self) -> usize {
-        self.entries.values().map(|e| e.shape.iter().product::<usize>()).sum()
+        self.synthetic_params + self.entries.values().map(|e| e.shape.iter().product::<usize>()).sum::<usize>()
     }
 
     /// The tensor `key` as f32, which must have shape `expected`.
     pub fn take(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
+        if let Some(seed) = self.synthetic {
+            return self.make_up(seed, key, expected);
+        }
         let entry = self
             .entries
             .get(key)

@@ -1,4 +1,7 @@
-//! `vae-parallel demo`: the tile executor end to end on a synthetic decoder.
+//! `vae-parallel demo`: the README's main job with nothing to download. By default a built-in
+//! small AutoencoderKL (SD-like, seeded random weights) decodes a seeded latent on one rank
+//! and on N ranks (tile-parallel), and the two are compared; `--operator synthetic` runs a
+//! stand-in decoder instead (fast, for exercising the executor and transports).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,47 +9,78 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Args;
-use vae_parallel::report::{RequestReport, gather_summaries};
+use clap::{Args, ValueEnum};
+use vae_parallel::io;
+use vae_parallel::models::autoencoder_kl::{AutoencoderKl, AutoencoderKlConfig, KlOperator, KlTask};
+use vae_parallel::report::{RequestReport, gather_summaries, human_bytes};
 use vae_parallel::runtime::synthetic::SyntheticDecoder;
-use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, TileOperator};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, TileOperator};
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, TransportConfig, run_local};
 
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
+
+/// The built-in model: diffusers `AutoencoderKL`, SD layout (4 levels, 4 latent channels, 8×)
+/// at reduced widths, 128-pixel tiles (16 latent, stride 12).
+const PRESET_CONFIG: &str = r#"{
+    "_class_name": "AutoencoderKL",
+    "block_out_channels": [16, 32, 64, 64],
+    "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"],
+    "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"],
+    "layers_per_block": 1,
+    "latent_channels": 4,
+    "norm_num_groups": 8,
+    "sample_size": 128
+}"#;
+const PRESET_SEED: u64 = 2026;
+
+/// Which operator the demo runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DemoOperator {
+    /// The built-in AutoencoderKL preset (seeded weights), tiled as diffusers tiles.
+    Vae,
+    /// A stand-in decoder: nearest upsampling, doubled, offset per tile.
+    Synthetic,
+}
 
 /// Options of `vae-parallel demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     #[command(flatten)]
     group: GroupArgs,
+    /// What to run.
+    #[arg(long, value_enum, default_value_t = DemoOperator::Vae)]
+    operator: DemoOperator,
     /// Ranks that execute tiles (default: all).
     #[arg(long)]
     parallel_size: Option<usize>,
-    /// Input height in latent units (60 = a 480-pixel Wan latent).
-    #[arg(long, default_value_t = 60)]
-    height: usize,
-    /// Input width in latent units (104 = an 832-pixel Wan latent).
-    #[arg(long, default_value_t = 104)]
-    width: usize,
-    /// Input channels.
+    /// Latent height (default: 40 for the VAE = 320 px; 60 for the synthetic operator).
+    #[arg(long)]
+    height: Option<usize>,
+    /// Latent width (default: 56 for the VAE = 448 px; 104 for the synthetic operator).
+    #[arg(long)]
+    width: Option<usize>,
+    /// Synthetic operator: input channels.
     #[arg(long, default_value_t = 4)]
     channels: usize,
-    /// Tile size in latent units.
+    /// Synthetic operator: tile size in latent units.
     #[arg(long, default_value_t = 32)]
     tile: usize,
-    /// Tile stride in latent units.
+    /// Synthetic operator: tile stride in latent units.
     #[arg(long, default_value_t = 24)]
     stride: usize,
-    /// Output pixels per latent unit.
+    /// Synthetic operator: output pixels per latent unit.
     #[arg(long, default_value_t = 8)]
     scale: usize,
-    /// Simulated work per tile, in milliseconds (makes the spread over ranks visible).
+    /// Synthetic operator: simulated work per tile, in milliseconds.
     #[arg(long, default_value_t = 0)]
     work_ms: u64,
     /// Give the output to every rank instead of rank 0 only.
     #[arg(long)]
     broadcast: bool,
+    /// Where the VAE demo writes the decoded image (PNG).
+    #[arg(long, default_value = "vae-parallel-demo.png")]
+    out: PathBuf,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -56,26 +90,33 @@ pub struct DemoArgs {
 struct Outcome {
     report: RequestReport,
     output_dims: Vec<usize>,
-    identical: bool,
     max_abs_diff: f32,
     copies_agree: bool,
     wall: Duration,
+    single_wall: Duration,
+    single_peak: usize,
+    written: Option<PathBuf>,
 }
 
-fn input(args: &DemoArgs) -> anyhow::Result<Tensor> {
-    let dims = [1, args.channels, args.height, args.width];
+impl Outcome {
+    fn identical(&self) -> bool {
+        self.max_abs_diff == 0.0 && self.copies_agree
+    }
+}
+
+/// A deterministic input with structure and noise.
+fn pattern(dims: [usize; 4]) -> anyhow::Result<Tensor> {
     let n: usize = dims.iter().product();
-    // A smooth pattern plus a hash, so that every tile differs.
     let data = (0..n)
         .map(|i| {
             let h = (i as u32).wrapping_mul(2654435761) >> 8;
-            ((i as f32) * 0.001).sin() + (h as f32 / (1u32 << 24) as f32) * 0.1
+            ((i as f32) * 0.001).sin() + (h as f32 / (1u32 << 24) as f32 - 0.5)
         })
         .collect();
     Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
 }
 
-fn operator(args: &DemoArgs) -> SyntheticDecoder {
+fn synthetic(args: &DemoArgs) -> SyntheticDecoder {
     SyntheticDecoder {
         tile: args.tile,
         stride: args.stride,
@@ -85,15 +126,19 @@ fn operator(args: &DemoArgs) -> SyntheticDecoder {
     }
 }
 
-fn rank_body(comm: Arc<dyn Communicator>, args: &DemoArgs) -> anyhow::Result<Option<Outcome>> {
-    let (rank, world) = (comm.rank(), comm.size());
-    let x = input(args)?;
-    let op = operator(args);
+/// Runs `op` on every rank, then (rank 0) on a group of one for comparison.
+fn run_and_compare<O: TileOperator + Sync>(
+    comm: Arc<dyn Communicator>,
+    args: &DemoArgs,
+    x: &Tensor,
+    op: &O,
+    strategy: String,
+) -> anyhow::Result<Option<(Outcome, Tensor)>> {
+    let world = comm.size();
     let placement = if args.broadcast { OutputPlacement::AllRanks } else { OutputPlacement::OwnerOnly };
     let executor = DistributedVaeExecutor::new(Arc::clone(&comm), args.parallel_size.unwrap_or(world))?;
-
     let started = Instant::now();
-    let out = executor.execute(&x, &op, placement)?;
+    let out: ExecOutput = executor.execute(x, op, placement)?;
     let wall = started.elapsed();
 
     // Every rank that holds the output says what it holds.
@@ -105,43 +150,72 @@ fn rank_body(comm: Arc<dyn Communicator>, args: &DemoArgs) -> anyhow::Result<Opt
     };
 
     // The same request on a group of one, for comparison.
-    let config = TransportConfig::default();
-    let single = run_local(1, config, |c| {
-        DistributedVaeExecutor::new(Arc::new(c), 1).and_then(|e| e.execute(&x, &op, OutputPlacement::OwnerOnly))
+    let single = run_local(1, TransportConfig::default(), |c| {
+        let started = Instant::now();
+        let out =
+            DistributedVaeExecutor::new(Arc::new(c), 1).and_then(|e| e.execute(x, op, OutputPlacement::OwnerOnly));
+        out.map(|o| (o, started.elapsed()))
     })?
     .remove(0)
     .map_err(|panic| anyhow::anyhow!("single-rank run panicked: {panic}"))??;
+    let (single, single_wall) = single;
     let reference = single.tensor.context("a single rank always owns the output")?;
     let merged = out.tensor.context("rank 0 owns the output")?;
     let copies_agree = hashes.as_flat().iter().enumerate().all(|(r, h)| {
         let holds = r == 0 || placement == OutputPlacement::AllRanks;
         if holds { *h == hashes.as_flat()[0] } else { *h == 0 }
     });
-
-    let plan = op.split(&x).map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(Some(Outcome {
+    let outcome = Outcome {
         report: RequestReport {
-            strategy: format!(
-                "tile ({}×{} grid of {}/{} tiles)",
-                plan.grid.grid_shape[0], plan.grid.grid_shape[1], args.tile, args.stride
-            ),
+            strategy,
             backend: comm.backend().to_string(),
             world_size: world,
             parallel_size: executor.parallel_size(),
-            tile_count: plan.tasks.len(),
+            tile_count: out.report.tile_count,
             ranks: summaries,
         },
         output_dims: merged.dims().to_vec(),
-        identical: merged.bit_eq(&reference),
         max_abs_diff: merged.max_abs_diff(&reference)?,
         copies_agree,
         wall,
-    }))
-    .inspect(|_| tracing::debug!(rank, "demo finished"))
+        single_wall,
+        single_peak: single.report.peak_bytes,
+        written: None,
+    };
+    Ok(Some((outcome, merged)))
+}
+
+fn rank_body(comm: Arc<dyn Communicator>, args: &DemoArgs) -> anyhow::Result<Option<Outcome>> {
+    match args.operator {
+        DemoOperator::Vae => {
+            let config = AutoencoderKlConfig::from_json(PRESET_CONFIG).map_err(anyhow::Error::msg)?;
+            let model = AutoencoderKl::synthetic(config, PRESET_SEED)?;
+            let (h, w) = (args.height.unwrap_or(40), args.width.unwrap_or(56));
+            let z = pattern([1, 4, h, w])?;
+            let op = KlOperator::new(&model, KlTask::Decode, true);
+            let tiles = model.tiling();
+            let strategy =
+                format!("tile ({} px tiles, overlap {})", tiles.tile_sample_min_size, tiles.tile_overlap_factor);
+            let Some((mut outcome, image)) = run_and_compare(comm, args, &z, &op, strategy)? else { return Ok(None) };
+            outcome.written = io::write_png_batch(&args.out, &image)?.into_iter().next();
+            Ok(Some(outcome))
+        }
+        DemoOperator::Synthetic => {
+            let x = pattern([1, args.channels, args.height.unwrap_or(60), args.width.unwrap_or(104)])?;
+            let op = synthetic(args);
+            let strategy = format!("tile ({}/{} synthetic tiles)", args.tile, args.stride);
+            Ok(run_and_compare(comm, args, &x, &op, strategy)?.map(|(o, _)| o))
+        }
+    }
 }
 
 /// Runs the demo and prints what happened.
 pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
+    if let Some(dir) = args.out.parent().filter(|p| !p.as_os_str().is_empty())
+        && !dir.is_dir()
+    {
+        anyhow::bail!("output directory {} does not exist", dir.display());
+    }
     let outcome = run_group(&args.group, |comm| rank_body(comm, args))?;
     let rank0 = match outcome {
         GroupOutcome::AllRanks(mut results) => {
@@ -166,45 +240,57 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let Some(o) = rank0 else { anyhow::bail!("rank 0 produced no outcome") };
 
+    match args.operator {
+        DemoOperator::Vae => println!(
+            "vae-parallel demo: built-in AutoencoderKL (SD layout, seeded weights) decoding a latent to {:?}",
+            o.output_dims
+        ),
+        DemoOperator::Synthetic => println!(
+            "vae-parallel demo: synthetic decoder (nearest ×{} upsample, doubled, offset per tile) → {:?}",
+            args.scale, o.output_dims
+        ),
+    }
     println!(
-        "vae-parallel demo: synthetic decoder (nearest ×{} upsample, doubled, offset per tile) on a [1, {}, {}, {}] input",
-        args.scale, args.channels, args.height, args.width
-    );
-    println!(
-        "  transport {}, {} rank(s), parallel size {}, output to {}",
+        "  transport {}, {} rank(s), parallel size {}, output to {}; mode {}: {} tiles",
         o.report.backend,
         o.report.world_size,
         o.report.parallel_size,
-        if args.broadcast { "all ranks" } else { "rank 0" }
+        if args.broadcast { "all ranks" } else { "rank 0" },
+        o.report.strategy,
+        o.report.tile_count
     );
-    println!("  strategy {}: {} tiles → output {:?}", o.report.strategy, o.report.tile_count, o.output_dims);
+    println!();
+    let peak = o.report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    println!("  {:>8}  {:>10}  {:>12}  {:>16}", "ranks", "time ms", "peak mem", "max |diff| vs 1");
+    println!(
+        "  {:>8}  {:>10.1}  {:>12}  {:>16}",
+        1,
+        o.single_wall.as_secs_f64() * 1e3,
+        human_bytes(o.single_peak as u64),
+        "-"
+    );
+    println!(
+        "  {:>8}  {:>10.1}  {:>12}  {:>16}",
+        o.report.world_size,
+        o.wall.as_secs_f64() * 1e3,
+        human_bytes(peak),
+        o.max_abs_diff
+    );
     println!();
     print!("{}", o.report.to_table());
-    println!("  (* = owner: merged the tiles; 'other ms' = split + input agreement)");
-    println!();
-    println!("  wall time on rank 0: {:.2} ms", o.wall.as_secs_f64() * 1e3);
+    println!("  (* = owner: merged the tiles; 'other ms' = split + input agreement; peak mem per rank)");
+    if let Some(path) = &o.written {
+        println!("  image written to {}", path.display());
+    }
     if let Some(path) = &args.json {
-        write_atomically(path, &serde_json::to_vec_pretty(&o.report)?)?;
+        io::write_atomically(path, &serde_json::to_vec_pretty(&o.report)?)?;
         println!("  report written to {}", path.display());
     }
-    if o.identical && o.copies_agree {
+    if o.identical() {
         println!("  result: bit-identical to a single-rank run (max |diff| 0) on every rank that holds it");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!(
-            "  result: MISMATCH — max |diff| vs single rank {}, broadcast copies agree: {}",
-            o.max_abs_diff, o.copies_agree
-        );
+        println!("  result: MISMATCH — max |diff| vs single rank {}, copies agree: {}", o.max_abs_diff, o.copies_agree);
         Ok(ExitCode::FAILURE)
     }
-}
-
-/// Writes a file via a temporary sibling and a rename, so a reader never sees half of it.
-pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let name = path.file_name().context("output path has no file name")?;
-    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
 }

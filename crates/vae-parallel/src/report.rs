@@ -34,6 +34,8 @@ pub struct RankSummary {
     pub phase_ms: PhaseMs,
     /// Traffic by collective kind (kinds with no calls left out).
     pub traffic: Vec<TrafficSummary>,
+    /// Peak tensor memory of the rank during the request, bytes.
+    pub peak_bytes: u64,
 }
 
 /// Milliseconds per phase.
@@ -85,6 +87,7 @@ impl From<&RankReport> for RankSummary {
                     bytes_received: s.bytes_received,
                 })
                 .collect(),
+            peak_bytes: r.peak_bytes as u64,
         }
     }
 }
@@ -131,7 +134,7 @@ impl RequestReport {
             let received: u64 = r.traffic.iter().map(|t| t.bytes_received).sum();
             let _ = writeln!(
                 out,
-                "{:>4}  {:>5}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}",
+                "{:>4}  {:>5}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}",
                 format!("{}{}", r.rank, if r.is_owner { "*" } else { "" }),
                 r.tiles.len(),
                 r.workload,
@@ -143,6 +146,7 @@ impl RequestReport {
                 p.split + p.agree,
                 human_bytes(sent),
                 human_bytes(received),
+                human_bytes(r.peak_bytes),
             );
         }
         out

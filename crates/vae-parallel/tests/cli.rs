@@ -9,11 +9,26 @@ fn cli(args: &[&str]) -> (bool, String) {
 }
 
 #[test]
-fn the_demo_runs_on_local_ranks_and_is_bit_identical() {
-    let (ok, text) = cli(&["demo", "--ranks", "4"]);
+fn the_demo_decodes_with_the_built_in_vae_and_is_bit_identical() {
+    let out = temp_path("demo.png");
+    let (ok, text) = cli(&["demo", "--ranks", "3", "--height", "24", "--width", "20", "--out", out.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    assert!(text.contains("built-in AutoencoderKL") && text.contains("[1, 3, 192, 160]"), "{text}");
+    assert!(text.contains("bit-identical to a single-rank run"), "{text}");
+    assert!(std::fs::metadata(&out).unwrap().len() > 1000);
+    let _ = std::fs::remove_file(&out);
+}
+
+#[test]
+fn the_synthetic_demo_runs_on_local_ranks_and_is_bit_identical() {
+    let (ok, text) = cli(&["demo", "--operator", "synthetic", "--ranks", "4"]);
     assert!(ok, "{text}");
     assert!(text.contains("bit-identical to a single-rank run"), "{text}");
-    assert!(text.contains("output [1, 4, 480, 832]"), "{text}");
+    assert!(text.contains("[1, 4, 480, 832]"), "{text}");
+}
+
+fn temp_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("vae-cli-{}-{name}", std::process::id()))
 }
 
 #[test]
@@ -28,7 +43,7 @@ fn the_demo_runs_on_rank_processes_with_broadcast() {
 #[test]
 fn the_demo_writes_its_report_as_json() {
     let path = std::env::temp_dir().join(format!("vae-cli-report-{}.json", std::process::id()));
-    let (ok, text) = cli(&["demo", "--ranks", "2", "--json", path.to_str().unwrap()]);
+    let (ok, text) = cli(&["demo", "--operator", "synthetic", "--ranks", "2", "--json", path.to_str().unwrap()]);
     assert!(ok, "{text}");
     let json = std::fs::read_to_string(&path).unwrap();
     let _ = std::fs::remove_file(&path);
@@ -43,7 +58,7 @@ fn bad_arguments_are_clear_errors() {
     let (ok, text) = cli(&["demo", "--transport", "carrier-pigeon"]);
     assert!(!ok);
     assert!(text.contains("unknown transport"), "{text}");
-    let (ok, text) = cli(&["demo", "--stride", "0"]);
+    let (ok, text) = cli(&["demo", "--operator", "synthetic", "--stride", "0"]);
     assert!(!ok);
     assert!(text.contains("stride"), "{text}");
 }
@@ -70,7 +85,8 @@ fn ranks_can_be_started_by_hand_with_flags() {
     let exe = env!("CARGO_BIN_EXE_vae-parallel");
     let args = |rank: &str| {
         let mut cmd = Command::new(exe);
-        cmd.args(["demo", "--transport", "socket", "--ranks", "2", "--rank", rank, "--master-addr", &master]);
+        cmd.args(["demo", "--operator", "synthetic", "--transport", "socket", "--ranks", "2", "--rank", rank]);
+        cmd.args(["--master-addr", &master]);
         cmd.args(["--height", "20", "--width", "20"]).env("VAE_CONNECT_TIMEOUT_S", "30");
         cmd
     };

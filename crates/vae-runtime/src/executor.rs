@@ -141,6 +141,9 @@ pub struct RankReport {
     pub timings: PhaseTimings,
     /// Traffic of this request.
     pub traffic: CommStats,
+    /// High-water mark of this rank's tensor memory during the request, in bytes (the
+    /// allocation accounting of `vae_tensor::memory`; includes tensors alive before it).
+    pub peak_bytes: usize,
 }
 
 /// A request's result on one rank.
@@ -237,6 +240,7 @@ impl DistributedVaeExecutor {
         let comm = self.comm.as_ref();
         let (rank, world) = (comm.rank(), comm.size());
         let traffic_before = comm.stats();
+        vae_tensor::memory::reset_peak();
         let mut timings = PhaseTimings::default();
 
         // 1. Split, on every rank.
@@ -390,6 +394,7 @@ impl DistributedVaeExecutor {
             is_owner: rank == OWNER,
             timings,
             traffic: comm.stats().since(&traffic_before),
+            peak_bytes: vae_tensor::memory::peak_bytes(),
         };
         Ok(ExecOutput { tensor, report })
     }

@@ -37,7 +37,7 @@ impl Wire for LocalWire {
     fn announce_failure(&self, failed_rank: usize, reason: &str) {
         for (r, inbox) in self.world.inboxes.iter().enumerate() {
             if r != self.rank {
-                inbox.peer_failed(failed_rank, reason.to_string());
+                inbox.peer_failed(self.rank, failed_rank, reason.to_string());
             }
         }
     }

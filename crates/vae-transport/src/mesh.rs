@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::pool::PooledBuf;
 use crate::stats::StatsCounters;
@@ -50,6 +50,9 @@ impl OpKind {
         }
     }
 }
+
+/// How long a failed send waits to learn why the peer is unreachable.
+const SEND_FAILURE_GRACE: Duration = Duration::from_millis(250);
 
 /// What a frame claims to be part of: checked against what the receiver is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +98,8 @@ pub(crate) struct Frame {
 enum PeerStatus {
     Alive,
     Left,
+    /// Dead, or gave up after a failure: it will send nothing more.
+    Failed,
 }
 
 #[derive(Debug)]
@@ -103,8 +108,9 @@ struct InboxState {
     /// both of them in the same order, so the next frame from a peer must be the one expected.
     queues: Vec<VecDeque<Frame>>,
     status: Vec<PeerStatus>,
-    /// The first failure of any rank this rank has heard of.
+    /// The first failure of any rank this rank has heard of, and when it heard.
     group_failure: Option<(usize, String)>,
+    failure_seen: Option<Instant>,
 }
 
 /// The receiving side of one rank.
@@ -121,6 +127,7 @@ impl Inbox {
                 queues: (0..size).map(|_| VecDeque::new()).collect(),
                 status: vec![PeerStatus::Alive; size],
                 group_failure: None,
+                failure_seen: None,
             }),
             arrived: Condvar::new(),
         }
@@ -138,19 +145,57 @@ impl Inbox {
         self.arrived.notify_all();
     }
 
-    /// `rank` failed: every pending and later wait of this rank fails.
-    pub(crate) fn peer_failed(&self, rank: usize, reason: String) {
+    /// `from` reports that `failed_rank` failed (itself, or a rank whose failure made it give
+    /// up): `from` will send nothing more, so waits on it fail once its queued frames are
+    /// consumed. Waits on ranks still alive go on — they either send, or give up and say so —
+    /// which keeps a collective that every rank did complete from failing on some ranks.
+    pub(crate) fn peer_failed(&self, from: usize, failed_rank: usize, reason: String) {
         let mut state = self.lock();
         if state.group_failure.is_none() {
-            state.group_failure = Some((rank, reason));
+            state.group_failure = Some((failed_rank, reason));
+            state.failure_seen = Some(Instant::now());
+        }
+        // Only the reporter is known to send nothing more: everything it sent before the report
+        // is already queued (one ordered link per peer). The rank it names may be alive with
+        // frames still in flight (a mismatch blames a live peer); if it died, its own link
+        // reports that, in order, after its last frame.
+        if let Some(status) = state.status.get_mut(from) {
+            *status = PeerStatus::Failed;
         }
         drop(state);
         self.arrived.notify_all();
     }
 
+    /// Why a send to `peer` failed, if this rank learns it within `grace`: a write error to a
+    /// peer that died or gave up arrives at about the moment its reader sees the close or the
+    /// abort, and that failure (naming the rank that failed first) is the better error.
+    fn why_unreachable(&self, me: usize, peer: usize, op: &'static str, grace: Duration) -> Option<TransportError> {
+        let deadline = Instant::now() + grace;
+        let mut state = self.lock();
+        loop {
+            match state.status[peer] {
+                PeerStatus::Failed => {
+                    let (rank, reason) = state.group_failure.clone().unwrap_or((peer, "failed".into()));
+                    return Some(TransportError::PeerFailed { rank, reason });
+                }
+                PeerStatus::Left => return Some(TransportError::PeerLeft { rank: peer, waiting: me, op }),
+                PeerStatus::Alive => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            state = self.arrived.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
     /// `rank` left cleanly: waits on it fail once its queued frames are consumed.
     pub(crate) fn peer_left(&self, rank: usize) {
-        self.lock().status[rank] = PeerStatus::Left;
+        let mut state = self.lock();
+        if state.status[rank] == PeerStatus::Alive {
+            state.status[rank] = PeerStatus::Left;
+        }
+        drop(state);
         self.arrived.notify_all();
     }
 
@@ -159,7 +204,7 @@ impl Inbox {
     /// belongs to a collective this rank completed without expecting it (say, ranks that
     /// disagree on a gather root) — a mismatch to report now rather than a hang later.
     fn wait(&self, me: usize, from: usize, expected: Header, stale_below: u64, clock: &OpClock) -> Result<Frame> {
-        let OpClock { op, started, deadline } = *clock;
+        let OpClock { op, started, deadline, failure_grace } = *clock;
         let mut state = self.lock();
         loop {
             // Frames that already arrived are still good: the peer did its part of this
@@ -178,17 +223,27 @@ impl Inbox {
                     remote: format!("{} (which rank {me} did not take part in)", frame.header.describe()),
                 });
             }
-            if let Some((rank, reason)) = &state.group_failure {
-                return Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
+            if state.status[from] == PeerStatus::Failed || state.status[me] == PeerStatus::Failed {
+                let (rank, reason) = state.group_failure.clone().unwrap_or((from, "failed".into()));
+                return Err(TransportError::PeerFailed { rank, reason });
             }
             if state.status[from] == PeerStatus::Left {
                 return Err(TransportError::PeerLeft { rank: from, waiting: me, op });
             }
             let now = Instant::now();
+            // Once the group has failed, a live peer gets a short grace for frames in flight;
+            // after that, waiting on it could only end in a timeout (it may be waiting on us).
+            let mut until = deadline;
+            if let (Some((rank, reason)), Some(seen)) = (&state.group_failure, state.failure_seen) {
+                if now >= seen + failure_grace {
+                    return Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
+                }
+                until = until.min(seen + failure_grace);
+            }
             if now >= deadline {
                 return Err(TransportError::Timeout { rank: from, waiting: me, op, waited: now - started });
             }
-            state = self.arrived.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            state = self.arrived.wait_timeout(state, until - now).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 
@@ -204,6 +259,8 @@ pub(crate) struct OpClock {
     op: &'static str,
     started: Instant,
     deadline: Instant,
+    /// How long a wait on a live peer goes on once the group is known to have failed.
+    failure_grace: Duration,
 }
 
 /// How a backend moves frames to other ranks.
@@ -302,12 +359,16 @@ impl<W: Wire> MeshComm<W> {
         }
         let mut seq = self.sequence.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
-        let clock = OpClock { op, started, deadline: started + self.config.collective_timeout };
-        // A collective that starts after a failure is known cannot complete in step.
-        let result = match self.inbox.group_failure() {
-            Some((rank, reason)) => Err(TransportError::PeerFailed { rank, reason }),
-            None => body(&mut seq, &clock),
+        let clock = OpClock {
+            op,
+            started,
+            deadline: started + self.config.collective_timeout,
+            failure_grace: (self.config.failure_timeout / 5).max(Duration::from_millis(50)),
         };
+        // No check for a known failure here: an operation whose frames all arrived before the
+        // failure (the failed rank did its part) completes; one that must wait for a missing
+        // frame fails in `Inbox::wait`, and one that only sends fails in `sent_only`.
+        let result = body(&mut seq, &clock);
         drop(seq);
         if let Err(err) = &result {
             tracing::debug!(rank = self.rank, op, error = %err, "collective failed");
@@ -340,7 +401,7 @@ impl<W: Wire> MeshComm<W> {
         drop(slot);
         tracing::debug!(rank = self.rank, reason, "aborting the group");
         // Wake this rank's own waits too (abort may come from another thread).
-        self.inbox.peer_failed(self.rank, reason.to_string());
+        self.inbox.peer_failed(self.rank, self.rank, reason.to_string());
         self.wire.announce_failure(self.rank, reason);
     }
 
@@ -367,7 +428,18 @@ impl<W: Wire> MeshComm<W> {
     }
 
     fn send_to(&self, to: &[usize], header: Header, payload: &[u8]) -> Result<()> {
-        if to.is_empty() { Ok(()) } else { self.wire.send(to, header, payload) }
+        if to.is_empty() {
+            return Ok(());
+        }
+        self.wire.send(to, header, payload).map_err(|err| {
+            let explained = match &err {
+                TransportError::Io { rank: Some(peer), .. } => {
+                    self.inbox.why_unreachable(self.rank, *peer, header.kind.name(), SEND_FAILURE_GRACE)
+                }
+                _ => None,
+            };
+            explained.unwrap_or(err)
+        })
     }
 
     /// The next frame from `from`, which must be `expected`. For a collective, queued frames of
@@ -385,6 +457,15 @@ impl<W: Wire> MeshComm<W> {
             });
         }
         Ok(frame)
+    }
+
+    /// The end of an operation that received nothing: it must still not succeed once the
+    /// group is known to have failed (its peers will never use what it sent).
+    fn sent_only(&self) -> Result<()> {
+        match self.inbox.group_failure() {
+            Some((rank, reason)) => Err(TransportError::PeerFailed { rank, reason }),
+            None => Ok(()),
+        }
     }
 
     fn check_rank(&self, what: &str, r: usize) -> Result<()> {
@@ -426,7 +507,7 @@ impl<W: Wire> MeshComm<W> {
             if self.rank != root {
                 self.send_to(&[root], header, send)?;
                 self.stats.gather.record(send.len(), 0);
-                return Ok(None);
+                return self.sent_only().map(|()| None);
             }
             let parts = self.receive_from_all(header, clock)?;
             let counts = concat_into(recv, send, &parts)?;
@@ -457,6 +538,7 @@ impl<W: Wire> MeshComm<W> {
                 let bytes = buf.as_bytes();
                 self.send_to(&self.other_ranks(), header, bytes)?;
                 self.stats.broadcast.record(bytes.len() * (self.size - 1), 0);
+                self.sent_only()?;
             } else {
                 let frame = self.recv_from(root, header, header.seq, clock)?;
                 buf.assign_concat(&[&frame.payload[..]])?;
@@ -688,8 +770,6 @@ pub(crate) use delegate_communicator;
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
@@ -720,7 +800,12 @@ mod tests {
         inbox.deliver(2, Frame { header: stale, payload: Payload::default() });
         let start = Instant::now();
         let expected = Header { kind: OpKind::Broadcast, seq: 1, tag: 0 };
-        let clock = OpClock { op: "broadcast", started: start, deadline: start + Duration::from_secs(30) };
+        let clock = OpClock {
+            op: "broadcast",
+            started: start,
+            deadline: start + Duration::from_secs(30),
+            failure_grace: Duration::from_secs(1),
+        };
         let err = inbox.wait(1, 0, expected, 1, &clock).unwrap_err();
         assert!(matches!(err, TransportError::CollectiveMismatch { rank: 2, .. }), "{err}");
         assert!(start.elapsed() < Duration::from_secs(1));
@@ -731,7 +816,12 @@ mod tests {
         let inbox = Inbox::new(2);
         let start = Instant::now();
         let expected = Header { kind: OpKind::Barrier, seq: 0, tag: 0 };
-        let clock = OpClock { op: "barrier", started: start, deadline: start + Duration::from_millis(20) };
+        let clock = OpClock {
+            op: "barrier",
+            started: start,
+            deadline: start + Duration::from_millis(20),
+            failure_grace: Duration::from_secs(1),
+        };
         let err = inbox.wait(0, 1, expected, 0, &clock).unwrap_err();
         assert!(matches!(err, TransportError::Timeout { rank: 1, waiting: 0, op: "barrier", .. }), "{err}");
     }

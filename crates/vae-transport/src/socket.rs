@@ -643,7 +643,7 @@ struct ReaderContext {
 
 fn read_loop(stream: &mut Stream, cx: &ReaderContext) {
     let failed = |stream: &Stream, rank: usize, reason: String| {
-        cx.inbox.peer_failed(rank, reason);
+        cx.inbox.peer_failed(cx.peer, rank, reason);
         // Unblocks any write to this peer at once instead of after its timeout.
         stream.shutdown();
     };
@@ -660,7 +660,7 @@ fn read_loop(stream: &mut Stream, cx: &ReaderContext) {
                         None => (peer, &frame.payload[..]),
                     };
                     let rank = if rank < cx.world { rank } else { peer };
-                    inbox.peer_failed(rank, String::from_utf8_lossy(reason).into_owned());
+                    inbox.peer_failed(peer, rank, String::from_utf8_lossy(reason).into_owned());
                     return;
                 }
                 KIND_GOODBYE => {

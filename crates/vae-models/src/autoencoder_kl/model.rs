@@ -194,7 +194,6 @@ impl AutoencoderKl {
     /// Builds the model from a config and weights (every weight the config implies must be
     /// there with its shape; call [`WeightStore::finish`] afterwards to refuse extra ones).
     pub fn from_store(config: AutoencoderKlConfig, store: &mut WeightStore) -> Result<Self> {
-        let parameter_count = store.parameter_count();
         let mut stored_dtypes: Vec<(String, usize)> = store.dtypes().into_iter().collect();
         stored_dtypes.sort();
         let mut w = Weights::new(store);
@@ -223,6 +222,8 @@ impl AutoencoderKl {
             }
         };
         let tiling = AutoencoderKlTiling::from_config(config.sample_size, config.levels());
+        drop(w);
+        let parameter_count = store.parameter_count();
         Ok(Self {
             config,
             encoder,
@@ -234,6 +235,12 @@ impl AutoencoderKl {
             parameter_count,
             stored_dtypes,
         })
+    }
+
+    /// A model with seeded random weights (see [`WeightStore::synthetic`]): for demos,
+    /// benchmarks and tests that need no files. Identical for equal configs and seeds.
+    pub fn synthetic(config: AutoencoderKlConfig, seed: u64) -> Result<Self> {
+        Self::from_store(config, &mut WeightStore::synthetic(seed))
     }
 
     /// The configuration.

@@ -1,0 +1,292 @@
+//! `decode`, `encode` and `inspect` on the diffusers fixtures, and every kind of bad input: a
+//! one-line error and a non-zero exit, no panic, no hang, no output file left behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/autoencoder_kl")
+}
+
+fn cli(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// A scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vae-models-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A copy of a fixture model that a test may break.
+fn model_copy(name: &str, model: &str) -> PathBuf {
+    let dir = scratch(name).join(model);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "diffusion_pytorch_model.safetensors"] {
+        std::fs::copy(fixtures().join(model).join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn read_npy_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn decode_matches_diffusers_through_the_cli_on_two_ranks() {
+    let dir = scratch("decode");
+    let out = dir.join("out.npy");
+    let f = fixtures();
+    let (ok, text) = cli(&[
+        "decode",
+        "--model",
+        s(&f.join("sd_like")),
+        "--latent",
+        s(&f.join("sd_like.decode_tiled.in.npy")),
+        "--out",
+        s(&out),
+        "--vae-patch-parallel-size",
+        "2",
+        "--vae-use-tiling",
+    ]);
+    assert!(ok, "{text}");
+    let got = read_npy_f32(&out);
+    let expected = read_npy_f32(&f.join("sd_like.decode_tiled.out.npy"));
+    assert_eq!(got.len(), expected.len());
+    let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff <= 1e-4, "max diff {diff}");
+    // PNG output: one file.
+    let png = dir.join("out.png");
+    let (ok, text) = cli(&[
+        "decode",
+        "--model",
+        s(&f.join("sd_like")),
+        "--latent",
+        s(&f.join("sd_like.decode.in.npy")),
+        "--out",
+        s(&png),
+    ]);
+    assert!(ok && png.is_file(), "{text}");
+}
+
+#[test]
+fn encode_and_inspect_work() {
+    let dir = scratch("encode");
+    let out = dir.join("mean.npy");
+    let f = fixtures();
+    let (ok, text) = cli(&[
+        "encode",
+        "--model",
+        s(&f.join("flux1_like")),
+        "--input",
+        s(&f.join("flux1_like.encode_tiled.in.npy")),
+        "--out",
+        s(&out),
+        "--output",
+        "moments",
+        "--vae-patch-parallel-size",
+        "2",
+        "--transport",
+        "socket",
+    ]);
+    assert!(ok, "{text}");
+    let got = read_npy_f32(&out);
+    // Two ranks force tiling on, as the reference does: the tiled fixture is the truth.
+    let expected = read_npy_f32(&f.join("flux1_like.encode_tiled_moments.out.npy"));
+    let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(got.len() == expected.len() && diff <= 1e-4, "max diff {diff}");
+    let (ok, text) = cli(&["inspect", "--model", s(&f.join("flux2_like"))]);
+    assert!(ok && text.contains("AutoencoderKLFlux2") && text.contains("modes       tile, auto"), "{text}");
+}
+
+#[test]
+fn a_toml_config_is_read_and_flags_win() {
+    let dir = scratch("toml");
+    let config = dir.join("run.toml");
+    std::fs::write(&config, "vae_patch_parallel_size = 3\nvae_parallel_mode = \"spatial_shard_width\"\n").unwrap();
+    let f = fixtures();
+    let args = |mode: Option<&str>| {
+        let mut v = vec![
+            "decode".to_string(),
+            "--model".into(),
+            s(&f.join("sd_like")).into(),
+            "--latent".into(),
+            s(&f.join("sd_like.decode.in.npy")).into(),
+            "--out".into(),
+            s(&dir.join("o.npy")).into(),
+            "--config".into(),
+            s(&config).into(),
+        ];
+        if let Some(m) = mode {
+            v.extend(["--vae-parallel-mode".into(), m.into()]);
+        }
+        v
+    };
+    let from_file = args(None);
+    let (ok, text) = cli(&from_file.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!ok && text.contains("spatial_shard_width"), "the file's mode applies: {text}");
+    let overridden = args(Some("tile"));
+    let (ok, text) = cli(&overridden.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok && text.contains("3 rank(s)"), "the flag wins, the file's size stays: {text}");
+}
+
+/// Runs a decode that must fail, and checks the failure is clean.
+fn assert_clean_failure(name: &str, args: &[&str], expect: &str) {
+    let (ok, text) = cli(args);
+    assert!(!ok, "{name}: should fail:\n{text}");
+    assert!(text.contains(expect), "{name}: expected {expect:?} in:\n{text}");
+    assert!(!text.contains("panicked"), "{name}: panicked:\n{text}");
+    let error_lines = text.lines().filter(|l| l.starts_with("error:")).count();
+    assert_eq!(error_lines, 1, "{name}: one error line:\n{text}");
+}
+
+fn decode_args<'a>(model: &'a str, latent: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["decode", "--model", model, "--latent", latent, "--out", out, "--vae-patch-parallel-size", "2"];
+    v.extend_from_slice(extra);
+    v
+}
+
+#[test]
+fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
+    let f = fixtures();
+    let dir = scratch("bad");
+    let out = dir.join("out.npy");
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode.in.npy"));
+    let (m, l, o) = (s(&model), s(&latent), s(&out));
+
+    // Wrong channel count and wrong rank.
+    assert_clean_failure("channels", &decode_args(m, s(&f.join("flux2_like.decode.in.npy")), o, &[]), "expects 4");
+    let rank3 = dir.join("rank3.npy");
+    std::fs::write(&rank3, npy(&[4, 6, 9], &vec![0.0; 216])).unwrap();
+    assert_clean_failure("rank", &decode_args(m, s(&rank3), o, &[]), "[B, C, H, W]");
+
+    // NaN in the latent: count and first position.
+    let mut values = vec![0.5f32; 216];
+    values[10] = f32::NAN;
+    values[20] = f32::INFINITY;
+    let nan = dir.join("nan.npy");
+    std::fs::write(&nan, npy(&[1, 4, 6, 9], &values)).unwrap();
+    assert_clean_failure(
+        "nan",
+        &decode_args(m, s(&nan), o, &[]),
+        "2 non-finite value(s); the first is NaN at index [0, 0, 1, 1]",
+    );
+
+    // Unknown mode, parallel size 0, missing output directory, not-a-npy latent.
+    assert_clean_failure(
+        "mode",
+        &decode_args(m, l, o, &["--vae-parallel-mode", "diagonal"]),
+        "unknown VAE parallel mode",
+    );
+    assert_clean_failure(
+        "size0",
+        &["decode", "--model", m, "--latent", l, "--out", o, "--vae-patch-parallel-size", "0"],
+        "at least 1",
+    );
+    assert_clean_failure("outdir", &decode_args(m, l, "/nonexistent-dir/out.npy", &[]), "does not exist");
+    let garbage = dir.join("garbage.npy");
+    std::fs::write(&garbage, b"not numpy").unwrap();
+    assert_clean_failure("npy", &decode_args(m, s(&garbage), o, &[]), "not a .npy file");
+    assert!(!out.exists(), "no output file after failures");
+}
+
+/// A .npy file of f32.
+fn npy(shape: &[usize], values: &[f32]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Rewrites a model's weights file through `edit` on the (name → (dtype, shape, bytes)) map.
+fn rewrite_weights(dir: &Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+    let path = dir.join("diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            (name.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap())
+        })
+        .collect();
+    let serialized = safetensors::serialize(views, None).unwrap();
+    std::fs::write(&path, serialized).unwrap();
+}
+
+#[test]
+fn bad_checkpoints_are_clean_errors_naming_the_problem() {
+    let f = fixtures();
+    let dir = scratch("ckpt");
+    let out = dir.join("out.npy");
+    let latent = f.join("sd_like.decode.in.npy");
+    let run = |name: &str, model: &Path, expect: &str| {
+        assert_clean_failure(name, &decode_args(s(model), s(&latent), s(&out), &[]), expect);
+    };
+
+    let missing = model_copy("missing", "sd_like");
+    rewrite_weights(&missing, |t| t.retain(|(n, ..)| n != "decoder.conv_in.bias"));
+    run("missing weight", &missing, "missing weight \"decoder.conv_in.bias\"");
+
+    let extra = model_copy("extra", "sd_like");
+    rewrite_weights(&extra, |t| {
+        t.push(("decoder.surprise.weight".into(), safetensors::Dtype::F32, vec![1], vec![0; 4]))
+    });
+    run("extra weight", &extra, "unexpected weight(s) in the checkpoint: decoder.surprise.weight");
+
+    let shaped = model_copy("shape", "sd_like");
+    rewrite_weights(&shaped, |t| {
+        let bias = t.iter_mut().find(|(n, ..)| n == "decoder.conv_in.bias").unwrap();
+        bias.2 = vec![bias.2[0] / 2];
+        bias.3.truncate(bias.3.len() / 2);
+    });
+    run("mis-shaped weight", &shaped, "has shape [8], the model needs [16]");
+
+    let truncated = model_copy("truncated", "sd_like");
+    let path = truncated.join("diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    run("truncated", &truncated, "not a valid safetensors file");
+
+    let garbage = model_copy("garbage", "sd_like");
+    std::fs::write(garbage.join("diffusion_pytorch_model.safetensors"), b"hello").unwrap();
+    run("garbage", &garbage, "not a valid safetensors file");
+
+    let class = model_copy("class", "sd_like");
+    let config =
+        std::fs::read_to_string(class.join("config.json")).unwrap().replace("\"AutoencoderKL\"", "\"UNet2DModel\"");
+    std::fs::write(class.join("config.json"), config).unwrap();
+    run("unknown class", &class, "\"UNet2DModel\" is not a VAE class");
+
+    let typed = model_copy("typed", "sd_like");
+    let config = std::fs::read_to_string(typed.join("config.json"))
+        .unwrap()
+        .replace("\"latent_channels\": 4", "\"latent_channels\": \"four\"");
+    std::fs::write(typed.join("config.json"), config).unwrap();
+    run("wrong type", &typed, "field `latent_channels`");
+    assert!(!out.exists());
+}
