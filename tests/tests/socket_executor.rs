@@ -99,6 +99,27 @@ fn rank_process_entry() {
             let out = executor.execute(&x, &op(), OutputPlacement::AllRanks).unwrap();
             assert!(out.tensor.unwrap().bit_eq(&single_rank_reference()));
         }
+        "autoencoder_kl" => {
+            // The tiled fixture cases of the AutoencoderKL family, decode and encode.
+            let dir = vae_integration_tests::fixtures_dir().join("autoencoder_kl");
+            for case in vae_integration_tests::fixture_cases("autoencoder_kl")
+                .iter()
+                .filter(|c| c.tiling && (c.op == "decode" || c.op == "encode"))
+            {
+                let mut model = vae_models::autoencoder_kl::AutoencoderKl::load(&dir.join(&case.model)).unwrap();
+                model.set_tiling(case.tile_sample_min_size, case.tile_overlap_factor).unwrap();
+                let input = vae_parallel::io::read_npy(&dir.join(&case.input)).unwrap();
+                let task = if case.op == "decode" {
+                    vae_models::autoencoder_kl::KlTask::Decode
+                } else {
+                    vae_models::autoencoder_kl::KlTask::Encode
+                };
+                let op = vae_models::autoencoder_kl::KlOperator::new(&model, task, true);
+                let out = executor.execute(&input, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+                let serial = vae_runtime::execute_serial(&op, &input).unwrap();
+                assert!(out.bit_eq(&serial), "{} on rank {rank}", case.name);
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -115,4 +136,12 @@ fn bit_identical_on_one_to_eight_processes_with_and_without_broadcast() {
 fn an_exec_error_in_one_process_is_an_error_in_every_process() {
     let exits = wait_all(spawn_ranks(ENTRY, "exec_error", 4, &unix_master("execerr"), &[]));
     assert_all_succeeded("exec error on 4 processes", &exits);
+}
+
+#[test]
+fn autoencoder_kl_tile_parallel_is_bit_identical_on_two_to_four_processes() {
+    for world in 2..=4 {
+        let exits = wait_all(spawn_ranks(ENTRY, "autoencoder_kl", world, &unix_master("akl"), &[]));
+        assert_all_succeeded(&format!("AutoencoderKL on {world} processes"), &exits);
+    }
 }
