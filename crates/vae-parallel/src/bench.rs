@@ -1,10 +1,16 @@
-//! `vae-parallel bench`: transport throughput and failure-detection latency.
+//! `vae-parallel bench`: transport throughput, failure-detection latency and single-rank decode
+//! latency / memory on a real model directory.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use clap::{Args, Subcommand};
+use vae_parallel::engine::{Engine, RequestOptions};
+use vae_parallel::group::TransportKind;
+use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
 
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
@@ -16,6 +22,30 @@ pub enum BenchCommand {
     Transport(TransportArgs),
     /// How long the other ranks take to learn that one rank died.
     Failover(FailoverArgs),
+    /// Latency and peak memory of decoding one latent on one rank (local transport, parallel
+    /// size 1, untiled), for comparison with diffusers (`scripts/bench_diffusers.py`).
+    Decode(DecodeBenchArgs),
+}
+
+/// Options of `bench decode`.
+#[derive(Debug, Args)]
+pub struct DecodeBenchArgs {
+    /// A diffusers VAE directory (`config.json` + safetensors weights).
+    #[arg(long)]
+    model: PathBuf,
+    /// The latent: `.npy` or `.safetensors`, f32 `[B, C, H, W]`.
+    #[arg(long)]
+    latent: PathBuf,
+    /// Timed decodes (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Compute threads (rayon's global pool; default: all cores). The pool can be sized once
+    /// per process, so compare thread counts in separate runs.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print one JSON object (the numbers of the table) instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Options of `bench transport`.
@@ -46,6 +76,7 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
     match which {
         BenchCommand::Transport(args) => transport(args),
         BenchCommand::Failover(args) => failover(args),
+        BenchCommand::Decode(args) => decode(args),
     }
 }
 
@@ -174,5 +205,125 @@ fn failover(args: &FailoverArgs) -> anyhow::Result<ExitCode> {
             detected.as_secs_f64() * 1e3
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A `/proc/self/status` field in KiB (`VmRSS`, `VmHWM`).
+fn proc_status_kib(key: &str) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("no {key} in /proc/self/status"))
+}
+
+/// Restarts the kernel's resident-set high-water mark (`VmHWM`) from the current resident set;
+/// false where the kernel refuses.
+fn reset_rss_high_water() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+struct DecodeRun {
+    output: Vec<usize>,
+    times: Vec<f64>,
+    peak_tensor_bytes: usize,
+    live_tensor_bytes: usize,
+    hwm_reset: bool,
+    baseline_kib: u64,
+}
+
+/// Loads the engine once, decodes once to warm up, then times `iters` decodes. Memory is
+/// measured as `scripts/bench_diffusers.py` does: the resident high-water mark is reset after
+/// the load, the baseline is the resident set then, and the peak is `VmHWM` at the end.
+fn decode_on_one_rank(model: &Path, latent: &Path, iters: usize) -> anyhow::Result<DecodeRun> {
+    let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
+    let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
+    let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
+        let engine = Engine::load(model, None, None)?;
+        let latent = vae_parallel::io::read_tensor(latent)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
+        // Weights and the latent: the high-water mark below counts them too.
+        let live_tensor_bytes = vae_parallel::tensor::memory::live_bytes();
+        let hwm_reset = reset_rss_high_water();
+        let baseline_kib = proc_status_kib(if hwm_reset { "VmRSS" } else { "VmHWM" })?;
+
+        let warm = engine.decode(&executor, &latent, &options)?;
+        let output = warm.tensor.context("rank 0 got no output")?.dims().to_vec();
+        let mut peak_tensor_bytes = warm.report.peak_bytes;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let out = engine.decode(&executor, &latent, &options)?;
+            times.push(t.elapsed().as_secs_f64());
+            peak_tensor_bytes = peak_tensor_bytes.max(out.report.peak_bytes);
+            drop(out);
+        }
+        Ok(DecodeRun { output, times, peak_tensor_bytes, live_tensor_bytes, hwm_reset, baseline_kib })
+    })?;
+    match outcome {
+        GroupOutcome::AllRanks(mut results) => results.swap_remove(0),
+        _ => anyhow::bail!("a local group runs every rank in this process"),
+    }
+}
+
+fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.iters >= 1, "--iters must be at least 1");
+    if let Some(n) = args.threads {
+        anyhow::ensure!(n >= 1, "--threads must be at least 1");
+        // First thing, before any parallel work can create the default pool.
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("sizing rayon's global thread pool")?;
+    }
+    let run = decode_on_one_rank(&args.model, &args.latent, args.iters)?;
+    let peak_kib = proc_status_kib("VmHWM")?;
+
+    let mut sorted = run.times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let (best, median) = (sorted[0], (sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0);
+    let baseline_mib = run.baseline_kib as f64 / 1024.0;
+    let peak_mib = peak_kib as f64 / 1024.0;
+    let decode_mib = peak_kib.saturating_sub(run.baseline_kib) as f64 / 1024.0;
+    let tensor_mib = run.peak_tensor_bytes as f64 / MIB;
+    let live_mib = run.live_tensor_bytes as f64 / MIB;
+    let threads = rayon::current_num_threads();
+    if args.json {
+        let value = serde_json::json!({
+            "kind": "decode",
+            "impl": "vae-parallel",
+            "size": run.output.last().copied().unwrap_or(0),
+            "output_shape": run.output,
+            "threads": threads,
+            "iters": args.iters,
+            "best_ms": best * 1e3,
+            "median_ms": median * 1e3,
+            "times_ms": run.times.iter().map(|t| t * 1e3).collect::<Vec<_>>(),
+            "hwm_reset": run.hwm_reset,
+            "baseline_rss_mib": baseline_mib,
+            "peak_rss_mib": peak_mib,
+            "decode_rss_mib": decode_mib,
+            "peak_tensor_mib": tensor_mib,
+            "live_tensor_mib_before": live_mib,
+        });
+        println!("{value}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "decode {} → {:?}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
+        args.latent.display(),
+        run.output,
+        args.iters
+    );
+    println!("latency       best {:.1} ms, median {:.1} ms", best * 1e3, median * 1e3);
+    println!(
+        "tensors       peak {tensor_mib:.1} MiB alive at once (vae-tensor high-water mark), \
+         {live_mib:.1} MiB of it (weights, latent) alive before"
+    );
+    println!(
+        "process RSS   peak {peak_mib:.1} MiB, {decode_mib:.1} MiB above the {baseline_mib:.1} MiB after loading{}",
+        if run.hwm_reset { "" } else { " (high-water mark not reset: includes the load)" }
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -33,8 +33,20 @@ fn temp_path(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn the_demo_runs_on_rank_processes_with_broadcast() {
-    let (ok, text) =
-        cli(&["demo", "--transport", "socket", "--ranks", "3", "--broadcast", "--height", "30", "--width", "40"]);
+    let (ok, text) = cli(&[
+        "demo",
+        "--operator",
+        "synthetic",
+        "--transport",
+        "socket",
+        "--ranks",
+        "3",
+        "--broadcast",
+        "--height",
+        "30",
+        "--width",
+        "40",
+    ]);
     assert!(ok, "{text}");
     assert!(text.contains("transport socket, 3 rank(s)"), "{text}");
     assert!(text.contains("bit-identical"), "{text}");

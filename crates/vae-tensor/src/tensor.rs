@@ -280,14 +280,17 @@ impl Tensor {
         let src = self.as_slice_f32()?;
         let (oh, ow) = (h * factor, w * factor);
         let mut out = vec![0.0f32; planes * oh * ow];
-        for p in 0..planes {
-            for y in 0..oh {
-                let src_row = &src[p * h * w + (y / factor) * w..][..w];
-                let dst_row = &mut out[p * oh * ow + y * ow..][..ow];
-                for (x, v) in dst_row.iter_mut().enumerate() {
-                    *v = src_row[x / factor];
+        if planes > 0 && oh * ow > 0 {
+            // One plane per task: the decoder's last upsample writes hundreds of MB.
+            use rayon::prelude::*;
+            out.par_chunks_mut(oh * ow).zip(src.par_chunks(h * w)).for_each(|(dst, plane)| {
+                for (y, dst_row) in dst.chunks_exact_mut(ow).enumerate() {
+                    let src_row = &plane[(y / factor) * w..][..w];
+                    for (x, v) in dst_row.iter_mut().enumerate() {
+                        *v = src_row[x / factor];
+                    }
                 }
-            }
+            });
         }
         Self::from_vec(out, dims, &self.device())
     }
