@@ -114,3 +114,69 @@ fn the_engine_routes_normalised_latents_like_the_pipelines() {
         assert!(diff <= TOLERANCE, "{}: {diff}", case.name);
     }
 }
+
+/// Writes `tensors` (name, dtype, shape, bytes) as one safetensors file.
+fn write_safetensors(path: &std::path::Path, tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+#[test]
+fn sharded_and_half_precision_checkpoints_load() {
+    let src = dir().join("sd_like");
+    let bytes = std::fs::read(src.join("diffusion_pytorch_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let z = read_npy(&dir().join("sd_like.decode.in.npy")).unwrap();
+    let reference = AutoencoderKl::load(&src).unwrap().decode(&z).unwrap();
+
+    // Two shards and the index diffusers writes for them: the same model, the same pixels.
+    let sharded = std::env::temp_dir().join(format!("vae-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::copy(src.join("config.json"), sharded.join("config.json")).unwrap();
+    let (first, second) = tensors.split_at(tensors.len() / 2);
+    let names =
+        ["diffusion_pytorch_model-00001-of-00002.safetensors", "diffusion_pytorch_model-00002-of-00002.safetensors"];
+    write_safetensors(&sharded.join(names[0]), first);
+    write_safetensors(&sharded.join(names[1]), second);
+    let map: serde_json::Map<String, serde_json::Value> = first
+        .iter()
+        .map(|t| (t.0.clone(), names[0].into()))
+        .chain(second.iter().map(|t| (t.0.clone(), names[1].into())))
+        .collect();
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(sharded.join("diffusion_pytorch_model.safetensors.index.json"), index.to_string()).unwrap();
+    let from_shards = AutoencoderKl::load(&sharded).unwrap().decode(&z).unwrap();
+    assert!(from_shards.bit_eq(&reference));
+
+    // The same weights stored as f16 and bf16: read, widened to f32, decoded close to f32.
+    for (dtype, tolerance) in [(safetensors::Dtype::F16, 2e-2f32), (safetensors::Dtype::BF16, 1e-1)] {
+        let narrowed: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, s, b)| {
+                if *d != safetensors::Dtype::F32 {
+                    return (n.clone(), *d, s.clone(), b.clone());
+                }
+                let values = b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+                let bytes: Vec<u8> = match dtype {
+                    safetensors::Dtype::F16 => values.flat_map(|v| half::f16::from_f32(v).to_le_bytes()).collect(),
+                    _ => values.flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+                };
+                (n.clone(), dtype, s.clone(), bytes)
+            })
+            .collect();
+        let half_dir = sharded.join(format!("{dtype:?}"));
+        std::fs::create_dir_all(&half_dir).unwrap();
+        std::fs::copy(src.join("config.json"), half_dir.join("config.json")).unwrap();
+        write_safetensors(&half_dir.join("diffusion_pytorch_model.safetensors"), &narrowed);
+        let decoded = AutoencoderKl::load(&half_dir).unwrap().decode(&z).unwrap();
+        let diff = decoded.max_abs_diff(&reference).unwrap();
+        assert!(diff > 0.0 && diff < tolerance, "{dtype:?}: {diff}");
+    }
+    let _ = std::fs::remove_dir_all(&sharded);
+}
