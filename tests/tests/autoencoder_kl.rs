@@ -1,6 +1,8 @@
 //! The AutoencoderKL family against diffusers: every fixture case within 1e-4 of diffusers'
 //! output, and tile-parallel runs on 1..4 ranks bit-identical to the serial tiled run.
 
+#![allow(clippy::print_stderr)] // the per-case differences are worth seeing with --nocapture
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -60,6 +62,9 @@ fn every_fixture_case_matches_diffusers() {
         assert!(diff <= TOLERANCE, "{}: max |ours - diffusers| = {diff}", case.name);
         worst.insert(case.name.clone(), diff);
     }
+    let mut sorted: Vec<_> = worst.into_iter().collect();
+    sorted.sort_by(|a, b| b.1.total_cmp(&a.1));
+    eprintln!("largest differences from diffusers: {:?}", &sorted[..sorted.len().min(5)]);
     // Tiled and untiled outputs differ (blended seams), so a tiled case matching proves the
     // tiling, not just the decoder.
     assert!(cases.iter().any(|c| c.tiling && c.op == "decode"));
@@ -179,4 +184,28 @@ fn sharded_and_half_precision_checkpoints_load() {
         assert!(diff > 0.0 && diff < tolerance, "{dtype:?}: {diff}");
     }
     let _ = std::fs::remove_dir_all(&sharded);
+}
+
+#[test]
+fn sdxl_style_latent_statistics_are_applied_like_the_pipeline() {
+    use vae_models::autoencoder_kl::AutoencoderKlConfig;
+    let config = AutoencoderKlConfig::from_json(
+        r#"{"block_out_channels": [8, 8], "norm_num_groups": 4, "latent_channels": 2, "scaling_factor": 0.5,
+            "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"],
+            "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"],
+            "latents_mean": [0.25, -1.0], "latents_std": [2.0, 0.5]}"#,
+    )
+    .unwrap();
+    let model = AutoencoderKl::synthetic(config, 7).unwrap();
+    let z = Tensor::from_vec(vec![1.0, -2.0, 3.0, 0.5], vec![1, 2, 1, 2], &vae_tensor::Device::Cpu).unwrap();
+    let decoded_input = model.denormalize_latents(&z).unwrap();
+    // z * std / scaling_factor + mean, per channel.
+    let expected = [1.0f32 * 2.0 / 0.5 + 0.25, -2.0 * 2.0 / 0.5 + 0.25, 3.0 * 0.5 / 0.5 - 1.0, 0.5 * 0.5 / 0.5 - 1.0];
+    assert_eq!(decoded_input.to_vec_f32().unwrap(), expected.to_vec());
+    let back = model.normalize_latents(&decoded_input).unwrap();
+    assert!(back.max_abs_diff(&z).unwrap() < 1e-6);
+    // A config whose statistics do not match the channels is refused with the reason.
+    let err = AutoencoderKlConfig::from_json(r#"{"latent_channels": 4, "latents_mean": [0.0], "latents_std": [1.0]}"#)
+        .unwrap_err();
+    assert!(err.contains("latents_mean"), "{err}");
 }

@@ -150,7 +150,10 @@ impl WeightStore {
             z ^= z >> 31;
             (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         };
-        let is_norm = key.contains("norm") && !key.contains("conv");
+        // The module the tensor belongs to: `norm1`, `group_norm`, `conv_norm_out` are norms;
+        // `conv1`, `conv_in`, `to_q` are not.
+        let module = key.rsplit('.').nth(1).unwrap_or("");
+        let is_norm = module.contains("norm");
         let data: Vec<f32> = if key.ends_with("running_var") {
             (0..n).map(|_| 0.75 + 0.25 * uniform()).collect()
         } else if key.ends_with("running_mean") || (is_norm && key.ends_with("bias")) {

@@ -14,9 +14,9 @@ use vae_parallel::io;
 use vae_parallel::models::autoencoder_kl::{AutoencoderKl, AutoencoderKlConfig, KlOperator, KlTask};
 use vae_parallel::report::{RequestReport, gather_summaries, human_bytes};
 use vae_parallel::runtime::synthetic::SyntheticDecoder;
-use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, TileOperator};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, TileOperator, execute_serial};
 use vae_parallel::tensor::{Device, Tensor};
-use vae_parallel::transport::{Communicator, CommunicatorExt, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, CommunicatorExt};
 
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
 
@@ -149,17 +149,13 @@ fn run_and_compare<O: TileOperator + Sync>(
         return Ok(None);
     };
 
-    // The same request on a group of one, for comparison.
-    let single = run_local(1, TransportConfig::default(), |c| {
-        let started = Instant::now();
-        let out =
-            DistributedVaeExecutor::new(Arc::new(c), 1).and_then(|e| e.execute(x, op, OutputPlacement::OwnerOnly));
-        out.map(|o| (o, started.elapsed()))
-    })?
-    .remove(0)
-    .map_err(|panic| anyhow::anyhow!("single-rank run panicked: {panic}"))??;
-    let (single, single_wall) = single;
-    let reference = single.tensor.context("a single rank always owns the output")?;
+    // The same request without a group, on this thread, for comparison (same thread: the
+    // memory high-water marks then count the same model and input).
+    vae_parallel::tensor::memory::reset_peak();
+    let started = Instant::now();
+    let reference = execute_serial(op, x)?;
+    let single_wall = started.elapsed();
+    let single_peak = vae_parallel::tensor::memory::peak_bytes();
     let merged = out.tensor.context("rank 0 owns the output")?;
     let copies_agree = hashes.as_flat().iter().enumerate().all(|(r, h)| {
         let holds = r == 0 || placement == OutputPlacement::AllRanks;
@@ -179,7 +175,7 @@ fn run_and_compare<O: TileOperator + Sync>(
         copies_agree,
         wall,
         single_wall,
-        single_peak: single.report.peak_bytes,
+        single_peak,
         written: None,
     };
     Ok(Some((outcome, merged)))

@@ -153,7 +153,8 @@ pub fn npy_bytes(t: &Tensor) -> Result<Vec<u8>, IoError> {
 }
 
 /// Writes `bytes` to `path` through a temporary sibling and a rename, so a reader never sees a
-/// partial file and a failure leaves nothing behind.
+/// partial file and an error leaves nothing behind (a process killed mid-write can leave the
+/// hidden `.name.tmpPID` sibling, never a truncated `name`).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| format_err(path, "no file name"))?;
@@ -175,8 +176,10 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
 /// `(x / 2 + 0.5).clamp(0, 1)`, `× 255`, rounded half to even (numpy) — as 8-bit pixels.
 pub fn postprocess_image(image: &Tensor) -> Result<(usize, usize, usize, Vec<u8>), IoError> {
     let d = image.dims();
-    let [c, h, w] = [d[0], d[1], d[2]];
-    if d.len() != 3 || !(c == 1 || c == 3) {
+    let &[c, h, w] = d else {
+        return Err(IoError::Unsupported(format!("cannot write an image of shape {d:?} as PNG (need [1|3, H, W])")));
+    };
+    if !(c == 1 || c == 3) {
         return Err(IoError::Unsupported(format!("cannot write an image of shape {d:?} as PNG (need [1|3, H, W])")));
     }
     let data = image.as_slice_f32().map_err(|e| IoError::Unsupported(e.to_string()))?;
@@ -197,7 +200,8 @@ pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoEr
     if d.len() != 4 {
         return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images")));
     }
-    let mut written = Vec::with_capacity(d[0]);
+    // Encode every image first, so that a bad tensor fails before any file is written.
+    let mut encoded_all = Vec::with_capacity(d[0]);
     for b in 0..d[0] {
         let one = batch
             .narrow(0, b, 1)
@@ -218,7 +222,17 @@ pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoEr
             let mut writer = encoder.write_header().map_err(|e| IoError::Unsupported(e.to_string()))?;
             writer.write_image_data(&pixels).map_err(|e| IoError::Unsupported(e.to_string()))?;
         }
-        write_atomically(&target, &encoded)?;
+        encoded_all.push((target, encoded));
+    }
+    // Then write them; if one fails, remove the ones already written: all or nothing.
+    let mut written = Vec::with_capacity(encoded_all.len());
+    for (target, encoded) in encoded_all {
+        if let Err(e) = write_atomically(&target, &encoded) {
+            for done in &written {
+                let _ = std::fs::remove_file(done);
+            }
+            return Err(e);
+        }
         written.push(target);
     }
     Ok(written)

@@ -136,6 +136,17 @@ impl ParallelArgs {
     }
 }
 
+impl Resolved {
+    /// Local ranks are threads of this process: they share one loaded model (weights in memory
+    /// once). Socket ranks are processes and load their own.
+    fn shared_engine(&self) -> anyhow::Result<Option<Engine>> {
+        if self.group.transport != vae_parallel::group::TransportKind::Local {
+            return Ok(None);
+        }
+        Ok(Some(Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?))
+    }
+}
+
 /// Options of `decode`.
 #[derive(Debug, Clone, Args)]
 pub struct DecodeArgs {
@@ -324,10 +335,18 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
     check_output_path(&args.out, &["npy", "png"])?;
     let png = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
         let _spinner = Spinner::start("decoding", comm.rank() == 0);
         let started = Instant::now();
-        let engine = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+        let loaded;
+        let engine = match &shared {
+            Some(engine) => engine,
+            None => {
+                loaded = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+                &loaded
+            }
+        };
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
         let out = engine.decode(&executor, &latent, &r.options)?;
@@ -360,10 +379,18 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         "mean" => EncodeOutput::Mean,
         other => bail!("--output must be moments or mean, not {other:?}"),
     };
+    let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
         let _spinner = Spinner::start("encoding", comm.rank() == 0);
         let started = Instant::now();
-        let engine = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+        let loaded;
+        let engine = match &shared {
+            Some(engine) => engine,
+            None => {
+                loaded = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
+                &loaded
+            }
+        };
         let image = match args.input.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("png") => io::read_png(&args.input)?,
             _ => io::read_tensor(&args.input)?,

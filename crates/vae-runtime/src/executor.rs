@@ -481,16 +481,23 @@ fn inconsistent(err: RuntimeError) -> RuntimeError {
     }
 }
 
-/// Runs an operator on this thread alone: split, execute every tile in order, merge. The same
-/// result [`DistributedVaeExecutor::execute`] returns on any number of ranks, without a
-/// communicator (what a single-device caller, or a reference, needs).
+/// Runs an operator without a group: split, execute every tile in order, merge (the ops still
+/// use the rayon pool). The same result [`DistributedVaeExecutor::execute`] returns on any
+/// number of ranks, without a communicator (what a single-device caller, or a reference,
+/// needs).
 pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor, RuntimeError> {
     let failed = |stage, message| RuntimeError::Operator { stage, rank: 0, message };
     let plan = guarded(|| op.split(input)).map_err(|m| failed(Stage::Split, m))?;
     plan.grid.validate_tasks(&plan.tasks)?;
     let mut tiles = TileMap::new();
     for task in &plan.tasks {
-        let out = guarded(|| op.exec(input, task)).map_err(|m| failed(Stage::Exec { tile_id: task.tile_id }, m))?;
+        let stage = Stage::Exec { tile_id: task.tile_id };
+        let out = guarded(|| op.exec(input, task)).map_err(|m| failed(stage, m))?;
+        if out.rank() != input.rank() {
+            let message =
+                format!("tile output has rank {} ({}), the input has rank {}", out.rank(), out.shape(), input.rank());
+            return Err(failed(stage, message));
+        }
         tiles.insert(task.grid_coord.clone(), out);
     }
     guarded(|| op.merge(tiles, &plan.grid))

@@ -55,6 +55,8 @@ struct RawConfig {
     sample_size: Option<SampleSize>,
     scaling_factor: Option<f64>,
     shift_factor: Option<Option<f64>>,
+    latents_mean: Option<Option<Vec<f64>>>,
+    latents_std: Option<Option<Vec<f64>>>,
     use_quant_conv: Option<bool>,
     use_post_quant_conv: Option<bool>,
     mid_block_add_attention: Option<bool>,
@@ -87,6 +89,9 @@ pub struct AutoencoderKlConfig {
     pub scaling_factor: Option<f64>,
     /// Latent shift the pipelines add after scaling, when set.
     pub shift_factor: Option<f64>,
+    /// Per-channel latent statistics (SDXL-style pipelines use them with the scaling factor
+    /// when both are set), as `(mean, std)`.
+    pub latents_stats: Option<(Vec<f64>, Vec<f64>)>,
     /// Whether `quant_conv` exists.
     pub use_quant_conv: bool,
     /// Whether `post_quant_conv` exists.
@@ -182,6 +187,10 @@ impl AutoencoderKlConfig {
             sample_size,
             scaling_factor: if flux2 { None } else { Some(raw.scaling_factor.unwrap_or(0.18215)) },
             shift_factor: if flux2 { None } else { raw.shift_factor.flatten() },
+            latents_stats: match (raw.latents_mean.flatten(), raw.latents_std.flatten()) {
+                (Some(m), Some(s)) if !flux2 => Some((m, s)),
+                _ => None,
+            },
             use_quant_conv: raw.use_quant_conv.unwrap_or(true),
             use_post_quant_conv: raw.use_post_quant_conv.unwrap_or(true),
             mid_block_add_attention: raw.mid_block_add_attention.unwrap_or(true),
@@ -195,6 +204,23 @@ impl AutoencoderKlConfig {
     fn validate(&self) -> std::result::Result<(), String> {
         if self.block_out_channels.is_empty() {
             return Err("block_out_channels is empty".into());
+        }
+        // 2^(levels-1) is the spatial scale; real VAEs have 3 to 5 levels.
+        if self.block_out_channels.len() > 16 {
+            return Err(format!(
+                "{} levels in block_out_channels; at most 16 are supported",
+                self.block_out_channels.len()
+            ));
+        }
+        if let Some((mean, std)) = &self.latents_stats
+            && (mean.len() != self.latent_channels || std.len() != self.latent_channels)
+        {
+            return Err(format!(
+                "latents_mean / latents_std have {} / {} entries for {} latent channels",
+                mean.len(),
+                std.len(),
+                self.latent_channels
+            ));
         }
         if self.norm_num_groups == 0 {
             return Err("norm_num_groups is 0".into());

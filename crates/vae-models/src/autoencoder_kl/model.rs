@@ -272,6 +272,11 @@ impl AutoencoderKl {
     /// pixels (the latent tile follows as `int(size / 2^(levels-1))`, diffusers' formula) and
     /// `tile_overlap_factor`.
     pub fn set_tiling(&mut self, tile_sample_min_size: Option<usize>, tile_overlap_factor: Option<f64>) -> Result<()> {
+        if tile_sample_min_size.is_none() && tile_overlap_factor.is_none() {
+            // The config's own geometry: like diffusers, a problem with it only shows once
+            // tiling is used (as a typed error from the split).
+            return Ok(());
+        }
         let mut tiling = self.tiling;
         if let Some(size) = tile_sample_min_size {
             tiling = AutoencoderKlTiling {
@@ -282,9 +287,6 @@ impl AutoencoderKl {
         if let Some(f) = tile_overlap_factor {
             tiling.tile_overlap_factor = f;
         }
-        // Reject geometry that cannot tile (zero stride, blend wider than the tile) up front.
-        tiling.decode_layout(1, 1, 1).map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
-        tiling.encode_stride().map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
         if tiling.tile_latent_min_size == 0 {
             return Err(ModelError::InvalidInput(format!(
                 "tile_sample_min_size {} is smaller than one latent pixel ({} px)",
@@ -292,6 +294,9 @@ impl AutoencoderKl {
                 self.config.spatial_scale()
             )));
         }
+        // Reject geometry that cannot tile (zero stride, blend wider than the tile) up front.
+        tiling.decode_layout(1, 1, 1).map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
+        tiling.encode_stride().map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
         self.tiling = tiling;
         Ok(())
     }
@@ -375,10 +380,18 @@ impl AutoencoderKl {
         match &self.latent_bn {
             None => {
                 self.check_latent(z)?;
-                let scale = self.config.scaling_factor.unwrap_or(1.0);
+                let scale = self.config.scaling_factor.unwrap_or(1.0) as f32;
+                if let Some((mean, std)) = &self.config.latents_stats {
+                    // SDXL-style pipelines: `z * std / scaling_factor + mean`, op by op.
+                    let (mean, std) = (to_f32(mean), to_f32(std));
+                    let zeros = vec![0.0; std.len()];
+                    let ones = vec![1.0; mean.len()];
+                    let scaled = z.channel_affine(&std, &zeros)?.div_scalar(scale)?;
+                    return Ok(scaled.channel_affine(&ones, &mean)?);
+                }
                 // PyTorch divides (`z / s`), which can differ from multiplying by 1/s in the last
                 // bit; divide element-wise to match.
-                let mut out = z.div_scalar(scale as f32)?;
+                let mut out = z.div_scalar(scale)?;
                 if let Some(shift) = self.config.shift_factor {
                     out = out.add_scalar(shift as f32)?;
                 }
@@ -400,6 +413,14 @@ impl AutoencoderKl {
         match &self.latent_bn {
             None => {
                 let scale = self.config.scaling_factor.unwrap_or(1.0) as f32;
+                if let Some((lmean, lstd)) = &self.config.latents_stats {
+                    // `(mean - latents_mean) * scaling_factor / latents_std`, op by op.
+                    let (lmean, lstd) = (to_f32(lmean), to_f32(lstd));
+                    let zeros = vec![0.0; lstd.len()];
+                    let ones = vec![1.0; lmean.len()];
+                    let centred = mean.channel_normalize(&lmean, &ones)?.mul_scalar(scale)?;
+                    return Ok(centred.channel_normalize(&zeros, &lstd)?);
+                }
                 let shifted = match self.config.shift_factor {
                     Some(shift) => mean.add_scalar(-(shift as f32))?,
                     None => mean.clone(),
@@ -412,6 +433,10 @@ impl AutoencoderKl {
             }
         }
     }
+}
+
+fn to_f32(values: &[f64]) -> Vec<f32> {
+    values.iter().map(|v| *v as f32).collect()
 }
 
 /// `[B, C, H, W]` → `[B, 4C, H/2, W/2]`, channel `c·4 + dy·2 + dx` (FLUX.2 `_patchify_latents`).
