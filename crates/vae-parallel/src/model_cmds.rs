@@ -145,6 +145,18 @@ impl Resolved {
         }
         Ok(Some(Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?))
     }
+
+    /// The shared engine, or one loaded into `slot` for this rank's process.
+    fn engine_for_rank<'a>(
+        &self,
+        shared: &'a Option<Engine>,
+        slot: &'a mut Option<Engine>,
+    ) -> anyhow::Result<&'a Engine> {
+        match shared {
+            Some(engine) => Ok(engine),
+            None => Ok(slot.insert(Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?)),
+        }
+    }
 }
 
 /// Options of `decode`.
@@ -339,14 +351,8 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let result = run_group(&r.group, |comm| {
         let _spinner = Spinner::start("decoding", comm.rank() == 0);
         let started = Instant::now();
-        let loaded;
-        let engine = match &shared {
-            Some(engine) => engine,
-            None => {
-                loaded = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
-                &loaded
-            }
-        };
+        let mut loaded = None;
+        let engine = r.engine_for_rank(&shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
         let out = engine.decode(&executor, &latent, &r.options)?;
@@ -383,14 +389,8 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     let result = run_group(&r.group, |comm| {
         let _spinner = Spinner::start("encoding", comm.rank() == 0);
         let started = Instant::now();
-        let loaded;
-        let engine = match &shared {
-            Some(engine) => engine,
-            None => {
-                loaded = Engine::load(&r.model, r.tile_sample_min_size, r.tile_overlap_factor)?;
-                &loaded
-            }
-        };
+        let mut loaded = None;
+        let engine = r.engine_for_rank(&shared, &mut loaded)?;
         let image = match args.input.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("png") => io::read_png(&args.input)?,
             _ => io::read_tensor(&args.input)?,
