@@ -20,5 +20,6 @@ mod tensor;
 pub use device::{DType, Device};
 pub use error::{Result, TensorError};
 pub use ops::conv::Conv2dParams;
+pub use ops::video::Conv3dParams;
 pub use shape::Shape;
 pub use tensor::Tensor;

@@ -263,7 +263,11 @@ impl Tensor {
     }
 
     /// Nearest-neighbour upsampling of the last two dimensions by an integer factor (the
-    /// `F.interpolate(scale_factor=k, mode="nearest")` of the VAE decoders).
+    /// `F.interpolate(scale_factor=k, mode="nearest")` of the VAE decoders). Any leading
+    /// dimensions are batch-like, so Wan's per-frame `[N·T, C, H, W]` and NCTHW inputs work
+    /// alike. For an integer factor this is also `mode="nearest-exact"` (Wan's `WanUpsample`):
+    /// nearest-exact reads `floor((y + 0.5) / k)`, which equals `floor(y / k)` for integer `y`
+    /// and `k`.
     pub fn upsample_nearest2d(&self, factor: usize) -> Result<Self> {
         if self.rank() < 2 || factor == 0 {
             return Err(TensorError::InvalidArgument {

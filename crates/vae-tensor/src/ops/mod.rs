@@ -8,6 +8,7 @@ pub(crate) mod gemm;
 pub(crate) mod layout;
 pub(crate) mod linalg;
 pub(crate) mod norm;
+pub(crate) mod video;
 
 use rayon::prelude::*;
 

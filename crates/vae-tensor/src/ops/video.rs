@@ -1,0 +1,398 @@
+//! Video (NCTHW) ops of the Wan 2.1/2.2 VAEs, following diffusers' `autoencoder_kl_wan.py`:
+//! the 3-D convolution under `WanCausalConv3d`, `WanRMS_norm`, Wan 2.2's `AvgDown3D` /
+//! `DupUp3D`, and the `patchify` / `unpatchify` pair.
+//!
+//! The 3-D convolution is a sum over temporal taps of 2-D convolutions of frames, each run by
+//! [`Tensor::conv2d`]'s shifted GEMM: for tap `dt` every output frame `t` reads input frame
+//! `t·st + dt − t_front`, so all `(n, t)` pairs whose frame exists form one batch of a single
+//! `conv2d` call with the weight slice `w[:, :, dt]`.
+
+use rayon::prelude::*;
+
+use crate::memory::Buffer;
+use crate::ops::PAR_MIN_ELEMS;
+use crate::{Conv2dParams, Result, Shape, Tensor, TensorError};
+
+/// Stride and zero padding of a [`Tensor::conv3d`]. Dilation and groups are not supported
+/// (the Wan VAEs use neither).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Conv3dParams {
+    /// Steps between output positions as `[t, h, w]`; each at least 1, and the two spatial
+    /// strides equal (the 2-D core takes one spatial stride).
+    pub stride: [usize; 3],
+    /// Zero padding as `[t_front, t_back, top, bottom, left, right]`.
+    pub padding: [usize; 6],
+}
+
+impl Default for Conv3dParams {
+    /// Stride 1, no padding.
+    fn default() -> Self {
+        Self { stride: [1; 3], padding: [0; 6] }
+    }
+}
+
+impl Conv3dParams {
+    /// The given `[t, h, w]` stride and `[t_front, t_back, top, bottom, left, right]` padding.
+    pub const fn new(stride: [usize; 3], padding: [usize; 6]) -> Self {
+        Self { stride, padding }
+    }
+
+    /// diffusers' `WanCausalConv3d(padding=(pt, ph, pw), stride)` with no cache: `2·pt` zero
+    /// frames in front and none behind, `ph` rows above and below, `pw` columns left and right.
+    /// (With a cache of `c` frames prepended by the caller, the front padding is `2·pt − c`.)
+    pub const fn causal(stride: [usize; 3], [pt, ph, pw]: [usize; 3]) -> Self {
+        Self { stride, padding: [2 * pt, 0, ph, ph, pw, pw] }
+    }
+
+    /// The output extent `(To, Ho, Wo)` for a `t × h × w` input and a `kt × kh × kw` kernel, or
+    /// `None` when a stride is 0, the kernel is empty or larger than the padded input, or sizes
+    /// overflow.
+    pub fn output_size(&self, [t, h, w]: [usize; 3], [kt, kh, kw]: [usize; 3]) -> Option<[usize; 3]> {
+        let mut out = [0; 3];
+        for (i, (n, k)) in [(t, kt), (h, kh), (w, kw)].into_iter().enumerate() {
+            let padded = n.checked_add(self.padding[2 * i])?.checked_add(self.padding[2 * i + 1])?;
+            let s = self.stride[i];
+            if s == 0 || k == 0 || k > padded {
+                return None;
+            }
+            out[i] = (padded - k) / s + 1;
+        }
+        Some(out)
+    }
+}
+
+fn invalid(op: &'static str, reason: String) -> TensorError {
+    TensorError::InvalidArgument { op, reason }
+}
+
+fn checked_len(op: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| invalid(op, "sizes overflow usize".into()))
+}
+
+/// The five extents of an NCTHW tensor, or an error naming `op`.
+fn video_dims(op: &'static str, t: &Tensor) -> Result<[usize; 5]> {
+    match *t.dims() {
+        [n, c, f, h, w] => Ok([n, c, f, h, w]),
+        _ => Err(invalid(op, format!("input must be [N, C, T, H, W], got {}", t.shape()))),
+    }
+}
+
+/// A per-channel parameter with `c` elements shaped `[c]`, `[c, 1]`, `[c, 1, 1]`, ...
+fn channel_param<'a>(op: &'static str, x: &Tensor, p: &'a Tensor, c: usize) -> Result<&'a [f32]> {
+    x.check_same_device(op, p)?;
+    let ok = p.dims().first() == Some(&c) && p.dims()[1..].iter().all(|&d| d == 1);
+    if !ok {
+        return Err(TensorError::ShapeMismatch { op, lhs: x.shape().clone(), rhs: p.shape().clone() });
+    }
+    p.as_slice_f32()
+}
+
+impl Tensor {
+    /// 3-D cross-correlation, as PyTorch's `F.conv3d` after `F.pad`: input `[N, Cin, T, H, W]`,
+    /// weight `[Cout, Cin, kt, kh, kw]`, optional bias `[Cout]`, output `[N, Cout, To, Ho, Wo]`
+    /// with `To = (T + t_front + t_back − kt) / st + 1` (likewise `Ho`, `Wo`). Padding is zeros.
+    ///
+    /// This covers `WanCausalConv3d` (see [`Conv3dParams::causal`]); the causal cache is the
+    /// caller's `Tensor::cat` along dimension 2 with a correspondingly smaller front padding.
+    ///
+    /// Runs as one [`Tensor::conv2d`] per temporal tap over the batch of frames that tap reads
+    /// (see the module docs), accumulated in f32 in tap order, bias added once. Scratch: a
+    /// frame-major copy of the input, one gathered batch of frames and its conv output per tap,
+    /// and a frame-major output before the final transpose.
+    pub fn conv3d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv3dParams) -> Result<Tensor> {
+        const OP: &str = "conv3d";
+        let [n, cin, t, h, w] = video_dims(OP, self)?;
+        let mismatch = |rhs: &Shape| TensorError::ShapeMismatch { op: OP, lhs: self.shape().clone(), rhs: rhs.clone() };
+        let &[cout, wcin, kt, kh, kw] = weight.dims() else { return Err(mismatch(weight.shape())) };
+        if wcin != cin {
+            return Err(mismatch(weight.shape()));
+        }
+        self.check_same_device(OP, weight)?;
+        if let Some(b) = bias {
+            self.check_same_device(OP, b)?;
+            if b.dims() != [cout] {
+                return Err(TensorError::ShapeMismatch { op: OP, lhs: weight.shape().clone(), rhs: b.shape().clone() });
+            }
+        }
+        let [st, sh, sw] = params.stride;
+        if sh != sw {
+            return Err(invalid(OP, format!("spatial strides must be equal, got {:?}", params.stride)));
+        }
+        let Some([to, ho, wo]) = params.output_size([t, h, w], [kt, kh, kw]) else {
+            return Err(invalid(
+                OP,
+                format!(
+                    "kernel {kt}x{kh}x{kw} with stride {:?} and padding {:?} does not fit input {}",
+                    params.stride,
+                    params.padding,
+                    self.shape()
+                ),
+            ));
+        };
+        let out_len = checked_len(OP, &[n, cout, to, ho, wo])?;
+        let [t_front, _, top, bottom, left, right] = params.padding;
+        let p2 = Conv2dParams::new(sh, [top, bottom, left, right]);
+
+        // Frames contiguous: [N, T, Cin, H, W].
+        let frames = self.permute(&[0, 2, 1, 3, 4])?;
+        let frames = frames.as_slice_f32()?;
+        let in_frame = cin * h * w;
+        let out_frame = cout * ho * wo;
+        // Output frame-major: [N, To, Cout, Ho, Wo].
+        let mut acc = Buffer::zeros(out_len);
+        let wsrc = weight.as_slice_f32()?;
+        let plane = kh * kw;
+        for dt in 0..kt {
+            // (batch, output frame, input frame) triples this tap reads.
+            let pairs: Vec<(usize, usize, usize)> = (0..n)
+                .flat_map(|b| (0..to).map(move |o| (b, o)))
+                .filter_map(|(b, o)| {
+                    let ti = (o * st + dt).checked_sub(t_front)?;
+                    (ti < t).then_some((b, o, ti))
+                })
+                .collect();
+            if pairs.is_empty() {
+                continue;
+            }
+            let mut batch = Buffer::zeros(pairs.len() * in_frame);
+            batch.as_mut_slice().par_chunks_mut(in_frame.max(1)).zip(pairs.par_iter()).for_each(
+                |(dst, &(b, _, ti))| {
+                    dst.copy_from_slice(&frames[(b * t + ti) * in_frame..][..in_frame]);
+                },
+            );
+            let batch = Tensor::from_buffer(batch, Shape::new([pairs.len(), cin, h, w]));
+            let mut wtap = Buffer::zeros(cout * cin * plane);
+            for (dst, src) in
+                wtap.as_mut_slice().chunks_exact_mut(plane.max(1)).zip(wsrc.chunks_exact((kt * plane).max(1)))
+            {
+                dst.copy_from_slice(&src[dt * plane..][..plane]);
+            }
+            let wtap = Tensor::from_buffer(wtap, Shape::new([cout, cin, kh, kw]));
+            let y = batch.conv2d(&wtap, None, &p2)?;
+            let y = y.as_slice_f32()?;
+            let acc = acc.as_mut_slice();
+            for (i, &(b, o, _)) in pairs.iter().enumerate() {
+                let dst = &mut acc[(b * to + o) * out_frame..][..out_frame];
+                dst.iter_mut().zip(&y[i * out_frame..][..out_frame]).for_each(|(d, s)| *d += s);
+            }
+        }
+        if let Some(bias) = bias {
+            let bias = bias.as_slice_f32()?;
+            let chan = ho * wo;
+            if chan > 0 {
+                let add = |(i, c): (usize, &mut [f32])| {
+                    let b = bias[i % cout];
+                    c.iter_mut().for_each(|v| *v += b);
+                };
+                if out_len < PAR_MIN_ELEMS {
+                    acc.as_mut_slice().chunks_mut(chan).enumerate().for_each(add);
+                } else {
+                    acc.as_mut_slice().par_chunks_mut(chan).enumerate().for_each(add);
+                }
+            }
+        }
+        Tensor::from_buffer(acc, Shape::new([n, to, cout, ho, wo])).permute(&[0, 2, 1, 3, 4])
+    }
+
+    /// diffusers' `WanRMS_norm`: `F.normalize(x, dim=channel_dim) · sqrt(C) · gamma + bias`,
+    /// i.e. each vector along `channel_dim` divided by `max(‖x‖₂, eps)` (PyTorch's default eps
+    /// is `1e-12`), times `sqrt(C)` and the per-channel `gamma` (plus `bias`). `gamma` and
+    /// `bias` hold `C` elements shaped `[C]` or `[C, 1, ...]` (diffusers stores `[C, 1, 1]` for
+    /// images and `[C, 1, 1, 1]` for video).
+    ///
+    /// The sum of squares is accumulated in f64 and each output evaluated in f64 and rounded
+    /// once, so results are within about one f32 ulp of the exact value (PyTorch rounds after
+    /// each of its five f32 operations).
+    pub fn rms_norm_channels(
+        &self,
+        gamma: &Tensor,
+        bias: Option<&Tensor>,
+        channel_dim: usize,
+        eps: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "rms_norm_channels";
+        self.check_dim(OP, channel_dim)?;
+        if eps.is_nan() || eps < 0.0 {
+            return Err(invalid(OP, format!("eps must be a non-negative number, got {eps}")));
+        }
+        let c = self.dims()[channel_dim];
+        let gamma = channel_param(OP, self, gamma, c)?;
+        let bias = bias.map(|b| channel_param(OP, self, b, c)).transpose()?;
+        let inner: usize = self.dims()[channel_dim + 1..].iter().product();
+        let src = self.as_slice_f32()?;
+        let mut out = Buffer::zeros(src.len());
+        let block = c * inner;
+        if block > 0 {
+            let scale = (c as f64).sqrt();
+            let eps = eps as f64;
+            out.as_mut_slice().par_chunks_mut(block).zip(src.par_chunks(block)).for_each(|(dst, x)| {
+                // 1 / max(‖x‖, eps) per position, channels walked row by row.
+                let mut inv = vec![0.0f64; inner];
+                for row in x.chunks_exact(inner) {
+                    inv.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64 * v as f64);
+                }
+                inv.iter_mut().for_each(|s| *s = 1.0 / s.sqrt().max(eps));
+                for (ch, (d, xr)) in dst.chunks_exact_mut(inner).zip(x.chunks_exact(inner)).enumerate() {
+                    let g = gamma[ch] as f64 * scale;
+                    let b = bias.map_or(0.0, |b| b[ch] as f64);
+                    d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = (v as f64 * r * g + b) as f32);
+                }
+            });
+        }
+        Ok(Tensor::from_buffer(out, self.shape().clone()))
+    }
+
+    /// Wan 2.2's `AvgDown3D(in_channels=C, out_channels, factor_t, factor_s)` on
+    /// `[N, C, T, H, W]`: zero frames are prepended to make `T` a multiple of `factor_t` (they
+    /// count in the mean), each `factor_t × factor_s × factor_s` block is folded into channels
+    /// in the order `(c, dt, dh, dw)`, and consecutive groups of `C·factor / out_channels` of
+    /// those channels are averaged. Output `[N, out_channels, ⌈T/ft⌉, H/fs, W/fs]`; `H` and `W`
+    /// must be multiples of `factor_s`. Means are summed in f64 and rounded once.
+    pub fn avg_down3d(&self, factor_t: usize, factor_s: usize, out_channels: usize) -> Result<Tensor> {
+        const OP: &str = "avg_down3d";
+        let [n, c, t, h, w] = video_dims(OP, self)?;
+        if factor_t == 0 || factor_s == 0 || out_channels == 0 || c == 0 {
+            return Err(invalid(
+                OP,
+                format!("factors and out_channels must be >= 1, got {factor_t}, {factor_s}, {out_channels}"),
+            ));
+        }
+        if !h.is_multiple_of(factor_s) || !w.is_multiple_of(factor_s) {
+            return Err(invalid(OP, format!("H and W of {} must be multiples of {factor_s}", self.shape())));
+        }
+        let factor = checked_len(OP, &[factor_t, factor_s, factor_s])?;
+        let folded = checked_len(OP, &[c, factor])?;
+        if !folded.is_multiple_of(out_channels) {
+            return Err(invalid(
+                OP,
+                format!("{c} channels x factor {factor} do not divide into {out_channels} outputs"),
+            ));
+        }
+        let group = folded / out_channels;
+        let pad_t = (factor_t - t % factor_t) % factor_t;
+        let tp = t + pad_t;
+        let x = if pad_t > 0 {
+            let zeros = Tensor::zeros([n, c, pad_t, h, w], self.dtype(), &self.device())?;
+            Tensor::cat(&[&zeros, self], 2)?
+        } else {
+            self.clone()
+        };
+        let (t2, h2, w2) = (tp / factor_t, h / factor_s, w / factor_s);
+        let x =
+            x.into_reshaped([n, c, t2, factor_t, h2, factor_s, w2, factor_s])?.permute(&[0, 1, 3, 5, 7, 2, 4, 6])?;
+        // Now [N, C·factor, T', H', W'] = [N, out, group, T'·H'·W'].
+        let src = x.as_slice_f32()?;
+        let spatial = t2 * h2 * w2;
+        let mut out = Buffer::zeros(n * out_channels * spatial);
+        if spatial > 0 {
+            out.as_mut_slice().par_chunks_mut(spatial).zip(src.par_chunks(group * spatial)).for_each(|(dst, g)| {
+                let mut sum = vec![0.0f64; spatial];
+                for row in g.chunks_exact(spatial) {
+                    sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
+                }
+                dst.iter_mut().zip(&sum).for_each(|(d, s)| *d = (s / group as f64) as f32);
+            });
+        }
+        Ok(Tensor::from_buffer(out, Shape::new([n, out_channels, t2, h2, w2])))
+    }
+
+    /// Wan 2.2's `DupUp3D(in_channels=C, out_channels, factor_t, factor_s)` on
+    /// `[N, C, T, H, W]`: channels are repeated (`repeat_interleave`) `out_channels·factor / C`
+    /// times, then unfolded in the order `(c_out, dt, dh, dw)` into
+    /// `[N, out_channels, T·ft, H·fs, W·fs]`, i.e.
+    /// `y[n, o, t·ft + dt, h·fs + dh, w·fs + dw] = x[n, j / repeats, t, h, w]` with
+    /// `j = ((o·ft + dt)·fs + dh)·fs + dw`. With `first_chunk` the first `factor_t − 1` output
+    /// frames are dropped.
+    pub fn dup_up3d(&self, factor_t: usize, factor_s: usize, out_channels: usize, first_chunk: bool) -> Result<Tensor> {
+        const OP: &str = "dup_up3d";
+        let [n, c, t, h, w] = video_dims(OP, self)?;
+        if factor_t == 0 || factor_s == 0 || out_channels == 0 || c == 0 {
+            return Err(invalid(
+                OP,
+                format!(
+                    "factors, channels and out_channels must be >= 1, got {factor_t}, {factor_s}, {c}, {out_channels}"
+                ),
+            ));
+        }
+        let factor = checked_len(OP, &[factor_t, factor_s, factor_s])?;
+        let unfolded = checked_len(OP, &[out_channels, factor])?;
+        if !unfolded.is_multiple_of(c) {
+            return Err(invalid(
+                OP,
+                format!("{out_channels} outputs x factor {factor} is not a multiple of {c} channels"),
+            ));
+        }
+        let repeats = unfolded / c;
+        checked_len(OP, &[n, unfolded, t, h, w])?;
+        let src = self.as_slice_f32()?;
+        let chan = t * h * w;
+        let mut rep = Buffer::zeros(n * unfolded * chan);
+        if chan > 0 {
+            rep.as_mut_slice().par_chunks_mut(chan).enumerate().for_each(|(i, dst)| {
+                let (b, j) = (i / unfolded, i % unfolded);
+                dst.copy_from_slice(&src[(b * c + j / repeats) * chan..][..chan]);
+            });
+        }
+        let y = Tensor::from_buffer(rep, Shape::new([n, out_channels, factor_t, factor_s, factor_s, t, h, w]))
+            .permute(&[0, 1, 5, 2, 6, 3, 7, 4])?
+            .into_reshaped([n, out_channels, t * factor_t, h * factor_s, w * factor_s])?;
+        if first_chunk && factor_t > 1 {
+            let drop = (factor_t - 1).min(t * factor_t);
+            return y.narrow(2, drop, t * factor_t - drop);
+        }
+        Ok(y)
+    }
+
+    /// diffusers' Wan `patchify(x, p)`: `[N, C, T, H, W]` to `[N, C·p², T, H/p, W/p]` with
+    /// `y[n, c·p² + dw·p + dh, t, h, w] = x[n, c, t, h·p + dh, w·p + dw]` (the column offset
+    /// is the major one, from the Python's `permute(0, 1, 6, 4, 2, 3, 5)`). `p = 1` returns a
+    /// copy of any input, as the Python returns its input before checking the rank.
+    pub fn patchify(&self, p: usize) -> Result<Tensor> {
+        const OP: &str = "patchify";
+        if p == 0 {
+            return Err(invalid(OP, "patch size must be >= 1".into()));
+        }
+        if p == 1 {
+            return Ok(self.clone());
+        }
+        let [n, c, t, h, w] = video_dims(OP, self)?;
+        if !h.is_multiple_of(p) || !w.is_multiple_of(p) {
+            return Err(invalid(OP, format!("H and W of {} must be multiples of the patch size {p}", self.shape())));
+        }
+        let pp = checked_len(OP, &[p, p])?;
+        self.reshape([n, c, t, h / p, p, w / p, p])?.permute(&[0, 1, 6, 4, 2, 3, 5])?.into_reshaped([
+            n,
+            c * pp,
+            t,
+            h / p,
+            w / p,
+        ])
+    }
+
+    /// diffusers' Wan `unpatchify(x, p)`, the inverse of [`Tensor::patchify`]:
+    /// `[N, C·p², T, H, W]` to `[N, C, T, H·p, W·p]`. The channel count must be a multiple of
+    /// `p²`. `p = 1` returns a copy of any input.
+    pub fn unpatchify(&self, p: usize) -> Result<Tensor> {
+        const OP: &str = "unpatchify";
+        if p == 0 {
+            return Err(invalid(OP, "patch size must be >= 1".into()));
+        }
+        if p == 1 {
+            return Ok(self.clone());
+        }
+        let [n, cp, t, h, w] = video_dims(OP, self)?;
+        let pp = checked_len(OP, &[p, p])?;
+        if !cp.is_multiple_of(pp) {
+            return Err(invalid(OP, format!("{cp} channels are not a multiple of the patch size squared {pp}")));
+        }
+        let (hp, wp) = (h.checked_mul(p), w.checked_mul(p));
+        let (Some(hp), Some(wp)) = (hp, wp) else { return Err(invalid(OP, "sizes overflow usize".into())) };
+        self.reshape([n, cp / pp, p, p, t, h, w])?.permute(&[0, 1, 4, 5, 3, 6, 2])?.into_reshaped([
+            n,
+            cp / pp,
+            t,
+            hp,
+            wp,
+        ])
+    }
+}
