@@ -3,12 +3,15 @@
 
 Writes tiny randomly initialised diffusers VAEs (``save_pretrained``, safetensors) and input /
 output ``.npy`` pairs (little-endian float32, C order) plus ``manifest.json`` under
-``fixtures/autoencoder_kl/`` (or the directory given as the first argument).
+``fixtures/autoencoder_kl/`` (or the directory given as the first argument), and the video VAE
+families next to it: ``fixtures/wan/`` (AutoencoderKLWan, Wan2.1- and Wan2.2-like) and
+``fixtures/qwen_image/`` (AutoencoderKLQwenImage), i.e. the siblings ``wan`` and ``qwen_image`` of
+the first argument.
 
 Everything is deterministic: fixed seeds, float32, CPU, one thread. Run with the packages pinned
 in ``scripts/requirements-fixtures.txt`` (``cargo xtask fixtures`` checks them first).
 
-Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]
+Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]   (also writes OUTPUT_DIR/../wan, OUTPUT_DIR/../qwen_image)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 import diffusers
-from diffusers import AutoencoderKL, AutoencoderKLFlux2
+from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan
 
 PINNED = {"torch": "2.15.0", "diffusers": "0.38.0"}
 
@@ -406,6 +409,281 @@ def hash_seed(model: str, tag: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Video VAEs: AutoencoderKLWan (Wan2.1 / Wan2.2) and AutoencoderKLQwenImage
+# --------------------------------------------------------------------------------------------
+
+
+def perturb_video(model: nn.Module, seed: int) -> None:
+    """The video-VAE counterpart of ``perturb``.
+
+    Every RMS norm (``WanRMS_norm`` / ``QwenImageRMS_norm``: a ``gamma`` parameter, ``bias`` a
+    parameter only when built with bias=True) gets gamma = 1 + 0.1 * randn, bias = 0.1 * randn.
+    Attention ``to_qkv`` (a 1x1 Conv2d, output rows [q; k; v]) has its q and k rows doubled so that
+    softmax is not nearly uniform. Everything else keeps PyTorch's default init.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if type(m).__name__.endswith("RMS_norm"):
+                m.gamma.copy_(1.0 + 0.1 * torch.randn(m.gamma.shape, generator=g))
+                if isinstance(m.bias, nn.Parameter):
+                    m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+        for name, m in model.named_modules():
+            if name.endswith(".to_qkv"):
+                c = m.weight.shape[0] // 3
+                m.weight[: 2 * c].mul_(2.0)
+                m.bias[: 2 * c].mul_(2.0)
+
+
+def latent_stats(z_dim: int, seed: int) -> tuple[list[float], list[float]]:
+    """Random per-channel latents_mean (0.5 * randn) and latents_std (0.5 + rand, > 0), rounded to 4 decimals
+    like the published configs."""
+    g = torch.Generator().manual_seed(seed)
+    mean = [round(float(v), 4) for v in 0.5 * torch.randn(z_dim, generator=g)]
+    std = [round(float(v), 4) for v in 0.5 + torch.rand(z_dim, generator=g)]
+    return mean, std
+
+
+def build_wan21_like() -> AutoencoderKLWan:
+    torch.manual_seed(3000)
+    mean, std = latent_stats(16, 3001)
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=mean,
+        latents_std=std,
+    )
+    perturb_video(vae, 4000)
+    return vae
+
+
+def build_wan22_like() -> AutoencoderKLWan:
+    # Wan2.2 TI2V-5B: base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+    # num_res_blocks=2, is_residual=True, in/out_channels=12, patch_size=2, scale_factor_spatial=16.
+    torch.manual_seed(3100)
+    mean, std = latent_stats(48, 3101)
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=6,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_temporal=4,
+        scale_factor_spatial=16,
+        latents_mean=mean,
+        latents_std=std,
+    )
+    perturb_video(vae, 4100)
+    return vae
+
+
+def build_qwen_image_like() -> AutoencoderKLQwenImage:
+    torch.manual_seed(3200)
+    mean, std = latent_stats(16, 3201)
+    vae = AutoencoderKLQwenImage(
+        base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=mean,
+        latents_std=std,
+    )
+    perturb_video(vae, 4200)
+    return vae
+
+
+VIDEO_DEFAULT_TILES = (256, 256, 192, 192)  # min h, min w, stride h, stride w (constructor values)
+
+
+def set_video_tiling(vae, tiles) -> dict:
+    """vae.enable_tiling(tile_sample_min_height=, tile_sample_min_width=, tile_sample_stride_height=,
+    tile_sample_stride_width=) with the given values (all four passed explicitly)."""
+    mh, mw, sh, sw = tiles
+    vae.enable_tiling(tile_sample_min_height=mh, tile_sample_min_width=mw,
+                      tile_sample_stride_height=sh, tile_sample_stride_width=sw)
+    return {
+        "tile_sample_min_height": int(vae.tile_sample_min_height),
+        "tile_sample_min_width": int(vae.tile_sample_min_width),
+        "tile_sample_stride_height": int(vae.tile_sample_stride_height),
+        "tile_sample_stride_width": int(vae.tile_sample_stride_width),
+    }
+
+
+def reset_video_tiling(vae) -> None:
+    vae.disable_tiling()
+    (vae.tile_sample_min_height, vae.tile_sample_min_width,
+     vae.tile_sample_stride_height, vae.tile_sample_stride_width) = VIDEO_DEFAULT_TILES
+
+
+def video_tiling_note(t: dict) -> str:
+    return ("vae.enable_tiling(tile_sample_min_height={tile_sample_min_height}, "
+            "tile_sample_min_width={tile_sample_min_width}, tile_sample_stride_height={tile_sample_stride_height}, "
+            "tile_sample_stride_width={tile_sample_stride_width})").format(**t)
+
+
+class VideoWriter(Writer):
+    """Writer with the video tile fields. The AutoencoderKL tile fields stay in each case (always null)."""
+
+    def case(self, *, name, model, op, x_file, x, y, output_kind, notes, tiling=None, extra=None):
+        super().case(name=name, model=model, op=op, x_file=x_file, x=x, y=y, output_kind=output_kind, notes=notes)
+        c = self.cases[-1]
+        c["tiling"] = bool(tiling)
+        for k in ("tile_sample_min_height", "tile_sample_min_width",
+                  "tile_sample_stride_height", "tile_sample_stride_width"):
+            c[k] = (tiling or {}).get(k)
+        for k, v in (extra or {}).items():
+            c[k] = v
+        # keep the common keys first, the video keys after, in a fixed order
+        order = ["name", "model", "op", "tiling", "tile_sample_min_size", "tile_latent_min_size",
+                 "tile_overlap_factor", "tile_sample_min_height", "tile_sample_min_width",
+                 "tile_sample_stride_height", "tile_sample_stride_width", "input", "input_shape", "output",
+                 "output_shape", "output_kind"]
+        self.cases[-1] = {k: c[k] for k in order} | {k: v for k, v in c.items() if k not in order}
+
+
+def video_decode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, extra_note: str = ""):
+    z = latent_input(shape, seed=hash_seed(model, tag))
+    f = w.input(f"{model}.{tag}.in", z)
+    reset_video_tiling(vae)
+    t = set_video_tiling(vae, tiles) if tiles is not None else None
+    y = vae.decode(z).sample
+    note = "vae.decode(z).sample, " + (f"tiling: {video_tiling_note(t)}" if t else "tiling disabled")
+    w.case(name=f"{model}.{tag}", model=model, op="decode", x_file=f, x=z, y=y, output_kind="sample",
+           tiling=t, notes=note + extra_note)
+    reset_video_tiling(vae)
+
+
+def video_encode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, mean=True, extra_note: str = "",
+                 input_tag: str | None = None):
+    """input_tag: reuse the input of another case (same seed and file)."""
+    x = image_input(shape, seed=hash_seed(model, input_tag or tag))
+    f = w.input(f"{model}.{input_tag or tag}.in", x)
+    reset_video_tiling(vae)
+    t = set_video_tiling(vae, tiles) if tiles is not None else None
+    tn = f"tiling: {video_tiling_note(t)}" if t else "tiling disabled"
+    h = vae._encode(x)
+    w.case(name=f"{model}.{tag}_moments", model=model, op="encode", x_file=f, x=x, y=h, output_kind="moments",
+           tiling=t,
+           notes="vae._encode(x): encoder + quant_conv output, channels = [mean; logvar] (2*z_dim) before "
+                 "DiagonalGaussianDistribution (logvar NOT clamped); " + tn + extra_note)
+    if mean:
+        m = vae.encode(x).latent_dist.mean
+        w.case(name=f"{model}.{tag}_mean", model=model, op="encode", x_file=f, x=x, y=m, output_kind="mean",
+               tiling=t, notes="vae.encode(x).latent_dist.mean (first z_dim moment channels); " + tn + extra_note)
+    reset_video_tiling(vae)
+
+
+def video_decode_normalized(w: VideoWriter, model: str, vae, shape, pipeline: str):
+    reset_video_tiling(vae)
+    zn = latent_input(shape, seed=hash_seed(model, "decode_normalized"))
+    f = w.input(f"{model}.decode_normalized.in", zn)
+    zd = vae.config.z_dim
+    latents_mean = torch.tensor(vae.config.latents_mean).view(1, zd, 1, 1, 1).to(zn.device, zn.dtype)
+    latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, zd, 1, 1, 1).to(zn.device, zn.dtype)
+    z = zn / latents_std + latents_mean
+    y = vae.decode(z, return_dict=False)[0]
+    w.case(name=f"{model}.decode_normalized", model=model, op="decode_normalized", x_file=f, x=zn, y=y,
+           output_kind="sample",
+           notes=f"{pipeline} decode, reproduced exactly: latents_mean = tensor(config.latents_mean).view(1, z_dim, "
+                 "1, 1, 1); latents_std = 1.0 / tensor(config.latents_std).view(1, z_dim, 1, 1, 1) (float32); "
+                 "z = z_n / latents_std + latents_mean (i.e. z_n divided by the reciprocal of std, which "
+                 "differs from z_n * std in the last bit); vae.decode(z, return_dict=False)[0]; tiling disabled. "
+                 "No video postprocessing.")
+    reset_video_tiling(vae)
+
+
+def save_models(out: Path, builders: dict) -> dict:
+    vaes = {}
+    for name, build in builders.items():
+        vae = build()
+        vae.save_pretrained(out / name, safe_serialization=True)
+        vaes[name] = type(vae).from_pretrained(out / name).to(torch.float32).eval()
+    return vaes
+
+
+def finish(out: Path, w: Writer) -> None:
+    (out / "manifest.json").write_text(json.dumps(w.cases, indent=2) + "\n")
+    for c in w.cases:
+        print(f"{c['name']:45s} {c['op']:18s} {str(c['input_shape']):22s} -> {c['output_shape']}")
+
+
+WAN_PATCH_NOTE = (
+    " Wan2.2 (patch_size=2): _encode patchifies x BEFORE routing, but the routing test uses the un-patchified "
+    "height/width against tile_sample_min_*; tiled_encode then slices the PATCHIFIED tensor with the tile_sample_* "
+    "values unchanged (so an encode tile covers patch_size * tile_sample_min_* input pixels) and uses "
+    "spatial_compression_ratio // patch_size (= 8) for the latent tile/stride/blend sizes. tiled_decode instead "
+    "divides the sample stride and blend by patch_size (blend = tile_sample_min // p - tile_sample_stride // p, "
+    "in patchified pixels), blends and crops in the patchified domain, then unpatchifies and clamps.")
+
+
+def gen_wan(out: Path) -> None:
+    prepare_dir(out)
+    vaes = save_models(out, {"wan21_like": build_wan21_like, "wan22_like": build_wan22_like})
+    w = VideoWriter(out)
+    with torch.no_grad():
+        # wan21_like: 8x spatial, 4x temporal (latent T -> 1 + 4 (T - 1) frames), output clamped to [-1, 1].
+        vae, m = vaes["wan21_like"], "wan21_like"
+        video_decode(w, m, vae, "decode_t1", (1, 16, 1, 3, 5))
+        video_decode(w, m, vae, "decode_t3", (1, 16, 3, 2, 3))
+        # tiles: latent min 2 x 3, latent stride 1 x 2 -> rows 0,1,2 x cols 0,2,4 = 3 x 3 tiles; blend 8 x 8 px
+        video_decode(w, m, vae, "decode_tiled", (1, 16, 2, 3, 5), tiles=(16, 24, 8, 16))
+        video_encode(w, m, vae, "encode_f1", (1, 3, 1, 20, 28))
+        video_encode(w, m, vae, "encode_f5", (1, 3, 5, 20, 28))
+        # tiles over 28 x 44 px: rows 0,16 (tails 28, 12 px) x cols 0,16,32; latent tile 3 x 4, stride 2 x 2,
+        # blend 1 x 2 latent rows/cols. Every tile must be >= 8 px wide/high or the stride-2 convs get empty.
+        video_encode(w, m, vae, "encode_tiled_f5", (1, 3, 5, 28, 44), tiles=(24, 32, 16, 16))
+        video_decode_normalized(w, m, vae, (1, 16, 2, 2, 3), "WanPipeline")
+
+        # wan22_like: patch_size 2, 16x spatial overall (8x in the network), in/out 12 = 3 * 2 * 2 channels.
+        vae, m = vaes["wan22_like"], "wan22_like"
+        video_decode(w, m, vae, "decode_t1", (1, 48, 1, 2, 3))
+        video_decode(w, m, vae, "decode_t2", (1, 48, 2, 1, 3))
+        # tiles: latent min 2 x 3, stride 1 x 2 -> 3 x 3 tiles on a 3 x 5 latent; blend (patchified px)
+        # 32//2 - 16//2 = 8 and 48//2 - 32//2 = 8.
+        video_decode(w, m, vae, "decode_tiled", (1, 48, 1, 3, 5), tiles=(32, 48, 16, 32), extra_note=WAN_PATCH_NOTE)
+        # is_residual encoders: AvgDown3D needs even sizes at every level, so the (patchified) input must be a
+        # multiple of 8, i.e. H, W multiples of 16 px (a non-multiple fails in diffusers too).
+        video_encode(w, m, vae, "encode_f1", (1, 3, 1, 32, 48))
+        video_encode(w, m, vae, "encode_f5", (1, 3, 5, 32, 48))
+        # Same input: 32 x 48 px = 16 x 24 patchified; tiles (in PATCHIFIED px, see note) 16 x 16, stride 8 x 8:
+        # rows 0,8 x cols 0,8,16 = 2 x 3 tiles (tails 8 px patchified); latent tile 2, stride 1, blend 1.
+        video_encode(w, m, vae, "encode_tiled_f5", (1, 3, 5, 32, 48), tiles=(16, 16, 8, 8),
+                     extra_note=WAN_PATCH_NOTE, input_tag="encode_f5")
+        video_decode_normalized(w, m, vae, (1, 48, 1, 2, 3), "WanPipeline")
+    finish(out, w)
+
+
+def gen_qwen_image(out: Path) -> None:
+    prepare_dir(out)
+    vaes = save_models(out, {"qwen_image_like": build_qwen_image_like})
+    w = VideoWriter(out)
+    qnote = (" Note: QwenImage tiled_decode does NOT clamp (plain _decode clamps to [-1, 1]); the decoder has no "
+             "first_chunk argument.")
+    with torch.no_grad():
+        vae, m = vaes["qwen_image_like"], "qwen_image_like"
+        video_decode(w, m, vae, "decode_t1", (1, 16, 1, 3, 5))
+        video_decode(w, m, vae, "decode_t3", (1, 16, 3, 2, 3))
+        video_decode(w, m, vae, "decode_tiled", (1, 16, 2, 3, 5), tiles=(16, 24, 8, 16), extra_note=qnote)
+        video_encode(w, m, vae, "encode_f1", (1, 3, 1, 20, 28))
+        video_encode(w, m, vae, "encode_f5", (1, 3, 5, 20, 28))
+        video_encode(w, m, vae, "encode_tiled_f5", (1, 3, 5, 28, 44), tiles=(24, 32, 16, 16))
+        video_decode_normalized(w, m, vae, (1, 16, 1, 2, 3), "QwenImagePipeline")
+    finish(out, w)
+
+
+# --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
 
@@ -418,6 +696,14 @@ def check_versions() -> None:
                  + "; install scripts/requirements-fixtures.txt")
 
 
+def prepare_dir(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").exists():
+            sys.exit(f"gen_fixtures.py: {out} is not empty and holds no manifest.json; refusing to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
 def main() -> None:
     check_versions()
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
@@ -425,11 +711,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     torch.set_default_dtype(torch.float32)
 
-    if out.exists() and any(out.iterdir()):
-        if not (out / "manifest.json").exists():
-            sys.exit(f"gen_fixtures.py: {out} is not empty and holds no manifest.json; refusing to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_dir(out)
 
     # Save, then reload from disk, so the fixtures are computed from exactly the committed weights.
     vaes = {}
@@ -482,6 +764,10 @@ def main() -> None:
     (out / "manifest.json").write_text(json.dumps(w.cases, indent=2) + "\n")
     for c in w.cases:
         print(f"{c['name']:45s} {c['op']:18s} {str(c['input_shape']):18s} -> {c['output_shape']}")
+
+    # Video VAE families, next to the AutoencoderKL directory.
+    gen_wan(out.parent / "wan")
+    gen_qwen_image(out.parent / "qwen_image")
 
 
 if __name__ == "__main__":
