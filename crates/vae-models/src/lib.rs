@@ -10,6 +10,7 @@
 pub mod autoencoder_kl;
 mod error;
 pub mod layers;
+pub mod wan;
 pub mod weights;
 
 pub use error::{ModelError, Result};

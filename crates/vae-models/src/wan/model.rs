@@ -1,0 +1,443 @@
+//! Wan2.1 decoder modules, by diffusers' state-dict names.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use vae_tensor::{Conv2dParams, Conv3dParams, Tensor};
+
+use crate::weights::{WeightStore, Weights};
+use crate::{ModelError, Result};
+
+/// Frames of each causal conv's input that the next chunk needs (diffusers' `CACHE_T`).
+const CACHE_T: usize = 2;
+/// `F.normalize`'s epsilon in `WanRMS_norm`.
+const NORMALIZE_EPS: f32 = 1e-12;
+
+/// `config.json` of an `AutoencoderKLWan` (the fields the decoder needs; missing ones take
+/// diffusers' defaults).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct WanConfig {
+    /// Encoder base width.
+    pub base_dim: usize,
+    /// Decoder base width (defaults to `base_dim`).
+    pub decoder_base_dim: Option<usize>,
+    /// Latent channels.
+    pub z_dim: usize,
+    /// Width multipliers per level.
+    pub dim_mult: Vec<usize>,
+    /// Residual blocks per level.
+    pub num_res_blocks: usize,
+    /// Attention scales (diffusers' Wan VAEs use none).
+    pub attn_scales: Vec<f64>,
+    /// Which encoder levels halve time (the decoder reverses it).
+    pub temperal_downsample: Vec<bool>,
+    /// Wan2.2's residual up/down blocks.
+    pub is_residual: bool,
+    /// Output channels.
+    pub out_channels: usize,
+    /// Wan2.2's patchify size.
+    pub patch_size: Option<usize>,
+    /// Per-channel latent mean (pipeline normalisation).
+    pub latents_mean: Vec<f64>,
+    /// Per-channel latent std (pipeline normalisation).
+    pub latents_std: Vec<f64>,
+}
+
+impl Default for WanConfig {
+    fn default() -> Self {
+        Self {
+            base_dim: 96,
+            decoder_base_dim: None,
+            z_dim: 16,
+            dim_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            attn_scales: Vec::new(),
+            temperal_downsample: vec![false, true, true],
+            is_residual: false,
+            out_channels: 3,
+            patch_size: None,
+            latents_mean: Vec::new(),
+            latents_std: Vec::new(),
+        }
+    }
+}
+
+/// `WanCausalConv3d`: time padded only in front (`2·pt` frames, fewer when cached frames are
+/// prepended), space padded symmetrically.
+struct CausalConv3d {
+    weight: Tensor,
+    bias: Tensor,
+    pad: [usize; 3],
+}
+
+impl CausalConv3d {
+    fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: [usize; 3], pad: [usize; 3]) -> Result<Self> {
+        Ok(Self { weight: w.get("weight", &[cout, cin, k[0], k[1], k[2]])?, bias: w.get("bias", &[cout])?, pad })
+    }
+
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
+        let mut front = 2 * self.pad[0];
+        let joined;
+        let input = match cache {
+            Some(c) if front > 0 => {
+                front = front.saturating_sub(c.dims()[2]);
+                joined = Tensor::cat(&[c, x], 2)?;
+                &joined
+            }
+            _ => x,
+        };
+        let [_, ph, pw] = self.pad;
+        let params = Conv3dParams::new([1, 1, 1], [front, 0, ph, ph, pw, pw]);
+        Ok(input.conv3d(&self.weight, Some(&self.bias), &params)?)
+    }
+}
+
+/// One slot per causal conv (and per temporal upsample) in visit order; request-scoped.
+enum Slot {
+    Empty,
+    /// The first chunk's marker of a temporal upsample (diffusers' `"Rep"`).
+    Rep,
+    Frames(Tensor),
+}
+
+/// The feature cache of one decode request.
+struct FeatCache {
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+impl FeatCache {
+    fn new() -> Self {
+        Self { slots: Vec::new(), next: 0 }
+    }
+
+    fn slot(&mut self) -> &mut Slot {
+        if self.next == self.slots.len() {
+            self.slots.push(Slot::Empty);
+        }
+        self.next += 1;
+        &mut self.slots[self.next - 1]
+    }
+}
+
+/// The last `CACHE_T` frames of `x`, with the previous cache's last frame in front when `x`
+/// has fewer (diffusers' `cache_x` rule).
+fn frames_to_cache(x: &Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
+    let t = x.dims()[2];
+    let keep = t.min(CACHE_T);
+    let tail = x.narrow(2, t - keep, keep)?;
+    match previous {
+        Some(prev) if keep < CACHE_T => {
+            let last = prev.narrow(2, prev.dims()[2] - 1, 1)?;
+            Ok(Tensor::cat(&[&last, &tail], 2)?)
+        }
+        _ => Ok(tail),
+    }
+}
+
+/// A causal conv fed through the cache, as every 3×3×3 conv of the decoder is.
+fn cached_conv(conv: &CausalConv3d, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+    let slot = cache.slot();
+    let previous = match slot {
+        Slot::Frames(t) => Some(&*t),
+        _ => None,
+    };
+    let to_cache = frames_to_cache(x, previous)?;
+    let out = conv.forward(x, previous)?;
+    *slot = Slot::Frames(to_cache);
+    Ok(out)
+}
+
+/// `WanRMS_norm`: `F.normalize` over channels · √C · γ.
+struct RmsNorm {
+    gamma: Tensor,
+}
+
+impl RmsNorm {
+    fn load(w: &mut Weights<'_>, dim: usize, images: bool) -> Result<Self> {
+        let shape: Vec<usize> = if images { vec![dim, 1, 1] } else { vec![dim, 1, 1, 1] };
+        Ok(Self { gamma: w.get("gamma", &shape)? })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
+}
+
+struct ResidualBlock {
+    norm1: RmsNorm,
+    conv1: CausalConv3d,
+    norm2: RmsNorm,
+    conv2: CausalConv3d,
+    shortcut: Option<CausalConv3d>,
+}
+
+impl ResidualBlock {
+    fn load(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+        Ok(Self {
+            norm1: RmsNorm::load(&mut w.pp("norm1"), cin, false)?,
+            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, [3, 3, 3], [1, 1, 1])?,
+            norm2: RmsNorm::load(&mut w.pp("norm2"), cout, false)?,
+            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, [3, 3, 3], [1, 1, 1])?,
+            shortcut: if cin != cout {
+                Some(CausalConv3d::load(&mut w.pp("conv_shortcut"), cin, cout, [1, 1, 1], [0, 0, 0])?)
+            } else {
+                None
+            },
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let h = match &self.shortcut {
+            Some(s) => s.forward(x, None)?,
+            None => x.clone(),
+        };
+        let mut y = self.norm1.forward(x)?;
+        y.silu_inplace()?;
+        let y = cached_conv(&self.conv1, &y, cache)?;
+        let mut y = self.norm2.forward(&y)?;
+        y.silu_inplace()?;
+        let mut y = cached_conv(&self.conv2, &y, cache)?;
+        y.add_assign(&h)?;
+        Ok(y)
+    }
+}
+
+/// `WanAttentionBlock`: single-head attention over each frame's H·W positions.
+struct AttentionBlock {
+    norm: RmsNorm,
+    to_qkv: (Tensor, Tensor),
+    proj: (Tensor, Tensor),
+}
+
+impl AttentionBlock {
+    fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
+        let mut qkv = w.pp("to_qkv");
+        let to_qkv = (qkv.get("weight", &[3 * dim, dim, 1, 1])?, qkv.get("bias", &[3 * dim])?);
+        let mut p = w.pp("proj");
+        let proj = (p.get("weight", &[dim, dim, 1, 1])?, p.get("bias", &[dim])?);
+        Ok(Self { norm: RmsNorm::load(&mut w.pp("norm"), dim, true)?, to_qkv, proj })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dims().to_vec();
+        let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+        let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
+        let normed = self.norm.forward(&frames)?;
+        let one = Conv2dParams::same(1);
+        let qkv = normed.conv2d(&self.to_qkv.0, Some(&self.to_qkv.1), &one)?;
+        let qkv = qkv.reshape(vec![b * t, 3 * c, h * w])?.transpose(1, 2)?;
+        let (q, k, v) = (qkv.narrow(2, 0, c)?, qkv.narrow(2, c, c)?, qkv.narrow(2, 2 * c, c)?);
+        let attended = Tensor::attention(&q, &k, &v)?.transpose(1, 2)?.reshape(vec![b * t, c, h, w])?;
+        let out = attended.conv2d(&self.proj.0, Some(&self.proj.1), &one)?;
+        let mut out = out.reshape(vec![b, t, c, h, w])?.permute(&[0, 2, 1, 3, 4])?;
+        out.add_assign(x)?;
+        Ok(out)
+    }
+}
+
+/// `WanResample` in the decoder's two modes.
+struct Upsample {
+    conv: (Tensor, Tensor),
+    time_conv: Option<CausalConv3d>,
+}
+
+impl Upsample {
+    fn load(w: &mut Weights<'_>, dim: usize, temporal: bool) -> Result<Self> {
+        let mut conv = w.pp("resample.1");
+        let conv = (conv.get("weight", &[dim / 2, dim, 3, 3])?, conv.get("bias", &[dim / 2])?);
+        let time_conv = if temporal {
+            Some(CausalConv3d::load(&mut w.pp("time_conv"), dim, 2 * dim, [3, 1, 1], [1, 0, 0])?)
+        } else {
+            None
+        };
+        Ok(Self { conv, time_conv })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let mut x = x.clone();
+        if let Some(time_conv) = &self.time_conv {
+            let slot = cache.slot();
+            match slot {
+                // The first chunk: no temporal upsampling, only the marker.
+                Slot::Empty => *slot = Slot::Rep,
+                Slot::Rep | Slot::Frames(_) => {
+                    let d = x.dims().to_vec();
+                    let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+                    let keep = t.min(CACHE_T);
+                    let mut to_cache = x.narrow(2, t - keep, keep)?;
+                    let out = match slot {
+                        Slot::Frames(prev) => {
+                            if keep < CACHE_T {
+                                let last = prev.narrow(2, prev.dims()[2] - 1, 1)?;
+                                to_cache = Tensor::cat(&[&last, &to_cache], 2)?;
+                            }
+                            time_conv.forward(&x, Some(prev))?
+                        }
+                        _ => {
+                            if keep < CACHE_T {
+                                let zeros =
+                                    Tensor::zeros(to_cache.dims().to_vec(), to_cache.dtype(), &to_cache.device())?;
+                                to_cache = Tensor::cat(&[&zeros, &to_cache], 2)?;
+                            }
+                            time_conv.forward(&x, None)?
+                        }
+                    };
+                    *slot = Slot::Frames(to_cache);
+                    // [b, 2c, t, h, w] → [b, 2, c, t, h, w] → frames interleaved → [b, c, 2t, h, w]
+                    x = out.reshape(vec![b, 2, c, t, h, w])?.permute(&[0, 2, 3, 1, 4, 5])?.reshape(vec![
+                        b,
+                        c,
+                        2 * t,
+                        h,
+                        w,
+                    ])?;
+                }
+            }
+        }
+        let d = x.dims().to_vec();
+        let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+        let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
+        // nearest-exact with an integer factor is plain nearest.
+        let up = frames.upsample_nearest2d(2)?.conv2d(&self.conv.0, Some(&self.conv.1), &Conv2dParams::same(3))?;
+        let co = up.dims()[1];
+        Ok(up.reshape(vec![b, t, co, 2 * h, 2 * w])?.permute(&[0, 2, 1, 3, 4])?)
+    }
+}
+
+struct UpBlock {
+    resnets: Vec<ResidualBlock>,
+    upsample: Option<Upsample>,
+}
+
+/// `WanDecoder3d` (non-residual, Wan2.1).
+struct Decoder {
+    conv_in: CausalConv3d,
+    mid_resnets: [ResidualBlock; 2],
+    mid_attention: AttentionBlock,
+    up_blocks: Vec<UpBlock>,
+    norm_out: RmsNorm,
+    conv_out: CausalConv3d,
+}
+
+impl Decoder {
+    fn load(w: &mut Weights<'_>, c: &WanConfig) -> Result<Self> {
+        let dim = c.decoder_base_dim.unwrap_or(c.base_dim);
+        let mult = &c.dim_mult;
+        let last = *mult.last().ok_or_else(|| ModelError::InvalidInput("dim_mult is empty".into()))?;
+        let dims: Vec<usize> = std::iter::once(last).chain(mult.iter().rev().copied()).map(|u| dim * u).collect();
+        let up_temporal: Vec<bool> = c.temperal_downsample.iter().rev().copied().collect();
+        let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.z_dim, dims[0], [3, 3, 3], [1, 1, 1])?;
+        let mut mid = w.pp("mid_block");
+        let mid_resnets = [
+            ResidualBlock::load(&mut mid.pp("resnets").pp(0), dims[0], dims[0])?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(1), dims[0], dims[0])?,
+        ];
+        let mid_attention = AttentionBlock::load(&mut mid.pp("attentions").pp(0), dims[0])?;
+        let mut up_blocks = Vec::new();
+        for i in 0..mult.len() {
+            let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
+            if i > 0 {
+                in_dim /= 2;
+            }
+            let mut block = w.pp(format!("up_blocks.{i}"));
+            let mut resnets = Vec::new();
+            let mut current = in_dim;
+            for j in 0..=c.num_res_blocks {
+                resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim)?);
+                current = out_dim;
+            }
+            let up_flag = i != mult.len() - 1;
+            let upsample = if up_flag {
+                let temporal = *up_temporal.get(i).unwrap_or(&false);
+                Some(Upsample::load(&mut block.pp("upsamplers").pp(0), out_dim, temporal)?)
+            } else {
+                None
+            };
+            up_blocks.push(UpBlock { resnets, upsample });
+        }
+        let out_dim = *dims.last().expect("non-empty");
+        Ok(Self {
+            conv_in,
+            mid_resnets,
+            mid_attention,
+            up_blocks,
+            norm_out: RmsNorm::load(&mut w.pp("norm_out"), out_dim, false)?,
+            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), out_dim, c.out_channels, [3, 3, 3], [1, 1, 1])?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let x = cached_conv(&self.conv_in, x, cache)?;
+        let x = self.mid_resnets[0].forward(&x, cache)?;
+        let x = self.mid_attention.forward(&x)?;
+        let mut x = self.mid_resnets[1].forward(&x, cache)?;
+        for block in &self.up_blocks {
+            for resnet in &block.resnets {
+                x = resnet.forward(&x, cache)?;
+            }
+            if let Some(up) = &block.upsample {
+                x = up.forward(&x, cache)?;
+            }
+        }
+        let mut x = self.norm_out.forward(&x)?;
+        x.silu_inplace()?;
+        cached_conv(&self.conv_out, &x, cache)
+    }
+}
+
+/// A loaded Wan2.1-style VAE (decode side).
+pub struct WanVae {
+    config: WanConfig,
+    post_quant_conv: CausalConv3d,
+    decoder: Decoder,
+}
+
+impl WanVae {
+    /// Loads a diffusers `AutoencoderKLWan` directory; only the decoder side is used (encoder
+    /// weights are accounted for but not loaded yet).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let config: WanConfig = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
+        if config.is_residual || config.patch_size.is_some_and(|p| p > 1) || !config.attn_scales.is_empty() {
+            return Err(ModelError::Unsupported(
+                "Wan2.2-style VAEs (residual blocks, patchify) and attention scales are not implemented yet".into(),
+            ));
+        }
+        let mut store = WeightStore::open_dir(dir)?;
+        let mut w = Weights::new(&mut store);
+        let z = config.z_dim;
+        let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
+        let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
+        Ok(Self { config, post_quant_conv, decoder })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WanConfig {
+        &self.config
+    }
+
+    /// `vae.decode(z).sample` without tiling: `post_quant_conv`, then one latent frame per
+    /// decoder call with the causal cache, then clamp to [-1, 1].
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        let d = z.dims();
+        if d.len() != 5 || d[1] != self.config.z_dim || d.contains(&0) {
+            return Err(ModelError::InvalidInput(format!(
+                "Wan latent must be [B, {}, T, H, W], got {:?}",
+                self.config.z_dim, d
+            )));
+        }
+        let x = self.post_quant_conv.forward(z, None)?;
+        let mut cache = FeatCache::new();
+        let mut frames = Vec::with_capacity(d[2]);
+        for i in 0..d[2] {
+            cache.next = 0;
+            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache)?);
+        }
+        let refs: Vec<&Tensor> = frames.iter().collect();
+        Ok(Tensor::cat(&refs, 2)?.clamp(-1.0, 1.0)?)
+    }
+}
