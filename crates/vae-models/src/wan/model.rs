@@ -2,8 +2,13 @@
 
 use std::path::Path;
 
+use std::ops::Range;
+
 use serde::Deserialize;
-use vae_tensor::{Conv2dParams, Conv3dParams, Tensor};
+use vae_planner::{GridSpec, TileTask, WanTiling};
+use vae_runtime::stitch::{StitchSpec, stitch};
+use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
+use vae_tensor::{Conv2dParams, Conv3dParams, DType, Tensor};
 
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
@@ -392,6 +397,7 @@ pub struct WanVae {
     config: WanConfig,
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
+    tiling: WanTiling,
 }
 
 impl WanVae {
@@ -412,7 +418,26 @@ impl WanVae {
         let z = config.z_dim;
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
         let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
-        Ok(Self { config, post_quant_conv, decoder })
+        // Wan2.1: 8x spatial (one halving per level but the last).
+        let ratio = 1 << (config.dim_mult.len() - 1);
+        Ok(Self { config, post_quant_conv, decoder, tiling: WanTiling::new(ratio, None) })
+    }
+
+    /// The tile geometry (diffusers' defaults: 256-pixel tiles every 192 pixels).
+    pub fn tiling(&self) -> &WanTiling {
+        &self.tiling
+    }
+
+    /// Sets the tile geometry as diffusers' `enable_tiling(min_h, min_w, stride_h, stride_w)`.
+    pub fn set_tiling(&mut self, min: [usize; 2], stride: [usize; 2]) -> Result<()> {
+        let mut tiling = self.tiling;
+        tiling.tile_sample_min_height = min[0];
+        tiling.tile_sample_min_width = min[1];
+        tiling.tile_sample_stride_height = stride[0];
+        tiling.tile_sample_stride_width = stride[1];
+        tiling.decode_layout(1, 1).map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
+        self.tiling = tiling;
+        Ok(())
     }
 
     /// The configuration.
@@ -423,6 +448,11 @@ impl WanVae {
     /// `vae.decode(z).sample` without tiling: `post_quant_conv`, then one latent frame per
     /// decoder call with the causal cache, then clamp to [-1, 1].
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        self.check_latent(z)?;
+        Ok(self.decode_frames(z)?.clamp(-1.0, 1.0)?)
+    }
+
+    fn check_latent(&self, z: &Tensor) -> Result<()> {
         let d = z.dims();
         if d.len() != 5 || d[1] != self.config.z_dim || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!(
@@ -430,6 +460,12 @@ impl WanVae {
                 self.config.z_dim, d
             )));
         }
+        Ok(())
+    }
+
+    /// The per-frame causal decode with a fresh cache, unclamped (a tile of `tiled_decode`).
+    fn decode_frames(&self, z: &Tensor) -> Result<Tensor> {
+        let d = z.dims();
         let x = self.post_quant_conv.forward(z, None)?;
         let mut cache = FeatCache::new();
         let mut frames = Vec::with_capacity(d[2]);
@@ -438,6 +474,71 @@ impl WanVae {
             frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache)?);
         }
         let refs: Vec<&Tensor> = frames.iter().collect();
-        Ok(Tensor::cat(&refs, 2)?.clamp(-1.0, 1.0)?)
+        Ok(Tensor::cat(&refs, 2)?)
+    }
+}
+
+/// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
+/// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
+/// the plain decode as one tile when the latent is not larger than a tile.
+pub struct WanDecodeOperator<'m> {
+    model: &'m WanVae,
+    use_tiling: bool,
+}
+
+impl<'m> WanDecodeOperator<'m> {
+    /// An operator that tiles as `enable_tiling()` does when `use_tiling`.
+    pub fn new(model: &'m WanVae, use_tiling: bool) -> Self {
+        Self { model, use_tiling }
+    }
+}
+
+impl TileOperator for WanDecodeOperator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, z: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_latent(z)?;
+        let (h, w) = (z.dims()[3], z.dims()[4]);
+        let tiling = self.model.tiling();
+        if !(self.use_tiling && tiling.needs_tiling_decode(h, w)?) {
+            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
+            let grid = GridSpec {
+                split_dims: vec![3, 4],
+                grid_shape: vec![1, 1],
+                tile_spec: None,
+                output_dtype: Some(DType::F32),
+            };
+            return Ok(TilePlan { tasks: vec![task], grid });
+        }
+        let layout = tiling.decode_layout(h, w)?;
+        let rules = [layout.rows.merge().rule(), layout.cols.merge().rule()];
+        let [rows, cols] = layout.grid_shape();
+        let tasks = layout.to_tasks(|tile| tile.input.clone());
+        let grid = GridSpec {
+            split_dims: vec![3, 4],
+            grid_shape: vec![rows, cols],
+            tile_spec: Some(StitchSpec { dims: [3, 4], rules }),
+            output_dtype: Some(DType::F32),
+        };
+        Ok(TilePlan { tasks, grid })
+    }
+
+    fn exec(&self, z: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let tile = z.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
+        Ok(self.model.decode_frames(&tile)?)
+    }
+
+    fn merge(
+        &self,
+        mut tiles: TileMap,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        let merged = match &grid.tile_spec {
+            None => tiles.take(&[0, 0]).ok_or("the single tile is missing")?,
+            Some(spec) => stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?,
+        };
+        Ok(merged.clamp(-1.0, 1.0)?)
     }
 }
