@@ -392,8 +392,18 @@ impl Decoder {
     }
 }
 
-/// A loaded Wan2.1-style VAE (decode side).
+/// The two diffusers classes this module loads; they share the decoder and differ in policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VideoVaeClass {
+    /// `AutoencoderKLWan`: clamps to [-1, 1] after plain and tiled decode.
+    Wan,
+    /// `AutoencoderKLQwenImage`: clamps after plain decode only (its `tiled_decode` does not).
+    QwenImage,
+}
+
+/// A loaded Wan2.1-style (or Qwen-Image) VAE, decode side.
 pub struct WanVae {
+    class: VideoVaeClass,
     config: WanConfig,
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
@@ -408,6 +418,18 @@ impl WanVae {
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
         let config: WanConfig = serde_json::from_str(&text)
             .map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
+        let class = match value.get("_class_name").and_then(|v| v.as_str()) {
+            Some("AutoencoderKLWan") | None => VideoVaeClass::Wan,
+            Some("AutoencoderKLQwenImage") => VideoVaeClass::QwenImage,
+            Some(other) => {
+                return Err(ModelError::Config {
+                    path,
+                    message: format!("_class_name {other:?} is not AutoencoderKLWan or AutoencoderKLQwenImage"),
+                });
+            }
+        };
         if config.is_residual || config.patch_size.is_some_and(|p| p > 1) || !config.attn_scales.is_empty() {
             return Err(ModelError::Unsupported(
                 "Wan2.2-style VAEs (residual blocks, patchify) and attention scales are not implemented yet".into(),
@@ -420,7 +442,7 @@ impl WanVae {
         let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
         // Wan2.1: 8x spatial (one halving per level but the last).
         let ratio = 1 << (config.dim_mult.len() - 1);
-        Ok(Self { config, post_quant_conv, decoder, tiling: WanTiling::new(ratio, None) })
+        Ok(Self { class, config, post_quant_conv, decoder, tiling: WanTiling::new(ratio, None) })
     }
 
     /// The tile geometry (diffusers' defaults: 256-pixel tiles every 192 pixels).
@@ -443,6 +465,11 @@ impl WanVae {
     /// The configuration.
     pub fn config(&self) -> &WanConfig {
         &self.config
+    }
+
+    /// Which diffusers class was loaded.
+    pub fn class(&self) -> VideoVaeClass {
+        self.class
     }
 
     /// `vae.decode(z).sample` without tiling: `post_quant_conv`, then one latent frame per
@@ -535,10 +562,13 @@ impl TileOperator for WanDecodeOperator<'_> {
         mut tiles: TileMap,
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
-        let merged = match &grid.tile_spec {
-            None => tiles.take(&[0, 0]).ok_or("the single tile is missing")?,
-            Some(spec) => stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?,
+        let (merged, clamp) = match &grid.tile_spec {
+            None => (tiles.take(&[0, 0]).ok_or("the single tile is missing")?, true),
+            // diffusers' Qwen-Image tiled_decode does not clamp; Wan's does.
+            Some(spec) => {
+                (stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?, self.model.class == VideoVaeClass::Wan)
+            }
         };
-        Ok(merged.clamp(-1.0, 1.0)?)
+        Ok(if clamp { merged.clamp(-1.0, 1.0)? } else { merged })
     }
 }
