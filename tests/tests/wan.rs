@@ -89,3 +89,21 @@ fn qwen_image_decode_matches_diffusers_plain_clamped_and_tiled_unclamped() {
     // diffusers leaves Qwen-Image's tiled output unclamped; this fixture goes past 1.
     assert!(got.as_slice_f32().unwrap().iter().any(|v| v.abs() > 1.0));
 }
+
+#[test]
+fn wan21_and_qwen_image_plain_encode_match_diffusers() {
+    for (family, model_name) in [("wan", "wan21_like"), ("qwen_image", "qwen_image_like")] {
+        let dir = fixtures_dir().join(family);
+        let model = WanVae::load(&dir.join(model_name)).unwrap();
+        for frames in ["f1", "f5"] {
+            let x = read_npy(&dir.join(format!("{model_name}.encode_{frames}.in.npy"))).unwrap();
+            let expected = read_npy(&dir.join(format!("{model_name}.encode_{frames}_moments.out.npy"))).unwrap();
+            let got = model.encode_moments(&x).unwrap();
+            assert_eq!(got.dims(), expected.dims(), "{model_name} {frames}");
+            let diff = got.max_abs_diff(&expected).unwrap();
+            assert!(diff <= 1e-4, "{model_name} {frames}: {diff}");
+            let mean = read_npy(&dir.join(format!("{model_name}.encode_{frames}_mean.out.npy"))).unwrap();
+            assert!(got.diag_gaussian_mean().unwrap().max_abs_diff(&mean).unwrap() <= 1e-4);
+        }
+    }
+}

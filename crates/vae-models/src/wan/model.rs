@@ -39,6 +39,9 @@ pub struct WanConfig {
     pub temperal_downsample: Vec<bool>,
     /// Wan2.2's residual up/down blocks.
     pub is_residual: bool,
+    /// Image channels in (`in_channels`; Qwen-Image's config calls it `input_channels`).
+    #[serde(alias = "input_channels")]
+    pub in_channels: usize,
     /// Output channels.
     pub out_channels: usize,
     /// Wan2.2's patchify size.
@@ -60,6 +63,7 @@ impl Default for WanConfig {
             attn_scales: Vec::new(),
             temperal_downsample: vec![false, true, true],
             is_residual: false,
+            in_channels: 3,
             out_channels: 3,
             patch_size: None,
             latents_mean: Vec::new(),
@@ -74,11 +78,17 @@ struct CausalConv3d {
     weight: Tensor,
     bias: Tensor,
     pad: [usize; 3],
+    time_stride: usize,
 }
 
 impl CausalConv3d {
     fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: [usize; 3], pad: [usize; 3]) -> Result<Self> {
-        Ok(Self { weight: w.get("weight", &[cout, cin, k[0], k[1], k[2]])?, bias: w.get("bias", &[cout])?, pad })
+        Ok(Self {
+            weight: w.get("weight", &[cout, cin, k[0], k[1], k[2]])?,
+            bias: w.get("bias", &[cout])?,
+            pad,
+            time_stride: 1,
+        })
     }
 
     fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
@@ -93,7 +103,7 @@ impl CausalConv3d {
             _ => x,
         };
         let [_, ph, pw] = self.pad;
-        let params = Conv3dParams::new([1, 1, 1], [front, 0, ph, ph, pw, pw]);
+        let params = Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]);
         Ok(input.conv3d(&self.weight, Some(&self.bias), &params)?)
     }
 }
@@ -311,6 +321,129 @@ impl Upsample {
     }
 }
 
+/// `WanResample` in the encoder's two modes: a per-frame stride-2 conv after padding right and
+/// bottom, and for `downsample3d` a stride-2 time conv over the cached last frame and the chunk.
+struct Downsample {
+    conv: (Tensor, Tensor),
+    time_conv: Option<CausalConv3d>,
+}
+
+impl Downsample {
+    fn load(w: &mut Weights<'_>, dim: usize, temporal: bool) -> Result<Self> {
+        let mut conv = w.pp("resample.1");
+        let conv = (conv.get("weight", &[dim, dim, 3, 3])?, conv.get("bias", &[dim])?);
+        let time_conv = if temporal {
+            let mut t = CausalConv3d::load(&mut w.pp("time_conv"), dim, dim, [3, 1, 1], [0, 0, 0])?;
+            t.time_stride = 2;
+            Some(t)
+        } else {
+            None
+        };
+        Ok(Self { conv, time_conv })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let d = x.dims().to_vec();
+        let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+        let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
+        let down = frames.conv2d(&self.conv.0, Some(&self.conv.1), &Conv2dParams::diffusers_downsample())?;
+        let (co, ho, wo) = (down.dims()[1], down.dims()[2], down.dims()[3]);
+        let x = down.reshape(vec![b, t, co, ho, wo])?.permute(&[0, 2, 1, 3, 4])?;
+        let Some(time_conv) = &self.time_conv else { return Ok(x) };
+        let slot = cache.slot();
+        match slot {
+            // The first chunk only fills the cache; time is not halved yet.
+            Slot::Empty | Slot::Rep => {
+                *slot = Slot::Frames(x.clone());
+                Ok(x)
+            }
+            Slot::Frames(prev) => {
+                let last = prev.narrow(2, prev.dims()[2] - 1, 1)?;
+                let to_cache = x.narrow(2, x.dims()[2] - 1, 1)?;
+                let out = time_conv.forward(&Tensor::cat(&[&last, &x], 2)?, None)?;
+                *slot = Slot::Frames(to_cache);
+                Ok(out)
+            }
+        }
+    }
+}
+
+enum DownLayer {
+    Residual(ResidualBlock),
+    Downsample(Downsample),
+}
+
+/// `WanEncoder3d` (non-residual, Wan2.1 / Qwen-Image): image frames → moments.
+struct Encoder {
+    conv_in: CausalConv3d,
+    layers: Vec<DownLayer>,
+    mid_resnets: [ResidualBlock; 2],
+    mid_attention: AttentionBlock,
+    norm_out: RmsNorm,
+    conv_out: CausalConv3d,
+}
+
+impl Encoder {
+    fn load(w: &mut Weights<'_>, c: &WanConfig) -> Result<Self> {
+        let dims: Vec<usize> = std::iter::once(1).chain(c.dim_mult.iter().copied()).map(|u| c.base_dim * u).collect();
+        let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.in_channels, dims[0], [3, 3, 3], [1, 1, 1])?;
+        let mut layers = Vec::new();
+        let levels = c.dim_mult.len();
+        for i in 0..levels {
+            let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
+            for _ in 0..c.num_res_blocks {
+                let k = layers.len();
+                layers.push(DownLayer::Residual(ResidualBlock::load(
+                    &mut w.pp(format!("down_blocks.{k}")),
+                    in_dim,
+                    out_dim,
+                )?));
+                in_dim = out_dim;
+            }
+            if i != levels - 1 {
+                let k = layers.len();
+                let temporal = *c.temperal_downsample.get(i).unwrap_or(&false);
+                layers.push(DownLayer::Downsample(Downsample::load(
+                    &mut w.pp(format!("down_blocks.{k}")),
+                    out_dim,
+                    temporal,
+                )?));
+            }
+        }
+        let top = *dims.last().expect("non-empty");
+        let mut mid = w.pp("mid_block");
+        let mid_resnets = [
+            ResidualBlock::load(&mut mid.pp("resnets").pp(0), top, top)?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(1), top, top)?,
+        ];
+        let mid_attention = AttentionBlock::load(&mut mid.pp("attentions").pp(0), top)?;
+        Ok(Self {
+            conv_in,
+            layers,
+            mid_resnets,
+            mid_attention,
+            norm_out: RmsNorm::load(&mut w.pp("norm_out"), top, false)?,
+            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), top, 2 * c.z_dim, [3, 3, 3], [1, 1, 1])?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let mut x = cached_conv(&self.conv_in, x, cache)?;
+        for layer in &self.layers {
+            x = match layer {
+                DownLayer::Residual(r) => r.forward(&x, cache)?,
+                DownLayer::Downsample(d) => d.forward(&x, cache)?,
+            };
+        }
+        let x = self.mid_resnets[0].forward(&x, cache)?;
+        let x = self.mid_attention.forward(&x)?;
+        let x = self.mid_resnets[1].forward(&x, cache)?;
+        let mut x = self.norm_out.forward(&x)?;
+        x.silu_inplace()?;
+        cached_conv(&self.conv_out, &x, cache)
+    }
+}
+
 struct UpBlock {
     resnets: Vec<ResidualBlock>,
     upsample: Option<Upsample>,
@@ -407,12 +540,14 @@ pub struct WanVae {
     config: WanConfig,
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
+    quant_conv: CausalConv3d,
+    encoder: Encoder,
     tiling: WanTiling,
 }
 
 impl WanVae {
-    /// Loads a diffusers `AutoencoderKLWan` directory; only the decoder side is used (encoder
-    /// weights are accounted for but not loaded yet).
+    /// Loads a diffusers `AutoencoderKLWan` or `AutoencoderKLQwenImage` directory (every
+    /// weight must be used).
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
@@ -440,9 +575,13 @@ impl WanVae {
         let z = config.z_dim;
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
         let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
+        let quant_conv = CausalConv3d::load(&mut w.pp("quant_conv"), 2 * z, 2 * z, [1, 1, 1], [0, 0, 0])?;
+        let encoder = Encoder::load(&mut w.pp("encoder"), &config)?;
+        drop(w);
+        store.finish()?;
         // Wan2.1: 8x spatial (one halving per level but the last).
         let ratio = 1 << (config.dim_mult.len() - 1);
-        Ok(Self { class, config, post_quant_conv, decoder, tiling: WanTiling::new(ratio, None) })
+        Ok(Self { class, config, post_quant_conv, decoder, quant_conv, encoder, tiling: WanTiling::new(ratio, None) })
     }
 
     /// The tile geometry (diffusers' defaults: 256-pixel tiles every 192 pixels).
@@ -477,6 +616,29 @@ impl WanVae {
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_latent(z)?;
         Ok(self.decode_frames(z)?.clamp(-1.0, 1.0)?)
+    }
+
+    /// `vae._encode(x)` without tiling: the encoder on frame 0, then on chunks of 4 frames
+    /// with the causal cache (frames past the last whole chunk are dropped, as diffusers
+    /// does), then `quant_conv`: the moments `[B, 2·z_dim, 1 + (T-1)/4, H/8, W/8]`.
+    pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dims();
+        if d.len() != 5 || d[1] != self.config.in_channels || d.contains(&0) {
+            return Err(ModelError::InvalidInput(format!(
+                "video must be [B, {}, T, H, W], got {:?}",
+                self.config.in_channels, d
+            )));
+        }
+        let chunks = 1 + (d[2] - 1) / 4;
+        let mut cache = FeatCache::new();
+        let mut outs = Vec::with_capacity(chunks);
+        for i in 0..chunks {
+            cache.next = 0;
+            let (start, len) = if i == 0 { (0, 1) } else { (1 + 4 * (i - 1), 4) };
+            outs.push(self.encoder.forward(&x.narrow(2, start, len)?, &mut cache)?);
+        }
+        let refs: Vec<&Tensor> = outs.iter().collect();
+        self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)
     }
 
     fn check_latent(&self, z: &Tensor) -> Result<()> {
