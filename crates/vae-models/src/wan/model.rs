@@ -369,7 +369,7 @@ impl Downsample {
 }
 
 enum DownLayer {
-    Residual(ResidualBlock),
+    Residual(Box<ResidualBlock>),
     Downsample(Downsample),
 }
 
@@ -393,11 +393,8 @@ impl Encoder {
             let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
             for _ in 0..c.num_res_blocks {
                 let k = layers.len();
-                layers.push(DownLayer::Residual(ResidualBlock::load(
-                    &mut w.pp(format!("down_blocks.{k}")),
-                    in_dim,
-                    out_dim,
-                )?));
+                let block = ResidualBlock::load(&mut w.pp(format!("down_blocks.{k}")), in_dim, out_dim)?;
+                layers.push(DownLayer::Residual(Box::new(block)));
                 in_dim = out_dim;
             }
             if i != levels - 1 {
