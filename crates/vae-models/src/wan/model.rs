@@ -368,9 +368,10 @@ impl Downsample {
     }
 }
 
+/// One entry of the encoder's flat `down_blocks` list (boxed: the two kinds differ in size).
 enum DownLayer {
     Residual(Box<ResidualBlock>),
-    Downsample(Downsample),
+    Downsample(Box<Downsample>),
 }
 
 /// `WanEncoder3d` (non-residual, Wan2.1 / Qwen-Image): image frames → moments.
@@ -400,11 +401,8 @@ impl Encoder {
             if i != levels - 1 {
                 let k = layers.len();
                 let temporal = *c.temperal_downsample.get(i).unwrap_or(&false);
-                layers.push(DownLayer::Downsample(Downsample::load(
-                    &mut w.pp(format!("down_blocks.{k}")),
-                    out_dim,
-                    temporal,
-                )?));
+                let down = Downsample::load(&mut w.pp(format!("down_blocks.{k}")), out_dim, temporal)?;
+                layers.push(DownLayer::Downsample(Box::new(down)));
             }
         }
         let top = *dims.last().expect("non-empty");
