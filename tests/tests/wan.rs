@@ -107,3 +107,35 @@ fn wan21_and_qwen_image_plain_encode_match_diffusers() {
         }
     }
 }
+
+#[test]
+fn wan21_and_qwen_image_tiled_encode_match_diffusers_and_are_bit_identical_across_ranks() {
+    use std::sync::Arc;
+    use vae_models::wan::WanEncodeOperator;
+    use vae_runtime::{DistributedVaeExecutor, OutputPlacement, execute_serial};
+    use vae_transport::{TransportConfig, run_local};
+
+    for (family, model_name) in [("wan", "wan21_like"), ("qwen_image", "qwen_image_like")] {
+        let dir = fixtures_dir().join(family);
+        let mut model = WanVae::load(&dir.join(model_name)).unwrap();
+        // As the fixture: enable_tiling(24, 32, 16, 16).
+        model.set_tiling([24, 32], [16, 16]).unwrap();
+        let x = read_npy(&dir.join(format!("{model_name}.encode_tiled_f5.in.npy"))).unwrap();
+        let expected = read_npy(&dir.join(format!("{model_name}.encode_tiled_f5_moments.out.npy"))).unwrap();
+        let op = WanEncodeOperator::new(&model, true);
+        let serial = execute_serial(&op, &x).unwrap();
+        assert_eq!(serial.dims(), expected.dims(), "{model_name}");
+        let diff = serial.max_abs_diff(&expected).unwrap();
+        assert!(diff <= 1e-4, "{model_name} tiled encode: {diff}");
+        for world in [2, 3] {
+            let results = run_local(world, TransportConfig::default(), |comm| {
+                let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
+                exec.execute(&x, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap()
+            })
+            .unwrap();
+            for r in results {
+                assert!(r.unwrap().bit_eq(&serial), "{model_name} on {world} ranks");
+            }
+        }
+    }
+}

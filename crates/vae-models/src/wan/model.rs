@@ -617,6 +617,11 @@ impl WanVae {
     /// with the causal cache (frames past the last whole chunk are dropped, as diffusers
     /// does), then `quant_conv`: the moments `[B, 2·z_dim, 1 + (T-1)/4, H/8, W/8]`.
     pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_video(x)?;
+        self.encode_frames(x)
+    }
+
+    fn check_video(&self, x: &Tensor) -> Result<()> {
         let d = x.dims();
         if d.len() != 5 || d[1] != self.config.in_channels || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!(
@@ -624,6 +629,12 @@ impl WanVae {
                 self.config.in_channels, d
             )));
         }
+        Ok(())
+    }
+
+    /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
+    fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
         let mut cache = FeatCache::new();
         let mut outs = Vec::with_capacity(chunks);
@@ -727,5 +738,72 @@ impl TileOperator for WanDecodeOperator<'_> {
             }
         };
         Ok(if clamp { merged.clamp(-1.0, 1.0)? } else { merged })
+    }
+}
+
+/// Wan / Qwen-Image encode for the executor: diffusers' `tiled_encode` cut into split / exec /
+/// merge (each pixel tile encoded chunk by chunk with its own cache, blended and cropped in
+/// latent H and W, cropped to the latent size), or the plain encode as one tile when the video
+/// is not larger than a tile. The output is the raw moments.
+pub struct WanEncodeOperator<'m> {
+    model: &'m WanVae,
+    use_tiling: bool,
+}
+
+impl<'m> WanEncodeOperator<'m> {
+    /// An operator that tiles as `enable_tiling()` does when `use_tiling`.
+    pub fn new(model: &'m WanVae, use_tiling: bool) -> Self {
+        Self { model, use_tiling }
+    }
+}
+
+impl TileOperator for WanEncodeOperator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_video(x)?;
+        let (h, w) = (x.dims()[3], x.dims()[4]);
+        let tiling = self.model.tiling();
+        if !(self.use_tiling && tiling.needs_tiling_encode(h, w)) {
+            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
+            let grid = GridSpec {
+                split_dims: vec![3, 4],
+                grid_shape: vec![1, 1],
+                tile_spec: None,
+                output_dtype: Some(DType::F32),
+            };
+            return Ok(TilePlan { tasks: vec![task], grid });
+        }
+        // Every stride-2 resample maps n to n / 2 (a final partial row is dropped).
+        let halvings = self.model.config.dim_mult.len().saturating_sub(1) as u32;
+        let layout = tiling.encode_layout(h, w, |n| n >> halvings)?;
+        let rules = [layout.rows.merge().rule(), layout.cols.merge().rule()];
+        let [rows, cols] = layout.grid_shape();
+        let tasks = layout.to_tasks(|tile| tile.input.clone());
+        let grid = GridSpec {
+            split_dims: vec![3, 4],
+            grid_shape: vec![rows, cols],
+            tile_spec: Some(StitchSpec { dims: [3, 4], rules }),
+            output_dtype: Some(DType::F32),
+        };
+        Ok(TilePlan { tasks, grid })
+    }
+
+    fn exec(&self, x: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let tile = x.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
+        Ok(self.model.encode_frames(&tile)?)
+    }
+
+    fn merge(
+        &self,
+        mut tiles: TileMap,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        match &grid.tile_spec {
+            None => Ok(tiles.take(&[0, 0]).ok_or("the single tile is missing")?),
+            Some(spec) => Ok(stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?),
+        }
     }
 }
