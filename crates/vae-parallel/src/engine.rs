@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
+use vae_models::wan::{VideoVaeClass, WanDecodeOperator, WanEncodeOperator, WanVae};
 use vae_models::{Direction, Family, ModelError};
 use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError};
 use vae_tensor::Tensor;
@@ -61,6 +62,8 @@ pub enum EncodeOutput {
 pub enum Model {
     /// AutoencoderKL or AutoencoderKLFlux2.
     AutoencoderKl(Box<AutoencoderKl>),
+    /// AutoencoderKLWan (Wan2.1-style) or AutoencoderKLQwenImage.
+    Video(Box<WanVae>),
 }
 
 /// A loaded VAE ready to serve requests.
@@ -100,12 +103,16 @@ impl Engine {
                 Model::AutoencoderKl(Box::new(m))
             }
             "AutoencoderKLWan" | "AutoencoderKLQwenImage" => {
-                return Err(EngineError::Unsupported {
-                    path: dir.to_path_buf(),
-                    message: format!(
-                        "{class} (a video VAE) is not implemented yet; AutoencoderKL and AutoencoderKLFlux2 are"
-                    ),
-                });
+                if tile_sample_min_size.is_some() || tile_overlap_factor.is_some() {
+                    return Err(EngineError::Unsupported {
+                        path: dir.to_path_buf(),
+                        message: format!(
+                            "{class} tiles with --tile-sample-min-height/-width and \
+                             --tile-sample-stride-height/-width, not --tile-sample-min-size / --tile-overlap-factor"
+                        ),
+                    });
+                }
+                Model::Video(Box::new(WanVae::load(dir)?))
             }
             other => {
                 return Err(EngineError::Unsupported {
@@ -115,6 +122,18 @@ impl Engine {
             }
         };
         Ok(Self { model, dir: dir.to_path_buf() })
+    }
+
+    /// Sets the tile geometry of a video VAE as diffusers' `enable_tiling(min_h, min_w,
+    /// stride_h, stride_w)` does (pixels); other families tile by size and overlap instead.
+    pub fn set_video_tiling(&mut self, min: [usize; 2], stride: [usize; 2]) -> Result<(), EngineError> {
+        match &mut self.model {
+            Model::Video(m) => Ok(m.set_tiling(min, stride)?),
+            Model::AutoencoderKl(_) => Err(EngineError::Unsupported {
+                path: self.dir.clone(),
+                message: "AutoencoderKL-family VAEs tile with --tile-sample-min-size / --tile-overlap-factor".into(),
+            }),
+        }
     }
 
     /// The model directory.
@@ -134,6 +153,10 @@ impl Engine {
                 vae_models::autoencoder_kl::KlVariant::AutoencoderKl => Family::AutoencoderKl,
                 vae_models::autoencoder_kl::KlVariant::Flux2 => Family::Flux2,
             },
+            Model::Video(m) => match m.class() {
+                VideoVaeClass::Wan => Family::Wan,
+                VideoVaeClass::QwenImage => Family::QwenImage,
+            },
         }
     }
 
@@ -143,6 +166,7 @@ impl Engine {
             .into_iter()
             .filter(|m| match &self.model {
                 Model::AutoencoderKl(k) => k.resolve_mode(*m).is_ok(),
+                Model::Video(v) => v.resolve_mode(*m).is_ok(),
             })
             .collect()
     }
@@ -158,18 +182,31 @@ impl Engine {
         latent: &Tensor,
         options: &RequestOptions,
     ) -> Result<ExecOutput, EngineError> {
-        let Model::AutoencoderKl(model) = &self.model;
-        model.resolve_mode(options.mode)?;
         let use_tiling = options.use_tiling || executor.parallel_size() > 1;
+        let placement = self.placement(Direction::Decode, options);
         let denormalized;
-        let z = if options.latents_normalized {
-            denormalized = model.denormalize_latents(latent)?;
-            &denormalized
-        } else {
-            latent
-        };
-        let op = KlOperator::new(model, KlTask::Decode, use_tiling);
-        Ok(executor.execute(z, &op, self.placement(Direction::Decode, options))?)
+        match &self.model {
+            Model::AutoencoderKl(model) => {
+                model.resolve_mode(options.mode)?;
+                let z = if options.latents_normalized {
+                    denormalized = model.denormalize_latents(latent)?;
+                    &denormalized
+                } else {
+                    latent
+                };
+                Ok(executor.execute(z, &KlOperator::new(model, KlTask::Decode, use_tiling), placement)?)
+            }
+            Model::Video(model) => {
+                model.resolve_mode(options.mode)?;
+                let z = if options.latents_normalized {
+                    denormalized = model.denormalize_latents(latent)?;
+                    &denormalized
+                } else {
+                    latent
+                };
+                Ok(executor.execute(z, &WanDecodeOperator::new(model, use_tiling), placement)?)
+            }
+        }
     }
 
     /// Encodes an image in [-1, 1] over the executor's ranks; every rank calls it.
@@ -180,8 +217,6 @@ impl Engine {
         options: &RequestOptions,
         output: EncodeOutput,
     ) -> Result<ExecOutput, EngineError> {
-        let Model::AutoencoderKl(model) = &self.model;
-        model.resolve_mode(options.mode)?;
         if output == EncodeOutput::Moments && options.latents_normalized {
             return Err(ModelError::InvalidInput(
                 "normalised output is defined for the mean, not the raw moments (use --output mean)".into(),
@@ -189,14 +224,27 @@ impl Engine {
             .into());
         }
         let use_tiling = options.use_tiling || executor.parallel_size() > 1;
-        let op = KlOperator::new(model, KlTask::Encode, use_tiling);
-        let mut out = executor.execute(image, &op, self.placement(Direction::Encode, options))?;
+        let placement = self.placement(Direction::Encode, options);
+        let mut out = match &self.model {
+            Model::AutoencoderKl(model) => {
+                model.resolve_mode(options.mode)?;
+                executor.execute(image, &KlOperator::new(model, KlTask::Encode, use_tiling), placement)?
+            }
+            Model::Video(model) => {
+                model.resolve_mode(options.mode)?;
+                executor.execute(image, &WanEncodeOperator::new(model, use_tiling), placement)?
+            }
+        };
         if let Some(moments) = out.tensor.take() {
             let shaped = match output {
                 EncodeOutput::Moments => moments,
                 EncodeOutput::Mean => {
                     let mean = moments.diag_gaussian_mean().map_err(ModelError::from)?;
-                    if options.latents_normalized { model.normalize_latents(&mean)? } else { mean }
+                    match (&self.model, options.latents_normalized) {
+                        (_, false) => mean,
+                        (Model::AutoencoderKl(model), true) => model.normalize_latents(&mean)?,
+                        (Model::Video(model), true) => model.normalize_latents(&mean)?,
+                    }
                 }
             };
             out.tensor = Some(shaped);

@@ -197,6 +197,9 @@ pub fn postprocess_image(image: &Tensor) -> Result<(usize, usize, usize, Vec<u8>
 /// `out_0000.png`, `out_0001.png`, … for several. Returns the paths written.
 pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoError> {
     let d = batch.dims();
+    if d.len() == 5 {
+        return write_png_video(path, batch);
+    }
     if d.len() != 4 {
         return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images")));
     }
@@ -236,6 +239,39 @@ pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoEr
         written.push(target);
     }
     Ok(written)
+}
+
+/// Writes a decoded video `[B, C, T, H, W]` as one PNG per frame: `out_0000.png`, … (with the
+/// batch index first, `out_1_0000.png`, when there are several videos). All or nothing.
+fn write_png_video(path: &Path, video: &Tensor) -> Result<Vec<PathBuf>, IoError> {
+    let d = video.dims().to_vec();
+    let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+    // [B, C, T, H, W] → [B·T, C, H, W], frames in order, then the image writer.
+    let frames = video
+        .permute(&[0, 2, 1, 3, 4])
+        .and_then(|x| x.reshape(vec![b * t, c, h, w]))
+        .map_err(|e| IoError::Unsupported(e.to_string()))?;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video");
+    let name = |i: usize| {
+        if b == 1 { format!("{stem}_{i:04}.png") } else { format!("{stem}_{}_{:04}.png", i / t, i % t) }
+    };
+    let staged = std::env::temp_dir().join(format!("vae-frames-{}.png", std::process::id()));
+    let written = write_png_batch(&staged, &frames)?;
+    let mut renamed = Vec::with_capacity(written.len());
+    for (i, tmp) in written.iter().enumerate() {
+        let target = path.with_file_name(name(i));
+        // The staged files may be on another file system: copy through an atomic write.
+        let bytes = std::fs::read(tmp).map_err(os_err(tmp))?;
+        let _ = std::fs::remove_file(tmp);
+        if let Err(e) = write_atomically(&target, &bytes) {
+            for leftover in renamed.iter().chain(&written[i + 1..]) {
+                let _ = std::fs::remove_file(leftover);
+            }
+            return Err(e);
+        }
+        renamed.push(target);
+    }
+    Ok(renamed)
 }
 
 /// Reads an 8-bit RGB(A) or gray PNG as `[1, 3, H, W]` in [-1, 1] (diffusers' `x / 255 · 2 − 1`;

@@ -39,6 +39,18 @@ pub struct ParallelArgs {
     /// Tile overlap (diffusers' `tile_overlap_factor`, default 0.25).
     #[arg(long)]
     tile_overlap_factor: Option<f64>,
+    /// Video VAEs (Wan, Qwen-Image): tile height in pixels (diffusers default 256).
+    #[arg(long)]
+    tile_sample_min_height: Option<usize>,
+    /// Video VAEs: tile width in pixels (default 256).
+    #[arg(long)]
+    tile_sample_min_width: Option<usize>,
+    /// Video VAEs: vertical tile stride in pixels (default 192).
+    #[arg(long)]
+    tile_sample_stride_height: Option<usize>,
+    /// Video VAEs: horizontal tile stride in pixels (default 192).
+    #[arg(long)]
+    tile_sample_stride_width: Option<usize>,
     /// Latents are as the diffusion pipeline produces them: undo (decode) or apply (encode) the
     /// family's latent normalisation.
     #[arg(long)]
@@ -71,6 +83,10 @@ struct FileConfig {
     vae_use_tiling: Option<bool>,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
+    tile_sample_min_height: Option<usize>,
+    tile_sample_min_width: Option<usize>,
+    tile_sample_stride_height: Option<usize>,
+    tile_sample_stride_width: Option<usize>,
     latents_normalized: Option<bool>,
     placement: Option<String>,
     ranks: Option<usize>,
@@ -86,6 +102,8 @@ struct Resolved {
     options: RequestOptions,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
+    /// Video tiling `[min_h, min_w]`, `[stride_h, stride_w]` when any was given.
+    video_tiling: Option<([usize; 2], [usize; 2])>,
     report: Option<PathBuf>,
 }
 
@@ -131,6 +149,16 @@ impl ParallelArgs {
             },
             tile_sample_min_size: self.tile_sample_min_size.or(file.tile_sample_min_size),
             tile_overlap_factor: self.tile_overlap_factor.or(file.tile_overlap_factor),
+            video_tiling: {
+                let min_h = self.tile_sample_min_height.or(file.tile_sample_min_height);
+                let min_w = self.tile_sample_min_width.or(file.tile_sample_min_width);
+                let stride_h = self.tile_sample_stride_height.or(file.tile_sample_stride_height);
+                let stride_w = self.tile_sample_stride_width.or(file.tile_sample_stride_width);
+                (min_h.is_some() || min_w.is_some() || stride_h.is_some() || stride_w.is_some()).then(|| {
+                    // diffusers' defaults for whatever was not given.
+                    ([min_h.unwrap_or(256), min_w.unwrap_or(256)], [stride_h.unwrap_or(192), stride_w.unwrap_or(192)])
+                })
+            },
             report: self.report.clone(),
         })
     }
@@ -143,7 +171,15 @@ impl Resolved {
         if self.group.transport != vae_parallel::group::TransportKind::Local {
             return Ok(None);
         }
-        Ok(Some(Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?))
+        Ok(Some(self.load_engine()?))
+    }
+
+    fn load_engine(&self) -> anyhow::Result<Engine> {
+        let mut engine = Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?;
+        if let Some((min, stride)) = self.video_tiling {
+            engine.set_video_tiling(min, stride)?;
+        }
+        Ok(engine)
     }
 
     /// The shared engine, or one loaded into `slot` for this rank's process.
@@ -154,7 +190,7 @@ impl Resolved {
     ) -> anyhow::Result<&'a Engine> {
         match shared {
             Some(engine) => Ok(engine),
-            None => Ok(slot.insert(Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?)),
+            None => Ok(slot.insert(self.load_engine()?)),
         }
     }
 }
@@ -416,7 +452,35 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
 /// `vae-parallel inspect`.
 pub fn inspect(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let engine = Engine::load(&args.model, None, None)?;
-    let Model::AutoencoderKl(model) = engine.model();
+    let model = match engine.model() {
+        Model::AutoencoderKl(model) => model,
+        Model::Video(v) => {
+            let c = v.config();
+            let t = v.tiling();
+            println!("model       {}", args.model.display());
+            println!("class       {:?} (family {:?})", v.class(), engine.family());
+            println!("channels    in {}, out {}, latent (z_dim) {}", c.in_channels, c.out_channels, c.z_dim);
+            println!(
+                "layout      base_dim {}, dim_mult {:?}, num_res_blocks {}, temporal downsample {:?}",
+                c.base_dim, c.dim_mult, c.num_res_blocks, c.temperal_downsample
+            );
+            println!(
+                "tiling      {}x{} px tiles every {}x{} px",
+                t.tile_sample_min_height,
+                t.tile_sample_min_width,
+                t.tile_sample_stride_height,
+                t.tile_sample_stride_width
+            );
+            let modes: Vec<String> = engine.supported_modes().iter().map(ToString::to_string).collect();
+            println!("modes       {}", modes.join(", "));
+            println!(
+                "placement   decode → {:?}, encode → {:?}",
+                engine.family().default_placement(vae_parallel::models::Direction::Decode),
+                engine.family().default_placement(vae_parallel::models::Direction::Encode)
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
     let c = model.config();
     let t = model.tiling();
     println!("model       {}", args.model.display());

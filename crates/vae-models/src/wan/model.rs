@@ -647,6 +647,53 @@ impl WanVae {
         self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)
     }
 
+    /// This family's answer to a requested parallel mode: `tile` (and `auto`, which can only
+    /// choose tile until spatial sharding lands) run; the spatial-shard modes are refused.
+    pub fn resolve_mode(&self, mode: vae_runtime::ParallelMode) -> Result<vae_runtime::ParallelMode> {
+        use vae_runtime::ParallelMode;
+        match mode {
+            ParallelMode::Tile | ParallelMode::Auto => Ok(ParallelMode::Tile),
+            shard => Err(ModelError::Unsupported(format!(
+                "the {shard} parallel mode is not implemented yet for this VAE; use tile"
+            ))),
+        }
+    }
+
+    /// Latents as WanPipeline / QwenImagePipeline produce them → latents the VAE decodes:
+    /// `z / (1 / latents_std) + latents_mean` per channel, op by op as the pipelines compute it.
+    pub fn denormalize_latents(&self, z: &Tensor) -> Result<Tensor> {
+        self.check_latent(z)?;
+        let (mean, inv_std) = self.latent_stats()?;
+        let zeros = vec![0.0; mean.len()];
+        let ones = vec![1.0; mean.len()];
+        Ok(z.channel_normalize(&zeros, &inv_std)?.channel_affine(&ones, &mean)?)
+    }
+
+    /// The inverse for encoded means: `(mean - latents_mean) * (1 / latents_std)`.
+    pub fn normalize_latents(&self, mean_latent: &Tensor) -> Result<Tensor> {
+        self.check_latent(mean_latent)?;
+        let (mean, inv_std) = self.latent_stats()?;
+        let zeros = vec![0.0; mean.len()];
+        let ones = vec![1.0; mean.len()];
+        Ok(mean_latent.channel_normalize(&mean, &ones)?.channel_affine(&inv_std, &zeros)?)
+    }
+
+    /// `(latents_mean, 1 / latents_std)` in f32, as the pipelines build them.
+    fn latent_stats(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let c = &self.config;
+        if c.latents_mean.len() != c.z_dim || c.latents_std.len() != c.z_dim {
+            return Err(ModelError::InvalidInput(format!(
+                "latents_mean / latents_std have {} / {} entries for z_dim {}",
+                c.latents_mean.len(),
+                c.latents_std.len(),
+                c.z_dim
+            )));
+        }
+        let mean = c.latents_mean.iter().map(|v| *v as f32).collect();
+        let inv_std = c.latents_std.iter().map(|v| 1.0 / *v as f32).collect();
+        Ok((mean, inv_std))
+    }
+
     fn check_latent(&self, z: &Tensor) -> Result<()> {
         let d = z.dims();
         if d.len() != 5 || d[1] != self.config.z_dim || d.contains(&0) {
