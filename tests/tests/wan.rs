@@ -30,8 +30,11 @@ fn a_latent_with_the_wrong_channel_count_or_rank_is_refused() {
     let image_like =
         vae_tensor::Tensor::zeros(vec![1, 16, 2, 2], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
     assert!(model.decode(&image_like).is_err());
-    // Wan2.2-style checkpoints are refused until they are implemented, not decoded wrongly.
-    let err = WanVae::load(&fixtures_dir().join("wan").join("wan22_like")).err().expect("refused");
+    // Wan2.2-style checkpoints decode, but encoding with them is refused until implemented.
+    let wan22 = WanVae::load(&fixtures_dir().join("wan").join("wan22_like")).unwrap();
+    let video =
+        vae_tensor::Tensor::zeros(vec![1, 12, 1, 32, 48], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
+    let err = wan22.encode_moments(&video).unwrap_err();
     assert!(err.to_string().contains("not implemented yet"), "{err}");
 }
 
@@ -138,4 +141,29 @@ fn wan21_and_qwen_image_tiled_encode_match_diffusers_and_are_bit_identical_acros
             }
         }
     }
+}
+
+#[test]
+fn wan22_plain_and_tiled_decode_match_diffusers() {
+    use vae_models::wan::WanDecodeOperator;
+    use vae_runtime::execute_serial;
+
+    let dir = fixtures_dir().join("wan");
+    let mut model = WanVae::load(&dir.join("wan22_like")).unwrap();
+    for case in ["decode_t1", "decode_t2"] {
+        let z = read_npy(&dir.join(format!("wan22_like.{case}.in.npy"))).unwrap();
+        let expected = read_npy(&dir.join(format!("wan22_like.{case}.out.npy"))).unwrap();
+        let got = model.decode(&z).unwrap();
+        assert_eq!(got.dims(), expected.dims(), "{case}");
+        let diff = got.max_abs_diff(&expected).unwrap();
+        assert!(diff <= 1e-4, "{case}: {diff}");
+    }
+    // As the fixture: enable_tiling(32, 48, 16, 32); the merge runs in patchified space.
+    model.set_tiling([32, 48], [16, 32]).unwrap();
+    let z = read_npy(&dir.join("wan22_like.decode_tiled.in.npy")).unwrap();
+    let expected = read_npy(&dir.join("wan22_like.decode_tiled.out.npy")).unwrap();
+    let got = execute_serial(&WanDecodeOperator::new(&model, true), &z).unwrap();
+    assert_eq!(got.dims(), expected.dims());
+    let diff = got.max_abs_diff(&expected).unwrap();
+    assert!(diff <= 1e-4, "tiled: {diff}");
 }

@@ -251,6 +251,12 @@ impl WeightStore {
         }
     }
 
+    /// Marks every key starting with `prefix` as accounted for (a sub-model not loaded).
+    pub fn skip_prefix(&mut self, prefix: &str) {
+        let keys: Vec<String> = self.entries.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
+        self.taken.extend(keys);
+    }
+
     /// Fails with every key that no module took.
     pub fn finish(self) -> Result<()> {
         let unused: Vec<String> = self.entries.keys().filter(|k| !self.taken.contains(*k)).cloned().collect();

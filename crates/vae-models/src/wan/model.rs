@@ -46,6 +46,8 @@ pub struct WanConfig {
     pub out_channels: usize,
     /// Wan2.2's patchify size.
     pub patch_size: Option<usize>,
+    /// Pixels per latent pixel (8 for Wan2.1 and Qwen-Image, 16 for Wan2.2).
+    pub scale_factor_spatial: Option<usize>,
     /// Per-channel latent mean (pipeline normalisation).
     pub latents_mean: Vec<f64>,
     /// Per-channel latent std (pipeline normalisation).
@@ -66,6 +68,7 @@ impl Default for WanConfig {
             in_channels: 3,
             out_channels: 3,
             patch_size: None,
+            scale_factor_spatial: None,
             latents_mean: Vec::new(),
             latents_std: Vec::new(),
         }
@@ -259,9 +262,10 @@ struct Upsample {
 }
 
 impl Upsample {
-    fn load(w: &mut Weights<'_>, dim: usize, temporal: bool) -> Result<Self> {
+    /// `out_dim`: `dim / 2` in Wan2.1's up blocks, `dim` in Wan2.2's residual ones.
+    fn load(w: &mut Weights<'_>, dim: usize, out_dim: usize, temporal: bool) -> Result<Self> {
         let mut conv = w.pp("resample.1");
-        let conv = (conv.get("weight", &[dim / 2, dim, 3, 3])?, conv.get("bias", &[dim / 2])?);
+        let conv = (conv.get("weight", &[out_dim, dim, 3, 3])?, conv.get("bias", &[out_dim])?);
         let time_conv = if temporal {
             Some(CausalConv3d::load(&mut w.pp("time_conv"), dim, 2 * dim, [3, 1, 1], [1, 0, 0])?)
         } else {
@@ -442,6 +446,8 @@ impl Encoder {
 struct UpBlock {
     resnets: Vec<ResidualBlock>,
     upsample: Option<Upsample>,
+    /// Wan2.2's residual up blocks add `DupUp3D(x)` of the block input: `(factor_t, out_dim)`.
+    dup_shortcut: Option<(usize, usize)>,
 }
 
 /// `WanDecoder3d` (non-residual, Wan2.1).
@@ -471,7 +477,7 @@ impl Decoder {
         let mut up_blocks = Vec::new();
         for i in 0..mult.len() {
             let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
-            if i > 0 {
+            if i > 0 && !c.is_residual {
                 in_dim /= 2;
             }
             let mut block = w.pp(format!("up_blocks.{i}"));
@@ -482,13 +488,18 @@ impl Decoder {
                 current = out_dim;
             }
             let up_flag = i != mult.len() - 1;
-            let upsample = if up_flag {
-                let temporal = *up_temporal.get(i).unwrap_or(&false);
-                Some(Upsample::load(&mut block.pp("upsamplers").pp(0), out_dim, temporal)?)
-            } else {
-                None
+            let temporal = up_flag && *up_temporal.get(i).unwrap_or(&false);
+            let (upsample, dup_shortcut) = match (up_flag, c.is_residual) {
+                (false, _) => (None, None),
+                (true, false) => {
+                    (Some(Upsample::load(&mut block.pp("upsamplers").pp(0), out_dim, out_dim / 2, temporal)?), None)
+                }
+                (true, true) => (
+                    Some(Upsample::load(&mut block.pp("upsampler"), out_dim, out_dim, temporal)?),
+                    Some((if temporal { 2 } else { 1 }, out_dim)),
+                ),
             };
-            up_blocks.push(UpBlock { resnets, upsample });
+            up_blocks.push(UpBlock { resnets, upsample, dup_shortcut });
         }
         let out_dim = *dims.last().expect("non-empty");
         Ok(Self {
@@ -501,17 +512,21 @@ impl Decoder {
         })
     }
 
-    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
         let x = cached_conv(&self.conv_in, x, cache)?;
         let x = self.mid_resnets[0].forward(&x, cache)?;
         let x = self.mid_attention.forward(&x)?;
         let mut x = self.mid_resnets[1].forward(&x, cache)?;
         for block in &self.up_blocks {
+            let input = block.dup_shortcut.map(|_| x.clone());
             for resnet in &block.resnets {
                 x = resnet.forward(&x, cache)?;
             }
             if let Some(up) = &block.upsample {
                 x = up.forward(&x, cache)?;
+            }
+            if let (Some((factor_t, out_dim)), Some(input)) = (block.dup_shortcut, input) {
+                x.add_assign(&input.dup_up3d(factor_t, 2, out_dim, first_chunk)?)?;
             }
         }
         let mut x = self.norm_out.forward(&x)?;
@@ -536,7 +551,7 @@ pub struct WanVae {
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
     quant_conv: CausalConv3d,
-    encoder: Encoder,
+    encoder: Option<Encoder>,
     tiling: WanTiling,
 }
 
@@ -560,10 +575,8 @@ impl WanVae {
                 });
             }
         };
-        if config.is_residual || config.patch_size.is_some_and(|p| p > 1) || !config.attn_scales.is_empty() {
-            return Err(ModelError::Unsupported(
-                "Wan2.2-style VAEs (residual blocks, patchify) and attention scales are not implemented yet".into(),
-            ));
+        if !config.attn_scales.is_empty() {
+            return Err(ModelError::Unsupported("Wan VAEs with attention scales are not implemented yet".into()));
         }
         let mut store = WeightStore::open_dir(dir)?;
         let mut w = Weights::new(&mut store);
@@ -571,12 +584,17 @@ impl WanVae {
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
         let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
         let quant_conv = CausalConv3d::load(&mut w.pp("quant_conv"), 2 * z, 2 * z, [1, 1, 1], [0, 0, 0])?;
-        let encoder = Encoder::load(&mut w.pp("encoder"), &config)?;
+        // Wan2.2's residual encoder (AvgDown3D shortcuts) is not implemented yet: its weights
+        // are accounted for and encode refuses with a clear error.
+        let encoder = if config.is_residual { None } else { Some(Encoder::load(&mut w.pp("encoder"), &config)?) };
         drop(w);
+        if config.is_residual {
+            store.skip_prefix("encoder.");
+        }
         store.finish()?;
-        // Wan2.1: 8x spatial (one halving per level but the last).
-        let ratio = 1 << (config.dim_mult.len() - 1);
-        Ok(Self { class, config, post_quant_conv, decoder, quant_conv, encoder, tiling: WanTiling::new(ratio, None) })
+        let ratio = config.scale_factor_spatial.unwrap_or(8);
+        let patch = config.patch_size.filter(|p| *p > 1);
+        Ok(Self { class, config, post_quant_conv, decoder, quant_conv, encoder, tiling: WanTiling::new(ratio, patch) })
     }
 
     /// The tile geometry (diffusers' defaults: 256-pixel tiles every 192 pixels).
@@ -610,7 +628,16 @@ impl WanVae {
     /// decoder call with the causal cache, then clamp to [-1, 1].
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_latent(z)?;
-        Ok(self.decode_frames(z)?.clamp(-1.0, 1.0)?)
+        self.finish_decode(self.decode_frames(z)?, true)
+    }
+
+    /// After the decoder (and, when tiled, the merge): unpatchify (Wan2.2), then clamp.
+    fn finish_decode(&self, x: Tensor, clamp: bool) -> Result<Tensor> {
+        let x = match self.config.patch_size.filter(|p| *p > 1) {
+            Some(p) => x.unpatchify(p)?,
+            None => x,
+        };
+        Ok(if clamp { x.clamp(-1.0, 1.0)? } else { x })
     }
 
     /// `vae._encode(x)` without tiling: the encoder on frame 0, then on chunks of 4 frames
@@ -622,18 +649,26 @@ impl WanVae {
     }
 
     fn check_video(&self, x: &Tensor) -> Result<()> {
+        if self.encoder.is_none() {
+            return Err(ModelError::Unsupported(
+                "encoding with Wan2.2-style (residual) VAEs is not implemented yet".into(),
+            ));
+        }
+        // Wan2.2's encoder sees patchified frames; callers pass RGB.
+        let patch = self.config.patch_size.filter(|p| *p > 1).unwrap_or(1);
+        let channels = self.config.in_channels / (patch * patch);
         let d = x.dims();
-        if d.len() != 5 || d[1] != self.config.in_channels || d.contains(&0) {
-            return Err(ModelError::InvalidInput(format!(
-                "video must be [B, {}, T, H, W], got {:?}",
-                self.config.in_channels, d
-            )));
+        if d.len() != 5 || d[1] != channels || d.contains(&0) {
+            return Err(ModelError::InvalidInput(format!("video must be [B, {channels}, T, H, W], got {:?}", d)));
         }
         Ok(())
     }
 
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
+        let encoder = self.encoder.as_ref().ok_or_else(|| {
+            ModelError::Unsupported("encoding with Wan2.2-style (residual) VAEs is not implemented yet".into())
+        })?;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
         let mut cache = FeatCache::new();
@@ -641,7 +676,7 @@ impl WanVae {
         for i in 0..chunks {
             cache.next = 0;
             let (start, len) = if i == 0 { (0, 1) } else { (1 + 4 * (i - 1), 4) };
-            outs.push(self.encoder.forward(&x.narrow(2, start, len)?, &mut cache)?);
+            outs.push(encoder.forward(&x.narrow(2, start, len)?, &mut cache)?);
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
         self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)
@@ -713,7 +748,7 @@ impl WanVae {
         let mut frames = Vec::with_capacity(d[2]);
         for i in 0..d[2] {
             cache.next = 0;
-            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache)?);
+            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache, i == 0)?);
         }
         let refs: Vec<&Tensor> = frames.iter().collect();
         Ok(Tensor::cat(&refs, 2)?)
@@ -784,7 +819,7 @@ impl TileOperator for WanDecodeOperator<'_> {
                 (stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?, self.model.class == VideoVaeClass::Wan)
             }
         };
-        Ok(if clamp { merged.clamp(-1.0, 1.0)? } else { merged })
+        Ok(self.model.finish_decode(merged, clamp)?)
     }
 }
 
