@@ -30,12 +30,12 @@ fn a_latent_with_the_wrong_channel_count_or_rank_is_refused() {
     let image_like =
         vae_tensor::Tensor::zeros(vec![1, 16, 2, 2], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
     assert!(model.decode(&image_like).is_err());
-    // Wan2.2-style checkpoints decode, but encoding with them is refused until implemented.
+    // Wan2.2 takes RGB videos whose size is a multiple of its patch size.
     let wan22 = WanVae::load(&fixtures_dir().join("wan").join("wan22_like")).unwrap();
     let video =
-        vae_tensor::Tensor::zeros(vec![1, 12, 1, 32, 48], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
+        vae_tensor::Tensor::zeros(vec![1, 3, 1, 31, 48], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
     let err = wan22.encode_moments(&video).unwrap_err();
-    assert!(err.to_string().contains("not implemented yet"), "{err}");
+    assert!(err.to_string().contains("multiple of the patch size"), "{err}");
 }
 
 #[test]
@@ -166,4 +166,30 @@ fn wan22_plain_and_tiled_decode_match_diffusers() {
     assert_eq!(got.dims(), expected.dims());
     let diff = got.max_abs_diff(&expected).unwrap();
     assert!(diff <= 1e-4, "tiled: {diff}");
+}
+
+#[test]
+fn wan22_plain_and_tiled_encode_match_diffusers() {
+    use vae_models::wan::WanEncodeOperator;
+    use vae_runtime::execute_serial;
+
+    let dir = fixtures_dir().join("wan");
+    let mut model = WanVae::load(&dir.join("wan22_like")).unwrap();
+    for frames in ["f1", "f5"] {
+        let x = read_npy(&dir.join(format!("wan22_like.encode_{frames}.in.npy"))).unwrap();
+        let expected = read_npy(&dir.join(format!("wan22_like.encode_{frames}_moments.out.npy"))).unwrap();
+        let got = model.encode_moments(&x).unwrap();
+        assert_eq!(got.dims(), expected.dims(), "{frames}");
+        let diff = got.max_abs_diff(&expected).unwrap();
+        assert!(diff <= 1e-4, "{frames}: {diff}");
+    }
+    // As the fixture: enable_tiling(16, 16, 8, 8), applied by diffusers to the patchified video.
+    model.set_tiling([16, 16], [8, 8]).unwrap();
+    let x = read_npy(&dir.join("wan22_like.encode_f5.in.npy")).unwrap();
+    let expected = read_npy(&dir.join("wan22_like.encode_tiled_f5_moments.out.npy")).unwrap();
+    let got = execute_serial(&WanEncodeOperator::new(&model, true), &x).unwrap();
+    assert_eq!(got.dims(), expected.dims());
+    let diff = got.max_abs_diff(&expected).unwrap();
+    assert!(diff <= 1e-4, "tiled: {diff}");
+    assert!(model.encode_moments(&x).unwrap().max_abs_diff(&expected).unwrap() > 1e-4, "the tiled path differs");
 }

@@ -375,8 +375,7 @@ fn video_vaes_decode_and_encode_through_the_cli() {
     assert!(ok, "{text}");
     assert!(close(&out, &wan.join("wan21_like.encode_f5_moments.out.npy")) <= 1e-4);
 
-    // Wan2.2 decodes (one PNG per frame after unpatchify); its encode is not implemented yet
-    // and says so cleanly.
+    // Wan2.2 decodes and encodes (its encoder patchifies the RGB video first).
     let (ok, text) = cli(&[
         "decode",
         "--model",
@@ -395,8 +394,10 @@ fn video_vaes_decode_and_encode_through_the_cli() {
         "--input",
         s(&wan.join("wan22_like.encode_f1.in.npy")),
         "--out",
-        s(&dir.join("x.npy")),
+        s(&dir.join("w22m.npy")),
+        "--output",
+        "moments",
     ]);
-    assert!(!ok && text.contains("not implemented yet") && !text.contains("panicked"), "{text}");
-    assert!(!dir.join("x.npy").exists());
+    assert!(ok, "{text}");
+    assert!(close(&dir.join("w22m.npy"), &wan.join("wan22_like.encode_f1_moments.out.npy")) <= 1e-4);
 }

@@ -372,10 +372,36 @@ impl Downsample {
     }
 }
 
-/// One entry of the encoder's flat `down_blocks` list (boxed: the two kinds differ in size).
+/// Wan2.2's `WanResidualDownBlock`: residual blocks and a resample, plus an `AvgDown3D` of
+/// the block input as a shortcut.
+struct ResidualDownBlock {
+    resnets: Vec<ResidualBlock>,
+    downsample: Option<Downsample>,
+    /// `(factor_t, factor_s, out_dim)` of the AvgDown3D shortcut.
+    avg: (usize, usize, usize),
+}
+
+impl ResidualDownBlock {
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+        let (factor_t, factor_s, out_dim) = self.avg;
+        let shortcut = x.avg_down3d(factor_t, factor_s, out_dim)?;
+        let mut x = x.clone();
+        for resnet in &self.resnets {
+            x = resnet.forward(&x, cache)?;
+        }
+        if let Some(down) = &self.downsample {
+            x = down.forward(&x, cache)?;
+        }
+        x.add_assign(&shortcut)?;
+        Ok(x)
+    }
+}
+
+/// One entry of the encoder's `down_blocks` list (boxed: the kinds differ in size).
 enum DownLayer {
     Residual(Box<ResidualBlock>),
     Downsample(Box<Downsample>),
+    ResidualDown(Box<ResidualDownBlock>),
 }
 
 /// `WanEncoder3d` (non-residual, Wan2.1 / Qwen-Image): image frames → moments.
@@ -396,15 +422,33 @@ impl Encoder {
         let levels = c.dim_mult.len();
         for i in 0..levels {
             let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
+            let down_flag = i != levels - 1;
+            let temporal = down_flag && *c.temperal_downsample.get(i).unwrap_or(&false);
+            if c.is_residual {
+                let mut block = w.pp(format!("down_blocks.{i}"));
+                let mut resnets = Vec::new();
+                let mut current = in_dim;
+                for j in 0..c.num_res_blocks {
+                    resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim)?);
+                    current = out_dim;
+                }
+                let downsample = if down_flag {
+                    Some(Downsample::load(&mut block.pp("downsampler"), out_dim, temporal)?)
+                } else {
+                    None
+                };
+                let avg = (if temporal { 2 } else { 1 }, if down_flag { 2 } else { 1 }, out_dim);
+                layers.push(DownLayer::ResidualDown(Box::new(ResidualDownBlock { resnets, downsample, avg })));
+                continue;
+            }
             for _ in 0..c.num_res_blocks {
                 let k = layers.len();
                 let block = ResidualBlock::load(&mut w.pp(format!("down_blocks.{k}")), in_dim, out_dim)?;
                 layers.push(DownLayer::Residual(Box::new(block)));
                 in_dim = out_dim;
             }
-            if i != levels - 1 {
+            if down_flag {
                 let k = layers.len();
-                let temporal = *c.temperal_downsample.get(i).unwrap_or(&false);
                 let down = Downsample::load(&mut w.pp(format!("down_blocks.{k}")), out_dim, temporal)?;
                 layers.push(DownLayer::Downsample(Box::new(down)));
             }
@@ -432,6 +476,7 @@ impl Encoder {
             x = match layer {
                 DownLayer::Residual(r) => r.forward(&x, cache)?,
                 DownLayer::Downsample(d) => d.forward(&x, cache)?,
+                DownLayer::ResidualDown(d) => d.forward(&x, cache)?,
             };
         }
         let x = self.mid_resnets[0].forward(&x, cache)?;
@@ -551,7 +596,7 @@ pub struct WanVae {
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
     quant_conv: CausalConv3d,
-    encoder: Option<Encoder>,
+    encoder: Encoder,
     tiling: WanTiling,
 }
 
@@ -584,13 +629,8 @@ impl WanVae {
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
         let decoder = Decoder::load(&mut w.pp("decoder"), &config)?;
         let quant_conv = CausalConv3d::load(&mut w.pp("quant_conv"), 2 * z, 2 * z, [1, 1, 1], [0, 0, 0])?;
-        // Wan2.2's residual encoder (AvgDown3D shortcuts) is not implemented yet: its weights
-        // are accounted for and encode refuses with a clear error.
-        let encoder = if config.is_residual { None } else { Some(Encoder::load(&mut w.pp("encoder"), &config)?) };
+        let encoder = Encoder::load(&mut w.pp("encoder"), &config)?;
         drop(w);
-        if config.is_residual {
-            store.skip_prefix("encoder.");
-        }
         store.finish()?;
         let ratio = config.scale_factor_spatial.unwrap_or(8);
         let patch = config.patch_size.filter(|p| *p > 1);
@@ -604,13 +644,17 @@ impl WanVae {
 
     /// Sets the tile geometry as diffusers' `enable_tiling(min_h, min_w, stride_h, stride_w)`.
     pub fn set_tiling(&mut self, min: [usize; 2], stride: [usize; 2]) -> Result<()> {
-        let mut tiling = self.tiling;
-        tiling.tile_sample_min_height = min[0];
-        tiling.tile_sample_min_width = min[1];
-        tiling.tile_sample_stride_height = stride[0];
-        tiling.tile_sample_stride_width = stride[1];
-        tiling.decode_layout(1, 1).map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))?;
-        self.tiling = tiling;
+        if min.contains(&0) || stride.contains(&0) {
+            return Err(ModelError::InvalidInput(format!(
+                "tile sizes and strides must be positive, got {min:?} / {stride:?}"
+            )));
+        }
+        // Like diffusers, geometry that cannot tile one direction (a latent stride of 0 for
+        // decode, say) is only an error when that path is used: the split reports it.
+        self.tiling.tile_sample_min_height = min[0];
+        self.tiling.tile_sample_min_width = min[1];
+        self.tiling.tile_sample_stride_height = stride[0];
+        self.tiling.tile_sample_stride_width = stride[1];
         Ok(())
     }
 
@@ -645,30 +689,41 @@ impl WanVae {
     /// does), then `quant_conv`: the moments `[B, 2·z_dim, 1 + (T-1)/4, H/8, W/8]`.
     pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         self.check_video(x)?;
-        self.encode_frames(x)
+        self.encode_frames(&self.patchify_input(x)?)
+    }
+
+    /// Wan2.2's encoder works on 2×2-patchified frames (diffusers patchifies before encoding).
+    fn patchify_input(&self, x: &Tensor) -> Result<Tensor> {
+        match self.patch() {
+            1 => Ok(x.clone()),
+            p => Ok(x.patchify(p)?),
+        }
+    }
+
+    fn patch(&self) -> usize {
+        self.config.patch_size.filter(|p| *p > 1).unwrap_or(1)
     }
 
     fn check_video(&self, x: &Tensor) -> Result<()> {
-        if self.encoder.is_none() {
-            return Err(ModelError::Unsupported(
-                "encoding with Wan2.2-style (residual) VAEs is not implemented yet".into(),
-            ));
-        }
         // Wan2.2's encoder sees patchified frames; callers pass RGB.
-        let patch = self.config.patch_size.filter(|p| *p > 1).unwrap_or(1);
+        let patch = self.patch();
         let channels = self.config.in_channels / (patch * patch);
         let d = x.dims();
         if d.len() != 5 || d[1] != channels || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!("video must be [B, {channels}, T, H, W], got {:?}", d)));
+        }
+        if !d[3].is_multiple_of(patch) || !d[4].is_multiple_of(patch) {
+            return Err(ModelError::InvalidInput(format!(
+                "video of {}x{} pixels is not a multiple of the patch size {patch}",
+                d[3], d[4]
+            )));
         }
         Ok(())
     }
 
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
-        let encoder = self.encoder.as_ref().ok_or_else(|| {
-            ModelError::Unsupported("encoding with Wan2.2-style (residual) VAEs is not implemented yet".into())
-        })?;
+        let encoder = &self.encoder;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
         let mut cache = FeatCache::new();
@@ -845,9 +900,11 @@ impl TileOperator for WanEncodeOperator<'_> {
 
     fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         self.model.check_video(x)?;
-        let (h, w) = (x.dims()[3], x.dims()[4]);
+        // diffusers decides on the input size, then tiles the patchified tensor.
+        let p = self.model.patch();
+        let (h, w) = (x.dims()[3] / p, x.dims()[4] / p);
         let tiling = self.model.tiling();
-        if !(self.use_tiling && tiling.needs_tiling_encode(h, w)) {
+        if !(self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4])) {
             let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
             let grid = GridSpec {
                 split_dims: vec![3, 4],
@@ -873,9 +930,11 @@ impl TileOperator for WanEncodeOperator<'_> {
     }
 
     fn exec(&self, x: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        // Ranges are in patchified pixels: the same pixels of the RGB input, patchified.
         let [rows, cols] = &task.payload;
-        let tile = x.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
-        Ok(self.model.encode_frames(&tile)?)
+        let p = self.model.patch();
+        let tile = x.narrow(3, rows.start * p, rows.len() * p)?.narrow(4, cols.start * p, cols.len() * p)?;
+        Ok(self.model.encode_frames(&self.model.patchify_input(&tile)?)?)
     }
 
     fn merge(
