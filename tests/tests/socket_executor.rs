@@ -120,6 +120,21 @@ fn rank_process_entry() {
                 assert!(out.bit_eq(&serial), "{} on rank {rank}", case.name);
             }
         }
+        "wan" => {
+            // Wan2.1 tiled decode and encode over processes, as the fixtures tile them.
+            let dir = vae_integration_tests::fixtures_dir().join("wan");
+            let mut model = vae_models::wan::WanVae::load(&dir.join("wan21_like")).unwrap();
+            model.set_tiling([16, 24], [8, 16]).unwrap();
+            let z = vae_parallel::io::read_npy(&dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
+            let op = vae_models::wan::WanDecodeOperator::new(&model, true);
+            let out = executor.execute(&z, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+            assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &z).unwrap()), "decode on rank {rank}");
+            model.set_tiling([24, 32], [16, 16]).unwrap();
+            let x = vae_parallel::io::read_npy(&dir.join("wan21_like.encode_tiled_f5.in.npy")).unwrap();
+            let op = vae_models::wan::WanEncodeOperator::new(&model, true);
+            let out = executor.execute(&x, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+            assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &x).unwrap()), "encode on rank {rank}");
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -143,5 +158,13 @@ fn autoencoder_kl_tile_parallel_is_bit_identical_on_two_to_four_processes() {
     for world in 2..=4 {
         let exits = wait_all(spawn_ranks(ENTRY, "autoencoder_kl", world, &unix_master("akl"), &[]));
         assert_all_succeeded(&format!("AutoencoderKL on {world} processes"), &exits);
+    }
+}
+
+#[test]
+fn wan_tile_parallel_is_bit_identical_on_two_and_three_processes() {
+    for world in [2, 3] {
+        let exits = wait_all(spawn_ranks(ENTRY, "wan", world, &unix_master("wan"), &[]));
+        assert_all_succeeded(&format!("Wan on {world} processes"), &exits);
     }
 }

@@ -193,3 +193,12 @@ fn wan22_plain_and_tiled_encode_match_diffusers() {
     assert!(diff <= 1e-4, "tiled: {diff}");
     assert!(model.encode_moments(&x).unwrap().max_abs_diff(&expected).unwrap() > 1e-4, "the tiled path differs");
 }
+
+#[test]
+fn an_encode_of_a_frame_count_that_is_not_one_plus_four_k_is_refused() {
+    let model = WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
+    let video =
+        vae_tensor::Tensor::zeros(vec![1, 3, 6, 16, 16], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
+    let err = model.encode_moments(&video).unwrap_err();
+    assert!(err.to_string().contains("1 + 4k frames (e.g. 5 or 9)"), "{err}");
+}

@@ -712,6 +712,16 @@ impl WanVae {
         if d.len() != 5 || d[1] != channels || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!("video must be [B, {channels}, T, H, W], got {:?}", d)));
         }
+        // diffusers encodes frame 0, then chunks of 4, and silently drops a partial chunk;
+        // refusing is kinder than losing frames.
+        if !(d[2] - 1).is_multiple_of(4) {
+            let below = 1 + (d[2] - 1) / 4 * 4;
+            return Err(ModelError::InvalidInput(format!(
+                "video has {} frames; the encoder takes 1 + 4k frames (e.g. {below} or {})",
+                d[2],
+                below + 4
+            )));
+        }
         if !d[3].is_multiple_of(patch) || !d[4].is_multiple_of(patch) {
             return Err(ModelError::InvalidInput(format!(
                 "video of {}x{} pixels is not a multiple of the patch size {patch}",
