@@ -27,8 +27,13 @@ Each (size, threads) configuration runs in a fresh subprocess (``--worker``), wh
 
 Output: one JSON object per line on stdout, one per configuration (plus a ``model`` line first).
 
+With ``--family wan21`` the model is instead an ``AutoencoderKLWan`` with Wan2.1's real geometry
+(base_dim 96, z_dim 16, dim_mult 1,2,4,4, num_res_blocks 2, seeded random weights) in
+``target/bench-models/wan21_geometry``, and the latents are ``[1, 16, 3, size/8, size/8]``
+(3 latent frames, 9 output frames).
+
 Usage:
-    python scripts/bench_diffusers.py [--out DIR] [--iters N] [--sizes 256,512] [--threads 1,2]
+    python scripts/bench_diffusers.py [--family sd|wan21] [--out DIR] [--iters N] [--sizes 256,512] [--threads 1,2]
     python scripts/bench_diffusers.py --prepare-only [--out DIR]   # model and latents only
 """
 
@@ -45,6 +50,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "target" / "bench-models" / "sd_geometry"
+WAN_OUT = REPO_ROOT / "target" / "bench-models" / "wan21_geometry"
+FAMILY = "sd"  # set from --family before anything runs
 
 MODEL_SEED = 4242
 LATENT_SEED = 4243
@@ -52,6 +59,8 @@ SCALE = 8  # 3 upsamplings: latent pixel = 8 output pixels
 
 
 def model_config() -> dict:
+    if FAMILY == "wan21":
+        return dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
     return dict(
         in_channels=3,
         out_channels=3,
@@ -78,14 +87,15 @@ def prepare(out: Path, sizes: list[int]) -> dict:
     """Creates (or reuses) the model and the latents; returns the file names."""
     import numpy as np
     import torch
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
+    cls = AutoencoderKLWan if FAMILY == "wan21" else AutoencoderKL
     out.mkdir(parents=True, exist_ok=True)
     tag_file = out / "bench_seed.txt"
     reused = tag_file.exists() and tag_file.read_text() == seed_tag() and (out / "config.json").exists()
     if not reused:
         torch.manual_seed(MODEL_SEED)
-        vae = AutoencoderKL(**model_config()).eval()
+        vae = cls(**model_config()).eval()
         vae.save_pretrained(out, safe_serialization=True)
         tag_file.write_text(seed_tag())
         params = sum(p.numel() for p in vae.parameters())
@@ -95,7 +105,8 @@ def prepare(out: Path, sizes: list[int]) -> dict:
     for size in sizes:
         path = out / f"z_{size}.npy"
         g = torch.Generator().manual_seed(LATENT_SEED + size)
-        z = torch.randn((1, 4, size // SCALE, size // SCALE), generator=g, dtype=torch.float32)
+        shape = (1, 16, 3, size // SCALE, size // SCALE) if FAMILY == "wan21" else (1, 4, size // SCALE, size // SCALE)
+        z = torch.randn(shape, generator=g, dtype=torch.float32)
         a = np.ascontiguousarray(z.numpy().astype("<f4"))
         if not path.exists() or not np.array_equal(np.load(path), a):
             with open(path, "wb") as f:
@@ -127,9 +138,10 @@ def worker(model_dir: Path, latent: Path, threads: int, iters: int) -> dict:
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
     import numpy as np
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    vae = AutoencoderKL.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    cls = AutoencoderKLWan if FAMILY == "wan21" else AutoencoderKL
+    vae = cls.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     z = torch.from_numpy(np.load(latent))
     assert not vae.use_tiling and not vae.use_slicing
 
@@ -169,8 +181,10 @@ def worker(model_dir: Path, latent: Path, threads: int, iters: int) -> dict:
 
 
 def main() -> None:
+    global FAMILY
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model + latent directory")
+    p.add_argument("--family", choices=["sd", "wan21"], default="sd", help="model geometry")
+    p.add_argument("--out", type=Path, default=None, help="model + latent directory")
     p.add_argument("--iters", type=int, default=3, help="timed decodes per configuration")
     p.add_argument("--sizes", default="256,512", help="output sizes in pixels, comma-separated")
     p.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
@@ -178,6 +192,9 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--latent", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    FAMILY = args.family
+    if args.out is None:
+        args.out = WAN_OUT if FAMILY == "wan21" else DEFAULT_OUT
 
     if args.worker:
         print(json.dumps(worker(args.out, args.latent, int(args.threads), args.iters)), flush=True)
@@ -192,7 +209,8 @@ def main() -> None:
     for size in sizes:
         for t in threads:
             cmd = [
-                sys.executable, __file__, "--worker", "--out", info["dir"], "--latent", info["latents"][size],
+                sys.executable, __file__, "--worker", "--family", FAMILY, "--out", info["dir"],
+                "--latent", info["latents"][size],
                 "--threads", str(t), "--iters", str(args.iters),
             ]
             r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
