@@ -202,3 +202,23 @@ fn an_encode_of_a_frame_count_that_is_not_one_plus_four_k_is_refused() {
     let err = model.encode_moments(&video).unwrap_err();
     assert!(err.to_string().contains("1 + 4k frames (e.g. 5 or 9)"), "{err}");
 }
+
+/// The decoder is causal: the frames decoded from the first k latent frames do not depend on
+/// later ones. Decoding a prefix on its own (a different chunking of the work) must therefore
+/// give exactly the leading frames of the whole decode — a check on the cache's visit order.
+#[test]
+fn decoding_a_prefix_of_the_latent_gives_the_leading_frames_exactly() {
+    for (family, name) in [("wan", "wan21_like"), ("wan", "wan22_like"), ("qwen_image", "qwen_image_like")] {
+        let dir = fixtures_dir().join(family);
+        let model = WanVae::load(&dir.join(name)).unwrap();
+        let input = if name == "wan22_like" { "decode_t2" } else { "decode_t3" };
+        let z = read_npy(&dir.join(format!("{name}.{input}.in.npy"))).unwrap();
+        let whole = model.decode(&z).unwrap();
+        let t = z.dims()[2];
+        for k in 1..t {
+            let prefix = model.decode(&z.narrow(2, 0, k).unwrap()).unwrap();
+            let frames = prefix.dims()[2];
+            assert!(whole.narrow(2, 0, frames).unwrap().bit_eq(&prefix), "{name}: first {k} latent frame(s)");
+        }
+    }
+}
