@@ -10,71 +10,14 @@
 use vae_tensor::{Conv2dParams, Device, Tensor, TensorError};
 
 /// SplitMix64: small, seeded and dependency-free.
-struct Rng(u64);
+mod support;
 
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+use support::{EXACT, GEMM_TOL, Rng, Tol, assert_close, host, tensor};
 
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
-}
-
-/// Per-op tolerance; see the module docs.
-#[derive(Clone, Copy)]
-struct Tol {
-    rel: f64,
-    abs: f64,
-}
-
-const EXACT: Tol = Tol { rel: 0.0, abs: 0.0 };
-/// f32 GEMM-based ops (conv, matmul, linear, attention) against f64 sums.
-const GEMM_TOL: Tol = Tol { rel: 1e-4, abs: 1e-5 };
 /// Group norm: evaluated in f64 and rounded once.
 const NORM_TOL: Tol = Tol { rel: 1e-6, abs: 1e-7 };
 /// Element-wise transcendental ops (silu, softmax): a few ulps.
 const ULP_TOL: Tol = Tol { rel: 1e-6, abs: 1e-7 };
-
-fn tensor(rng: &mut Rng, dims: &[usize], device: &Device) -> Tensor {
-    let n = dims.iter().product();
-    Tensor::from_vec(rng.vec(n), dims, device).unwrap()
-}
-
-fn host(t: &Tensor) -> Vec<f64> {
-    t.to_vec_f32().unwrap().into_iter().map(f64::from).collect()
-}
-
-#[track_caller]
-fn assert_close(what: &str, got: &Tensor, want_dims: &[usize], want: &[f64], tol: Tol) {
-    assert_eq!(got.dims(), want_dims, "{what}: shape");
-    let got = got.to_vec_f32().unwrap();
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len().max(1) as f64).sqrt();
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let err = (g as f64 - w).abs();
-        let bound = tol.rel * w.abs() + tol.abs * rms;
-        let both_nan = g.is_nan() && w.is_nan();
-        assert!(both_nan || err <= bound, "{what}: element {i}: got {g}, want {w} (error {err:e} > {bound:e})");
-    }
-}
-
-// ---------------------------------------------------------------- references (f64)
 
 fn ref_conv2d(
     x: &[f64],
