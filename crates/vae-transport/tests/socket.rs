@@ -28,6 +28,12 @@ fn child_process_entry() {
         println!("REJECTED {err}");
         return;
     }
+    // Lets a test talk to rank 0's listener before the other ranks join.
+    if let Some(ms) = std::env::var("VAE_TEST_JOIN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok())
+        && rank > 0
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let comm = SocketComm::from_env().expect("rendezvous");
     assert_eq!(comm.rank(), rank);
     match scenario.as_str() {
@@ -248,8 +254,10 @@ fn a_hung_process_is_detected_by_missing_heartbeats() {
 fn foreign_and_silent_connections_do_not_break_the_rendezvous() {
     use std::io::Write;
     let master = tcp_master();
-    let ranks = spawn("collectives", 3, &master, &[("VAE_FAILURE_TIMEOUT_S", "1".into())], None);
-    // Before and while ranks join: a client announcing a 1 TiB frame, and one that says nothing.
+    // Ranks 1 and 2 join 2 s late, so the clients below reach rank 0 before the group is complete.
+    let env = [("VAE_FAILURE_TIMEOUT_S", "1".to_string()), ("VAE_TEST_JOIN_DELAY_MS", "2000".to_string())];
+    let ranks = spawn("collectives", 3, &master, &env, None);
+    // Before the ranks join: a client announcing a 1 TiB frame, and one that says nothing.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut silent = None;
     while Instant::now() < deadline {
