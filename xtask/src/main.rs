@@ -10,7 +10,7 @@
 //!   `/work/venv-fixtures/bin/python` if it exists; without one (or without diffusers) the
 //!   comparison is skipped with a message.
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
-//!   (`fixtures/autoencoder_kl/`) with `scripts/gen_fixtures.py`, after checking that the Python
+//!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
 //!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
 //!   `$VAE_FIXTURES_PYTHON`, else `python3`.
 
