@@ -112,3 +112,48 @@ fn blend(prev: &Tensor, cur: &mut Tensor, dim: usize, blend: usize) -> Result<()
     }
     Ok(())
 }
+
+/// Input ranges of one tile along the two tiled dimensions.
+pub type TileRanges = std::ops::Range<usize>;
+
+/// The plan of a diffusers-style tiled operator: tiles with their input ranges, stitched on
+/// merge (`Some` spec), or the whole input as one tile (`None`).
+pub type StitchPlan = crate::TilePlan<[TileRanges; 2], Option<StitchSpec>>;
+
+/// The whole input as one tile: the untiled path, computed once by one rank.
+pub fn untiled_plan(dims: [usize; 2], extents: [usize; 2]) -> StitchPlan {
+    let [h, w] = extents;
+    let task = vae_planner::TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
+    let grid = vae_planner::GridSpec {
+        split_dims: dims.to_vec(),
+        grid_shape: vec![1, 1],
+        tile_spec: None,
+        output_dtype: Some(vae_tensor::DType::F32),
+    };
+    crate::TilePlan { tasks: vec![task], grid }
+}
+
+/// The tiles of `layout` over tensor dimensions `dims`, merged by [`stitch`] with the layout's
+/// blend, keep and crop rules.
+pub fn tiled_plan(dims: [usize; 2], layout: &vae_planner::TileLayout2d) -> StitchPlan {
+    let rules = [layout.rows.merge().rule(), layout.cols.merge().rule()];
+    let [rows, cols] = layout.grid_shape();
+    let grid = vae_planner::GridSpec {
+        split_dims: dims.to_vec(),
+        grid_shape: vec![rows, cols],
+        tile_spec: Some(StitchSpec { dims, rules }),
+        output_dtype: Some(vae_tensor::DType::F32),
+    };
+    crate::TilePlan { tasks: layout.to_tasks(|tile| tile.input.clone()), grid }
+}
+
+/// Merges the tiles of a [`StitchPlan`]: the single tile as it is, or the stitched grid.
+pub fn merge_plan(
+    mut tiles: TileMap,
+    grid: &vae_planner::GridSpec<Option<StitchSpec>, vae_tensor::DType>,
+) -> Result<Tensor, RuntimeError> {
+    match &grid.tile_spec {
+        None => tiles.take(&[0, 0]).ok_or_else(|| RuntimeError::Config("the single tile is missing".into())),
+        Some(spec) => stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec),
+    }
+}

@@ -4,8 +4,8 @@
 
 use std::ops::Range;
 
-use vae_planner::{GridSpec, MergeRule, TileLayout2d, TileTask};
-use vae_runtime::stitch::{StitchSpec, stitch};
+use vae_planner::{GridSpec, TileLayout2d, TileTask};
+use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
 use vae_tensor::{DType, Tensor};
 
@@ -54,15 +54,6 @@ impl<'m> KlOperator<'m> {
         };
         plan.map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))
     }
-
-    fn rule(&self) -> Result<MergeRule, ModelError> {
-        let tiling = self.model.tiling();
-        let rule = match self.task {
-            KlTask::Decode => tiling.decode_rule(),
-            KlTask::Encode => tiling.encode_rule(),
-        };
-        rule.map_err(|e| ModelError::InvalidInput(format!("tiling: {e}")))
-    }
 }
 
 impl TileOperator for KlOperator<'_> {
@@ -76,26 +67,9 @@ impl TileOperator for KlOperator<'_> {
         }
         let (h, w) = (input.dims()[2], input.dims()[3]);
         if !self.tiled(input) {
-            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
-            let grid = GridSpec {
-                split_dims: vec![2, 3],
-                grid_shape: vec![1, 1],
-                tile_spec: None,
-                output_dtype: Some(DType::F32),
-            };
-            return Ok(TilePlan { tasks: vec![task], grid });
+            return Ok(untiled_plan([2, 3], [h, w]));
         }
-        let layout = self.layout(h, w)?;
-        let rule = self.rule()?;
-        let tasks = layout.to_tasks(|tile| tile.input.clone());
-        let [rows, cols] = layout.grid_shape();
-        let grid = GridSpec {
-            split_dims: vec![2, 3],
-            grid_shape: vec![rows, cols],
-            tile_spec: Some(StitchSpec { dims: [2, 3], rules: [rule, rule] }),
-            output_dtype: Some(DType::F32),
-        };
-        Ok(TilePlan { tasks, grid })
+        Ok(tiled_plan([2, 3], &self.layout(h, w)?))
     }
 
     fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
@@ -114,10 +88,7 @@ impl TileOperator for KlOperator<'_> {
         })
     }
 
-    fn merge(&self, mut tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
-        match &grid.tile_spec {
-            None => tiles.take(&[0, 0]).ok_or_else(|| "the single tile is missing".into()),
-            Some(spec) => Ok(stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?),
-        }
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
+        Ok(merge_plan(tiles, grid)?)
     }
 }

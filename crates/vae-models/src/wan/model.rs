@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use serde::Deserialize;
 use vae_planner::{GridSpec, TileTask, WanTiling};
-use vae_runtime::stitch::{StitchSpec, stitch};
+use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
 use vae_tensor::{Conv2dParams, Conv3dParams, DType, Tensor};
 
@@ -844,26 +844,9 @@ impl TileOperator for WanDecodeOperator<'_> {
         let (h, w) = (z.dims()[3], z.dims()[4]);
         let tiling = self.model.tiling();
         if !(self.use_tiling && tiling.needs_tiling_decode(h, w)?) {
-            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
-            let grid = GridSpec {
-                split_dims: vec![3, 4],
-                grid_shape: vec![1, 1],
-                tile_spec: None,
-                output_dtype: Some(DType::F32),
-            };
-            return Ok(TilePlan { tasks: vec![task], grid });
+            return Ok(untiled_plan([3, 4], [h, w]));
         }
-        let layout = tiling.decode_layout(h, w)?;
-        let rules = [layout.rows.merge().rule(), layout.cols.merge().rule()];
-        let [rows, cols] = layout.grid_shape();
-        let tasks = layout.to_tasks(|tile| tile.input.clone());
-        let grid = GridSpec {
-            split_dims: vec![3, 4],
-            grid_shape: vec![rows, cols],
-            tile_spec: Some(StitchSpec { dims: [3, 4], rules }),
-            output_dtype: Some(DType::F32),
-        };
-        Ok(TilePlan { tasks, grid })
+        Ok(tiled_plan([3, 4], &tiling.decode_layout(h, w)?))
     }
 
     fn exec(&self, z: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
@@ -874,16 +857,12 @@ impl TileOperator for WanDecodeOperator<'_> {
 
     fn merge(
         &self,
-        mut tiles: TileMap,
+        tiles: TileMap,
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
-        let (merged, clamp) = match &grid.tile_spec {
-            None => (tiles.take(&[0, 0]).ok_or("the single tile is missing")?, true),
-            // diffusers' Qwen-Image tiled_decode does not clamp; Wan's does.
-            Some(spec) => {
-                (stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?, self.model.class == VideoVaeClass::Wan)
-            }
-        };
+        // diffusers' Qwen-Image tiled_decode does not clamp; Wan's and every plain decode do.
+        let clamp = grid.tile_spec.is_none() || self.model.class == VideoVaeClass::Wan;
+        let merged = merge_plan(tiles, grid)?;
         Ok(self.model.finish_decode(merged, clamp)?)
     }
 }
@@ -915,28 +894,11 @@ impl TileOperator for WanEncodeOperator<'_> {
         let (h, w) = (x.dims()[3] / p, x.dims()[4] / p);
         let tiling = self.model.tiling();
         if !(self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4])) {
-            let task = TileTask::new(0, vec![0, 0], [0..h, 0..w], (h * w) as u64);
-            let grid = GridSpec {
-                split_dims: vec![3, 4],
-                grid_shape: vec![1, 1],
-                tile_spec: None,
-                output_dtype: Some(DType::F32),
-            };
-            return Ok(TilePlan { tasks: vec![task], grid });
+            return Ok(untiled_plan([3, 4], [h, w]));
         }
         // Every stride-2 resample maps n to n / 2 (a final partial row is dropped).
         let halvings = self.model.config.dim_mult.len().saturating_sub(1) as u32;
-        let layout = tiling.encode_layout(h, w, |n| n >> halvings)?;
-        let rules = [layout.rows.merge().rule(), layout.cols.merge().rule()];
-        let [rows, cols] = layout.grid_shape();
-        let tasks = layout.to_tasks(|tile| tile.input.clone());
-        let grid = GridSpec {
-            split_dims: vec![3, 4],
-            grid_shape: vec![rows, cols],
-            tile_spec: Some(StitchSpec { dims: [3, 4], rules }),
-            output_dtype: Some(DType::F32),
-        };
-        Ok(TilePlan { tasks, grid })
+        Ok(tiled_plan([3, 4], &tiling.encode_layout(h, w, |n| n >> halvings)?))
     }
 
     fn exec(&self, x: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
@@ -949,12 +911,9 @@ impl TileOperator for WanEncodeOperator<'_> {
 
     fn merge(
         &self,
-        mut tiles: TileMap,
+        tiles: TileMap,
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
-        match &grid.tile_spec {
-            None => Ok(tiles.take(&[0, 0]).ok_or("the single tile is missing")?),
-            Some(spec) => Ok(stitch(tiles, [grid.grid_shape[0], grid.grid_shape[1]], spec)?),
-        }
+        Ok(merge_plan(tiles, grid)?)
     }
 }
