@@ -5,9 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
-use vae_models::wan::{VideoVaeClass, WanDecodeOperator, WanEncodeOperator, WanVae};
+use vae_models::wan::{VideoVaeClass, WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanVae};
 use vae_models::{Direction, Family, ModelError};
-use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError};
+use vae_runtime::{
+    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
+};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -162,13 +164,16 @@ impl Engine {
 
     /// The modes this model accepts, for `inspect`.
     pub fn supported_modes(&self) -> Vec<ParallelMode> {
-        ParallelMode::ALL
-            .into_iter()
-            .filter(|m| match &self.model {
-                Model::AutoencoderKl(k) => k.resolve_mode(*m).is_ok(),
-                Model::Video(v) => v.resolve_mode(*m).is_ok(),
-            })
-            .collect()
+        ParallelMode::ALL.into_iter().filter(|m| self.check_mode(*m).is_ok()).collect()
+    }
+
+    /// Refuses, with a typed error naming the family, a mode this model cannot run (call it
+    /// when the mode is configured; every request checks it again).
+    pub fn check_mode(&self, mode: ParallelMode) -> Result<(), EngineError> {
+        match &self.model {
+            Model::AutoencoderKl(k) => Ok(k.check_mode(mode)?),
+            Model::Video(v) => Ok(v.check_mode(mode)?),
+        }
     }
 
     fn placement(&self, direction: Direction, options: &RequestOptions) -> OutputPlacement {
@@ -187,24 +192,34 @@ impl Engine {
         let denormalized;
         match &self.model {
             Model::AutoencoderKl(model) => {
-                model.resolve_mode(options.mode)?;
+                model.check_mode(options.mode)?;
                 let z = if options.latents_normalized {
                     denormalized = model.denormalize_latents(latent)?;
                     &denormalized
                 } else {
                     latent
                 };
-                Ok(executor.execute(z, &KlOperator::new(model, KlTask::Decode, use_tiling), placement)?)
+                let choice = announce(executor, model.strategy(options.mode));
+                let out = executor.execute(z, &KlOperator::new(model, KlTask::Decode, use_tiling), placement)?;
+                Ok(with_reason(out, choice))
             }
             Model::Video(model) => {
-                model.resolve_mode(options.mode)?;
+                model.check_mode(options.mode)?;
                 let z = if options.latents_normalized {
                     denormalized = model.denormalize_latents(latent)?;
                     &denormalized
                 } else {
                     latent
                 };
-                Ok(executor.execute(z, &WanDecodeOperator::new(model, use_tiling), placement)?)
+                let choice =
+                    announce(executor, model.decode_strategy(options.mode, z.dims(), executor.parallel_size()));
+                let out = match choice.strategy {
+                    Strategy::Tile => executor.execute(z, &WanDecodeOperator::new(model, use_tiling), placement)?,
+                    Strategy::Shard(axis) => {
+                        executor.execute_sharded(z, &WanShardDecodeOperator::new(model), axis, placement)?
+                    }
+                };
+                Ok(with_reason(out, choice))
             }
         }
     }
@@ -227,12 +242,17 @@ impl Engine {
         let placement = self.placement(Direction::Encode, options);
         let mut out = match &self.model {
             Model::AutoencoderKl(model) => {
-                model.resolve_mode(options.mode)?;
-                executor.execute(image, &KlOperator::new(model, KlTask::Encode, use_tiling), placement)?
+                model.check_mode(options.mode)?;
+                let choice = announce(executor, model.strategy(options.mode));
+                with_reason(
+                    executor.execute(image, &KlOperator::new(model, KlTask::Encode, use_tiling), placement)?,
+                    choice,
+                )
             }
             Model::Video(model) => {
-                model.resolve_mode(options.mode)?;
-                executor.execute(image, &WanEncodeOperator::new(model, use_tiling), placement)?
+                model.check_mode(options.mode)?;
+                let choice = announce(executor, model.encode_strategy(options.mode));
+                with_reason(executor.execute(image, &WanEncodeOperator::new(model, use_tiling), placement)?, choice)
             }
         };
         if let Some(moments) = out.tensor.take() {
@@ -251,4 +271,23 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// Logs a family's decision once per request (on the owner, not once per rank): a forced mode
+/// that fell back to tile is a warning, any other choice a debug line.
+fn announce(executor: &DistributedVaeExecutor, choice: StrategyChoice) -> StrategyChoice {
+    if executor.communicator().rank() == 0 {
+        if choice.fallback {
+            tracing::warn!(reason = %choice.reason, "VAE parallel mode fell back to tile: {}", choice.reason);
+        } else {
+            tracing::debug!(strategy = ?choice.strategy, reason = %choice.reason, "VAE parallel strategy");
+        }
+    }
+    choice
+}
+
+/// The report carries the family's reason for the strategy it ran.
+fn with_reason(mut out: ExecOutput, choice: StrategyChoice) -> ExecOutput {
+    out.report.reason = Some(choice.reason);
+    out
 }

@@ -10,7 +10,8 @@
 //! * the blend weights and their rounding ([`blend`]);
 //! * who runs which tile ([`balance`]), decided identically everywhere
 //!   without communication;
-//! * the executor's task/grid description ([`grid`]).
+//! * the executor's task/grid description ([`grid`]);
+//! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]).
 //!
 //! This crate is deliberately pure: no tensors, no I/O, no threads. It is
 //! plain integer (and a little f64) arithmetic, so it can be tested
@@ -32,12 +33,14 @@
 //! ```
 
 pub mod balance;
+pub mod bands;
 pub mod blend;
 pub mod error;
 pub mod grid;
 pub mod tiling;
 
 pub use balance::{Assignment, lpt_assign};
+pub use bands::{BandPartition, ShardAxis, halo_width};
 pub use blend::{BlendRamp, blend_value};
 pub use error::PlanError;
 pub use grid::{GridCoord, GridSpec, TileTask, grid_shape_from_last, workloads};

@@ -16,8 +16,10 @@ pub enum Stage {
         /// The tile.
         tile_id: usize,
     },
-    /// Merging the tiles on the owner.
+    /// Merging the tiles (or assembling the bands) on the owner.
     Merge,
+    /// Computing a band of a spatial-shard request.
+    Shard,
 }
 
 impl fmt::Display for Stage {
@@ -26,6 +28,7 @@ impl fmt::Display for Stage {
             Self::Split => f.write_str("split"),
             Self::Exec { tile_id } => write!(f, "exec of tile {tile_id}"),
             Self::Merge => f.write_str("merge"),
+            Self::Shard => f.write_str("sharded computation"),
         }
     }
 }

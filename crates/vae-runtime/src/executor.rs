@@ -5,11 +5,14 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vae_planner::{GridCoord, GridSpec, TileTask, lpt_assign};
+use std::ops::Range;
+
+use vae_planner::{BandPartition, GridCoord, GridSpec, ShardAxis, TileTask, lpt_assign};
 use vae_tensor::{DType, Device, Shape, Tensor};
 use vae_transport::{CommStats, Communicator, CommunicatorExt};
 
 use crate::codec::{Reader, Writer};
+use crate::shard::{ShardContext, ShardOperator, ShardTraffic};
 use crate::{RuntimeError, Stage};
 
 /// Errors a model operator returns; carried to every rank as text.
@@ -103,8 +106,11 @@ pub struct PhaseTimings {
     pub split: Duration,
     /// Agreeing on the input (hash exchange).
     pub agree: Duration,
-    /// Executing this rank's tiles.
+    /// Computing: this rank's tiles, or its band of a shard computation (without the
+    /// communication inside it, which is [`Self::halo`]).
     pub exec: Duration,
+    /// Shard mode: communication inside the computation (halo exchanges and full-map gathers).
+    pub halo: Duration,
     /// Exchanging tile shapes and gathering tiles to the owner.
     pub gather: Duration,
     /// Merging (owner only).
@@ -116,7 +122,7 @@ pub struct PhaseTimings {
 impl PhaseTimings {
     /// Sum of all phases.
     pub fn total(&self) -> Duration {
-        self.split + self.agree + self.exec + self.gather + self.merge + self.broadcast
+        self.split + self.agree + self.exec + self.halo + self.gather + self.merge + self.broadcast
     }
 }
 
@@ -144,6 +150,39 @@ pub struct RankReport {
     /// High-water mark of this rank's tensor memory during the request, in bytes (the
     /// allocation accounting of `vae_tensor::memory`; includes tensors alive before it).
     pub peak_bytes: usize,
+    /// The same high-water mark at the end of the computation, before outputs are gathered
+    /// (the activation peak: it excludes the assembled output the owner holds afterwards).
+    pub exec_peak_bytes: usize,
+    /// How the request was computed.
+    pub strategy: StrategyReport,
+    /// Why that strategy: the model policy's choice or fallback (set by the caller that chose).
+    pub reason: Option<String>,
+}
+
+/// How a request was computed, for the report.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StrategyReport {
+    /// Tile-parallel (a request below the tile size is one direct tile).
+    Tile,
+    /// Spatial shard.
+    Shard {
+        /// The split axis.
+        axis: ShardAxis,
+        /// This rank's rows of the input (`None` on ranks beyond the parallel size).
+        band: Option<Range<usize>>,
+        /// Communication inside the computation.
+        traffic: ShardTraffic,
+    },
+}
+
+impl StrategyReport {
+    /// "tile", "shard-height" or "shard-width".
+    pub fn label(&self) -> String {
+        match self {
+            Self::Tile => "tile".into(),
+            Self::Shard { axis, .. } => format!("shard-{axis}"),
+        }
+    }
 }
 
 /// A request's result on one rank.
@@ -231,6 +270,153 @@ impl DistributedVaeExecutor {
         result
     }
 
+    /// Runs one request of a [`ShardOperator`] split along `axis` over the first
+    /// `parallel_size` ranks: check that the ranks hold the same input and that it can be cut
+    /// into bands no narrower than the operator's widest halo, compute every band (with halo
+    /// exchanges between neighbours), gather the output bands to the owner, finish there, and
+    /// give the output to the ranks `placement` names. Ranks beyond the parallel size join the
+    /// agreement, the gather and the broadcast.
+    ///
+    /// Errors found before the computation (bad input, too few rows for the ranks) are agreed:
+    /// every rank returns the same error and the group stays usable. A failure during the
+    /// computation (a bug, since the input was validated) aborts the group, so that no
+    /// neighbour waits for a halo that never comes: the others get a transport error that
+    /// names this rank.
+    pub fn execute_sharded<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        axis: ShardAxis,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let result = self.run_sharded(input, op, axis, placement);
+        if let Err(err) = &result
+            && !err.is_agreed()
+            && !matches!(err, RuntimeError::Transport(_))
+        {
+            self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
+        }
+        result
+    }
+
+    fn run_sharded<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        axis: ShardAxis,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let comm = self.comm.as_ref();
+        let (rank, world) = (comm.rank(), comm.size());
+        let traffic_before = comm.stats();
+        vae_tensor::memory::reset_peak();
+        let mut timings = PhaseTimings::default();
+
+        // 1. Plan the bands, on every rank, from the input alone.
+        let clock = Instant::now();
+        let plan = guarded(|| op.geometry(input, axis)).and_then(|geometry| {
+            let dim = axis
+                .dim_in(input.rank())
+                .ok_or_else(|| format!("cannot shard the {axis} of an input of shape {}", input.shape()))?;
+            BandPartition::new(input.dims()[dim], self.parallel_size, geometry.min_band).map_err(|e| e.to_string())
+        });
+        timings.split = clock.elapsed();
+
+        // 2. Agree on the input and the plan.
+        let clock = Instant::now();
+        let extents = self.agree(input, plan.as_ref().map(BandPartition::extent).map_err(String::as_str))?;
+        timings.agree = clock.elapsed();
+        if extents.iter().any(|e| *e != extents[0]) {
+            return Err(RuntimeError::Inconsistent(format!("ranks planned bands over different extents: {extents:?}")));
+        }
+        let bands = plan.expect("plan errors returned above");
+
+        // 3. Compute this rank's band; the communication inside is timed separately.
+        let clock = Instant::now();
+        let band = bands.band(rank);
+        let mut traffic = ShardTraffic::default();
+        let local = match band {
+            None => None,
+            Some(_) => {
+                let mut ctx = ShardContext::new(comm, axis, bands.clone(), rank);
+                let out = guarded(|| op.exec(input, &mut ctx));
+                traffic = ctx.traffic();
+                match out {
+                    Ok(out) if out.rank() == input.rank() => Some(out),
+                    Ok(out) => {
+                        let message =
+                            format!("band output has rank {}, the input has rank {}", out.rank(), input.rank());
+                        return Err(self.abort_shard(rank, message));
+                    }
+                    Err(message) => return Err(self.abort_shard(rank, message)),
+                }
+            }
+        };
+        timings.halo = traffic.comm_time();
+        timings.exec = clock.elapsed().saturating_sub(timings.halo);
+        let exec_peak_bytes = vae_tensor::memory::peak_bytes();
+        tracing::debug!(rank, ?band, elapsed = ?timings.exec, halo = ?timings.halo, "computed band");
+
+        // 4. Gather the bands to the owner, each with its shape.
+        let clock = Instant::now();
+        let mut message = Writer::default();
+        match (&local, rank == OWNER) {
+            (Some(out), false) => {
+                message.u8(1).u8(out.dtype().code()).usize(out.rank());
+                for d in out.dims() {
+                    message.usize(*d);
+                }
+                message.0.extend_from_slice(out.as_bytes()?);
+            }
+            _ => {
+                message.u8(0);
+            }
+        }
+        let gathered = comm.gather(OWNER, &message.0)?;
+        drop(message);
+        timings.gather = clock.elapsed();
+
+        // 5. Assemble and finish on the owner.
+        let clock = Instant::now();
+        let merged = gathered.map(|parts| {
+            let own = local.clone().ok_or_else(|| "the owner computed no band".to_string())?;
+            assemble_bands(own, &parts.parts().collect::<Vec<_>>(), axis, &bands)
+                .and_then(|full| guarded(|| op.finish(full)))
+        });
+        drop(local);
+        timings.merge = clock.elapsed();
+
+        // 6. One broadcast: the status, plus the output when every rank needs it.
+        let clock = Instant::now();
+        let tensor = self.publish(merged, placement)?;
+        timings.broadcast = clock.elapsed();
+
+        let report = RankReport {
+            rank,
+            world_size: world,
+            parallel_size: self.parallel_size,
+            tile_count: 0,
+            tiles: Vec::new(),
+            workload: band.as_ref().map_or(0, |b| b.len() as u64),
+            is_owner: rank == OWNER,
+            timings,
+            traffic: comm.stats().since(&traffic_before),
+            peak_bytes: vae_tensor::memory::peak_bytes(),
+            exec_peak_bytes,
+            strategy: StrategyReport::Shard { axis, band, traffic },
+            reason: None,
+        };
+        Ok(ExecOutput { tensor, report })
+    }
+
+    /// A failure inside a sharded computation: the neighbours may be waiting for this rank's
+    /// halo, so the group is aborted and they fail fast with a transport error naming it.
+    fn abort_shard(&self, rank: usize, message: String) -> RuntimeError {
+        let err = RuntimeError::Operator { stage: Stage::Shard, rank, message };
+        self.comm.abort(&format!("rank {rank} failed: {err}"));
+        err
+    }
+
     fn run<O: TileOperator>(
         &self,
         input: &Tensor,
@@ -253,38 +439,12 @@ impl DistributedVaeExecutor {
 
         // 2. Agree: same input everywhere, and the split worked everywhere.
         let clock = Instant::now();
-        let hash = input.content_hash()?;
-        let mut msg = Writer::default();
-        msg.u64(hash);
-        match &split {
-            Ok(plan) => msg.u8(0).usize(plan.tasks.len()),
-            Err(message) => msg.u8(1).str(message),
-        };
-        let gathered = comm.all_gather(&msg.0)?;
-        let mut hashes = Vec::with_capacity(world);
-        let mut tile_counts = Vec::with_capacity(world);
-        let mut first_split_error = None;
-        for (r, part) in gathered.parts().enumerate() {
-            let mut rd = Reader::new(part, "input agreement");
-            hashes.push(rd.u64().map_err(inconsistent)?);
-            if rd.u8().map_err(inconsistent)? == 1 {
-                let message = rd.str().map_err(inconsistent)?;
-                first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
-            } else {
-                tile_counts.push((r, rd.usize().map_err(inconsistent)?));
-            }
-        }
+        let counts = self.agree(input, split.as_ref().map(|plan| plan.tasks.len()).map_err(String::as_str))?;
         timings.agree = clock.elapsed();
-        if hashes.iter().any(|h| *h != hashes[0]) {
-            return Err(RuntimeError::InputMismatch { hashes });
-        }
-        if let Some(err) = first_split_error {
-            return Err(err);
-        }
-        if let Some((r, n)) = tile_counts.iter().find(|(_, n)| *n != tile_counts[0].1) {
+        if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n != counts[0]) {
             return Err(RuntimeError::Inconsistent(format!(
-                "the split is not deterministic: rank {r} made {n} tiles, rank {} made {}",
-                tile_counts[0].0, tile_counts[0].1
+                "the split is not deterministic: rank {r} made {n} tiles, rank 0 made {}",
+                counts[0]
             )));
         }
         let plan = split.expect("split errors returned above");
@@ -319,6 +479,7 @@ impl DistributedVaeExecutor {
             }
         }
         timings.exec = clock.elapsed();
+        let exec_peak_bytes = vae_tensor::memory::peak_bytes();
         tracing::debug!(rank, tiles = ?mine, elapsed = ?timings.exec, "executed tiles");
 
         // 4. Tell everyone what this rank produced (or why it failed), then gather to the owner.
@@ -395,8 +556,46 @@ impl DistributedVaeExecutor {
             timings,
             traffic: comm.stats().since(&traffic_before),
             peak_bytes: vae_tensor::memory::peak_bytes(),
+            exec_peak_bytes,
+            strategy: StrategyReport::Tile,
+            reason: None,
         };
         Ok(ExecOutput { tensor, report })
+    }
+
+    /// Checks that every rank holds the same input and that the plan worked everywhere (one
+    /// all_gather of the input hash and the plan status): a split error on any rank becomes the
+    /// same error on every rank. Returns each rank's plan size, for a determinism check.
+    fn agree(&self, input: &Tensor, plan: Result<usize, &str>) -> Result<Vec<usize>, RuntimeError> {
+        let comm = self.comm.as_ref();
+        let hash = input.content_hash()?;
+        let mut msg = Writer::default();
+        msg.u64(hash);
+        match plan {
+            Ok(size) => msg.u8(0).usize(size),
+            Err(message) => msg.u8(1).str(message),
+        };
+        let gathered = comm.all_gather(&msg.0)?;
+        let mut hashes = Vec::with_capacity(comm.size());
+        let mut sizes = Vec::with_capacity(comm.size());
+        let mut first_split_error = None;
+        for (r, part) in gathered.parts().enumerate() {
+            let mut rd = Reader::new(part, "input agreement");
+            hashes.push(rd.u64().map_err(inconsistent)?);
+            if rd.u8().map_err(inconsistent)? == 1 {
+                let message = rd.str().map_err(inconsistent)?;
+                first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
+            } else {
+                sizes.push(rd.usize().map_err(inconsistent)?);
+            }
+        }
+        if hashes.iter().any(|h| *h != hashes[0]) {
+            return Err(RuntimeError::InputMismatch { hashes });
+        }
+        match first_split_error {
+            Some(err) => Err(err),
+            None => Ok(sizes),
+        }
     }
 
     /// Broadcasts the owner's merge outcome (and the output, for [`OutputPlacement::AllRanks`]).
@@ -556,6 +755,41 @@ fn assemble<P, S>(
         }
     }
     Ok(map)
+}
+
+/// The owner's output band and the other ranks' gathered bands, concatenated along the axis
+/// in rank order; every band must have the owner's shape except along the axis, where it has
+/// its own band's share of the owner's scale.
+fn assemble_bands(own: Tensor, parts: &[&[u8]], axis: ShardAxis, bands: &BandPartition) -> Result<Tensor, String> {
+    let dim = axis.dim_in(own.rank()).ok_or("the output has no such axis")?;
+    let own_band = bands.bands()[OWNER].len();
+    let local = own.dims()[dim];
+    if local == 0 || !local.is_multiple_of(own_band) {
+        return Err(format!("the owner's output band of {local} rows is not a multiple of its input band {own_band}"));
+    }
+    let scale = local / own_band;
+    let mut tensors = Vec::with_capacity(bands.len());
+    for (r, part) in parts.iter().enumerate().take(bands.len()).skip(1) {
+        let mut rd = Reader::new(part, "output band");
+        let parsed = (|| -> Result<Tensor, RuntimeError> {
+            if rd.u8()? != 1 {
+                return Err(RuntimeError::Protocol("no band".into()));
+            }
+            let dtype = DType::from_code(rd.u8()?).ok_or_else(|| RuntimeError::Protocol("unknown dtype".into()))?;
+            let ndim = rd.usize()?;
+            let dims = (0..ndim.min(16)).map(|_| rd.usize()).collect::<Result<Vec<_>, _>>()?;
+            let mut expected = own.dims().to_vec();
+            expected[dim] = bands.bands()[r].len() * scale;
+            if dims != expected || dtype != own.dtype() {
+                return Err(RuntimeError::Protocol(format!("band of shape {dims:?}, expected {expected:?}")));
+            }
+            Ok(Tensor::from_bytes(dtype, dims, rd.rest(), &own.device())?)
+        })();
+        tensors.push(parsed.map_err(|e| format!("rank {r}'s output band: {e}"))?);
+    }
+    let mut refs: Vec<&Tensor> = vec![&own];
+    refs.extend(tensors.iter());
+    Tensor::cat(&refs, dim).map_err(|e| e.to_string())
 }
 
 fn cast_output(out: Tensor, dtype: Option<DType>) -> Result<Tensor, String> {

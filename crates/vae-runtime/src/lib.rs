@@ -2,7 +2,9 @@
 //!
 //! [`DistributedVaeExecutor`] runs a model's [`TileOperator`] (split / exec / merge) over the
 //! ranks of a [`vae_transport::Communicator`]: every rank splits, assigns tiles with LPT,
-//! executes its own, and the owner merges what it gathered. [`stitch`] is the diffusers-style
+//! executes its own, and the owner merges what it gathered. [`DistributedVaeExecutor::execute_sharded`]
+//! runs a model's [`ShardOperator`] instead: the input cut into bands, one per rank, with halo
+//! exchanges between neighbours ([`shard`]). [`stitch`] is the diffusers-style
 //! blend-and-crop merge that the tiled VAEs share. Model *policy* (which strategy, which tile
 //! sizes, who gets the output) lives in the model adapters, never here.
 
@@ -10,13 +12,16 @@ mod codec;
 mod error;
 mod executor;
 mod mode;
+pub mod shard;
 pub mod stitch;
 pub mod synthetic;
 
 pub use error::{RuntimeError, Stage};
 pub use executor::{
-    DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, TileMap,
-    TileOperator, TilePlan, execute_serial,
+    DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, StrategyReport,
+    TileMap, TileOperator, TilePlan, execute_serial,
 };
-pub use mode::{ParallelMode, UnknownMode};
+pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode};
+pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic};
 pub use stitch::StitchSpec;
+pub use vae_planner::ShardAxis;

@@ -51,3 +51,36 @@ impl FromStr for ParallelMode {
         Self::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| UnknownMode(s.to_string()))
     }
 }
+
+/// What a request runs as, once a model family's policy has resolved its [`ParallelMode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// Tile-parallel (or one direct tile below the tile size).
+    Tile,
+    /// Spatial shard along the axis.
+    Shard(vae_planner::ShardAxis),
+}
+
+/// A family's decision for one request, with its reason for the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StrategyChoice {
+    /// What runs.
+    pub strategy: Strategy,
+    /// Why, in words (goes into the request report).
+    pub reason: String,
+    /// True when a forced mode could not be honoured and the request fell back to tile (the
+    /// caller logs it once as a warning).
+    pub fallback: bool,
+}
+
+impl StrategyChoice {
+    /// The requested strategy runs.
+    pub fn chosen(strategy: Strategy, reason: impl Into<String>) -> Self {
+        Self { strategy, reason: reason.into(), fallback: false }
+    }
+
+    /// A forced mode falls back to tile.
+    pub fn fallback_to_tile(reason: impl Into<String>) -> Self {
+        Self { strategy: Strategy::Tile, reason: reason.into(), fallback: true }
+    }
+}

@@ -301,17 +301,26 @@ impl AutoencoderKl {
         Ok(())
     }
 
-    /// This family's answer to a requested parallel mode: `tile` (and `auto`, which can only
-    /// choose tile here) run; the spatial-shard modes need a distributed GroupNorm this family
-    /// does not have yet, and are refused rather than silently run as tiles.
-    pub fn resolve_mode(&self, mode: ParallelMode) -> Result<ParallelMode> {
+    /// Whether this family can run a parallel mode: `tile` and `auto` (which chooses tile
+    /// here) run; the spatial-shard modes need a distributed GroupNorm this family does not
+    /// have yet, and are refused with a typed error rather than silently run as tiles.
+    pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         match mode {
-            ParallelMode::Tile | ParallelMode::Auto => Ok(ParallelMode::Tile),
+            ParallelMode::Tile | ParallelMode::Auto => Ok(()),
             shard => Err(ModelError::Unsupported(format!(
                 "{} does not support the {shard} parallel mode yet (its GroupNorms need distributed statistics); use tile",
                 self.config.variant.class_name()
             ))),
         }
+    }
+
+    /// This family's policy for a mode [`Self::check_mode`] accepted: tiles.
+    pub fn strategy(&self, mode: ParallelMode) -> vae_runtime::StrategyChoice {
+        let reason = match mode {
+            ParallelMode::Auto => format!("auto: {} has no spatial shard yet; tiles", self.config.variant.class_name()),
+            _ => "tile mode".into(),
+        };
+        vae_runtime::StrategyChoice::chosen(vae_runtime::Strategy::Tile, reason)
     }
 
     /// Checks a latent: `[B, latent_channels, H, W]`, finite.

@@ -5,4 +5,4 @@
 
 mod model;
 
-pub use model::{VideoVaeClass, WanConfig, WanDecodeOperator, WanEncodeOperator, WanVae};
+pub use model::{VideoVaeClass, WanConfig, WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanVae};

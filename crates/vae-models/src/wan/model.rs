@@ -5,9 +5,12 @@ use std::path::Path;
 use std::ops::Range;
 
 use serde::Deserialize;
-use vae_planner::{GridSpec, TileTask, WanTiling};
+use vae_planner::{BandPartition, GridSpec, ShardAxis, TileTask, WanTiling, halo_width};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
-use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
+use vae_runtime::{
+    OperatorError, ParallelMode, ShardContext, ShardGeometry, ShardOperator, Strategy, StrategyChoice, TileMap,
+    TileOperator, TilePlan,
+};
 use vae_tensor::{Conv2dParams, Conv3dParams, DType, Tensor};
 
 use crate::weights::{WeightStore, Weights};
@@ -95,6 +98,21 @@ impl CausalConv3d {
     }
 
     fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_haloed(x, cache, None)
+    }
+
+    /// Rows each neighbour must supply along `axis` (the kernel's halo).
+    fn halo(&self, axis: ShardAxis) -> usize {
+        let k = self.weight.dims();
+        halo_width(match axis {
+            ShardAxis::Height => k[3],
+            ShardAxis::Width => k[4],
+        })
+    }
+
+    /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
+    /// `halo_axis`, so that axis is not padded again.
+    fn forward_haloed(&self, x: &Tensor, cache: Option<&Tensor>, halo_axis: Option<ShardAxis>) -> Result<Tensor> {
         let mut front = 2 * self.pad[0];
         let joined;
         let input = match cache {
@@ -105,7 +123,12 @@ impl CausalConv3d {
             }
             _ => x,
         };
-        let [_, ph, pw] = self.pad;
+        let [_, mut ph, mut pw] = self.pad;
+        match halo_axis {
+            Some(ShardAxis::Height) => ph = 0,
+            Some(ShardAxis::Width) => pw = 0,
+            None => {}
+        }
         let params = Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]);
         Ok(input.conv3d(&self.weight, Some(&self.bias), &params)?)
     }
@@ -154,15 +177,31 @@ fn frames_to_cache(x: &Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
+/// This rank's band of a spatial-shard request, or `None` for the whole map.
+type Band<'a, 'c> = Option<&'a mut ShardContext<'c>>;
+
 /// A causal conv fed through the cache, as every 3×3×3 conv of the decoder is.
-fn cached_conv(conv: &CausalConv3d, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+///
+/// On a band, the conv input first gets its halo rows from the neighbours; the cache then
+/// holds frames with their halos, so only the new frames' rows travel (the cached frames'
+/// halos arrived with them).
+fn cached_conv(conv: &CausalConv3d, x: &Tensor, cache: &mut FeatCache, band: Band<'_, '_>) -> Result<Tensor> {
+    let haloed;
+    let (x, axis) = match band {
+        Some(ctx) => {
+            let axis = ctx.axis();
+            haloed = ctx.with_halo(x, conv.halo(axis))?;
+            (&haloed, Some(axis))
+        }
+        None => (x, None),
+    };
     let slot = cache.slot();
     let previous = match slot {
         Slot::Frames(t) => Some(&*t),
         _ => None,
     };
     let to_cache = frames_to_cache(x, previous)?;
-    let out = conv.forward(x, previous)?;
+    let out = conv.forward_haloed(x, previous, axis)?;
     *slot = Slot::Frames(to_cache);
     Ok(out)
 }
@@ -206,17 +245,19 @@ impl ResidualBlock {
         })
     }
 
-    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+    /// RMS norms, SiLU, residual adds and the 1×1×1 shortcut are per pixel: on a band only
+    /// the two 3×3×3 convs communicate.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, mut band: Band<'_, '_>) -> Result<Tensor> {
         let h = match &self.shortcut {
             Some(s) => s.forward(x, None)?,
             None => x.clone(),
         };
         let mut y = self.norm1.forward(x)?;
         y.silu_inplace()?;
-        let y = cached_conv(&self.conv1, &y, cache)?;
+        let y = cached_conv(&self.conv1, &y, cache, band.as_deref_mut())?;
         let mut y = self.norm2.forward(&y)?;
         y.silu_inplace()?;
-        let mut y = cached_conv(&self.conv2, &y, cache)?;
+        let mut y = cached_conv(&self.conv2, &y, cache, band)?;
         y.add_assign(&h)?;
         Ok(y)
     }
@@ -236,6 +277,18 @@ impl AttentionBlock {
         let mut p = w.pp("proj");
         let proj = (p.get("weight", &[dim, dim, 1, 1])?, p.get("bias", &[dim])?);
         Ok(Self { norm: RmsNorm::load(&mut w.pp("norm"), dim, true)?, to_qkv, proj })
+    }
+
+    /// On a band, attention needs every position of the frame: the whole map is gathered,
+    /// attended (the same computation on every rank) and this rank keeps its band.
+    fn forward_on(&self, x: &Tensor, band: Band<'_, '_>) -> Result<Tensor> {
+        match band {
+            None => self.forward(x),
+            Some(ctx) => {
+                let full = ctx.all_gather_map(x)?;
+                Ok(ctx.own_band(&self.forward(&full)?)?)
+            }
+        }
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -274,7 +327,18 @@ impl Upsample {
         Ok(Self { conv, time_conv })
     }
 
-    fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
+    /// Rows of each neighbour the 3×3 resample conv needs.
+    fn halo(&self, axis: ShardAxis) -> usize {
+        let k = self.conv.0.dims();
+        halo_width(match axis {
+            ShardAxis::Height => k[2],
+            ShardAxis::Width => k[3],
+        })
+    }
+
+    /// The time conv (3×1×1) and the nearest upsample are local on a band (the band doubles);
+    /// only the 3×3 resample conv takes halo rows.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, band: Band<'_, '_>) -> Result<Tensor> {
         let mut x = x.clone();
         if let Some(time_conv) = &self.time_conv {
             let slot = cache.slot();
@@ -319,7 +383,22 @@ impl Upsample {
         let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
         let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
         // nearest-exact with an integer factor is plain nearest.
-        let up = frames.upsample_nearest2d(2)?.conv2d(&self.conv.0, Some(&self.conv.1), &Conv2dParams::same(3))?;
+        let upsampled = frames.upsample_nearest2d(2)?;
+        let k = self.conv.0.dims()[2];
+        let same = Conv2dParams::same(k);
+        let up = match band {
+            None => upsampled.conv2d(&self.conv.0, Some(&self.conv.1), &same)?,
+            Some(ctx) => {
+                let axis = ctx.axis();
+                let haloed = ctx.with_halo(&upsampled, self.halo(axis))?;
+                let [top, bottom, left, right] = same.padding;
+                let padding = match axis {
+                    ShardAxis::Height => [0, 0, left, right],
+                    ShardAxis::Width => [top, bottom, 0, 0],
+                };
+                haloed.conv2d(&self.conv.0, Some(&self.conv.1), &Conv2dParams::new(1, padding))?
+            }
+        };
         let co = up.dims()[1];
         Ok(up.reshape(vec![b, t, co, 2 * h, 2 * w])?.permute(&[0, 2, 1, 3, 4])?)
     }
@@ -387,7 +466,7 @@ impl ResidualDownBlock {
         let shortcut = x.avg_down3d(factor_t, factor_s, out_dim)?;
         let mut x = x.clone();
         for resnet in &self.resnets {
-            x = resnet.forward(&x, cache)?;
+            x = resnet.forward(&x, cache, None)?;
         }
         if let Some(down) = &self.downsample {
             x = down.forward(&x, cache)?;
@@ -471,20 +550,20 @@ impl Encoder {
     }
 
     fn forward(&self, x: &Tensor, cache: &mut FeatCache) -> Result<Tensor> {
-        let mut x = cached_conv(&self.conv_in, x, cache)?;
+        let mut x = cached_conv(&self.conv_in, x, cache, None)?;
         for layer in &self.layers {
             x = match layer {
-                DownLayer::Residual(r) => r.forward(&x, cache)?,
+                DownLayer::Residual(r) => r.forward(&x, cache, None)?,
                 DownLayer::Downsample(d) => d.forward(&x, cache)?,
                 DownLayer::ResidualDown(d) => d.forward(&x, cache)?,
             };
         }
-        let x = self.mid_resnets[0].forward(&x, cache)?;
+        let x = self.mid_resnets[0].forward(&x, cache, None)?;
         let x = self.mid_attention.forward(&x)?;
-        let x = self.mid_resnets[1].forward(&x, cache)?;
+        let x = self.mid_resnets[1].forward(&x, cache, None)?;
         let mut x = self.norm_out.forward(&x)?;
         x.silu_inplace()?;
-        cached_conv(&self.conv_out, &x, cache)
+        cached_conv(&self.conv_out, &x, cache, None)
     }
 }
 
@@ -557,18 +636,20 @@ impl Decoder {
         })
     }
 
-    fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool) -> Result<Tensor> {
-        let x = cached_conv(&self.conv_in, x, cache)?;
-        let x = self.mid_resnets[0].forward(&x, cache)?;
-        let x = self.mid_attention.forward(&x)?;
-        let mut x = self.mid_resnets[1].forward(&x, cache)?;
+    /// One latent frame (chunk) through the decoder, on the whole map or on this rank's band.
+    fn forward(&self, x: &Tensor, cache: &mut FeatCache, first_chunk: bool, mut band: Band<'_, '_>) -> Result<Tensor> {
+        let x = cached_conv(&self.conv_in, x, cache, band.as_deref_mut())?;
+        let x = self.mid_resnets[0].forward(&x, cache, band.as_deref_mut())?;
+        let x = self.mid_attention.forward_on(&x, band.as_deref_mut())?;
+        let mut x = self.mid_resnets[1].forward(&x, cache, band.as_deref_mut())?;
         for block in &self.up_blocks {
+            // DupUp3D moves channels into a 2×2 pixel block: per pixel, so local on a band.
             let input = block.dup_shortcut.map(|_| x.clone());
             for resnet in &block.resnets {
-                x = resnet.forward(&x, cache)?;
+                x = resnet.forward(&x, cache, band.as_deref_mut())?;
             }
             if let Some(up) = &block.upsample {
-                x = up.forward(&x, cache)?;
+                x = up.forward(&x, cache, band.as_deref_mut())?;
             }
             if let (Some((factor_t, out_dim)), Some(input)) = (block.dup_shortcut, input) {
                 x.add_assign(&input.dup_up3d(factor_t, 2, out_dim, first_chunk)?)?;
@@ -576,7 +657,22 @@ impl Decoder {
         }
         let mut x = self.norm_out.forward(&x)?;
         x.silu_inplace()?;
-        cached_conv(&self.conv_out, &x, cache)
+        cached_conv(&self.conv_out, &x, cache, band)
+    }
+
+    /// The widest halo any conv of the decoder needs, in rows of its own input. Every layer
+    /// runs at the latent's resolution or a multiple of it, so a latent band this wide covers
+    /// every halo.
+    fn widest_halo(&self, axis: ShardAxis) -> usize {
+        let resnet_convs = |r: &ResidualBlock| [r.conv1.halo(axis), r.conv2.halo(axis)];
+        let mut widest = self.conv_in.halo(axis).max(self.conv_out.halo(axis));
+        for r in self.mid_resnets.iter().chain(self.up_blocks.iter().flat_map(|b| &b.resnets)) {
+            widest = resnet_convs(r).into_iter().fold(widest, usize::max);
+        }
+        for up in self.up_blocks.iter().filter_map(|b| b.upsample.as_ref()) {
+            widest = widest.max(up.halo(axis));
+        }
+        widest
     }
 }
 
@@ -747,15 +843,83 @@ impl WanVae {
         self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)
     }
 
-    /// This family's answer to a requested parallel mode: `tile` (and `auto`, which can only
-    /// choose tile until spatial sharding lands) run; the spatial-shard modes are refused.
-    pub fn resolve_mode(&self, mode: vae_runtime::ParallelMode) -> Result<vae_runtime::ParallelMode> {
-        use vae_runtime::ParallelMode;
+    /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
+    /// band needs no statistics from the others (encode runs as tiles in every mode).
+    pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
+        Ok(())
+    }
+
+    /// This family's decode policy for one request of a `latent_dims` latent over `ranks`
+    /// ranks. Deterministic and free of side effects, from global quantities only, so every
+    /// rank decides alike.
+    ///
+    /// - `tile`: tiles.
+    /// - `spatial_shard_height` / `_width`: that axis whenever every rank gets a band at
+    ///   least as wide as the decoder's widest halo (at any latent size: the shard decode is
+    ///   the exact direct decode); otherwise tile, flagged as a fallback. Never the other axis.
+    /// - `auto`: with two ranks or more, the longer latent axis that can give every rank a
+    ///   band (width on ties); tile when neither can.
+    pub fn decode_strategy(&self, mode: ParallelMode, latent_dims: &[usize], ranks: usize) -> StrategyChoice {
+        let extent = |axis: ShardAxis| axis.dim_in(latent_dims.len()).map(|d| latent_dims[d]).unwrap_or(0);
+        let fits = |axis: ShardAxis| {
+            latent_dims.len() == 5 && BandPartition::fits(extent(axis), ranks, self.decoder.widest_halo(axis))
+        };
+        let why_not = |axis: ShardAxis| {
+            format!(
+                "a latent {axis} of {} cannot give {ranks} rank(s) a band of at least {} row(s)",
+                extent(axis),
+                self.decoder.widest_halo(axis).max(1)
+            )
+        };
         match mode {
-            ParallelMode::Tile | ParallelMode::Auto => Ok(ParallelMode::Tile),
-            shard => Err(ModelError::Unsupported(format!(
-                "the {shard} parallel mode is not implemented yet for this VAE; use tile"
-            ))),
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
+                if latent_dims.len() != 5 || fits(axis) {
+                    // A malformed latent goes to the shard path, whose input check names it.
+                    StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
+                } else {
+                    StrategyChoice::fallback_to_tile(format!("{mode}: {}; decoding with tiles", why_not(axis)))
+                }
+            }
+            ParallelMode::Auto => {
+                if ranks < 2 {
+                    return StrategyChoice::chosen(Strategy::Tile, "auto: one rank, nothing to shard");
+                }
+                if latent_dims.len() != 5 {
+                    return StrategyChoice::chosen(Strategy::Tile, "auto: not a video latent");
+                }
+                let (h, w) = (extent(ShardAxis::Height), extent(ShardAxis::Width));
+                let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
+                    (true, true) if h > w => ShardAxis::Height,
+                    (true, true) | (false, true) => ShardAxis::Width,
+                    (true, false) => ShardAxis::Height,
+                    (false, false) => {
+                        return StrategyChoice::chosen(
+                            Strategy::Tile,
+                            format!("auto: {} and {}; tiles", why_not(ShardAxis::Height), why_not(ShardAxis::Width)),
+                        );
+                    }
+                };
+                let why = if fits(ShardAxis::Height) && fits(ShardAxis::Width) {
+                    if h == w { "width on a tie".to_string() } else { format!("the longer axis of {h}x{w}") }
+                } else {
+                    format!("the only axis that fits {ranks} ranks")
+                };
+                StrategyChoice::chosen(Strategy::Shard(axis), format!("auto: {axis}, {why}"))
+            }
+        }
+    }
+
+    /// This family's encode policy: tiles in every mode (spatial shard is decode-only, as in
+    /// the reference); a forced shard mode is flagged as a fallback.
+    pub fn encode_strategy(&self, mode: ParallelMode) -> StrategyChoice {
+        match mode {
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Auto => StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles"),
+            shard => {
+                StrategyChoice::fallback_to_tile(format!("{shard}: spatial shard is decode-only; encoding with tiles"))
+            }
         }
     }
 
@@ -807,13 +971,20 @@ impl WanVae {
 
     /// The per-frame causal decode with a fresh cache, unclamped (a tile of `tiled_decode`).
     fn decode_frames(&self, z: &Tensor) -> Result<Tensor> {
+        self.decode_frames_on(z, None)
+    }
+
+    /// [`Self::decode_frames`] of the whole latent, or of this rank's band of it (`z` is then
+    /// the band; the result is the output's band).
+    fn decode_frames_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         let d = z.dims();
+        // 1×1×1: per pixel, local on a band.
         let x = self.post_quant_conv.forward(z, None)?;
         let mut cache = FeatCache::new();
         let mut frames = Vec::with_capacity(d[2]);
         for i in 0..d[2] {
             cache.next = 0;
-            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache, i == 0)?);
+            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache, i == 0, band.as_deref_mut())?);
         }
         let refs: Vec<&Tensor> = frames.iter().collect();
         Ok(Tensor::cat(&refs, 2)?)
@@ -915,5 +1086,35 @@ impl TileOperator for WanEncodeOperator<'_> {
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+}
+
+/// Wan / Qwen-Image decode sharded along one spatial axis: the plain (direct) decode, each
+/// rank running the decoder on its band of the latent with halo exchanges, assembled on the
+/// owner, then unpatchified (Wan2.2) and clamped as the plain decode is.
+pub struct WanShardDecodeOperator<'m> {
+    model: &'m WanVae,
+}
+
+impl<'m> WanShardDecodeOperator<'m> {
+    /// The sharded decode of `model`.
+    pub fn new(model: &'m WanVae) -> Self {
+        Self { model }
+    }
+}
+
+impl ShardOperator for WanShardDecodeOperator<'_> {
+    fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        self.model.check_latent(z)?;
+        Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis) })
+    }
+
+    fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
+        let band = ctx.local_input(z)?;
+        Ok(self.model.decode_frames_on(&band, Some(ctx))?)
+    }
+
+    fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
+        Ok(self.model.finish_decode(assembled, true)?)
     }
 }
