@@ -135,6 +135,26 @@ fn rank_process_entry() {
             let out = executor.execute(&x, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
             assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &x).unwrap()), "encode on rank {rank}");
         }
+        "wan_shard" => {
+            // Shard decode along both axes for every video family, against the direct decode.
+            for (family, name, seed) in
+                [("wan", "wan21_like", 1u64), ("wan", "wan22_like", 2), ("qwen_image", "qwen_image_like", 3)]
+            {
+                let model =
+                    vae_models::wan::WanVae::load(&vae_integration_tests::fixtures_dir().join(family).join(name))
+                        .unwrap();
+                let z_dim = model.config().z_dim;
+                let z = vae_integration_tests::random_tensor(&[1, z_dim, 2, 7, 5], seed);
+                let direct = model.decode(&z).unwrap();
+                let op = vae_models::wan::WanShardDecodeOperator::new(&model);
+                for axis in [vae_runtime::ShardAxis::Height, vae_runtime::ShardAxis::Width] {
+                    let out = executor.execute_sharded(&z, &op, axis, OutputPlacement::AllRanks).unwrap();
+                    let got = out.tensor.unwrap();
+                    let diff = got.max_abs_diff(&direct).unwrap();
+                    assert!(diff <= 1e-5, "{name} {axis} on rank {rank}: {diff}");
+                }
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -166,5 +186,13 @@ fn wan_tile_parallel_is_bit_identical_on_two_and_three_processes() {
     for world in [2, 3] {
         let exits = wait_all(spawn_ranks(ENTRY, "wan", world, &unix_master("wan"), &[]));
         assert_all_succeeded(&format!("Wan on {world} processes"), &exits);
+    }
+}
+
+#[test]
+fn wan_shard_decode_equals_the_direct_decode_on_two_to_four_processes() {
+    for world in 2..=4 {
+        let exits = wait_all(spawn_ranks(ENTRY, "wan_shard", world, &unix_master("wanshard"), &[]));
+        assert_all_succeeded(&format!("Wan shard on {world} processes"), &exits);
     }
 }

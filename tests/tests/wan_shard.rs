@@ -8,7 +8,7 @@ use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_runtime::{
     DistributedVaeExecutor, OutputPlacement, ParallelMode, RankReport, ShardAxis, Strategy, StrategyReport,
 };
-use vae_tensor::{Device, Tensor};
+use vae_tensor::Tensor;
 use vae_transport::{TransportConfig, run_local};
 
 /// The three video families of the fixtures: (directory, model).
@@ -18,18 +18,8 @@ fn load(family: &str, name: &str) -> WanVae {
     WanVae::load(&fixtures_dir().join(family).join(name)).unwrap()
 }
 
-/// A deterministic latent with values in about [-2, 2] (an LCG: no dependency, same on every
-/// platform).
 fn latent(dims: [usize; 5], seed: u64) -> Tensor {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let n = dims.iter().product();
-    let data = (0..n)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap()
+    vae_integration_tests::random_tensor(&dims, seed)
 }
 
 /// Shard-decodes `z` on `world` local ranks; returns the owner's output and every report.
@@ -156,4 +146,191 @@ fn forced_axes_fall_back_to_tile_with_a_reason_and_are_never_swapped() {
     // Encode runs as tiles in every mode; a forced shard mode says so.
     assert!(model.encode_strategy(ParallelMode::SpatialShardWidth).fallback);
     assert!(!model.encode_strategy(ParallelMode::Auto).fallback);
+}
+
+/// The allocator high-water mark of a plain decode on a fresh thread, above what was live.
+fn direct_decode_peak(model: &WanVae, z: &Tensor) -> usize {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let before = vae_tensor::memory::live_bytes();
+            vae_tensor::memory::reset_peak();
+            let out = model.decode(z).unwrap();
+            drop(out);
+            vae_tensor::memory::peak_bytes() - before
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+#[test]
+fn per_rank_activation_peak_falls_as_one_over_n() {
+    let model = load("wan", "wan21_like");
+    let z = latent([1, 16, 2, 24, 24], 5);
+    let direct = direct_decode_peak(&model, &z) as f64;
+    for axis in [ShardAxis::Height, ShardAxis::Width] {
+        for world in [2, 3, 4] {
+            let (_, reports) = shard_decode(&model, &z, axis, world);
+            // The computation's peak (the owner's assembled output comes after it).
+            let worst = reports.iter().map(|r| r.exec_peak_bytes).max().unwrap() as f64;
+            let ratio = worst / direct;
+            let bound = 1.25 / world as f64;
+            assert!(
+                ratio <= bound,
+                "{axis} on {world} ranks: peak {worst} / direct {direct} = {ratio:.3} > {bound:.3}"
+            );
+        }
+    }
+}
+
+/// One loaded model, one group of 4 local ranks, requests of every kind in a row: each
+/// request's strategy state lives and dies with it.
+#[test]
+fn one_loaded_model_serves_mixed_requests_in_any_order() {
+    use vae_parallel::engine::{Engine, RequestOptions};
+
+    let engine = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), None, None).unwrap();
+    let vae_parallel::engine::Model::Video(model) = engine.model() else { panic!("a video VAE") };
+    let tiled = latent([1, 16, 2, 8, 12], 21);
+    let small = latent([1, 16, 1, 2, 2], 22);
+    let landscape = latent([1, 16, 2, 4, 12], 23);
+    let portrait = latent([1, 16, 2, 12, 4], 24);
+    let direct_landscape = model.decode(&landscape).unwrap();
+    let direct_portrait = model.decode(&portrait).unwrap();
+    let options = |mode| RequestOptions { mode, ..RequestOptions::default() };
+    let results = run_local(4, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
+        let live_before = vae_tensor::memory::live_bytes();
+        let run = |z: &Tensor, mode| {
+            let out = engine.decode(&exec, z, &options(mode)).unwrap();
+            (out.tensor, out.report.strategy.label(), out.report.reason.unwrap())
+        };
+        let first_tile = run(&tiled, ParallelMode::Tile);
+        let auto_small = run(&small, ParallelMode::Auto);
+        let auto_landscape = run(&landscape, ParallelMode::Auto);
+        let second_tile = run(&tiled, ParallelMode::Tile);
+        let forced_portrait = run(&portrait, ParallelMode::SpatialShardHeight);
+        let auto_portrait = run(&portrait, ParallelMode::Auto);
+        let leftover = vae_tensor::memory::live_bytes() as i64 - live_before as i64;
+        (first_tile, auto_small, auto_landscape, second_tile, forced_portrait, auto_portrait, leftover)
+    })
+    .unwrap();
+    for (rank, r) in results.into_iter().enumerate() {
+        let (first_tile, auto_small, auto_landscape, second_tile, forced_portrait, auto_portrait, leftover) =
+            r.unwrap();
+        assert_eq!(first_tile.1, "tile");
+        assert_eq!(auto_small.1, "tile", "{}", auto_small.2);
+        assert_eq!(auto_landscape.1, "shard-width", "{}", auto_landscape.2);
+        assert_eq!(forced_portrait.1, "shard-height");
+        assert_eq!(auto_portrait.1, "shard-height", "{}", auto_portrait.2);
+        // Only the outputs this rank received are still alive; nothing else stayed behind.
+        let kept: i64 =
+            [&first_tile.0, &auto_small.0, &auto_landscape.0, &second_tile.0, &forced_portrait.0, &auto_portrait.0]
+                .iter()
+                .filter_map(|t| t.as_ref().map(|t| t.size_in_bytes() as i64))
+                .sum();
+        assert_eq!(leftover, kept, "rank {rank}: bytes left behind beyond its outputs");
+        if rank > 0 {
+            assert_eq!(kept, 0, "owner-only outputs");
+            continue;
+        }
+        let first = first_tile.0.unwrap();
+        assert!(first.bit_eq(&second_tile.0.unwrap()), "tile after shard requests is bit-identical to before");
+        assert!(auto_landscape.0.unwrap().bit_eq(&direct_landscape));
+        assert!(forced_portrait.0.unwrap().bit_eq(&direct_portrait));
+        assert!(auto_portrait.0.unwrap().bit_eq(&direct_portrait));
+    }
+    // And the direct decode of the same model, after all that, is unchanged.
+    assert!(model.decode(&portrait).unwrap().bit_eq(&direct_portrait));
+}
+
+#[test]
+fn ranks_beyond_the_parallel_size_join_the_collectives_without_a_band() {
+    let model = load("wan", "wan22_like");
+    let z = latent([1, 48, 2, 5, 3], 8);
+    let direct = model.decode(&z).unwrap();
+    let op = WanShardDecodeOperator::new(&model);
+    let results = run_local(4, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+        exec.execute_sharded(&z, &op, ShardAxis::Height, OutputPlacement::AllRanks).unwrap()
+    })
+    .unwrap();
+    for (rank, r) in results.into_iter().enumerate() {
+        let out = r.unwrap();
+        assert!(out.tensor.unwrap().bit_eq(&direct), "rank {rank}");
+        let StrategyReport::Shard { band, .. } = &out.report.strategy else { panic!() };
+        assert_eq!(band.is_some(), rank < 2, "rank {rank}: {band:?}");
+    }
+}
+
+/// A sharded computation that fails on rank 1 between two halo exchanges.
+struct FailsMidway;
+
+impl vae_runtime::ShardOperator for FailsMidway {
+    fn geometry(&self, _: &Tensor, _: ShardAxis) -> Result<vae_runtime::ShardGeometry, vae_runtime::OperatorError> {
+        Ok(vae_runtime::ShardGeometry { min_band: 1 })
+    }
+
+    fn exec(
+        &self,
+        input: &Tensor,
+        ctx: &mut vae_runtime::ShardContext<'_>,
+    ) -> Result<Tensor, vae_runtime::OperatorError> {
+        let band = ctx.local_input(input)?;
+        let first = ctx.with_halo(&band, 1)?;
+        if ctx.rank() == 1 {
+            return Err("out of scratch memory".into());
+        }
+        let _ = ctx.with_halo(&band, 1)?;
+        Ok(first)
+    }
+
+    fn finish(&self, assembled: Tensor) -> Result<Tensor, vae_runtime::OperatorError> {
+        Ok(assembled)
+    }
+}
+
+#[test]
+fn a_failure_inside_a_shard_computation_fails_every_rank_fast_instead_of_hanging() {
+    let z = latent([1, 2, 1, 8, 8], 1);
+    let started = std::time::Instant::now();
+    let results = run_local(3, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+        exec.execute_sharded(&z, &FailsMidway, ShardAxis::Width, OutputPlacement::OwnerOnly).unwrap_err().to_string()
+    })
+    .unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "took {:?}", started.elapsed());
+    for (rank, r) in results.into_iter().enumerate() {
+        let message = r.unwrap();
+        if rank == 1 {
+            assert!(message.contains("sharded computation failed on rank 1: out of scratch memory"), "{message}");
+        } else {
+            assert!(message.contains("rank 1"), "rank {rank} should learn who failed: {message}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_latent_or_a_too_narrow_band_is_an_agreed_error_and_the_group_stays_usable() {
+    let model = load("wan", "wan21_like");
+    let op = WanShardDecodeOperator::new(&model);
+    let wrong_channels = latent([1, 8, 1, 4, 4], 2);
+    let too_narrow = latent([1, 16, 1, 2, 8], 2);
+    let fine = latent([1, 16, 1, 4, 4], 2);
+    let direct = model.decode(&fine).unwrap();
+    let results = run_local(3, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+        let placement = OutputPlacement::AllRanks;
+        let e1 = exec.execute_sharded(&wrong_channels, &op, ShardAxis::Height, placement).unwrap_err();
+        let e2 = exec.execute_sharded(&too_narrow, &op, ShardAxis::Height, placement).unwrap_err();
+        let ok = exec.execute_sharded(&fine, &op, ShardAxis::Height, placement).unwrap();
+        (e1.to_string(), e2.to_string(), ok.tensor.unwrap())
+    })
+    .unwrap();
+    for r in results {
+        let (e1, e2, ok) = r.unwrap();
+        assert!(e1.contains("[B, 16, T, H, W]"), "{e1}");
+        assert!(e2.contains("cannot give 3 ranks a band"), "{e2}");
+        assert!(ok.bit_eq(&direct));
+    }
 }

@@ -1,0 +1,88 @@
+//! Fallbacks and rejections of the parallel modes are reported once per request, with their
+//! reason. One test in its own binary: it installs the process-wide log subscriber (the ranks
+//! are threads, so a thread-local one would miss them).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use vae_integration_tests::fixtures_dir;
+use vae_parallel::engine::{Engine, RequestOptions};
+use vae_runtime::{DistributedVaeExecutor, ParallelMode};
+use vae_tensor::{DType, Device, Tensor};
+use vae_transport::{TransportConfig, run_local};
+
+/// Everything the subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn take(&self) -> String {
+        String::from_utf8(std::mem::take(&mut *self.0.lock().unwrap())).unwrap()
+    }
+}
+
+#[test]
+fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .init();
+
+    let wan = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), None, None).unwrap();
+    // Height 3 cannot feed 4 ranks: spatial_shard_height falls back to tile (never to width).
+    let z = Tensor::zeros(vec![1, 16, 1, 3, 8], DType::F32, &Device::Cpu).unwrap();
+    let reasons = run_local(4, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
+        let options = RequestOptions { mode: ParallelMode::SpatialShardHeight, ..RequestOptions::default() };
+        let out = wan.decode(&exec, &z, &options).unwrap();
+        (out.report.strategy.label(), out.report.reason.unwrap())
+    })
+    .unwrap();
+    for r in reasons {
+        let (strategy, reason) = r.unwrap();
+        assert_eq!(strategy, "tile");
+        assert!(reason.contains("latent height of 3 cannot give 4 rank(s)"), "{reason}");
+    }
+    let log = captured.take();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning for the request, not one per rank:\n{log}");
+    assert!(warnings[0].contains("spatial_shard_height") && warnings[0].contains("latent height of 3"), "{log}");
+
+    // auto choosing tile is not a fallback: no warning.
+    run_local(4, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
+        let options = RequestOptions { mode: ParallelMode::Auto, ..RequestOptions::default() };
+        wan.decode(&exec, &z.narrow(3, 0, 2).unwrap(), &options).unwrap();
+    })
+    .unwrap();
+    assert_eq!(captured.take(), "", "auto's tile choice is not a warning");
+
+    // A family without a shard path refuses the mode with a typed error naming it, on every rank.
+    let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), None, None).unwrap();
+    assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_err());
+    let latent = Tensor::zeros(vec![1, 4, 8, 8], DType::F32, &Device::Cpu).unwrap();
+    let errors = run_local(2, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+        let options = RequestOptions { mode: ParallelMode::SpatialShardWidth, ..RequestOptions::default() };
+        kl.decode(&exec, &latent, &options).unwrap_err().to_string()
+    })
+    .unwrap();
+    for e in errors {
+        let e = e.unwrap();
+        assert!(e.contains("AutoencoderKL does not support the spatial_shard_width parallel mode"), "{e}");
+    }
+}
