@@ -163,7 +163,9 @@ fn run_and_compare<O: TileOperator + Sync>(
     });
     let outcome = Outcome {
         report: RequestReport {
-            strategy,
+            mode: "tile".into(),
+            strategy: out.report.strategy.label(),
+            reason: strategy,
             backend: comm.backend().to_string(),
             world_size: world,
             parallel_size: executor.parallel_size(),
@@ -252,7 +254,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         o.report.world_size,
         o.report.parallel_size,
         if args.broadcast { "all ranks" } else { "rank 0" },
-        o.report.strategy,
+        o.report.reason,
         o.report.tile_count
     );
     println!();

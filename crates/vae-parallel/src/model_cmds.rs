@@ -179,6 +179,8 @@ impl Resolved {
         if let Some((min, stride)) = self.video_tiling {
             engine.set_video_tiling(min, stride)?;
         }
+        // A mode the family cannot run is refused now, before any request.
+        engine.check_mode(self.options.mode)?;
         Ok(engine)
     }
 
@@ -260,7 +262,7 @@ fn finish_rank(
     executor: &DistributedVaeExecutor,
     out: vae_parallel::runtime::ExecOutput,
     write: impl FnOnce(&vae_parallel::tensor::Tensor) -> anyhow::Result<Vec<PathBuf>>,
-    strategy: String,
+    mode: ParallelMode,
     started: Instant,
 ) -> anyhow::Result<Option<Done>> {
     let written = match (&out.tensor, comm.rank()) {
@@ -271,7 +273,9 @@ fn finish_rank(
     let Some(ranks) = gather_summaries(comm.as_ref(), 0, &out.report)? else { return Ok(None) };
     Ok(Some(Done {
         report: RequestReport {
-            strategy,
+            mode: mode.to_string(),
+            strategy: out.report.strategy.label(),
+            reason: out.report.reason.clone().unwrap_or_default(),
             backend: comm.backend().to_string(),
             world_size: comm.size(),
             parallel_size: executor.parallel_size(),
@@ -285,10 +289,14 @@ fn finish_rank(
 
 fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> anyhow::Result<ExitCode> {
     let Some(done) = done else { return Ok(ExitCode::SUCCESS) };
+    let how = match done.report.strategy.as_str() {
+        "tile" => format!("{} tile(s)", done.report.tile_count),
+        other => other.to_string(),
+    };
     println!(
-        "{what}: {} tile(s), mode {}, {} rank(s) ({} transport), parallel size {}: {:.3} s",
-        done.report.tile_count,
-        done.report.strategy,
+        "{what}: {how} (mode {}: {}), {} rank(s) ({} transport), parallel size {}: {:.3} s",
+        done.report.mode,
+        done.report.reason,
         done.report.world_size,
         done.report.backend,
         done.report.parallel_size,
@@ -392,7 +400,6 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
         let out = engine.decode(&executor, &latent, &r.options)?;
-        let strategy = r.options.mode.to_string();
         finish_rank(
             &comm,
             &executor,
@@ -405,7 +412,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
                     Ok(vec![args.out.clone()])
                 }
             },
-            strategy,
+            r.options.mode,
             started,
         )
     })?;
@@ -433,7 +440,6 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         };
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
         let out = engine.encode(&executor, &image, &r.options, output)?;
-        let strategy = r.options.mode.to_string();
         finish_rank(
             &comm,
             &executor,
@@ -442,7 +448,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
                 io::write_atomically(&args.out, &io::npy_bytes(t)?)?;
                 Ok(vec![args.out.clone()])
             },
-            strategy,
+            r.options.mode,
             started,
         )
     })?;

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
-use vae_runtime::RankReport;
+use vae_runtime::{RankReport, StrategyReport};
 use vae_transport::{Communicator, CommunicatorExt, TransportError};
 
 /// Traffic of one kind of collective.
@@ -36,6 +36,20 @@ pub struct RankSummary {
     pub traffic: Vec<TrafficSummary>,
     /// Peak tensor memory of the rank during the request, bytes.
     pub peak_bytes: u64,
+    /// Peak tensor memory at the end of the computation (before outputs are gathered), bytes.
+    pub exec_peak_bytes: u64,
+    /// Shard mode: this rank's latent rows (or columns) `[start, end)`; absent on idle ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub band: Option<[usize; 2]>,
+    /// Shard mode: halo rows sent, bytes.
+    #[serde(default)]
+    pub halo_bytes_sent: u64,
+    /// Shard mode: halo exchanges made.
+    #[serde(default)]
+    pub halo_exchanges: u64,
+    /// Shard mode: bytes sent to assemble full maps (attention).
+    #[serde(default)]
+    pub map_bytes_sent: u64,
 }
 
 /// Milliseconds per phase.
@@ -45,8 +59,11 @@ pub struct PhaseMs {
     pub split: f64,
     /// Input agreement.
     pub agree: f64,
-    /// Tile execution.
+    /// Computation (tiles, or this rank's band without the communication inside it).
     pub exec: f64,
+    /// Shard mode: halo exchanges and full-map gathers inside the computation.
+    #[serde(default)]
+    pub halo: f64,
     /// Shape exchange and gather.
     pub gather: f64,
     /// Merge.
@@ -70,6 +87,7 @@ impl From<&RankReport> for RankSummary {
                 split: ms(t.split),
                 agree: ms(t.agree),
                 exec: ms(t.exec),
+                halo: ms(t.halo),
                 gather: ms(t.gather),
                 merge: ms(t.merge),
                 broadcast: ms(t.broadcast),
@@ -88,22 +106,41 @@ impl From<&RankReport> for RankSummary {
                 })
                 .collect(),
             peak_bytes: r.peak_bytes as u64,
+            exec_peak_bytes: r.exec_peak_bytes as u64,
+            band: match &r.strategy {
+                StrategyReport::Shard { band: Some(b), .. } => Some([b.start, b.end]),
+                _ => None,
+            },
+            halo_bytes_sent: shard_traffic(r).map_or(0, |t| t.halo_bytes_sent),
+            halo_exchanges: shard_traffic(r).map_or(0, |t| t.halo_exchanges),
+            map_bytes_sent: shard_traffic(r).map_or(0, |t| t.map_bytes_sent),
         }
+    }
+}
+
+fn shard_traffic(r: &RankReport) -> Option<vae_runtime::ShardTraffic> {
+    match &r.strategy {
+        StrategyReport::Shard { traffic, .. } => Some(*traffic),
+        StrategyReport::Tile => None,
     }
 }
 
 /// A whole request as seen by every rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestReport {
-    /// What ran ("tile", later also the shard strategies), and why.
+    /// The mode the request asked for (`tile`, `auto`, `spatial_shard_height`, ...).
+    pub mode: String,
+    /// What ran: `tile`, `shard-height` or `shard-width`.
     pub strategy: String,
+    /// Why (the model family's choice or fallback).
+    pub reason: String,
     /// Transport backend.
     pub backend: String,
     /// Ranks in the group.
     pub world_size: usize,
     /// Ranks that executed tiles.
     pub parallel_size: usize,
-    /// Tiles in the plan.
+    /// Tiles in the plan (0 for a shard request).
     pub tile_count: usize,
     /// Per rank, in rank order.
     pub ranks: Vec<RankSummary>,
@@ -115,18 +152,21 @@ impl RequestReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>4}  {:>5}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>9}  {:>11}  {:>11}",
+            "{:>4}  {:>9}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>9}  {:>11}  {:>11}  {:>11}  {:>11}",
             "rank",
-            "tiles",
+            "work",
             "workload",
             "exec ms",
+            "halo",
             "gather",
             "merge",
             "bcast",
             "total ms",
             "other ms",
             "sent",
-            "received"
+            "received",
+            "peak",
+            "halo sent"
         );
         for r in &self.ranks {
             let p = &r.phase_ms;
@@ -134,11 +174,16 @@ impl RequestReport {
             let received: u64 = r.traffic.iter().map(|t| t.bytes_received).sum();
             let _ = writeln!(
                 out,
-                "{:>4}  {:>5}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}",
+                "{:>4}  {:>9}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}  {:>11}",
                 format!("{}{}", r.rank, if r.is_owner { "*" } else { "" }),
-                r.tiles.len(),
+                match (r.band, self.strategy.as_str()) {
+                    (Some([a, b]), _) => format!("rows {a}..{b}"),
+                    (None, "tile") => format!("{} tiles", r.tiles.len()),
+                    (None, _) => "idle".into(),
+                },
                 r.workload,
                 p.exec,
+                p.halo,
                 p.gather,
                 p.merge,
                 p.broadcast,
@@ -147,6 +192,7 @@ impl RequestReport {
                 human_bytes(sent),
                 human_bytes(received),
                 human_bytes(r.peak_bytes),
+                human_bytes(r.halo_bytes_sent),
             );
         }
         out

@@ -401,3 +401,75 @@ fn video_vaes_decode_and_encode_through_the_cli() {
     assert!(ok, "{text}");
     assert!(close(&dir.join("w22m.npy"), &wan.join("wan22_like.encode_f1_moments.out.npy")) <= 1e-4);
 }
+
+#[test]
+fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
+    let wan = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
+    let dir = scratch("shard");
+    let out = dir.join("shard.npy");
+    let report = dir.join("report.json");
+    // The plain 3-frame fixture (latent 2x3), width-sharded over 3 ranks: one column each.
+    let (ok, text) = cli(&[
+        "decode",
+        "--model",
+        s(&wan.join("wan21_like")),
+        "--latent",
+        s(&wan.join("wan21_like.decode_t3.in.npy")),
+        "--out",
+        s(&out),
+        "--vae-patch-parallel-size",
+        "3",
+        "--vae-parallel-mode",
+        "auto",
+        "--report",
+        s(&report),
+    ]);
+    assert!(ok, "{text}");
+    assert!(text.contains("shard-width (mode auto: auto: width, the only axis that fits 3 ranks)"), "{text}");
+    let (g, e) = (read_npy_f32(&out), read_npy_f32(&wan.join("wan21_like.decode_t3.out.npy")));
+    let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(json["mode"], "auto");
+    assert_eq!(json["strategy"], "shard-width");
+    let ranks = json["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (r, rank) in ranks.iter().enumerate() {
+        assert_eq!(rank["band"], serde_json::json!([r, r + 1]), "{rank}");
+        assert!(rank["halo_bytes_sent"].as_u64().unwrap() > 0);
+        assert!(rank["phase_ms"]["halo"].as_f64().is_some() && rank["exec_peak_bytes"].as_u64().unwrap() > 0);
+    }
+
+    // A forced axis that cannot fit falls back to tiles and says why.
+    let (ok, text) = cli(&[
+        "decode",
+        "--model",
+        s(&wan.join("wan21_like")),
+        "--latent",
+        s(&wan.join("wan21_like.decode_t3.in.npy")),
+        "--out",
+        s(&out),
+        "--vae-patch-parallel-size",
+        "3",
+        "--vae-parallel-mode",
+        "spatial_shard_height",
+    ]);
+    assert!(ok, "{text}");
+    assert!(text.contains("spatial_shard_height: a latent height of 2 cannot give 3 rank(s)"), "{text}");
+
+    // inspect lists every mode for the video family; AutoencoderKL refuses shard modes up front.
+    let (ok, text) = cli(&["inspect", "--model", s(&wan.join("wan21_like"))]);
+    assert!(ok && text.contains("tile, auto, spatial_shard_height, spatial_shard_width"), "{text}");
+    let f = fixtures();
+    assert_clean_failure(
+        "akl-shard",
+        &decode_args(
+            s(&f.join("sd_like")),
+            s(&f.join("sd_like.decode.in.npy")),
+            s(&dir.join("never.npy")),
+            &["--vae-parallel-mode", "spatial_shard_width"],
+        ),
+        "AutoencoderKL does not support the spatial_shard_width parallel mode",
+    );
+    assert!(!dir.join("never.npy").exists());
+}
