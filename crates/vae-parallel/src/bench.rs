@@ -8,10 +8,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use vae_parallel::engine::{Engine, RequestOptions};
+use vae_parallel::engine::{Engine, Model, RequestOptions};
 use vae_parallel::group::TransportKind;
+use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
+use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
+use vae_parallel::tensor::memory::Account;
+use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
+use vae_parallel::transport::{TransportConfig, run_local};
 
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
 
@@ -25,6 +30,40 @@ pub enum BenchCommand {
     /// Latency and peak memory of decoding one latent on one rank (local transport, parallel
     /// size 1, untiled), for comparison with diffusers (`scripts/bench_diffusers.py`).
     Decode(DecodeBenchArgs),
+    /// One process, side by side: the direct decode on one rank, the spatial-shard decode and
+    /// the tile-parallel decode on N local ranks (each rank with its own thread pool): latency,
+    /// per-rank activation peak, bytes exchanged, halo bytes, and agreement with the direct
+    /// decode.
+    Shard(ShardBenchArgs),
+}
+
+/// Options of `bench shard`.
+#[derive(Debug, Args)]
+pub struct ShardBenchArgs {
+    /// A diffusers video VAE directory (AutoencoderKLWan or AutoencoderKLQwenImage).
+    #[arg(long)]
+    model: PathBuf,
+    /// The latent (`.npy` or `.safetensors`); without it, a random latent of `--shape`.
+    #[arg(long)]
+    latent: Option<PathBuf>,
+    /// Shape of the random latent, `B,C,T,H,W` (default: Wan's 480x832, 9 frames).
+    #[arg(long, default_value = "1,16,3,60,104")]
+    shape: String,
+    /// Ranks of the shard and tile runs.
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Shard mode: `auto`, `spatial_shard_height` or `spatial_shard_width`.
+    #[arg(long, default_value = "auto")]
+    mode: String,
+    /// Compute threads of each rank (its own pool).
+    #[arg(long, default_value_t = 1)]
+    threads_per_rank: usize,
+    /// Which runs, comma-separated, in order: `direct`, `shard`, `tile`.
+    #[arg(long, default_value = "direct,shard,tile")]
+    runs: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Options of `bench decode`.
@@ -77,6 +116,7 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Transport(args) => transport(args),
         BenchCommand::Failover(args) => failover(args),
         BenchCommand::Decode(args) => decode(args),
+        BenchCommand::Shard(args) => shard(args),
     }
 }
 
@@ -325,5 +365,199 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         "process RSS   peak {peak_mib:.1} MiB, {decode_mib:.1} MiB above the {baseline_mib:.1} MiB after loading{}",
         if run.hwm_reset { "" } else { " (high-water mark not reset: includes the load)" }
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A deterministic latent in about [-2, 2] (an LCG, so runs and machines agree).
+fn random_latent(dims: &[usize]) -> anyhow::Result<Tensor> {
+    const A: u64 = 6364136223846793005;
+    const C: u64 = 1442695040888963407;
+    let mut state = C;
+    let n = dims.iter().product();
+    let data = (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(A).wrapping_add(C);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Ok(Tensor::from_vec(data, dims.to_vec(), &Device::Cpu)?)
+}
+
+/// One run of `bench shard`.
+struct ShardRun {
+    name: String,
+    ranks: usize,
+    seconds: f64,
+    output: Tensor,
+    reports: Vec<RankReport>,
+}
+
+/// Decodes on `ranks` local ranks, each in its own pool of `threads` threads; the time is the
+/// slowest rank's, from a common barrier.
+fn timed_local_decode(
+    engine: &Engine,
+    latent: &Tensor,
+    ranks: usize,
+    threads: usize,
+    options: &RequestOptions,
+) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
+    // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
+    let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
+    let results = run_local(ranks, config, |comm| -> anyhow::Result<(f64, Option<Tensor>, RankReport)> {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+        let account = Account::current();
+        pool.install(|| {
+            let _charged = account.enter();
+            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
+            comm.barrier()?;
+            let started = Instant::now();
+            let out = engine.decode(&executor, latent, options)?;
+            Ok((started.elapsed().as_secs_f64(), out.tensor, out.report))
+        })
+    })?;
+    let mut seconds = 0.0f64;
+    let mut output = None;
+    let mut reports = Vec::with_capacity(ranks);
+    for r in results {
+        let (t, tensor, report) = r.map_err(|panic| anyhow::anyhow!("a rank panicked: {panic}"))??;
+        seconds = seconds.max(t);
+        output = output.or(tensor);
+        reports.push(report);
+    }
+    Ok((seconds, output.context("rank 0 got no output")?, reports))
+}
+
+fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.ranks >= 1 && args.threads_per_rank >= 1, "--ranks and --threads-per-rank must be at least 1");
+    let mode: ParallelMode = args.mode.parse()?;
+    anyhow::ensure!(
+        mode != ParallelMode::Tile,
+        "--mode is the shard mode (auto or spatial_shard_*); tile always runs as `tile`"
+    );
+    let engine = Engine::load(&args.model, None, None)?;
+    anyhow::ensure!(matches!(engine.model(), Model::Video(_)), "bench shard needs a video VAE (Wan, Qwen-Image)");
+    let latent = match &args.latent {
+        Some(path) => vae_parallel::io::read_tensor(path)?,
+        None => {
+            let dims = args
+                .shape
+                .split(',')
+                .map(|d| d.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("--shape {:?} is not B,C,T,H,W", args.shape))?;
+            random_latent(&dims)?
+        }
+    };
+    let mut runs: Vec<ShardRun> = Vec::new();
+    for name in args.runs.split(',').map(str::trim) {
+        let (ranks, options) = match name {
+            "direct" => (1, RequestOptions { use_tiling: false, ..RequestOptions::default() }),
+            "shard" => (args.ranks, RequestOptions { mode, ..RequestOptions::default() }),
+            "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
+            other => anyhow::bail!("unknown run {other:?} (direct, shard or tile)"),
+        };
+        eprintln!("running {name} on {ranks} rank(s) x {} thread(s)...", args.threads_per_rank);
+        let (seconds, output, reports) = timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options)?;
+        runs.push(ShardRun { name: name.to_string(), ranks, seconds, output, reports });
+    }
+    let direct = runs.iter().find(|r| r.name == "direct");
+    let rows: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|run| {
+            let peak = run.reports.iter().map(|r| r.exec_peak_bytes).max().unwrap_or(0);
+            let sent: u64 = run.reports.iter().map(|r| r.traffic.bytes_sent()).sum();
+            let (halo_sent, halo_reused, map_sent, halo_ms) =
+                run.reports.iter().fold((0, 0, 0, 0.0), |acc, r| match &r.strategy {
+                    StrategyReport::Shard { traffic, .. } => (
+                        acc.0 + traffic.halo_bytes_sent,
+                        acc.1 + traffic.halo_bytes_reused,
+                        acc.2 + traffic.map_bytes_sent,
+                        f64::max(acc.3, traffic.comm_time().as_secs_f64() * 1e3),
+                    ),
+                    StrategyReport::Tile => acc,
+                });
+            let (speedup, peak_ratio, diff, identical) = match direct {
+                Some(d) => {
+                    let d_peak = d.reports[0].exec_peak_bytes.max(1) as f64;
+                    (
+                        Some(d.seconds / run.seconds),
+                        Some(peak as f64 / d_peak),
+                        run.output.max_abs_diff(&d.output).ok(),
+                        Some(run.output.bit_eq(&d.output)),
+                    )
+                }
+                None => (None, None, None, None),
+            };
+            serde_json::json!({
+                "run": run.name,
+                "ranks": run.ranks,
+                "strategy": run.reports[0].strategy.label(),
+                "reason": run.reports[0].reason,
+                "seconds": run.seconds,
+                "speedup_vs_direct": speedup,
+                "max_rank_exec_peak_mib": peak as f64 / MIB,
+                "peak_ratio_vs_direct": peak_ratio,
+                "bytes_sent_all_ranks": sent,
+                "halo_bytes_sent_all_ranks": halo_sent,
+                "halo_bytes_reused_all_ranks": halo_reused,
+                "map_bytes_sent_all_ranks": map_sent,
+                "max_rank_comm_ms": halo_ms,
+                "max_abs_diff_vs_direct": diff,
+                "bit_identical_to_direct": identical,
+            })
+        })
+        .collect();
+    let summary = serde_json::json!({
+        "kind": "shard",
+        "latent": latent.dims(),
+        "threads_per_rank": args.threads_per_rank,
+        "runs": rows,
+    });
+    if args.json {
+        println!("{summary}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "decode of a {:?} latent, {} thread(s) per rank, one process (local ranks)",
+        latent.dims(),
+        args.threads_per_rank
+    );
+    println!(
+        "{:<7} {:>5}  {:<13} {:>9} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10}  {:>9}",
+        "run",
+        "ranks",
+        "strategy",
+        "seconds",
+        "speedup",
+        "peak/rank",
+        "vs 1",
+        "sent",
+        "halo sent",
+        "halo saved",
+        "comm ms",
+        "max diff"
+    );
+    for row in &rows {
+        let opt = |k: &str, f: &dyn Fn(f64) -> String| row[k].as_f64().map_or_else(|| "-".to_string(), f);
+        println!(
+            "{:<7} {:>5}  {:<13} {:>9.2} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10.1}  {:>9}",
+            row["run"].as_str().unwrap_or(""),
+            row["ranks"],
+            row["strategy"].as_str().unwrap_or(""),
+            row["seconds"].as_f64().unwrap_or(0.0),
+            opt("speedup_vs_direct", &|v| format!("{v:.2}x")),
+            format!("{:.1} MiB", row["max_rank_exec_peak_mib"].as_f64().unwrap_or(0.0)),
+            opt("peak_ratio_vs_direct", &|v| format!("{v:.3}")),
+            human_bytes(row["bytes_sent_all_ranks"].as_u64().unwrap_or(0)),
+            human_bytes(row["halo_bytes_sent_all_ranks"].as_u64().unwrap_or(0)),
+            human_bytes(row["halo_bytes_reused_all_ranks"].as_u64().unwrap_or(0)),
+            row["max_rank_comm_ms"].as_f64().unwrap_or(0.0),
+            opt("max_abs_diff_vs_direct", &|v| format!("{v:.1e}")),
+        );
+    }
+    for row in &rows {
+        println!("  {}: {}", row["run"].as_str().unwrap_or(""), row["reason"].as_str().unwrap_or(""));
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -55,6 +55,9 @@ pub struct ShardTraffic {
     pub halo_bytes_sent: u64,
     /// Time spent in halo exchanges (packing included).
     pub halo_time: Duration,
+    /// Halo bytes this rank did not send because the neighbour already had them (rows of
+    /// cached frames, which keep their halos); the reference sends them again every chunk.
+    pub halo_bytes_reused: u64,
     /// Full-map gathers made (attention).
     pub map_gathers: u64,
     /// Bytes this rank sent for full-map gathers.
@@ -216,6 +219,18 @@ impl<'c> ShardContext<'c> {
         self.traffic.halo_bytes_sent += sent;
         self.traffic.halo_time += clock.elapsed();
         Ok(padded)
+    }
+
+    /// Records that `cached`, a conv input kept from an earlier chunk with its `halo` rows
+    /// already in place, was not exchanged again (for the traffic report).
+    pub fn note_reused_halo(&mut self, cached: &Tensor, halo: usize) {
+        let Ok(dim) = self.dim(cached) else { return };
+        let rows = cached.dims()[dim];
+        if halo == 0 || rows == 0 {
+            return;
+        }
+        let neighbours = usize::from(self.rank > 0) + usize::from(self.rank + 1 < self.ranks());
+        self.traffic.halo_bytes_reused += (neighbours * halo * (cached.size_in_bytes() / rows)) as u64;
     }
 
     /// The whole map along the axis on every rank taking part: each band sent to every other

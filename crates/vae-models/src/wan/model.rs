@@ -187,18 +187,21 @@ type Band<'a, 'c> = Option<&'a mut ShardContext<'c>>;
 /// halos arrived with them).
 fn cached_conv(conv: &CausalConv3d, x: &Tensor, cache: &mut FeatCache, band: Band<'_, '_>) -> Result<Tensor> {
     let haloed;
-    let (x, axis) = match band {
-        Some(ctx) => {
-            let axis = ctx.axis();
-            haloed = ctx.with_halo(x, conv.halo(axis))?;
-            (&haloed, Some(axis))
-        }
-        None => (x, None),
-    };
     let slot = cache.slot();
     let previous = match slot {
         Slot::Frames(t) => Some(&*t),
         _ => None,
+    };
+    let (x, axis) = match band {
+        Some(ctx) => {
+            let axis = ctx.axis();
+            haloed = ctx.with_halo(x, conv.halo(axis))?;
+            if let Some(cached) = previous {
+                ctx.note_reused_halo(cached, conv.halo(axis));
+            }
+            (&haloed, Some(axis))
+        }
+        None => (x, None),
     };
     let to_cache = frames_to_cache(x, previous)?;
     let out = conv.forward_haloed(x, previous, axis)?;
