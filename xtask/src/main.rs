@@ -9,6 +9,9 @@
 //!   printed as a table. The Python is `--python`, else `$VAE_FIXTURES_PYTHON`, else
 //!   `/work/venv-fixtures/bin/python` if it exists; without one (or without diffusers) the
 //!   comparison is skipped with a message.
+//! - `kernels`: compiles `kernels-cu/*.cu` with NVRTC (no GPU, no CUDA install: NVIDIA's pip
+//!   wheels in a venv under `target/`) to PTX and an `sm_90` cubin in `target/kernels/`, and fails
+//!   on a compile error, a warning or a register spill (see `kernels.rs`).
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
 //!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
 //!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
@@ -21,7 +24,9 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: cargo xtask <ci | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
+mod kernels;
+
+const USAGE: &str = "usage: cargo xtask <ci | kernels | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
                      | fixtures [--python PATH] [--out DIR]>";
 
 /// The pinned Python packages of the fixture generator, relative to the repository root.
@@ -38,6 +43,7 @@ fn main() -> anyhow::Result<()> {
     match task.as_deref() {
         Some("ci") => ci(),
         Some("bench") => bench(std::env::args().skip(2)),
+        Some("kernels") => kernels::kernels(&repo_root()),
         Some("fixtures") => fixtures(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");

@@ -38,6 +38,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// The devices this machine and build can use: CUDA devices the driver reports, the CUDA
+    /// kernels embedded in this build, and where `--device cuda` work would run.
+    Devices,
 }
 
 fn main() -> ExitCode {
@@ -56,6 +59,7 @@ fn main() -> ExitCode {
         Command::Encode(args) => model_cmds::encode(&args),
         Command::Inspect(args) => model_cmds::inspect(&args),
         Command::Bench(which) => bench::run(&which),
+        Command::Devices => devices(),
     };
     match result {
         Ok(code) => code,
@@ -64,4 +68,43 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `vae-parallel devices`.
+fn devices() -> anyhow::Result<ExitCode> {
+    use vae_parallel::tensor::Device;
+    use vae_parallel::tensor::cuda::{embedded_modules, probe, resolve_device};
+
+    println!("cpu       {} thread(s)", rayon::current_num_threads());
+    match probe(0) {
+        Err(reason) => println!("cuda      {reason}"),
+        Ok(_) => {
+            for ordinal in 0.. {
+                match probe(ordinal) {
+                    Ok(info) => println!(
+                        "cuda:{ordinal}    {}, sm_{}{}, {:.1} GiB",
+                        info.name,
+                        info.compute_capability.0,
+                        info.compute_capability.1,
+                        info.total_memory as f64 / (1u64 << 30) as f64
+                    ),
+                    Err(_) => break,
+                }
+            }
+        }
+    }
+    let modules = embedded_modules();
+    if modules.is_empty() {
+        println!("kernels   none embedded in this build (run `cargo xtask kernels`, then build)");
+    } else {
+        let names: Vec<&str> = modules.iter().map(|m| m.name).collect();
+        println!(
+            "kernels   {} module(s) embedded (sm_90 cubin, compute_80/90 PTX): {}",
+            modules.len(),
+            names.join(", ")
+        );
+    }
+    let (device, why) = resolve_device(Device::Cuda(0));
+    println!("--device cuda runs on {device}{}", why.map(|w| format!(": {w}")).unwrap_or_default());
+    Ok(ExitCode::SUCCESS)
 }

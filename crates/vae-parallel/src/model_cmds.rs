@@ -67,6 +67,10 @@ pub struct ParallelArgs {
     /// Compute threads of this process (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// `cpu` (default), `cuda` or `cuda:N`. Without a usable CUDA device (or, for now, a CUDA
+    /// tensor backend) the work runs on the CPU, and a warning says why.
+    #[arg(long)]
+    device: Option<String>,
     /// TOML file with any of the settings above.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -92,6 +96,7 @@ struct FileConfig {
     ranks: Option<usize>,
     transport: Option<String>,
     threads: Option<usize>,
+    device: Option<String>,
 }
 
 /// Flags over the config file over defaults.
@@ -136,6 +141,12 @@ impl ParallelArgs {
             let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
         }
         let transport = self.transport.clone().or(file.transport).unwrap_or_else(|| "local".into()).parse()?;
+        let requested: vae_parallel::tensor::Device =
+            self.device.clone().or(file.device).unwrap_or_else(|| "cpu".into()).parse()?;
+        let (_device, fallback) = vae_parallel::tensor::cuda::resolve_device(requested);
+        if let Some(why) = fallback {
+            eprintln!("warning: --device {requested}: {why}");
+        }
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         Ok(Resolved {
             model: self.model.clone(),

@@ -1,0 +1,453 @@
+//! The hand-written CUDA kernels (`kernels-cu/`) against the CPU backend, kernel by kernel.
+//!
+//! Runs on a machine with a GPU and a build that embeds the kernels (`cargo xtask kernels`
+//! first); elsewhere every test says why it is skipped and passes. The tolerances are those of
+//! the op-conformance suite for f32, and bf16's 8-bit mantissa for the tensor-core conv.
+#![cfg(feature = "cuda")]
+#![allow(clippy::print_stderr)] // a skipped GPU test says so
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use vae_tensor::cuda::{embedded_modules, probe};
+use vae_tensor::{Conv2dParams, Conv3dParams, Device, Tensor};
+
+/// `ConvGeom` of `conv.cu`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ConvGeom {
+    n: u64,
+    cin: u64,
+    t: u64,
+    h: u64,
+    w: u64,
+    cout: u64,
+    kt: u64,
+    kh: u64,
+    kw: u64,
+    to: u64,
+    ho: u64,
+    wo: u64,
+    stride_t: u64,
+    stride: u64,
+    pad_front: i64,
+    pad_top: i64,
+    pad_left: i64,
+}
+
+// SAFETY: plain integers in C layout, as the kernel declares them.
+unsafe impl DeviceRepr for ConvGeom {}
+
+/// `Box8` of `layout.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Box8 {
+    extent: [u64; 8],
+    src_stride: [i64; 8],
+    dst_stride: [i64; 8],
+    rank: i32,
+}
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for Box8 {}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    modules: Vec<(&'static str, Arc<CudaModule>)>,
+}
+
+impl Gpu {
+    /// The first GPU with every embedded module loaded, or `None` with the reason printed.
+    fn get(test: &str) -> Option<Self> {
+        let info = match probe(0) {
+            Ok(info) => info,
+            Err(reason) => {
+                eprintln!("{test}: skipped, {reason}");
+                return None;
+            }
+        };
+        if embedded_modules().is_empty() {
+            eprintln!("{test}: skipped, this build embeds no kernels (run `cargo xtask kernels` before building)");
+            return None;
+        }
+        let ctx = CudaContext::new(0).expect("the probe opened this device");
+        let sm90 = info.compute_capability == (9, 0);
+        let modules = embedded_modules()
+            .iter()
+            .map(|m| {
+                // The SASS where it matches the device, PTX (JIT) elsewhere.
+                let image =
+                    if sm90 { Ptx::from_binary(m.cubin_sm_90.to_vec()) } else { Ptx::from_src(m.ptx_compute_80) };
+                (m.name, ctx.load_module(image).unwrap_or_else(|e| panic!("loading {}: {e}", m.name)))
+            })
+            .collect();
+        Some(Self { stream: ctx.default_stream(), modules })
+    }
+
+    fn function(&self, module: &str, name: &str) -> CudaFunction {
+        let m = &self.modules.iter().find(|(n, _)| *n == module).unwrap_or_else(|| panic!("no module {module}")).1;
+        m.load_function(name).unwrap_or_else(|e| panic!("{module}.{name}: {e}"))
+    }
+
+    fn upload(&self, t: &Tensor) -> CudaSlice<f32> {
+        self.stream.clone_htod(t.as_slice_f32().unwrap()).unwrap()
+    }
+
+    fn zeros(&self, n: usize) -> CudaSlice<f32> {
+        self.stream.alloc_zeros::<f32>(n).unwrap()
+    }
+
+    fn download(&self, d: &CudaSlice<f32>, dims: &[usize]) -> Tensor {
+        let v = self.stream.clone_dtoh(d).unwrap();
+        Tensor::from_vec(v, dims.to_vec(), &Device::Cpu).unwrap()
+    }
+}
+
+/// A deterministic tensor in about [-1, 1].
+fn pattern(dims: &[usize], seed: u32) -> Tensor {
+    let n: usize = dims.iter().product();
+    let data = (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 8388608.0) - 1.0)
+        .collect();
+    Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap()
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256).clamp(1, 65535), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn close(got: &Tensor, want: &Tensor, tol: f32, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let diff = got.max_abs_diff(want).unwrap();
+    assert!(diff <= tol, "{what}: max |gpu - cpu| = {diff} > {tol}");
+}
+
+const NULL: u64 = 0;
+
+#[test]
+fn every_module_loads_and_has_its_entry_points() {
+    let Some(gpu) = Gpu::get("entry points") else { return };
+    let expected: &[(&str, &[&str])] = &[
+        ("attention", &["softmax_rows_f32"]),
+        ("conv", &["conv3d_f32", "conv3d_bf16_wmma"]),
+        (
+            "elementwise",
+            &[
+                "add_f32",
+                "add_bf16",
+                "silu_f32",
+                "silu_bf16",
+                "clamp_f32",
+                "clamp_bf16",
+                "affine_f32",
+                "channel_affine_f32",
+                "cast_f32_bf16",
+                "cast_bf16_f32",
+            ],
+        ),
+        ("gemm", &["gemm_batched_f32"]),
+        (
+            "layout",
+            &[
+                "copy_box_f32",
+                "copy_box_u16",
+                "upsample_nearest2d_f32",
+                "dup_up3d_f32",
+                "avg_down3d_f32",
+                "blend_leading_f32",
+            ],
+        ),
+        ("norm", &["group_norm_f32", "rms_norm_channels_f32", "rms_norm_channels_bf16"]),
+    ];
+    for (module, names) in expected {
+        for name in *names {
+            gpu.function(module, name);
+        }
+    }
+}
+
+#[test]
+fn elementwise_kernels_match_the_cpu() {
+    let Some(gpu) = Gpu::get("elementwise") else { return };
+    let (a, b) = (pattern(&[3, 5, 7], 1), pattern(&[3, 5, 7], 2));
+    let n = a.elem_count() as u64;
+    let (da, db, mut out) = (gpu.upload(&a), gpu.upload(&b), gpu.zeros(a.elem_count()));
+    let f = gpu.function("elementwise", "add_f32");
+    unsafe { gpu.stream.launch_builder(&f).arg(&da).arg(&db).arg(&mut out).arg(&n).launch(grid(n as usize)) }.unwrap();
+    close(&gpu.download(&out, a.dims()), &a.add(&b).unwrap(), 0.0, "add");
+
+    let f = gpu.function("elementwise", "silu_f32");
+    let mut x = gpu.upload(&a);
+    unsafe { gpu.stream.launch_builder(&f).arg(&mut x).arg(&n).launch(grid(n as usize)) }.unwrap();
+    close(&gpu.download(&x, a.dims()), &a.silu().unwrap(), 1e-6, "silu");
+
+    let f = gpu.function("elementwise", "clamp_f32");
+    let mut x = gpu.upload(&a.affine(3.0, 0.0).unwrap());
+    let (lo, hi) = (-1.0f32, 1.0f32);
+    unsafe { gpu.stream.launch_builder(&f).arg(&mut x).arg(&n).arg(&lo).arg(&hi).launch(grid(n as usize)) }.unwrap();
+    close(&gpu.download(&x, a.dims()), &a.affine(3.0, 0.0).unwrap().clamp(-1.0, 1.0).unwrap(), 0.0, "clamp");
+}
+
+#[test]
+fn rms_and_group_norms_match_the_cpu() {
+    let Some(gpu) = Gpu::get("norms") else { return };
+    let x = pattern(&[2, 12, 3, 5, 6], 3);
+    let gamma = pattern(&[12], 4);
+    let (dx, dg, mut out) = (gpu.upload(&x), gpu.upload(&gamma), gpu.zeros(x.elem_count()));
+    let (batch, channels, inner) = (2u64, 12u64, 90u64);
+    let (eps, silu) = (1e-12f32, 0i32);
+    let f = gpu.function("norm", "rms_norm_channels_f32");
+    unsafe {
+        gpu.stream
+            .launch_builder(&f)
+            .arg(&dx)
+            .arg(&mut out)
+            .arg(&dg)
+            .arg(&NULL)
+            .arg(&batch)
+            .arg(&channels)
+            .arg(&inner)
+            .arg(&eps)
+            .arg(&silu)
+            .launch(grid((batch * inner) as usize))
+    }
+    .unwrap();
+    close(&gpu.download(&out, x.dims()), &x.rms_norm_channels(&gamma, None, 1, 1e-12).unwrap(), 1e-5, "rms norm");
+
+    let img = pattern(&[2, 12, 7, 9], 5);
+    let (w, b) = (pattern(&[12], 6), pattern(&[12], 7));
+    let (di, dw, dbias, mut out) = (gpu.upload(&img), gpu.upload(&w), gpu.upload(&b), gpu.zeros(img.elem_count()));
+    let (channels, spatial, groups, eps, silu) = (12u64, 63u64, 4u64, 1e-6f32, 0i32);
+    let f = gpu.function("norm", "group_norm_f32");
+    let cfg = LaunchConfig { grid_dim: (2 * 4, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    unsafe {
+        gpu.stream
+            .launch_builder(&f)
+            .arg(&di)
+            .arg(&mut out)
+            .arg(&dw)
+            .arg(&dbias)
+            .arg(&channels)
+            .arg(&spatial)
+            .arg(&groups)
+            .arg(&eps)
+            .arg(&silu)
+            .launch(cfg)
+    }
+    .unwrap();
+    close(&gpu.download(&out, img.dims()), &img.group_norm(4, &w, &b, 1e-6).unwrap(), 1e-5, "group norm");
+}
+
+/// Runs `conv3d_f32` for an NCTHW input with the given causal-style padding and strides.
+fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams) -> Tensor {
+    let d = x.dims();
+    let k = w.dims();
+    let [to, ho, wo] = p.output_size([d[2], d[3], d[4]], [k[2], k[3], k[4]]).unwrap();
+    let g = ConvGeom {
+        n: d[0] as u64,
+        cin: d[1] as u64,
+        t: d[2] as u64,
+        h: d[3] as u64,
+        w: d[4] as u64,
+        cout: k[0] as u64,
+        kt: k[2] as u64,
+        kh: k[3] as u64,
+        kw: k[4] as u64,
+        to: to as u64,
+        ho: ho as u64,
+        wo: wo as u64,
+        stride_t: p.stride[0] as u64,
+        stride: p.stride[1] as u64,
+        pad_front: p.padding[0] as i64,
+        pad_top: p.padding[2] as i64,
+        pad_left: p.padding[4] as i64,
+    };
+    let out_dims = [d[0], k[0], to, ho, wo];
+    let (dx, dw, db) = (gpu.upload(x), gpu.upload(w), gpu.upload(bias));
+    let mut out = gpu.zeros(out_dims.iter().product());
+    let cols = (d[0] * to * ho * wo) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(64), (k[0] as u32).div_ceil(64), 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = gpu.function("conv", "conv3d_f32");
+    let accumulate = 0i32;
+    unsafe {
+        gpu.stream.launch_builder(&f).arg(&dx).arg(&dw).arg(&db).arg(&mut out).arg(&g).arg(&accumulate).launch(cfg)
+    }
+    .unwrap();
+    gpu.download(&out, &out_dims)
+}
+
+#[test]
+fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
+    let Some(gpu) = Gpu::get("conv") else { return };
+    // Wan's causal 3x3x3 conv: two zero frames in front, one row / column each side.
+    let x = pattern(&[1, 8, 3, 9, 11], 8);
+    let w = pattern(&[70, 8, 3, 3, 3], 9).affine(0.1, 0.0).unwrap();
+    let b = pattern(&[70], 10);
+    let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    close(&gpu_conv3d(&gpu, &x, &w, &b, &p), &x.conv3d(&w, Some(&b), &p).unwrap(), 1e-4, "causal conv3d");
+    // diffusers' stride-2 downsample as a one-frame conv3d.
+    let img = pattern(&[2, 5, 1, 12, 10], 11);
+    let w2 = pattern(&[7, 5, 1, 3, 3], 12).affine(0.2, 0.0).unwrap();
+    let b2 = pattern(&[7], 13);
+    let p2 = Conv3dParams::new([1, 2, 2], [0, 0, 0, 1, 0, 1]);
+    let cpu = img
+        .reshape(vec![2, 5, 12, 10])
+        .unwrap()
+        .conv2d(&w2.reshape(vec![7, 5, 3, 3]).unwrap(), Some(&b2), &Conv2dParams::diffusers_downsample())
+        .unwrap();
+    let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2);
+    close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, 1e-4, "stride-2 conv2d");
+}
+
+#[test]
+fn gemm_and_softmax_make_the_cpu_attention() {
+    let Some(gpu) = Gpu::get("attention") else { return };
+    let (batch, len, dim) = (2usize, 37usize, 24usize);
+    let q = pattern(&[batch, len, dim], 14);
+    let k = pattern(&[batch, len, dim], 15);
+    let v = pattern(&[batch, len, dim], 16);
+    let (dq, dk, dv) = (gpu.upload(&q), gpu.upload(&k), gpu.upload(&v));
+    let mut scores = gpu.zeros(batch * len * len);
+    let gemm = gpu.function("gemm", "gemm_batched_f32");
+    let cfg = |m: usize, n: usize| LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), batch as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (m, n, kk) = (len as u64, len as u64, dim as u64);
+    let (ab, ars, acs) = ((len * dim) as i64, dim as i64, 1i64);
+    // K^T: element (k, j) of the right operand is K[j, k].
+    let (bb, brs, bcs) = ((len * dim) as i64, 1i64, dim as i64);
+    let (cb, ldc, alpha, beta) = ((len * len) as i64, len as i64, 1.0f32, 0.0f32);
+    unsafe {
+        gpu.stream
+            .launch_builder(&gemm)
+            .arg(&dq)
+            .arg(&dk)
+            .arg(&mut scores)
+            .arg(&m)
+            .arg(&n)
+            .arg(&kk)
+            .arg(&ab)
+            .arg(&ars)
+            .arg(&acs)
+            .arg(&bb)
+            .arg(&brs)
+            .arg(&bcs)
+            .arg(&cb)
+            .arg(&ldc)
+            .arg(&alpha)
+            .arg(&beta)
+            .launch(cfg(len, len))
+    }
+    .unwrap();
+    let softmax = gpu.function("attention", "softmax_rows_f32");
+    let (rows, cols, scale) = ((batch * len) as u64, len as u64, 1.0f32 / (dim as f32).sqrt());
+    let cfg_rows = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    unsafe { gpu.stream.launch_builder(&softmax).arg(&mut scores).arg(&rows).arg(&cols).arg(&scale).launch(cfg_rows) }
+        .unwrap();
+    let mut out = gpu.zeros(batch * len * dim);
+    let (m, n, kk) = (len as u64, dim as u64, len as u64);
+    let (ab, ars, acs) = ((len * len) as i64, len as i64, 1i64);
+    let (bb, brs, bcs) = ((len * dim) as i64, dim as i64, 1i64);
+    let (cb, ldc) = ((len * dim) as i64, dim as i64);
+    unsafe {
+        gpu.stream
+            .launch_builder(&gemm)
+            .arg(&scores)
+            .arg(&dv)
+            .arg(&mut out)
+            .arg(&m)
+            .arg(&n)
+            .arg(&kk)
+            .arg(&ab)
+            .arg(&ars)
+            .arg(&acs)
+            .arg(&bb)
+            .arg(&brs)
+            .arg(&bcs)
+            .arg(&cb)
+            .arg(&ldc)
+            .arg(&alpha)
+            .arg(&beta)
+            .launch(cfg(len, dim))
+    }
+    .unwrap();
+    close(&gpu.download(&out, q.dims()), &Tensor::attention(&q, &k, &v).unwrap(), 1e-5, "attention");
+}
+
+#[test]
+fn layout_kernels_match_the_cpu() {
+    let Some(gpu) = Gpu::get("layout") else { return };
+    // A permute through the generic box copy: [2, 3, 4, 5] -> [2, 4, 3, 5].
+    let x = pattern(&[2, 3, 4, 5], 17);
+    let want = x.permute(&[0, 2, 1, 3]).unwrap();
+    let mut b = Box8 { extent: [1; 8], src_stride: [0; 8], dst_stride: [0; 8], rank: 4 };
+    b.extent[..4].copy_from_slice(&[2, 4, 3, 5]);
+    b.src_stride[..4].copy_from_slice(&[60, 5, 20, 1]);
+    b.dst_stride[..4].copy_from_slice(&[60, 15, 5, 1]);
+    let (dx, mut out) = (gpu.upload(&x), gpu.zeros(120));
+    let n = 120u64;
+    let f = gpu.function("layout", "copy_box_f32");
+    unsafe { gpu.stream.launch_builder(&f).arg(&dx).arg(&mut out).arg(&b).arg(&n).launch(grid(120)) }.unwrap();
+    close(&gpu.download(&out, want.dims()), &want, 0.0, "permute");
+
+    let up = x.upsample_nearest2d(2).unwrap();
+    let mut out = gpu.zeros(up.elem_count());
+    let (planes, h, w, f2) = (6u64, 4u64, 5u64, 2u64);
+    let f = gpu.function("layout", "upsample_nearest2d_f32");
+    unsafe {
+        gpu.stream
+            .launch_builder(&f)
+            .arg(&dx)
+            .arg(&mut out)
+            .arg(&planes)
+            .arg(&h)
+            .arg(&w)
+            .arg(&f2)
+            .launch(grid(up.elem_count()))
+    }
+    .unwrap();
+    close(&gpu.download(&out, up.dims()), &up, 0.0, "upsample");
+
+    // Wan2.2's DupUp3D of the first chunk and AvgDown3D with a zero frame in front.
+    let v = pattern(&[1, 8, 2, 3, 4], 18);
+    let want = v.dup_up3d(2, 2, 4, true).unwrap();
+    let mut out = gpu.zeros(want.elem_count());
+    let dv = gpu.upload(&v);
+    let args = [1u64, 8, 2, 3, 4, 4, 2, 2, 4 * 8 / 8, 1];
+    let f = gpu.function("layout", "dup_up3d_f32");
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(&dv).arg(&mut out);
+    for a in &args {
+        launch.arg(a);
+    }
+    unsafe { launch.launch(grid(want.elem_count())) }.unwrap();
+    close(&gpu.download(&out, want.dims()), &want, 0.0, "dup_up3d");
+
+    let v = pattern(&[1, 4, 3, 4, 6], 19);
+    let want = v.avg_down3d(2, 2, 8).unwrap();
+    let mut out = gpu.zeros(want.elem_count());
+    let dv = gpu.upload(&v);
+    // 4 channels x 8 = 32 folded channels averaged in groups of 4; one zero frame in front.
+    let args = [1u64, 4, 3, 4, 6, 8, 2, 2, 4, 1];
+    let f = gpu.function("layout", "avg_down3d_f32");
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(&dv).arg(&mut out);
+    for a in &args {
+        launch.arg(a);
+    }
+    unsafe { launch.launch(grid(want.elem_count())) }.unwrap();
+    close(&gpu.download(&out, want.dims()), &want, 1e-7, "avg_down3d");
+}

@@ -1,0 +1,70 @@
+// Batched f32 GEMM for attention (`Q K^T` and `P V`): `C[b] = alpha * A[b] B[b] + beta * C[b]`,
+// any strides (so either operand may be a transposed view). 64x64 output tiles, 16-deep K
+// slices in shared memory, 256 threads with a 4x4 register tile each.
+#include "common.cuh"
+
+#define BM 64
+#define BN 64
+#define BK 16
+
+extern "C" __global__ void __launch_bounds__(256) gemm_batched_f32(
+    const float* A, const float* B, float* C, u64 M, u64 N, u64 K,
+    i64 a_batch, i64 a_rs, i64 a_cs, i64 b_batch, i64 b_rs, i64 b_cs, i64 c_batch, i64 ldc,
+    float alpha, float beta) {
+    __shared__ float As[BK][BM + 4];
+    __shared__ float Bs[BK][BN + 4];
+    const i64 batch = blockIdx.z;
+    A += batch * a_batch;
+    B += batch * b_batch;
+    C += batch * c_batch;
+    const u64 m0 = (u64)blockIdx.y * BM, n0 = (u64)blockIdx.x * BN;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+
+    for (u64 k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int e = threadIdx.x + l * 256;
+            const int i = e / BK, kk = e % BK;
+            const u64 gi = m0 + i, gk = k0 + kk;
+            As[kk][i] = (gi < M && gk < K) ? A[(i64)gi * a_rs + (i64)gk * a_cs] : 0.0f;
+        }
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int e = threadIdx.x + l * 256;
+            const int kk = e / BN, j = e % BN;
+            const u64 gk = k0 + kk, gj = n0 + j;
+            Bs[kk][j] = (gk < K && gj < N) ? B[(i64)gk * b_rs + (i64)gj * b_cs] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a[r] = As[kk][ty * 4 + r];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) b[c] = Bs[kk][tx * 4 + c];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const u64 i = m0 + ty * 4 + r;
+        if (i >= M) continue;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const u64 j = n0 + tx * 4 + c;
+            if (j >= N) continue;
+            float* dst = &C[(i64)i * ldc + (i64)j];
+            *dst = beta == 0.0f ? alpha * acc[r][c] : alpha * acc[r][c] + beta * *dst;
+        }
+    }
+}

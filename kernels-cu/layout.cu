@@ -1,0 +1,106 @@
+// Data movement: strided box copies (narrow, cat, permute, patchify / unpatchify, halo pack into
+// and unpack out of pre-padded conv inputs), nearest upsampling, Wan2.2's AvgDown3D / DupUp3D,
+// and diffusers' tile blend.
+#include "common.cuh"
+
+// A box of up to 8 dimensions: element `idx` (row-major over `extent`) is read at
+// `sum(idx_d * src_stride[d])` and written at `sum(idx_d * dst_stride[d])` (strides in elements,
+// offsets folded into the pointers). Covers every copy the tensor layer makes.
+struct Box8 {
+    u64 extent[8];
+    i64 src_stride[8];
+    i64 dst_stride[8];
+    int rank;
+};
+
+extern "C" __global__ void copy_box_f32(const float* src, float* dst, Box8 box, u64 n) {
+    GRID_STRIDE(i, n) {
+        u64 rest = i;
+        i64 s = 0, d = 0;
+        for (int k = box.rank - 1; k >= 0; --k) {
+            const u64 e = box.extent[k];
+            const u64 at = rest % e;
+            rest /= e;
+            s += (i64)at * box.src_stride[k];
+            d += (i64)at * box.dst_stride[k];
+        }
+        dst[d] = src[s];
+    }
+}
+
+extern "C" __global__ void copy_box_u16(const unsigned short* src, unsigned short* dst, Box8 box, u64 n) {
+    GRID_STRIDE(i, n) {
+        u64 rest = i;
+        i64 s = 0, d = 0;
+        for (int k = box.rank - 1; k >= 0; --k) {
+            const u64 e = box.extent[k];
+            const u64 at = rest % e;
+            rest /= e;
+            s += (i64)at * box.src_stride[k];
+            d += (i64)at * box.dst_stride[k];
+        }
+        dst[d] = src[s];
+    }
+}
+
+// `F.interpolate(scale_factor=f, mode="nearest")` (and nearest-exact, equal for integer f) of
+// the last two dimensions; `planes` is the product of the leading ones.
+extern "C" __global__ void upsample_nearest2d_f32(const float* x, float* out, u64 planes, u64 h, u64 w, u64 f) {
+    const u64 oh = h * f, ow = w * f;
+    GRID_STRIDE(i, planes * oh * ow) {
+        const u64 ox = i % ow, oy = (i / ow) % oh, p = i / (ow * oh);
+        out[i] = x[(p * h + oy / f) * w + ox / f];
+    }
+}
+
+// Wan2.2 `DupUp3D`: `y[n, o, t*ft + dt - drop, h*fs + dh, w*fs + dw] = x[n, j / repeats, t, h, w]`
+// with `j = ((o*ft + dt)*fs + dh)*fs + dw`; `drop` leading output frames are skipped (the first
+// chunk drops `ft - 1`).
+extern "C" __global__ void dup_up3d_f32(
+    const float* x, float* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
+    u64 out_channels, u64 ft, u64 fs, u64 repeats, u64 drop) {
+    const u64 to = t * ft - drop, ho = h * fs, wo = w * fs;
+    GRID_STRIDE(i, batch * out_channels * to * ho * wo) {
+        const u64 ox = i % wo, oy = (i / wo) % ho, ot = (i / (wo * ho)) % to;
+        const u64 o = (i / (wo * ho * to)) % out_channels, b = i / (wo * ho * to * out_channels);
+        const u64 tf = ot + drop;
+        const u64 j = ((o * ft + tf % ft) * fs + oy % fs) * fs + ox % fs;
+        out[i] = x[(((b * channels + j / repeats) * t + tf / ft) * h + oy / fs) * w + ox / fs];
+    }
+}
+
+// Wan2.2 `AvgDown3D`: `pad_t` zero frames in front, each `ft x fs x fs` block folded into
+// channels `k = ((c*ft + dt)*fs + dh)*fs + dw`, and groups of `group` consecutive folded
+// channels averaged (summed in f64, rounded once, as the CPU backend).
+extern "C" __global__ void avg_down3d_f32(
+    const float* x, float* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
+    u64 out_channels, u64 ft, u64 fs, u64 group, u64 pad_t) {
+    const u64 t2 = (t + pad_t) / ft, h2 = h / fs, w2 = w / fs;
+    GRID_STRIDE(i, batch * out_channels * t2 * h2 * w2) {
+        const u64 ox = i % w2, oy = (i / w2) % h2, ot = (i / (w2 * h2)) % t2;
+        const u64 o = (i / (w2 * h2 * t2)) % out_channels, b = i / (w2 * h2 * t2 * out_channels);
+        double sum = 0.0;
+        for (u64 g = 0; g < group; ++g) {
+            const u64 k = o * group + g;
+            const u64 dw = k % fs, dh = (k / fs) % fs, dt = (k / (fs * fs)) % ft, c = k / (fs * fs * ft);
+            const u64 tp = ot * ft + dt;
+            if (tp < pad_t) continue;
+            sum += (double)x[(((b * channels + c) * t + (tp - pad_t)) * h + oy * fs + dh) * w + ox * fs + dw];
+        }
+        out[i] = (float)(sum / (double)group);
+    }
+}
+
+// diffusers' `blend_v` / `blend_h` in place along one dimension of `[outer, len, inner]`:
+// `cur[o, y, i] = prev[o, len_prev - e + y, i] * wp[y] + cur[o, y, i] * wc[y]` for `y < e`, two
+// roundings and an add, no fused multiply-add (as PyTorch evaluates it).
+extern "C" __global__ void blend_leading_f32(
+    float* cur, const float* prev, const float* w_prev, const float* w_cur,
+    u64 outer, u64 len_cur, u64 len_prev, u64 inner, u64 e) {
+    GRID_STRIDE(i, outer * e * inner) {
+        const u64 k = i % inner, y = (i / inner) % e, o = i / (inner * e);
+        const float a = __fmul_rn(prev[(o * len_prev + len_prev - e + y) * inner + k], w_prev[y]);
+        float* c = &cur[(o * len_cur + y) * inner + k];
+        *c = __fadd_rn(a, __fmul_rn(*c, w_cur[y]));
+    }
+}

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU checks, run on a machine with a GPU and no Rust toolchain, from the repository root, with
+# the bundle that scripts/build-gpu-bundle.sh made on the build machine (carried as gpu-bundle/).
+#
+#   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
+#   2. every CUDA kernel against the CPU backend (the cuda_kernels test binary);
+#   3. NCCL's presence (the libnccl.so.2 of the machine's Python, symlinked as cudarc expects).
+#
+# Each step prints its own result; the script exits non-zero if any step failed. It finishes in
+# well under 8 minutes (the kernels test runs small shapes).
+set -u -o pipefail
+BUNDLE=${BUNDLE:-gpu-bundle}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+status=0
+step() { echo; echo "=== $*"; }
+
+step "driver and GPU"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt" || true
+
+# cudarc looks for libnccl.so, the wheels ship libnccl.so.2.
+shim=$(mktemp -d)
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib"))' 2>/dev/null || true)
+if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
+    ln -sf "$nccl_dir/libnccl.so.2" "$shim/libnccl.so"
+fi
+export LD_LIBRARY_PATH="$shim:${LD_LIBRARY_PATH:-}"
+
+step "vae-parallel devices"
+"$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
+
+step "CUDA kernels vs the CPU backend"
+"$BUNDLE/cuda_kernels" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda_kernels.txt" || status=1
+if grep -q "skipped" "$OUT/cuda_kernels.txt"; then
+    echo "a kernel test was skipped on a GPU machine: treated as a failure"
+    status=1
+fi
+
+step "result"
+if [ $status -eq 0 ]; then echo "GPU checks passed"; else echo "GPU checks FAILED"; fi
+exit $status
