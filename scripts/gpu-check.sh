@@ -3,7 +3,7 @@
 # the bundle that scripts/build-gpu-bundle.sh made on the build machine (carried as gpu-bundle/).
 #
 #   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
-#   2. every CUDA kernel against the CPU backend (the cuda_kernels test binary);
+#   2. every CUDA kernel, then every CUDA tensor op, against the CPU backend (two test binaries);
 #   3. NCCL's presence (the libnccl.so.2 of the machine's Python, symlinked as cudarc expects).
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
@@ -29,12 +29,15 @@ export LD_LIBRARY_PATH="$shim:${LD_LIBRARY_PATH:-}"
 step "vae-parallel devices"
 "$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
 
-step "CUDA kernels vs the CPU backend"
-"$BUNDLE/cuda_kernels" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda_kernels.txt" || status=1
-if grep -q "skipped" "$OUT/cuda_kernels.txt"; then
-    echo "a kernel test was skipped on a GPU machine: treated as a failure"
-    status=1
-fi
+for suite in cuda_kernels cuda_ops; do
+    step "$suite (CUDA vs the CPU backend)"
+    "$BUNDLE/$suite" --test-threads=1 --nocapture 2>&1 | tee "$OUT/$suite.txt" || status=1
+    # On a GPU machine nothing may skip (the one test that needs no GPU says so and passes).
+    if grep "skipped" "$OUT/$suite.txt" | grep -vq "this machine has a usable GPU"; then
+        echo "$suite: a GPU test was skipped on a GPU machine: treated as a failure"
+        status=1
+    fi
+done
 
 step "result"
 if [ $status -eq 0 ]; then echo "GPU checks passed"; else echo "GPU checks FAILED"; fi

@@ -3,11 +3,27 @@
 use crate::memory::Buffer;
 use crate::{DType, Device, Result, Shape, TensorError};
 
-/// Backend storage. Only the CPU variant exists until the CUDA backend lands; the enum keeps
-/// the type above independent of any one backend.
-#[derive(Debug, Clone, PartialEq)]
+/// Backend storage; the enum keeps the type above independent of any one backend.
+#[derive(Debug, Clone)]
 enum Storage {
     Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::backend::CudaStorage),
+}
+
+impl PartialEq for Storage {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Cpu(a), Self::Cpu(b)) => a == b,
+            // Equal contents on the same device (a download each: for tests, not hot paths).
+            #[cfg(feature = "cuda")]
+            (Self::Cuda(a), Self::Cuda(b)) => {
+                a.ordinal() == b.ordinal() && matches!((a.download(), b.download()), (Ok(x), Ok(y)) if x == y)
+            }
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
+    }
 }
 
 /// Host buffers, charged to the allocating thread's [`crate::memory`] counters.
@@ -23,21 +39,36 @@ pub struct Tensor {
     storage: Storage,
 }
 
+#[cfg(not(feature = "cuda"))]
 pub(crate) fn check_device(op: &'static str, device: &Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
         Device::Cuda(_) => Err(TensorError::DeviceUnavailable {
             device: *device,
-            reason: format!("{op}: this build has no CUDA backend yet"),
+            reason: format!("{op}: this build has no CUDA backend (the `cuda` feature is off)"),
         }),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn not_on_host(ordinal: usize) -> TensorError {
+    TensorError::DeviceUnavailable {
+        device: Device::Cuda(ordinal),
+        reason: "this op reads host memory and has no CUDA path yet; copy the tensor with to_device(Cpu)".into(),
     }
 }
 
 impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Self> {
-        check_device("zeros", device)?;
         let shape = shape.into();
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(ordinal), DType::F32) = (device, dtype) {
+            let storage = crate::cuda::backend::CudaStorage::zeros(*ordinal, shape.elem_count())?;
+            return Ok(Self::from_cuda(storage, shape));
+        }
+        #[cfg(not(feature = "cuda"))]
+        check_device("zeros", device)?;
         match dtype {
             DType::F32 => Ok(Self::from_buffer(Buffer::zeros(shape.elem_count()), shape)),
             other => Err(TensorError::UnsupportedDType { op: "zeros", dtype: other, device: *device }),
@@ -46,6 +77,7 @@ impl Tensor {
 
     /// A tensor owning `data` (row-major) with the given shape.
     pub fn from_vec(data: Vec<f32>, shape: impl Into<Shape>, device: &Device) -> Result<Self> {
+        #[cfg(not(feature = "cuda"))]
         check_device("from_vec", device)?;
         let shape = shape.into();
         if data.len() != shape.elem_count() {
@@ -56,7 +88,45 @@ impl Tensor {
                 shape,
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(ordinal) = device {
+            let storage = crate::cuda::backend::CudaStorage::upload(*ordinal, &data)?;
+            return Ok(Self::from_cuda(storage, shape));
+        }
         Ok(Self::from_buffer(Buffer::from_vec(data), shape))
+    }
+
+    /// A CUDA tensor over `storage` (its length the shape's element count).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda(storage: crate::cuda::backend::CudaStorage, shape: Shape) -> Self {
+        Self { shape, storage: Storage::Cuda(storage) }
+    }
+
+    /// The CUDA storage, for a tensor on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda(&self) -> Option<&crate::cuda::backend::CudaStorage> {
+        match &self.storage {
+            Storage::Cuda(c) => Some(c),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// The CUDA storage, mutable.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_mut(&mut self) -> Option<&mut crate::cuda::backend::CudaStorage> {
+        match &mut self.storage {
+            Storage::Cuda(c) => Some(c),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// A copy on `device` (the tensor itself, cloned, when it is there already).
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if self.device() == *device {
+            return Ok(self.clone());
+        }
+        let host = self.to_vec_f32()?;
+        Tensor::from_vec(host, self.shape.clone(), device)
     }
 
     /// A host f32 tensor over `buffer`, whose length the caller has made equal to the shape's
@@ -68,6 +138,7 @@ impl Tensor {
 
     /// A tensor from raw native-endian element bytes, as [`Tensor::as_bytes`] produces.
     pub fn from_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8], device: &Device) -> Result<Self> {
+        #[cfg(not(feature = "cuda"))]
         check_device("from_bytes", device)?;
         let shape = shape.into();
         let expected = shape.checked_elem_count().and_then(|n| n.checked_mul(dtype.size_in_bytes()));
@@ -83,7 +154,7 @@ impl Tensor {
         match dtype {
             DType::F32 => {
                 let data = bytes.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes"))).collect();
-                Ok(Self::from_buffer(Buffer::from_vec(data), shape))
+                Self::from_vec(data, shape, device)
             }
             other => Err(TensorError::UnsupportedDType { op: "from_bytes", dtype: other, device: *device }),
         }
@@ -113,6 +184,8 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(_)) => DType::F32,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => DType::F32,
         }
     }
 
@@ -120,6 +193,8 @@ impl Tensor {
     pub fn device(&self) -> Device {
         match &self.storage {
             Storage::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Device::Cuda(c.ordinal()),
         }
     }
 
@@ -128,10 +203,13 @@ impl Tensor {
         self.elem_count() * self.dtype().size_in_bytes()
     }
 
-    /// The f32 elements, for host-resident f32 tensors.
+    /// The f32 elements, for host-resident f32 tensors (a CUDA tensor is an error naming its
+    /// device: the op has no CUDA path yet, or the caller must copy it to the CPU first).
     pub fn as_slice_f32(&self) -> Result<&[f32]> {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_slice()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Err(not_on_host(c.ordinal())),
         }
     }
 
@@ -139,12 +217,18 @@ impl Tensor {
     pub(crate) fn as_mut_slice_f32(&mut self) -> Result<&mut [f32]> {
         match &mut self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_mut_slice()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Err(not_on_host(c.ordinal())),
         }
     }
 
-    /// A copy of the elements as f32.
+    /// A copy of the elements as f32 (from any device).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
-        Ok(self.as_slice_f32()?.to_vec())
+        match &self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_slice().to_vec()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.download(),
+        }
     }
 
     /// The raw element bytes (native endian), for transport.
@@ -281,6 +365,10 @@ impl Tensor {
         let mut dims = self.dims().to_vec();
         dims[n - 2] = h * factor;
         dims[n - 1] = w * factor;
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            return Ok(Self::from_cuda(x.upsample_nearest2d(planes, h, w, factor)?, Shape::new(dims)));
+        }
         let src = self.as_slice_f32()?;
         let (oh, ow) = (h * factor, w * factor);
         let mut out = vec![0.0f32; planes * oh * ow];
@@ -389,6 +477,16 @@ fn copy_box(src: &Tensor, src_off: &[usize], dst: &mut Tensor, dst_off: &[usize]
     }
     if extent.contains(&0) {
         return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if src.cuda().is_some() || dst.cuda().is_some() {
+        let (src_strides, dst_strides) = (src.shape.strides(), dst.shape.strides());
+        let linear = |off: &[usize], strides: &[usize]| off.iter().zip(strides).map(|(o, s)| o * s).sum::<usize>();
+        let (src_at, dst_at) = (linear(src_off, &src_strides), linear(dst_off, &dst_strides));
+        let (lhs, rhs) = (src.device(), dst.device());
+        let mismatch = TensorError::DeviceMismatch { op: OP, lhs, rhs };
+        let (Some(s), Some(d)) = (src.cuda(), dst.cuda_mut()) else { return Err(mismatch) };
+        return s.copy_box_into(&src_strides, src_at, d, &dst_strides, dst_at, extent);
     }
     if rank == 0 {
         dst.as_mut_slice_f32()?[0] = src.as_slice_f32()?[0];

@@ -180,6 +180,37 @@ impl Tensor {
         };
         let s = params.stride;
         let [top, bottom, left, right] = params.padding;
+        #[cfg(feature = "cuda")]
+        if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
+            // One frame through the 3-D kernel: NCHW is NCTHW with T = 1 in memory.
+            let b = bias
+                .map(|b| {
+                    b.cuda()
+                        .ok_or_else(|| TensorError::InvalidArgument { op: OP, reason: "bias not on the device".into() })
+                })
+                .transpose()?;
+            let g = crate::cuda::backend::ConvGeom {
+                n: n as u64,
+                cin: cin as u64,
+                t: 1,
+                h: h as u64,
+                w: w as u64,
+                cout: cout as u64,
+                kt: 1,
+                kh: kh as u64,
+                kw: kw as u64,
+                to: 1,
+                ho: ho as u64,
+                wo: wo as u64,
+                stride_t: 1,
+                stride: s as u64,
+                pad_front: 0,
+                pad_top: top as i64,
+                pad_left: left as i64,
+            };
+            let _ = (bottom, right); // implied by the output extents
+            return Ok(Tensor::from_cuda(x.conv3d(wt, b, g)?, Shape::new([n, cout, ho, wo])));
+        }
         // An unpadded stride-1 conv reads the input in place.
         let direct = s == 1 && params.padding == [0; 4];
         let (hq, wq) = if direct { (h, w) } else { ((h + top + bottom).div_ceil(s), (w + left + right).div_ceil(s)) };

@@ -40,17 +40,31 @@ impl Tensor {
 
     /// SiLU (swish), `x · sigmoid(x)`, element-wise.
     pub fn silu(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.cuda().is_some() {
+            let mut out = self.clone();
+            out.silu_inplace()?;
+            return Ok(out);
+        }
         self.map(silu)
     }
 
     /// [`Tensor::silu`] in place.
     pub fn silu_inplace(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = self.cuda_mut() {
+            return c.silu_inplace();
+        }
         self.map_inplace(silu)
     }
 
     /// Element-wise sum of two tensors of the same shape (no broadcasting).
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
         self.check_same_shape("add", other)?;
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
+            return Ok(Tensor::from_cuda(a.add(b)?, self.shape().clone()));
+        }
         let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
         let data: Vec<f32> = if a.len() < PAR_MIN_ELEMS {
             a.iter().zip(b).map(|(x, y)| x + y).collect()
@@ -63,6 +77,13 @@ impl Tensor {
     /// `self += other` element-wise; shapes must be equal.
     pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
         self.check_same_shape("add_assign", other)?;
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
+            // The kernel writes a third buffer: `self` cannot be both operand and output.
+            let sum = a.add(b)?;
+            *self = Tensor::from_cuda(sum, self.shape().clone());
+            return Ok(());
+        }
         let b = other.as_slice_f32()?;
         let a = self.as_mut_slice_f32()?;
         if a.len() < PAR_MIN_ELEMS {
@@ -140,12 +161,22 @@ impl Tensor {
     /// `min > max` sets everything to `max`. NaN bounds are an error.
     pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
         check_bounds(min, max)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda().is_some() {
+            let mut out = self.clone();
+            out.clamp_inplace(min, max)?;
+            return Ok(out);
+        }
         self.map(|x| clamp(x, min, max))
     }
 
     /// [`Tensor::clamp`] in place.
     pub fn clamp_inplace(&mut self, min: f32, max: f32) -> Result<()> {
         check_bounds(min, max)?;
+        #[cfg(feature = "cuda")]
+        if let Some(c) = self.cuda_mut() {
+            return c.clamp_inplace(min, max);
+        }
         self.map_inplace(|x| clamp(x, min, max))
     }
 

@@ -42,6 +42,16 @@ impl Tensor {
         }
         let src_dims = self.dims();
         let out_dims: Vec<usize> = dims.iter().map(|&d| src_dims[d]).collect();
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            // Walk the output in row-major order, reading the input through permuted strides.
+            let in_strides = self.shape().strides();
+            let src_strides: Vec<usize> = dims.iter().map(|&d| in_strides[d]).collect();
+            let out_shape = Shape::new(out_dims.clone());
+            let mut out = x.zeros_like(out_shape.elem_count())?;
+            x.copy_box_into(&src_strides, 0, &mut out, &out_shape.strides(), 0, &out_dims)?;
+            return Ok(Tensor::from_cuda(out, out_shape));
+        }
         let src = self.as_slice_f32()?;
         let mut out = Buffer::zeros(src.len());
         if !src.is_empty() {

@@ -38,6 +38,11 @@ impl Tensor {
             }
         }
         let spatial: usize = self.dims()[2..].iter().product();
+        #[cfg(feature = "cuda")]
+        if let (Some(x), Some(g), Some(b)) = (self.cuda(), weight.cuda(), bias.cuda()) {
+            let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps)?;
+            return Ok(Tensor::from_cuda(out, self.shape().clone()));
+        }
         let per_group = c / num_groups;
         let group_len = per_group * spatial;
         let (gamma, beta) = (weight.as_slice_f32()?, bias.as_slice_f32()?);

@@ -131,6 +131,31 @@ impl Tensor {
         };
         let out_len = checked_len(OP, &[n, cout, to, ho, wo])?;
         let [t_front, _, top, bottom, left, right] = params.padding;
+        #[cfg(feature = "cuda")]
+        if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
+            let b = bias.map(|b| b.cuda().ok_or_else(|| invalid(OP, "bias not on the device".into()))).transpose()?;
+            let g = crate::cuda::backend::ConvGeom {
+                n: n as u64,
+                cin: cin as u64,
+                t: t as u64,
+                h: h as u64,
+                w: w as u64,
+                cout: cout as u64,
+                kt: kt as u64,
+                kh: kh as u64,
+                kw: kw as u64,
+                to: to as u64,
+                ho: ho as u64,
+                wo: wo as u64,
+                stride_t: st as u64,
+                stride: sh as u64,
+                pad_front: t_front as i64,
+                pad_top: top as i64,
+                pad_left: left as i64,
+            };
+            let _ = (bottom, right, out_len); // implied by the output extents
+            return Ok(Tensor::from_cuda(x.conv3d(wt, b, g)?, Shape::new([n, cout, to, ho, wo])));
+        }
         let p2 = Conv2dParams::new(sh, [top, bottom, left, right]);
 
         // Frames contiguous: [N, T, Cin, H, W].
@@ -216,9 +241,25 @@ impl Tensor {
             return Err(invalid(OP, format!("eps must be a non-negative number, got {eps}")));
         }
         let c = self.dims()[channel_dim];
+        let inner: usize = self.dims()[channel_dim + 1..].iter().product();
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            fn check<'p>(x: &Tensor, p: &'p Tensor, c: usize) -> Result<&'p crate::cuda::backend::CudaStorage> {
+                x.check_same_device(OP, p)?;
+                let ok = p.dims().first() == Some(&c) && p.dims()[1..].iter().all(|&d| d == 1);
+                if !ok {
+                    return Err(TensorError::ShapeMismatch { op: OP, lhs: x.shape().clone(), rhs: p.shape().clone() });
+                }
+                p.cuda().ok_or_else(|| invalid(OP, "parameter not on the device".into()))
+            }
+            let g = check(self, gamma, c)?;
+            let b = bias.map(|b| check(self, b, c)).transpose()?;
+            let batch: usize = self.dims()[..channel_dim].iter().product();
+            let out = x.rms_norm_channels(g, b, [batch, c, inner], eps)?;
+            return Ok(Tensor::from_cuda(out, self.shape().clone()));
+        }
         let gamma = channel_param(OP, self, gamma, c)?;
         let bias = bias.map(|b| channel_param(OP, self, b, c)).transpose()?;
-        let inner: usize = self.dims()[channel_dim + 1..].iter().product();
         let src = self.as_slice_f32()?;
         let mut out = Buffer::zeros(src.len());
         let block = c * inner;

@@ -1,0 +1,469 @@
+//! CUDA tensor storage and the ops that run on it, through the embedded `kernels-cu/` modules.
+//!
+//! One [`CudaDevice`] per ordinal and process (context, one stream, the loaded modules), created
+//! on first use. Storage is f32 for now. Every op checks its arguments on the host exactly as
+//! the CPU op does (the CPU op's validation runs first; see the `Tensor` methods) and then
+//! launches kernels on the device's stream; results come back to the host only when asked
+//! (`to_device(Cpu)`, `to_vec_f32`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::embedded_modules;
+use crate::{Device, Result, TensorError};
+
+/// A device's context, stream and kernels.
+pub(crate) struct CudaDevice {
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    modules: Vec<(&'static str, Arc<CudaModule>)>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice(cuda:{})", self.ordinal)
+    }
+}
+
+fn unavailable(ordinal: usize, reason: impl Into<String>) -> TensorError {
+    TensorError::DeviceUnavailable { device: Device::Cuda(ordinal), reason: reason.into() }
+}
+
+fn driver(ordinal: usize, op: &'static str, e: impl std::fmt::Display) -> TensorError {
+    TensorError::InvalidArgument { op, reason: format!("CUDA driver error on cuda:{ordinal}: {e}") }
+}
+
+impl CudaDevice {
+    /// The process's device `ordinal`, opened (and its kernels loaded) on first use.
+    pub(crate) fn get(ordinal: usize) -> Result<Arc<Self>> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+        let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(Arc::clone(d));
+        }
+        let info = super::probe(ordinal).map_err(|reason| unavailable(ordinal, reason))?;
+        if embedded_modules().is_empty() {
+            return Err(unavailable(
+                ordinal,
+                "this build embeds no CUDA kernels (run `cargo xtask kernels`, then build)",
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(ordinal, e.to_string()))?;
+        // The SASS where it matches the device; PTX, compiled by the driver, elsewhere.
+        let sm90 = info.compute_capability == (9, 0);
+        let mut modules = Vec::new();
+        for m in embedded_modules() {
+            let image = if sm90 {
+                Ptx::from_binary(m.cubin_sm_90.to_vec())
+            } else if info.compute_capability.0 >= 9 {
+                Ptx::from_src(m.ptx_compute_90)
+            } else {
+                Ptx::from_src(m.ptx_compute_80)
+            };
+            let module =
+                ctx.load_module(image).map_err(|e| unavailable(ordinal, format!("loading {}: {e}", m.name)))?;
+            modules.push((m.name, module));
+        }
+        let device = Arc::new(Self { ordinal, stream: ctx.default_stream(), modules, functions: Mutex::default() });
+        devices.insert(ordinal, Arc::clone(&device));
+        Ok(device)
+    }
+
+    fn function(&self, module: &str, name: &'static str) -> Result<CudaFunction> {
+        let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let m = self
+            .modules
+            .iter()
+            .find(|(n, _)| *n == module)
+            .map(|(_, m)| m)
+            .ok_or_else(|| unavailable(self.ordinal, format!("no kernel module {module}")))?;
+        let f = m.load_function(name).map_err(|e| driver(self.ordinal, name, e))?;
+        cache.insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn alloc_zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
+        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
+    }
+}
+
+/// f32 elements on a CUDA device.
+#[derive(Clone)]
+pub(crate) struct CudaStorage {
+    pub(crate) data: CudaSlice<f32>,
+    pub(crate) device: Arc<CudaDevice>,
+    len: usize,
+}
+
+impl std::fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStorage(cuda:{}, {} f32)", self.device.ordinal, self.len)
+    }
+}
+
+/// A null device pointer, for optional kernel arguments.
+const NULL: u64 = 0;
+
+/// A 1-D grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// `ConvGeom` of `conv.cu`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct ConvGeom {
+    pub n: u64,
+    pub cin: u64,
+    pub t: u64,
+    pub h: u64,
+    pub w: u64,
+    pub cout: u64,
+    pub kt: u64,
+    pub kh: u64,
+    pub kw: u64,
+    pub to: u64,
+    pub ho: u64,
+    pub wo: u64,
+    pub stride_t: u64,
+    pub stride: u64,
+    pub pad_front: i64,
+    pub pad_top: i64,
+    pub pad_left: i64,
+}
+
+// SAFETY: plain integers in C layout, as `conv.cu` declares the struct.
+unsafe impl DeviceRepr for ConvGeom {}
+
+/// `Box8` of `layout.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Box8 {
+    extent: [u64; 8],
+    src_stride: [i64; 8],
+    dst_stride: [i64; 8],
+    rank: i32,
+}
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for Box8 {}
+
+impl CudaStorage {
+    /// Zeros on device `ordinal`.
+    pub(crate) fn zeros(ordinal: usize, len: usize) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        Ok(Self { data: device.alloc_zeros(len)?, device, len })
+    }
+
+    /// A copy of host data on device `ordinal`.
+    pub(crate) fn upload(ordinal: usize, host: &[f32]) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        if host.is_empty() {
+            return Self::zeros(ordinal, 0);
+        }
+        let data = device.stream.clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
+        Ok(Self { data, device, len: host.len() })
+    }
+
+    /// The elements, copied to the host.
+    pub(crate) fn download(&self) -> Result<Vec<f32>> {
+        let mut v =
+            self.device.stream.clone_dtoh(&self.data).map_err(|e| driver(self.device.ordinal, "download", e))?;
+        v.truncate(self.len);
+        Ok(v)
+    }
+
+    pub(crate) fn ordinal(&self) -> usize {
+        self.device.ordinal
+    }
+
+    fn like(&self, len: usize) -> Result<Self> {
+        Ok(Self { data: self.device.alloc_zeros(len)?, device: Arc::clone(&self.device), len })
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TensorError + '_ {
+        move |e| driver(self.device.ordinal, op, e)
+    }
+
+    /// `self + other`, element-wise.
+    pub(crate) fn add(&self, other: &Self) -> Result<Self> {
+        let mut out = self.like(self.len)?;
+        let f = self.device.function("elementwise", "add_f32")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&other.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .launch(elementwise(self.len))
+        }
+        .map_err(self.err("add"))?;
+        Ok(out)
+    }
+
+    /// SiLU in place.
+    pub(crate) fn silu_inplace(&mut self) -> Result<()> {
+        let f = self.device.function("elementwise", "silu_f32")?;
+        let n = self.len as u64;
+        let stream = Arc::clone(&self.device.stream);
+        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(elementwise(self.len)) }
+            .map_err(|e| driver(self.device.ordinal, "silu", e))?;
+        Ok(())
+    }
+
+    /// Clamp to `[lo, hi]` in place.
+    pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
+        let f = self.device.function("elementwise", "clamp_f32")?;
+        let n = self.len as u64;
+        let stream = Arc::clone(&self.device.stream);
+        unsafe {
+            stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(elementwise(self.len))
+        }
+        .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
+        Ok(())
+    }
+
+    /// Wan's channel RMS norm over `[batch, channels, inner]`.
+    pub(crate) fn rms_norm_channels(
+        &self,
+        gamma: &Self,
+        bias: Option<&Self>,
+        [batch, channels, inner]: [usize; 3],
+        eps: f32,
+    ) -> Result<Self> {
+        let mut out = self.like(self.len)?;
+        let f = self.device.function("norm", "rms_norm_channels_f32")?;
+        let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, 0i32);
+        let mut launch = self.device.stream.launch_builder(&f);
+        launch.arg(&self.data).arg(&mut out.data).arg(&gamma.data);
+        match bias {
+            Some(bias) => launch.arg(&bias.data),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&b).arg(&c).arg(&i).arg(&eps).arg(&silu);
+        unsafe { launch.launch(elementwise(batch * inner)) }.map_err(self.err("rms_norm_channels"))?;
+        Ok(out)
+    }
+
+    /// `nn.GroupNorm` over `[batch, channels, spatial]`.
+    pub(crate) fn group_norm(
+        &self,
+        gamma: &Self,
+        beta: &Self,
+        [batch, channels, spatial]: [usize; 3],
+        groups: usize,
+        eps: f32,
+    ) -> Result<Self> {
+        let mut out = self.like(self.len)?;
+        let f = self.device.function("norm", "group_norm_f32")?;
+        let (c, s, g, silu) = (channels as u64, spatial as u64, groups as u64, 0i32);
+        let cfg =
+            LaunchConfig { grid_dim: ((batch * groups) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&gamma.data)
+                .arg(&beta.data)
+                .arg(&c)
+                .arg(&s)
+                .arg(&g)
+                .arg(&eps)
+                .arg(&silu)
+                .launch(cfg)
+        }
+        .map_err(self.err("group_norm"))?;
+        Ok(out)
+    }
+
+    /// The implicit-GEMM convolution (2-D convs are one frame, one temporal tap).
+    pub(crate) fn conv3d(&self, weight: &Self, bias: Option<&Self>, g: ConvGeom) -> Result<Self> {
+        let len = (g.n * g.cout * g.to * g.ho * g.wo) as usize;
+        let mut out = self.like(len)?;
+        let f = self.device.function("conv", "conv3d_f32")?;
+        let cols = g.n * g.to * g.ho * g.wo;
+        let grid_x = cols.div_ceil(64);
+        let grid_y = g.cout.div_ceil(64);
+        if grid_x > u32::MAX as u64 || grid_y > 65_535 {
+            return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
+        }
+        let cfg =
+            LaunchConfig { grid_dim: (grid_x as u32, grid_y as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let accumulate = 0i32;
+        let mut launch = self.device.stream.launch_builder(&f);
+        launch.arg(&self.data).arg(&weight.data);
+        match bias {
+            Some(b) => launch.arg(&b.data),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&mut out.data).arg(&g).arg(&accumulate);
+        unsafe { launch.launch(cfg) }.map_err(self.err("conv3d"))?;
+        Ok(out)
+    }
+
+    /// Nearest upsampling of the last two dimensions of `planes` planes of `h × w`.
+    pub(crate) fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
+        let len = planes * h * w * factor * factor;
+        let mut out = self.like(len)?;
+        let f = self.device.function("layout", "upsample_nearest2d_f32")?;
+        let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&p)
+                .arg(&hh)
+                .arg(&ww)
+                .arg(&k)
+                .launch(elementwise(len))
+        }
+        .map_err(self.err("upsample_nearest2d"))?;
+        Ok(out)
+    }
+
+    /// Copies a box of `extent` at `src_offset` (row-major `src_dims`) into `dst` at
+    /// `dst_offset` (row-major `dst_dims`): narrow, cat, permute (with permuted strides).
+    pub(crate) fn copy_box_into(
+        &self,
+        src_strides: &[usize],
+        src_offset: usize,
+        dst: &mut Self,
+        dst_strides: &[usize],
+        dst_offset: usize,
+        extent: &[usize],
+    ) -> Result<()> {
+        let rank = extent.len();
+        if rank > 8 {
+            return Err(TensorError::InvalidArgument { op: "copy_box", reason: format!("rank {rank} > 8 on CUDA") });
+        }
+        let n: usize = extent.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = Box8 { extent: [1; 8], src_stride: [0; 8], dst_stride: [0; 8], rank: rank as i32 };
+        for d in 0..rank {
+            b.extent[d] = extent[d] as u64;
+            b.src_stride[d] = src_strides[d] as i64;
+            b.dst_stride[d] = dst_strides[d] as i64;
+        }
+        let f = self.device.function("layout", "copy_box_f32")?;
+        let total = n as u64;
+        let src = self.data.slice(src_offset..);
+        let mut dst_view = dst.data.slice_mut(dst_offset..);
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&src)
+                .arg(&mut dst_view)
+                .arg(&b)
+                .arg(&total)
+                .launch(elementwise(n))
+        }
+        .map_err(self.err("copy_box"))?;
+        Ok(())
+    }
+
+    /// An empty (zero) tensor of `len` elements on the same device.
+    pub(crate) fn zeros_like(&self, len: usize) -> Result<Self> {
+        self.like(len)
+    }
+
+    /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
+    /// `[batch, m, dv]`: two batched GEMMs around the row softmax.
+    pub(crate) fn attention(
+        q: &Self,
+        k: &Self,
+        v: &Self,
+        [batch, n, m, d, dv]: [usize; 5],
+        scale: f32,
+    ) -> Result<Self> {
+        let dev = &q.device;
+        let mut scores = q.like(batch * n * m)?;
+        let gemm = dev.function("gemm", "gemm_batched_f32")?;
+        let cfg = |rows: usize, cols: usize| LaunchConfig {
+            grid_dim: (cols.div_ceil(64) as u32, rows.div_ceil(64) as u32, batch as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mm, nn, kk) = (n as u64, m as u64, d as u64);
+        let (ab, ars, acs) = ((n * d) as i64, d as i64, 1i64);
+        let (bb, brs, bcs) = ((m * d) as i64, 1i64, d as i64); // kᵀ
+        let (cb, ldc, beta) = ((n * m) as i64, m as i64, 0.0f32);
+        unsafe {
+            dev.stream
+                .launch_builder(&gemm)
+                .arg(&q.data)
+                .arg(&k.data)
+                .arg(&mut scores.data)
+                .arg(&mm)
+                .arg(&nn)
+                .arg(&kk)
+                .arg(&ab)
+                .arg(&ars)
+                .arg(&acs)
+                .arg(&bb)
+                .arg(&brs)
+                .arg(&bcs)
+                .arg(&cb)
+                .arg(&ldc)
+                .arg(&scale)
+                .arg(&beta)
+                .launch(cfg(n, m))
+        }
+        .map_err(q.err("attention"))?;
+        let softmax = dev.function("attention", "softmax_rows_f32")?;
+        let (rows, cols, one) = ((batch * n) as u64, m as u64, 1.0f32);
+        let blocks = (batch * n).clamp(1, 1 << 20) as u32;
+        let cfg_rows = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe {
+            dev.stream.launch_builder(&softmax).arg(&mut scores.data).arg(&rows).arg(&cols).arg(&one).launch(cfg_rows)
+        }
+        .map_err(q.err("attention"))?;
+        let mut out = q.like(batch * n * dv)?;
+        let (mm, nn, kk) = (n as u64, dv as u64, m as u64);
+        let (ab, ars, acs) = ((n * m) as i64, m as i64, 1i64);
+        let (bb, brs, bcs) = ((m * dv) as i64, dv as i64, 1i64);
+        let (cb, ldc, alpha) = ((n * dv) as i64, dv as i64, 1.0f32);
+        unsafe {
+            dev.stream
+                .launch_builder(&gemm)
+                .arg(&scores.data)
+                .arg(&v.data)
+                .arg(&mut out.data)
+                .arg(&mm)
+                .arg(&nn)
+                .arg(&kk)
+                .arg(&ab)
+                .arg(&ars)
+                .arg(&acs)
+                .arg(&bb)
+                .arg(&brs)
+                .arg(&bcs)
+                .arg(&cb)
+                .arg(&ldc)
+                .arg(&alpha)
+                .arg(&beta)
+                .launch(cfg(n, dv))
+        }
+        .map_err(q.err("attention"))?;
+        Ok(out)
+    }
+}

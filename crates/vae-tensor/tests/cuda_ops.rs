@@ -1,0 +1,145 @@
+//! Tensor ops on a CUDA device against the same ops on the CPU: one list of cases, each run on
+//! both devices. Needs a GPU and a build with the kernels embedded (`cargo xtask kernels`);
+//! elsewhere each test says why it is skipped. Without a driver, a CUDA tensor is a typed error.
+#![cfg(feature = "cuda")]
+#![allow(clippy::print_stderr)] // a skipped GPU test says so
+
+use vae_tensor::cuda::{embedded_modules, probe};
+use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor, TensorError};
+
+const CUDA: Device = Device::Cuda(0);
+
+/// True when ops can run on `cuda:0`; otherwise prints why `test` is skipped.
+fn gpu(test: &str) -> bool {
+    if let Err(reason) = probe(0) {
+        eprintln!("{test}: skipped, {reason}");
+        return false;
+    }
+    if embedded_modules().is_empty() {
+        eprintln!("{test}: skipped, this build embeds no kernels (run `cargo xtask kernels` before building)");
+        return false;
+    }
+    true
+}
+
+fn pattern(dims: &[usize], seed: u32) -> Tensor {
+    let n: usize = dims.iter().product();
+    let data = (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 8388608.0) - 1.0)
+        .collect();
+    Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap()
+}
+
+fn gpu_of(t: &Tensor) -> Tensor {
+    t.to_device(&CUDA).unwrap()
+}
+
+/// Runs `op` on CPU copies and on CUDA copies of `inputs` and compares within `tol`.
+fn same_on_both(what: &str, inputs: &[Tensor], tol: f32, op: impl Fn(&[Tensor]) -> Tensor) {
+    let want = op(inputs);
+    let on_gpu: Vec<Tensor> = inputs.iter().map(gpu_of).collect();
+    let got = op(&on_gpu);
+    assert_eq!(got.device(), CUDA, "{what}: the result stays on the device");
+    let got = got.to_device(&Device::Cpu).unwrap();
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let diff = got.max_abs_diff(&want).unwrap();
+    assert!(diff <= tol, "{what}: max |cuda - cpu| = {diff} > {tol}");
+}
+
+#[test]
+fn without_a_usable_gpu_cuda_tensors_are_typed_errors() {
+    if probe(0).is_ok() && !embedded_modules().is_empty() {
+        eprintln!("cuda errors: skipped, this machine has a usable GPU");
+        return;
+    }
+    let err = Tensor::zeros(vec![2, 2], DType::F32, &CUDA).unwrap_err();
+    assert!(matches!(err, TensorError::DeviceUnavailable { .. }), "{err}");
+    assert!(pattern(&[3], 0).to_device(&CUDA).is_err());
+}
+
+#[test]
+fn transfers_round_trip_exactly() {
+    if !gpu("transfers") {
+        return;
+    }
+    let x = pattern(&[3, 4, 5], 1);
+    let back = gpu_of(&x).to_device(&Device::Cpu).unwrap();
+    assert!(back.bit_eq(&x));
+    assert!(Tensor::zeros(vec![7], DType::F32, &CUDA).unwrap().to_vec_f32().unwrap().iter().all(|v| *v == 0.0));
+    // A host-only op on a device tensor is an error naming the device, not a crash.
+    assert!(gpu_of(&x).as_slice_f32().is_err());
+}
+
+#[test]
+fn elementwise_ops_match() {
+    if !gpu("elementwise") {
+        return;
+    }
+    let (a, b) = (pattern(&[2, 3, 33], 2), pattern(&[2, 3, 33], 3));
+    same_on_both("add", &[a.clone(), b.clone()], 0.0, |t| t[0].add(&t[1]).unwrap());
+    same_on_both("add_assign", &[a.clone(), b.clone()], 0.0, |t| {
+        let mut x = t[0].clone();
+        x.add_assign(&t[1]).unwrap();
+        x
+    });
+    same_on_both("silu", std::slice::from_ref(&a), 1e-6, |t| t[0].silu().unwrap());
+    same_on_both("clamp", &[a.affine(3.0, 0.0).unwrap()], 0.0, |t| t[0].clamp(-1.0, 1.0).unwrap());
+}
+
+#[test]
+fn norms_match() {
+    if !gpu("norms") {
+        return;
+    }
+    let x = pattern(&[1, 16, 2, 5, 7], 4);
+    let gamma = pattern(&[16, 1, 1, 1], 5);
+    let bias = pattern(&[16], 6);
+    same_on_both("rms_norm", &[x.clone(), gamma.clone()], 1e-5, |t| {
+        t[0].rms_norm_channels(&t[1], None, 1, 1e-12).unwrap()
+    });
+    same_on_both("rms_norm + bias", &[x, gamma, bias], 1e-5, |t| {
+        t[0].rms_norm_channels(&t[1], Some(&t[2]), 1, 1e-12).unwrap()
+    });
+    let img = pattern(&[2, 8, 9, 11], 7);
+    let (w, b) = (pattern(&[8], 8), pattern(&[8], 9));
+    same_on_both("group_norm", &[img, w, b], 1e-5, |t| t[0].group_norm(4, &t[1], &t[2], 1e-6).unwrap());
+}
+
+#[test]
+fn convolutions_match() {
+    if !gpu("convolutions") {
+        return;
+    }
+    let x = pattern(&[2, 6, 13, 9], 10);
+    let w = pattern(&[10, 6, 3, 3], 11).affine(0.2, 0.0).unwrap();
+    let b = pattern(&[10], 12);
+    same_on_both("conv2d same(3)", &[x.clone(), w.clone(), b.clone()], 1e-4, |t| {
+        t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3)).unwrap()
+    });
+    same_on_both("conv2d downsample", &[x.clone(), w, b], 1e-4, |t| {
+        t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::diffusers_downsample()).unwrap()
+    });
+    let w1 = pattern(&[4, 6, 1, 1], 13);
+    same_on_both("conv2d 1x1 no bias", &[x, w1], 1e-5, |t| t[0].conv2d(&t[1], None, &Conv2dParams::default()).unwrap());
+    let v = pattern(&[1, 5, 3, 7, 6], 14);
+    let w3 = pattern(&[7, 5, 3, 3, 3], 15).affine(0.1, 0.0).unwrap();
+    let b3 = pattern(&[7], 16);
+    same_on_both("causal conv3d", &[v, w3, b3], 1e-4, |t| {
+        t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
+    });
+}
+
+#[test]
+fn layout_ops_and_attention_match() {
+    if !gpu("layout") {
+        return;
+    }
+    let x = pattern(&[2, 3, 4, 5], 17);
+    same_on_both("permute", std::slice::from_ref(&x), 0.0, |t| t[0].permute(&[0, 2, 3, 1]).unwrap());
+    same_on_both("transpose", std::slice::from_ref(&x), 0.0, |t| t[0].transpose(2, 3).unwrap());
+    same_on_both("narrow", std::slice::from_ref(&x), 0.0, |t| t[0].narrow(2, 1, 2).unwrap());
+    same_on_both("cat", &[x.clone(), x.clone()], 0.0, |t| Tensor::cat(&[&t[0], &t[1]], 3).unwrap());
+    same_on_both("upsample", &[x], 0.0, |t| t[0].upsample_nearest2d(2).unwrap());
+    let (q, k, v) = (pattern(&[2, 29, 16], 18), pattern(&[2, 31, 16], 19), pattern(&[2, 31, 8], 20));
+    same_on_both("attention", &[q, k, v], 1e-5, |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
+}
