@@ -15,7 +15,13 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_kernels", "cuda_ops"):
         shutil.copy(m["executable"], "gpu-bundle/" + m["target"]["name"])'
-test -x gpu-bundle/cuda_kernels && test -x gpu-bundle/cuda_ops
+cargo test --release -p vae-integration-tests --test cuda_models --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_models":
+        shutil.copy(m["executable"], "gpu-bundle/cuda_models")'
+test -x gpu-bundle/cuda_kernels && test -x gpu-bundle/cuda_ops && test -x gpu-bundle/cuda_models
 # Debug info off: the device machine takes at most 64 MiB with the working tree.
 strip --strip-debug gpu-bundle/*
 du -sh gpu-bundle

@@ -3,13 +3,16 @@
 # the bundle that scripts/build-gpu-bundle.sh made on the build machine (carried as gpu-bundle/).
 #
 #   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
-#   2. every CUDA kernel, then every CUDA tensor op, against the CPU backend (two test binaries);
+#   2. every CUDA kernel, every CUDA tensor op, then the video VAEs (plain and 2-rank shard)
+#      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
 #   3. NCCL's presence (the libnccl.so.2 of the machine's Python, symlinked as cudarc expects).
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
 # well under 8 minutes (the kernels test runs small shapes).
 set -u -o pipefail
 BUNDLE=${BUNDLE:-gpu-bundle}
+# The test binaries were built elsewhere: point them at this checkout's fixtures.
+export VAE_FIXTURES_DIR="$PWD/fixtures"
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 status=0
@@ -29,7 +32,7 @@ export LD_LIBRARY_PATH="$shim:${LD_LIBRARY_PATH:-}"
 step "vae-parallel devices"
 "$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
 
-for suite in cuda_kernels cuda_ops; do
+for suite in cuda_kernels cuda_ops cuda_models; do
     step "$suite (CUDA vs the CPU backend)"
     "$BUNDLE/$suite" --test-threads=1 --nocapture 2>&1 | tee "$OUT/$suite.txt" || status=1
     # On a GPU machine nothing may skip (the one test that needs no GPU says so and passes).

@@ -96,8 +96,12 @@ pub fn assert_all_succeeded(what: &str, exits: &[RankExit]) {
     }
 }
 
-/// The repository's `fixtures/` directory.
+/// The repository's `fixtures/` directory (`$VAE_FIXTURES_DIR` when set).
 pub fn fixtures_dir() -> std::path::PathBuf {
+    // A test binary carried to another machine (scripts/gpu-check.sh) names the checkout there.
+    if let Some(dir) = std::env::var_os("VAE_FIXTURES_DIR") {
+        return dir.into();
+    }
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("fixtures")
 }
 

@@ -43,6 +43,8 @@ pub struct WeightStore {
     /// `Some(seed)`: every `take` makes up a tensor instead of reading one.
     synthetic: Option<u64>,
     synthetic_params: usize,
+    /// Where `take` puts the tensors it returns.
+    device: Device,
 }
 
 impl std::fmt::Debug for WeightStore {
@@ -117,7 +119,7 @@ impl WeightStore {
             }
             shards.push(Shard { path: path.clone(), mmap, data_start: 8 + header_len });
         }
-        Ok(Self { shards, entries, taken: BTreeSet::new(), synthetic: None, synthetic_params: 0 })
+        Ok(Self { shards, entries, taken: BTreeSet::new(), synthetic: None, synthetic_params: 0, device: Device::Cpu })
     }
 
     /// A store that answers every request with seeded random weights: weights and biases of
@@ -131,6 +133,7 @@ impl WeightStore {
             taken: BTreeSet::new(),
             synthetic: Some(seed),
             synthetic_params: 0,
+            device: Device::Cpu,
         }
     }
 
@@ -202,6 +205,16 @@ impl WeightStore {
 
     /// The tensor `key` as f32, which must have shape `expected`.
     pub fn take(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
+        let host = self.take_on_host(key, expected)?;
+        if self.device.is_cpu() { Ok(host) } else { Ok(host.to_device(&self.device)?) }
+    }
+
+    /// Tensors taken from now on are placed on `device` (uploaded once, at load).
+    pub fn set_device(&mut self, device: Device) {
+        self.device = device;
+    }
+
+    fn take_on_host(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
         if let Some(seed) = self.synthetic {
             return self.make_up(seed, key, expected);
         }

@@ -97,9 +97,24 @@ impl Engine {
         tile_sample_min_size: Option<usize>,
         tile_overlap_factor: Option<f64>,
     ) -> Result<Self, EngineError> {
+        Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu)
+    }
+
+    /// [`Self::load`] with the weights on `device`. The video VAEs compute there (inputs and
+    /// outputs stay on the host); the AutoencoderKL family has no CUDA path yet and stays on
+    /// the CPU, with a warning.
+    pub fn load_on(
+        dir: &Path,
+        tile_sample_min_size: Option<usize>,
+        tile_overlap_factor: Option<f64>,
+        device: vae_tensor::Device,
+    ) -> Result<Self, EngineError> {
         let class = class_name(dir)?;
         let model = match class.as_str() {
             "AutoencoderKL" | "AutoencoderKLFlux2" => {
+                if !device.is_cpu() {
+                    tracing::warn!("{class} has no CUDA path yet; it runs on the CPU");
+                }
                 let mut m = AutoencoderKl::load(dir)?;
                 m.set_tiling(tile_sample_min_size, tile_overlap_factor)?;
                 Model::AutoencoderKl(Box::new(m))
@@ -114,7 +129,7 @@ impl Engine {
                         ),
                     });
                 }
-                Model::Video(Box::new(WanVae::load(dir)?))
+                Model::Video(Box::new(WanVae::load_on(dir, device)?))
             }
             other => {
                 return Err(EngineError::Unsupported {

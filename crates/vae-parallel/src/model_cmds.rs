@@ -102,6 +102,8 @@ struct FileConfig {
 /// Flags over the config file over defaults.
 struct Resolved {
     model: PathBuf,
+    /// Where the model computes (after the CUDA probe).
+    device: vae_parallel::tensor::Device,
     parallel_size: usize,
     group: GroupArgs,
     options: RequestOptions,
@@ -143,13 +145,14 @@ impl ParallelArgs {
         let transport = self.transport.clone().or(file.transport).unwrap_or_else(|| "local".into()).parse()?;
         let requested: vae_parallel::tensor::Device =
             self.device.clone().or(file.device).unwrap_or_else(|| "cpu".into()).parse()?;
-        let (_device, fallback) = vae_parallel::tensor::cuda::resolve_device(requested);
+        let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(requested);
         if let Some(why) = fallback {
             eprintln!("warning: --device {requested}: {why}");
         }
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         Ok(Resolved {
             model: self.model.clone(),
+            device,
             parallel_size,
             group: GroupArgs { ranks, transport, rank: None, master_addr: None },
             options: RequestOptions {
@@ -186,7 +189,8 @@ impl Resolved {
     }
 
     fn load_engine(&self) -> anyhow::Result<Engine> {
-        let mut engine = Engine::load(&self.model, self.tile_sample_min_size, self.tile_overlap_factor)?;
+        let mut engine =
+            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, self.device)?;
         if let Some((min, stride)) = self.video_tiling {
             engine.set_video_tiling(min, stride)?;
         }

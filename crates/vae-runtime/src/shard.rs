@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vae_planner::{BandPartition, ShardAxis};
-use vae_tensor::{DType, Shape, Tensor};
+use vae_tensor::{DType, Device, Shape, Tensor};
 use vae_transport::{Communicator, PeerExchange};
 
 use crate::RuntimeError;
@@ -184,8 +184,9 @@ impl<'c> ShardContext<'c> {
             return Err(invalid(format!("rank {}'s band of {len} rows is narrower than the halo {halo}", self.rank)));
         }
         let (has_prev, has_next) = (self.rank > 0, self.rank + 1 < self.ranks());
-        let first = if has_prev { Some(x.narrow(dim, 0, halo)?) } else { None };
-        let last = if has_next { Some(x.narrow(dim, len - halo, halo)?) } else { None };
+        // Rows leave through host memory (a download for a device tensor).
+        let first = if has_prev { Some(on_host(x.narrow(dim, 0, halo)?)?) } else { None };
+        let last = if has_next { Some(on_host(x.narrow(dim, len - halo, halo)?)?) } else { None };
         let mut from_prev = Vec::<u8>::new();
         let mut from_next = Vec::<u8>::new();
         {
@@ -241,8 +242,9 @@ impl<'c> ShardContext<'c> {
         let scale = self.scale_of(x)?;
         let bands = self.bands.scaled(scale);
         let mut received: Vec<Vec<u8>> = vec![Vec::new(); self.ranks()];
+        let staged = if x.device().is_cpu() { None } else { Some(x.to_device(&Device::Cpu)?) };
         {
-            let send = x.as_bytes()?;
+            let send = staged.as_ref().unwrap_or(x).as_bytes()?;
             let mut legs: Vec<PeerExchange<'_>> = received
                 .iter_mut()
                 .enumerate()
@@ -291,6 +293,11 @@ impl<'c> ShardContext<'c> {
         }
         Ok(Tensor::from_bytes(like.dtype(), dims.to_vec(), bytes, &like.device())?)
     }
+}
+
+/// `t` in host memory (no copy when it is there already).
+fn on_host(t: Tensor) -> Result<Tensor, RuntimeError> {
+    if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
 }
 
 /// The transport's element type for tensor bytes (half types travel as raw bytes).

@@ -140,6 +140,11 @@ fn layout_ops_and_attention_match() {
     same_on_both("narrow", std::slice::from_ref(&x), 0.0, |t| t[0].narrow(2, 1, 2).unwrap());
     same_on_both("cat", &[x.clone(), x.clone()], 0.0, |t| Tensor::cat(&[&t[0], &t[1]], 3).unwrap());
     same_on_both("upsample", &[x], 0.0, |t| t[0].upsample_nearest2d(2).unwrap());
+    let video = pattern(&[1, 8, 2, 3, 4], 21);
+    same_on_both("dup_up3d first chunk", std::slice::from_ref(&video), 0.0, |t| t[0].dup_up3d(2, 2, 4, true).unwrap());
+    same_on_both("dup_up3d", std::slice::from_ref(&video), 0.0, |t| t[0].dup_up3d(2, 2, 4, false).unwrap());
+    let odd = pattern(&[1, 4, 3, 4, 6], 22);
+    same_on_both("avg_down3d", &[odd], 1e-7, |t| t[0].avg_down3d(2, 2, 8).unwrap());
     let (q, k, v) = (pattern(&[2, 29, 16], 18), pattern(&[2, 31, 16], 19), pattern(&[2, 31, 8], 20));
     same_on_both("attention", &[q, k, v], 1e-5, |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
 }

@@ -11,10 +11,15 @@ use vae_runtime::{
     OperatorError, ParallelMode, ShardContext, ShardGeometry, ShardOperator, Strategy, StrategyChoice, TileMap,
     TileOperator, TilePlan,
 };
-use vae_tensor::{Conv2dParams, Conv3dParams, DType, Tensor};
+use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
+
+/// `t` in host memory (no copy when it is there already).
+fn to_host(t: Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
+}
 
 /// Frames of each causal conv's input that the next chunk needs (diffusers' `CACHE_T`).
 const CACHE_T: usize = 2;
@@ -691,6 +696,8 @@ pub enum VideoVaeClass {
 /// A loaded Wan2.1-style (or Qwen-Image) VAE, decode side.
 pub struct WanVae {
     class: VideoVaeClass,
+    /// Where the weights live and the decoder and encoder compute.
+    device: Device,
     config: WanConfig,
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
@@ -701,8 +708,15 @@ pub struct WanVae {
 
 impl WanVae {
     /// Loads a diffusers `AutoencoderKLWan` or `AutoencoderKLQwenImage` directory (every
-    /// weight must be used).
+    /// weight must be used), onto the CPU.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_on(dir, Device::Cpu)
+    }
+
+    /// [`Self::load`] with the weights on `device`: the encoder and decoder then compute there,
+    /// while inputs, outputs, tiles and bands stay on the host (each computation uploads its
+    /// input and downloads its result), so nothing above the model changes.
+    pub fn load_on(dir: &Path, device: Device) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
         let config: WanConfig = serde_json::from_str(&text)
@@ -723,6 +737,7 @@ impl WanVae {
             return Err(ModelError::Unsupported("Wan VAEs with attention scales are not implemented yet".into()));
         }
         let mut store = WeightStore::open_dir(dir)?;
+        store.set_device(device);
         let mut w = Weights::new(&mut store);
         let z = config.z_dim;
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
@@ -733,7 +748,16 @@ impl WanVae {
         store.finish()?;
         let ratio = config.scale_factor_spatial.unwrap_or(8);
         let patch = config.patch_size.filter(|p| *p > 1);
-        Ok(Self { class, config, post_quant_conv, decoder, quant_conv, encoder, tiling: WanTiling::new(ratio, patch) })
+        Ok(Self {
+            class,
+            device,
+            config,
+            post_quant_conv,
+            decoder,
+            quant_conv,
+            encoder,
+            tiling: WanTiling::new(ratio, patch),
+        })
     }
 
     /// The tile geometry (diffusers' defaults: 256-pixel tiles every 192 pixels).
@@ -760,6 +784,19 @@ impl WanVae {
     /// The configuration.
     pub fn config(&self) -> &WanConfig {
         &self.config
+    }
+
+    /// Where the model computes.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// `x` on the model's device (no copy on the CPU).
+    fn on_device<'t>(&self, x: &'t Tensor, slot: &'t mut Option<Tensor>) -> Result<&'t Tensor> {
+        if x.device() == self.device {
+            return Ok(x);
+        }
+        Ok(slot.insert(x.to_device(&self.device)?))
     }
 
     /// Which diffusers class was loaded.
@@ -832,6 +869,8 @@ impl WanVae {
 
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
+        let mut uploaded = None;
+        let x = self.on_device(x, &mut uploaded)?;
         let encoder = &self.encoder;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
@@ -843,7 +882,7 @@ impl WanVae {
             outs.push(encoder.forward(&x.narrow(2, start, len)?, &mut cache)?);
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
-        self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)
+        to_host(self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)?)
     }
 
     /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
@@ -980,6 +1019,8 @@ impl WanVae {
     /// [`Self::decode_frames`] of the whole latent, or of this rank's band of it (`z` is then
     /// the band; the result is the output's band).
     fn decode_frames_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
+        let mut uploaded = None;
+        let z = self.on_device(z, &mut uploaded)?;
         let d = z.dims();
         // 1×1×1: per pixel, local on a band.
         let x = self.post_quant_conv.forward(z, None)?;
@@ -990,7 +1031,7 @@ impl WanVae {
             frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache, i == 0, band.as_deref_mut())?);
         }
         let refs: Vec<&Tensor> = frames.iter().collect();
-        Ok(Tensor::cat(&refs, 2)?)
+        to_host(Tensor::cat(&refs, 2)?)
     }
 }
 

@@ -381,6 +381,32 @@ impl CudaStorage {
         Ok(())
     }
 
+    /// Wan2.2's `DupUp3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
+    /// `[out_channels, ft, fs, repeats, drop]`.
+    pub(crate) fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
+        self.layout_kernel("dup_up3d_f32", dims, params, out_len)
+    }
+
+    /// Wan2.2's `AvgDown3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
+    /// `[out_channels, ft, fs, group, pad_t]`.
+    pub(crate) fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
+        self.layout_kernel("avg_down3d_f32", dims, params, out_len)
+    }
+
+    /// A `layout.cu` kernel taking `(x, out, five dims, five parameters)` as u64s.
+    fn layout_kernel(&self, name: &'static str, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
+        let mut out = self.like(out_len)?;
+        let f = self.device.function("layout", name)?;
+        let args: Vec<u64> = dims.iter().chain(&params).map(|&v| v as u64).collect();
+        let mut launch = self.device.stream.launch_builder(&f);
+        launch.arg(&self.data).arg(&mut out.data);
+        for a in &args {
+            launch.arg(a);
+        }
+        unsafe { launch.launch(elementwise(out_len)) }.map_err(self.err(name))?;
+        Ok(out)
+    }
+
     /// An empty (zero) tensor of `len` elements on the same device.
     pub(crate) fn zeros_like(&self, len: usize) -> Result<Self> {
         self.like(len)

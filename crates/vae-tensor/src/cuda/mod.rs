@@ -7,9 +7,9 @@
 //!
 //! Status: device discovery, the kernel table, and f32 CUDA tensors (`Tensor::to_device`) with
 //! CUDA paths for the ops the decoders use most (add, SiLU, clamp, RMS and group norm, conv2d /
-//! conv3d, nearest upsample, narrow / cat / permute, attention) are built. None of it has run on
-//! a GPU yet, and the models do not run on CUDA yet, so [`resolve_device`] still places work on
-//! the CPU and says why.
+//! conv3d, nearest upsample, narrow / cat / permute, attention, Wan2.2's DupUp3D / AvgDown3D)
+//! are built, and the video VAEs can be loaded onto a CUDA device. None of it has run on a GPU
+//! yet.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -73,23 +73,23 @@ pub fn probe(ordinal: usize) -> Result<CudaDeviceInfo, String> {
     asked.unwrap_or_else(|_| Err("the CUDA driver library failed to load".into()))
 }
 
-/// Where work asked for `requested` actually runs, and a message when that is not `requested`.
+/// Where work asked for `requested` can run: the CUDA device when the driver opens it and this
+/// build embeds the kernels, else the CPU with the reason.
 pub fn resolve_device(requested: Device) -> (Device, Option<String>) {
     match requested {
         Device::Cpu => (Device::Cpu, None),
-        Device::Cuda(ordinal) => {
-            let why = match probe(ordinal) {
-                Err(reason) => format!("CUDA unavailable: {reason}"),
-                Ok(info) => format!(
-                    "found cuda:{ordinal} ({}, sm_{}{}, {} GiB), but the models do not run on the CUDA backend yet",
-                    info.name,
-                    info.compute_capability.0,
-                    info.compute_capability.1,
-                    info.total_memory >> 30
-                ),
-            };
-            (Device::Cpu, Some(format!("{why}; running on the CPU")))
-        }
+        Device::Cuda(ordinal) => match probe(ordinal) {
+            Err(reason) => (Device::Cpu, Some(format!("CUDA unavailable: {reason}; running on the CPU"))),
+            Ok(info) if embedded_modules().is_empty() => (
+                Device::Cpu,
+                Some(format!(
+                    "found cuda:{ordinal} ({}), but this build embeds no CUDA kernels (run `cargo xtask kernels`, \
+                     then build); running on the CPU",
+                    info.name
+                )),
+            ),
+            Ok(_) => (requested, None),
+        },
     }
 }
 
@@ -100,10 +100,11 @@ mod tests {
     #[test]
     fn asking_for_a_gpu_never_panics_and_always_says_where_work_runs() {
         assert_eq!(resolve_device(Device::Cpu), (Device::Cpu, None));
-        let (device, message) = resolve_device(Device::Cuda(0));
-        assert_eq!(device, Device::Cpu);
-        let message = message.expect("a fallback is explained");
-        assert!(message.ends_with("running on the CPU"), "{message}");
+        match resolve_device(Device::Cuda(0)) {
+            (Device::Cuda(0), None) => assert!(probe(0).is_ok() && !embedded_modules().is_empty()),
+            (Device::Cpu, Some(message)) => assert!(message.ends_with("running on the CPU"), "{message}"),
+            other => panic!("unexpected {other:?}"),
+        }
         // A device far beyond any machine is refused by name when a driver exists.
         if let Err(reason) = probe(4096) {
             assert!(reason.contains("no CUDA") || reason.contains("driver"), "{reason}");

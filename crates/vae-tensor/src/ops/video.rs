@@ -312,6 +312,13 @@ impl Tensor {
         let group = folded / out_channels;
         let pad_t = (factor_t - t % factor_t) % factor_t;
         let tp = t + pad_t;
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            let (t2, h2, w2) = (tp / factor_t, h / factor_s, w / factor_s);
+            let out_len = checked_len(OP, &[n, out_channels, t2, h2, w2])?;
+            let out = x.avg_down3d([n, c, t, h, w], [out_channels, factor_t, factor_s, group, pad_t], out_len)?;
+            return Ok(Tensor::from_cuda(out, Shape::new([n, out_channels, t2, h2, w2])));
+        }
         let x = if pad_t > 0 {
             let zeros = Tensor::zeros([n, c, pad_t, h, w], self.dtype(), &self.device())?;
             Tensor::cat(&[&zeros, self], 2)?
@@ -365,6 +372,14 @@ impl Tensor {
         }
         let repeats = unfolded / c;
         checked_len(OP, &[n, unfolded, t, h, w])?;
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            let drop = if first_chunk && factor_t > 1 { (factor_t - 1).min(t * factor_t) } else { 0 };
+            let dims = [n, out_channels, t * factor_t - drop, h * factor_s, w * factor_s];
+            let out_len = checked_len(OP, &dims)?;
+            let out = x.dup_up3d([n, c, t, h, w], [out_channels, factor_t, factor_s, repeats, drop], out_len)?;
+            return Ok(Tensor::from_cuda(out, Shape::new(dims)));
+        }
         let src = self.as_slice_f32()?;
         let chan = t * h * w;
         let mut rep = Buffer::zeros(n * unfolded * chan);
