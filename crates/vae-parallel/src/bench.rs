@@ -85,6 +85,9 @@ pub struct DecodeBenchArgs {
     /// Print one JSON object (the numbers of the table) instead of the table.
     #[arg(long)]
     json: bool,
+    /// `cpu` (default) or `cuda[:N]` (video VAEs; falls back to the CPU with a warning).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// Options of `bench transport`.
@@ -278,11 +281,11 @@ struct DecodeRun {
 /// Loads the engine once, decodes once to warm up, then times `iters` decodes. Memory is
 /// measured as `scripts/bench_diffusers.py` does: the resident high-water mark is reset after
 /// the load, the baseline is the resident set then, and the peak is `VmHWM` at the end.
-fn decode_on_one_rank(model: &Path, latent: &Path, iters: usize) -> anyhow::Result<DecodeRun> {
+fn decode_on_one_rank(model: &Path, latent: &Path, iters: usize, device: Device) -> anyhow::Result<DecodeRun> {
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
-        let engine = Engine::load(model, None, None)?;
+        let engine = Engine::load_on(model, None, None, device)?;
         let latent = vae_parallel::io::read_tensor(latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
         // Weights and the latent: the high-water mark below counts them too.
@@ -316,7 +319,11 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         // First thing, before any parallel work can create the default pool.
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("sizing rayon's global thread pool")?;
     }
-    let run = decode_on_one_rank(&args.model, &args.latent, args.iters)?;
+    let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(args.device.parse()?);
+    if let Some(why) = fallback {
+        eprintln!("warning: --device {}: {why}", args.device);
+    }
+    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
     let mut sorted = run.times.clone();
@@ -333,6 +340,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         let value = serde_json::json!({
             "kind": "decode",
             "impl": "vae-parallel",
+            "device": device.to_string(),
             "size": run.output.last().copied().unwrap_or(0),
             "output_shape": run.output,
             "threads": threads,
@@ -351,7 +359,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "decode {} → {:?}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
+        "decode {} → {:?} on {device}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
         args.latent.display(),
         run.output,
         args.iters
