@@ -21,7 +21,13 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_models":
         shutil.copy(m["executable"], "gpu-bundle/cuda_models")'
-test -x gpu-bundle/cuda_kernels && test -x gpu-bundle/cuda_ops && test -x gpu-bundle/cuda_models
+cargo test --release -p vae-transport --test nccl --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
+        shutil.copy(m["executable"], "gpu-bundle/nccl")'
+test -x gpu-bundle/cuda_kernels && test -x gpu-bundle/cuda_ops && test -x gpu-bundle/cuda_models && test -x gpu-bundle/nccl
 # Debug info off: the device machine takes at most 64 MiB with the working tree.
 strip --strip-debug gpu-bundle/*
 du -sh gpu-bundle

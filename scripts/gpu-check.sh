@@ -5,7 +5,8 @@
 #   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
 #   2. every CUDA kernel, every CUDA tensor op, then the video VAEs (plain and 2-rank shard)
 #      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
-#   3. the Wan2.1 480x832x17 decode benchmark, diffusers (f32, bf16) vs ours (f32), same GPU.
+#   3. the NCCL backend's collectives (world size 1; every GPU when there are several);
+#   4. the Wan2.1 480x832x17 decode benchmark, diffusers (f32, bf16) vs ours (f32), same GPU.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
 # well under 8 minutes (the kernels test runs small shapes).
@@ -32,7 +33,7 @@ export LD_LIBRARY_PATH="$shim:${LD_LIBRARY_PATH:-}"
 step "vae-parallel devices"
 "$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
 
-for suite in cuda_kernels cuda_ops cuda_models; do
+for suite in cuda_kernels cuda_ops cuda_models nccl; do
     step "$suite (CUDA vs the CPU backend)"
     "$BUNDLE/$suite" --test-threads=1 --nocapture 2>&1 | tee "$OUT/$suite.txt" || status=1
     # On a GPU machine nothing may skip (the one test that needs no GPU says so and passes).

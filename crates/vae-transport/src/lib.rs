@@ -24,6 +24,8 @@ mod config;
 mod error;
 pub mod local;
 mod mesh;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod pool;
 pub mod socket;
 mod stats;
@@ -33,6 +35,8 @@ use std::fmt;
 pub use config::{ENV_COLLECTIVE_TIMEOUT, ENV_CONNECT_TIMEOUT, ENV_FAILURE_TIMEOUT, TransportConfig};
 pub use error::{Result, TransportError};
 pub use local::{LocalComm, local_group, run_local};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, nccl_available};
 pub use socket::{Endpoint, SocketComm, SocketOptions};
 pub use stats::{CommStats, OpStats};
 

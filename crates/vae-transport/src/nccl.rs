@@ -1,0 +1,366 @@
+//! The `nccl` backend: the [`Communicator`] collectives over NCCL (cudarc, loaded at run time),
+//! one rank per GPU: single-process multi-GPU ([`NcclComm::from_devices`], one thread per GPU)
+//! or one process per GPU ([`NcclComm::from_bootstrap`], the NCCL unique id handed out over an
+//! already-joined group such as the socket backend).
+//!
+//! The trait moves host bytes, so every collective stages its buffer through device memory:
+//! variable-length contributions travel as a length exchange then an equal-length (padded)
+//! collective; `gather` is an all_gather whose non-roots drop the result (NCCL has no gather);
+//! paired exchanges are grouped `ncclSend`/`ncclRecv` calls, lengths first. NCCL refuses two
+//! ranks on one GPU: several ranks on one GPU use the `local` backend instead.
+//!
+//! Status: compiles and builds with no CUDA installed; not yet run on a GPU. NCCL has no
+//! timeouts of its own: a rank that dies mid-collective can leave the others waiting (the
+//! socket backend's failure detection does not apply here).
+
+use std::sync::Arc;
+use std::sync::Mutex;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+
+use crate::stats::StatsCounters;
+use crate::{
+    ByteBuf, CommStats, Communicator, CommunicatorExt, DataType, PeerExchange, ReduceOp, Result, TransportError,
+};
+
+/// One rank of an NCCL group.
+pub struct NcclComm {
+    /// Behind a lock: an NCCL communicator must not be used by two threads at once.
+    comm: Mutex<Comm>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    size: usize,
+    stats: StatsCounters,
+    /// Set by [`Communicator::abort`]: later calls fail instead of entering NCCL.
+    aborted: Mutex<Option<String>>,
+}
+
+// SAFETY: `Comm` holds a raw `ncclComm_t`, which NCCL lets any thread use as long as calls are
+// not concurrent; every use here goes through the `comm` mutex. The stream and counters are
+// already thread-safe.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm").field("rank", &self.rank).field("size", &self.size).finish()
+    }
+}
+
+fn unavailable(what: impl std::fmt::Display) -> TransportError {
+    TransportError::Unavailable(format!("nccl: {what}"))
+}
+
+fn nccl_err(op: &str, e: impl std::fmt::Debug) -> TransportError {
+    TransportError::Io { rank: None, context: format!("nccl {op}"), message: format!("{e:?}") }
+}
+
+/// Checks that the CUDA driver and NCCL libraries can be loaded (cudarc panics otherwise).
+fn check_libraries() -> Result<()> {
+    // SAFETY: only dlopens candidate library names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(unavailable("no CUDA driver (libcuda.so was not found)"));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(unavailable(
+            "libnccl.so was not found (pip wheels ship libnccl.so.2: link it as libnccl.so on LD_LIBRARY_PATH)",
+        ));
+    }
+    Ok(())
+}
+
+impl NcclComm {
+    /// One communicator per GPU in `ordinals`, in one process (rank `i` on `ordinals[i]`); run
+    /// each on its own thread.
+    pub fn from_devices(ordinals: &[usize]) -> Result<Vec<Self>> {
+        check_libraries()?;
+        let streams = ordinals
+            .iter()
+            .map(|&o| {
+                CudaContext::new(o).map(|c| c.default_stream()).map_err(|e| unavailable(format!("cuda:{o}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let comms = Comm::from_devices(streams.clone()).map_err(|e| nccl_err("comm init", e))?;
+        let size = comms.len();
+        Ok(comms
+            .into_iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (comm, stream))| Self::wrap(comm, stream, rank, size))
+            .collect())
+    }
+
+    /// This process's rank of an NCCL group on GPU `ordinal`, with the same rank and size as
+    /// `bootstrap` (an already-joined group, e.g. the socket backend): rank 0 makes the NCCL
+    /// unique id and broadcasts it over `bootstrap`.
+    pub fn from_bootstrap(bootstrap: &dyn Communicator, ordinal: usize) -> Result<Self> {
+        // Every rank joins the broadcast, even one that cannot load NCCL, so nobody waits.
+        let local = check_libraries();
+        let mut id_bytes: Vec<u8> = match (&local, bootstrap.rank()) {
+            (Ok(()), 0) => {
+                let id = Id::new().map_err(|e| nccl_err("unique id", e))?;
+                id.internal().iter().map(|c| *c as u8).collect()
+            }
+            _ => Vec::new(),
+        };
+        bootstrap.broadcast(0, &mut id_bytes)?;
+        local?;
+        let internal: [std::ffi::c_char; 128] = id_bytes
+            .iter()
+            .map(|b| *b as std::ffi::c_char)
+            .collect::<Vec<_>>()
+            .try_into()
+            .map_err(|_| unavailable("rank 0 could not make an NCCL unique id"))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("cuda:{ordinal}: {e}")))?;
+        let stream = ctx.default_stream();
+        let comm = Comm::from_rank(Arc::clone(&stream), bootstrap.rank(), bootstrap.size(), Id::uninit(internal))
+            .map_err(|e| nccl_err("comm init", e))?;
+        Ok(Self::wrap(comm, stream, bootstrap.rank(), bootstrap.size()))
+    }
+
+    fn wrap(comm: Comm, stream: Arc<CudaStream>, rank: usize, size: usize) -> Self {
+        Self { comm: Mutex::new(comm), stream, rank, size, stats: StatsCounters::default(), aborted: Mutex::new(None) }
+    }
+
+    fn comm(&self) -> std::sync::MutexGuard<'_, Comm> {
+        self.comm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_open(&self) -> Result<()> {
+        match &*self.aborted.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(reason) => Err(TransportError::Aborted { rank: self.rank, reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    fn upload(&self, bytes: &[u8], len: usize) -> Result<CudaSlice<u8>> {
+        let mut padded = bytes.to_vec();
+        padded.resize(len.max(1), 0);
+        self.stream.clone_htod(&padded).map_err(|e| nccl_err("upload", e))
+    }
+
+    fn download(&self, d: &CudaSlice<u8>) -> Result<Vec<u8>> {
+        self.stream.clone_dtoh(d).map_err(|e| nccl_err("download", e))
+    }
+
+    /// Every rank's `u64`, in rank order.
+    fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>> {
+        let send = self.stream.clone_htod(&[v]).map_err(|e| nccl_err("upload", e))?;
+        let mut recv = self.stream.alloc_zeros::<u64>(self.size).map_err(|e| nccl_err("alloc", e))?;
+        self.comm().all_gather(&send, &mut recv).map_err(|e| nccl_err("all_gather", e))?;
+        self.stream.clone_dtoh(&recv).map_err(|e| nccl_err("download", e))
+    }
+
+    /// The padded all_gather behind `all_gather_bytes` and `gather_bytes`: each rank's bytes.
+    fn gather_all(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let lens = self.all_gather_u64(send.len() as u64)?;
+        let max = lens.iter().copied().max().unwrap_or(0) as usize;
+        let d_send = self.upload(send, max)?;
+        let mut d_recv = self.stream.alloc_zeros::<u8>(max.max(1) * self.size).map_err(|e| nccl_err("alloc", e))?;
+        self.comm().all_gather(&d_send, &mut d_recv).map_err(|e| nccl_err("all_gather", e))?;
+        let all = self.download(&d_recv)?;
+        Ok(lens.iter().enumerate().map(|(r, &len)| all[r * max.max(1)..][..len as usize].to_vec()).collect())
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn all_gather_bytes(&self, _dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
+        self.check_open()?;
+        let parts = self.gather_all(send)?;
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        recv.assign_concat(&refs)?;
+        let received: usize = parts.iter().map(Vec::len).sum();
+        self.stats.all_gather.record(send.len() * (self.size - 1), received - send.len());
+        Ok(parts.iter().map(Vec::len).collect())
+    }
+
+    fn gather_bytes(
+        &self,
+        root: usize,
+        _dtype: DataType,
+        send: &[u8],
+        recv: &mut dyn ByteBuf,
+    ) -> Result<Option<Vec<usize>>> {
+        self.check_open()?;
+        if root >= self.size {
+            return Err(TransportError::InvalidArgument(format!("gather root {root} in a group of {}", self.size)));
+        }
+        let parts = self.gather_all(send)?;
+        self.stats.gather.record(if self.rank == root { 0 } else { send.len() }, 0);
+        if self.rank != root {
+            return Ok(None);
+        }
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        recv.assign_concat(&refs)?;
+        Ok(Some(parts.iter().map(Vec::len).collect()))
+    }
+
+    fn broadcast_bytes(&self, root: usize, _dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
+        self.check_open()?;
+        if root >= self.size {
+            return Err(TransportError::InvalidArgument(format!("broadcast root {root} in a group of {}", self.size)));
+        }
+        let mut len = self.stream.clone_htod(&[buf.as_bytes().len() as u64]).map_err(|e| nccl_err("upload", e))?;
+        self.comm().broadcast_in_place(&mut len, root as i32).map_err(|e| nccl_err("broadcast", e))?;
+        let len = self.stream.clone_dtoh(&len).map_err(|e| nccl_err("download", e))?[0] as usize;
+        let mut data = self.upload(if self.rank == root { buf.as_bytes() } else { &[] }, len)?;
+        self.comm().broadcast_in_place(&mut data, root as i32).map_err(|e| nccl_err("broadcast", e))?;
+        let bytes = self.download(&data)?;
+        buf.assign_concat(&[&bytes[..len]])?;
+        self.stats
+            .broadcast
+            .record(if self.rank == root { len * (self.size - 1) } else { 0 }, if self.rank == root { 0 } else { len });
+        Ok(())
+    }
+
+    fn all_reduce_bytes(&self, dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<()> {
+        self.check_open()?;
+        let lens = self.all_gather_u64(buf.len() as u64)?;
+        if let Some((r, &l)) = lens.iter().enumerate().find(|(_, l)| **l as usize != buf.len()) {
+            return Err(TransportError::LengthMismatch {
+                op: "all_reduce",
+                local_rank: self.rank,
+                local: buf.len(),
+                rank: r,
+                remote: l as usize,
+            });
+        }
+        let nccl_op = match op {
+            ReduceOp::Sum => NcclOp::Sum,
+            ReduceOp::Max => NcclOp::Max,
+        };
+        let len = buf.len();
+        macro_rules! reduce {
+            ($t:ty) => {{
+                let values: &mut [$t] = bytemuck::try_cast_slice_mut(buf)
+                    .map_err(|_| TransportError::InvalidArgument(format!("{len} bytes are not {dtype} elements")))?;
+                let mut d = self.stream.clone_htod(&*values).map_err(|e| nccl_err("upload", e))?;
+                self.comm().all_reduce_in_place(&mut d, &nccl_op).map_err(|e| nccl_err("all_reduce", e))?;
+                let out = self.stream.clone_dtoh(&d).map_err(|e| nccl_err("download", e))?;
+                values.copy_from_slice(&out);
+            }};
+        }
+        match dtype {
+            DataType::U8 => reduce!(u8),
+            DataType::I64 => reduce!(i64),
+            DataType::U64 => reduce!(u64),
+            DataType::F32 => reduce!(f32),
+            DataType::F64 => reduce!(f64),
+        }
+        self.stats.all_reduce.record(len, len);
+        Ok(())
+    }
+
+    fn exchange_bytes(&self, _dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
+        self.check_open()?;
+        if let Some(bad) = legs.iter().find(|l| l.peer >= self.size || l.peer == self.rank) {
+            return Err(TransportError::InvalidArgument(format!(
+                "exchange with rank {} from rank {}",
+                bad.peer, self.rank
+            )));
+        }
+        // Lengths first (grouped, so no pair can deadlock), then the payloads.
+        let send_lens: Vec<CudaSlice<u64>> = legs
+            .iter()
+            .map(|l| self.stream.clone_htod(&[l.send.len() as u64]).map_err(|e| nccl_err("upload", e)))
+            .collect::<Result<_>>()?;
+        let mut recv_lens: Vec<CudaSlice<u64>> = legs
+            .iter()
+            .map(|_| self.stream.alloc_zeros::<u64>(1).map_err(|e| nccl_err("alloc", e)))
+            .collect::<Result<_>>()?;
+        {
+            let comm = self.comm();
+            let mut group = comm.group();
+            for (leg, (s, r)) in legs.iter().zip(send_lens.iter().zip(recv_lens.iter_mut())) {
+                group.send(s.as_view(), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                group.recv(r.as_view_mut(), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+            }
+        }
+        let lens: Vec<usize> = recv_lens
+            .iter()
+            .map(|d| self.stream.clone_dtoh(d).map(|v| v[0] as usize).map_err(|e| nccl_err("download", e)))
+            .collect::<Result<_>>()?;
+        let sends: Vec<CudaSlice<u8>> =
+            legs.iter().map(|l| self.upload(l.send, l.send.len())).collect::<Result<_>>()?;
+        let mut recvs: Vec<CudaSlice<u8>> = lens
+            .iter()
+            .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
+            .collect::<Result<_>>()?;
+        {
+            let comm = self.comm();
+            let mut group = comm.group();
+            for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
+                if !leg.send.is_empty() {
+                    group.send(s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                }
+                if n > 0 {
+                    group.recv(r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                }
+            }
+        }
+        let (mut sent, mut received) = (0, 0);
+        for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
+            let bytes = self.download(r)?;
+            leg.recv.assign_concat(&[&bytes[..n]])?;
+            sent += leg.send.len();
+            received += n;
+        }
+        self.stats.exchange.record(sent, received);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.check_open()?;
+        let mut one = [0u8; 8];
+        self.all_reduce_bytes(DataType::U64, ReduceOp::Sum, &mut one)?;
+        self.stats.barrier.record(0, 0);
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut aborted = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
+        if aborted.is_none() {
+            tracing::error!(rank = self.rank, "nccl rank aborted: {reason}");
+            *aborted = Some(reason.to_string());
+        }
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+}
+
+/// Whether an NCCL group can be made on this machine, or why not (for reports and tests).
+pub fn nccl_available() -> std::result::Result<(), String> {
+    check_libraries().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_nccl_or_a_gpu_making_a_group_is_a_clear_error() {
+        if nccl_available().is_ok() {
+            return; // a GPU machine: the GPU tests cover it
+        }
+        let err = NcclComm::from_devices(&[0]).unwrap_err();
+        assert!(matches!(err, TransportError::Unavailable(_)), "{err}");
+        assert!(err.to_string().contains("nccl"), "{err}");
+    }
+}
