@@ -33,9 +33,12 @@ export LD_LIBRARY_PATH="$shim:${LD_LIBRARY_PATH:-}"
 step "vae-parallel devices"
 "$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
 
-for suite in cuda_kernels cuda_ops cuda_models nccl; do
+for suite in cuda_kernels cuda_ops conformance conformance_video cuda_models nccl; do
     step "$suite (CUDA vs the CPU backend)"
-    "$BUNDLE/$suite" --test-threads=1 --nocapture 2>&1 | tee "$OUT/$suite.txt" || status=1
+    # The conformance suites run their CPU instantiation too: only the cuda:: tests matter here.
+    filter=""
+    case $suite in conformance*) filter="cuda::" ;; esac
+    "$BUNDLE/$suite" $filter --test-threads=1 --nocapture 2>&1 | tee "$OUT/$suite.txt" || status=1
     # On a GPU machine nothing may skip (the one test that needs no GPU says so and passes).
     if grep "skipped" "$OUT/$suite.txt" | grep -vq "this machine has a usable GPU"; then
         echo "$suite: a GPU test was skipped on a GPU machine: treated as a failure"

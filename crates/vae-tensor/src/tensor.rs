@@ -336,12 +336,20 @@ impl Tensor {
 
     /// Every element times `factor`.
     pub fn scale(&self, factor: f32) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            return Ok(Self::from_cuda(x.affine(factor, -0.0)?, self.shape.clone()));
+        }
         let data = self.as_slice_f32()?.iter().map(|x| x * factor).collect();
         Self::from_vec(data, self.shape.clone(), &self.device())
     }
 
     /// `x * mul + add` element-wise, rounded after each operation (as two PyTorch ops).
     pub fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(x) = self.cuda() {
+            return Ok(Self::from_cuda(x.affine(mul, add)?, self.shape.clone()));
+        }
         let data = self.as_slice_f32()?.iter().map(|x| (x * mul) + add).collect();
         Self::from_vec(data, self.shape.clone(), &self.device())
     }
@@ -426,7 +434,8 @@ impl Tensor {
         if self.shape != other.shape {
             return Ok(f32::INFINITY);
         }
-        let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
+        // Either side may live on a device: compare host copies.
+        let (a, b) = (self.to_vec_f32()?, other.to_vec_f32()?);
         Ok(a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
             let d = (x - y).abs();
             if d.is_nan() || m.is_nan() { f32::NAN } else { m.max(d) }
@@ -435,12 +444,17 @@ impl Tensor {
 
     /// True when shape, dtype and every bit of the data are equal.
     pub fn bit_eq(&self, other: &Tensor) -> bool {
-        self.shape == other.shape
-            && self.dtype() == other.dtype()
-            && match (self.as_bytes(), other.as_bytes()) {
-                (Ok(a), Ok(b)) => a == b,
+        if self.shape != other.shape || self.dtype() != other.dtype() {
+            return false;
+        }
+        match (self.as_bytes(), other.as_bytes()) {
+            (Ok(a), Ok(b)) => a == b,
+            // A device tensor: compare the bits of host copies.
+            _ => match (self.to_vec_f32(), other.to_vec_f32()) {
+                (Ok(a), Ok(b)) => a.iter().map(|v| v.to_bits()).eq(b.iter().map(|v| v.to_bits())),
                 _ => false,
-            }
+            },
+        }
     }
 }
 

@@ -464,6 +464,23 @@ macro_rules! conformance_tests {
     };
 }
 
+/// Instantiates checks for `cuda:0`, each skipped (with the reason) without a usable GPU.
+#[cfg(feature = "cuda")]
+macro_rules! cuda_conformance_tests {
+    ([$($check:ident),* $(,)?]) => {
+        mod cuda {
+            $(
+                #[test]
+                fn $check() {
+                    if let Some(device) = super::support::usable_cuda(stringify!($check)) {
+                        super::$check(&device);
+                    }
+                }
+            )*
+        }
+    };
+}
+
 conformance_tests!(
     cpu,
     vae_tensor::Device::Cpu,
@@ -479,3 +496,11 @@ conformance_tests!(
         bad_inputs_are_errors,
     ]
 );
+
+// The checks whose ops have CUDA paths; the others are CPU-only so far.
+#[cfg(feature = "cuda")]
+cuda_conformance_tests!([
+    conv2d_matches_reference,
+    conv2d_is_independent_of_thread_count,
+    group_norm_matches_reference
+]);

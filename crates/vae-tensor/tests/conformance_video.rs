@@ -461,6 +461,23 @@ macro_rules! conformance_tests {
     };
 }
 
+/// Instantiates checks for `cuda:0`, each skipped (with the reason) without a usable GPU.
+#[cfg(feature = "cuda")]
+macro_rules! cuda_conformance_tests {
+    ([$($check:ident),* $(,)?]) => {
+        mod cuda {
+            $(
+                #[test]
+                fn $check() {
+                    if let Some(device) = super::support::usable_cuda(stringify!($check)) {
+                        super::$check(&device);
+                    }
+                }
+            )*
+        }
+    };
+}
+
 conformance_tests!(
     cpu,
     vae_tensor::Device::Cpu,
@@ -475,3 +492,15 @@ conformance_tests!(
         bad_video_inputs_are_errors,
     ]
 );
+
+// Every check but the bad-input one (its errors come before any device work).
+#[cfg(feature = "cuda")]
+cuda_conformance_tests!([
+    conv3d_matches_reference,
+    conv3d_causal_cache_matches_whole_clip,
+    rms_norm_matches_reference,
+    upsample_nearest_on_video,
+    avg_down_dup_up_match_reference,
+    avg_down_dup_up_hand_examples,
+    patchify_matches_reference,
+]);

@@ -214,6 +214,27 @@ impl CudaStorage {
         Ok(out)
     }
 
+    /// `x * mul + add`, two roundings (`affine_f32`). With `add = -0.0` this is exactly `x * mul`,
+    /// signed zeros included.
+    pub(crate) fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+        let mut out = self.like(self.len)?;
+        let f = self.device.function("elementwise", "affine_f32")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .arg(&mul)
+                .arg(&add)
+                .launch(elementwise(self.len))
+        }
+        .map_err(self.err("affine"))?;
+        Ok(out)
+    }
+
     /// SiLU in place.
     pub(crate) fn silu_inplace(&mut self) -> Result<()> {
         let f = self.device.function("elementwise", "silu_f32")?;

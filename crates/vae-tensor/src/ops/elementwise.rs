@@ -98,6 +98,10 @@ impl Tensor {
 
     /// Every element times `factor` (the same as [`Tensor::scale`]).
     pub fn mul_scalar(&self, factor: f32) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.cuda().is_some() {
+            return self.scale(factor);
+        }
         self.map(|x| x * factor)
     }
 

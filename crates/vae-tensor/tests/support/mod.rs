@@ -67,3 +67,17 @@ pub fn assert_close(what: &str, got: &Tensor, want_dims: &[usize], want: &[f64],
 }
 
 // ---------------------------------------------------------------- references (f64)
+
+/// `cuda:0` when ops can run there (a driver, a device, embedded kernels); `None` with the
+/// reason printed otherwise, so the CUDA instantiation of a suite says why it did not run.
+#[cfg(feature = "cuda")]
+#[allow(clippy::print_stderr)] // a skipped GPU test says so
+pub fn usable_cuda(check: &str) -> Option<Device> {
+    match vae_tensor::cuda::resolve_device(Device::Cuda(0)) {
+        (Device::Cuda(n), None) => Some(Device::Cuda(n)),
+        (_, why) => {
+            eprintln!("{check} on cuda: skipped, {}", why.unwrap_or_default());
+            None
+        }
+    }
+}
