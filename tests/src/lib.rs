@@ -135,18 +135,9 @@ pub fn fixture_cases(family: &str) -> Vec<FixtureCase> {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// A deterministic tensor with values in about [-2, 2] from `seed` (an LCG: no dependency, the
-/// same on every platform and in every process).
+/// A deterministic tensor uniform in [-2, 2) from `seed` (the same on every platform and in
+/// every process).
 pub fn random_tensor(dims: &[usize], seed: u64) -> vae_tensor::Tensor {
-    const A: u64 = 6364136223846793005;
-    const C: u64 = 1442695040888963407;
-    let mut state = seed.wrapping_mul(A).wrapping_add(C);
-    let n = dims.iter().product();
-    let data = (0..n)
-        .map(|_| {
-            state = state.wrapping_mul(A).wrapping_add(C);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    vae_tensor::Tensor::from_vec(data, dims.to_vec(), &vae_tensor::Device::Cpu).expect("the length matches the dims")
+    vae_tensor::Tensor::seeded_uniform(dims.to_vec(), seed, -2.0, 2.0, &vae_tensor::Device::Cpu)
+        .expect("a host tensor of any shape")
 }

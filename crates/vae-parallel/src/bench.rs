@@ -376,21 +376,6 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A deterministic latent in about [-2, 2] (an LCG, so runs and machines agree).
-fn random_latent(dims: &[usize]) -> anyhow::Result<Tensor> {
-    const A: u64 = 6364136223846793005;
-    const C: u64 = 1442695040888963407;
-    let mut state = C;
-    let n = dims.iter().product();
-    let data = (0..n)
-        .map(|_| {
-            state = state.wrapping_mul(A).wrapping_add(C);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, dims.to_vec(), &Device::Cpu)?)
-}
-
 /// One run of `bench shard`.
 struct ShardRun {
     name: String,
@@ -454,7 +439,8 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                 .map(|d| d.trim().parse::<usize>())
                 .collect::<Result<Vec<_>, _>>()
                 .with_context(|| format!("--shape {:?} is not B,C,T,H,W", args.shape))?;
-            random_latent(&dims)?
+            // Seed 0: the latent every `bench shard` run has used.
+            Tensor::seeded_uniform(dims, 0, -2.0, 2.0, &Device::Cpu)?
         }
     };
     let mut runs: Vec<ShardRun> = Vec::new();

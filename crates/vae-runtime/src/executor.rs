@@ -259,13 +259,17 @@ impl DistributedVaeExecutor {
         op: &O,
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
-        let result = self.run(input, op, placement);
-        if let Err(err) = &result {
-            // Agreed errors are known everywhere and transport errors have already been
-            // propagated; anything else happened here alone and the others must not wait.
-            if !err.is_agreed() && !matches!(err, RuntimeError::Transport(_)) {
-                self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
-            }
+        self.abort_unless_known(self.run(input, op, placement))
+    }
+
+    /// Agreed errors are known everywhere and transport errors have already been propagated;
+    /// any other error happened on this rank alone, and the others must not wait for it.
+    fn abort_unless_known<T>(&self, result: Result<T, RuntimeError>) -> Result<T, RuntimeError> {
+        if let Err(err) = &result
+            && !err.is_agreed()
+            && !matches!(err, RuntimeError::Transport(_))
+        {
+            self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
         }
         result
     }
@@ -289,14 +293,7 @@ impl DistributedVaeExecutor {
         axis: ShardAxis,
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
-        let result = self.run_sharded(input, op, axis, placement);
-        if let Err(err) = &result
-            && !err.is_agreed()
-            && !matches!(err, RuntimeError::Transport(_))
-        {
-            self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
-        }
-        result
+        self.abort_unless_known(self.run_sharded(input, op, axis, placement))
     }
 
     fn run_sharded<O: ShardOperator>(
@@ -378,12 +375,12 @@ impl DistributedVaeExecutor {
 
         // 5. Assemble and finish on the owner.
         let clock = Instant::now();
+        // The owner's band moves into the assembly (no copy); other ranks drop theirs here.
         let merged = gathered.map(|parts| {
-            let own = local.clone().ok_or_else(|| "the owner computed no band".to_string())?;
+            let own = local.ok_or_else(|| "the owner computed no band".to_string())?;
             assemble_bands(own, &parts.parts().collect::<Vec<_>>(), axis, &bands)
                 .and_then(|full| guarded(|| op.finish(full)))
         });
-        drop(local);
         timings.merge = clock.elapsed();
 
         // 6. One broadcast: the status, plus the output when every rank needs it.

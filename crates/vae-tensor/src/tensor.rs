@@ -136,6 +136,23 @@ impl Tensor {
         Self { shape, storage: Storage::Cpu(CpuStorage::F32(buffer)) }
     }
 
+    /// A deterministic tensor, uniform in `[low, high)`, from a 64-bit LCG seeded with `seed`:
+    /// the same values on every platform, process and rank, with no random-number dependency
+    /// (test inputs, benchmark latents).
+    pub fn seeded_uniform(shape: impl Into<Shape>, seed: u64, low: f32, high: f32, device: &Device) -> Result<Self> {
+        const A: u64 = 6364136223846793005;
+        const C: u64 = 1442695040888963407;
+        let shape = shape.into();
+        let mut state = seed.wrapping_mul(A).wrapping_add(C);
+        let data = (0..shape.elem_count())
+            .map(|_| {
+                state = state.wrapping_mul(A).wrapping_add(C);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * (high - low) + low
+            })
+            .collect();
+        Self::from_vec(data, shape, device)
+    }
+
     /// A tensor from raw native-endian element bytes, as [`Tensor::as_bytes`] produces.
     pub fn from_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8], device: &Device) -> Result<Self> {
         #[cfg(not(feature = "cuda"))]

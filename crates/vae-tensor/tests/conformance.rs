@@ -10,6 +10,7 @@
 use vae_tensor::{Conv2dParams, Device, Tensor, TensorError};
 
 /// SplitMix64: small, seeded and dependency-free.
+#[macro_use]
 mod support;
 
 use support::{EXACT, GEMM_TOL, Rng, Tol, assert_close, host, tensor};
@@ -448,37 +449,6 @@ fn bad_inputs_are_errors(device: &Device) {
         &tensor(&mut rng, &[1, 6, 2], device)
     )));
     assert!(invalid(Tensor::attention(&a.reshape([24]).unwrap(), &q, &q)));
-}
-
-/// Instantiates every check above as a `#[test]` for one device.
-macro_rules! conformance_tests {
-    ($module:ident, $device:expr, [$($check:ident),* $(,)?]) => {
-        mod $module {
-            $(
-                #[test]
-                fn $check() {
-                    super::$check(&$device);
-                }
-            )*
-        }
-    };
-}
-
-/// Instantiates checks for `cuda:0`, each skipped (with the reason) without a usable GPU.
-#[cfg(feature = "cuda")]
-macro_rules! cuda_conformance_tests {
-    ([$($check:ident),* $(,)?]) => {
-        mod cuda {
-            $(
-                #[test]
-                fn $check() {
-                    if let Some(device) = super::support::usable_cuda(stringify!($check)) {
-                        super::$check(&device);
-                    }
-                }
-            )*
-        }
-    };
 }
 
 conformance_tests!(

@@ -6,6 +6,7 @@
 use vae_tensor::{Conv3dParams, Device, Tensor, TensorError};
 
 /// SplitMix64: small, seeded and dependency-free.
+#[macro_use]
 mod support;
 
 use support::{EXACT, GEMM_TOL, Rng, Tol, assert_close, host, tensor};
@@ -445,37 +446,6 @@ fn bad_video_inputs_are_errors(device: &Device) {
     assert!(invalid(x.unpatchify(0)));
     assert!(invalid(x.unpatchify(2)));
     assert!(invalid(tensor(&mut rng, &[4, 4, 4], device).unpatchify(2)));
-}
-
-/// Instantiates every check above as a `#[test]` for one device.
-macro_rules! conformance_tests {
-    ($module:ident, $device:expr, [$($check:ident),* $(,)?]) => {
-        mod $module {
-            $(
-                #[test]
-                fn $check() {
-                    super::$check(&$device);
-                }
-            )*
-        }
-    };
-}
-
-/// Instantiates checks for `cuda:0`, each skipped (with the reason) without a usable GPU.
-#[cfg(feature = "cuda")]
-macro_rules! cuda_conformance_tests {
-    ([$($check:ident),* $(,)?]) => {
-        mod cuda {
-            $(
-                #[test]
-                fn $check() {
-                    if let Some(device) = super::support::usable_cuda(stringify!($check)) {
-                        super::$check(&device);
-                    }
-                }
-            )*
-        }
-    };
 }
 
 conformance_tests!(

@@ -108,11 +108,7 @@ impl CausalConv3d {
 
     /// Rows each neighbour must supply along `axis` (the kernel's halo).
     fn halo(&self, axis: ShardAxis) -> usize {
-        let k = self.weight.dims();
-        halo_width(match axis {
-            ShardAxis::Height => k[3],
-            ShardAxis::Width => k[4],
-        })
+        kernel_halo(&self.weight, axis)
     }
 
     /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
@@ -180,6 +176,12 @@ fn frames_to_cache(x: &Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
         }
         _ => Ok(tail),
     }
+}
+
+/// The halo of a conv weight (`[Cout, Cin, (kt,) kh, kw]`) along `axis`: the kernel's spatial
+/// extents are its last two dimensions, as H and W are a tensor's.
+fn kernel_halo(weight: &Tensor, axis: ShardAxis) -> usize {
+    axis.dim_in(weight.rank()).map_or(0, |d| halo_width(weight.dims()[d]))
 }
 
 /// This rank's band of a spatial-shard request, or `None` for the whole map.
@@ -337,11 +339,7 @@ impl Upsample {
 
     /// Rows of each neighbour the 3×3 resample conv needs.
     fn halo(&self, axis: ShardAxis) -> usize {
-        let k = self.conv.0.dims();
-        halo_width(match axis {
-            ShardAxis::Height => k[2],
-            ShardAxis::Width => k[3],
-        })
+        kernel_halo(&self.conv.0, axis)
     }
 
     /// The time conv (3×1×1) and the nearest upsample are local on a band (the band doubles);

@@ -81,3 +81,36 @@ pub fn usable_cuda(check: &str) -> Option<Device> {
         }
     }
 }
+
+/// Instantiates each check (a `fn(&Device)` of the suite) as a `#[test]` for one device, in a
+/// module of that name (candle's `test_device!` pattern).
+macro_rules! conformance_tests {
+    ($module:ident, $device:expr, [$($check:ident),* $(,)?]) => {
+        mod $module {
+            $(
+                #[test]
+                fn $check() {
+                    super::$check(&$device);
+                }
+            )*
+        }
+    };
+}
+
+/// The same for `cuda:0`, in module `cuda`, each test skipped (with the reason) without a
+/// usable GPU.
+#[cfg(feature = "cuda")]
+macro_rules! cuda_conformance_tests {
+    ([$($check:ident),* $(,)?]) => {
+        mod cuda {
+            $(
+                #[test]
+                fn $check() {
+                    if let Some(device) = super::support::usable_cuda(stringify!($check)) {
+                        super::$check(&device);
+                    }
+                }
+            )*
+        }
+    };
+}
