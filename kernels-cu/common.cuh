@@ -57,3 +57,23 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// The register tiling shared by the f32 GEMM and the f32 implicit-GEMM conv: 256 threads own a
+// 64x64 output tile, thread (tx, ty) = (t % 16, t / 16) a 4x4 block of it. One call adds a
+// `bk`-deep slice held in shared memory as `As[k][row]` and `Bs[k][col]` (rows padded to `LD`).
+template <int LD>
+__device__ __forceinline__ void fma_tile_4x4(const float (*As)[LD], const float (*Bs)[LD], int bk, float acc[4][4],
+                                             int tx, int ty) {
+#pragma unroll
+    for (int kk = 0; kk < bk; ++kk) {
+        float a[4], b[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = As[kk][ty * 4 + r];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) b[c] = Bs[kk][tx * 4 + c];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
+    }
+}

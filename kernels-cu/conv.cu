@@ -74,18 +74,7 @@ extern "C" __global__ void __launch_bounds__(256) conv3d_f32(
             Bs[kk][j] = (gk < K && gj < N) ? im2col<float>(x, g, gk, gj) : 0.0f;
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            float a[4], b[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) a[r] = As[kk][ty * 4 + r];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) b[c] = Bs[kk][tx * 4 + c];
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
-        }
+        fma_tile_4x4<BM + 4>(As, Bs, BK, acc, tx, ty);
         __syncthreads();
     }
 #pragma unroll

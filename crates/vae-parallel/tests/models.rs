@@ -151,7 +151,12 @@ fn assert_clean_failure(name: &str, args: &[&str], expect: &str) {
 }
 
 fn decode_args<'a>(model: &'a str, latent: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec!["decode", "--model", model, "--latent", latent, "--out", out, "--vae-patch-parallel-size", "2"];
+    decode_on("2", model, latent, out, extra)
+}
+
+/// `decode` arguments with a parallel size of `ranks`.
+fn decode_on<'a>(ranks: &'a str, model: &'a str, latent: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["decode", "--model", model, "--latent", latent, "--out", out, "--vae-patch-parallel-size", ranks];
     v.extend_from_slice(extra);
     v
 }
@@ -408,22 +413,10 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     let dir = scratch("shard");
     let out = dir.join("shard.npy");
     let report = dir.join("report.json");
+    let (model, latent) = (wan.join("wan21_like"), wan.join("wan21_like.decode_t3.in.npy"));
     // The plain 3-frame fixture (latent 2x3), width-sharded over 3 ranks: one column each.
-    let (ok, text) = cli(&[
-        "decode",
-        "--model",
-        s(&wan.join("wan21_like")),
-        "--latent",
-        s(&wan.join("wan21_like.decode_t3.in.npy")),
-        "--out",
-        s(&out),
-        "--vae-patch-parallel-size",
-        "3",
-        "--vae-parallel-mode",
-        "auto",
-        "--report",
-        s(&report),
-    ]);
+    let (ok, text) =
+        cli(&decode_on("3", s(&model), s(&latent), s(&out), &["--vae-parallel-mode", "auto", "--report", s(&report)]));
     assert!(ok, "{text}");
     assert!(text.contains("shard-width (mode auto: auto: width, the only axis that fits 3 ranks)"), "{text}");
     let (g, e) = (read_npy_f32(&out), read_npy_f32(&wan.join("wan21_like.decode_t3.out.npy")));
@@ -441,24 +434,13 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     }
 
     // A forced axis that cannot fit falls back to tiles and says why.
-    let (ok, text) = cli(&[
-        "decode",
-        "--model",
-        s(&wan.join("wan21_like")),
-        "--latent",
-        s(&wan.join("wan21_like.decode_t3.in.npy")),
-        "--out",
-        s(&out),
-        "--vae-patch-parallel-size",
-        "3",
-        "--vae-parallel-mode",
-        "spatial_shard_height",
-    ]);
+    let (ok, text) =
+        cli(&decode_on("3", s(&model), s(&latent), s(&out), &["--vae-parallel-mode", "spatial_shard_height"]));
     assert!(ok, "{text}");
     assert!(text.contains("spatial_shard_height: a latent height of 2 cannot give 3 rank(s)"), "{text}");
 
     // inspect lists every mode for the video family; AutoencoderKL refuses shard modes up front.
-    let (ok, text) = cli(&["inspect", "--model", s(&wan.join("wan21_like"))]);
+    let (ok, text) = cli(&["inspect", "--model", s(&model)]);
     assert!(ok && text.contains("tile, auto, spatial_shard_height, spatial_shard_width"), "{text}");
     let f = fixtures();
     assert_clean_failure(

@@ -8,51 +8,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
+use vae_tensor::cuda::abi::{Box8, ConvGeom};
 use vae_tensor::cuda::{embedded_modules, probe};
 use vae_tensor::{Conv2dParams, Conv3dParams, Device, Tensor};
-
-/// `ConvGeom` of `conv.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct ConvGeom {
-    n: u64,
-    cin: u64,
-    t: u64,
-    h: u64,
-    w: u64,
-    cout: u64,
-    kt: u64,
-    kh: u64,
-    kw: u64,
-    to: u64,
-    ho: u64,
-    wo: u64,
-    stride_t: u64,
-    stride: u64,
-    pad_front: i64,
-    pad_top: i64,
-    pad_left: i64,
-}
-
-// SAFETY: plain integers in C layout, as the kernel declares them.
-unsafe impl DeviceRepr for ConvGeom {}
-
-/// `Box8` of `layout.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Box8 {
-    extent: [u64; 8],
-    src_stride: [i64; 8],
-    dst_stride: [i64; 8],
-    rank: i32,
-}
-
-// SAFETY: as above.
-unsafe impl DeviceRepr for Box8 {}
 
 struct Gpu {
     stream: Arc<CudaStream>,
@@ -245,30 +205,37 @@ fn rms_and_group_norms_match_the_cpu() {
     close(&gpu.download(&out, img.dims()), &img.group_norm(4, &w, &b, 1e-6).unwrap(), 1e-5, "group norm");
 }
 
-/// Runs `conv3d_f32` for an NCTHW input with the given causal-style padding and strides.
-fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams) -> Tensor {
-    let d = x.dims();
-    let k = w.dims();
+/// The `ConvGeom` of an NCTHW input, a `[Cout, Cin, kt, kh, kw]` weight and `p`.
+fn geometry(x: &Tensor, w: &Tensor, p: &Conv3dParams) -> ConvGeom {
+    let (d, k) = (x.dims(), w.dims());
     let [to, ho, wo] = p.output_size([d[2], d[3], d[4]], [k[2], k[3], k[4]]).unwrap();
-    let g = ConvGeom {
-        n: d[0] as u64,
-        cin: d[1] as u64,
-        t: d[2] as u64,
-        h: d[3] as u64,
-        w: d[4] as u64,
-        cout: k[0] as u64,
-        kt: k[2] as u64,
-        kh: k[3] as u64,
-        kw: k[4] as u64,
-        to: to as u64,
-        ho: ho as u64,
-        wo: wo as u64,
-        stride_t: p.stride[0] as u64,
-        stride: p.stride[1] as u64,
+    let u = |v: usize| v as u64;
+    ConvGeom {
+        n: u(d[0]),
+        cin: u(d[1]),
+        t: u(d[2]),
+        h: u(d[3]),
+        w: u(d[4]),
+        cout: u(k[0]),
+        kt: u(k[2]),
+        kh: u(k[3]),
+        kw: u(k[4]),
+        to: u(to),
+        ho: u(ho),
+        wo: u(wo),
+        stride_t: u(p.stride[0]),
+        stride: u(p.stride[1]),
         pad_front: p.padding[0] as i64,
         pad_top: p.padding[2] as i64,
         pad_left: p.padding[4] as i64,
-    };
+    }
+}
+
+/// Runs `conv3d_f32` for an NCTHW input with the given causal-style padding and strides.
+fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams) -> Tensor {
+    let (d, k) = (x.dims(), w.dims());
+    let g = geometry(x, w, p);
+    let (to, ho, wo) = (g.to as usize, g.ho as usize, g.wo as usize);
     let out_dims = [d[0], k[0], to, ho, wo];
     let (dx, dw, db) = (gpu.upload(x), gpu.upload(w), gpu.upload(bias));
     let mut out = gpu.zeros(out_dims.iter().product());
@@ -310,6 +277,40 @@ fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
     close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, 1e-4, "stride-2 conv2d");
 }
 
+/// `c[b] = alpha · a[b] · b[b]` through `gemm_batched_f32`, operands given by their
+/// `[batch, row, column]` element strides.
+#[allow(clippy::too_many_arguments)] // the kernel's own parameters
+fn gemm(
+    gpu: &Gpu,
+    a: &CudaSlice<f32>,
+    b: &CudaSlice<f32>,
+    c: &mut CudaSlice<f32>,
+    [batch, m, n, k]: [usize; 4],
+    a_strides: [usize; 3],
+    b_strides: [usize; 3],
+    alpha: f32,
+) {
+    let f = gpu.function("gemm", "gemm_batched_f32");
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), batch as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let dims = [m as u64, n as u64, k as u64];
+    let strides: Vec<i64> = a_strides.iter().chain(&b_strides).chain(&[m * n, n]).map(|&v| v as i64).collect();
+    let beta = 0.0f32;
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(a).arg(b).arg(c);
+    for d in &dims {
+        launch.arg(d);
+    }
+    for st in &strides {
+        launch.arg(st);
+    }
+    launch.arg(&alpha).arg(&beta);
+    unsafe { launch.launch(cfg) }.unwrap();
+}
+
 #[test]
 fn gemm_and_softmax_make_the_cpu_attention() {
     let Some(gpu) = Gpu::get("attention") else { return };
@@ -319,72 +320,61 @@ fn gemm_and_softmax_make_the_cpu_attention() {
     let v = pattern(&[batch, len, dim], 16);
     let (dq, dk, dv) = (gpu.upload(&q), gpu.upload(&k), gpu.upload(&v));
     let mut scores = gpu.zeros(batch * len * len);
-    let gemm = gpu.function("gemm", "gemm_batched_f32");
-    let cfg = |m: usize, n: usize| LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), batch as u32),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (m, n, kk) = (len as u64, len as u64, dim as u64);
-    let (ab, ars, acs) = ((len * dim) as i64, dim as i64, 1i64);
-    // K^T: element (k, j) of the right operand is K[j, k].
-    let (bb, brs, bcs) = ((len * dim) as i64, 1i64, dim as i64);
-    let (cb, ldc, alpha, beta) = ((len * len) as i64, len as i64, 1.0f32, 0.0f32);
-    unsafe {
-        gpu.stream
-            .launch_builder(&gemm)
-            .arg(&dq)
-            .arg(&dk)
-            .arg(&mut scores)
-            .arg(&m)
-            .arg(&n)
-            .arg(&kk)
-            .arg(&ab)
-            .arg(&ars)
-            .arg(&acs)
-            .arg(&bb)
-            .arg(&brs)
-            .arg(&bcs)
-            .arg(&cb)
-            .arg(&ldc)
-            .arg(&alpha)
-            .arg(&beta)
-            .launch(cfg(len, len))
-    }
-    .unwrap();
+    // K^T: element (i, j) of the right operand is K[j, i].
+    gemm(&gpu, &dq, &dk, &mut scores, [batch, len, len, dim], [len * dim, dim, 1], [len * dim, 1, dim], 1.0);
     let softmax = gpu.function("attention", "softmax_rows_f32");
     let (rows, cols, scale) = ((batch * len) as u64, len as u64, 1.0f32 / (dim as f32).sqrt());
     let cfg_rows = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     unsafe { gpu.stream.launch_builder(&softmax).arg(&mut scores).arg(&rows).arg(&cols).arg(&scale).launch(cfg_rows) }
         .unwrap();
     let mut out = gpu.zeros(batch * len * dim);
-    let (m, n, kk) = (len as u64, dim as u64, len as u64);
-    let (ab, ars, acs) = ((len * len) as i64, len as i64, 1i64);
-    let (bb, brs, bcs) = ((len * dim) as i64, dim as i64, 1i64);
-    let (cb, ldc) = ((len * dim) as i64, dim as i64);
+    gemm(&gpu, &scores, &dv, &mut out, [batch, len, dim, len], [len * len, len, 1], [len * dim, dim, 1], 1.0);
+    close(&gpu.download(&out, q.dims()), &Tensor::attention(&q, &k, &v).unwrap(), 1e-5, "attention");
+}
+
+/// The tensor-core conv (bf16 in, f32 accumulation, bf16 out), which no tensor op uses yet:
+/// inputs and weights are rounded to bf16 on the device (`cast_f32_bf16`), the result compared
+/// with the f32 CPU conv of the same rounded values within bf16's output rounding.
+#[test]
+fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
+    let Some(gpu) = Gpu::get("bf16 conv") else { return };
+    let x = pattern(&[1, 16, 2, 9, 11], 23);
+    let w = pattern(&[40, 16, 3, 3, 3], 24).affine(0.1, 0.0).unwrap();
+    let b = pattern(&[40], 25);
+    let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    let to_bf16 = |t: &Tensor| -> CudaSlice<u16> {
+        let src = gpu.upload(t);
+        let mut out = gpu.stream.alloc_zeros::<u16>(t.elem_count()).unwrap();
+        let f = gpu.function("elementwise", "cast_f32_bf16");
+        let n = t.elem_count() as u64;
+        unsafe { gpu.stream.launch_builder(&f).arg(&src).arg(&mut out).arg(&n).launch(grid(n as usize)) }.unwrap();
+        out
+    };
+    let to_f32 = |d: &CudaSlice<u16>, dims: &[usize]| -> Tensor {
+        let n: usize = dims.iter().product();
+        let mut out = gpu.zeros(n);
+        let f = gpu.function("elementwise", "cast_bf16_f32");
+        let n64 = n as u64;
+        unsafe { gpu.stream.launch_builder(&f).arg(d).arg(&mut out).arg(&n64).launch(grid(n)) }.unwrap();
+        gpu.download(&out, dims)
+    };
+    let (xb, wb) = (to_bf16(&x), to_bf16(&w));
+    let want = to_f32(&xb, x.dims()).conv3d(&to_f32(&wb, w.dims()), Some(&b), &p).unwrap();
+    let g = geometry(&x, &w, &p);
+    let out_dims = [1, 40, g.to as usize, g.ho as usize, g.wo as usize];
+    let mut out = gpu.stream.alloc_zeros::<u16>(out_dims.iter().product()).unwrap();
+    let db = gpu.upload(&b);
+    let cols = (g.to * g.ho * g.wo) as u32;
+    let cfg = LaunchConfig { grid_dim: (cols.div_ceil(64), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let f = gpu.function("conv", "conv3d_bf16_wmma");
+    let accumulate = 0i32;
     unsafe {
-        gpu.stream
-            .launch_builder(&gemm)
-            .arg(&scores)
-            .arg(&dv)
-            .arg(&mut out)
-            .arg(&m)
-            .arg(&n)
-            .arg(&kk)
-            .arg(&ab)
-            .arg(&ars)
-            .arg(&acs)
-            .arg(&bb)
-            .arg(&brs)
-            .arg(&bcs)
-            .arg(&cb)
-            .arg(&ldc)
-            .arg(&alpha)
-            .arg(&beta)
-            .launch(cfg(len, dim))
+        gpu.stream.launch_builder(&f).arg(&xb).arg(&wb).arg(&db).arg(&mut out).arg(&g).arg(&accumulate).launch(cfg)
     }
     .unwrap();
-    close(&gpu.download(&out, q.dims()), &Tensor::attention(&q, &k, &v).unwrap(), 1e-5, "attention");
+    let got = to_f32(&out, &out_dims);
+    // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
+    close(&got, &want, 8.0 / 256.0, "bf16 tensor-core conv");
 }
 
 #[test]
@@ -393,10 +383,7 @@ fn layout_kernels_match_the_cpu() {
     // A permute through the generic box copy: [2, 3, 4, 5] -> [2, 4, 3, 5].
     let x = pattern(&[2, 3, 4, 5], 17);
     let want = x.permute(&[0, 2, 1, 3]).unwrap();
-    let mut b = Box8 { extent: [1; 8], src_stride: [0; 8], dst_stride: [0; 8], rank: 4 };
-    b.extent[..4].copy_from_slice(&[2, 4, 3, 5]);
-    b.src_stride[..4].copy_from_slice(&[60, 5, 20, 1]);
-    b.dst_stride[..4].copy_from_slice(&[60, 15, 5, 1]);
+    let b = Box8::new(&[2, 4, 3, 5], &[60, 5, 20, 1], &[60, 15, 5, 1]).unwrap();
     let (dx, mut out) = (gpu.upload(&x), gpu.zeros(120));
     let n = 120u64;
     let f = gpu.function("layout", "copy_box_f32");

@@ -9,11 +9,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
+use super::abi::{Box8, ConvGeom};
 use super::embedded_modules;
 use crate::{Device, Result, TensorError};
 
@@ -118,45 +117,6 @@ fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
-
-/// `ConvGeom` of `conv.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct ConvGeom {
-    pub n: u64,
-    pub cin: u64,
-    pub t: u64,
-    pub h: u64,
-    pub w: u64,
-    pub cout: u64,
-    pub kt: u64,
-    pub kh: u64,
-    pub kw: u64,
-    pub to: u64,
-    pub ho: u64,
-    pub wo: u64,
-    pub stride_t: u64,
-    pub stride: u64,
-    pub pad_front: i64,
-    pub pad_top: i64,
-    pub pad_left: i64,
-}
-
-// SAFETY: plain integers in C layout, as `conv.cu` declares the struct.
-unsafe impl DeviceRepr for ConvGeom {}
-
-/// `Box8` of `layout.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Box8 {
-    extent: [u64; 8],
-    src_stride: [i64; 8],
-    dst_stride: [i64; 8],
-    rank: i32,
-}
-
-// SAFETY: as above.
-unsafe impl DeviceRepr for Box8 {}
 
 impl CudaStorage {
     /// Zeros on device `ordinal`.
@@ -370,20 +330,14 @@ impl CudaStorage {
         dst_offset: usize,
         extent: &[usize],
     ) -> Result<()> {
-        let rank = extent.len();
-        if rank > 8 {
-            return Err(TensorError::InvalidArgument { op: "copy_box", reason: format!("rank {rank} > 8 on CUDA") });
-        }
         let n: usize = extent.iter().product();
         if n == 0 {
             return Ok(());
         }
-        let mut b = Box8 { extent: [1; 8], src_stride: [0; 8], dst_stride: [0; 8], rank: rank as i32 };
-        for d in 0..rank {
-            b.extent[d] = extent[d] as u64;
-            b.src_stride[d] = src_strides[d] as i64;
-            b.dst_stride[d] = dst_strides[d] as i64;
-        }
+        let b = Box8::new(extent, src_strides, dst_strides).ok_or_else(|| TensorError::InvalidArgument {
+            op: "copy_box",
+            reason: format!("rank {} > 8 on CUDA", extent.len()),
+        })?;
         let f = self.device.function("layout", "copy_box_f32")?;
         let total = n as u64;
         let src = self.data.slice(src_offset..);
@@ -433,6 +387,39 @@ impl CudaStorage {
         self.like(len)
     }
 
+    /// `c[b] = alpha · a[b] · b[b]` for every batch `b` (`gemm_batched_f32`), operands given by
+    /// their `[batch, row, column]` element strides.
+    fn gemm_batched(
+        &self,
+        b: &Self,
+        c: &mut Self,
+        [batch, m, n, k]: [usize; 4],
+        a_strides: [usize; 3],
+        b_strides: [usize; 3],
+        alpha: f32,
+    ) -> Result<()> {
+        let f = self.device.function("gemm", "gemm_batched_f32")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, batch as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dims = [m as u64, n as u64, k as u64];
+        let strides: Vec<i64> = a_strides.iter().chain(&b_strides).chain(&[m * n, n]).map(|&v| v as i64).collect();
+        let beta = 0.0f32;
+        let mut launch = self.device.stream.launch_builder(&f);
+        launch.arg(&self.data).arg(&b.data).arg(&mut c.data);
+        for d in &dims {
+            launch.arg(d);
+        }
+        for st in &strides {
+            launch.arg(st);
+        }
+        launch.arg(&alpha).arg(&beta);
+        unsafe { launch.launch(cfg) }.map_err(self.err("gemm"))?;
+        Ok(())
+    }
+
     /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
     /// `[batch, m, dv]`: two batched GEMMs around the row softmax.
     pub(crate) fn attention(
@@ -442,75 +429,26 @@ impl CudaStorage {
         [batch, n, m, d, dv]: [usize; 5],
         scale: f32,
     ) -> Result<Self> {
-        let dev = &q.device;
         let mut scores = q.like(batch * n * m)?;
-        let gemm = dev.function("gemm", "gemm_batched_f32")?;
-        let cfg = |rows: usize, cols: usize| LaunchConfig {
-            grid_dim: (cols.div_ceil(64) as u32, rows.div_ceil(64) as u32, batch as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (mm, nn, kk) = (n as u64, m as u64, d as u64);
-        let (ab, ars, acs) = ((n * d) as i64, d as i64, 1i64);
-        let (bb, brs, bcs) = ((m * d) as i64, 1i64, d as i64); // kᵀ
-        let (cb, ldc, beta) = ((n * m) as i64, m as i64, 0.0f32);
-        unsafe {
-            dev.stream
-                .launch_builder(&gemm)
-                .arg(&q.data)
-                .arg(&k.data)
-                .arg(&mut scores.data)
-                .arg(&mm)
-                .arg(&nn)
-                .arg(&kk)
-                .arg(&ab)
-                .arg(&ars)
-                .arg(&acs)
-                .arg(&bb)
-                .arg(&brs)
-                .arg(&bcs)
-                .arg(&cb)
-                .arg(&ldc)
-                .arg(&scale)
-                .arg(&beta)
-                .launch(cfg(n, m))
-        }
-        .map_err(q.err("attention"))?;
-        let softmax = dev.function("attention", "softmax_rows_f32")?;
+        // Element (i, j) of kᵀ is k[j, i]: row stride 1, column stride d.
+        q.gemm_batched(k, &mut scores, [batch, n, m, d], [n * d, d, 1], [m * d, 1, d], scale)?;
+        let softmax = q.device.function("attention", "softmax_rows_f32")?;
         let (rows, cols, one) = ((batch * n) as u64, m as u64, 1.0f32);
         let blocks = (batch * n).clamp(1, 1 << 20) as u32;
         let cfg_rows = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         unsafe {
-            dev.stream.launch_builder(&softmax).arg(&mut scores.data).arg(&rows).arg(&cols).arg(&one).launch(cfg_rows)
+            q.device
+                .stream
+                .launch_builder(&softmax)
+                .arg(&mut scores.data)
+                .arg(&rows)
+                .arg(&cols)
+                .arg(&one)
+                .launch(cfg_rows)
         }
         .map_err(q.err("attention"))?;
         let mut out = q.like(batch * n * dv)?;
-        let (mm, nn, kk) = (n as u64, dv as u64, m as u64);
-        let (ab, ars, acs) = ((n * m) as i64, m as i64, 1i64);
-        let (bb, brs, bcs) = ((m * dv) as i64, dv as i64, 1i64);
-        let (cb, ldc, alpha) = ((n * dv) as i64, dv as i64, 1.0f32);
-        unsafe {
-            dev.stream
-                .launch_builder(&gemm)
-                .arg(&scores.data)
-                .arg(&v.data)
-                .arg(&mut out.data)
-                .arg(&mm)
-                .arg(&nn)
-                .arg(&kk)
-                .arg(&ab)
-                .arg(&ars)
-                .arg(&acs)
-                .arg(&bb)
-                .arg(&brs)
-                .arg(&bcs)
-                .arg(&cb)
-                .arg(&ldc)
-                .arg(&alpha)
-                .arg(&beta)
-                .launch(cfg(n, dv))
-        }
-        .map_err(q.err("attention"))?;
+        scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0)?;
         Ok(out)
     }
 }

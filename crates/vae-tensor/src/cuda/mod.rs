@@ -13,6 +13,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+pub mod abi;
 pub(crate) mod backend;
 
 use crate::Device;

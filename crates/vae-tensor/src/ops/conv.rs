@@ -189,7 +189,7 @@ impl Tensor {
                         .ok_or_else(|| TensorError::InvalidArgument { op: OP, reason: "bias not on the device".into() })
                 })
                 .transpose()?;
-            let g = crate::cuda::backend::ConvGeom {
+            let g = crate::cuda::abi::ConvGeom {
                 n: n as u64,
                 cin: cin as u64,
                 t: 1,

@@ -134,7 +134,7 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
             let b = bias.map(|b| b.cuda().ok_or_else(|| invalid(OP, "bias not on the device".into()))).transpose()?;
-            let g = crate::cuda::backend::ConvGeom {
+            let g = crate::cuda::abi::ConvGeom {
                 n: n as u64,
                 cin: cin as u64,
                 t: t as u64,
