@@ -141,3 +141,29 @@ pub fn random_tensor(dims: &[usize], seed: u64) -> vae_tensor::Tensor {
     vae_tensor::Tensor::seeded_uniform(dims.to_vec(), seed, -2.0, 2.0, &vae_tensor::Device::Cpu)
         .expect("a host tensor of any shape")
 }
+
+/// What our AutoencoderKL-family implementation gives for a fixture case, computed serially
+/// (tiled when the case enables tiling), on whatever device `model` computes.
+pub fn kl_case_output(
+    model: &vae_models::autoencoder_kl::AutoencoderKl,
+    case: &FixtureCase,
+    input: &vae_tensor::Tensor,
+) -> vae_tensor::Tensor {
+    use vae_models::autoencoder_kl::{KlOperator, KlTask};
+    use vae_runtime::execute_serial;
+    let run = |task, x: &vae_tensor::Tensor| execute_serial(&KlOperator::new(model, task, case.tiling), x).unwrap();
+    match (case.op.as_str(), case.output_kind.as_str()) {
+        ("decode", _) => run(KlTask::Decode, input),
+        ("decode_normalized", _) => run(KlTask::Decode, &model.denormalize_latents(input).unwrap()),
+        (op @ ("encode" | "encode_normalized"), kind) => {
+            let moments = run(KlTask::Encode, input);
+            match (op, kind) {
+                ("encode", "moments") => moments,
+                ("encode", "mean") => moments.diag_gaussian_mean().unwrap(),
+                ("encode_normalized", _) => model.normalize_latents(&moments.diag_gaussian_mean().unwrap()).unwrap(),
+                other => panic!("unknown encode output {other:?}"),
+            }
+        }
+        other => panic!("unknown op {other:?}"),
+    }
+}

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vae_integration_tests::{FixtureCase, fixture_cases, fixtures_dir};
+use vae_integration_tests::{FixtureCase, fixture_cases, fixtures_dir, kl_case_output};
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io::read_npy;
@@ -26,27 +26,6 @@ fn load(case: &FixtureCase) -> AutoencoderKl {
     model
 }
 
-/// What our implementation gives for a case, computed serially.
-fn ours(model: &AutoencoderKl, case: &FixtureCase, input: &Tensor) -> Tensor {
-    match (case.op.as_str(), case.output_kind.as_str()) {
-        ("decode", _) => execute_serial(&KlOperator::new(model, KlTask::Decode, case.tiling), input).unwrap(),
-        ("decode_normalized", _) => {
-            let z = model.denormalize_latents(input).unwrap();
-            execute_serial(&KlOperator::new(model, KlTask::Decode, case.tiling), &z).unwrap()
-        }
-        ("encode", kind) | ("encode_normalized", kind) => {
-            let moments = execute_serial(&KlOperator::new(model, KlTask::Encode, case.tiling), input).unwrap();
-            match (case.op.as_str(), kind) {
-                ("encode", "moments") => moments,
-                ("encode", "mean") => moments.diag_gaussian_mean().unwrap(),
-                ("encode_normalized", _) => model.normalize_latents(&moments.diag_gaussian_mean().unwrap()).unwrap(),
-                other => panic!("unknown encode output {other:?}"),
-            }
-        }
-        other => panic!("unknown op {other:?}"),
-    }
-}
-
 #[test]
 fn every_fixture_case_matches_diffusers() {
     let cases = fixture_cases("autoencoder_kl");
@@ -56,7 +35,7 @@ fn every_fixture_case_matches_diffusers() {
         let model = load(case);
         let input = read_npy(&dir().join(&case.input)).unwrap();
         let expected = read_npy(&dir().join(&case.output)).unwrap();
-        let got = ours(&model, case, &input);
+        let got = kl_case_output(&model, case, &input);
         assert_eq!(got.dims(), expected.dims(), "{}: shape", case.name);
         let diff = got.max_abs_diff(&expected).unwrap();
         assert!(diff <= TOLERANCE, "{}: max |ours - diffusers| = {diff}", case.name);

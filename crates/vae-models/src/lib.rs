@@ -4,12 +4,13 @@
 //! request, its tile geometry, and who receives the output. Shared crates below only provide
 //! mechanism.
 //!
-//! Families so far: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2). The video VAEs
-//! (Wan, Qwen-Image) come next.
+//! Families: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2) and [`wan`] (Wan2.1,
+//! Wan2.2 and Qwen-Image). Both load onto the CPU or a CUDA device.
 
 pub mod autoencoder_kl;
 mod error;
 pub mod layers;
+mod placement;
 pub mod wan;
 pub mod weights;
 

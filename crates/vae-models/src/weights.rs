@@ -214,6 +214,11 @@ impl WeightStore {
         self.device = device;
     }
 
+    /// Where tensors taken now are placed.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
     fn take_on_host(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
         if let Some(seed) = self.synthetic {
             return self.make_up(seed, key, expected);

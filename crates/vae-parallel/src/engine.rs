@@ -100,9 +100,8 @@ impl Engine {
         Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu)
     }
 
-    /// [`Self::load`] with the weights on `device`. The video VAEs compute there (inputs and
-    /// outputs stay on the host); the AutoencoderKL family has no CUDA path yet and stays on
-    /// the CPU, with a warning.
+    /// [`Self::load`] with the weights on `device`, where every family then computes (inputs,
+    /// outputs, tiles and bands stay on the host).
     pub fn load_on(
         dir: &Path,
         tile_sample_min_size: Option<usize>,
@@ -112,10 +111,7 @@ impl Engine {
         let class = class_name(dir)?;
         let model = match class.as_str() {
             "AutoencoderKL" | "AutoencoderKLFlux2" => {
-                if !device.is_cpu() {
-                    tracing::warn!("{class} has no CUDA path yet; it runs on the CPU");
-                }
-                let mut m = AutoencoderKl::load(dir)?;
+                let mut m = AutoencoderKl::load_on(dir, device)?;
                 m.set_tiling(tile_sample_min_size, tile_overlap_factor)?;
                 Model::AutoencoderKl(Box::new(m))
             }

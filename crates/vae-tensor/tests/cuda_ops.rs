@@ -148,3 +148,16 @@ fn layout_ops_and_attention_match() {
     let (q, k, v) = (pattern(&[2, 29, 16], 18), pattern(&[2, 31, 16], 19), pattern(&[2, 31, 8], 20));
     same_on_both("attention", &[q, k, v], 1e-5, |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
 }
+
+#[test]
+fn matrix_products_match() {
+    if !gpu("matrix products") {
+        return;
+    }
+    // 67 and 130 rows / columns: partial 64x64 tiles on both sides.
+    let (a, b) = (pattern(&[3, 67, 20], 23), pattern(&[3, 20, 130], 24));
+    same_on_both("matmul", &[a, b], 1e-5, |t| t[0].matmul(&t[1]).unwrap());
+    let (x, w, bias) = (pattern(&[2, 67, 24], 25), pattern(&[33, 24], 26), pattern(&[33], 27));
+    same_on_both("linear", &[x.clone(), w.clone(), bias], 1e-5, |t| t[0].linear(&t[1], Some(&t[2])).unwrap());
+    same_on_both("linear no bias", &[x, w], 1e-5, |t| t[0].linear(&t[1], None).unwrap());
+}

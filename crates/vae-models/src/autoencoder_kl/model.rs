@@ -5,10 +5,11 @@ use std::path::Path;
 
 use vae_planner::AutoencoderKlTiling;
 use vae_runtime::ParallelMode;
-use vae_tensor::Tensor;
+use vae_tensor::{Device, Tensor};
 
 use super::config::{AutoencoderKlConfig, KlVariant};
 use crate::layers::{Conv2d, Downsample2d, GroupNorm, MidBlock2d, ResnetBlock2d, Upsample2d};
+use crate::placement::{on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
@@ -165,6 +166,8 @@ impl LatentBatchNorm {
 /// A loaded AutoencoderKL-family VAE.
 pub struct AutoencoderKl {
     config: AutoencoderKlConfig,
+    /// Where the weights live and the encoder and decoder compute.
+    device: Device,
     encoder: Encoder,
     decoder: Decoder,
     quant_conv: Option<Conv2d>,
@@ -182,18 +185,29 @@ impl std::fmt::Debug for AutoencoderKl {
 }
 
 impl AutoencoderKl {
-    /// Loads a diffusers model directory (`config.json` and the safetensors weights).
+    /// Loads a diffusers model directory (`config.json` and the safetensors weights) onto the
+    /// CPU.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_on(dir, Device::Cpu)
+    }
+
+    /// [`Self::load`] with the weights on `device`: the encoder and decoder then compute there,
+    /// while inputs, outputs and tiles stay on the host (each computation uploads its input and
+    /// downloads its result), so nothing above the model changes.
+    pub fn load_on(dir: &Path, device: Device) -> Result<Self> {
         let config = AutoencoderKlConfig::from_file(&dir.join("config.json"))?;
         let mut store = WeightStore::open_dir(dir)?;
+        store.set_device(device);
         let model = Self::from_store(config, &mut store)?;
         store.finish()?;
         Ok(model)
     }
 
     /// Builds the model from a config and weights (every weight the config implies must be
-    /// there with its shape; call [`WeightStore::finish`] afterwards to refuse extra ones).
+    /// there with its shape; call [`WeightStore::finish`] afterwards to refuse extra ones). The
+    /// model computes on the store's device.
     pub fn from_store(config: AutoencoderKlConfig, store: &mut WeightStore) -> Result<Self> {
+        let device = store.device();
         let mut stored_dtypes: Vec<(String, usize)> = store.dtypes().into_iter().collect();
         stored_dtypes.sort();
         let mut w = Weights::new(store);
@@ -226,6 +240,7 @@ impl AutoencoderKl {
         let parameter_count = store.parameter_count();
         Ok(Self {
             config,
+            device,
             encoder,
             decoder,
             quant_conv,
@@ -240,7 +255,19 @@ impl AutoencoderKl {
     /// A model with seeded random weights (see [`WeightStore::synthetic`]): for demos,
     /// benchmarks and tests that need no files. Identical for equal configs and seeds.
     pub fn synthetic(config: AutoencoderKlConfig, seed: u64) -> Result<Self> {
-        Self::from_store(config, &mut WeightStore::synthetic(seed))
+        Self::synthetic_on(config, seed, Device::Cpu)
+    }
+
+    /// [`Self::synthetic`] with the weights on `device` (the same values as on the CPU).
+    pub fn synthetic_on(config: AutoencoderKlConfig, seed: u64, device: Device) -> Result<Self> {
+        let mut store = WeightStore::synthetic(seed);
+        store.set_device(device);
+        Self::from_store(config, &mut store)
+    }
+
+    /// Where the model computes.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The configuration.
@@ -349,10 +376,13 @@ impl AutoencoderKl {
     }
 
     pub(crate) fn decode_unchecked(&self, z: &Tensor) -> Result<Tensor> {
-        match &self.post_quant_conv {
-            Some(conv) => self.decoder.forward(&conv.forward(z)?),
-            None => self.decoder.forward(z),
-        }
+        let mut uploaded = None;
+        let z = on_device(z, self.device, &mut uploaded)?;
+        let image = match &self.post_quant_conv {
+            Some(conv) => self.decoder.forward(&conv.forward(z)?)?,
+            None => self.decoder.forward(z)?,
+        };
+        to_host(image)
     }
 
     /// The encoder then `quant_conv` (when present): the raw moments `[B, 2·latent, h, w]`
@@ -363,11 +393,13 @@ impl AutoencoderKl {
     }
 
     pub(crate) fn encode_unchecked(&self, x: &Tensor) -> Result<Tensor> {
+        let mut uploaded = None;
+        let x = on_device(x, self.device, &mut uploaded)?;
         let moments = self.encoder.forward(x)?;
-        match &self.quant_conv {
-            Some(conv) => conv.forward(&moments),
-            None => Ok(moments),
-        }
+        to_host(match &self.quant_conv {
+            Some(conv) => conv.forward(&moments)?,
+            None => moments,
+        })
     }
 
     /// Whether diffusers, with tiling enabled, takes the tiled path for this latent.

@@ -13,13 +13,9 @@ use vae_runtime::{
 };
 use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
+use crate::placement::{on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
-
-/// `t` in host memory (no copy when it is there already).
-fn to_host(t: Tensor) -> Result<Tensor> {
-    if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
-}
 
 /// Frames of each causal conv's input that the next chunk needs (diffusers' `CACHE_T`).
 const CACHE_T: usize = 2;
@@ -789,14 +785,6 @@ impl WanVae {
         self.device
     }
 
-    /// `x` on the model's device (no copy on the CPU).
-    fn on_device<'t>(&self, x: &'t Tensor, slot: &'t mut Option<Tensor>) -> Result<&'t Tensor> {
-        if x.device() == self.device {
-            return Ok(x);
-        }
-        Ok(slot.insert(x.to_device(&self.device)?))
-    }
-
     /// Which diffusers class was loaded.
     pub fn class(&self) -> VideoVaeClass {
         self.class
@@ -868,7 +856,7 @@ impl WanVae {
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
         let mut uploaded = None;
-        let x = self.on_device(x, &mut uploaded)?;
+        let x = on_device(x, self.device, &mut uploaded)?;
         let encoder = &self.encoder;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
@@ -1018,7 +1006,7 @@ impl WanVae {
     /// the band; the result is the output's band).
     fn decode_frames_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         let mut uploaded = None;
-        let z = self.on_device(z, &mut uploaded)?;
+        let z = on_device(z, self.device, &mut uploaded)?;
         let d = z.dims();
         // 1×1×1: per pixel, local on a band.
         let x = self.post_quant_conv.forward(z, None)?;

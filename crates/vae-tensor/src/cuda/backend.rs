@@ -387,8 +387,10 @@ impl CudaStorage {
         self.like(len)
     }
 
-    /// `c[b] = alpha · a[b] · b[b]` for every batch `b` (`gemm_batched_f32`), operands given by
-    /// their `[batch, row, column]` element strides.
+    /// `c[b] = alpha · a[b] · b[b] + beta · c[b]` for every batch `b` (`gemm_batched_f32`; `c`
+    /// is only read when `beta ≠ 0`), operands given by their `[batch, row, column]` element
+    /// strides, `c` dense.
+    #[allow(clippy::too_many_arguments)] // the GEMM's own parameter list
     fn gemm_batched(
         &self,
         b: &Self,
@@ -397,6 +399,7 @@ impl CudaStorage {
         a_strides: [usize; 3],
         b_strides: [usize; 3],
         alpha: f32,
+        beta: f32,
     ) -> Result<()> {
         let f = self.device.function("gemm", "gemm_batched_f32")?;
         let cfg = LaunchConfig {
@@ -406,7 +409,6 @@ impl CudaStorage {
         };
         let dims = [m as u64, n as u64, k as u64];
         let strides: Vec<i64> = a_strides.iter().chain(&b_strides).chain(&[m * n, n]).map(|&v| v as i64).collect();
-        let beta = 0.0f32;
         let mut launch = self.device.stream.launch_builder(&f);
         launch.arg(&self.data).arg(&b.data).arg(&mut c.data);
         for d in &dims {
@@ -420,6 +422,31 @@ impl CudaStorage {
         Ok(())
     }
 
+    /// Batched matrix product `[batch, m, k] · [batch, k, n]`, both dense.
+    pub(crate) fn matmul(&self, rhs: &Self, [batch, m, n, k]: [usize; 4]) -> Result<Self> {
+        let mut out = self.like(batch * m * n)?;
+        self.gemm_batched(rhs, &mut out, [batch, m, n, k], [m * k, k, 1], [k * n, n, 1], 1.0, 0.0)?;
+        Ok(out)
+    }
+
+    /// `F.linear` over `rows` rows: `x [rows, k] · weightᵀ [k, n] + bias`. As on the CPU (and in
+    /// PyTorch's `addmm`), the bias is the value the product is added onto: the output starts
+    /// as the bias broadcast over the rows (a box copy with row stride 0), then the GEMM adds to
+    /// it with `beta = 1`.
+    pub(crate) fn linear(&self, weight: &Self, bias: Option<&Self>, [rows, n, k]: [usize; 3]) -> Result<Self> {
+        let mut out = self.like(rows * n)?;
+        let beta = match bias {
+            Some(b) => {
+                b.copy_box_into(&[0, 1], 0, &mut out, &[n, 1], 0, &[rows, n])?;
+                1.0
+            }
+            None => 0.0,
+        };
+        // Element (kk, j) of weightᵀ is weight[j, kk]: row stride 1, column stride k.
+        self.gemm_batched(weight, &mut out, [1, rows, n, k], [0, k, 1], [0, 1, k], 1.0, beta)?;
+        Ok(out)
+    }
+
     /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
     /// `[batch, m, dv]`: two batched GEMMs around the row softmax.
     pub(crate) fn attention(
@@ -431,7 +458,7 @@ impl CudaStorage {
     ) -> Result<Self> {
         let mut scores = q.like(batch * n * m)?;
         // Element (i, j) of kᵀ is k[j, i]: row stride 1, column stride d.
-        q.gemm_batched(k, &mut scores, [batch, n, m, d], [n * d, d, 1], [m * d, 1, d], scale)?;
+        q.gemm_batched(k, &mut scores, [batch, n, m, d], [n * d, d, 1], [m * d, 1, d], scale, 0.0)?;
         let softmax = q.device.function("attention", "softmax_rows_f32")?;
         let (rows, cols, one) = ((batch * n) as u64, m as u64, 1.0f32);
         let blocks = (batch * n).clamp(1, 1 << 20) as u32;
@@ -448,7 +475,7 @@ impl CudaStorage {
         }
         .map_err(q.err("attention"))?;
         let mut out = q.like(batch * n * dv)?;
-        scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0)?;
+        scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0, 0.0)?;
         Ok(out)
     }
 }

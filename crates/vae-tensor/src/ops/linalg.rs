@@ -23,6 +23,10 @@ impl Tensor {
         let batch: usize = self.dims()[..r - 2].iter().product();
         let mut dims = self.dims().to_vec();
         dims[r - 1] = n;
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (self.cuda(), rhs.cuda()) {
+            return Ok(Tensor::from_cuda(a.matmul(b, [batch, m, n, k])?, Shape::new(dims)));
+        }
         let mut out = Buffer::zeros(batch * m * n);
         let (a, b) = (self.as_slice_f32()?, rhs.as_slice_f32()?);
         for i in 0..batch {
@@ -59,6 +63,16 @@ impl Tensor {
         let rows: usize = self.dims()[..self.rank() - 1].iter().product();
         let mut dims = self.dims().to_vec();
         *dims.last_mut().expect("rank >= 1 checked above") = n;
+        #[cfg(feature = "cuda")]
+        if let (Some(x), Some(w)) = (self.cuda(), weight.cuda()) {
+            let b = bias
+                .map(|b| {
+                    b.cuda()
+                        .ok_or_else(|| TensorError::InvalidArgument { op: OP, reason: "bias not on the device".into() })
+                })
+                .transpose()?;
+            return Ok(Tensor::from_cuda(x.linear(w, b, [rows, n, k])?, Shape::new(dims)));
+        }
         let mut out = Buffer::zeros(rows * n);
         if let Some(b) = bias {
             let b = b.as_slice_f32()?;
