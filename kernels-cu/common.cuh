@@ -22,6 +22,13 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 
+// Storage-type-generic access: every kernel with a bf16 variant computes in f32 and rounds once
+// when it stores (`unsigned short` holds bf16 bits).
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ float load_f32(const unsigned short* p) { return bf16_to_f32(*p); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_f32(unsigned short* p, float v) { *p = f32_to_bf16(v); }
+
 // -inf without <math.h> (NVRTC has no standard headers).
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -16,9 +16,6 @@ struct ConvGeom {
     i64 pad_front, pad_top, pad_left;
 };
 
-__device__ __forceinline__ float load_f32(const float* p) { return *p; }
-__device__ __forceinline__ float load_f32(const unsigned short* p) { return bf16_to_f32(*p); }
-
 // The input element of GEMM row `k`, column `col`, or zero in the padding.
 template <typename T>
 __device__ __forceinline__ float im2col(const T* x, const ConvGeom& g, u64 k, u64 col) {

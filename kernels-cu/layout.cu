@@ -45,7 +45,8 @@ extern "C" __global__ void copy_box_u16(const unsigned short* src, unsigned shor
 
 // `F.interpolate(scale_factor=f, mode="nearest")` (and nearest-exact, equal for integer f) of
 // the last two dimensions; `planes` is the product of the leading ones.
-extern "C" __global__ void upsample_nearest2d_f32(const float* x, float* out, u64 planes, u64 h, u64 w, u64 f) {
+template <typename T>
+__device__ __forceinline__ void upsample_nearest2d_impl(const T* x, T* out, u64 planes, u64 h, u64 w, u64 f) {
     const u64 oh = h * f, ow = w * f;
     GRID_STRIDE(i, planes * oh * ow) {
         const u64 ox = i % ow, oy = (i / ow) % oh, p = i / (ow * oh);
@@ -56,8 +57,9 @@ extern "C" __global__ void upsample_nearest2d_f32(const float* x, float* out, u6
 // Wan2.2 `DupUp3D`: `y[n, o, t*ft + dt - drop, h*fs + dh, w*fs + dw] = x[n, j / repeats, t, h, w]`
 // with `j = ((o*ft + dt)*fs + dh)*fs + dw`; `drop` leading output frames are skipped (the first
 // chunk drops `ft - 1`).
-extern "C" __global__ void dup_up3d_f32(
-    const float* x, float* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
+template <typename T>
+__device__ __forceinline__ void dup_up3d_impl(
+    const T* x, T* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
     u64 out_channels, u64 ft, u64 fs, u64 repeats, u64 drop) {
     const u64 to = t * ft - drop, ho = h * fs, wo = w * fs;
     GRID_STRIDE(i, batch * out_channels * to * ho * wo) {
@@ -72,8 +74,9 @@ extern "C" __global__ void dup_up3d_f32(
 // Wan2.2 `AvgDown3D`: `pad_t` zero frames in front, each `ft x fs x fs` block folded into
 // channels `k = ((c*ft + dt)*fs + dh)*fs + dw`, and groups of `group` consecutive folded
 // channels averaged (summed in f64, rounded once, as the CPU backend).
-extern "C" __global__ void avg_down3d_f32(
-    const float* x, float* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
+template <typename T>
+__device__ __forceinline__ void avg_down3d_impl(
+    const T* x, T* out, u64 batch, u64 channels, u64 t, u64 h, u64 w,
     u64 out_channels, u64 ft, u64 fs, u64 group, u64 pad_t) {
     const u64 t2 = (t + pad_t) / ft, h2 = h / fs, w2 = w / fs;
     GRID_STRIDE(i, batch * out_channels * t2 * h2 * w2) {
@@ -85,11 +88,27 @@ extern "C" __global__ void avg_down3d_f32(
             const u64 dw = k % fs, dh = (k / fs) % fs, dt = (k / (fs * fs)) % ft, c = k / (fs * fs * ft);
             const u64 tp = ot * ft + dt;
             if (tp < pad_t) continue;
-            sum += (double)x[(((b * channels + c) * t + (tp - pad_t)) * h + oy * fs + dh) * w + ox * fs + dw];
+            sum += (double)load_f32(&x[(((b * channels + c) * t + (tp - pad_t)) * h + oy * fs + dh) * w + ox * fs + dw]);
         }
-        out[i] = (float)(sum / (double)group);
+        store_f32(&out[i], (float)(sum / (double)group));
     }
 }
+
+#define RESAMPLE(SUFFIX, T)                                                                                \
+    extern "C" __global__ void upsample_nearest2d_##SUFFIX(const T* x, T* out, u64 planes, u64 h, u64 w, u64 f) { \
+        upsample_nearest2d_impl(x, out, planes, h, w, f);                                                  \
+    }                                                                                                      \
+    extern "C" __global__ void dup_up3d_##SUFFIX(const T* x, T* out, u64 batch, u64 channels, u64 t, u64 h, \
+                                                u64 w, u64 out_channels, u64 ft, u64 fs, u64 repeats, u64 drop) { \
+        dup_up3d_impl(x, out, batch, channels, t, h, w, out_channels, ft, fs, repeats, drop);             \
+    }                                                                                                      \
+    extern "C" __global__ void avg_down3d_##SUFFIX(const T* x, T* out, u64 batch, u64 channels, u64 t, u64 h, \
+                                                  u64 w, u64 out_channels, u64 ft, u64 fs, u64 group, u64 pad_t) { \
+        avg_down3d_impl(x, out, batch, channels, t, h, w, out_channels, ft, fs, group, pad_t);            \
+    }
+
+RESAMPLE(f32, float)
+RESAMPLE(bf16, unsigned short)
 
 // diffusers' `blend_v` / `blend_h` in place along one dimension of `[outer, len, inner]`:
 // `cur[o, y, i] = prev[o, len_prev - e + y, i] * wp[y] + cur[o, y, i] * wc[y]` for `y < e`, two

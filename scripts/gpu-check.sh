@@ -6,7 +6,7 @@
 #   2. every CUDA kernel, every CUDA tensor op, then the video VAEs (plain and 2-rank shard)
 #      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
 #   3. the NCCL backend's collectives (world size 1; every GPU when there are several);
-#   4. the Wan2.1 480x832x17 decode benchmark, diffusers (f32, bf16) vs ours (f32), same GPU.
+#   4. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
 # well under 8 minutes (the kernels test runs small shapes).
@@ -47,14 +47,16 @@ for suite in cuda_kernels cuda_ops conformance conformance_video cuda_models ncc
 done
 
 # The benchmark: Wan2.1 real geometry, latent [1, 16, 5, 60, 104] (17 frames of 480x832),
-# diffusers in f32 and bf16, then ours in f32 (the only dtype of the CUDA backend so far), on the
-# same GPU. Needs torch and diffusers on this machine; skipped (not failed) without them.
+# diffusers in f32 and bf16, then ours in f32 and bf16, on the same GPU. Needs torch and
+# diffusers on this machine; skipped (not failed) without them.
 step "benchmark: Wan2.1 480x832x17 decode, diffusers vs vae-parallel"
 if python3 -c "import torch, diffusers" 2>/dev/null; then
     timeout 240 python3 scripts/bench_gpu_diffusers.py --out "$OUT/wan21" --shape 1,16,5,60,104 \
         --dtypes float32,bfloat16 --iters 2 2>&1 | tee "$OUT/bench_diffusers.jsonl" || status=1
-    timeout 180 "$BUNDLE/vae-parallel" bench decode --device cuda --model "$OUT/wan21" \
-        --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours.json" || status=1
+    for dtype in f32 bf16; do
+        timeout 150 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --model "$OUT/wan21" \
+            --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours_$dtype.json" || status=1
+    done
 else
     echo "benchmark skipped: no torch/diffusers in this machine's python3"
 fi

@@ -13,7 +13,7 @@ use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_parallel::io::read_npy;
 use vae_runtime::{DistributedVaeExecutor, OutputPlacement, ShardAxis};
 use vae_tensor::cuda::resolve_device;
-use vae_tensor::{Device, TensorError};
+use vae_tensor::{DType, Device, TensorError};
 use vae_transport::{TransportConfig, run_local};
 
 fn cuda(test: &str) -> Option<Device> {
@@ -114,4 +114,40 @@ fn autoencoder_kl_tiles_on_two_ranks_of_one_gpu_match_the_serial_cuda_run() {
     let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
     // The same kernels on the same device for every tile: identical bits.
     assert!(got.bit_eq(&serial), "2-rank tiles on CUDA vs serial: {}", got.max_abs_diff(&serial).unwrap());
+}
+
+#[test]
+fn bf16_decodes_on_cuda_stay_close_to_diffusers_f32() {
+    let Some(device) = cuda("bf16 models on CUDA") else { return };
+    // The fixtures are f32 diffusers outputs; a bf16 model rounds every activation to 8
+    // significant bits, so this bounds the drift, it is not a parity check (the f32 tests are).
+    let kl = fixtures_dir().join("autoencoder_kl");
+    let z = read_npy(&kl.join("sd_like.decode.in.npy")).unwrap();
+    let want = read_npy(&kl.join("sd_like.decode.out.npy")).unwrap();
+    let model = AutoencoderKl::load_with(&kl.join("sd_like"), device, DType::BF16).unwrap();
+    assert_eq!(model.dtype(), DType::BF16);
+    let got = model.decode(&z).unwrap();
+    assert_eq!(got.dtype(), DType::F32, "results come back as f32");
+    let diff = got.max_abs_diff(&want).unwrap();
+    eprintln!("sd_like decode, bf16 on CUDA vs diffusers f32: max diff {diff}");
+    assert!(diff <= 0.1, "sd_like bf16 decode: {diff}");
+    let wan = fixtures_dir().join("wan");
+    let z = read_npy(&wan.join("wan21_like.decode_t3.in.npy")).unwrap();
+    let want = read_npy(&wan.join("wan21_like.decode_t3.out.npy")).unwrap();
+    let model = WanVae::load_with(&wan.join("wan21_like"), device, DType::BF16).unwrap();
+    let direct = model.decode(&z).unwrap();
+    let diff = direct.max_abs_diff(&want).unwrap();
+    eprintln!("wan21_like decode, bf16 on CUDA vs diffusers f32: max diff {diff}");
+    assert!(diff <= 0.1, "wan21_like bf16 decode: {diff}");
+    // Shard decode in bf16: halo rows travel as f32 copies of bf16 values, so nothing is
+    // rounded twice and the result equals the direct bf16 decode.
+    let op = WanShardDecodeOperator::new(&model);
+    let results = run_local(2, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+        exec.execute_sharded(&z, &op, ShardAxis::Width, OutputPlacement::OwnerOnly).unwrap().tensor
+    })
+    .unwrap();
+    let shard = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
+    let diff = shard.max_abs_diff(&direct).unwrap();
+    assert!(diff <= 1e-2, "bf16 shard vs direct: {diff}");
 }

@@ -2,20 +2,53 @@
 //! weights on one device, while everything above them (tiles, bands, transports, files) works
 //! on host tensors, so each computation uploads its input once and downloads its result once.
 
-use vae_tensor::{Device, Tensor};
+use vae_tensor::{DType, Device, Tensor};
 
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// `t` in host memory (no copy when it is there already).
 pub(crate) fn to_host(t: Tensor) -> Result<Tensor> {
     if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
 }
 
-/// `x` on `device`: `x` itself when it is there already, else a copy kept in `slot` (so the
-/// caller decides how long the upload lives).
-pub(crate) fn on_device<'t>(x: &'t Tensor, device: Device, slot: &'t mut Option<Tensor>) -> Result<&'t Tensor> {
-    if x.device() == device {
+/// `x` on `device` with elements of `dtype` (as a pipeline casts latents to the VAE's dtype):
+/// `x` itself when it is so already, else a copy kept in `slot` (so the caller decides how long
+/// the upload lives).
+pub(crate) fn on_device<'t>(
+    x: &'t Tensor,
+    device: Device,
+    dtype: DType,
+    slot: &'t mut Option<Tensor>,
+) -> Result<&'t Tensor> {
+    if x.device() == device && x.dtype() == dtype {
         return Ok(x);
     }
-    Ok(slot.insert(x.to_device(&device)?))
+    Ok(slot.insert(x.to_device(&device)?.to_dtype(dtype)?))
+}
+
+/// An error unless a model can compute on `device` in `dtype`: the CPU backend is f32 only, the
+/// CUDA backend f32 or bf16.
+pub(crate) fn check_precision(device: Device, dtype: DType) -> Result<()> {
+    match (device, dtype) {
+        (_, DType::F32) | (Device::Cuda(_), DType::BF16) => Ok(()),
+        _ => Err(ModelError::Unsupported(format!(
+            "{dtype} on {device}: the CPU computes in f32 only, CUDA devices in f32 or bf16"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precision_is_f32_on_the_cpu_and_f32_or_bf16_on_cuda() {
+        assert!(check_precision(Device::Cpu, DType::F32).is_ok());
+        assert!(check_precision(Device::Cuda(0), DType::F32).is_ok());
+        assert!(check_precision(Device::Cuda(1), DType::BF16).is_ok());
+        for (device, dtype) in [(Device::Cpu, DType::BF16), (Device::Cpu, DType::F16), (Device::Cuda(0), DType::F16)] {
+            let err = check_precision(device, dtype).unwrap_err();
+            assert!(matches!(err, ModelError::Unsupported(_)), "{err}");
+        }
+    }
 }

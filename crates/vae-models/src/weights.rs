@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors};
-use vae_tensor::{Device, Tensor};
+use vae_tensor::{DType, Device, Tensor};
 
 use crate::{ModelError, Result};
 
@@ -45,6 +45,8 @@ pub struct WeightStore {
     synthetic_params: usize,
     /// Where `take` puts the tensors it returns.
     device: Device,
+    /// The element type of the weight matrices `take` returns (see [`WeightStore::set_dtype`]).
+    dtype: DType,
 }
 
 impl std::fmt::Debug for WeightStore {
@@ -119,7 +121,15 @@ impl WeightStore {
             }
             shards.push(Shard { path: path.clone(), mmap, data_start: 8 + header_len });
         }
-        Ok(Self { shards, entries, taken: BTreeSet::new(), synthetic: None, synthetic_params: 0, device: Device::Cpu })
+        Ok(Self {
+            shards,
+            entries,
+            taken: BTreeSet::new(),
+            synthetic: None,
+            synthetic_params: 0,
+            device: Device::Cpu,
+            dtype: DType::F32,
+        })
     }
 
     /// A store that answers every request with seeded random weights: weights and biases of
@@ -134,6 +144,7 @@ impl WeightStore {
             synthetic: Some(seed),
             synthetic_params: 0,
             device: Device::Cpu,
+            dtype: DType::F32,
         }
     }
 
@@ -203,10 +214,29 @@ impl WeightStore {
         self.synthetic_params + self.entries.values().map(|e| e.shape.iter().product::<usize>()).sum::<usize>()
     }
 
-    /// The tensor `key` as f32, which must have shape `expected`.
+    /// The tensor `key`, which must have shape `expected`, on the store's device: f32, or with
+    /// [`WeightStore::set_dtype`] bf16 (see there).
     pub fn take(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
         let host = self.take_on_host(key, expected)?;
-        if self.device.is_cpu() { Ok(host) } else { Ok(host.to_device(&self.device)?) }
+        if self.dtype == DType::F32 {
+            return if self.device.is_cpu() { Ok(host) } else { Ok(host.to_device(&self.device)?) };
+        }
+        // A per-channel vector (a bias, a norm's scale: at most one extent above 1) keeps f32
+        // storage, holding the values a bf16 model has; the kernels take such parameters in f32.
+        let per_channel = expected.iter().filter(|&&d| d > 1).count() <= 1;
+        if per_channel {
+            let rounded: Vec<f32> = host.to_vec_f32()?.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect();
+            return Ok(Tensor::from_vec(rounded, expected.to_vec(), &self.device)?);
+        }
+        Ok(host.to_device(&self.device)?.to_dtype(self.dtype)?)
+    }
+
+    /// Weight matrices taken from now on have type `dtype` (`vae.to(dtype)`); per-channel
+    /// vectors keep f32 storage rounded to `dtype`'s values. Anything but f32 needs a device
+    /// backend with that type: taking a weight is then an [`vae_tensor::TensorError::UnsupportedDType`]
+    /// error elsewhere (the CPU backend is f32 only).
+    pub fn set_dtype(&mut self, dtype: DType) {
+        self.dtype = dtype;
     }
 
     /// Tensors taken from now on are placed on `device` (uploaded once, at load).
@@ -217,6 +247,11 @@ impl WeightStore {
     /// Where tensors taken now are placed.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The element type of weight matrices taken now.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     fn take_on_host(&mut self, key: &str, expected: &[usize]) -> Result<Tensor> {
@@ -317,5 +352,34 @@ impl<'a> Weights<'a> {
     pub fn contains(&self, name: &str) -> bool {
         let key = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
         self.store.contains(&key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bf16_store_rounds_per_channel_vectors_and_types_weight_matrices() {
+        let mut f32_store = WeightStore::synthetic(7);
+        let mut bf16_store = WeightStore::synthetic(7);
+        bf16_store.set_dtype(DType::BF16);
+        // A bias and a Wan-style [C, 1, 1] scale: f32 storage holding bf16 values.
+        for (key, shape) in [("conv.bias", &[16][..]), ("norm.gamma", &[16, 1, 1][..])] {
+            let exact = f32_store.take(key, shape).unwrap().to_vec_f32().unwrap();
+            let rounded = bf16_store.take(key, shape).unwrap();
+            assert_eq!(rounded.dtype(), DType::F32);
+            let rounded = rounded.to_vec_f32().unwrap();
+            for (e, r) in exact.iter().zip(&rounded) {
+                assert_eq!(*r, half::bf16::from_f32(*e).to_f32(), "{key}");
+            }
+            assert!(exact.iter().zip(&rounded).any(|(e, r)| e != r), "{key}: the values were rounded");
+        }
+        // A weight matrix becomes a bf16 tensor, which the (f32-only) CPU backend refuses.
+        let err = bf16_store.take("conv.weight", &[16, 8, 3, 3]).unwrap_err();
+        assert!(
+            matches!(err, ModelError::Tensor(vae_tensor::TensorError::UnsupportedDType { dtype: DType::BF16, .. })),
+            "{err}"
+        );
     }
 }

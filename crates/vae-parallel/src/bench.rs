@@ -14,7 +14,7 @@ use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
 use vae_parallel::tensor::memory::Account;
-use vae_parallel::tensor::{Device, Tensor};
+use vae_parallel::tensor::{DType, Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
 use vae_parallel::transport::{TransportConfig, run_local};
 
@@ -85,9 +85,12 @@ pub struct DecodeBenchArgs {
     /// Print one JSON object (the numbers of the table) instead of the table.
     #[arg(long)]
     json: bool,
-    /// `cpu` (default) or `cuda[:N]` (video VAEs; falls back to the CPU with a warning).
+    /// `cpu` (default) or `cuda[:N]` (falls back to the CPU with a warning).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// `f32` (default) or `bf16` (CUDA only).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
 }
 
 /// Options of `bench transport`.
@@ -281,11 +284,17 @@ struct DecodeRun {
 /// Loads the engine once, decodes once to warm up, then times `iters` decodes. Memory is
 /// measured as `scripts/bench_diffusers.py` does: the resident high-water mark is reset after
 /// the load, the baseline is the resident set then, and the peak is `VmHWM` at the end.
-fn decode_on_one_rank(model: &Path, latent: &Path, iters: usize, device: Device) -> anyhow::Result<DecodeRun> {
+fn decode_on_one_rank(
+    model: &Path,
+    latent: &Path,
+    iters: usize,
+    device: Device,
+    dtype: DType,
+) -> anyhow::Result<DecodeRun> {
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
-        let engine = Engine::load_on(model, None, None, device)?;
+        let engine = Engine::load_on(model, None, None, device, dtype)?;
         let latent = vae_parallel::io::read_tensor(latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
         // Weights and the latent: the high-water mark below counts them too.
@@ -323,7 +332,12 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device)?;
+    let dtype: DType = args.dtype.parse()?;
+    anyhow::ensure!(
+        dtype == DType::F32 || !device.is_cpu(),
+        "--dtype {dtype} needs a CUDA device (the CPU computes in f32)"
+    );
+    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
     let mut sorted = run.times.clone();
@@ -341,6 +355,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
             "kind": "decode",
             "impl": "vae-parallel",
             "device": device.to_string(),
+            "dtype": dtype.to_string(),
             "size": run.output.last().copied().unwrap_or(0),
             "output_shape": run.output,
             "threads": threads,
@@ -359,7 +374,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "decode {} → {:?} on {device}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
+        "decode {} → {:?} on {device} in {dtype}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
         args.latent.display(),
         run.output,
         args.iters

@@ -97,21 +97,23 @@ impl Engine {
         tile_sample_min_size: Option<usize>,
         tile_overlap_factor: Option<f64>,
     ) -> Result<Self, EngineError> {
-        Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu)
+        Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu, vae_tensor::DType::F32)
     }
 
-    /// [`Self::load`] with the weights on `device`, where every family then computes (inputs,
-    /// outputs, tiles and bands stay on the host).
+    /// [`Self::load`] with the weights on `device` in `dtype` (f32 anywhere, bf16 on CUDA),
+    /// where every family then computes (inputs, outputs, tiles and bands stay on the host, in
+    /// f32).
     pub fn load_on(
         dir: &Path,
         tile_sample_min_size: Option<usize>,
         tile_overlap_factor: Option<f64>,
         device: vae_tensor::Device,
+        dtype: vae_tensor::DType,
     ) -> Result<Self, EngineError> {
         let class = class_name(dir)?;
         let model = match class.as_str() {
             "AutoencoderKL" | "AutoencoderKLFlux2" => {
-                let mut m = AutoencoderKl::load_on(dir, device)?;
+                let mut m = AutoencoderKl::load_with(dir, device, dtype)?;
                 m.set_tiling(tile_sample_min_size, tile_overlap_factor)?;
                 Model::AutoencoderKl(Box::new(m))
             }
@@ -125,7 +127,7 @@ impl Engine {
                         ),
                     });
                 }
-                Model::Video(Box::new(WanVae::load_on(dir, device)?))
+                Model::Video(Box::new(WanVae::load_with(dir, device, dtype)?))
             }
             other => {
                 return Err(EngineError::Unsupported {

@@ -67,10 +67,14 @@ pub struct ParallelArgs {
     /// Compute threads of this process (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// `cpu` (default), `cuda` or `cuda:N`. Without a usable CUDA device (or, for now, a CUDA
-    /// tensor backend) the work runs on the CPU, and a warning says why.
+    /// `cpu` (default), `cuda` or `cuda:N`. Without a usable CUDA device (no driver, or a
+    /// build without kernels) the work runs on the CPU, and a warning says why.
     #[arg(long)]
     device: Option<String>,
+    /// Element type the model computes in: `f32` (default) or `bf16` (CUDA only; inputs and
+    /// outputs stay f32, as `vae.to(torch.bfloat16)` with f32 latents cast on the way in).
+    #[arg(long)]
+    dtype: Option<String>,
     /// TOML file with any of the settings above.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -97,6 +101,7 @@ struct FileConfig {
     transport: Option<String>,
     threads: Option<usize>,
     device: Option<String>,
+    dtype: Option<String>,
 }
 
 /// Flags over the config file over defaults.
@@ -104,6 +109,8 @@ struct Resolved {
     model: PathBuf,
     /// Where the model computes (after the CUDA probe).
     device: vae_parallel::tensor::Device,
+    /// What it computes in.
+    dtype: vae_parallel::tensor::DType,
     parallel_size: usize,
     group: GroupArgs,
     options: RequestOptions,
@@ -149,10 +156,17 @@ impl ParallelArgs {
         if let Some(why) = fallback {
             eprintln!("warning: --device {requested}: {why}");
         }
+        let dtype: vae_parallel::tensor::DType =
+            self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()).parse()?;
+        if dtype != vae_parallel::tensor::DType::F32 && device.is_cpu() {
+            // Not a silent f32 run: the numbers would not be the ones asked for.
+            bail!("--dtype {dtype} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
+        }
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         Ok(Resolved {
             model: self.model.clone(),
             device,
+            dtype,
             parallel_size,
             group: GroupArgs { ranks, transport, rank: None, master_addr: None },
             options: RequestOptions {
@@ -190,7 +204,7 @@ impl Resolved {
 
     fn load_engine(&self) -> anyhow::Result<Engine> {
         let mut engine =
-            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, self.device)?;
+            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, self.device, self.dtype)?;
         if let Some((min, stride)) = self.video_tiling {
             engine.set_video_tiling(min, stride)?;
         }

@@ -202,6 +202,14 @@ fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
     let garbage = dir.join("garbage.npy");
     std::fs::write(&garbage, b"not numpy").unwrap();
     assert_clean_failure("npy", &decode_args(m, s(&garbage), o, &[]), "not a .npy file");
+
+    // bf16 is a CUDA type: on the CPU it is refused, not quietly run in f32.
+    assert_clean_failure(
+        "bf16 on cpu",
+        &decode_args(m, l, o, &["--dtype", "bf16"]),
+        "--dtype bf16 needs a CUDA device",
+    );
+    assert_clean_failure("dtype", &decode_args(m, l, o, &["--dtype", "f64"]), "is not f32, bf16 or f16");
     assert!(!out.exists(), "no output file after failures");
 }
 

@@ -184,7 +184,9 @@ impl<'c> ShardContext<'c> {
             return Err(invalid(format!("rank {}'s band of {len} rows is narrower than the halo {halo}", self.rank)));
         }
         let (has_prev, has_next) = (self.rank > 0, self.rank + 1 < self.ranks());
-        // Rows leave through host memory (a download for a device tensor).
+        // Rows leave through host memory (a download for a device tensor), where they are f32
+        // whatever the device type (the CPU backend is f32 only): a bf16 band's halo rows travel
+        // at 4 bytes per element.
         let first = if has_prev { Some(on_host(x.narrow(dim, 0, halo)?)?) } else { None };
         let last = if has_next { Some(on_host(x.narrow(dim, len - halo, halo)?)?) } else { None };
         let mut from_prev = Vec::<u8>::new();
@@ -197,7 +199,7 @@ impl<'c> ShardContext<'c> {
             if let Some(rows) = &last {
                 legs.push(PeerExchange { peer: self.rank + 1, send: rows.as_bytes()?, recv: &mut from_next });
             }
-            self.comm.exchange_bytes(transport_dtype(x.dtype()), &mut legs)?;
+            self.comm.exchange_bytes(vae_transport::DataType::F32, &mut legs)?;
         }
         let sent = first.iter().chain(&last).map(|t| t.size_in_bytes() as u64).sum::<u64>();
         let mut halo_dims = x.dims().to_vec();
@@ -251,8 +253,9 @@ impl<'c> ShardContext<'c> {
                 .filter(|(peer, _)| *peer != self.rank)
                 .map(|(peer, recv)| PeerExchange { peer, send, recv })
                 .collect();
-            self.comm.exchange_bytes(transport_dtype(x.dtype()), &mut legs)?;
+            self.comm.exchange_bytes(vae_transport::DataType::F32, &mut legs)?;
         }
+        let sent_each = staged.as_ref().unwrap_or(x).size_in_bytes();
         let mut parts = Vec::with_capacity(self.ranks());
         for (peer, bytes) in received.iter().enumerate() {
             if peer == self.rank {
@@ -266,7 +269,7 @@ impl<'c> ShardContext<'c> {
         let refs: Vec<&Tensor> = parts.iter().collect();
         let full = Tensor::cat(&refs, dim)?;
         self.traffic.map_gathers += 1;
-        self.traffic.map_bytes_sent += (x.size_in_bytes() * (self.ranks() - 1)) as u64;
+        self.traffic.map_bytes_sent += (sent_each * (self.ranks() - 1)) as u64;
         self.traffic.map_time += clock.elapsed();
         Ok(full)
     }
@@ -282,8 +285,9 @@ impl<'c> ShardContext<'c> {
         Ok(full.narrow(dim, band.start, band.len())?)
     }
 
+    /// Rows a peer sent (f32 host bytes) as a tensor on `like`'s device with `like`'s type.
     fn tensor_from_peer(&self, like: &Tensor, dims: &[usize], bytes: &[u8]) -> Result<Tensor, RuntimeError> {
-        let expected = Shape::new(dims.to_vec()).elem_count() * like.dtype().size_in_bytes();
+        let expected = Shape::new(dims.to_vec()).elem_count() * DType::F32.size_in_bytes();
         if bytes.len() != expected {
             return Err(RuntimeError::Protocol(format!(
                 "rank {} expected {expected} bytes of {dims:?} rows from a neighbour, got {}",
@@ -291,19 +295,11 @@ impl<'c> ShardContext<'c> {
                 bytes.len()
             )));
         }
-        Ok(Tensor::from_bytes(like.dtype(), dims.to_vec(), bytes, &like.device())?)
+        Ok(Tensor::from_bytes(DType::F32, dims.to_vec(), bytes, &like.device())?.to_dtype(like.dtype())?)
     }
 }
 
 /// `t` in host memory (no copy when it is there already).
 fn on_host(t: Tensor) -> Result<Tensor, RuntimeError> {
     if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
-}
-
-/// The transport's element type for tensor bytes (half types travel as raw bytes).
-fn transport_dtype(dtype: DType) -> vae_transport::DataType {
-    match dtype {
-        DType::F32 => vae_transport::DataType::F32,
-        DType::F16 | DType::BF16 => vae_transport::DataType::U8,
-    }
 }

@@ -63,8 +63,8 @@ impl Tensor {
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Self> {
         let shape = shape.into();
         #[cfg(feature = "cuda")]
-        if let (Device::Cuda(ordinal), DType::F32) = (device, dtype) {
-            let storage = crate::cuda::backend::CudaStorage::zeros(*ordinal, shape.elem_count())?;
+        if let Device::Cuda(ordinal) = device {
+            let storage = crate::cuda::backend::CudaStorage::zeros(*ordinal, shape.elem_count(), dtype)?;
             return Ok(Self::from_cuda(storage, shape));
         }
         #[cfg(not(feature = "cuda"))]
@@ -120,13 +120,31 @@ impl Tensor {
         }
     }
 
-    /// A copy on `device` (the tensor itself, cloned, when it is there already).
+    /// A copy on `device` (the tensor itself, cloned, when it is there already). The CPU backend
+    /// is f32 only, so a bf16 tensor arrives there widened (exactly) to f32; between CUDA
+    /// devices the type is kept.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device() == *device {
             return Ok(self.clone());
         }
         let host = self.to_vec_f32()?;
-        Tensor::from_vec(host, self.shape.clone(), device)
+        let moved = Tensor::from_vec(host, self.shape.clone(), device)?;
+        if device.is_cpu() { Ok(moved) } else { moved.to_dtype(self.dtype()) }
+    }
+
+    /// A copy with elements of `dtype` (the tensor itself, cloned, when it has that type
+    /// already). f32 → bf16 rounds to nearest even, as PyTorch's `.to(torch.bfloat16)`; bf16 →
+    /// f32 is exact. CUDA tensors only: the CPU backend computes in f32 and refuses other types
+    /// with [`TensorError::UnsupportedDType`].
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(c) = self.cuda() {
+            return Ok(Self::from_cuda(c.to_dtype(dtype)?, self.shape.clone()));
+        }
+        Err(TensorError::UnsupportedDType { op: "to_dtype", dtype, device: self.device() })
     }
 
     /// A host f32 tensor over `buffer`, whose length the caller has made equal to the shape's
@@ -202,7 +220,7 @@ impl Tensor {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(_)) => DType::F32,
             #[cfg(feature = "cuda")]
-            Storage::Cuda(_) => DType::F32,
+            Storage::Cuda(c) => c.dtype(),
         }
     }
 
@@ -628,10 +646,25 @@ mod tests {
     }
 
     #[test]
-    fn cuda_is_a_typed_error_until_the_backend_lands() {
-        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(0)).unwrap_err();
-        assert!(matches!(err, TensorError::DeviceUnavailable { .. }), "{err}");
+    fn devices_parse_and_an_unusable_cuda_device_is_a_typed_error() {
         assert_eq!("cuda:1".parse::<Device>().unwrap(), Device::Cuda(1));
         assert!("gpu".parse::<Device>().is_err());
+        // Device 999 exists nowhere: the error is the same with or without a GPU.
+        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(999)).unwrap_err();
+        assert!(matches!(err, TensorError::DeviceUnavailable { .. }), "{err}");
+    }
+
+    #[test]
+    fn the_cpu_backend_is_f32_only() {
+        let t = iota(&[2, 3]);
+        assert!(t.to_dtype(DType::F32).unwrap().bit_eq(&t), "converting to its own type is a copy");
+        for dtype in [DType::BF16, DType::F16] {
+            let err = t.to_dtype(dtype).unwrap_err();
+            assert!(
+                matches!(err, TensorError::UnsupportedDType { dtype: d, device: Device::Cpu, .. } if d == dtype),
+                "{err}"
+            );
+            assert!(Tensor::zeros([2], dtype, &Device::Cpu).is_err());
+        }
     }
 }

@@ -161,3 +161,95 @@ fn matrix_products_match() {
     same_on_both("linear", &[x.clone(), w.clone(), bias], 1e-5, |t| t[0].linear(&t[1], Some(&t[2])).unwrap());
     same_on_both("linear no bias", &[x, w], 1e-5, |t| t[0].linear(&t[1], None).unwrap());
 }
+
+/// `t` with every value rounded to bf16 (what a bf16 tensor of it holds), still f32 on the host.
+fn bf16_values(t: &Tensor) -> Tensor {
+    let v = t.to_vec_f32().unwrap().into_iter().map(|x| half::bf16::from_f32(x).to_f32()).collect();
+    Tensor::from_vec(v, t.dims().to_vec(), &Device::Cpu).unwrap()
+}
+
+/// Runs `op` in bf16 on the GPU (the inputs flagged `true` in `typed` as bf16 tensors, the
+/// others — biases, norm scales — as f32 tensors of bf16 values, as a bf16 model holds them) and
+/// in f32 on the CPU on the same rounded values, then rounds the CPU result to bf16. The two
+/// agree to one bf16 step at the result's largest magnitude: both accumulate in f32 and round
+/// once, so only a rounding boundary between two accumulation orders can differ.
+fn same_in_bf16(what: &str, inputs: &[Tensor], typed: &[bool], op: impl Fn(&[Tensor]) -> Tensor) {
+    let rounded: Vec<Tensor> = inputs.iter().map(bf16_values).collect();
+    let want = bf16_values(&op(&rounded));
+    let on_gpu: Vec<Tensor> = rounded
+        .iter()
+        .zip(typed)
+        .map(|(t, &typed)| if typed { gpu_of(t).to_dtype(DType::BF16).unwrap() } else { gpu_of(t) })
+        .collect();
+    let got = op(&on_gpu);
+    assert_eq!(got.dtype(), DType::BF16, "{what}: a bf16 result");
+    let got = got.to_device(&Device::Cpu).unwrap();
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let top = want.to_vec_f32().unwrap().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let tol = top * 2f32.powi(-7);
+    let diff = got.max_abs_diff(&want).unwrap();
+    assert!(diff <= tol, "{what} in bf16: max |cuda - cpu| = {diff} > {tol}");
+}
+
+#[test]
+fn bf16_ops_match_the_cpu_on_bf16_values() {
+    if !gpu("bf16 ops") {
+        return;
+    }
+    let (a, b) = (pattern(&[2, 3, 33], 30), pattern(&[2, 3, 33], 31));
+    same_in_bf16("add", &[a.clone(), b], &[true, true], |t| t[0].add(&t[1]).unwrap());
+    same_in_bf16("silu", std::slice::from_ref(&a), &[true], |t| t[0].silu().unwrap());
+    same_in_bf16("clamp", std::slice::from_ref(&a), &[true], |t| t[0].clamp(-0.5, 0.25).unwrap());
+    same_in_bf16("scale", std::slice::from_ref(&a), &[true], |t| t[0].mul_scalar(0.37).unwrap());
+    let x = pattern(&[2, 8, 5, 7], 32);
+    let (g, bt) = (pattern(&[8], 33), pattern(&[8], 34));
+    same_in_bf16("group_norm", &[x.clone(), g.clone(), bt], &[true, false, false], |t| {
+        t[0].group_norm(4, &t[1], &t[2], 1e-6).unwrap()
+    });
+    let v = pattern(&[1, 8, 3, 4, 5], 35);
+    let gamma = pattern(&[8, 1, 1, 1], 36);
+    same_in_bf16("rms_norm_channels", &[v.clone(), gamma], &[true, false], |t| {
+        t[0].rms_norm_channels(&t[1], None, 1, 1e-12).unwrap()
+    });
+    let w = pattern(&[70, 8, 3, 3], 37).affine(0.2, 0.0).unwrap();
+    let bias = pattern(&[70], 38);
+    same_in_bf16("conv2d (tensor cores)", &[x.clone(), w, bias], &[true, true, false], |t| {
+        t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3)).unwrap()
+    });
+    let w3 = pattern(&[9, 8, 3, 3, 3], 39).affine(0.1, 0.0).unwrap();
+    same_in_bf16("causal conv3d (tensor cores)", &[v.clone(), w3], &[true, true], |t| {
+        t[0].conv3d(&t[1], None, &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
+    });
+    same_in_bf16("upsample", std::slice::from_ref(&x), &[true], |t| t[0].upsample_nearest2d(2).unwrap());
+    same_in_bf16("permute", std::slice::from_ref(&x), &[true], |t| t[0].permute(&[0, 2, 3, 1]).unwrap());
+    same_in_bf16("cat of narrows", std::slice::from_ref(&x), &[true], |t| {
+        Tensor::cat(&[&t[0].narrow(3, 4, 3).unwrap(), &t[0].narrow(3, 0, 4).unwrap()], 3).unwrap()
+    });
+    same_in_bf16("dup_up3d", std::slice::from_ref(&v), &[true], |t| t[0].dup_up3d(2, 2, 4, true).unwrap());
+    let odd = pattern(&[1, 4, 3, 4, 6], 40);
+    same_in_bf16("avg_down3d", &[odd], &[true], |t| t[0].avg_down3d(2, 2, 8).unwrap());
+    let (q, k, vv) = (pattern(&[2, 29, 16], 41), pattern(&[2, 31, 16], 42), pattern(&[2, 31, 8], 43));
+    same_in_bf16("attention", &[q, k, vv], &[true, true, true], |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
+    let (xs, wl, bl) = (pattern(&[2, 67, 24], 44), pattern(&[33, 24], 45), pattern(&[33], 46));
+    same_in_bf16("linear", &[xs, wl, bl], &[true, true, false], |t| t[0].linear(&t[1], Some(&t[2])).unwrap());
+    let (ma, mb) = (pattern(&[3, 67, 20], 47), pattern(&[3, 20, 130], 48));
+    same_in_bf16("matmul", &[ma, mb], &[true, true], |t| t[0].matmul(&t[1]).unwrap());
+}
+
+#[test]
+fn bf16_and_f32_operands_do_not_mix() {
+    if !gpu("bf16 type checks") {
+        return;
+    }
+    let a = gpu_of(&pattern(&[4, 4], 49));
+    let b = a.to_dtype(DType::BF16).unwrap();
+    assert!(a.add(&b).is_err(), "an f32 + bf16 add is a typed error");
+    assert!(
+        b.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap().bit_eq(&bf16_values(&pattern(&[4, 4], 49)))
+    );
+    // A bf16 bias is refused: the kernels take f32 per-channel parameters.
+    let x = gpu_of(&pattern(&[1, 2, 3, 3], 50)).to_dtype(DType::BF16).unwrap();
+    let w = gpu_of(&pattern(&[2, 2, 1, 1], 51)).to_dtype(DType::BF16).unwrap();
+    let bias = gpu_of(&pattern(&[2], 52)).to_dtype(DType::BF16).unwrap();
+    assert!(x.conv2d(&w, Some(&bias), &Conv2dParams::default()).is_err());
+}

@@ -5,11 +5,11 @@ use std::path::Path;
 
 use vae_planner::AutoencoderKlTiling;
 use vae_runtime::ParallelMode;
-use vae_tensor::{Device, Tensor};
+use vae_tensor::{DType, Device, Tensor};
 
 use super::config::{AutoencoderKlConfig, KlVariant};
 use crate::layers::{Conv2d, Downsample2d, GroupNorm, MidBlock2d, ResnetBlock2d, Upsample2d};
-use crate::placement::{on_device, to_host};
+use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
@@ -168,6 +168,8 @@ pub struct AutoencoderKl {
     config: AutoencoderKlConfig,
     /// Where the weights live and the encoder and decoder compute.
     device: Device,
+    /// The element type the encoder and decoder compute in.
+    dtype: DType,
     encoder: Encoder,
     decoder: Decoder,
     quant_conv: Option<Conv2d>,
@@ -195,9 +197,18 @@ impl AutoencoderKl {
     /// while inputs, outputs and tiles stay on the host (each computation uploads its input and
     /// downloads its result), so nothing above the model changes.
     pub fn load_on(dir: &Path, device: Device) -> Result<Self> {
+        Self::load_with(dir, device, DType::F32)
+    }
+
+    /// [`Self::load_on`] computing in `dtype` (`vae.to(dtype)`): f32 anywhere, bf16 on CUDA.
+    /// Inputs are cast to `dtype` on upload (as pipelines cast latents to the VAE's dtype) and
+    /// results come back as f32 holding the `dtype` values.
+    pub fn load_with(dir: &Path, device: Device, dtype: DType) -> Result<Self> {
+        check_precision(device, dtype)?;
         let config = AutoencoderKlConfig::from_file(&dir.join("config.json"))?;
         let mut store = WeightStore::open_dir(dir)?;
         store.set_device(device);
+        store.set_dtype(dtype);
         let model = Self::from_store(config, &mut store)?;
         store.finish()?;
         Ok(model)
@@ -207,7 +218,7 @@ impl AutoencoderKl {
     /// there with its shape; call [`WeightStore::finish`] afterwards to refuse extra ones). The
     /// model computes on the store's device.
     pub fn from_store(config: AutoencoderKlConfig, store: &mut WeightStore) -> Result<Self> {
-        let device = store.device();
+        let (device, dtype) = (store.device(), store.dtype());
         let mut stored_dtypes: Vec<(String, usize)> = store.dtypes().into_iter().collect();
         stored_dtypes.sort();
         let mut w = Weights::new(store);
@@ -241,6 +252,7 @@ impl AutoencoderKl {
         Ok(Self {
             config,
             device,
+            dtype,
             encoder,
             decoder,
             quant_conv,
@@ -268,6 +280,11 @@ impl AutoencoderKl {
     /// Where the model computes.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The element type the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The configuration.
@@ -377,7 +394,7 @@ impl AutoencoderKl {
 
     pub(crate) fn decode_unchecked(&self, z: &Tensor) -> Result<Tensor> {
         let mut uploaded = None;
-        let z = on_device(z, self.device, &mut uploaded)?;
+        let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
         let image = match &self.post_quant_conv {
             Some(conv) => self.decoder.forward(&conv.forward(z)?)?,
             None => self.decoder.forward(z)?,
@@ -394,7 +411,7 @@ impl AutoencoderKl {
 
     pub(crate) fn encode_unchecked(&self, x: &Tensor) -> Result<Tensor> {
         let mut uploaded = None;
-        let x = on_device(x, self.device, &mut uploaded)?;
+        let x = on_device(x, self.device, self.dtype, &mut uploaded)?;
         let moments = self.encoder.forward(x)?;
         to_host(match &self.quant_conv {
             Some(conv) => conv.forward(&moments)?,

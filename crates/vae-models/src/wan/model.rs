@@ -13,7 +13,7 @@ use vae_runtime::{
 };
 use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
-use crate::placement::{on_device, to_host};
+use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
@@ -692,6 +692,8 @@ pub struct WanVae {
     class: VideoVaeClass,
     /// Where the weights live and the decoder and encoder compute.
     device: Device,
+    /// The element type the decoder and encoder compute in.
+    dtype: DType,
     config: WanConfig,
     post_quant_conv: CausalConv3d,
     decoder: Decoder,
@@ -711,6 +713,14 @@ impl WanVae {
     /// while inputs, outputs, tiles and bands stay on the host (each computation uploads its
     /// input and downloads its result), so nothing above the model changes.
     pub fn load_on(dir: &Path, device: Device) -> Result<Self> {
+        Self::load_with(dir, device, DType::F32)
+    }
+
+    /// [`Self::load_on`] computing in `dtype` (`vae.to(dtype)`): f32 anywhere, bf16 on CUDA.
+    /// Inputs are cast to `dtype` on upload (as pipelines cast latents to the VAE's dtype) and
+    /// results come back as f32 holding the `dtype` values.
+    pub fn load_with(dir: &Path, device: Device, dtype: DType) -> Result<Self> {
+        check_precision(device, dtype)?;
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
         let config: WanConfig = serde_json::from_str(&text)
@@ -732,6 +742,7 @@ impl WanVae {
         }
         let mut store = WeightStore::open_dir(dir)?;
         store.set_device(device);
+        store.set_dtype(dtype);
         let mut w = Weights::new(&mut store);
         let z = config.z_dim;
         let post_quant_conv = CausalConv3d::load(&mut w.pp("post_quant_conv"), z, z, [1, 1, 1], [0, 0, 0])?;
@@ -745,6 +756,7 @@ impl WanVae {
         Ok(Self {
             class,
             device,
+            dtype,
             config,
             post_quant_conv,
             decoder,
@@ -783,6 +795,11 @@ impl WanVae {
     /// Where the model computes.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The element type the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Which diffusers class was loaded.
@@ -856,7 +873,7 @@ impl WanVae {
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
         let mut uploaded = None;
-        let x = on_device(x, self.device, &mut uploaded)?;
+        let x = on_device(x, self.device, self.dtype, &mut uploaded)?;
         let encoder = &self.encoder;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
@@ -1006,7 +1023,7 @@ impl WanVae {
     /// the band; the result is the output's band).
     fn decode_frames_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         let mut uploaded = None;
-        let z = on_device(z, self.device, &mut uploaded)?;
+        let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
         let d = z.dims();
         // 1×1×1: per pixel, local on a band.
         let x = self.post_quant_conv.forward(z, None)?;

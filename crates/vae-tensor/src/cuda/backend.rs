@@ -1,20 +1,26 @@
 //! CUDA tensor storage and the ops that run on it, through the embedded `kernels-cu/` modules.
 //!
 //! One [`CudaDevice`] per ordinal and process (context, one stream, the loaded modules), created
-//! on first use. Storage is f32 for now. Every op checks its arguments on the host exactly as
-//! the CPU op does (the CPU op's validation runs first; see the `Tensor` methods) and then
-//! launches kernels on the device's stream; results come back to the host only when asked
-//! (`to_device(Cpu)`, `to_vec_f32`).
+//! on first use. Storage is f32 or bf16 ([`CudaData`]); every op with a bf16 variant picks the
+//! kernel by the storage type, computes in f32 and rounds once, as PyTorch's bf16 kernels do.
+//! Per-channel parameters (biases, norm scales) stay f32 in both: a bf16 model keeps them as the
+//! f32 values of its bf16 parameters. Every op checks its arguments on the host exactly as the
+//! CPU op does (the CPU op's validation runs first; see the `Tensor` methods) and then launches
+//! kernels on the device's stream; results come back to the host only when asked
+//! (`to_device(Cpu)`, `to_vec_f32`; bf16 widens exactly to f32 on the way).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::abi::{Box8, ConvGeom};
 use super::embedded_modules;
-use crate::{Device, Result, TensorError};
+use crate::{DType, Device, Result, TensorError};
 
 /// A device's context, stream and kernels.
 pub(crate) struct CudaDevice {
@@ -90,22 +96,61 @@ impl CudaDevice {
         Ok(f)
     }
 
-    fn alloc_zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
-        self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
+    fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
+    }
+
+    fn alloc(&self, n: usize, dtype: DType) -> Result<CudaData> {
+        match dtype {
+            DType::F32 => Ok(CudaData::F32(self.alloc_zeros(n)?)),
+            DType::BF16 => Ok(CudaData::Bf16(self.alloc_zeros(n)?)),
+            DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
+        }
     }
 }
 
-/// f32 elements on a CUDA device.
+/// Device memory of one storage type (bf16 as its raw bits).
+#[derive(Clone)]
+pub(crate) enum CudaData {
+    /// f32 elements.
+    F32(CudaSlice<f32>),
+    /// bf16 elements as `u16` bits, the kernels' `unsigned short`.
+    Bf16(CudaSlice<u16>),
+}
+
+// A storage of either type is one device pointer to the kernels (which are instantiated per
+// type), so it is pushed as whichever slice it holds.
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b CudaData> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b CudaData) -> &mut Self {
+        match arg {
+            CudaData::F32(s) => self.arg(s),
+            CudaData::Bf16(s) => self.arg(s),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaData> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut CudaData) -> &mut Self {
+        match arg {
+            CudaData::F32(s) => self.arg(s),
+            CudaData::Bf16(s) => self.arg(s),
+        }
+    }
+}
+
+/// Elements on a CUDA device.
 #[derive(Clone)]
 pub(crate) struct CudaStorage {
-    pub(crate) data: CudaSlice<f32>,
+    pub(crate) data: CudaData,
     pub(crate) device: Arc<CudaDevice>,
     len: usize,
 }
 
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaStorage(cuda:{}, {} f32)", self.device.ordinal, self.len)
+        write!(f, "CudaStorage(cuda:{}, {} {})", self.device.ordinal, self.len, self.dtype())
     }
 }
 
@@ -119,26 +164,32 @@ fn elementwise(n: usize) -> LaunchConfig {
 }
 
 impl CudaStorage {
-    /// Zeros on device `ordinal`.
-    pub(crate) fn zeros(ordinal: usize, len: usize) -> Result<Self> {
+    /// Zeros of `dtype` on device `ordinal`.
+    pub(crate) fn zeros(ordinal: usize, len: usize, dtype: DType) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
-        Ok(Self { data: device.alloc_zeros(len)?, device, len })
+        Ok(Self { data: device.alloc(len, dtype)?, device, len })
     }
 
-    /// A copy of host data on device `ordinal`.
+    /// A copy of host data on device `ordinal`, as f32.
     pub(crate) fn upload(ordinal: usize, host: &[f32]) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
         if host.is_empty() {
-            return Self::zeros(ordinal, 0);
+            return Self::zeros(ordinal, 0, DType::F32);
         }
         let data = device.stream.clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
-        Ok(Self { data, device, len: host.len() })
+        Ok(Self { data: CudaData::F32(data), device, len: host.len() })
     }
 
-    /// The elements, copied to the host.
+    /// The elements, copied to the host as f32 (bf16 widens exactly).
     pub(crate) fn download(&self) -> Result<Vec<f32>> {
-        let mut v =
-            self.device.stream.clone_dtoh(&self.data).map_err(|e| driver(self.device.ordinal, "download", e))?;
+        let err = |e| driver(self.device.ordinal, "download", e);
+        let mut v = match &self.data {
+            CudaData::F32(d) => self.device.stream.clone_dtoh(d).map_err(err)?,
+            CudaData::Bf16(d) => {
+                let bits = self.device.stream.clone_dtoh(d).map_err(err)?;
+                bits.into_iter().map(|b| f32::from_bits(u32::from(b) << 16)).collect()
+            }
+        };
         v.truncate(self.len);
         Ok(v)
     }
@@ -147,8 +198,81 @@ impl CudaStorage {
         self.device.ordinal
     }
 
+    /// The storage type.
+    pub(crate) fn dtype(&self) -> DType {
+        match self.data {
+            CudaData::F32(_) => DType::F32,
+            CudaData::Bf16(_) => DType::BF16,
+        }
+    }
+
+    /// `len` zeros of the same type on the same device.
     fn like(&self, len: usize) -> Result<Self> {
-        Ok(Self { data: self.device.alloc_zeros(len)?, device: Arc::clone(&self.device), len })
+        self.like_typed(len, self.dtype())
+    }
+
+    fn like_typed(&self, len: usize, dtype: DType) -> Result<Self> {
+        Ok(Self { data: self.device.alloc(len, dtype)?, device: Arc::clone(&self.device), len })
+    }
+
+    /// The kernel `f32` or `bf16` of `module`, by this storage's type.
+    fn kernel(&self, module: &str, f32: &'static str, bf16: &'static str) -> Result<CudaFunction> {
+        self.device.function(module, if self.dtype() == DType::BF16 { bf16 } else { f32 })
+    }
+
+    /// An error unless every storage in `others` has this one's type (`op`'s operands).
+    fn same_dtype(&self, op: &'static str, others: &[&Self]) -> Result<()> {
+        match others.iter().find(|o| o.dtype() != self.dtype()) {
+            None => Ok(()),
+            Some(o) => Err(TensorError::InvalidArgument {
+                op,
+                reason: format!("operands are {} and {}; convert one with to_dtype", self.dtype(), o.dtype()),
+            }),
+        }
+    }
+
+    /// An error unless `param` (a bias or a norm's scale) is f32: both variants of a kernel take
+    /// f32 parameters.
+    fn f32_param(op: &'static str, param: &Self) -> Result<()> {
+        if param.dtype() != DType::F32 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!("per-channel parameters are f32 on CUDA, got {}", param.dtype()),
+            });
+        }
+        Ok(())
+    }
+
+    /// A copy converted to `dtype` (f32 → bf16 rounds to nearest even; bf16 → f32 is exact).
+    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let mut out = self.like_typed(self.len, dtype)?;
+        let name = match dtype {
+            DType::BF16 => "cast_f32_bf16",
+            DType::F32 => "cast_bf16_f32",
+            DType::F16 => {
+                return Err(TensorError::UnsupportedDType {
+                    op: "to_dtype",
+                    dtype,
+                    device: Device::Cuda(self.ordinal()),
+                });
+            }
+        };
+        let f = self.device.function("elementwise", name)?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .launch(elementwise(self.len))
+        }
+        .map_err(self.err("to_dtype"))?;
+        Ok(out)
     }
 
     fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TensorError + '_ {
@@ -157,8 +281,9 @@ impl CudaStorage {
 
     /// `self + other`, element-wise.
     pub(crate) fn add(&self, other: &Self) -> Result<Self> {
+        self.same_dtype("add", &[other])?;
         let mut out = self.like(self.len)?;
-        let f = self.device.function("elementwise", "add_f32")?;
+        let f = self.kernel("elementwise", "add_f32", "add_bf16")?;
         let n = self.len as u64;
         unsafe {
             self.device
@@ -178,7 +303,7 @@ impl CudaStorage {
     /// signed zeros included.
     pub(crate) fn affine(&self, mul: f32, add: f32) -> Result<Self> {
         let mut out = self.like(self.len)?;
-        let f = self.device.function("elementwise", "affine_f32")?;
+        let f = self.kernel("elementwise", "affine_f32", "affine_bf16")?;
         let n = self.len as u64;
         unsafe {
             self.device
@@ -197,7 +322,7 @@ impl CudaStorage {
 
     /// SiLU in place.
     pub(crate) fn silu_inplace(&mut self) -> Result<()> {
-        let f = self.device.function("elementwise", "silu_f32")?;
+        let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
         let n = self.len as u64;
         let stream = Arc::clone(&self.device.stream);
         unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(elementwise(self.len)) }
@@ -207,7 +332,7 @@ impl CudaStorage {
 
     /// Clamp to `[lo, hi]` in place.
     pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
-        let f = self.device.function("elementwise", "clamp_f32")?;
+        let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
         let n = self.len as u64;
         let stream = Arc::clone(&self.device.stream);
         unsafe {
@@ -225,8 +350,12 @@ impl CudaStorage {
         [batch, channels, inner]: [usize; 3],
         eps: f32,
     ) -> Result<Self> {
+        Self::f32_param("rms_norm_channels", gamma)?;
+        if let Some(b) = bias {
+            Self::f32_param("rms_norm_channels", b)?;
+        }
         let mut out = self.like(self.len)?;
-        let f = self.device.function("norm", "rms_norm_channels_f32")?;
+        let f = self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?;
         let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, 0i32);
         let mut launch = self.device.stream.launch_builder(&f);
         launch.arg(&self.data).arg(&mut out.data).arg(&gamma.data);
@@ -248,8 +377,10 @@ impl CudaStorage {
         groups: usize,
         eps: f32,
     ) -> Result<Self> {
+        Self::f32_param("group_norm", gamma)?;
+        Self::f32_param("group_norm", beta)?;
         let mut out = self.like(self.len)?;
-        let f = self.device.function("norm", "group_norm_f32")?;
+        let f = self.kernel("norm", "group_norm_f32", "group_norm_bf16")?;
         let (c, s, g, silu) = (channels as u64, spatial as u64, groups as u64, 0i32);
         let cfg =
             LaunchConfig { grid_dim: ((batch * groups) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -272,19 +403,30 @@ impl CudaStorage {
         Ok(out)
     }
 
-    /// The implicit-GEMM convolution (2-D convs are one frame, one temporal tap).
+    /// The implicit-GEMM convolution (2-D convs are one frame, one temporal tap): f32 on CUDA
+    /// cores, bf16 on tensor cores (f32 accumulation). The bias is f32 in both.
     pub(crate) fn conv3d(&self, weight: &Self, bias: Option<&Self>, g: ConvGeom) -> Result<Self> {
+        self.same_dtype("conv3d", &[weight])?;
+        if let Some(b) = bias {
+            Self::f32_param("conv3d", b)?;
+        }
         let len = (g.n * g.cout * g.to * g.ho * g.wo) as usize;
         let mut out = self.like(len)?;
-        let f = self.device.function("conv", "conv3d_f32")?;
+        let f = self.kernel("conv", "conv3d_f32", "conv3d_bf16_wmma")?;
+        // Both kernels cover a 64x64 output tile per block: 8 warps on CUDA cores, 4 warps of
+        // 2x2 wmma fragments on tensor cores.
+        let threads = if self.dtype() == DType::BF16 { 128 } else { 256 };
         let cols = g.n * g.to * g.ho * g.wo;
         let grid_x = cols.div_ceil(64);
         let grid_y = g.cout.div_ceil(64);
         if grid_x > u32::MAX as u64 || grid_y > 65_535 {
             return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
         }
-        let cfg =
-            LaunchConfig { grid_dim: (grid_x as u32, grid_y as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x as u32, grid_y as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let accumulate = 0i32;
         let mut launch = self.device.stream.launch_builder(&f);
         launch.arg(&self.data).arg(&weight.data);
@@ -301,7 +443,7 @@ impl CudaStorage {
     pub(crate) fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
         let len = planes * h * w * factor * factor;
         let mut out = self.like(len)?;
-        let f = self.device.function("layout", "upsample_nearest2d_f32")?;
+        let f = self.kernel("layout", "upsample_nearest2d_f32", "upsample_nearest2d_bf16")?;
         let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
         unsafe {
             self.device
@@ -338,34 +480,37 @@ impl CudaStorage {
             op: "copy_box",
             reason: format!("rank {} > 8 on CUDA", extent.len()),
         })?;
-        let f = self.device.function("layout", "copy_box_f32")?;
+        self.same_dtype("copy_box", &[dst])?;
+        let f = self.kernel("layout", "copy_box_f32", "copy_box_u16")?;
         let total = n as u64;
-        let src = self.data.slice(src_offset..);
-        let mut dst_view = dst.data.slice_mut(dst_offset..);
-        unsafe {
-            self.device
-                .stream
-                .launch_builder(&f)
-                .arg(&src)
-                .arg(&mut dst_view)
-                .arg(&b)
-                .arg(&total)
-                .launch(elementwise(n))
-        }
-        .map_err(self.err("copy_box"))?;
+        let stream = &self.device.stream;
+        let launched = match (&self.data, &mut dst.data) {
+            (CudaData::F32(s), CudaData::F32(d)) => {
+                let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
+                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(elementwise(n)) }
+            }
+            (CudaData::Bf16(s), CudaData::Bf16(d)) => {
+                let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
+                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(elementwise(n)) }
+            }
+            _ => return Err(TensorError::InvalidArgument { op: "copy_box", reason: "operand types differ".into() }),
+        };
+        launched.map_err(self.err("copy_box"))?;
         Ok(())
     }
 
     /// Wan2.2's `DupUp3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, repeats, drop]`.
     pub(crate) fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        self.layout_kernel("dup_up3d_f32", dims, params, out_len)
+        let name = if self.dtype() == DType::BF16 { "dup_up3d_bf16" } else { "dup_up3d_f32" };
+        self.layout_kernel(name, dims, params, out_len)
     }
 
     /// Wan2.2's `AvgDown3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, group, pad_t]`.
     pub(crate) fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        self.layout_kernel("avg_down3d_f32", dims, params, out_len)
+        let name = if self.dtype() == DType::BF16 { "avg_down3d_bf16" } else { "avg_down3d_f32" };
+        self.layout_kernel(name, dims, params, out_len)
     }
 
     /// A `layout.cu` kernel taking `(x, out, five dims, five parameters)` as u64s.
@@ -401,7 +546,18 @@ impl CudaStorage {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        let f = self.device.function("gemm", "gemm_batched_f32")?;
+        let name = match (self.dtype(), b.dtype(), c.dtype()) {
+            (DType::F32, DType::F32, DType::F32) => "gemm_batched_f32",
+            (DType::BF16, DType::BF16, DType::F32) => "gemm_batched_bf16_bf16_f32",
+            (DType::F32, DType::BF16, DType::BF16) => "gemm_batched_f32_bf16_bf16",
+            (x, y, z) => {
+                return Err(TensorError::InvalidArgument {
+                    op: "gemm",
+                    reason: format!("no GEMM kernel for {x} x {y} -> {z}"),
+                });
+            }
+        };
+        let f = self.device.function("gemm", name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, batch as u32),
             block_dim: (256, 1, 1),
@@ -422,21 +578,26 @@ impl CudaStorage {
         Ok(())
     }
 
-    /// Batched matrix product `[batch, m, k] · [batch, k, n]`, both dense.
+    /// Batched matrix product `[batch, m, k] · [batch, k, n]`, both dense and of one type. bf16
+    /// accumulates into f32 and rounds once at the end.
     pub(crate) fn matmul(&self, rhs: &Self, [batch, m, n, k]: [usize; 4]) -> Result<Self> {
-        let mut out = self.like(batch * m * n)?;
+        self.same_dtype("matmul", &[rhs])?;
+        let mut out = self.like_typed(batch * m * n, DType::F32)?;
         self.gemm_batched(rhs, &mut out, [batch, m, n, k], [m * k, k, 1], [k * n, n, 1], 1.0, 0.0)?;
-        Ok(out)
+        out.to_dtype(self.dtype())
     }
 
-    /// `F.linear` over `rows` rows: `x [rows, k] · weightᵀ [k, n] + bias`. As on the CPU (and in
-    /// PyTorch's `addmm`), the bias is the value the product is added onto: the output starts
-    /// as the bias broadcast over the rows (a box copy with row stride 0), then the GEMM adds to
-    /// it with `beta = 1`.
+    /// `F.linear` over `rows` rows: `x [rows, k] · weightᵀ [k, n] + bias` (x and weight of one
+    /// type, the bias f32). As on the CPU (and in PyTorch's `addmm`), the bias is the value the
+    /// product is added onto: an f32 output starts as the bias broadcast over the rows (a box
+    /// copy with row stride 0), the GEMM adds to it with `beta = 1`, and bf16 rounds once at
+    /// the end.
     pub(crate) fn linear(&self, weight: &Self, bias: Option<&Self>, [rows, n, k]: [usize; 3]) -> Result<Self> {
-        let mut out = self.like(rows * n)?;
+        self.same_dtype("linear", &[weight])?;
+        let mut out = self.like_typed(rows * n, DType::F32)?;
         let beta = match bias {
             Some(b) => {
+                Self::f32_param("linear", b)?;
                 b.copy_box_into(&[0, 1], 0, &mut out, &[n, 1], 0, &[rows, n])?;
                 1.0
             }
@@ -444,7 +605,7 @@ impl CudaStorage {
         };
         // Element (kk, j) of weightᵀ is weight[j, kk]: row stride 1, column stride k.
         self.gemm_batched(weight, &mut out, [1, rows, n, k], [0, k, 1], [0, 1, k], 1.0, beta)?;
-        Ok(out)
+        out.to_dtype(self.dtype())
     }
 
     /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
@@ -456,7 +617,10 @@ impl CudaStorage {
         [batch, n, m, d, dv]: [usize; 5],
         scale: f32,
     ) -> Result<Self> {
-        let mut scores = q.like(batch * n * m)?;
+        q.same_dtype("attention", &[k, v])?;
+        // Scores and probabilities in f32 whatever the operands' type (as flash attention keeps
+        // them); only the output is rounded to the operands' type.
+        let mut scores = q.like_typed(batch * n * m, DType::F32)?;
         // Element (i, j) of kᵀ is k[j, i]: row stride 1, column stride d.
         q.gemm_batched(k, &mut scores, [batch, n, m, d], [n * d, d, 1], [m * d, 1, d], scale, 0.0)?;
         let softmax = q.device.function("attention", "softmax_rows_f32")?;

@@ -5,11 +5,12 @@
 //! entry point here probes for the library first and turns each failure into a reason that
 //! callers show before falling back to the CPU.
 //!
-//! Status: device discovery, the kernel table, and f32 CUDA tensors (`Tensor::to_device`) with
-//! CUDA paths for the ops the decoders use most (add, SiLU, clamp, RMS and group norm, conv2d /
-//! conv3d, nearest upsample, narrow / cat / permute, attention, Wan2.2's DupUp3D / AvgDown3D)
-//! are built, and the video VAEs can be loaded onto a CUDA device. None of it has run on a GPU
-//! yet.
+//! Status: device discovery, the kernel table, and f32 and bf16 CUDA tensors
+//! (`Tensor::to_device`, `Tensor::to_dtype`) with CUDA paths for every op the decoders and
+//! encoders use (add, SiLU, clamp, affine, RMS and group norm, conv2d / conv3d — bf16 on tensor
+//! cores —, nearest upsample, narrow / cat / permute, matmul / linear, attention, Wan2.2's
+//! DupUp3D / AvgDown3D) are built, and every VAE family can be loaded onto a CUDA device. None of
+//! it has run on a GPU yet.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
