@@ -5,7 +5,8 @@
 #   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
 #   2. every CUDA kernel, every CUDA tensor op, then the video VAEs (plain and 2-rank shard)
 #      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
-#   3. the NCCL backend's collectives (world size 1; every GPU when there are several);
+#   3. the NCCL backend's collectives (world size 1; every GPU when there are several), and the
+#      CLI decoding over --transport nccl;
 #   4. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
@@ -45,6 +46,17 @@ for suite in cuda_kernels cuda_ops conformance conformance_video cuda_models ncc
         status=1
     fi
 done
+
+# The CLI over NCCL: a one-rank NCCL group (bootstrap over sockets, then NCCL collectives) on
+# cuda:0 decodes a fixture latent to what the CPU decodes.
+step "CLI decode over --transport nccl vs the CPU"
+fx="$VAE_FIXTURES_DIR/wan"
+timeout 120 "$BUNDLE/vae-parallel" decode --model "$fx/wan21_like" --latent "$fx/wan21_like.decode_t3.in.npy" \
+    --out "$OUT/nccl.npy" --transport nccl --device cuda --vae-patch-parallel-size 1 2>&1 | tee "$OUT/nccl_cli.txt" || status=1
+timeout 120 "$BUNDLE/vae-parallel" decode --model "$fx/wan21_like" --latent "$fx/wan21_like.decode_t3.in.npy" \
+    --out "$OUT/cpu.npy" 2>&1 | tail -1 || status=1
+python3 -c "import numpy as n, sys; d=abs(n.load(sys.argv[1])-n.load(sys.argv[2])).max(); print('max |nccl-cpu| =', d); sys.exit(d > 1e-3)" \
+    "$OUT/nccl.npy" "$OUT/cpu.npy" || status=1
 
 # The benchmark: Wan2.1 real geometry, latent [1, 16, 5, 60, 104] (17 frames of 480x832),
 # diffusers in f32 and bf16, then ours in f32 and bf16, on the same GPU. Needs torch and

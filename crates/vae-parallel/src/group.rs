@@ -20,6 +20,16 @@ pub enum TransportKind {
     Local,
     /// Ranks are processes connected by sockets.
     Socket,
+    /// Ranks are processes, one per GPU, whose collectives run over NCCL (the group is formed
+    /// over sockets first, which hand out NCCL's unique id).
+    Nccl,
+}
+
+impl TransportKind {
+    /// True when each rank is its own process (socket and NCCL groups).
+    pub fn is_multi_process(self) -> bool {
+        self != Self::Local
+    }
 }
 
 impl FromStr for TransportKind {
@@ -29,7 +39,8 @@ impl FromStr for TransportKind {
         match s {
             "local" => Ok(Self::Local),
             "socket" => Ok(Self::Socket),
-            other => Err(GroupError::Config(format!("unknown transport {other:?} (expected local or socket)"))),
+            "nccl" => Ok(Self::Nccl),
+            other => Err(GroupError::Config(format!("unknown transport {other:?} (expected local, socket or nccl)"))),
         }
     }
 }
@@ -39,6 +50,7 @@ impl std::fmt::Display for TransportKind {
         f.write_str(match self {
             Self::Local => "local",
             Self::Socket => "socket",
+            Self::Nccl => "nccl",
         })
     }
 }

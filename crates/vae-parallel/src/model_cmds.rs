@@ -61,7 +61,8 @@ pub struct ParallelArgs {
     /// Number of ranks (default: the parallel size).
     #[arg(long)]
     ranks: Option<usize>,
-    /// `local` (threads) or `socket` (processes).
+    /// `local` (threads), `socket` (processes) or `nccl` (one process per GPU; needs
+    /// `--device cuda`, rank r runs on cuda:r).
     #[arg(long)]
     transport: Option<String>,
     /// Compute threads of this process (default: all cores).
@@ -163,6 +164,14 @@ impl ParallelArgs {
             bail!("--dtype {dtype} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
         }
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
+        if transport == vae_parallel::group::TransportKind::Nccl {
+            if requested != vae_parallel::tensor::Device::Cuda(0) {
+                bail!("--transport nccl runs rank r on cuda:r: pass --device cuda, not {requested}");
+            }
+            if device.is_cpu() {
+                bail!("--transport nccl needs usable GPUs, and cuda:0 is not (see the warning above)");
+            }
+        }
         Ok(Resolved {
             model: self.model.clone(),
             device,
@@ -196,15 +205,15 @@ impl Resolved {
     /// Local ranks are threads of this process: they share one loaded model (weights in memory
     /// once). Socket ranks are processes and load their own.
     fn shared_engine(&self) -> anyhow::Result<Option<Engine>> {
-        if self.group.transport != vae_parallel::group::TransportKind::Local {
+        if self.group.transport.is_multi_process() {
             return Ok(None);
         }
-        Ok(Some(self.load_engine()?))
+        Ok(Some(self.load_engine(self.device)?))
     }
 
-    fn load_engine(&self) -> anyhow::Result<Engine> {
+    fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
         let mut engine =
-            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, self.device, self.dtype)?;
+            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, device, self.dtype)?;
         if let Some((min, stride)) = self.video_tiling {
             engine.set_video_tiling(min, stride)?;
         }
@@ -213,15 +222,22 @@ impl Resolved {
         Ok(engine)
     }
 
-    /// The shared engine, or one loaded into `slot` for this rank's process.
+    /// The shared engine, or one loaded into `slot` for this rank's process: on the rank's own
+    /// GPU (cuda:r) for NCCL groups, else on the resolved device.
     fn engine_for_rank<'a>(
         &self,
+        rank: usize,
         shared: &'a Option<Engine>,
         slot: &'a mut Option<Engine>,
     ) -> anyhow::Result<&'a Engine> {
+        use vae_parallel::tensor::Device;
+        let device = match (self.group.transport, self.device) {
+            (vae_parallel::group::TransportKind::Nccl, _) => Device::Cuda(rank),
+            (_, device) => device,
+        };
         match shared {
             Some(engine) => Ok(engine),
-            None => Ok(slot.insert(self.load_engine()?)),
+            None => Ok(slot.insert(self.load_engine(device)?)),
         }
     }
 }
@@ -425,7 +441,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         let _spinner = Spinner::start("decoding", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
-        let engine = r.engine_for_rank(&shared, &mut loaded)?;
+        let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
         let out = engine.decode(&executor, &latent, &r.options)?;
@@ -462,7 +478,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         let _spinner = Spinner::start("encoding", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
-        let engine = r.engine_for_rank(&shared, &mut loaded)?;
+        let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let image = match args.input.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("png") => io::read_png(&args.input)?,
             _ => io::read_tensor(&args.input)?,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use vae_parallel::group::{GroupExit, TransportKind, is_rank_process, launch_processes};
-use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, NcclComm, SocketComm, SocketOptions, TransportConfig, run_local};
 
 /// Where the ranks run.
 #[derive(Debug, Clone, Args)]
@@ -14,9 +14,10 @@ pub struct GroupArgs {
     /// Number of ranks.
     #[arg(long, default_value_t = 4)]
     pub ranks: usize,
-    /// `local` (threads of this process) or `socket` (one process per rank; launched here, or
+    /// `local` (threads of this process), `socket` (one process per rank; launched here, or
     /// started by you once per rank with --rank/--master-addr or VAE_RANK / VAE_WORLD_SIZE /
-    /// VAE_MASTER_ADDR).
+    /// VAE_MASTER_ADDR) or `nccl` (processes as for `socket`, one GPU each: rank r on
+    /// cuda:r, collectives over NCCL).
     #[arg(long, default_value = "local")]
     pub transport: TransportKind,
     /// Join a socket group as this rank (instead of VAE_RANK); needs --master-addr.
@@ -56,7 +57,7 @@ pub fn run_group<R: Send>(
                     .collect(),
             ))
         }
-        TransportKind::Socket if args.rank.is_some() || is_rank_process() => {
+        kind @ (TransportKind::Socket | TransportKind::Nccl) if args.rank.is_some() || is_rank_process() => {
             let options = match (args.rank, &args.master_addr) {
                 (Some(rank), Some(master)) => {
                     SocketOptions { rank, world_size: args.ranks, master: master.parse()?, config }
@@ -65,9 +66,15 @@ pub fn run_group<R: Send>(
             };
             let comm = SocketComm::connect(&options).context("joining the socket group")?;
             let rank = comm.rank();
+            if kind == TransportKind::Nccl {
+                // Rank r on cuda:r. Every rank gets the same verdict from the bootstrap, so all
+                // fail together (and none waits inside NCCL) when one cannot open its GPU.
+                let nccl = NcclComm::from_bootstrap(&comm, rank).context("joining the NCCL group")?;
+                return Ok(GroupOutcome::OneRank(rank, run_rank(Arc::new(nccl), &body)));
+            }
             Ok(GroupOutcome::OneRank(rank, run_rank(Arc::new(comm), &body)))
         }
-        TransportKind::Socket => {
+        TransportKind::Socket | TransportKind::Nccl => {
             let forwarded: Vec<_> = std::env::args_os().skip(1).collect();
             let grace = config.failure_timeout + Duration::from_secs(5);
             Ok(GroupOutcome::Supervised(launch_processes(args.ranks, &forwarded, grace)?))

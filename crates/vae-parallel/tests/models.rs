@@ -210,6 +210,8 @@ fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
         "--dtype bf16 needs a CUDA device",
     );
     assert_clean_failure("dtype", &decode_args(m, l, o, &["--dtype", "f64"]), "is not f32, bf16 or f16");
+    // NCCL runs rank r on cuda:r: the CPU (and any other device choice) is refused up front.
+    assert_clean_failure("nccl on cpu", &decode_args(m, l, o, &["--transport", "nccl"]), "pass --device cuda, not cpu");
     assert!(!out.exists(), "no output file after failures");
 }
 

@@ -107,15 +107,25 @@ impl NcclComm {
             _ => Vec::new(),
         };
         bootstrap.broadcast(0, &mut id_bytes)?;
-        local?;
-        let internal: [std::ffi::c_char; 128] = id_bytes
-            .iter()
-            .map(|b| *b as std::ffi::c_char)
-            .collect::<Vec<_>>()
-            .try_into()
-            .map_err(|_| unavailable("rank 0 could not make an NCCL unique id"))?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("cuda:{ordinal}: {e}")))?;
-        let stream = ctx.default_stream();
+        // NCCL's init blocks until every rank has joined, with no timeout: one rank that cannot
+        // (no library, no such GPU) would hang the rest. So each rank first opens its device and
+        // the group agrees over `bootstrap` that all did, before anyone enters NCCL.
+        let ready = local.and_then(|()| {
+            let internal: [std::ffi::c_char; 128] = id_bytes
+                .iter()
+                .map(|b| *b as std::ffi::c_char)
+                .collect::<Vec<_>>()
+                .try_into()
+                .map_err(|_| unavailable("rank 0 could not make an NCCL unique id"))?;
+            let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("cuda:{ordinal}: {e}")))?;
+            Ok((internal, ctx.default_stream()))
+        });
+        let verdicts = bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
+        let (internal, stream) = ready?;
+        let failed: Vec<usize> = (0..bootstrap.size()).filter(|&r| verdicts.part(r).first() != Some(&1)).collect();
+        if !failed.is_empty() {
+            return Err(unavailable(format!("rank(s) {failed:?} could not open their GPU or NCCL")));
+        }
         let comm = Comm::from_rank(Arc::clone(&stream), bootstrap.rank(), bootstrap.size(), Id::uninit(internal))
             .map_err(|e| nccl_err("comm init", e))?;
         Ok(Self::wrap(comm, stream, bootstrap.rank(), bootstrap.size()))
@@ -362,5 +372,22 @@ mod tests {
         let err = NcclComm::from_devices(&[0]).unwrap_err();
         assert!(matches!(err, TransportError::Unavailable(_)), "{err}");
         assert!(err.to_string().contains("nccl"), "{err}");
+    }
+
+    #[test]
+    fn bootstrapping_without_nccl_fails_on_every_rank_and_leaves_the_group_usable() {
+        if nccl_available().is_ok() {
+            return; // a GPU machine: the GPU tests cover it
+        }
+        let results = crate::run_local(3, crate::TransportConfig::default(), |boot| {
+            let err = NcclComm::from_bootstrap(&boot, boot.rank()).unwrap_err();
+            assert!(matches!(err, TransportError::Unavailable(_)), "{err}");
+            // Nobody is stuck in NCCL: the bootstrap group still runs collectives.
+            boot.all_gather(&[boot.rank() as u64]).unwrap().part(2).to_vec()
+        })
+        .unwrap();
+        for r in results {
+            assert_eq!(r.unwrap(), vec![2]);
+        }
     }
 }
