@@ -108,7 +108,10 @@ fn autoencoder_kl_tiles_on_two_ranks_of_one_gpu_match_the_serial_cuda_run() {
     let serial = vae_runtime::execute_serial(&op, &z).unwrap();
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap().tensor
+        let out = exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap();
+        // Each rank's tiles were computed on the device: its account saw device memory.
+        assert!(out.report.device_peak_bytes > 0, "rank {}: device peak reported", out.report.rank);
+        out.tensor
     })
     .unwrap();
     let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");

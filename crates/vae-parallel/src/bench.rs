@@ -276,6 +276,8 @@ struct DecodeRun {
     output: Vec<usize>,
     times: Vec<f64>,
     peak_tensor_bytes: usize,
+    /// Device tensor high-water mark (weights included; 0 on the CPU).
+    peak_device_bytes: usize,
     live_tensor_bytes: usize,
     hwm_reset: bool,
     baseline_kib: u64,
@@ -305,15 +307,25 @@ fn decode_on_one_rank(
         let warm = engine.decode(&executor, &latent, &options)?;
         let output = warm.tensor.context("rank 0 got no output")?.dims().to_vec();
         let mut peak_tensor_bytes = warm.report.peak_bytes;
+        let mut peak_device_bytes = warm.report.device_peak_bytes;
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             let t = Instant::now();
             let out = engine.decode(&executor, &latent, &options)?;
             times.push(t.elapsed().as_secs_f64());
             peak_tensor_bytes = peak_tensor_bytes.max(out.report.peak_bytes);
+            peak_device_bytes = peak_device_bytes.max(out.report.device_peak_bytes);
             drop(out);
         }
-        Ok(DecodeRun { output, times, peak_tensor_bytes, live_tensor_bytes, hwm_reset, baseline_kib })
+        Ok(DecodeRun {
+            output,
+            times,
+            peak_tensor_bytes,
+            peak_device_bytes,
+            live_tensor_bytes,
+            hwm_reset,
+            baseline_kib,
+        })
     })?;
     match outcome {
         GroupOutcome::AllRanks(mut results) => results.swap_remove(0),
@@ -368,6 +380,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
             "peak_rss_mib": peak_mib,
             "decode_rss_mib": decode_mib,
             "peak_tensor_mib": tensor_mib,
+            "peak_device_mib": run.peak_device_bytes as f64 / MIB,
             "live_tensor_mib_before": live_mib,
         });
         println!("{value}");
@@ -384,6 +397,12 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         "tensors       peak {tensor_mib:.1} MiB alive at once (vae-tensor high-water mark), \
          {live_mib:.1} MiB of it (weights, latent) alive before"
     );
+    if run.peak_device_bytes > 0 {
+        println!(
+            "device        peak {:.1} MiB of tensors on {device} (weights included)",
+            run.peak_device_bytes as f64 / MIB
+        );
+    }
     println!(
         "process RSS   peak {peak_mib:.1} MiB, {decode_mib:.1} MiB above the {baseline_mib:.1} MiB after loading{}",
         if run.hwm_reset { "" } else { " (high-water mark not reset: includes the load)" }

@@ -38,6 +38,9 @@ pub struct RankSummary {
     pub peak_bytes: u64,
     /// Peak tensor memory at the end of the computation (before outputs are gathered), bytes.
     pub exec_peak_bytes: u64,
+    /// Peak device (CUDA) tensor memory during the request, bytes (0 on the CPU).
+    #[serde(default)]
+    pub device_peak_bytes: u64,
     /// Shard mode: this rank's latent rows (or columns) `[start, end)`; absent on idle ranks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub band: Option<[usize; 2]>,
@@ -107,6 +110,7 @@ impl From<&RankReport> for RankSummary {
                 .collect(),
             peak_bytes: r.peak_bytes as u64,
             exec_peak_bytes: r.exec_peak_bytes as u64,
+            device_peak_bytes: r.device_peak_bytes as u64,
             band: match &r.strategy {
                 StrategyReport::Shard { band: Some(b), .. } => Some([b.start, b.end]),
                 _ => None,
@@ -152,7 +156,7 @@ impl RequestReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>4}  {:>9}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>9}  {:>11}  {:>11}  {:>11}  {:>11}",
+            "{:>4}  {:>9}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>9}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
             "rank",
             "work",
             "workload",
@@ -166,6 +170,7 @@ impl RequestReport {
             "sent",
             "received",
             "peak",
+            "device peak",
             "halo sent"
         );
         for r in &self.ranks {
@@ -174,7 +179,7 @@ impl RequestReport {
             let received: u64 = r.traffic.iter().map(|t| t.bytes_received).sum();
             let _ = writeln!(
                 out,
-                "{:>4}  {:>9}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}  {:>11}",
+                "{:>4}  {:>9}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
                 format!("{}{}", r.rank, if r.is_owner { "*" } else { "" }),
                 match (r.band, self.strategy.as_str()) {
                     (Some([a, b]), _) => format!("rows {a}..{b}"),
@@ -192,6 +197,7 @@ impl RequestReport {
                 human_bytes(sent),
                 human_bytes(received),
                 human_bytes(r.peak_bytes),
+                if r.device_peak_bytes > 0 { human_bytes(r.device_peak_bytes) } else { "-".into() },
                 human_bytes(r.halo_bytes_sent),
             );
         }

@@ -153,6 +153,9 @@ pub struct RankReport {
     /// The same high-water mark at the end of the computation, before outputs are gathered
     /// (the activation peak: it excludes the assembled output the owner holds afterwards).
     pub exec_peak_bytes: usize,
+    /// High-water mark of this rank's device (CUDA) tensor memory during the request, in bytes
+    /// (0 when it computes on the CPU; includes weights and tensors alive before it).
+    pub device_peak_bytes: usize,
     /// How the request was computed.
     pub strategy: StrategyReport,
     /// Why that strategy: the model policy's choice or fallback (set by the caller that chose).
@@ -400,6 +403,7 @@ impl DistributedVaeExecutor {
             traffic: comm.stats().since(&traffic_before),
             peak_bytes: vae_tensor::memory::peak_bytes(),
             exec_peak_bytes,
+            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
             strategy: StrategyReport::Shard { axis, band, traffic },
             reason: None,
         };
@@ -554,6 +558,7 @@ impl DistributedVaeExecutor {
             traffic: comm.stats().since(&traffic_before),
             peak_bytes: vae_tensor::memory::peak_bytes(),
             exec_peak_bytes,
+            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
             strategy: StrategyReport::Tile,
             reason: None,
         };

@@ -8,6 +8,10 @@
 //! instead of looking up the dropping thread's one.
 //!
 //! Bytes are the tensor's element bytes (`len × 4` for f32), not the allocator's capacity.
+//!
+//! Device memory (CUDA tensor storage) is counted the same way in a second pair of counters of
+//! the same account ([`device_live_bytes`], [`device_peak_bytes`]): a rank's host and device
+//! high-water marks are reported side by side.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -15,14 +19,14 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// One thread's counters. Atomics because releases may come from other threads.
+/// Live bytes and their high-water mark. Atomics because releases may come from other threads.
 #[derive(Debug, Default)]
-pub(crate) struct Counters {
+struct Gauge {
     live: AtomicUsize,
     peak: AtomicUsize,
 }
 
-impl Counters {
+impl Gauge {
     fn charge(&self, bytes: usize) {
         let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
@@ -31,6 +35,17 @@ impl Counters {
     fn release(&self, bytes: usize) {
         self.live.fetch_sub(bytes, Ordering::Relaxed);
     }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// One account's counters: host buffers and device storage.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    host: Gauge,
+    device: Gauge,
 }
 
 thread_local! {
@@ -55,9 +70,22 @@ pub fn peak_bytes() -> usize {
     Account::current().peak_bytes()
 }
 
-/// Restarts the current thread's high-water mark from its live bytes, to measure one phase.
+/// Restarts the current thread's high-water marks (host and device) from its live bytes, to
+/// measure one phase.
 pub fn reset_peak() {
     Account::current().reset_peak();
+}
+
+/// Bytes of device (CUDA) tensor storage charged to the current thread's account that are
+/// still alive.
+pub fn device_live_bytes() -> usize {
+    Account::current().device_live_bytes()
+}
+
+/// The most device tensor bytes alive at once in the current thread's account since it was
+/// created or since the last [`reset_peak`].
+pub fn device_peak_bytes() -> usize {
+    Account::current().device_peak_bytes()
 }
 
 /// A set of counters that allocations are charged to. Every thread starts with its own.
@@ -80,19 +108,30 @@ impl Account {
         Self(current())
     }
 
-    /// Live bytes charged to this account.
+    /// Live host bytes charged to this account.
     pub fn live_bytes(&self) -> usize {
-        self.0.live.load(Ordering::Relaxed)
+        self.0.host.live.load(Ordering::Relaxed)
     }
 
     /// High-water mark of [`Account::live_bytes`] since creation or the last reset.
     pub fn peak_bytes(&self) -> usize {
-        self.0.peak.load(Ordering::Relaxed)
+        self.0.host.peak.load(Ordering::Relaxed)
     }
 
-    /// Restarts the high-water mark from the live bytes.
+    /// Live device bytes charged to this account.
+    pub fn device_live_bytes(&self) -> usize {
+        self.0.device.live.load(Ordering::Relaxed)
+    }
+
+    /// High-water mark of [`Account::device_live_bytes`] since creation or the last reset.
+    pub fn device_peak_bytes(&self) -> usize {
+        self.0.device.peak.load(Ordering::Relaxed)
+    }
+
+    /// Restarts both high-water marks from the live bytes.
     pub fn reset_peak(&self) {
-        self.0.peak.store(self.0.live.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.0.host.reset_peak();
+        self.0.device.reset_peak();
     }
 
     /// Charges the current thread's allocations to this account until the guard drops.
@@ -129,7 +168,7 @@ impl Buffer {
     /// Takes ownership of `data` and charges it to the current thread.
     pub(crate) fn from_vec(data: Vec<f32>) -> Self {
         let counters = current();
-        counters.charge(byte_len(&data));
+        counters.host.charge(byte_len(&data));
         Self { data, counters }
     }
 
@@ -155,7 +194,32 @@ fn byte_len(data: &[f32]) -> usize {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.counters.release(byte_len(&self.data));
+        self.counters.host.release(byte_len(&self.data));
+    }
+}
+
+/// `bytes` of device storage charged to the allocating thread's account until dropped; the
+/// device backend holds one per allocation.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend allocates device memory
+pub(crate) struct DeviceCharge {
+    bytes: usize,
+    counters: Arc<Counters>,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl DeviceCharge {
+    /// Charges `bytes` to the current thread's account.
+    pub(crate) fn new(bytes: usize) -> Self {
+        let counters = current();
+        counters.device.charge(bytes);
+        Self { bytes, counters }
+    }
+}
+
+impl Drop for DeviceCharge {
+    fn drop(&mut self) {
+        self.counters.device.release(self.bytes);
     }
 }
 
@@ -201,5 +265,22 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(live_bytes(), base);
+    }
+
+    #[test]
+    fn device_bytes_are_counted_apart_from_host_bytes() {
+        let (host, device) = (live_bytes(), device_live_bytes());
+        reset_peak();
+        let a = DeviceCharge::new(1000);
+        let b = DeviceCharge::new(24);
+        assert_eq!(device_live_bytes(), device + 1024);
+        assert_eq!(live_bytes(), host, "device storage is not host memory");
+        drop(a);
+        assert_eq!(device_live_bytes(), device + 24);
+        assert_eq!(device_peak_bytes(), device + 1024);
+        reset_peak();
+        assert_eq!(device_peak_bytes(), device + 24);
+        std::thread::spawn(move || drop(b)).join().unwrap();
+        assert_eq!(device_live_bytes(), device, "released from the allocating thread's account");
     }
 }

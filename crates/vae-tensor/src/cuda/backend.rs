@@ -20,6 +20,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::abi::{Box8, ConvGeom};
 use super::embedded_modules;
+use crate::memory::DeviceCharge;
 use crate::{DType, Device, Result, TensorError};
 
 /// A device's context, stream and kernels.
@@ -140,12 +141,20 @@ unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaData> for LaunchArgs<'a> {
     }
 }
 
-/// Elements on a CUDA device.
-#[derive(Clone)]
+/// Elements on a CUDA device, charged to the allocating thread's device-memory account
+/// ([`crate::memory::device_peak_bytes`]) while they live.
 pub(crate) struct CudaStorage {
     pub(crate) data: CudaData,
     pub(crate) device: Arc<CudaDevice>,
     len: usize,
+    _charge: DeviceCharge,
+}
+
+impl Clone for CudaStorage {
+    /// A device copy: a new allocation, charged to the thread that makes it.
+    fn clone(&self) -> Self {
+        Self::new(self.data.clone(), Arc::clone(&self.device), self.len)
+    }
 }
 
 impl std::fmt::Debug for CudaStorage {
@@ -164,10 +173,16 @@ fn elementwise(n: usize) -> LaunchConfig {
 }
 
 impl CudaStorage {
+    /// The one constructor: every allocation is charged here.
+    fn new(data: CudaData, device: Arc<CudaDevice>, len: usize) -> Self {
+        let bytes = len * if matches!(data, CudaData::F32(_)) { 4 } else { 2 };
+        Self { data, device, len, _charge: DeviceCharge::new(bytes) }
+    }
+
     /// Zeros of `dtype` on device `ordinal`.
     pub(crate) fn zeros(ordinal: usize, len: usize, dtype: DType) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
-        Ok(Self { data: device.alloc(len, dtype)?, device, len })
+        Ok(Self::new(device.alloc(len, dtype)?, device, len))
     }
 
     /// A copy of host data on device `ordinal`, as f32.
@@ -177,7 +192,7 @@ impl CudaStorage {
             return Self::zeros(ordinal, 0, DType::F32);
         }
         let data = device.stream.clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
-        Ok(Self { data: CudaData::F32(data), device, len: host.len() })
+        Ok(Self::new(CudaData::F32(data), device, host.len()))
     }
 
     /// The elements, copied to the host as f32 (bf16 widens exactly).
@@ -212,7 +227,7 @@ impl CudaStorage {
     }
 
     fn like_typed(&self, len: usize, dtype: DType) -> Result<Self> {
-        Ok(Self { data: self.device.alloc(len, dtype)?, device: Arc::clone(&self.device), len })
+        Ok(Self::new(self.device.alloc(len, dtype)?, Arc::clone(&self.device), len))
     }
 
     /// The kernel `f32` or `bf16` of `module`, by this storage's type.
