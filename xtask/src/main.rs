@@ -12,6 +12,9 @@
 //! - `kernels`: compiles `kernels-cu/*.cu` with NVRTC (no GPU, no CUDA install: NVIDIA's pip
 //!   wheels in a venv under `target/`) to PTX and an `sm_90` cubin in `target/kernels/`, and fails
 //!   on a compile error, a warning or a register spill (see `kernels.rs`).
+//! - `kernels-emu`: compiles the same kernels for the CPU with the emulation layer in
+//!   `kernels-cu/emu/` and runs each kernel's test against a naive reference (see
+//!   `kernels_emu.rs`).
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
 //!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
 //!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
@@ -25,8 +28,9 @@ use std::process::Command;
 use anyhow::{Context, bail};
 
 mod kernels;
+mod kernels_emu;
 
-const USAGE: &str = "usage: cargo xtask <ci | kernels | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
+const USAGE: &str = "usage: cargo xtask <ci | kernels | kernels-emu | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
                      | fixtures [--python PATH] [--out DIR]>";
 
 /// The pinned Python packages of the fixture generator, relative to the repository root.
@@ -44,6 +48,7 @@ fn main() -> anyhow::Result<()> {
         Some("ci") => ci(),
         Some("bench") => bench(std::env::args().skip(2)),
         Some("kernels") => kernels::kernels(&repo_root()),
+        Some("kernels-emu") => kernels_emu::kernels_emu(&repo_root()),
         Some("fixtures") => fixtures(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");

@@ -1,0 +1,25 @@
+// Kernel launches on the emulator: `EMU_LAUNCH(kernel, grid, block, args...)` is
+// `kernel<<<grid, block>>>(args...)`, synchronous.
+#pragma once
+
+#include <functional>
+#include <tuple>
+#include <utility>
+
+namespace emu {
+
+// Runs `body` on every thread of every block of `grid` (see runtime.cpp).
+void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body);
+
+// The arguments are converted to the kernel's parameter types once, as the driver copies them,
+// and every thread calls the kernel with its own copies (a kernel may modify its parameters).
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
+    static_assert(sizeof...(P) == sizeof...(A), "the kernel takes a different number of arguments");
+    const std::tuple<P...> params(std::forward<A>(args)...);
+    run_grid(name, grid, block, [&] { std::apply(kernel, params); });
+}
+
+}  // namespace emu
+
+#define EMU_LAUNCH(kernel, grid, block, ...) ::emu::launch(#kernel, kernel, grid, block, __VA_ARGS__)

@@ -1,0 +1,136 @@
+// conv.cu: both implicit-GEMM convolutions, launched as the Rust backend does (64x64 output tiles,
+// grid (columns / 64, cout / 64); 256 threads for f32, 128 for bf16), against a plain-loop
+// convolution in f64 with PyTorch's padding and strides. The shapes leave partial tiles in M, N
+// and K, and cover the causal front padding, temporal and spatial strides, padding on one side
+// only, a missing bias, accumulation into the output, and batches.
+#include "conv.cu"
+
+#include <cstddef>
+
+#include "harness.h"
+
+// The layout of `vae_tensor::cuda::abi::ConvGeom` (`#[repr(C)]`): 14 u64, then 3 i64.
+static_assert(sizeof(ConvGeom) == 17 * 8);
+static_assert(offsetof(ConvGeom, cout) == 5 * 8 && offsetof(ConvGeom, to) == 9 * 8);
+static_assert(offsetof(ConvGeom, stride) == 13 * 8 && offsetof(ConvGeom, pad_left) == 16 * 8);
+
+namespace {
+
+using namespace emu_test;
+using u16 = std::uint16_t;
+
+struct Case {
+    const char* name;
+    u64 n, cin, t, h, w, cout, kt, kh, kw, stride_t, stride;
+    // front, back, top, bottom, left, right, as F.pad would add them.
+    i64 pad[6];
+    bool bias, accumulate;
+
+    u64 out_extent(u64 in, i64 before, i64 after, u64 k, u64 s) const {
+        return (u64)(((i64)in + before + after - (i64)k) / (i64)s + 1);
+    }
+    ConvGeom geometry() const {
+        return ConvGeom{n,
+                        cin,
+                        t,
+                        h,
+                        w,
+                        cout,
+                        kt,
+                        kh,
+                        kw,
+                        out_extent(t, pad[0], pad[1], kt, stride_t),
+                        out_extent(h, pad[2], pad[3], kh, stride),
+                        out_extent(w, pad[4], pad[5], kw, stride),
+                        stride_t,
+                        stride,
+                        pad[0],
+                        pad[2],
+                        pad[4]};
+    }
+};
+
+const Case kCases[] = {
+    // Wan's CausalConv3d 3x3x3: two frames of zeros in front, none behind; 67 output channels.
+    {"causal 3x3x3, batch 2", 2, 5, 3, 9, 11, 67, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true, false},
+    // diffusers' Downsample2D: F.pad(0, 1, 0, 1), then a stride-2 3x3 conv.
+    {"stride 2, pad bottom/right", 2, 3, 1, 13, 10, 7, 1, 3, 3, 1, 2, {0, 0, 0, 1, 0, 1}, true, false},
+    // Wan's time_conv: 3x1x1, temporal stride 2, causal padding.
+    {"temporal stride 2", 1, 4, 7, 3, 5, 65, 3, 1, 1, 2, 1, {2, 0, 0, 0, 0, 0}, true, false},
+    {"1x1, no bias, accumulate", 3, 130, 1, 5, 7, 5, 1, 1, 1, 1, 1, {0, 0, 0, 0, 0, 0}, false, true},
+    {"2x3x1, uneven padding", 1, 6, 4, 8, 6, 64, 2, 3, 1, 1, 1, {1, 0, 2, 0, 0, 0}, true, true},
+    {"3x3x3, spatial stride 2", 2, 2, 3, 7, 9, 3, 3, 3, 3, 1, 2, {2, 0, 1, 1, 1, 1}, true, false},
+};
+
+// out = (accumulate ? init : 0) + bias + conv(x, w) in f64, with the sum of the magnitudes of
+// everything added (the scale of the f32 accumulation error).
+void reference(const Case& c, const ConvGeom& g, const std::vector<double>& x, const std::vector<double>& w,
+               const std::vector<float>& bias, const std::vector<double>& init, std::vector<double>& out,
+               std::vector<double>& magnitude) {
+    const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
+    out.assign(len, 0.0);
+    magnitude.assign(len, 0.0);
+    std::size_t o = 0;
+    for (u64 b = 0; b < g.n; ++b)
+        for (u64 co = 0; co < g.cout; ++co)
+            for (u64 to = 0; to < g.to; ++to)
+                for (u64 ho = 0; ho < g.ho; ++ho)
+                    for (u64 wo = 0; wo < g.wo; ++wo, ++o) {
+                        double sum = 0.0, mag = 0.0;
+                        if (c.accumulate) sum += init[o], mag += std::fabs(init[o]);
+                        if (c.bias) sum += bias[co], mag += std::fabs(bias[co]);
+                        for (u64 ci = 0; ci < g.cin; ++ci)
+                            for (u64 dt = 0; dt < g.kt; ++dt)
+                                for (u64 dy = 0; dy < g.kh; ++dy)
+                                    for (u64 dx = 0; dx < g.kw; ++dx) {
+                                        const i64 ti = (i64)(to * g.stride_t + dt) - c.pad[0];
+                                        const i64 yi = (i64)(ho * g.stride + dy) - c.pad[2];
+                                        const i64 xi = (i64)(wo * g.stride + dx) - c.pad[4];
+                                        if (ti < 0 || yi < 0 || xi < 0 || ti >= (i64)g.t || yi >= (i64)g.h ||
+                                            xi >= (i64)g.w) {
+                                            continue;
+                                        }
+                                        const double p =
+                                            w[(((co * g.cin + ci) * g.kt + dt) * g.kh + dy) * g.kw + dx] *
+                                            x[(((b * g.cin + ci) * g.t + (u64)ti) * g.h + (u64)yi) * g.w + (u64)xi];
+                                        sum += p;
+                                        mag += std::fabs(p);
+                                    }
+                        out[o] = sum;
+                        magnitude[o] = mag;
+                    }
+}
+
+// Runs `kernel` on every case with data of storage type `T` and checks it within the f32
+// accumulation error plus one rounding to `T`.
+template <typename T>
+void run_cases(Check& check, const char* name,
+               void (*kernel)(const T*, const T*, const float*, T*, ConvGeom, int), unsigned threads) {
+    for (const Case& c : kCases) {
+        const ConvGeom g = c.geometry();
+        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
+        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
+        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
+        // Without accumulation every output must be written: NaN shows one that is not.
+        const auto out_init = c.accumulate ? to_storage<T>(random_f32(len, 14, -2.0f, 2.0f))
+                                           : std::vector<T>(len, Storage<T>::from_f32(NAN));
+        std::vector<double> want, magnitude;
+        reference(c, g, values(x), values(w), bias, values(out_init), want, magnitude);
+        std::vector<double> bound(len);
+        for (std::size_t i = 0; i < len; ++i) {
+            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
+        }
+        std::vector<T> out = out_init;
+        const u64 cols = g.n * g.to * g.ho * g.wo;
+        const dim3 grid((unsigned)((cols + 63) / 64), (unsigned)((g.cout + 63) / 64));
+        emu::launch(name, kernel, grid, dim3(threads), x.data(), w.data(), c.bias ? bias.data() : nullptr,
+                    out.data(), g, c.accumulate ? 1 : 0);
+        check.near(c.name, values(out), want, bound);
+    }
+}
+
+}  // namespace
+
+KERNEL_TEST(conv3d_f32) { run_cases<float>(check, KERNEL(conv3d_f32), 256); }
+KERNEL_TEST(conv3d_bf16_wmma) { run_cases<u16>(check, KERNEL(conv3d_bf16_wmma), 128); }

@@ -1,0 +1,209 @@
+//! `cargo xtask kernels-emu`: runs every CUDA kernel of `kernels-cu/` on the CPU, with no GPU.
+//!
+//! The unchanged `.cu` files compile with the system C++ compiler (`$CXX`, else `c++`, `g++` or
+//! `clang++`) against the emulation layer in `kernels-cu/emu/` (blocks run one at a time, each
+//! thread an OS thread; real barriers and warp exchanges; see `kernels-cu/README.md`), under the
+//! address and undefined-behaviour sanitizers, so an out-of-bounds index fails the run. Each
+//! `kernels-cu/<stem>.cu` has its tests in `kernels-cu/emu/test_<stem>.cpp`, which includes it: one
+//! test per kernel, launched as the Rust backend launches it, against a naive reference. The
+//! kernels are found in the compiled test objects (their unmangled `extern "C"` symbols, macro-made
+//! ones included) and handed to the harness, which fails on any kernel without a test.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::SystemTime;
+
+use anyhow::{Context, bail};
+
+/// Where the objects and the test binary go, relative to the repository root.
+const OUT_DIR: &str = "target/kernels-emu";
+
+/// The kernels, relative to the repository root; the emulator and its tests are in `emu/`.
+const KERNEL_DIR: &str = "kernels-cu";
+
+/// Compilers tried, in order, when `$CXX` is not set.
+const COMPILERS: [&str; 3] = ["c++", "g++", "clang++"];
+
+/// Flags of every compile and of the link. No contraction into fused multiply-adds: the kernels
+/// spell out where they want one (`fmaf`) and where not (`__fmul_rn`, `__fadd_rn`). The
+/// sanitizers turn a stray index into a failure at the access.
+const FLAGS: [&str; 11] = [
+    "-std=c++20",
+    "-O2",
+    "-g",
+    "-pthread",
+    "-ffp-contract=off",
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unknown-pragmas", // `#pragma unroll`
+];
+
+/// Builds the emulator's test binary and runs it.
+pub fn kernels_emu(root: &Path) -> anyhow::Result<()> {
+    let cxx = compiler()?;
+    let kernels = root.join(KERNEL_DIR);
+    let emu = kernels.join("emu");
+    let out = root.join(OUT_DIR);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+
+    let missing: Vec<String> = files_with_extension(&kernels, "cu")?
+        .iter()
+        .filter_map(|cu| cu.file_stem()?.to_str())
+        .filter(|stem| !emu.join(format!("test_{stem}.cpp")).is_file())
+        .map(|stem| format!("{KERNEL_DIR}/{stem}.cu (add {KERNEL_DIR}/emu/test_{stem}.cpp)"))
+        .collect();
+    if !missing.is_empty() {
+        bail!("kernel files without emulator tests: {}", missing.join(", "));
+    }
+
+    let sources = files_with_extension(&emu, "cpp")?;
+    let include = [
+        "-include".to_string(),
+        emu.join("cuda_emu.h").display().to_string(),
+        format!("-I{}", kernels.display()),
+        format!("-I{}", emu.display()),
+        format!("-I{}", emu.join("include").display()),
+    ];
+    // An object is rebuilt when anything under kernels-cu/ or this task (its flags) is newer.
+    let newest_input = newest_mtime(&kernels)?.max(modified(&std::env::current_exe()?)?);
+    let mut objects = Vec::new();
+    let mut jobs: Vec<(PathBuf, Child)> = Vec::new();
+    let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
+    for source in &sources {
+        let object = out.join(source.file_stem().context("source name")?).with_extension("o");
+        objects.push(object.clone());
+        if modified(&object).is_ok_and(|m| m >= newest_input) {
+            continue;
+        }
+        if jobs.len() == parallel {
+            finish(jobs.remove(0))?;
+        }
+        eprintln!("compiling {}", source.display());
+        let child = Command::new(&cxx)
+            .args(FLAGS)
+            .args(&include)
+            .arg("-c")
+            .arg(source)
+            .arg("-o")
+            .arg(&object)
+            .spawn()
+            .with_context(|| format!("starting {cxx}"))?;
+        jobs.push((source.clone(), child));
+    }
+    for job in jobs {
+        finish(job)?;
+    }
+
+    let mut names = Vec::new();
+    for object in objects.iter().filter(|o| o.file_name().is_some_and(|n| n.to_string_lossy().starts_with("test_"))) {
+        names.extend(defined_kernels(object)?);
+    }
+    let binary = out.join("kernel-tests");
+    let link = Command::new(&cxx).args(FLAGS).args(&objects).arg("-o").arg(&binary).status();
+    if !link.with_context(|| format!("starting {cxx}"))?.success() {
+        bail!("linking {} failed", binary.display());
+    }
+
+    eprintln!("$ {} <{} kernels>", binary.display(), names.len());
+    // LeakSanitizer needs ptrace, which containers often forbid; leaks are not what this checks.
+    let status = Command::new(&binary)
+        .args(&names)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .env("UBSAN_OPTIONS", "print_stacktrace=1")
+        .status()
+        .with_context(|| format!("running {}", binary.display()))?;
+    if !status.success() {
+        bail!("kernel emulator tests failed ({status})");
+    }
+    Ok(())
+}
+
+/// `$CXX`, else the first of [`COMPILERS`] that runs.
+fn compiler() -> anyhow::Result<String> {
+    if let Some(cxx) = std::env::var("CXX").ok().filter(|c| !c.is_empty()) {
+        return Ok(cxx);
+    }
+    COMPILERS
+        .iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+        .map(|c| (*c).to_string())
+        .with_context(|| format!("no C++ compiler: set $CXX or install one of {}", COMPILERS.join(", ")))
+}
+
+/// Waits for one compile, failing if it failed.
+fn finish((source, mut child): (PathBuf, Child)) -> anyhow::Result<()> {
+    let status = child.wait().with_context(|| format!("compiling {}", source.display()))?;
+    if !status.success() {
+        bail!("compiling {} failed ({status})", source.display());
+    }
+    Ok(())
+}
+
+/// The files of `dir` (not recursive) ending in `.ext`, sorted.
+fn files_with_extension(dir: &Path, ext: &str) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == ext))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+fn modified(path: &Path) -> anyhow::Result<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The latest modification time of any file under `dir`.
+fn newest_mtime(dir: &Path) -> anyhow::Result<SystemTime> {
+    let mut newest = SystemTime::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        newest = newest.max(if path.is_dir() { newest_mtime(&path)? } else { modified(&path)? });
+    }
+    Ok(newest)
+}
+
+/// The kernels an object defines: its global text symbols that are not mangled C++ names.
+fn defined_kernels(object: &Path) -> anyhow::Result<Vec<String>> {
+    let nm = std::env::var("NM").unwrap_or_else(|_| "nm".into());
+    let output = Command::new(&nm)
+        .args(["-g", "--defined-only", "-P"])
+        .arg(object)
+        .output()
+        .with_context(|| format!("running {nm} (binutils) on {}", object.display()))?;
+    if !output.status.success() {
+        bail!("{nm} failed on {}: {}", object.display(), String::from_utf8_lossy(&output.stderr));
+    }
+    Ok(parse_nm(&String::from_utf8_lossy(&output.stdout)))
+}
+
+/// Parses `nm -P` lines (`name type [value size]`): the `T` symbols without the `_Z` of a
+/// mangled C++ name.
+fn parse_nm(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (name, kind) = (fields.next()?, fields.next()?);
+            (kind == "T" && !name.starts_with("_Z")).then(|| name.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_nm;
+
+    #[test]
+    fn kernels_are_the_unmangled_text_symbols() {
+        let text = "add_f32 T 0000000000000100 0000000000000080\n\
+                    _Z9load_f32PKf W 0000000000000000 0000000000000010\n\
+                    _ZN3emu6launchEv T 0000000000000200 0000000000000010\n\
+                    _ZZ15group_norm_implIfEvE7scratch u 0000000000000000 0000000000000080\n\
+                    conv3d_f32 T 0000000000000300 0000000000000400\n";
+        assert_eq!(parse_nm(text), ["add_f32", "conv3d_f32"]);
+    }
+}
