@@ -7,7 +7,8 @@
 #      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
 #   3. the NCCL backend's collectives (world size 1; every GPU when there are several), and the
 #      CLI decoding over --transport nccl;
-#   4. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU.
+#   4. per-op rates against the device peak (bench kernels, f32 and bf16);
+#   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
 # well under 8 minutes (the kernels test runs small shapes).
@@ -57,6 +58,13 @@ timeout 120 "$BUNDLE/vae-parallel" decode --model "$fx/wan21_like" --latent "$fx
     --out "$OUT/cpu.npy" 2>&1 | tail -1 || status=1
 python3 -c "import numpy as n, sys; d=abs(n.load(sys.argv[1])-n.load(sys.argv[2])).max(); print('max |nccl-cpu| =', d); sys.exit(d > 1e-3)" \
     "$OUT/nccl.npy" "$OUT/cpu.npy" || status=1
+
+# Each op alone at the decoders' real shapes: achieved FLOP/s or GB/s next to the device peak.
+for dtype in f32 bf16; do
+    step "bench kernels ($dtype)"
+    timeout 120 "$BUNDLE/vae-parallel" bench kernels --device cuda --dtype $dtype --iters 3 2>&1 \
+        | tee "$OUT/kernels_$dtype.txt" || status=1
+done
 
 # The benchmark: Wan2.1 real geometry, latent [1, 16, 5, 60, 104] (17 frames of 480x832),
 # diffusers in f32 and bf16, then ours in f32 and bf16, on the same GPU. Needs torch and

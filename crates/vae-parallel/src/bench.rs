@@ -1,5 +1,6 @@
-//! `vae-parallel bench`: transport throughput, failure-detection latency and single-rank decode
-//! latency / memory on a real model directory.
+//! `vae-parallel bench`: transport throughput, failure-detection latency, single-rank decode
+//! latency / memory on a real model directory, shard vs tile side by side, and per-op rates
+//! (`kernel_bench`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -35,6 +36,9 @@ pub enum BenchCommand {
     /// per-rank activation peak, bytes exchanged, halo bytes, and agreement with the direct
     /// decode.
     Shard(ShardBenchArgs),
+    /// Each op the decoders spend their time in, alone, at a Wan2.1 480x832 (and SD 1024 px)
+    /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak.
+    Kernels(crate::kernel_bench::KernelBenchArgs),
 }
 
 /// Options of `bench shard`.
@@ -123,6 +127,7 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Failover(args) => failover(args),
         BenchCommand::Decode(args) => decode(args),
         BenchCommand::Shard(args) => shard(args),
+        BenchCommand::Kernels(args) => crate::kernel_bench::run(args),
     }
 }
 

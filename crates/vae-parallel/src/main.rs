@@ -4,6 +4,7 @@
 
 mod bench;
 mod demo;
+mod kernel_bench;
 mod model_cmds;
 mod ranks;
 
@@ -82,11 +83,15 @@ fn devices() -> anyhow::Result<ExitCode> {
             for ordinal in 0.. {
                 match probe(ordinal) {
                     Ok(info) => println!(
-                        "cuda:{ordinal}    {}, sm_{}{}, {:.1} GiB",
+                        "cuda:{ordinal}    {}, sm_{}{}, {:.1} GiB, {} SMs; peaks: {:.0} GB/s, {} f32, {} bf16 tensor",
                         info.name,
                         info.compute_capability.0,
                         info.compute_capability.1,
-                        info.total_memory as f64 / (1u64 << 30) as f64
+                        info.total_memory as f64 / (1u64 << 30) as f64,
+                        info.multiprocessors,
+                        info.peak_bandwidth() / 1e9,
+                        info.peak_f32_flops().map_or("?".into(), |f| format!("{:.1} TFLOP/s", f / 1e12)),
+                        info.peak_bf16_tensor_flops().map_or("?".into(), |f| format!("{:.0} TFLOP/s", f / 1e12)),
                     ),
                     Err(_) => break,
                 }

@@ -109,3 +109,27 @@ fn ranks_can_be_started_by_hand_with_flags() {
     assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
     assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
 }
+
+#[test]
+fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
+    let (ok, text) = cli(&["bench", "kernels", "--downscale", "8", "--iters", "1", "--json"]);
+    assert!(ok, "{text}");
+    let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["device"], "cpu");
+    let ops = v["ops"].as_array().unwrap();
+    assert_eq!(ops.len(), 9, "{line}");
+    for op in ops {
+        assert!(op["best_ms"].as_f64().unwrap() > 0.0, "{op}");
+        assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");
+        assert!(op["peak"].is_null() && op["fraction_of_peak"].is_null(), "no published CPU peak: {op}");
+    }
+    // Convolutions and attention are rated in FLOP/s, the rest in bytes/s.
+    let unit = |name: &str| ops.iter().find(|o| o["op"].as_str().unwrap().starts_with(name)).unwrap()["unit"].clone();
+    assert_eq!(unit("conv2d"), "FLOP/s");
+    assert_eq!(unit("attention"), "FLOP/s");
+    assert_eq!(unit("group_norm"), "B/s");
+    // bf16 is refused on the CPU, not run as f32.
+    let (ok, text) = cli(&["bench", "kernels", "--dtype", "bf16", "--downscale", "8"]);
+    assert!(!ok && text.contains("needs a CUDA device"), "{text}");
+}

@@ -97,6 +97,11 @@ impl CudaDevice {
         Ok(f)
     }
 
+    /// Waits for everything queued on the device's stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| driver(self.ordinal, "synchronize", e))
+    }
+
     fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
     }

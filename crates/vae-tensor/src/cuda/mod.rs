@@ -50,6 +50,53 @@ pub struct CudaDeviceInfo {
     pub compute_capability: (i32, i32),
     /// Device memory, bytes.
     pub total_memory: usize,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Peak SM clock, kHz.
+    pub clock_khz: u32,
+    /// Peak memory clock, kHz.
+    pub memory_clock_khz: u32,
+    /// Memory bus width, bits.
+    pub memory_bus_bits: u32,
+}
+
+impl CudaDeviceInfo {
+    /// Peak DRAM bandwidth from the memory clock and bus width (double data rate), bytes/s.
+    pub fn peak_bandwidth(&self) -> f64 {
+        2.0 * self.memory_clock_khz as f64 * 1e3 * self.memory_bus_bits as f64 / 8.0
+    }
+
+    /// Peak f32 FLOP/s on CUDA cores (an FMA is two FLOPs), for the architectures this build
+    /// has kernels for; `None` elsewhere.
+    pub fn peak_f32_flops(&self) -> Option<f64> {
+        self.per_sm_per_clock(|cc| match cc {
+            (8, 0) => Some(128.0),          // A100: 64 FP32 lanes per SM
+            (8, _) | (9, 0) => Some(256.0), // GA10x / AD10x, H100 / H200: 128 lanes
+            _ => None,
+        })
+    }
+
+    /// Peak dense bf16 tensor-core FLOP/s (f32 accumulation); `None` for unknown architectures.
+    pub fn peak_bf16_tensor_flops(&self) -> Option<f64> {
+        self.per_sm_per_clock(|cc| match cc {
+            (8, 0) => Some(2048.0), // A100: 312 TFLOP/s at 108 SMs, 1.41 GHz
+            (9, 0) => Some(4096.0), // H100 / H200 SXM: 989 TFLOP/s at 132 SMs, 1.83 GHz
+            _ => None,
+        })
+    }
+
+    fn per_sm_per_clock(&self, flops: impl Fn((i32, i32)) -> Option<f64>) -> Option<f64> {
+        flops(self.compute_capability).map(|f| f * self.multiprocessors as f64 * self.clock_khz as f64 * 1e3)
+    }
+}
+
+/// Waits until everything queued on `device` has run (a no-op for the CPU), so host timers
+/// measure the work and not its launch.
+pub fn synchronize(device: Device) -> crate::Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(ordinal) => backend::CudaDevice::get(ordinal)?.synchronize(),
+    }
 }
 
 /// Asks the driver about device `ordinal`, or says why it cannot be used (no driver library, no
@@ -65,11 +112,17 @@ pub fn probe(ordinal: usize) -> Result<CudaDeviceInfo, String> {
             return Err(format!("no CUDA device {ordinal} (the driver sees {count})"));
         }
         let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| format!("driver error: {e}"))?;
+        use cudarc::driver::sys::CUdevice_attribute::*;
+        let attribute = |a| ctx.attribute(a).map(|v| v.max(0) as u32).map_err(|e| format!("driver error: {e}"));
         Ok(CudaDeviceInfo {
             ordinal,
             name: ctx.name().map_err(|e| format!("driver error: {e}"))?,
             compute_capability: ctx.compute_capability().map_err(|e| format!("driver error: {e}"))?,
             total_memory: ctx.total_mem().map_err(|e| format!("driver error: {e}"))?,
+            multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            clock_khz: attribute(CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+            memory_clock_khz: attribute(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
+            memory_bus_bits: attribute(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
         })
     }));
     asked.unwrap_or_else(|_| Err("the CUDA driver library failed to load".into()))
@@ -111,6 +164,27 @@ mod tests {
         if let Err(reason) = probe(4096) {
             assert!(reason.contains("no CUDA") || reason.contains("driver"), "{reason}");
         }
+    }
+
+    #[test]
+    fn device_peaks_follow_the_published_figures() {
+        // An H100 SXM as its driver reports it: 132 SMs at 1.98 GHz, HBM3 at 2.619 GHz x 5120 bits.
+        let h100 = CudaDeviceInfo {
+            ordinal: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            total_memory: 80 << 30,
+            multiprocessors: 132,
+            clock_khz: 1_980_000,
+            memory_clock_khz: 2_619_000,
+            memory_bus_bits: 5120,
+        };
+        assert!((h100.peak_bandwidth() / 1e12 - 3.35).abs() < 0.01, "{}", h100.peak_bandwidth());
+        assert!((h100.peak_f32_flops().unwrap() / 1e12 - 66.9).abs() < 0.1);
+        assert!((h100.peak_bf16_tensor_flops().unwrap() / 1e12 - 1070.5).abs() < 0.5);
+        let unknown = CudaDeviceInfo { compute_capability: (7, 5), ..h100 };
+        assert_eq!(unknown.peak_f32_flops(), None);
+        assert_eq!(unknown.peak_bf16_tensor_flops(), None);
     }
 
     #[test]
