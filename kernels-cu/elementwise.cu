@@ -13,9 +13,15 @@ __device__ __forceinline__ void silu_impl(T* x, u64 n) {
     GRID_STRIDE(i, n) store_f32(&x[i], silu(load_f32(&x[i])));
 }
 
+// PyTorch's clamp, as the CPU op: NaN stays NaN (fmaxf / fminf would return a bound), and
+// `lo > hi` gives `hi` everywhere.
 template <typename T>
 __device__ __forceinline__ void clamp_impl(T* x, u64 n, float lo, float hi) {
-    GRID_STRIDE(i, n) store_f32(&x[i], fminf(fmaxf(load_f32(&x[i]), lo), hi));
+    GRID_STRIDE(i, n) {
+        const float v = load_f32(&x[i]);
+        const float y = v < lo ? lo : v;
+        store_f32(&x[i], y > hi ? hi : y);
+    }
 }
 
 // `x * mul + add`, rounded after each operation (two PyTorch ops, no fused multiply-add).
