@@ -16,19 +16,40 @@ struct ConvGeom {
     i64 pad_front, pad_top, pad_left;
 };
 
-// The input element of GEMM row `k`, column `col`, or zero in the padding.
-template <typename T>
-__device__ __forceinline__ float im2col(const T* x, const ConvGeom& g, u64 k, u64 col) {
-    const u64 taps = g.kt * g.kh * g.kw;
-    const u64 ci = k / taps, r = k % taps;
-    const u64 dt = r / (g.kh * g.kw), dy = (r / g.kw) % g.kh, dx = r % g.kw;
+// One GEMM column's receptive field in the input, decomposed once per thread: every thread loads
+// the same column of each K slice, so the K loop only splits `k`, in 32-bit arithmetic (64-bit
+// division is emulated on the GPU and costs several times more). The host refuses geometries
+// whose K, extents or field origins do not fit 32 bits (`ConvGeom` checks in the backend).
+struct Column {
+    i64 base;        // offset of (batch, channel 0, frame 0, row 0, column 0)
+    int t0, y0, x0;  // the field's first frame, row and column (negative in the padding)
+    bool valid;      // a real output column (tiles overhang the last one)
+};
+
+__device__ __forceinline__ Column column_of(const ConvGeom& g, u64 col, u64 n_cols) {
+    Column c = {0, 0, 0, 0, col < n_cols};
+    if (!c.valid) return c;
     const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
     const u64 b = col / (g.wo * g.ho * g.to);
-    const i64 ti = (i64)(to * g.stride_t + dt) - g.pad_front;
-    const i64 yi = (i64)(ho * g.stride + dy) - g.pad_top;
-    const i64 xi = (i64)(wo * g.stride + dx) - g.pad_left;
-    if (ti < 0 || yi < 0 || xi < 0 || ti >= (i64)g.t || yi >= (i64)g.h || xi >= (i64)g.w) return 0.0f;
-    return load_f32(&x[(((b * g.cin + ci) * g.t + (u64)ti) * g.h + (u64)yi) * g.w + (u64)xi]);
+    c.base = (i64)(b * g.cin * g.t * g.h * g.w);
+    c.t0 = (int)((i64)(to * g.stride_t) - g.pad_front);
+    c.y0 = (int)((i64)(ho * g.stride) - g.pad_top);
+    c.x0 = (int)((i64)(wo * g.stride) - g.pad_left);
+    return c;
+}
+
+// The input element of GEMM row `k` (k = (ci, dt, dy, dx)) for column `c`, or zero in the
+// padding, past the last column or past the last row `n_rows`.
+template <typename T>
+__device__ __forceinline__ float im2col(const T* x, const ConvGeom& g, const Column& c, unsigned k, unsigned n_rows) {
+    if (!c.valid || k >= n_rows) return 0.0f;
+    const unsigned kw = (unsigned)g.kw, khw = (unsigned)g.kh * kw, taps = (unsigned)g.kt * khw;
+    const unsigned ci = k / taps, r = k - ci * taps;
+    const unsigned dt = r / khw, r2 = r - dt * khw;
+    const unsigned dy = r2 / kw, dx = r2 - dy * kw;
+    const int ti = c.t0 + (int)dt, yi = c.y0 + (int)dy, xi = c.x0 + (int)dx;
+    if (ti < 0 || yi < 0 || xi < 0 || ti >= (int)g.t || yi >= (int)g.h || xi >= (int)g.w) return 0.0f;
+    return load_f32(&x[c.base + (((i64)ci * (i64)g.t + ti) * (i64)g.h + yi) * (i64)g.w + xi]);
 }
 
 // Where output column `col` of channel `co` lives in `[N, Cout, To, Ho, Wo]`.
@@ -55,6 +76,9 @@ extern "C" __global__ void __launch_bounds__(256) conv3d_f32(
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
 
+    // This thread's column of every B slice (256 threads = 4 rows of 64 columns per pass).
+    const int j = threadIdx.x % BN;
+    const Column col = column_of(g, n0 + j, N);
     for (u64 k0 = 0; k0 < K; k0 += BK) {
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
@@ -65,10 +89,8 @@ extern "C" __global__ void __launch_bounds__(256) conv3d_f32(
         }
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            const int e = threadIdx.x + l * 256;
-            const int kk = e / BN, j = e % BN;
-            const u64 gk = k0 + kk, gj = n0 + j;
-            Bs[kk][j] = (gk < K && gj < N) ? im2col<float>(x, g, gk, gj) : 0.0f;
+            const int kk = threadIdx.x / BN + l * (256 / BN);
+            Bs[kk][j] = im2col<float>(x, g, col, (unsigned)(k0 + kk), (unsigned)K);
         }
         __syncthreads();
         fma_tile_4x4<BM + 4>(As, Bs, BK, acc, tx, ty);
@@ -112,6 +134,9 @@ extern "C" __global__ void __launch_bounds__(128) conv3d_bf16_wmma(
 #pragma unroll
         for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
+    // This thread's column of every B slice (128 threads = 2 rows of 64 columns per pass).
+    const int j = threadIdx.x % BN;
+    const Column col = column_of(g, n0 + j, N);
     for (u64 k0 = 0; k0 < K; k0 += BK) {
         for (int e = threadIdx.x; e < BM * BK; e += blockDim.x) {
             const int i = e / BK, kk = e % BK;
@@ -119,10 +144,8 @@ extern "C" __global__ void __launch_bounds__(128) conv3d_bf16_wmma(
             const float v = (gi < M && gk < K) ? bf16_to_f32(wgt[gi * K + gk]) : 0.0f;
             As[i][kk] = __float2bfloat16_rn(v);
         }
-        for (int e = threadIdx.x; e < BK * BN; e += blockDim.x) {
-            const int kk = e / BN, j = e % BN;
-            const u64 gk = k0 + kk, gj = n0 + j;
-            const float v = (gk < K && gj < N) ? im2col<unsigned short>(x, g, gk, gj) : 0.0f;
+        for (int kk = threadIdx.x / BN; kk < BK; kk += blockDim.x / BN) {
+            const float v = im2col<unsigned short>(x, g, col, (unsigned)(k0 + kk), (unsigned)K);
             Bs[kk][j] = __float2bfloat16_rn(v);
         }
         __syncthreads();

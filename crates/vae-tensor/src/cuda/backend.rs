@@ -442,6 +442,16 @@ impl CudaStorage {
         if grid_x > u32::MAX as u64 || grid_y > 65_535 {
             return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
         }
+        // The kernels split GEMM rows and place receptive fields in 32-bit arithmetic (see
+        // `Column` in conv.cu); element offsets stay 64-bit.
+        let rows = g.cin * g.kt * g.kh * g.kw;
+        let extents = [g.t, g.h, g.w, g.to * g.stride_t + g.kt, g.ho * g.stride + g.kh, g.wo * g.stride + g.kw];
+        if rows + 64 > u32::MAX as u64 || extents.iter().any(|&e| e >= i32::MAX as u64) {
+            return Err(TensorError::InvalidArgument {
+                op: "conv3d",
+                reason: format!("{rows} GEMM rows or extents {extents:?} exceed the kernels' 32-bit index range"),
+            });
+        }
         let cfg = LaunchConfig {
             grid_dim: (grid_x as u32, grid_y as u32, 1),
             block_dim: (threads, 1, 1),
