@@ -184,26 +184,16 @@ impl<'c> ShardContext<'c> {
             return Err(invalid(format!("rank {}'s band of {len} rows is narrower than the halo {halo}", self.rank)));
         }
         let (has_prev, has_next) = (self.rank > 0, self.rank + 1 < self.ranks());
-        // Rows leave through host memory (a download for a device tensor), where they are f32
-        // whatever the device type (the CPU backend is f32 only): a bf16 band's halo rows travel
-        // at 4 bytes per element.
-        let first = if has_prev { Some(on_host(x.narrow(dim, 0, halo)?)?) } else { None };
-        let last = if has_next { Some(on_host(x.narrow(dim, len - halo, halo)?)?) } else { None };
-        let mut from_prev = Vec::<u8>::new();
-        let mut from_next = Vec::<u8>::new();
-        {
-            let mut legs = Vec::with_capacity(2);
-            if let Some(rows) = &first {
-                legs.push(PeerExchange { peer: self.rank - 1, send: rows.as_bytes()?, recv: &mut from_prev });
-            }
-            if let Some(rows) = &last {
-                legs.push(PeerExchange { peer: self.rank + 1, send: rows.as_bytes()?, recv: &mut from_next });
-            }
-            self.comm.exchange_bytes(vae_transport::DataType::F32, &mut legs)?;
-        }
-        let sent = first.iter().chain(&last).map(|t| t.size_in_bytes() as u64).sum::<u64>();
         let mut halo_dims = x.dims().to_vec();
         halo_dims[dim] = halo;
+        let mut legs = Vec::with_capacity(2);
+        if has_prev {
+            legs.push((self.rank - 1, x.narrow(dim, 0, halo)?, halo_dims.clone()));
+        }
+        if has_next {
+            legs.push((self.rank + 1, x.narrow(dim, len - halo, halo)?, halo_dims.clone()));
+        }
+        let (received, sent) = self.swap(x, legs)?;
         let mut padded_dims = x.dims().to_vec();
         padded_dims[dim] = len + 2 * halo;
         // Zero-initialised: the rows no neighbour fills are the global zero padding.
@@ -212,10 +202,8 @@ impl<'c> ShardContext<'c> {
         let mut at = origin.clone();
         at[dim] = halo;
         padded.copy_box_from(&at, x, &origin, x.dims())?;
-        for (bytes, row) in [(has_prev.then_some(&from_prev), 0), (has_next.then_some(&from_next), len + halo)] {
-            let Some(bytes) = bytes else { continue };
-            let rows = self.tensor_from_peer(x, &halo_dims, bytes)?;
-            at[dim] = row;
+        for (peer, rows) in received {
+            at[dim] = if peer < self.rank { 0 } else { len + halo };
             padded.copy_box_from(&at, &rows, &origin, &halo_dims)?;
         }
         self.traffic.halo_exchanges += 1;
@@ -243,33 +231,21 @@ impl<'c> ShardContext<'c> {
         let dim = self.dim(x)?;
         let scale = self.scale_of(x)?;
         let bands = self.bands.scaled(scale);
-        let mut received: Vec<Vec<u8>> = vec![Vec::new(); self.ranks()];
-        let staged = if x.device().is_cpu() { None } else { Some(x.to_device(&Device::Cpu)?) };
-        {
-            let send = staged.as_ref().unwrap_or(x).as_bytes()?;
-            let mut legs: Vec<PeerExchange<'_>> = received
-                .iter_mut()
-                .enumerate()
-                .filter(|(peer, _)| *peer != self.rank)
-                .map(|(peer, recv)| PeerExchange { peer, send, recv })
-                .collect();
-            self.comm.exchange_bytes(vae_transport::DataType::F32, &mut legs)?;
-        }
-        let sent_each = staged.as_ref().unwrap_or(x).size_in_bytes();
-        let mut parts = Vec::with_capacity(self.ranks());
-        for (peer, bytes) in received.iter().enumerate() {
-            if peer == self.rank {
-                parts.push(x.clone());
-                continue;
-            }
-            let mut dims = x.dims().to_vec();
-            dims[dim] = bands.bands()[peer].len();
-            parts.push(self.tensor_from_peer(x, &dims, bytes)?);
-        }
+        let legs = (0..self.ranks())
+            .filter(|&peer| peer != self.rank)
+            .map(|peer| {
+                let mut dims = x.dims().to_vec();
+                dims[dim] = bands.bands()[peer].len();
+                (peer, x.clone(), dims)
+            })
+            .collect();
+        let (received, sent) = self.swap(x, legs)?;
+        let mut parts: Vec<Tensor> = received.into_iter().map(|(_, t)| t).collect();
+        parts.insert(self.rank, x.clone());
         let refs: Vec<&Tensor> = parts.iter().collect();
         let full = Tensor::cat(&refs, dim)?;
         self.traffic.map_gathers += 1;
-        self.traffic.map_bytes_sent += (sent_each * (self.ranks() - 1)) as u64;
+        self.traffic.map_bytes_sent += sent;
         self.traffic.map_time += clock.elapsed();
         Ok(full)
     }
@@ -285,21 +261,170 @@ impl<'c> ShardContext<'c> {
         Ok(full.narrow(dim, band.start, band.len())?)
     }
 
-    /// Rows a peer sent (f32 host bytes) as a tensor on `like`'s device with `like`'s type.
-    fn tensor_from_peer(&self, like: &Tensor, dims: &[usize], bytes: &[u8]) -> Result<Tensor, RuntimeError> {
-        let expected = Shape::new(dims.to_vec()).elem_count() * DType::F32.size_in_bytes();
-        if bytes.len() != expected {
-            return Err(RuntimeError::Protocol(format!(
-                "rank {} expected {expected} bytes of {dims:?} rows from a neighbour, got {}",
-                self.rank,
-                bytes.len()
-            )));
+    /// Sends each leg's tensor to its peer and receives a tensor of the leg's dims from it
+    /// (legs in ascending peer order; the peers list this rank in turn). Returns what arrived,
+    /// by peer, on `like`'s device in `like`'s type, and the bytes sent.
+    ///
+    /// Ranks that are threads of this process hand each other the tensors themselves through
+    /// the group's mailbox, with a token exchange for ordering and failure detection: a device
+    /// tensor stays on its device and is copied device-to-device into the receiver's buffer.
+    /// Other groups send f32 host bytes (a download for a device tensor: the CPU backend is f32
+    /// only, so a bf16 band's rows travel at 4 bytes per element).
+    #[allow(clippy::type_complexity)] // (peer, tensor, dims) legs
+    fn swap(
+        &mut self,
+        like: &Tensor,
+        legs: Vec<(usize, Tensor, Vec<usize>)>,
+    ) -> Result<(Vec<(usize, Tensor)>, u64), RuntimeError> {
+        let rank = self.rank;
+        let mismatch =
+            |peer: usize, what: String| RuntimeError::Protocol(format!("rank {rank} expected {what} from rank {peer}"));
+        if let Some(mailbox) = self.comm.mailbox() {
+            let sent = legs.iter().map(|(_, t, _)| t.size_in_bytes() as u64).sum();
+            let expected: Vec<(usize, Vec<usize>)> = legs.iter().map(|(p, _, d)| (*p, d.clone())).collect();
+            for (peer, t, _) in legs {
+                mailbox.post(rank, peer, Box::new(t));
+            }
+            let mut tokens: Vec<Vec<u8>> = vec![Vec::new(); expected.len()];
+            let mut token_legs: Vec<PeerExchange<'_>> = expected
+                .iter()
+                .zip(tokens.iter_mut())
+                .map(|((peer, _), recv)| PeerExchange { peer: *peer, send: &[], recv })
+                .collect();
+            self.comm.exchange_bytes(vae_transport::DataType::U8, &mut token_legs)?;
+            let mut received = Vec::with_capacity(expected.len());
+            for (peer, dims) in expected {
+                let parcel = mailbox.take(peer, rank).ok_or_else(|| mismatch(peer, "a tensor".into()))?;
+                let t = *parcel.downcast::<Tensor>().map_err(|_| mismatch(peer, "a tensor".into()))?;
+                if t.dims() != dims.as_slice() {
+                    return Err(mismatch(peer, format!("rows {dims:?}, got {}", t.shape())));
+                }
+                let t = if t.device() == like.device() { t } else { t.to_device(&like.device())? };
+                received.push((peer, t.to_dtype(like.dtype())?));
+            }
+            return Ok((received, sent));
         }
-        Ok(Tensor::from_bytes(DType::F32, dims.to_vec(), bytes, &like.device())?.to_dtype(like.dtype())?)
+        let staged: Vec<(usize, Tensor, Vec<usize>)> =
+            legs.into_iter().map(|(p, t, d)| Ok((p, on_host(t)?, d))).collect::<Result<_, RuntimeError>>()?;
+        let sent = staged.iter().map(|(_, t, _)| t.size_in_bytes() as u64).sum();
+        let mut bytes: Vec<Vec<u8>> = vec![Vec::new(); staged.len()];
+        {
+            let mut byte_legs = staged
+                .iter()
+                .zip(bytes.iter_mut())
+                .map(|((peer, t, _), recv)| Ok(PeerExchange { peer: *peer, send: t.as_bytes()?, recv }))
+                .collect::<Result<Vec<_>, RuntimeError>>()?;
+            self.comm.exchange_bytes(vae_transport::DataType::F32, &mut byte_legs)?;
+        }
+        let mut received = Vec::with_capacity(staged.len());
+        for ((peer, _, dims), bytes) in staged.into_iter().zip(bytes) {
+            let expected = Shape::new(dims.clone()).elem_count() * DType::F32.size_in_bytes();
+            if bytes.len() != expected {
+                return Err(mismatch(peer, format!("{expected} bytes of {dims:?} rows, got {}", bytes.len())));
+            }
+            let t = Tensor::from_bytes(DType::F32, dims, &bytes, &like.device())?.to_dtype(like.dtype())?;
+            received.push((peer, t));
+        }
+        Ok((received, sent))
     }
 }
 
 /// `t` in host memory (no copy when it is there already).
 fn on_host(t: Tensor) -> Result<Tensor, RuntimeError> {
     if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vae_transport::{
+        ByteBuf, CommStats, DataType, LocalComm, ReduceOp, Result as TransportResult, TransportConfig, run_local,
+    };
+
+    /// A local rank without the mailbox: the byte path that process groups take.
+    struct BytesOnly(LocalComm);
+
+    impl Communicator for BytesOnly {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn backend(&self) -> &'static str {
+            "bytes-only"
+        }
+        fn all_gather_bytes(&self, d: DataType, s: &[u8], r: &mut dyn ByteBuf) -> TransportResult<Vec<usize>> {
+            self.0.all_gather_bytes(d, s, r)
+        }
+        fn gather_bytes(
+            &self,
+            root: usize,
+            d: DataType,
+            s: &[u8],
+            r: &mut dyn ByteBuf,
+        ) -> TransportResult<Option<Vec<usize>>> {
+            self.0.gather_bytes(root, d, s, r)
+        }
+        fn broadcast_bytes(&self, root: usize, d: DataType, b: &mut dyn ByteBuf) -> TransportResult<()> {
+            self.0.broadcast_bytes(root, d, b)
+        }
+        fn all_reduce_bytes(&self, d: DataType, op: ReduceOp, b: &mut [u8]) -> TransportResult<()> {
+            self.0.all_reduce_bytes(d, op, b)
+        }
+        fn exchange_bytes(&self, d: DataType, legs: &mut [PeerExchange<'_>]) -> TransportResult<()> {
+            self.0.exchange_bytes(d, legs)
+        }
+        fn barrier(&self) -> TransportResult<()> {
+            self.0.barrier()
+        }
+        fn abort(&self, reason: &str) {
+            self.0.abort(reason)
+        }
+        fn stats(&self) -> CommStats {
+            self.0.stats()
+        }
+    }
+
+    /// Each rank's halo'd band and gathered map of a [1, 2, 7, 5] map split in 3 height bands.
+    fn halos_and_maps(comm: &dyn Communicator) -> (Tensor, Tensor, ShardTraffic) {
+        let global = Tensor::seeded_uniform(vec![1, 2, 7, 5], 3, -1.0, 1.0, &Device::Cpu).unwrap();
+        let bands = BandPartition::new(7, 3, 2).unwrap();
+        let rank = comm.rank();
+        let mut ctx = ShardContext::new(comm, ShardAxis::Height, bands, rank);
+        let band = ctx.local_input(&global).unwrap();
+        let padded = ctx.with_halo(&band, 2).unwrap();
+        let map = ctx.all_gather_map(&band).unwrap();
+        assert!(map.bit_eq(&global), "rank {rank}: the gathered map is the global one");
+        (padded, map, ctx.traffic())
+    }
+
+    #[test]
+    fn the_mailbox_and_the_byte_path_give_the_same_halos() {
+        let config = TransportConfig::default();
+        let by_mailbox = run_local(3, config, |comm| {
+            assert!(comm.mailbox().is_some(), "local ranks share a mailbox");
+            halos_and_maps(&comm)
+        })
+        .unwrap();
+        let by_bytes = run_local(3, config, |comm| halos_and_maps(&BytesOnly(comm))).unwrap();
+        let global = Tensor::seeded_uniform(vec![1, 2, 7, 5], 3, -1.0, 1.0, &Device::Cpu).unwrap();
+        // Bands of 3, 2 and 2 rows; the halo is 2 rows, zeros beyond the global edges.
+        for (rank, (m, b)) in by_mailbox.into_iter().zip(by_bytes).enumerate() {
+            let ((mp, _, mt), (bp, _, bt)) = (m.unwrap(), b.unwrap());
+            assert!(mp.bit_eq(&bp), "rank {rank}: same halo'd band on both paths");
+            assert_eq!((mt.halo_bytes_sent, mt.map_bytes_sent), (bt.halo_bytes_sent, bt.map_bytes_sent));
+            let (start, len) = [(0, 3), (3, 2), (5, 2)][rank];
+            let (lo, hi) = (start as isize - 2, (start + len + 2) as isize);
+            for row in lo..hi {
+                let got = mp.narrow(2, (row - lo) as usize, 1).unwrap();
+                let want = if (0..7).contains(&row) {
+                    global.narrow(2, row as usize, 1).unwrap()
+                } else {
+                    Tensor::zeros(vec![1, 2, 1, 5], DType::F32, &Device::Cpu).unwrap()
+                };
+                assert!(got.bit_eq(&want), "rank {rank}, global row {row}");
+            }
+        }
+    }
 }

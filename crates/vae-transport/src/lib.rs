@@ -23,6 +23,7 @@
 mod config;
 mod error;
 pub mod local;
+pub mod mailbox;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -35,6 +36,7 @@ use std::fmt;
 pub use config::{ENV_COLLECTIVE_TIMEOUT, ENV_CONNECT_TIMEOUT, ENV_FAILURE_TIMEOUT, TransportConfig};
 pub use error::{Result, TransportError};
 pub use local::{LocalComm, local_group, run_local};
+pub use mailbox::{Mailbox, Parcel};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, nccl_available};
 pub use socket::{Endpoint, SocketComm, SocketOptions};
@@ -233,6 +235,13 @@ pub trait Communicator: Send + Sync {
 
     /// Traffic counters of this rank since creation.
     fn stats(&self) -> CommStats;
+
+    /// For groups whose ranks are threads of one process: the mailbox through which they hand
+    /// each other values without serialising them (see [`mailbox`]). `None` (the default) for
+    /// groups across processes or devices.
+    fn mailbox(&self) -> Option<&Mailbox> {
+        None
+    }
 }
 
 /// Gathered contributions of every rank, in rank order.

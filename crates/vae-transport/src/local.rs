@@ -4,10 +4,12 @@
 //! every receiver (a broadcast to seven ranks costs one copy out and seven copies in, never
 //! seven serialisations). A rank whose handle is dropped while its thread unwinds from a panic
 //! is reported as failed to every other rank at once; a rank that returns early is reported as
-//! having left, so nobody waits for it.
+//! having left, so nobody waits for it. Ranks can also hand each other values without
+//! serialising them, through the group's [`Mailbox`].
 
 use std::sync::Arc;
 
+use crate::Mailbox;
 use crate::mesh::{Frame, Header, Inbox, MeshComm, Payload, Wire, delegate_communicator};
 use crate::pool::BufferPool;
 use crate::{Result, TransportConfig, TransportError};
@@ -17,6 +19,7 @@ use crate::{Result, TransportConfig, TransportError};
 struct LocalWorld {
     inboxes: Vec<Arc<Inbox>>,
     buffers: Arc<BufferPool>,
+    mailbox: Mailbox,
 }
 
 struct LocalWire {
@@ -49,6 +52,10 @@ impl Wire for LocalWire {
             }
         }
     }
+
+    fn mailbox(&self) -> Option<&Mailbox> {
+        Some(&self.world.mailbox)
+    }
 }
 
 /// One rank of an in-process group (see [`local_group`]).
@@ -74,6 +81,7 @@ pub fn local_group(size: usize, config: TransportConfig) -> Result<Vec<LocalComm
     let world = Arc::new(LocalWorld {
         inboxes: (0..size).map(|_| Arc::new(Inbox::new(size))).collect(),
         buffers: Arc::new(BufferPool::default()),
+        mailbox: Mailbox::default(),
     });
     Ok((0..size)
         .map(|rank| {

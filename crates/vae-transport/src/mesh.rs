@@ -273,6 +273,10 @@ pub(crate) trait Wire: Send + Sync {
     fn announce_failure(&self, failed_rank: usize, reason: &str);
     /// Best effort: tell every peer this rank leaves cleanly.
     fn announce_departure(&self);
+    /// The group's shared mailbox, when its ranks share this process.
+    fn mailbox(&self) -> Option<&crate::Mailbox> {
+        None
+    }
 }
 
 #[derive(Debug)]
@@ -330,6 +334,10 @@ impl<W: Wire> MeshComm<W> {
 
     pub(crate) fn size(&self) -> usize {
         self.size
+    }
+
+    pub(crate) fn mailbox(&self) -> Option<&crate::Mailbox> {
+        self.wire.mailbox()
     }
 
     pub(crate) fn backend(&self) -> &'static str {
@@ -762,6 +770,9 @@ macro_rules! delegate_communicator {
             }
             fn stats(&self) -> $crate::CommStats {
                 self.inner.stats()
+            }
+            fn mailbox(&self) -> Option<&$crate::Mailbox> {
+                self.inner.mailbox()
             }
         }
     };
