@@ -142,8 +142,9 @@ fn bf16_decodes_on_cuda_stay_close_to_diffusers_f32() {
     let diff = direct.max_abs_diff(&want).unwrap();
     eprintln!("wan21_like decode, bf16 on CUDA vs diffusers f32: max diff {diff}");
     assert!(diff <= 0.1, "wan21_like bf16 decode: {diff}");
-    // Shard decode in bf16: halo rows travel as f32 copies of bf16 values, so nothing is
-    // rounded twice and the result equals the direct bf16 decode.
+    // Shard decode in bf16: local ranks hand each other their bf16 halo rows on the device, so
+    // nothing is rounded twice and the result equals the direct bf16 decode up to the kernels'
+    // accumulation order at band edges.
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
