@@ -5,7 +5,13 @@ scripts/bench_diffusers.py and a seeded latent ``[1, 16, T, H, W]`` into ``--out
 ``vae.decode`` on ``cuda:0`` in each ``--dtypes`` (one warm-up, ``--iters`` timed runs, CUDA
 synchronised) and prints one JSON line per dtype with latency and ``torch.cuda.max_memory_allocated``.
 
-    python scripts/bench_gpu_diffusers.py --out /tmp/wan21 --shape 1,16,5,60,104 --dtypes float32,bfloat16
+``float32`` runs with PyTorch's defaults, under which cuDNN convolutions use TF32 tensor cores
+(``torch.backends.cudnn.allow_tf32`` is True by default): 10-bit mantissas, not IEEE f32.
+``float32_strict`` turns TF32 off, which is what vae-parallel's f32 computes; compare like with
+like.
+
+    python scripts/bench_gpu_diffusers.py --out /tmp/wan21 --shape 1,16,5,60,104 \
+        --dtypes float32,float32_strict,bfloat16
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="model + latent directory")
     p.add_argument("--shape", default="1,16,5,60,104", help="latent B,C,T,H,W")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,float32_strict,bfloat16")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--prepare-only", action="store_true")
     args = p.parse_args()
@@ -48,7 +54,10 @@ def main() -> None:
         return
 
     for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
+        strict = name.endswith("_strict")
+        dtype = getattr(torch, name.removesuffix("_strict"))
+        torch.backends.cudnn.allow_tf32 = not strict
+        torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default
         vae = AutoencoderKLWan.from_pretrained(args.out, torch_dtype=dtype).to("cuda").eval()
         zc = z.to("cuda", dtype)
         times = []
@@ -68,6 +77,7 @@ def main() -> None:
                     "impl": "diffusers",
                     "device": torch.cuda.get_device_name(0),
                     "dtype": name,
+                    "tf32_convs": dtype == torch.float32 and torch.backends.cudnn.allow_tf32,
                     "output_shape": out_shape,
                     "best_ms": min(times) * 1e3,
                     "median_ms": statistics.median(times) * 1e3,
