@@ -61,6 +61,11 @@ impl GroupNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.group_norm(self.groups, &self.weight, &self.bias, self.eps)?)
     }
+
+    /// [`Self::forward`] then SiLU, in one pass (the same values).
+    pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.group_norm_silu(self.groups, &self.weight, &self.bias, self.eps)?)
+    }
 }
 
 /// `nn.Linear` with bias.
@@ -110,12 +115,8 @@ impl ResnetBlock2d {
 
     /// `shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = self.norm1.forward(x)?;
-        h.silu_inplace()?;
-        let h = self.conv1.forward(&h)?;
-        let mut h = self.norm2.forward(&h)?;
-        h.silu_inplace()?;
-        let h = self.conv2.forward(&h)?;
+        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
+        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         // diffusers computes `(input + hidden) / output_scale_factor` with a factor of 1.0,
         // which changes nothing.
         match &self.conv_shortcut {

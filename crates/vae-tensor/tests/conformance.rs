@@ -203,6 +203,9 @@ fn group_norm_matches_reference(device: &Device) {
         let got = x.group_norm(groups, &gamma, &beta, 1e-6).unwrap();
         let want = ref_group_norm(&host(&x), &dims, groups, &host(&gamma), &host(&beta), 1e-6);
         assert_close(&format!("group_norm {dims:?} / {groups}"), &got, &dims, &want, NORM_TOL);
+        // The fused SiLU is the same computation in one pass: identical bits.
+        let fused = x.group_norm_silu(groups, &gamma, &beta, 1e-6).unwrap();
+        assert!(fused.bit_eq(&got.silu().unwrap()), "group_norm_silu {dims:?} / {groups}");
     }
     // A large common offset: a one-pass f32 variance would cancel catastrophically.
     let dims = [1, 4, 16, 16];

@@ -264,6 +264,9 @@ fn rms_norm_matches_reference(device: &Device) {
         let (g, b) = (tensor(&mut rng, &gd, device), tensor(&mut rng, &gd, device));
         let use_bias = i % 2 == 0;
         let got = x.rms_norm_channels(&g, use_bias.then_some(&b), dim, 1e-12).unwrap();
+        // The fused SiLU is the same computation in one pass: identical bits.
+        let fused = x.rms_norm_channels_silu(&g, use_bias.then_some(&b), dim, 1e-12).unwrap();
+        assert!(fused.bit_eq(&got.silu().unwrap()), "rms_norm_channels_silu {dims:?} dim {dim}");
         let hb = host(&b);
         let want = ref_rms_norm(&host(&x), &dims, dim, &host(&g), use_bias.then_some(&hb[..]), 1e-12);
         assert_close(&format!("rms_norm {dims:?} dim {dim}"), &got, &dims, &want, ROUND_TOL);

@@ -74,9 +74,7 @@ impl Encoder {
             }
         }
         h = self.mid_block.forward(&h)?;
-        let mut h = self.conv_norm_out.forward(&h)?;
-        h.silu_inplace()?;
-        self.conv_out.forward(&h)
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&h)?)
     }
 }
 
@@ -138,9 +136,7 @@ impl Decoder {
                 h = up.forward(&h)?;
             }
         }
-        let mut h = self.conv_norm_out.forward(&h)?;
-        h.silu_inplace()?;
-        self.conv_out.forward(&h)
+        self.conv_out.forward(&self.conv_norm_out.forward_silu(&h)?)
     }
 }
 

@@ -226,6 +226,11 @@ impl RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
     }
+
+    /// [`Self::forward`] then SiLU, in one pass (the same values).
+    fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
 }
 
 struct ResidualBlock {
@@ -258,11 +263,9 @@ impl ResidualBlock {
             Some(s) => s.forward(x, None)?,
             None => x.clone(),
         };
-        let mut y = self.norm1.forward(x)?;
-        y.silu_inplace()?;
+        let y = self.norm1.forward_silu(x)?;
         let y = cached_conv(&self.conv1, &y, cache, band.as_deref_mut())?;
-        let mut y = self.norm2.forward(&y)?;
-        y.silu_inplace()?;
+        let y = self.norm2.forward_silu(&y)?;
         let mut y = cached_conv(&self.conv2, &y, cache, band)?;
         y.add_assign(&h)?;
         Ok(y)
@@ -563,8 +566,7 @@ impl Encoder {
         let x = self.mid_resnets[0].forward(&x, cache, None)?;
         let x = self.mid_attention.forward(&x)?;
         let x = self.mid_resnets[1].forward(&x, cache, None)?;
-        let mut x = self.norm_out.forward(&x)?;
-        x.silu_inplace()?;
+        let x = self.norm_out.forward_silu(&x)?;
         cached_conv(&self.conv_out, &x, cache, None)
     }
 }
@@ -657,8 +659,7 @@ impl Decoder {
                 x.add_assign(&input.dup_up3d(factor_t, 2, out_dim, first_chunk)?)?;
             }
         }
-        let mut x = self.norm_out.forward(&x)?;
-        x.silu_inplace()?;
+        let x = self.norm_out.forward_silu(&x)?;
         cached_conv(&self.conv_out, &x, cache, band)
     }
 

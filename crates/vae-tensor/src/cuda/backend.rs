@@ -362,13 +362,14 @@ impl CudaStorage {
         Ok(())
     }
 
-    /// Wan's channel RMS norm over `[batch, channels, inner]`.
+    /// Wan's channel RMS norm over `[batch, channels, inner]`, optionally followed by SiLU.
     pub(crate) fn rms_norm_channels(
         &self,
         gamma: &Self,
         bias: Option<&Self>,
         [batch, channels, inner]: [usize; 3],
         eps: f32,
+        fuse_silu: bool,
     ) -> Result<Self> {
         Self::f32_param("rms_norm_channels", gamma)?;
         if let Some(b) = bias {
@@ -376,7 +377,7 @@ impl CudaStorage {
         }
         let mut out = self.like(self.len)?;
         let f = self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?;
-        let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, 0i32);
+        let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
         let mut launch = self.device.stream.launch_builder(&f);
         launch.arg(&self.data).arg(&mut out.data).arg(&gamma.data);
         match bias {
@@ -388,7 +389,7 @@ impl CudaStorage {
         Ok(out)
     }
 
-    /// `nn.GroupNorm` over `[batch, channels, spatial]`.
+    /// `nn.GroupNorm` over `[batch, channels, spatial]`, optionally followed by SiLU.
     pub(crate) fn group_norm(
         &self,
         gamma: &Self,
@@ -396,12 +397,13 @@ impl CudaStorage {
         [batch, channels, spatial]: [usize; 3],
         groups: usize,
         eps: f32,
+        fuse_silu: bool,
     ) -> Result<Self> {
         Self::f32_param("group_norm", gamma)?;
         Self::f32_param("group_norm", beta)?;
         let mut out = self.like(self.len)?;
         let f = self.kernel("norm", "group_norm_f32", "group_norm_bf16")?;
-        let (c, s, g, silu) = (channels as u64, spatial as u64, groups as u64, 0i32);
+        let (c, s, g, silu) = (channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
         let cfg =
             LaunchConfig { grid_dim: ((batch * groups) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         unsafe {

@@ -3,15 +3,8 @@
 use rayon::prelude::*;
 
 use crate::memory::Buffer;
-use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply};
+use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply, silu};
 use crate::{Result, Shape, Tensor, TensorError};
-
-/// `x · sigmoid(x)`, written as `x / (1 + e^(−x))`: for very negative `x` the exponential
-/// overflows to infinity and the quotient is a correctly signed zero, as in PyTorch.
-#[inline]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
 
 /// PyTorch's clamp: NaN stays NaN, and `min > max` gives `max` everywhere.
 #[inline]

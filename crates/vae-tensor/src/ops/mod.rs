@@ -15,6 +15,14 @@ use rayon::prelude::*;
 /// Below this many elements a parallel loop costs more than it saves.
 pub(crate) const PAR_MIN_ELEMS: usize = 1 << 15;
 
+/// `x · sigmoid(x)`, written as `x / (1 + e^(−x))`: for very negative `x` the exponential
+/// overflows to infinity and the quotient is a correctly signed zero, as in PyTorch. One
+/// definition for `silu` and the norms' fused SiLU, so fusing never changes a bit.
+#[inline]
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
 /// Applies `f` to `data` in chunks, in parallel when the data is large enough to pay for it.
 pub(crate) fn par_chunks_apply(data: &mut [f32], f: impl Fn(&mut [f32]) + Sync + Send) {
     if data.len() < PAR_MIN_ELEMS {

@@ -17,6 +17,24 @@ impl Tensor {
     /// result. (PyTorch's kernels compute `x · a + (beta − mean · a)` in f32, whose error grows
     /// with `|mean| / std`; this implementation is never further from exact than they are.)
     pub fn group_norm(&self, num_groups: usize, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+        self.group_norm_then(num_groups, weight, bias, eps, false)
+    }
+
+    /// [`Tensor::group_norm`] followed by [`Tensor::silu`], in one pass over the data (every
+    /// norm of the VAE resnets is followed by a SiLU). On the CPU and in f32 on CUDA the result
+    /// equals the two ops bit for bit; a bf16 CUDA tensor is rounded once instead of twice.
+    pub fn group_norm_silu(&self, num_groups: usize, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+        self.group_norm_then(num_groups, weight, bias, eps, true)
+    }
+
+    fn group_norm_then(
+        &self,
+        num_groups: usize,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Result<Tensor> {
         const OP: &str = "group_norm";
         if self.rank() < 2 {
             return Err(TensorError::InvalidArgument {
@@ -40,7 +58,7 @@ impl Tensor {
         let spatial: usize = self.dims()[2..].iter().product();
         #[cfg(feature = "cuda")]
         if let (Some(x), Some(g), Some(b)) = (self.cuda(), weight.cuda(), bias.cuda()) {
-            let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps)?;
+            let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps, silu)?;
             return Ok(Tensor::from_cuda(out, self.shape().clone()));
         }
         let per_group = c / num_groups;
@@ -58,7 +76,12 @@ impl Tensor {
                     for (j, (dst, x)) in dst.chunks_exact_mut(spatial).zip(x.chunks_exact(spatial)).enumerate() {
                         let a = gamma[c0 + j] as f64 * rstd;
                         let b = beta[c0 + j] as f64;
-                        dst.iter_mut().zip(x).for_each(|(d, &v)| *d = ((v as f64 - mean) * a + b) as f32);
+                        let norm = |v: f32| ((v as f64 - mean) * a + b) as f32;
+                        if silu {
+                            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = crate::ops::silu(norm(v)));
+                        } else {
+                            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = norm(v));
+                        }
                     }
                 },
             );

@@ -235,6 +235,30 @@ impl Tensor {
         channel_dim: usize,
         eps: f32,
     ) -> Result<Tensor> {
+        self.rms_norm_channels_then(gamma, bias, channel_dim, eps, false)
+    }
+
+    /// [`Tensor::rms_norm_channels`] followed by [`Tensor::silu`], in one pass over the data
+    /// (Wan's resnets and output heads). On the CPU and in f32 on CUDA the result equals the
+    /// two ops bit for bit; a bf16 CUDA tensor is rounded once instead of twice.
+    pub fn rms_norm_channels_silu(
+        &self,
+        gamma: &Tensor,
+        bias: Option<&Tensor>,
+        channel_dim: usize,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.rms_norm_channels_then(gamma, bias, channel_dim, eps, true)
+    }
+
+    fn rms_norm_channels_then(
+        &self,
+        gamma: &Tensor,
+        bias: Option<&Tensor>,
+        channel_dim: usize,
+        eps: f32,
+        silu: bool,
+    ) -> Result<Tensor> {
         const OP: &str = "rms_norm_channels";
         self.check_dim(OP, channel_dim)?;
         if eps.is_nan() || eps < 0.0 {
@@ -255,7 +279,7 @@ impl Tensor {
             let g = check(self, gamma, c)?;
             let b = bias.map(|b| check(self, b, c)).transpose()?;
             let batch: usize = self.dims()[..channel_dim].iter().product();
-            let out = x.rms_norm_channels(g, b, [batch, c, inner], eps)?;
+            let out = x.rms_norm_channels(g, b, [batch, c, inner], eps, silu)?;
             return Ok(Tensor::from_cuda(out, self.shape().clone()));
         }
         let gamma = channel_param(OP, self, gamma, c)?;
@@ -276,7 +300,12 @@ impl Tensor {
                 for (ch, (d, xr)) in dst.chunks_exact_mut(inner).zip(x.chunks_exact(inner)).enumerate() {
                     let g = gamma[ch] as f64 * scale;
                     let b = bias.map_or(0.0, |b| b[ch] as f64);
-                    d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = (v as f64 * r * g + b) as f32);
+                    let norm = |v: f32, r: f64| (v as f64 * r * g + b) as f32;
+                    if silu {
+                        d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = crate::ops::silu(norm(v, r)));
+                    } else {
+                        d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = norm(v, r));
+                    }
                 }
             });
         }
