@@ -53,6 +53,20 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// `block_sum` in f64 (statistics that must not lose precision over millions of elements).
+// `scratch` holds 32 doubles of shared memory.
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? scratch[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -1,38 +1,80 @@
 // Normalisations: GroupNorm (AutoencoderKL / FLUX) and Wan's channel RMS norm, each with an
 // optional fused SiLU (every norm of the decoders' resnets is followed by one). Written once over
-// the storage type (f32 or bf16 bits); statistics and the affine map are computed in f32 (f64 sums
-// for GroupNorm) and the result is rounded once, as PyTorch's bf16 norms do. The affine
-// parameters are f32 in both variants.
+// the storage type (f32 or bf16 bits); GroupNorm's statistics are f64, the affine map f32, and the
+// result is rounded once, as PyTorch's bf16 norms do. The affine parameters are f32 in both
+// variants.
 #include "common.cuh"
 
-// `nn.GroupNorm` on `[N, C, spatial]`: one block per (batch, group); two passes over the group
-// (mean, then the biased variance of the deviations) accumulated in f64 per thread and reduced in
-// f32 partial sums of those, so a 16 M-element group keeps its precision.
+// `nn.GroupNorm` on `[N, C, spatial]` in four launches, so that a few large groups (32 groups of
+// 16 M elements in an SD decoder at 1024 px) still spread over every SM:
+//   1. `group_norm_sums`: each block sums one chunk of one group (f64), grid (chunks, N * groups);
+//   2. `group_norm_squares`: each block derives its group's mean from the chunk sums and sums the
+//      squared deviations of its chunk (f64): the two-pass variance, exact to f64;
+//   3. `group_norm_stats`: one thread per group: mean and 1 / sqrt(var + eps), as f32;
+//   4. `group_norm_apply`: every element, grid-stride: (x - mean) * (gamma * rstd) + beta (then
+//      SiLU when fused), rounded once.
+// Chunks are `chunk_len` consecutive elements of a group (the last one shorter).
 template <typename T>
-__device__ __forceinline__ void group_norm_impl(
-    const T* x, T* out, const float* gamma, const float* beta,
-    u64 channels, u64 spatial, u64 groups, float eps, int fuse_silu) {
-    __shared__ float scratch[32];
-    const u64 per_group = channels / groups;
-    const u64 len = per_group * spatial;
-    const u64 b = blockIdx.x / groups, g = blockIdx.x % groups;
-    const T* xg = x + (b * channels + g * per_group) * spatial;
-    T* og = out + (b * channels + g * per_group) * spatial;
-
+__device__ __forceinline__ void group_norm_sums_impl(const T* x, double* sums, u64 group_len, u64 chunk_len) {
+    __shared__ double scratch[32];
+    const u64 bg = blockIdx.y, chunk = blockIdx.x;
+    const T* xg = x + bg * group_len;
+    const u64 start = chunk * chunk_len, end = start + chunk_len < group_len ? start + chunk_len : group_len;
     double acc = 0.0;
-    for (u64 i = threadIdx.x; i < len; i += blockDim.x) acc += (double)load_f32(&xg[i]);
-    const float mean = block_sum((float)acc, scratch) / (float)len;
-    acc = 0.0;
-    for (u64 i = threadIdx.x; i < len; i += blockDim.x) {
-        const double d = (double)load_f32(&xg[i]) - (double)mean;
+    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) acc += (double)load_f32(&xg[i]);
+    acc = block_sum_f64(acc, scratch);
+    if (threadIdx.x == 0) sums[bg * gridDim.x + chunk] = acc;
+}
+
+// The mean of group `bg` from its `chunks` chunk sums (every thread reads them: a few hundred
+// doubles, cached).
+__device__ __forceinline__ double group_mean(const double* sums, u64 bg, u64 chunks, u64 group_len) {
+    double total = 0.0;
+    for (u64 c = 0; c < chunks; ++c) total += sums[bg * chunks + c];
+    return total / (double)group_len;
+}
+
+template <typename T>
+__device__ __forceinline__ void group_norm_squares_impl(
+    const T* x, const double* sums, double* squares, u64 group_len, u64 chunk_len) {
+    __shared__ double scratch[32];
+    const u64 bg = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x;
+    const double mean = group_mean(sums, bg, chunks, group_len);
+    const T* xg = x + bg * group_len;
+    const u64 start = chunk * chunk_len, end = start + chunk_len < group_len ? start + chunk_len : group_len;
+    double acc = 0.0;
+    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const double d = (double)load_f32(&xg[i]) - mean;
         acc += d * d;
     }
-    const float var = block_sum((float)acc, scratch) / (float)len;
-    const float rstd = rsqrtf(var + eps);
-    for (u64 i = threadIdx.x; i < len; i += blockDim.x) {
-        const u64 c = g * per_group + i / spatial;
-        float y = (load_f32(&xg[i]) - mean) * (gamma[c] * rstd) + beta[c];
-        store_f32(&og[i], fuse_silu ? silu(y) : y);
+    acc = block_sum_f64(acc, scratch);
+    if (threadIdx.x == 0) squares[bg * chunks + chunk] = acc;
+}
+
+// `stats[2 * bg]` = mean, `stats[2 * bg + 1]` = 1 / sqrt(var + eps), for `groups_total` groups.
+extern "C" __global__ void group_norm_stats(
+    const double* sums, const double* squares, float* stats, u64 groups_total, u64 chunks, u64 group_len, float eps) {
+    GRID_STRIDE(bg, groups_total) {
+        const double mean = group_mean(sums, bg, chunks, group_len);
+        double var = 0.0;
+        for (u64 c = 0; c < chunks; ++c) var += squares[bg * chunks + c];
+        var /= (double)group_len;
+        stats[2 * bg] = (float)mean;
+        stats[2 * bg + 1] = (float)(1.0 / sqrt(var + (double)eps));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void group_norm_apply_impl(
+    const T* x, T* out, const float* gamma, const float* beta, const float* stats,
+    u64 n, u64 channels, u64 spatial, u64 groups, int fuse_silu) {
+    const u64 per_group = channels / groups;
+    GRID_STRIDE(i, n) {
+        const u64 c = (i / spatial) % channels, b = i / (spatial * channels);
+        const u64 bg = b * groups + c / per_group;
+        const float mean = stats[2 * bg], rstd = stats[2 * bg + 1];
+        const float y = (load_f32(&x[i]) - mean) * (gamma[c] * rstd) + beta[c];
+        store_f32(&out[i], fuse_silu ? silu(y) : y);
     }
 }
 
@@ -63,10 +105,17 @@ __device__ __forceinline__ void rms_norm_channels_impl(
 }
 
 #define NORMS(SUFFIX, T)                                                                                  \
-    extern "C" __global__ void group_norm_##SUFFIX(                                                       \
-        const T* x, T* out, const float* gamma, const float* beta,                                        \
-        u64 channels, u64 spatial, u64 groups, float eps, int fuse_silu) {                                \
-        group_norm_impl(x, out, gamma, beta, channels, spatial, groups, eps, fuse_silu);                  \
+    extern "C" __global__ void group_norm_sums_##SUFFIX(const T* x, double* sums, u64 group_len, u64 chunk_len) { \
+        group_norm_sums_impl(x, sums, group_len, chunk_len);                                               \
+    }                                                                                                     \
+    extern "C" __global__ void group_norm_squares_##SUFFIX(                                               \
+        const T* x, const double* sums, double* squares, u64 group_len, u64 chunk_len) {                  \
+        group_norm_squares_impl(x, sums, squares, group_len, chunk_len);                                  \
+    }                                                                                                     \
+    extern "C" __global__ void group_norm_apply_##SUFFIX(                                                 \
+        const T* x, T* out, const float* gamma, const float* beta, const float* stats,                   \
+        u64 n, u64 channels, u64 spatial, u64 groups, int fuse_silu) {                                    \
+        group_norm_apply_impl(x, out, gamma, beta, stats, n, channels, spatial, groups, fuse_silu);       \
     }                                                                                                     \
     extern "C" __global__ void rms_norm_channels_##SUFFIX(                                                \
         const T* x, T* out, const float* gamma, const float* bias,                                        \

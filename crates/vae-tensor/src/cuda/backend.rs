@@ -402,24 +402,72 @@ impl CudaStorage {
         Self::f32_param("group_norm", gamma)?;
         Self::f32_param("group_norm", beta)?;
         let mut out = self.like(self.len)?;
-        let f = self.kernel("norm", "group_norm_f32", "group_norm_bf16")?;
-        let (c, s, g, silu) = (channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
-        let cfg =
-            LaunchConfig { grid_dim: ((batch * groups) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        if self.len == 0 {
+            return Ok(out);
+        }
+        // Four launches (see norm.cu): chunk sums, chunk squared deviations, per-group
+        // statistics, then every element. Enough chunks to put about a thousand blocks on the
+        // device, none shorter than 4096 elements.
+        let group_len = channels / groups * spatial;
+        let groups_total = batch * groups;
+        let wanted = 1024usize.div_ceil(groups_total).min(group_len.div_ceil(4096)).max(1);
+        let chunk_len = group_len.div_ceil(wanted);
+        let chunks = group_len.div_ceil(chunk_len);
+        if groups_total > 65_535 {
+            return Err(TensorError::InvalidArgument {
+                op: "group_norm",
+                reason: format!("{groups_total} (sample, group) pairs exceed one launch's 65535"),
+            });
+        }
+        let stream = &self.device.stream;
+        let alloc = |n: usize| self.device.alloc_zeros::<f64>(n);
+        let (mut sums, mut squares) = (alloc(groups_total * chunks)?, alloc(groups_total * chunks)?);
+        let mut stats = self.device.alloc_zeros::<f32>(2 * groups_total)?;
+        let per_chunk = LaunchConfig {
+            grid_dim: (chunks as u32, groups_total as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (gl, cl, ch, gt) = (group_len as u64, chunk_len as u64, chunks as u64, groups_total as u64);
+        let f = self.kernel("norm", "group_norm_sums_f32", "group_norm_sums_bf16")?;
+        unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut sums).arg(&gl).arg(&cl).launch(per_chunk) }
+            .map_err(self.err("group_norm"))?;
+        let f = self.kernel("norm", "group_norm_squares_f32", "group_norm_squares_bf16")?;
         unsafe {
-            self.device
-                .stream
+            stream.launch_builder(&f).arg(&self.data).arg(&sums).arg(&mut squares).arg(&gl).arg(&cl).launch(per_chunk)
+        }
+        .map_err(self.err("group_norm"))?;
+        let f = self.device.function("norm", "group_norm_stats")?;
+        unsafe {
+            stream
+                .launch_builder(&f)
+                .arg(&sums)
+                .arg(&squares)
+                .arg(&mut stats)
+                .arg(&gt)
+                .arg(&ch)
+                .arg(&gl)
+                .arg(&eps)
+                .launch(elementwise(groups_total))
+        }
+        .map_err(self.err("group_norm"))?;
+        let f = self.kernel("norm", "group_norm_apply_f32", "group_norm_apply_bf16")?;
+        let (n, c, sp, g, silu) =
+            (self.len as u64, channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
+        unsafe {
+            stream
                 .launch_builder(&f)
                 .arg(&self.data)
                 .arg(&mut out.data)
                 .arg(&gamma.data)
                 .arg(&beta.data)
+                .arg(&stats)
+                .arg(&n)
                 .arg(&c)
-                .arg(&s)
+                .arg(&sp)
                 .arg(&g)
-                .arg(&eps)
                 .arg(&silu)
-                .launch(cfg)
+                .launch(elementwise(self.len))
         }
         .map_err(self.err("group_norm"))?;
         Ok(out)
