@@ -53,18 +53,19 @@ fn video_vaes_decode_and_encode_on_cuda_as_diffusers_does() {
 fn shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
     let Some(device) = cuda("shard on CUDA") else { return };
     let model = WanVae::load_on(&fixtures_dir().join("wan").join("wan21_like"), device).unwrap();
-    let z = random_tensor(&[1, 16, 2, 5, 7], 4);
+    // 7 x 10 latent rows and columns: uneven bands on 2 and 4 ranks.
+    let z = random_tensor(&[1, 16, 2, 7, 10], 4);
     let direct = model.decode(&z).unwrap();
     let op = WanShardDecodeOperator::new(&model);
-    for axis in [ShardAxis::Height, ShardAxis::Width] {
-        let results = run_local(2, TransportConfig::default(), |comm| {
-            let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+    for (ranks, axis) in [2, 4].into_iter().flat_map(|n| [(n, ShardAxis::Height), (n, ShardAxis::Width)]) {
+        let results = run_local(ranks, TransportConfig::default(), |comm| {
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), ranks).unwrap();
             exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
         })
         .unwrap();
         let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
         let diff = got.max_abs_diff(&direct).unwrap();
-        assert!(diff <= 1e-5, "{axis}: max |shard - direct| on CUDA = {diff}");
+        assert!(diff <= 1e-5, "{ranks} ranks, {axis}: max |shard - direct| on CUDA = {diff}");
     }
 }
 
@@ -99,24 +100,27 @@ fn autoencoder_kl_family_on_cuda_matches_diffusers_in_every_fixture_case() {
 }
 
 #[test]
-fn autoencoder_kl_tiles_on_two_ranks_of_one_gpu_match_the_serial_cuda_run() {
+fn autoencoder_kl_tiles_on_two_and_four_ranks_of_one_gpu_match_the_serial_cuda_run() {
     let Some(device) = cuda("AutoencoderKL tile-parallel on CUDA") else { return };
     let mut model = AutoencoderKl::load_on(&fixtures_dir().join("autoencoder_kl").join("sd_like"), device).unwrap();
     model.set_tiling(Some(32), Some(0.25)).unwrap();
     let z = random_tensor(&[1, 4, 9, 11], 5);
     let op = KlOperator::new(&model, KlTask::Decode, true);
     let serial = vae_runtime::execute_serial(&op, &z).unwrap();
-    let results = run_local(2, TransportConfig::default(), |comm| {
-        let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        let out = exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap();
-        // Each rank's tiles were computed on the device: its account saw device memory.
-        assert!(out.report.device_peak_bytes > 0, "rank {}: device peak reported", out.report.rank);
-        out.tensor
-    })
-    .unwrap();
-    let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
-    // The same kernels on the same device for every tile: identical bits.
-    assert!(got.bit_eq(&serial), "2-rank tiles on CUDA vs serial: {}", got.max_abs_diff(&serial).unwrap());
+    for ranks in [2, 4] {
+        let results = run_local(ranks, TransportConfig::default(), |comm| {
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), ranks).unwrap();
+            let out = exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap();
+            // Each rank's tiles were computed on the device: its account saw device memory.
+            assert!(out.report.device_peak_bytes > 0, "rank {}: device peak reported", out.report.rank);
+            out.tensor
+        })
+        .unwrap();
+        let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
+        // The same kernels on the same device for every tile: identical bits.
+        let diff = got.max_abs_diff(&serial).unwrap();
+        assert!(got.bit_eq(&serial), "{ranks}-rank tiles on CUDA vs serial: {diff}");
+    }
 }
 
 #[test]
