@@ -1,5 +1,5 @@
-// The harness's helpers and `main`: runs every registered kernel test, one line each, then
-// `emu: N passed, M failed`. Arguments name the kernels that must have a test (xtask passes every
+// The harness's helpers and `main`: runs every registered kernel test, one line each, with the
+// block's threads as OS threads and again as fibers, then `emu: N passed, M failed`. Arguments name the kernels that must have a test (xtask passes every
 // kernel it finds in the .cu files); the exit status is non-zero if any test failed or is missing.
 #include "harness.h"
 
@@ -204,17 +204,23 @@ int main(int argc, char** argv) {
             ++failed;
         }
     }
-    for (const auto& t : tests) {
-        g_running = t.kernel;
-        emu_test::Check check;
-        const auto start = std::chrono::steady_clock::now();
-        t.fn(check);
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        const bool ok = check.failures().empty();
-        std::printf("%s %-34s %3d cases  %6.2f s\n", ok ? "ok  " : "FAIL", t.kernel, check.cases(), secs);
-        for (const auto& f : check.failures()) std::printf("       %s\n", f.c_str());
-        std::fflush(stdout);
-        (ok ? passed : failed) += 1;
+    // Every test under both ways of running a block's threads: OS threads, which really run at
+    // the same time, and the fibers the fake driver (fake_driver/) runs the backend's tests on.
+    for (const bool fibers : {false, true}) {
+        emu::use_fibers(fibers);
+        std::printf("-- threads as %s\n", fibers ? "fibers" : "OS threads");
+        for (const auto& t : tests) {
+            g_running = t.kernel;
+            emu_test::Check check;
+            const auto start = std::chrono::steady_clock::now();
+            t.fn(check);
+            const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            const bool ok = check.failures().empty();
+            std::printf("%s %-34s %3d cases  %6.2f s\n", ok ? "ok  " : "FAIL", t.kernel, check.cases(), secs);
+            for (const auto& f : check.failures()) std::printf("       %s\n", f.c_str());
+            std::fflush(stdout);
+            (ok ? passed : failed) += 1;
+        }
     }
     std::printf("emu: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;

@@ -8,6 +8,11 @@
 
 namespace emu {
 
+// How a block's threads run from now on: OS threads that run at the same time (the default), or
+// fibers on the launching thread that switch where a thread waits, much faster where kernels
+// synchronise often (see runtime.cpp).
+void use_fibers(bool on);
+
 // Runs `body` on every thread of every block of `grid` (see runtime.cpp).
 void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body);
 

@@ -1,22 +1,42 @@
-// The emulator's runtime: launches (blocks one after another), the pool of OS threads that run a
-// block's threads, block and warp barriers, and warp exchanges. See cuda_emu.h for the model.
+// The emulator's runtime: launches (blocks one after another), the two ways of running a block's
+// threads, block and warp barriers, and warp exchanges. See cuda_emu.h for the model.
 //
-// Every emulated thread runs on an OS thread of its own for as long as it lives, but OS threads
-// are handed out lazily: a "runner" starts the block's threads one after another, and only when
-// one of them blocks (at `__syncthreads`, a shuffle, a wmma call) is another runner woken to start
-// the rest. A kernel without barriers thus runs its block on one OS thread without a context
-// switch, and one with barriers gets one OS thread per thread, all waiting at the barrier at once.
+// OS threads (the default): every emulated thread runs on an OS thread of its own for as long as
+// it lives, but OS threads are handed out lazily: a "runner" starts the block's threads one after
+// another, and only when one of them blocks (at `__syncthreads`, a shuffle, a wmma call) is
+// another runner woken to start the rest. A kernel without barriers thus runs its block on one OS
+// thread without a context switch, and one with barriers gets one OS thread per thread, all
+// waiting at the barrier at once, then really running at the same time.
+//
+// Fibers (`use_fibers`): the block's threads are fibers on the launching OS thread, started in the
+// same lazy order; a thread that must wait hands over to the next one, and the waiting ones are
+// resumed in turn until they can go on. The same barriers and exchanges with the same checks, at
+// the cost of a few instructions instead of an OS context switch per wait (the fake driver's
+// model tests, whose convolutions wait every 16-deep slice: 14 minutes on OS threads, one on
+// fibers). Threads then never run at the same time, so this mode exposes fewer races.
+#include <sys/mman.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include "launch.h"
 
@@ -36,7 +56,15 @@ thread_local unsigned t_linear;
 // How many warp exchanges the calling thread has made (the lanes of a warp agree on it).
 thread_local unsigned t_exchanges;
 
-void before_waiting();
+// Whether blocks run as fibers (`use_fibers`).
+std::atomic<bool> g_fibers{false};
+
+// Barrier phases completed and threads finished: fibers that all wait while this stays put can
+// never go on.
+std::atomic<std::uint64_t> g_progress{0};
+
+// Blocks the calling emulated thread until `phase` moves on from `old`.
+void wait_for_phase(std::atomic<unsigned>& phase, unsigned old);
 
 // A reusable barrier whose parties may leave (a thread that returns from the kernel no longer
 // counts, as on the GPU). Every party of a phase must arrive from the same site.
@@ -63,8 +91,7 @@ public:
             return last_parties_;
         }
         lock.unlock();
-        before_waiting();
-        while (phase_.load(std::memory_order_acquire) == phase) phase_.wait(phase, std::memory_order_acquire);
+        wait_for_phase(phase_, phase);
         return last_parties_;  // written before the phase advanced; the next phase needs this thread
     }
 
@@ -79,6 +106,7 @@ private:
     void complete() {
         last_parties_ = arrived_;
         arrived_ = 0;
+        g_progress.fetch_add(1, std::memory_order_relaxed);
         phase_.fetch_add(1, std::memory_order_release);
         phase_.notify_all();
     }
@@ -204,7 +232,245 @@ Pool& pool() {
     return p;
 }
 
-void before_waiting() { pool().before_waiting(); }
+// A fiber's saved execution context. On x86-64 a switch is a few instructions of our own:
+// glibc's swapcontext also saves the signal mask, a system call that costs more than the rest.
+#if defined(__x86_64__)
+struct Context {
+    void* sp = nullptr;  // the callee-saved registers and control words are on the stack
+};
+
+// Saves the callee-saved registers and the SSE / x87 control words on the current stack, stores
+// its pointer in `*from`, and continues the stack saved in `to`.
+extern "C" void emu_switch_stack(void** from, void* to);
+asm(R"(
+    .text
+    .p2align 4
+    .globl emu_switch_stack
+    .hidden emu_switch_stack
+    .type emu_switch_stack, @function
+emu_switch_stack:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch_stack, .-emu_switch_stack
+)");
+
+void switch_context(Context& from, Context& to) { emu_switch_stack(&from.sp, to.sp); }
+
+// A context that starts `entry` (which never returns) on `stack`: the frame emu_switch_stack
+// pops, zero registers, the default control words, `entry` as the return address, aligned as
+// after a call.
+void make_context(Context& c, char* stack, std::size_t bytes, void (*entry)()) {
+    auto* top = reinterpret_cast<std::uint64_t*>((reinterpret_cast<std::uintptr_t>(stack + bytes)) & ~std::uintptr_t{15});
+    top[-1] = 0;  // entry's return address: none
+    top[-2] = reinterpret_cast<std::uint64_t>(entry);
+    for (int r = 3; r <= 8; ++r) top[-r] = 0;  // rbp, rbx, r12 .. r15
+    top[-9] = 0x037full << 32 | 0x1f80;        // MXCSR, then the x87 control word
+    c.sp = &top[-9];
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+void make_context(Context& c, char* stack, std::size_t bytes, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = bytes;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
+// The fibers of one launching OS thread (each launching thread has its own, so a fiber never
+// moves between OS threads). Fibers are reused across blocks and launches: each loops over the
+// threads it is given.
+class Fibers {
+public:
+    ~Fibers() {
+        for (const auto& f : all_) {
+#if defined(__SANITIZE_ADDRESS__)
+            // Idle fibers are parked mid-function: their frames' redzones must not outlive the
+            // mapping (a thread stack mapped there later would read as poisoned).
+            ASAN_UNPOISON_MEMORY_REGION(f->stack, kStackBytes);
+#endif
+            munmap(f->mapping, kGuardBytes + kStackBytes);
+        }
+    }
+
+    // Runs every thread of the block and returns when all have returned.
+    void run_block(const BlockJob& job) {
+        job_ = &job;
+        blockIdx = job.block;
+        blockDim = job.block_dim;
+        gridDim = job.grid_dim;
+        unsigned next = 0;
+        std::size_t stalled = 0;  // resumptions in a row after which nothing moved
+        for (;;) {
+            Fiber* f;
+            if (next < job.threads) {
+                f = take();
+                f->id = next++;
+                f->exchanges = 0;
+                f->done = false;
+            } else if (!waiting_.empty()) {
+                f = waiting_.front();
+                waiting_.pop_front();
+            } else {
+                break;
+            }
+            const std::uint64_t before = g_progress.load(std::memory_order_relaxed);
+            resume(f);
+            if (f->done) {
+                idle_.push_back(f);
+                stalled = 0;
+                continue;
+            }
+            waiting_.push_back(f);
+            stalled = g_progress.load(std::memory_order_relaxed) == before ? stalled + 1 : 0;
+            if (next == job.threads && stalled > waiting_.size()) {
+                fail("every live thread of the block waits and none can go on (%zu threads)", waiting_.size());
+            }
+        }
+    }
+
+    // Called on a fiber: hands over to the other threads until `phase` moves on.
+    void wait_for_phase(std::atomic<unsigned>& phase, unsigned old) {
+        while (phase.load(std::memory_order_acquire) == old) switch_to_scheduler();
+    }
+
+private:
+    static constexpr std::size_t kStackBytes = 256 << 10;
+    static constexpr std::size_t kGuardBytes = 64 << 10;  // unmapped below the stack: an overflow faults
+
+    struct Fiber {
+        Context context;
+        void* mapping;
+        char* stack;
+        unsigned id = 0, exchanges = 0;
+        bool done = true;
+        void* fake_stack = nullptr;  // AddressSanitizer's, while switched out
+    };
+
+    // An idle fiber, or a new one.
+    Fiber* take() {
+        if (!idle_.empty()) {
+            Fiber* f = idle_.back();
+            idle_.pop_back();
+            return f;
+        }
+        auto f = std::make_unique<Fiber>();
+        f->mapping = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (f->mapping == MAP_FAILED || mprotect(f->mapping, kGuardBytes, PROT_NONE) != 0) {
+            fail("no memory for the stack of emulated thread %zu", all_.size());
+        }
+        f->stack = static_cast<char*>(f->mapping) + kGuardBytes;
+#if defined(__SANITIZE_ADDRESS__)
+        // The address range may have been a stack before, whose redzones the shadow still marks.
+        ASAN_UNPOISON_MEMORY_REGION(f->stack, kStackBytes);
+#endif
+        make_context(f->context, f->stack, kStackBytes, &Fibers::entry);
+        all_.push_back(std::move(f));
+        return all_.back().get();
+    }
+
+    // Runs `f` as its emulated thread until it waits or returns.
+    void resume(Fiber* f) {
+        current_ = f;
+        const uint3 bd = job_->block_dim;
+        threadIdx = {f->id % bd.x, (f->id / bd.x) % bd.y, f->id / (bd.x * bd.y)};
+        t_linear = f->id;
+        t_exchanges = f->exchanges;
+        start_switch(&scheduler_fake_stack_, f->stack, kStackBytes);
+        switch_context(scheduler_, f->context);
+        finish_switch(scheduler_fake_stack_, nullptr, nullptr);
+        f->exchanges = t_exchanges;
+    }
+
+    void switch_to_scheduler() {
+        Fiber* f = current_;
+        start_switch(&f->fake_stack, scheduler_stack_, scheduler_stack_bytes_);
+        switch_context(f->context, scheduler_);
+        finish_switch(f->fake_stack, &scheduler_stack_, &scheduler_stack_bytes_);
+    }
+
+    // Every fiber's body: the threads it is given, one after another.
+    static void entry();
+
+    // AddressSanitizer must know which stack runs (else it reports the switch as an overflow).
+    static void start_switch(void** fake_stack, const void* bottom, std::size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+        __sanitizer_start_switch_fiber(fake_stack, bottom, bytes);
+#else
+        (void)fake_stack, (void)bottom, (void)bytes;
+#endif
+    }
+
+    static void finish_switch(void* fake_stack, const void** bottom, std::size_t* bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+        __sanitizer_finish_switch_fiber(fake_stack, bottom, bytes);
+#else
+        (void)fake_stack, (void)bottom, (void)bytes;
+#endif
+    }
+
+    std::vector<std::unique_ptr<Fiber>> all_;
+    std::vector<Fiber*> idle_;
+    std::deque<Fiber*> waiting_;
+    Context scheduler_;
+    void* scheduler_fake_stack_ = nullptr;
+    const void* scheduler_stack_ = nullptr;
+    std::size_t scheduler_stack_bytes_ = 0;
+    Fiber* current_ = nullptr;
+    const BlockJob* job_ = nullptr;
+};
+
+Fibers& fibers() {
+    thread_local Fibers f;
+    return f;
+}
+
+void Fibers::entry() {
+    Fibers& self = fibers();
+    finish_switch(nullptr, &self.scheduler_stack_, &self.scheduler_stack_bytes_);
+    for (;;) {
+        (*self.job_->body)();
+        g_block_barrier.drop();
+        my_warp().barrier.drop();
+        g_progress.fetch_add(1, std::memory_order_relaxed);
+        self.current_->done = true;
+        self.switch_to_scheduler();
+    }
+}
+
+void wait_for_phase(std::atomic<unsigned>& phase, unsigned old) {
+    if (g_fibers.load(std::memory_order_relaxed)) {
+        fibers().wait_for_phase(phase, old);
+        return;
+    }
+    pool().before_waiting();
+    while (phase.load(std::memory_order_acquire) == old) phase.wait(old, std::memory_order_acquire);
+}
 
 }  // namespace
 
@@ -218,6 +484,8 @@ void fail(const char* fmt, ...) {
     std::fputc('\n', stderr);
     std::abort();
 }
+
+void use_fibers(bool on) { g_fibers.store(on, std::memory_order_relaxed); }
 
 void sync_block(const char* file, int line) { g_block_barrier.arrive_and_wait(file, line); }
 
@@ -273,7 +541,11 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<voi
                            {block.x, block.y, block.z},
                            {grid.x, grid.y, grid.z},
                            (unsigned)threads};
-        pool().run_block(job);
+        if (g_fibers.load(std::memory_order_relaxed)) {
+            fibers().run_block(job);
+        } else {
+            pool().run_block(job);
+        }
     }
     g_kernel = "(no kernel)";
 }
