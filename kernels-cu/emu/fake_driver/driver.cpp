@@ -1,0 +1,774 @@
+// A fake libcuda.so: the slice of CUDA's driver API that cudarc's safe layer calls for the
+// vae-parallel CUDA backend, on the CPU. One emulated device; device memory is host memory;
+// every operation runs synchronously, in call order, under one lock (the backend uses one
+// stream per device, whose operations are ordered anyway); a launch runs the kernel compiled into
+// this library from the unchanged kernels-cu/*.cu on the kernel emulator (../runtime.cpp).
+//
+// What the real driver refuses, this refuses with the same error code and says why on stderr:
+// calls before cuInit or without a current context, a kernel the loaded image does not contain,
+// an image for another architecture, launches beyond the device's or the kernel's limits
+// (launch bounds, registers, shared memory), a pointer argument that is not device memory,
+// copies outside an allocation, double frees. Fresh allocations are filled with 0xff bytes (NaN
+// as f32 and as bf16), so reading memory nobody wrote shows in the results.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "driver_api.h"
+#include "image.h"
+#include "registry.h"
+
+#define FAKE_API extern "C" __attribute__((visibility("default")))
+
+// The handle types are the driver's opaque structs, defined here.
+struct CUctx_st {
+    int retains = 0;
+};
+
+struct CUfunc_st {
+    const fake_cuda::Kernel* kernel;
+    fake_cuda::ImageKernel image;
+    unsigned max_threads;  // per block: the device limit, the launch bounds, the registers
+};
+
+struct CUmod_st {
+    fake_cuda::Image image;
+    std::map<std::string, std::unique_ptr<CUfunc_st>> functions;
+};
+
+struct CUstream_st {
+    unsigned flags;
+};
+
+struct CUevent_st {
+    unsigned flags;
+    bool recorded = false;
+    std::chrono::steady_clock::time_point at;
+};
+
+namespace fake_cuda {
+
+// ---------------------------------------------------------------- the kernel registry
+
+namespace {
+
+std::vector<Kernel>& kernels() {
+    static std::vector<Kernel> k;
+    return k;
+}
+
+}  // namespace
+
+// Runs while the library loads (static initialisers), before any API call.
+void register_kernel(Kernel kernel) { kernels().push_back(std::move(kernel)); }
+
+const Kernel* find_kernel(const char* name) {
+    for (const Kernel& k : kernels()) {
+        if (std::strcmp(k.name, name) == 0) return &k;
+    }
+    return nullptr;
+}
+
+namespace {
+
+// ---------------------------------------------------------------- the device
+
+// An H200 as its driver describes it (132 SMs at 1.98 GHz, HBM3e at 3.2 GHz on 6144 bits), so
+// code that sizes work from these numbers sees real ones.
+constexpr int kSmCount = 132, kClockKhz = 1980000, kMemoryClockKhz = 3201000, kBusBits = 6144;
+constexpr int kMaxThreads = 1024, kMaxSharedPerBlock = 48 << 10, kRegistersPerSm = 65536;
+constexpr int kDriverVersion = 12090;
+// Blocks of one launch the emulator runs (it runs them one after another).
+constexpr std::uint64_t kMaxEmulatedBlocks = 1u << 22;
+
+struct Device {
+    int cc_major = 9, cc_minor = 0;
+    std::string name;
+    std::size_t total_memory = 0;
+};
+
+const Device& device() {
+    static const Device d = [] {
+        Device d;
+        // The PTX path (devices other than sm_90) is taken when a test asks for another
+        // compute capability, e.g. FAKE_CUDA_COMPUTE_CAPABILITY=8.0.
+        if (const char* cc = std::getenv("FAKE_CUDA_COMPUTE_CAPABILITY")) {
+            if (std::sscanf(cc, "%d.%d", &d.cc_major, &d.cc_minor) != 2) d.cc_major = 9, d.cc_minor = 0;
+        }
+        d.name = "CPU emulation of sm_" + std::to_string(d.cc_major * 10 + d.cc_minor) + " (vae-parallel kernels-emu)";
+        d.total_memory = (std::size_t)sysconf(_SC_PHYS_PAGES) * (std::size_t)sysconf(_SC_PAGESIZE);
+        return d;
+    }();
+    return d;
+}
+
+// Every piece of state below, and every operation, is under this lock.
+std::mutex g_mutex;
+bool g_initialized = false;
+CUctx_st g_primary;
+thread_local CUctx_st* t_current = nullptr;
+std::map<CUdeviceptr, std::size_t> g_allocations;  // base -> bytes
+std::size_t g_allocated = 0;
+std::set<CUmod_st*> g_modules;
+std::set<CUfunc_st*> g_functions;
+std::set<CUstream_st*> g_streams;
+std::set<CUevent_st*> g_events;
+
+// Reports a refused call on stderr (the real driver only returns the code; the message is what
+// makes a failure under the fake quick to diagnose) and returns `code`.
+CUresult refuse(CUresult code, const char* api, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+CUresult refuse(CUresult code, const char* api, const char* fmt, ...) {
+    std::fprintf(stderr, "fake libcuda: %s failed (%d): ", api, (int)code);
+    va_list ap;
+    va_start(ap, fmt);
+    std::vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    std::fputc('\n', stderr);
+    return code;
+}
+
+CUresult initialized(const char* api) {
+    return g_initialized ? CUDA_SUCCESS : refuse(CUDA_ERROR_NOT_INITIALIZED, api, "cuInit has not been called");
+}
+
+// The calling thread's current context, which most calls act on.
+CUresult current_context(const char* api) {
+    if (CUresult r = initialized(api)) return r;
+    if (!t_current) return refuse(CUDA_ERROR_INVALID_CONTEXT, api, "no current context on this thread");
+    if (t_current->retains == 0) {
+        return refuse(CUDA_ERROR_INVALID_CONTEXT, api, "the current context is the released primary context");
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult check_device(const char* api, CUdevice dev) {
+    if (CUresult r = initialized(api)) return r;
+    return dev == 0 ? CUDA_SUCCESS : refuse(CUDA_ERROR_INVALID_DEVICE, api, "no device %d (there is one)", dev);
+}
+
+// A stream of the current context: a created one, or a default stream (null, legacy,
+// per-thread).
+CUresult check_stream(const char* api, CUstream s) {
+    if (CUresult r = current_context(api)) return r;
+    if (s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || g_streams.count(s)) return CUDA_SUCCESS;
+    return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown stream %p", (void*)s);
+}
+
+// Whether `[ptr, ptr + bytes)` lies in one live allocation.
+bool inside_allocation(CUdeviceptr ptr, std::size_t bytes) {
+    auto it = g_allocations.upper_bound(ptr);
+    if (it == g_allocations.begin()) return false;
+    --it;
+    return ptr >= it->first && ptr - it->first < it->second && bytes <= it->second - (ptr - it->first);
+}
+
+CUresult check_range(const char* api, const char* what, CUdeviceptr ptr, std::size_t bytes) {
+    if (inside_allocation(ptr, std::max<std::size_t>(bytes, 1))) return CUDA_SUCCESS;
+    return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s [%#llx, +%zu bytes) is not inside one device allocation", what,
+                  ptr, bytes);
+}
+
+CUresult allocate(const char* api, CUdeviceptr* out, std::size_t bytes) {
+    if (CUresult r = current_context(api)) return r;
+    if (!out) return refuse(CUDA_ERROR_INVALID_VALUE, api, "no output pointer");
+    if (bytes == 0) return refuse(CUDA_ERROR_INVALID_VALUE, api, "0 bytes (the driver refuses empty allocations)");
+    if (bytes > device().total_memory - g_allocated) {
+        return refuse(CUDA_ERROR_OUT_OF_MEMORY, api, "%zu bytes with %zu of %zu in use", bytes, g_allocated,
+                      device().total_memory);
+    }
+    void* p = nullptr;
+    // 256-byte aligned, as cuMemAlloc's allocations are (the wmma loads need 32).
+    if (posix_memalign(&p, 256, bytes) != 0) {
+        return refuse(CUDA_ERROR_OUT_OF_MEMORY, api, "the host has no %zu bytes to spare", bytes);
+    }
+    std::memset(p, 0xff, bytes);
+    *out = (CUdeviceptr)p;
+    g_allocations[*out] = bytes;
+    g_allocated += bytes;
+    return CUDA_SUCCESS;
+}
+
+CUresult release(const char* api, CUdeviceptr ptr) {
+    if (CUresult r = current_context(api)) return r;
+    const auto it = g_allocations.find(ptr);
+    if (it == g_allocations.end()) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api, "%#llx is not a live allocation (freed twice?)", ptr);
+    }
+    g_allocated -= it->second;
+    g_allocations.erase(it);
+    std::free((void*)ptr);
+    return CUDA_SUCCESS;
+}
+
+// The most threads a block of `f` may have on this device: its launch bounds, and the registers
+// (allocated per warp in units of 256) that 64 K per SM leave.
+unsigned max_threads_of(const ImageKernel& k) {
+    unsigned limit = kMaxThreads;
+    if (k.max_threads) limit = std::min(limit, k.max_threads);
+    if (k.registers) {
+        const unsigned per_warp = (k.registers * 32 + 255) / 256 * 256;
+        limit = std::min(limit, kRegistersPerSm / per_warp * 32);
+    }
+    return limit;
+}
+
+std::string sizes(const std::vector<std::size_t>& v) {
+    std::string s;
+    for (std::size_t x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return "[" + s + "]";
+}
+
+int attribute(int attr, bool& known) {
+    known = true;
+    const Device& d = device();
+    switch (attr) {
+        case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return kMaxThreads;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: return 1024;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: return 1024;
+        case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: return 64;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: return 0x7fffffff;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: return 65535;
+        case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: return 65535;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: return kMaxSharedPerBlock;
+        case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: return 64 << 10;
+        case CU_DEVICE_ATTRIBUTE_WARP_SIZE: return 32;
+        case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: return kRegistersPerSm;
+        case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: return kClockKhz;
+        case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return kSmCount;
+        case CU_DEVICE_ATTRIBUTE_INTEGRATED: return 0;
+        case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: return kMemoryClockKhz;
+        case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: return kBusBits;
+        case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: return 50 << 20;
+        case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: return 2048;
+        case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: return 1;
+        case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: return d.cc_major;
+        case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return d.cc_minor;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: return 228 << 10;
+        case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: return kRegistersPerSm;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return 227 << 10;
+        // As the H200 answers: cudarc then allocates and frees with cuMemAllocAsync /
+        // cuMemFreeAsync, the calls it makes on the real device.
+        case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1;
+        default: known = false; return 0;
+    }
+}
+
+const char* error_name(CUresult r) {
+    switch (r) {
+        case CUDA_SUCCESS: return "CUDA_SUCCESS";
+        case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+        case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+        case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+        case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
+        case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+        case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
+        case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+        case CUDA_ERROR_NO_BINARY_FOR_GPU: return "CUDA_ERROR_NO_BINARY_FOR_GPU";
+        case CUDA_ERROR_INVALID_PTX: return "CUDA_ERROR_INVALID_PTX";
+        case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: return "CUDA_ERROR_UNSUPPORTED_PTX_VERSION";
+        case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+        case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+        case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
+        case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+        case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: return "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES";
+        case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+        case CUDA_ERROR_UNKNOWN: return "CUDA_ERROR_UNKNOWN";
+    }
+    return nullptr;
+}
+
+const char* error_string(CUresult r) {
+    switch (r) {
+        case CUDA_SUCCESS: return "no error";
+        case CUDA_ERROR_INVALID_VALUE: return "invalid argument";
+        case CUDA_ERROR_OUT_OF_MEMORY: return "out of memory";
+        case CUDA_ERROR_NOT_INITIALIZED: return "initialization error";
+        case CUDA_ERROR_NO_DEVICE: return "no CUDA-capable device is detected";
+        case CUDA_ERROR_INVALID_DEVICE: return "invalid device ordinal";
+        case CUDA_ERROR_INVALID_IMAGE: return "device kernel image is invalid";
+        case CUDA_ERROR_INVALID_CONTEXT: return "invalid device context";
+        case CUDA_ERROR_NO_BINARY_FOR_GPU: return "no kernel image is available for execution on the device";
+        case CUDA_ERROR_INVALID_PTX: return "a PTX JIT compilation failed";
+        case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: return "the provided PTX was compiled with an unsupported toolchain.";
+        case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
+        case CUDA_ERROR_NOT_FOUND: return "named symbol not found";
+        case CUDA_ERROR_NOT_READY: return "device not ready";
+        case CUDA_ERROR_ILLEGAL_ADDRESS: return "an illegal memory access was encountered";
+        case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: return "too many resources requested for launch";
+        case CUDA_ERROR_NOT_SUPPORTED: return "operation not supported";
+        case CUDA_ERROR_UNKNOWN: return "unknown error";
+    }
+    return nullptr;
+}
+
+}  // namespace
+}  // namespace fake_cuda
+
+using namespace fake_cuda;
+using Lock = std::lock_guard<std::mutex>;
+
+// ---------------------------------------------------------------- initialisation, devices
+
+FAKE_API CUresult cuInit(unsigned flags) {
+    Lock lock(g_mutex);
+    if (flags != 0) return refuse(CUDA_ERROR_INVALID_VALUE, "cuInit", "flags must be 0, got %u", flags);
+    // Threads as fibers: the backend's tests launch thousands of blocks that synchronise every
+    // few hundred instructions, which OS threads would spend in the scheduler.
+    emu::use_fibers(true);
+    g_initialized = true;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDriverGetVersion(int* version) {
+    if (!version) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDriverGetVersion", "null output");
+    *version = kDriverVersion;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceGetCount(int* count) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuDeviceGetCount")) return r;
+    if (!count) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceGetCount", "null output");
+    *count = 1;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDeviceGet", ordinal)) return r;
+    if (!dev) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceGet", "null output");
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDeviceGetName", dev)) return r;
+    if (!name || len <= 0) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceGetName", "no buffer");
+    std::snprintf(name, (std::size_t)len, "%s", device().name.c_str());
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceTotalMem_v2(std::size_t* bytes, CUdevice dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDeviceTotalMem", dev)) return r;
+    if (!bytes) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceTotalMem", "null output");
+    *bytes = device().total_memory;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDeviceGetAttribute(int* value, int attr, CUdevice dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDeviceGetAttribute", dev)) return r;
+    if (!value) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceGetAttribute", "null output");
+    bool known = false;
+    const int v = attribute(attr, known);
+    if (!known) return refuse(CUDA_ERROR_NOT_SUPPORTED, "cuDeviceGetAttribute", "attribute %d is not emulated", attr);
+    *value = v;
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------- contexts
+
+FAKE_API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDevicePrimaryCtxRetain", dev)) return r;
+    if (!ctx) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDevicePrimaryCtxRetain", "null output");
+    ++g_primary.retains;
+    *ctx = &g_primary;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_device("cuDevicePrimaryCtxRelease", dev)) return r;
+    if (g_primary.retains == 0) {
+        return refuse(CUDA_ERROR_INVALID_CONTEXT, "cuDevicePrimaryCtxRelease", "released more often than retained");
+    }
+    --g_primary.retains;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxGetCurrent(CUcontext* ctx) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuCtxGetCurrent")) return r;
+    if (!ctx) return refuse(CUDA_ERROR_INVALID_VALUE, "cuCtxGetCurrent", "null output");
+    *ctx = t_current;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxSetCurrent(CUcontext ctx) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuCtxSetCurrent")) return r;
+    if (ctx && ctx != &g_primary) return refuse(CUDA_ERROR_INVALID_CONTEXT, "cuCtxSetCurrent", "unknown context");
+    t_current = ctx;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuCtxSynchronize() {
+    Lock lock(g_mutex);
+    return current_context("cuCtxSynchronize");
+}
+
+// ---------------------------------------------------------------- memory
+
+FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, std::size_t bytes) {
+    Lock lock(g_mutex);
+    return allocate("cuMemAlloc", ptr, bytes);
+}
+
+FAKE_API CUresult cuMemAllocAsync(CUdeviceptr* ptr, std::size_t bytes, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemAllocAsync", s)) return r;
+    return allocate("cuMemAllocAsync", ptr, bytes);
+}
+
+FAKE_API CUresult cuMemFree_v2(CUdeviceptr ptr) {
+    Lock lock(g_mutex);
+    return release("cuMemFree", ptr);
+}
+
+FAKE_API CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemFreeAsync", s)) return r;
+    return release("cuMemFreeAsync", ptr);
+}
+
+FAKE_API CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuMemGetInfo")) return r;
+    if (!free || !total) return refuse(CUDA_ERROR_INVALID_VALUE, "cuMemGetInfo", "null output");
+    *total = device().total_memory;
+    *free = *total - g_allocated;
+    return CUDA_SUCCESS;
+}
+
+namespace {
+
+CUresult memset_d8(const char* api, CUdeviceptr dst, unsigned char value, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (CUresult r = check_range(api, "destination", dst, n)) return r;
+    std::memset((void*)dst, value, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult copy_htod(const char* api, CUdeviceptr dst, const void* src, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (!src) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host source");
+    if (CUresult r = check_range(api, "destination", dst, n)) return r;
+    std::memcpy((void*)dst, src, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult copy_dtoh(const char* api, void* dst, CUdeviceptr src, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (!dst) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host destination");
+    if (CUresult r = check_range(api, "source", src, n)) return r;
+    std::memcpy(dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult copy_dtod(const char* api, CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (CUresult r = check_range(api, "destination", dst, n)) return r;
+    if (CUresult r = check_range(api, "source", src, n)) return r;
+    std::memmove((void*)dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+
+}  // namespace
+
+FAKE_API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, std::size_t n) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuMemsetD8")) return r;
+    return memset_d8("cuMemsetD8", dst, value, n);
+}
+
+FAKE_API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, std::size_t n, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemsetD8Async", s)) return r;
+    return memset_d8("cuMemsetD8Async", dst, value, n);
+}
+
+FAKE_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuMemcpyHtoD")) return r;
+    return copy_htod("cuMemcpyHtoD", dst, src, n);
+}
+
+FAKE_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemcpyHtoDAsync", s)) return r;
+    return copy_htod("cuMemcpyHtoDAsync", dst, src, n);
+}
+
+FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuMemcpyDtoH")) return r;
+    return copy_dtoh("cuMemcpyDtoH", dst, src, n);
+}
+
+FAKE_API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemcpyDtoHAsync", s)) return r;
+    return copy_dtoh("cuMemcpyDtoHAsync", dst, src, n);
+}
+
+FAKE_API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuMemcpyDtoD")) return r;
+    return copy_dtod("cuMemcpyDtoD", dst, src, n);
+}
+
+FAKE_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuMemcpyDtoDAsync", s)) return r;
+    return copy_dtod("cuMemcpyDtoDAsync", dst, src, n);
+}
+
+// ---------------------------------------------------------------- streams and events
+
+FAKE_API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuStreamCreate")) return r;
+    if (!s) return refuse(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate", "null output");
+    *s = new CUstream_st{flags};
+    g_streams.insert(*s);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
+
+FAKE_API CUresult cuStreamDestroy_v2(CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuStreamDestroy")) return r;
+    if (!g_streams.erase(s)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuStreamDestroy", "unknown stream %p", (void*)s);
+    delete s;
+    return CUDA_SUCCESS;
+}
+
+// Work runs when it is issued: every stream is always idle.
+FAKE_API CUresult cuStreamSynchronize(CUstream s) {
+    Lock lock(g_mutex);
+    return check_stream("cuStreamSynchronize", s);
+}
+
+FAKE_API CUresult cuStreamQuery(CUstream s) {
+    Lock lock(g_mutex);
+    return check_stream("cuStreamQuery", s);
+}
+
+FAKE_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuStreamWaitEvent", s)) return r;
+    if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent", "unknown event");
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuEventCreate(CUevent* e, unsigned flags) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuEventCreate")) return r;
+    if (!e) return refuse(CUDA_ERROR_INVALID_VALUE, "cuEventCreate", "null output");
+    *e = new CUevent_st{flags, false, {}};
+    g_events.insert(*e);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuEventDestroy_v2(CUevent e) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuEventDestroy")) return r;
+    if (!g_events.erase(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy", "unknown event");
+    delete e;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuEventRecord(CUevent e, CUstream s) {
+    Lock lock(g_mutex);
+    if (CUresult r = check_stream("cuEventRecord", s)) return r;
+    if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord", "unknown event");
+    e->recorded = true;
+    e->at = std::chrono::steady_clock::now();
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuEventSynchronize(CUevent e) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuEventSynchronize")) return r;
+    return g_events.count(e) ? CUDA_SUCCESS
+                             : refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize", "unknown event");
+}
+
+FAKE_API CUresult cuEventQuery(CUevent e) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuEventQuery")) return r;
+    return g_events.count(e) ? CUDA_SUCCESS : refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventQuery", "unknown event");
+}
+
+// Host time between the two records (what ran in between ran on the CPU).
+FAKE_API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+    Lock lock(g_mutex);
+    if (CUresult r = initialized("cuEventElapsedTime")) return r;
+    if (!ms) return refuse(CUDA_ERROR_INVALID_VALUE, "cuEventElapsedTime", "null output");
+    if (!g_events.count(start) || !g_events.count(end)) {
+        return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime", "unknown event");
+    }
+    if ((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING || !start->recorded || !end->recorded) {
+        return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime", "an event without timing or never recorded");
+    }
+    *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------- modules and launches
+
+FAKE_API CUresult cuModuleLoadData(CUmodule* module, const void* data) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuModuleLoadData")) return r;
+    if (!module) return refuse(CUDA_ERROR_INVALID_VALUE, "cuModuleLoadData", "null output");
+    auto m = std::make_unique<CUmod_st>();
+    std::string why;
+    if (CUresult r = parse_image(data, device().cc_major, device().cc_minor, m->image, why)) {
+        return refuse(r, "cuModuleLoadData", "%s", why.c_str());
+    }
+    *module = m.release();
+    g_modules.insert(*module);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuModuleUnload(CUmodule module) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuModuleUnload")) return r;
+    if (!g_modules.erase(module)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuModuleUnload", "unknown module");
+    for (const auto& [name, f] : module->functions) g_functions.erase(f.get());
+    delete module;
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuModuleGetFunction(CUfunction* function, CUmodule module, const char* name) {
+    Lock lock(g_mutex);
+    const char* api = "cuModuleGetFunction";
+    if (CUresult r = current_context(api)) return r;
+    if (!function || !name) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null argument");
+    if (!g_modules.count(module)) return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown module");
+    if (const auto f = module->functions.find(name); f != module->functions.end()) {
+        *function = f->second.get();
+        return CUDA_SUCCESS;
+    }
+    const auto in_image = module->image.kernels.find(name);
+    if (in_image == module->image.kernels.end()) {
+        std::string have;
+        for (const auto& [k, _] : module->image.kernels) have += (have.empty() ? "" : ", ") + k;
+        return refuse(CUDA_ERROR_NOT_FOUND, api, "no kernel %s in this %s module (it has %s)", name,
+                      module->image.kind, have.c_str());
+    }
+    const Kernel* kernel = find_kernel(name);
+    if (!kernel) {
+        return refuse(CUDA_ERROR_NOT_FOUND, api,
+                      "kernel %s is in the module but not compiled into the fake driver: the embedded kernels are "
+                      "newer than this build of the fake (cargo xtask gpu-emu rebuilds it)",
+                      name);
+    }
+    // The fake runs kernels-cu/ as it is now; the module is what the backend embedded. Different
+    // parameter lists mean stale embedded kernels, whose launches the fake would misread.
+    std::vector<std::size_t> compiled;
+    for (const Param& p : kernel->params) compiled.push_back(p.size);
+    const ImageKernel& meta = in_image->second;
+    if (meta.params_known && meta.param_sizes != compiled) {
+        return refuse(CUDA_ERROR_INVALID_IMAGE, api,
+                      "kernel %s takes parameters of %s bytes in the %s module but %s in kernels-cu/: the embedded "
+                      "kernels are stale (run cargo xtask kernels, then rebuild)",
+                      name, sizes(meta.param_sizes).c_str(), module->image.kind, sizes(compiled).c_str());
+    }
+    auto f = std::make_unique<CUfunc_st>(CUfunc_st{kernel, meta, max_threads_of(meta)});
+    *function = f.get();
+    g_functions.insert(f.get());
+    module->functions[name] = std::move(f);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult cuFuncGetAttribute(int* value, int attr, CUfunction f) {
+    Lock lock(g_mutex);
+    const char* api = "cuFuncGetAttribute";
+    if (CUresult r = initialized(api)) return r;
+    if (!value) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null output");
+    if (!g_functions.count(f)) return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown function");
+    switch (attr) {
+        case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *value = (int)f->max_threads; return CUDA_SUCCESS;
+        case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *value = (int)f->image.static_shared; return CUDA_SUCCESS;
+        case CU_FUNC_ATTRIBUTE_NUM_REGS:
+            if (!f->image.registers) break;
+            *value = (int)f->image.registers;
+            return CUDA_SUCCESS;
+        default: break;
+    }
+    return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "attribute %d of %s is not emulated", attr, f->kernel->name);
+}
+
+FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                 unsigned bz, unsigned shared_bytes, CUstream s, void** params, void** extra) {
+    Lock lock(g_mutex);
+    const char* api = "cuLaunchKernel";
+    if (CUresult r = check_stream(api, s)) return r;
+    if (!g_functions.count(f)) return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown function");
+    const Kernel& k = *f->kernel;
+    if (extra) return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "%s: `extra` parameter buffers are not emulated", k.name);
+    const std::uint64_t threads = (std::uint64_t)bx * by * bz;
+    if (threads == 0 || bx > 1024 || by > 1024 || bz > 64 || threads > kMaxThreads) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: invalid block (%u, %u, %u)", k.name, bx, by, bz);
+    }
+    if (threads > f->max_threads) {
+        return refuse(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, api,
+                      "%s: %llu threads per block, at most %u (launch bounds %u, %u registers per thread)", k.name,
+                      (unsigned long long)threads, f->max_threads, f->image.max_threads, f->image.registers);
+    }
+    if (gx == 0 || gy == 0 || gz == 0 || gx > 0x7fffffffu || gy > 65535 || gz > 65535) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: invalid grid (%u, %u, %u)", k.name, gx, gy, gz);
+    }
+    if ((std::uint64_t)gx * gy * gz > kMaxEmulatedBlocks) {
+        return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "%s: grid (%u, %u, %u) has more blocks than the emulator runs",
+                      k.name, gx, gy, gz);
+    }
+    if (f->image.static_shared + shared_bytes > (std::size_t)kMaxSharedPerBlock) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: %zu bytes of static and %u of dynamic shared memory", k.name,
+                      f->image.static_shared, shared_bytes);
+    }
+    if (!params && !k.params.empty()) return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: no kernelParams", k.name);
+    // A pointer argument must be null (the kernels' optional inputs) or point into device
+    // memory; anything else (a swapped argument, a host pointer, freed memory) would fault on
+    // the GPU.
+    for (std::size_t i = 0; i < k.params.size(); ++i) {
+        if (!k.params[i].pointer) continue;
+        const auto ptr = load_param<CUdeviceptr>(params[i]);
+        if (ptr != 0 && !inside_allocation(ptr, 1)) {
+            return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, api, "%s: argument %zu (%#llx) is not a device pointer", k.name,
+                          i, ptr);
+        }
+    }
+    k.run(k.name, dim3(gx, gy, gz), dim3(bx, by, bz), params);
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------- errors
+
+FAKE_API CUresult cuGetErrorName(CUresult r, const char** name) {
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    *name = error_name(r);
+    return *name ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+FAKE_API CUresult cuGetErrorString(CUresult r, const char** text) {
+    if (!text) return CUDA_ERROR_INVALID_VALUE;
+    *text = error_string(r);
+    return *text ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
