@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 const OUT_DIR: &str = "target/kernels-emu";
 
 /// The kernels, relative to the repository root; the emulator and its tests are in `emu/`.
-const KERNEL_DIR: &str = "kernels-cu";
+pub(crate) const KERNEL_DIR: &str = "kernels-cu";
 
 /// Compilers tried, in order, when `$CXX` is not set.
 const COMPILERS: [&str; 3] = ["c++", "g++", "clang++"];
@@ -60,42 +60,14 @@ pub fn kernels_emu(root: &Path) -> anyhow::Result<()> {
     }
 
     let sources = files_with_extension(&emu, "cpp")?;
-    let include = [
-        "-include".to_string(),
-        emu.join("cuda_emu.h").display().to_string(),
-        format!("-I{}", kernels.display()),
-        format!("-I{}", emu.display()),
-        format!("-I{}", emu.join("include").display()),
-    ];
-    // An object is rebuilt when anything under kernels-cu/ or this task (its flags) is newer.
-    let newest_input = newest_mtime(&kernels)?.max(modified(&std::env::current_exe()?)?);
-    let mut objects = Vec::new();
-    let mut jobs: Vec<(PathBuf, Child)> = Vec::new();
-    let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
-    for source in &sources {
-        let object = out.join(source.file_stem().context("source name")?).with_extension("o");
-        objects.push(object.clone());
-        if modified(&object).is_ok_and(|m| m >= newest_input) {
-            continue;
-        }
-        if jobs.len() == parallel {
-            finish(jobs.remove(0))?;
-        }
-        eprintln!("compiling {}", source.display());
-        let child = Command::new(&cxx)
-            .args(FLAGS)
-            .args(&include)
-            .arg("-c")
-            .arg(source)
-            .arg("-o")
-            .arg(&object)
-            .spawn()
-            .with_context(|| format!("starting {cxx}"))?;
-        jobs.push((source.clone(), child));
-    }
-    for job in jobs {
-        finish(job)?;
-    }
+    let include = include_flags(&kernels);
+    let jobs: Vec<(PathBuf, PathBuf)> = sources
+        .iter()
+        .map(|source| Ok((source.clone(), out.join(source.file_stem().context("source name")?).with_extension("o"))))
+        .collect::<anyhow::Result<_>>()?;
+    let args: Vec<String> = FLAGS.iter().map(|f| f.to_string()).chain(include).collect();
+    compile_all(&cxx, &args, &jobs, newest_input(root)?)?;
+    let objects: Vec<PathBuf> = jobs.into_iter().map(|(_, object)| object).collect();
 
     let mut names = Vec::new();
     for object in objects.iter().filter(|o| o.file_name().is_some_and(|n| n.to_string_lossy().starts_with("test_"))) {
@@ -121,8 +93,61 @@ pub fn kernels_emu(root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The force-included emulation header and the include directories of every compile: the
+/// kernels, the emulator, its stand-ins for CUDA's headers.
+pub(crate) fn include_flags(kernels: &Path) -> Vec<String> {
+    let emu = kernels.join("emu");
+    vec![
+        "-include".to_string(),
+        emu.join("cuda_emu.h").display().to_string(),
+        format!("-I{}", kernels.display()),
+        format!("-I{}", emu.display()),
+        format!("-I{}", emu.join("include").display()),
+    ]
+}
+
+/// The newest input of an emulator build: anything under `kernels-cu/`, or the running task
+/// (which holds the flags). An object older than this is rebuilt.
+pub(crate) fn newest_input(root: &Path) -> anyhow::Result<SystemTime> {
+    Ok(newest_mtime(&root.join(KERNEL_DIR))?.max(modified(&std::env::current_exe()?)?))
+}
+
+/// Compiles each `(source, object)` of `jobs` (any source as C++, `.cu` included) whose object
+/// is older than `newest_input`, as many at once as there are CPUs.
+pub(crate) fn compile_all(
+    cxx: &str,
+    args: &[String],
+    jobs: &[(PathBuf, PathBuf)],
+    newest_input: SystemTime,
+) -> anyhow::Result<()> {
+    let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut running: Vec<(PathBuf, Child)> = Vec::new();
+    for (source, object) in jobs {
+        if modified(object).is_ok_and(|m| m >= newest_input) {
+            continue;
+        }
+        if running.len() == parallel {
+            finish(running.remove(0))?;
+        }
+        eprintln!("compiling {}", source.display());
+        let child = Command::new(cxx)
+            .args(args)
+            .args(["-x", "c++", "-c"])
+            .arg(source)
+            .arg("-o")
+            .arg(object)
+            .spawn()
+            .with_context(|| format!("starting {cxx}"))?;
+        running.push((source.clone(), child));
+    }
+    for job in running {
+        finish(job)?;
+    }
+    Ok(())
+}
+
 /// `$CXX`, else the first of [`COMPILERS`] that runs.
-fn compiler() -> anyhow::Result<String> {
+pub(crate) fn compiler() -> anyhow::Result<String> {
     if let Some(cxx) = std::env::var("CXX").ok().filter(|c| !c.is_empty()) {
         return Ok(cxx);
     }
@@ -143,7 +168,7 @@ fn finish((source, mut child): (PathBuf, Child)) -> anyhow::Result<()> {
 }
 
 /// The files of `dir` (not recursive) ending in `.ext`, sorted.
-fn files_with_extension(dir: &Path, ext: &str) -> anyhow::Result<Vec<PathBuf>> {
+pub(crate) fn files_with_extension(dir: &Path, ext: &str) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -168,7 +193,7 @@ fn newest_mtime(dir: &Path) -> anyhow::Result<SystemTime> {
 }
 
 /// The kernels an object defines: its global text symbols that are not mangled C++ names.
-fn defined_kernels(object: &Path) -> anyhow::Result<Vec<String>> {
+pub(crate) fn defined_kernels(object: &Path) -> anyhow::Result<Vec<String>> {
     let nm = std::env::var("NM").unwrap_or_else(|_| "nm".into());
     let output = Command::new(&nm)
         .args(["-g", "--defined-only", "-P"])

@@ -15,6 +15,8 @@
 //! - `kernels-emu`: compiles the same kernels for the CPU with the emulation layer in
 //!   `kernels-cu/emu/` and runs each kernel's test against a naive reference (see
 //!   `kernels_emu.rs`).
+//! - `gpu-emu`: builds a fake `libcuda.so` on the same emulation layer and runs the CUDA
+//!   backend's GPU tests against it, with no GPU (see `gpu_emu.rs`).
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
 //!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
 //!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
@@ -27,10 +29,11 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
+mod gpu_emu;
 mod kernels;
 mod kernels_emu;
 
-const USAGE: &str = "usage: cargo xtask <ci | kernels | kernels-emu | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
+const USAGE: &str = "usage: cargo xtask <ci | kernels | kernels-emu | gpu-emu | bench [--python PATH] [--iters N] [--decode-only | --no-decode] \
                      | fixtures [--python PATH] [--out DIR]>";
 
 /// The pinned Python packages of the fixture generator, relative to the repository root.
@@ -49,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         Some("bench") => bench(std::env::args().skip(2)),
         Some("kernels") => kernels::kernels(&repo_root()),
         Some("kernels-emu") => kernels_emu::kernels_emu(&repo_root()),
+        Some("gpu-emu") => gpu_emu::gpu_emu(&repo_root()),
         Some("fixtures") => fixtures(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
