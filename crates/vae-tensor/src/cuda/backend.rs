@@ -422,7 +422,7 @@ impl CudaStorage {
         let stream = &self.device.stream;
         let alloc = |n: usize| self.device.alloc_zeros::<f64>(n);
         let (mut sums, mut squares) = (alloc(groups_total * chunks)?, alloc(groups_total * chunks)?);
-        let mut stats = self.device.alloc_zeros::<f32>(2 * groups_total)?;
+        let mut stats = self.device.alloc_zeros::<f64>(2 * groups_total)?;
         let per_chunk = LaunchConfig {
             grid_dim: (chunks as u32, groups_total as u32, 1),
             block_dim: (256, 1, 1),
