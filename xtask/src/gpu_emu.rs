@@ -82,16 +82,23 @@ impl Flavor {
     }
 }
 
-/// The GPU test binaries, by package, with the test-name filter each run takes (the
-/// conformance suites run their CPU instantiation too; only their `cuda::` tests matter here)
-/// and the build of the fake they run against.
-const SUITES: [(&str, &str, Option<&str>, Flavor); 6] = [
-    ("vae-tensor", "lib", None, Flavor::Checked),
-    ("vae-tensor", "cuda_kernels", None, Flavor::Checked),
-    ("vae-tensor", "cuda_ops", None, Flavor::Checked),
-    ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked),
-    ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked),
-    ("vae-integration-tests", "cuda_models", None, Flavor::Fast),
+/// The runs of the GPU test binaries: package; test target (`lib`: the library's unit tests);
+/// test-name filter (the conformance suites run their CPU instantiation too, only their `cuda::`
+/// tests matter here); the build of the fake; the compute capability it reports
+/// (`FAKE_CUDA_COMPUTE_CAPABILITY`): on 9.0 the backend loads the sm_90 cubins, on 8.0 the
+/// compute_80 PTX, as on an A100. The op-level suites run checked against both kinds of image,
+/// the model tests fast.
+const SUITES: [(&str, &str, Option<&str>, Flavor, &str); 10] = [
+    ("vae-tensor", "lib", None, Flavor::Checked, "9.0"),
+    ("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0"),
+    ("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0"),
+    ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "9.0"),
+    ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "9.0"),
+    ("vae-tensor", "cuda_kernels", None, Flavor::Checked, "8.0"),
+    ("vae-tensor", "cuda_ops", None, Flavor::Checked, "8.0"),
+    ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "8.0"),
+    ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "8.0"),
+    ("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0"),
 ];
 
 /// Builds the fake driver, then runs every GPU test binary against it.
@@ -107,7 +114,7 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
     let binaries = build_tests(root)?;
     let asan = sanitizer_runtime()?;
     let (mut passed, mut problems) = (0, Vec::new());
-    for (package, target, filter, flavor) in SUITES {
+    for (package, target, filter, flavor, compute_capability) in SUITES {
         let (binary, dir) = binaries
             .iter()
             .find(|b| b.package == package && b.target == target)
@@ -116,15 +123,16 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         let lib_dir = &libraries.iter().find(|(f, _)| *f == flavor).context("a flavor without a build")?.1;
         let preload = (flavor == Flavor::Checked).then_some(asan.as_path());
         let start = Instant::now();
-        let run = run_suite(binary, dir, filter, lib_dir, preload)?;
-        eprintln!("{package}/{target}: {} passed in {:.1} s", run.passed, start.elapsed().as_secs_f64());
+        let run = run_suite(binary, dir, filter, lib_dir, preload, compute_capability)?;
+        let what = format!("{package}/{target} on compute capability {compute_capability}");
+        eprintln!("{what}: {} passed in {:.1} s", run.passed, start.elapsed().as_secs_f64());
         passed += run.passed;
-        problems.extend(run.problems.into_iter().map(|p| format!("{package}/{target}: {p}")));
+        problems.extend(run.problems.into_iter().map(|p| format!("{what}: {p}")));
     }
     if !problems.is_empty() {
         bail!("GPU tests under the fake driver failed:\n  {}", problems.join("\n  "));
     }
-    eprintln!("gpu-emu: {passed} tests passed under the fake driver, none skipped");
+    eprintln!("gpu-emu: {passed} test runs passed under the fake driver, none skipped");
     Ok(())
 }
 
@@ -324,6 +332,7 @@ fn run_suite(
     filter: Option<&str>,
     lib_dir: &Path,
     preload: Option<&Path>,
+    compute_capability: &str,
 ) -> anyhow::Result<SuiteRun> {
     let mut path = lib_dir.as_os_str().to_owned();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -336,6 +345,7 @@ fn run_suite(
         .arg("--nocapture")
         .args(filter)
         .env("LD_LIBRARY_PATH", path)
+        .env("FAKE_CUDA_COMPUTE_CAPABILITY", compute_capability)
         // Leak checking needs ptrace, which containers often forbid; the Rust side owns most
         // allocations anyway. Rust installs its own SIGSEGV handler (stack overflows).
         .env("ASAN_OPTIONS", "detect_leaks=0:handle_segv=0")
@@ -345,7 +355,12 @@ fn run_suite(
     if let Some(runtime) = preload {
         cmd.env("LD_PRELOAD", runtime);
     }
-    eprintln!("$ LD_LIBRARY_PATH={} {} --nocapture {}", lib_dir.display(), binary.display(), filter.unwrap_or(""));
+    eprintln!(
+        "$ FAKE_CUDA_COMPUTE_CAPABILITY={compute_capability} LD_LIBRARY_PATH={} {} --nocapture {}",
+        lib_dir.display(),
+        binary.display(),
+        filter.unwrap_or("")
+    );
     let mut child = cmd.spawn().with_context(|| format!("starting {}", binary.display()))?;
     drop(cmd); // the pipe's writing ends: the reader sees the end when the test binary exits
     let mut lines = Vec::new();
