@@ -3,8 +3,8 @@
 // translation unit of the emulator; `emu/include/` stands in for <mma.h> and <cuda_bf16.h>.
 //
 // The model (see runtime.cpp): a launch runs its blocks one after another, in a shuffled order;
-// every thread of the running block is an OS thread, so `__shared__` is plain static storage
-// that all of them see, `__syncthreads()` is a real barrier of the block's threads, and warp
+// every thread of the running block is an OS thread (or a fiber on the launching thread, with
+// `emu::use_fibers`), so `__shared__` is plain static storage that all of them see, `__syncthreads()` is a real barrier of the block's threads, and warp
 // operations (`__shfl_xor_sync`, the wmma calls) are real exchanges among the 32 threads of a
 // warp. What the emulator cannot see (timing, coalescing, bank conflicts, real warp scheduling,
 // registers) stays for the GPU tests.
