@@ -638,6 +638,16 @@ impl CudaStorage {
             }
         };
         let f = self.device.function("gemm", name)?;
+        // One block per 64x64 tile of one batch entry: rows in grid y and batches in grid z,
+        // both limited to 65535 by the hardware.
+        if m.div_ceil(64) > 65_535 || batch > 65_535 {
+            return Err(TensorError::InvalidArgument {
+                op: "gemm",
+                reason: format!(
+                    "{batch} batches of {m} rows exceed one launch (at most 65535 batches and 65535 x 64 rows)"
+                ),
+            });
+        }
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, batch as u32),
             block_dim: (256, 1, 1),
