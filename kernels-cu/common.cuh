@@ -39,30 +39,18 @@ __device__ __forceinline__ float silu(float x) {
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)(n); i += (u64)blockDim.x * gridDim.x)
 
-// Block-wide sum of one float per thread (blockDim.x a multiple of 32, at most 1024); every
-// thread gets the result. `scratch` holds 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Block-wide sum of one value per thread (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the result. `scratch` holds 32 values of shared memory. f32 for softmax, f64 for
+// statistics that must not lose precision over millions of elements.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? scratch[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// `block_sum` in f64 (statistics that must not lose precision over millions of elements).
-// `scratch` holds 32 doubles of shared memory.
-__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? scratch[lane] : 0.0;
+    v = lane < warps ? scratch[lane] : T(0);
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }

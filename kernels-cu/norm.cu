@@ -24,7 +24,7 @@ __device__ __forceinline__ void group_norm_sums_impl(const T* x, double* sums, u
     const u64 start = chunk * chunk_len, end = start + chunk_len < group_len ? start + chunk_len : group_len;
     double acc = 0.0;
     for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) acc += (double)load_f32(&xg[i]);
-    acc = block_sum_f64(acc, scratch);
+    acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) sums[bg * gridDim.x + chunk] = acc;
 }
 
@@ -49,7 +49,7 @@ __device__ __forceinline__ void group_norm_squares_impl(
         const double d = (double)load_f32(&xg[i]) - mean;
         acc += d * d;
     }
-    acc = block_sum_f64(acc, scratch);
+    acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) squares[bg * chunks + chunk] = acc;
 }
 
