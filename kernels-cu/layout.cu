@@ -13,7 +13,9 @@ struct Box8 {
     int rank;
 };
 
-extern "C" __global__ void copy_box_f32(const float* src, float* dst, Box8 box, u64 n) {
+// Element types do not matter to a copy: one body for f32 and for 16-bit (bf16) storage.
+template <typename T>
+__device__ __forceinline__ void copy_box_impl(const T* src, T* dst, const Box8& box, u64 n) {
     GRID_STRIDE(i, n) {
         u64 rest = i;
         i64 s = 0, d = 0;
@@ -28,19 +30,12 @@ extern "C" __global__ void copy_box_f32(const float* src, float* dst, Box8 box, 
     }
 }
 
+extern "C" __global__ void copy_box_f32(const float* src, float* dst, Box8 box, u64 n) {
+    copy_box_impl(src, dst, box, n);
+}
+
 extern "C" __global__ void copy_box_u16(const unsigned short* src, unsigned short* dst, Box8 box, u64 n) {
-    GRID_STRIDE(i, n) {
-        u64 rest = i;
-        i64 s = 0, d = 0;
-        for (int k = box.rank - 1; k >= 0; --k) {
-            const u64 e = box.extent[k];
-            const u64 at = rest % e;
-            rest /= e;
-            s += (i64)at * box.src_stride[k];
-            d += (i64)at * box.dst_stride[k];
-        }
-        dst[d] = src[s];
-    }
+    copy_box_impl(src, dst, box, n);
 }
 
 // `F.interpolate(scale_factor=f, mode="nearest")` (and nearest-exact, equal for integer f) of

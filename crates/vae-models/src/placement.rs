@@ -29,12 +29,12 @@ pub(crate) fn on_device<'t>(
 /// An error unless a model can compute on `device` in `dtype`: the CPU backend is f32 only, the
 /// CUDA backend f32 or bf16.
 pub(crate) fn check_precision(device: Device, dtype: DType) -> Result<()> {
-    match (device, dtype) {
-        (_, DType::F32) | (Device::Cuda(_), DType::BF16) => Ok(()),
-        _ => Err(ModelError::Unsupported(format!(
-            "{dtype} on {device}: the CPU computes in f32 only, CUDA devices in f32 or bf16"
-        ))),
+    if device.computes_in(dtype) {
+        return Ok(());
     }
+    Err(ModelError::Unsupported(format!(
+        "{dtype} on {device}: the CPU computes in f32 only, CUDA devices in f32 or bf16"
+    )))
 }
 
 #[cfg(test)]

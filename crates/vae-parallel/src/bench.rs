@@ -349,11 +349,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype: DType = args.dtype.parse()?;
-    anyhow::ensure!(
-        dtype == DType::F32 || !device.is_cpu(),
-        "--dtype {dtype} needs a CUDA device (the CPU computes in f32)"
-    );
+    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
     let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 

@@ -163,11 +163,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype: DType = args.dtype.parse()?;
-    anyhow::ensure!(
-        dtype == DType::F32 || (dtype == DType::BF16 && !device.is_cpu()),
-        "--dtype {dtype} needs a CUDA device (the CPU computes in f32)"
-    );
+    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
     let info = match device {
         Device::Cuda(ordinal) => Some(probe(ordinal).map_err(anyhow::Error::msg)?),
         Device::Cpu => None,

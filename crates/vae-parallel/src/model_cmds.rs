@@ -157,12 +157,7 @@ impl ParallelArgs {
         if let Some(why) = fallback {
             eprintln!("warning: --device {requested}: {why}");
         }
-        let dtype: vae_parallel::tensor::DType =
-            self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()).parse()?;
-        if dtype != vae_parallel::tensor::DType::F32 && device.is_cpu() {
-            // Not a silent f32 run: the numbers would not be the ones asked for.
-            bail!("--dtype {dtype} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
-        }
+        let dtype = compute_dtype(&self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()), device)?;
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         if transport == vae_parallel::group::TransportKind::Nccl {
             if requested != vae_parallel::tensor::Device::Cuda(0) {
@@ -278,6 +273,19 @@ pub struct InspectArgs {
     /// A diffusers VAE directory.
     #[arg(long)]
     model: PathBuf,
+}
+
+/// The `--dtype` flag for work on `device` (after the CUDA probe). A type the device cannot
+/// compute in is refused, never run quietly in f32: the numbers would not be the ones asked for.
+pub(crate) fn compute_dtype(
+    flag: &str,
+    device: vae_parallel::tensor::Device,
+) -> anyhow::Result<vae_parallel::tensor::DType> {
+    let dtype: vae_parallel::tensor::DType = flag.parse()?;
+    if !device.computes_in(dtype) {
+        bail!("--dtype {dtype} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
+    }
+    Ok(dtype)
 }
 
 fn check_output_path(path: &Path, allowed: &[&str]) -> anyhow::Result<()> {

@@ -21,6 +21,14 @@ impl Device {
     pub fn is_cpu(&self) -> bool {
         matches!(self, Self::Cpu)
     }
+
+    /// Whether models compute in `dtype` here: the CPU backend in f32 only, CUDA in f32 or bf16.
+    pub fn computes_in(&self, dtype: DType) -> bool {
+        match self {
+            Self::Cpu => dtype == DType::F32,
+            Self::Cuda(_) => matches!(dtype, DType::F32 | DType::BF16),
+        }
+    }
 }
 
 impl fmt::Display for Device {

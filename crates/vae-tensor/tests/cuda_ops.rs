@@ -22,12 +22,8 @@ fn gpu(test: &str) -> bool {
     true
 }
 
-fn pattern(dims: &[usize], seed: u32) -> Tensor {
-    let n: usize = dims.iter().product();
-    let data = (0..n)
-        .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 8388608.0) - 1.0)
-        .collect();
-    Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap()
+fn pattern(dims: &[usize], seed: u64) -> Tensor {
+    Tensor::seeded_uniform(dims.to_vec(), seed, -1.0, 1.0, &Device::Cpu).unwrap()
 }
 
 fn gpu_of(t: &Tensor) -> Tensor {

@@ -263,14 +263,7 @@ impl AutoencoderKl {
     /// A model with seeded random weights (see [`WeightStore::synthetic`]): for demos,
     /// benchmarks and tests that need no files. Identical for equal configs and seeds.
     pub fn synthetic(config: AutoencoderKlConfig, seed: u64) -> Result<Self> {
-        Self::synthetic_on(config, seed, Device::Cpu)
-    }
-
-    /// [`Self::synthetic`] with the weights on `device` (the same values as on the CPU).
-    pub fn synthetic_on(config: AutoencoderKlConfig, seed: u64, device: Device) -> Result<Self> {
-        let mut store = WeightStore::synthetic(seed);
-        store.set_device(device);
-        Self::from_store(config, &mut store)
+        Self::from_store(config, &mut WeightStore::synthetic(seed))
     }
 
     /// Where the model computes.
