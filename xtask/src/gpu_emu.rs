@@ -87,8 +87,8 @@ impl Flavor {
 /// tests matter here); the build of the fake; the compute capability it reports
 /// (`FAKE_CUDA_COMPUTE_CAPABILITY`): on 9.0 the backend loads the sm_90 cubins, on 8.0 the
 /// compute_80 PTX, as on an A100. The op-level suites run checked against both kinds of image,
-/// the model tests fast.
-const SUITES: [(&str, &str, Option<&str>, Flavor, &str); 10] = [
+/// the model and CLI tests fast.
+const SUITES: [(&str, &str, Option<&str>, Flavor, &str); 11] = [
     ("vae-tensor", "lib", None, Flavor::Checked, "9.0"),
     ("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0"),
     ("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0"),
@@ -99,6 +99,7 @@ const SUITES: [(&str, &str, Option<&str>, Flavor, &str); 10] = [
     ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "8.0"),
     ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "8.0"),
     ("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0"),
+    ("vae-parallel", "cuda_cli", None, Flavor::Fast, "9.0"),
 ];
 
 /// Builds the fake driver, then runs every GPU test binary against it.

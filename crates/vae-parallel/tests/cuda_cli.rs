@@ -1,0 +1,93 @@
+//! The CLI's CUDA paths as a user runs them: `bench kernels` on the device (rates next to the
+//! device's peak) and a video decode with `--device cuda` in f32 and bf16 against the CPU.
+//! Needs a usable GPU (or the fake driver of `cargo xtask gpu-emu`); elsewhere each test says
+//! why it is skipped.
+#![allow(clippy::print_stderr)] // a skipped GPU test says so
+
+use std::path::Path;
+use std::process::Command;
+
+use vae_parallel::tensor::Device;
+use vae_parallel::tensor::cuda::resolve_device;
+
+fn gpu(test: &str) -> bool {
+    match resolve_device(Device::Cuda(0)) {
+        (Device::Cuda(_), None) => true,
+        (_, why) => {
+            eprintln!("{test}: skipped, {}", why.unwrap_or_default());
+            false
+        }
+    }
+}
+
+fn cli(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "vae-parallel {args:?}:\n{text}");
+    text
+}
+
+#[test]
+fn the_kernel_bench_runs_on_the_device_and_reports_its_peaks() {
+    if !gpu("bench kernels on CUDA") {
+        return;
+    }
+    for dtype in ["f32", "bf16"] {
+        let text = cli(&[
+            "bench",
+            "kernels",
+            "--device",
+            "cuda",
+            "--dtype",
+            dtype,
+            "--downscale",
+            "30",
+            "--iters",
+            "1",
+            "--json",
+        ]);
+        let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some(dtype)), "{line}");
+        for op in v["ops"].as_array().unwrap() {
+            assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");
+            assert!(op["peak"].as_f64().unwrap() > 0.0, "a known architecture has peaks: {op}");
+        }
+    }
+}
+
+fn read_npy_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn a_video_decode_with_device_cuda_matches_the_cpu() {
+    if !gpu("decode --device cuda") {
+        return;
+    }
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
+    let (model, latent) = (fixtures.join("wan21_like"), fixtures.join("wan21_like.decode_t3.in.npy"));
+    let dir = std::env::temp_dir().join(format!("vae-cuda-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let decode = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["decode", "--model", model.to_str().unwrap(), "--latent", latent.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap(), "--vae-patch-parallel-size", "2"]);
+        args.extend_from_slice(extra);
+        cli(&args);
+        read_npy_f32(out)
+    };
+    let cpu = decode(&dir.join("cpu.npy"), &[]);
+    // 2 local ranks, shard along the width: bands and halos on the device.
+    let mode = ["--vae-parallel-mode", "spatial_shard_width"];
+    for (dtype, tol) in [("f32", 1e-4f32), ("bf16", 0.1)] {
+        let out = dir.join(format!("cuda_{dtype}.npy"));
+        let got = decode(&out, &[&["--device", "cuda", "--dtype", dtype][..], &mode[..]].concat());
+        let diff = got.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        eprintln!("decode --device cuda --dtype {dtype}: max |cuda - cpu| = {diff}");
+        assert_eq!(got.len(), cpu.len());
+        assert!(diff <= tol, "{dtype}: {diff} > {tol}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
