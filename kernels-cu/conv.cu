@@ -1,12 +1,14 @@
 // Convolution as an implicit GEMM (no im2col buffer): `out[co, col] = sum_k w[co, k] * x_col[k]`
 // with `k = (ci, dt, dy, dx)` and `col = (n, to, ho, wo)`, the input element of each (k, col)
 // computed while the tile is loaded (zero outside the padded input). One kernel covers the 2-D
-// convs (kt = 1, T = 1) and Wan's causal 3-D convs (front-only temporal padding). An f32 path
-// (CUDA cores, 64x64 tiles, 4x4 per thread) and a bf16 path on tensor cores (wmma 16x16x16,
-// f32 accumulation, bf16 out).
+// convs (kt = 1, T = 1) and Wan's causal 3-D convs (front-only temporal padding). Two designs:
+//   - `conv3d_f32`: CUDA cores, straight from the [N, C, T, H, W] input (64x64 tiles, 4x4 per
+//     thread), which gathers every element with its own index arithmetic;
+//   - the tensor-core pipeline over a zero-padded channels-last copy of the input, in bf16
+//     (mma.sync m16n8k16, f32 accumulation) and in f32 (the same tiles on TF32 tensor cores, each
+//     operand split in two TF32 parts, three products: f32 accuracy, see `mma_f32_3xtf32`).
 #include "common.cuh"
-#include <mma.h>
-#include <cuda_bf16.h>
+#include "ptx.cuh"
 
 struct ConvGeom {
     u64 n, cin, t, h, w;
@@ -111,73 +113,333 @@ extern "C" __global__ void __launch_bounds__(256) conv3d_f32(
     }
 }
 
+#undef BM
+#undef BN
 #undef BK
-#define BK 32
-#define WMMA 16
 
-// bf16 in, f32 accumulation on tensor cores, bf16 out (rounded once). 4 warps in a 2x2 grid,
-// each owning a 32x32 block of the 64x64 tile as 2x2 wmma fragments.
-extern "C" __global__ void __launch_bounds__(128) conv3d_bf16_wmma(
-    const unsigned short* x, const unsigned short* wgt, const float* bias, unsigned short* out, ConvGeom g,
-    int accumulate) {
-    using namespace nvcuda;
-    __shared__ __align__(32) __nv_bfloat16 As[BM][BK + 8];
-    __shared__ __align__(32) __nv_bfloat16 Bs[BK][BN + 8];
-    __shared__ __align__(32) float Cs[BM][BN + 4];
-    const u64 M = g.cout, N = g.n * g.to * g.ho * g.wo, K = g.cin * g.kt * g.kh * g.kw;
-    const u64 m0 = (u64)blockIdx.y * BM, n0 = (u64)blockIdx.x * BN;
-    const int warp = threadIdx.x / 32, warp_m = warp / 2, warp_n = warp % 2;
+// ---------------------------------------------------------------------------------------------
+// The tensor-core pipeline. The input is first copied into a zero-padded channels-last buffer
+// `xp[N, Tp, Hp, Wp, Cp]` (the padding materialised, channels rounded up to a whole 16-byte
+// chunk with zeros) and the weights into `wr[Cout, kt, kh, kw, Cp]`. Then every GEMM K slice is
+// one tap (dt, dy, dx) and 64 bytes of consecutive channels (32 bf16 or 16 f32): for an output
+// pixel, 64 contiguous bytes of `xp` at a per-pixel origin plus a per-tap offset, with no bounds
+// checks and no divisions in the K loop; four 16-byte `cp.async` copies. This is what lets the
+// loads keep up with the tensor cores (a wmma kernel that gathered every element with its own
+// index arithmetic ran at 12 TFLOP/s on an H200). Written once over the storage type T.
+// ---------------------------------------------------------------------------------------------
 
-    wmma::fragment<wmma::accumulator, WMMA, WMMA, WMMA, float> acc[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+// Elements of T in a 16-byte chunk (8 bf16, 4 f32); a K slice is four chunks.
+template <typename T>
+struct Chunk {
+    static constexpr unsigned elems = 16 / sizeof(T);
+};
 
-    // This thread's column of every B slice (128 threads = 2 rows of 64 columns per pass).
-    const int j = threadIdx.x % BN;
-    const Column col = column_of(g, n0 + j, N);
-    for (u64 k0 = 0; k0 < K; k0 += BK) {
-        for (int e = threadIdx.x; e < BM * BK; e += blockDim.x) {
-            const int i = e / BK, kk = e % BK;
-            const u64 gi = m0 + i, gk = k0 + kk;
-            const float v = (gi < M && gk < K) ? bf16_to_f32(wgt[gi * K + gk]) : 0.0f;
-            As[i][kk] = __float2bfloat16_rn(v);
+// The padded channels-last geometry of a convolution's input.
+struct Padded {
+    u64 tp, hp, wp;
+    unsigned cp;
+};
+
+template <typename T>
+__device__ __forceinline__ Padded padded_of(const ConvGeom& g) {
+    const u64 e = Chunk<T>::elems;
+    return Padded{(g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw,
+                  (unsigned)((g.cin + e - 1) / e * e)};
+}
+
+// x[N, Cin, T, H, W] -> xp[N, Tp, Hp, Wp, Cp]: element (n, tp, yp, xq, c) is
+// x[n, c, tp - pad_front, yp - pad_top, xq - pad_left], or zero outside x and for c >= Cin.
+// Grid (N * Tp * Hp, Wp / 64, Cp / 32), 256 threads: a block transposes a 32-channel x 64-column
+// tile of one row through shared memory, reading along W and writing along C (both coalesced).
+template <typename T>
+__device__ __forceinline__ void conv_input_channels_last_impl(const T* x, T* xp, const ConvGeom& g) {
+    __shared__ T tile[32][64 + 4 / sizeof(T)];  // rows 33 words apart: no bank conflicts
+    const Padded p = padded_of<T>(g);
+    const u64 row = blockIdx.x;  // (n, tp, yp)
+    const u64 n = row / (p.tp * p.hp), tp = (row / p.hp) % p.tp, yp = row % p.hp;
+    const i64 t = (i64)tp - g.pad_front, y = (i64)yp - g.pad_top;
+    const bool row_inside = t >= 0 && y >= 0 && t < (i64)g.t && y < (i64)g.h;
+    const unsigned w0 = blockIdx.y * 64, c0 = blockIdx.z * 32;
+    for (unsigned e = threadIdx.x; e < 32 * 64; e += 256) {
+        const unsigned cl = e / 64, wl = e % 64, c = c0 + cl;
+        const i64 xq = (i64)(w0 + wl) - g.pad_left;
+        T v = T(0);
+        if (row_inside && c < g.cin && xq >= 0 && xq < (i64)g.w) {
+            v = x[(((n * g.cin + c) * g.t + (u64)t) * g.h + (u64)y) * g.w + (u64)xq];
         }
-        for (int kk = threadIdx.x / BN; kk < BK; kk += blockDim.x / BN) {
-            const float v = im2col<unsigned short>(x, g, col, (unsigned)(k0 + kk), (unsigned)K);
-            Bs[kk][j] = __float2bfloat16_rn(v);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += WMMA) {
-            wmma::fragment<wmma::matrix_a, WMMA, WMMA, WMMA, __nv_bfloat16, wmma::row_major> a[2];
-            wmma::fragment<wmma::matrix_b, WMMA, WMMA, WMMA, __nv_bfloat16, wmma::row_major> b[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], &As[warp_m * 32 + i * WMMA][kk], BK + 8);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], &Bs[kk][warp_n * 32 + j * WMMA], BN + 8);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
+        tile[cl][wl] = v;
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-            wmma::store_matrix_sync(&Cs[warp_m * 32 + i * WMMA][warp_n * 32 + j * WMMA], acc[i][j], BN + 4,
-                                    wmma::mem_row_major);
     __syncthreads();
-    for (int e = threadIdx.x; e < BM * BN; e += blockDim.x) {
-        const int i = e / BN, j = e % BN;
-        const u64 co = m0 + i, col = n0 + j;
-        if (co >= M || col >= N) continue;
-        unsigned short* dst = &out[out_index(g, co, col)];
-        float v = Cs[i][j] + (bias ? bias[co] : 0.0f);
-        if (accumulate) v += bf16_to_f32(*dst);
-        *dst = f32_to_bf16(v);
+    T* dst = xp + row * p.wp * p.cp;
+    for (unsigned e = threadIdx.x; e < 32 * 64; e += 256) {
+        const unsigned wl = e / 32, cl = e % 32;
+        if (w0 + wl < p.wp && c0 + cl < p.cp) dst[(u64)(w0 + wl) * p.cp + c0 + cl] = tile[cl][wl];
     }
 }
+
+// w[Cout, Cin, kt, kh, kw] -> wr[Cout, kt, kh, kw, Cp], zero for c >= Cin.
+template <typename T>
+__device__ __forceinline__ void conv_weight_channels_last_impl(const T* w, T* wr, const ConvGeom& g) {
+    const Padded p = padded_of<T>(g);
+    const u64 taps = g.kt * g.kh * g.kw;
+    GRID_STRIDE(i, g.cout * taps * p.cp) {
+        const u64 c = i % p.cp, tap = (i / p.cp) % taps, co = i / (p.cp * taps);
+        wr[i] = c < g.cin ? w[(co * g.cin + c) * taps + tap] : T(0);
+    }
+}
+
+// The tile geometry: a block owns BM = 32 * MT output channels x 128 output pixels; 8 warps in a
+// 2 (M) x 4 (N) grid, each a (16 * MT) x 32 tile of MT x 4 mma fragments. K advances one
+// 64-byte slice per stage, three stages in flight.
+#define TC_BN 128
+#define TC_STAGES 3
+#define TC_THREADS 256
+
+// Shared-memory rows are 64 bytes = four 16-byte chunks; chunk c of row r is stored at
+// c ^ ((r >> 1) & 3), so the eight rows an `ldmatrix` reads at one logical chunk fall in eight
+// different bank groups (unswizzled, rows 64 bytes apart would conflict four ways).
+__device__ __forceinline__ unsigned swizzled(unsigned row, unsigned chunk) {
+    return row * 64 + ((chunk ^ ((row >> 1) & 3)) * 16);
+}
+
+// The copies of one thread, stage after stage. Everything that does not change along K is fixed
+// once: the thread's chunk (t % 4) of weight rows t / 4 (+ 64, + 128, ...) and chunks
+// (t % 2) * 2 and +1 of pixel t / 2, their source rows and their swizzled places in a stage.
+// Along K only the tap (dt, dy, dx) and the channel offset c0 advance, incrementally (the K
+// loop is short of issue slots: no divisions, no 64-bit multiplies per step).
+template <typename T, int MT>
+struct TcLoader {
+    static constexpr int BM = 32 * MT;
+    static constexpr int A_COPIES = (BM * 4 + TC_THREADS - 1) / TC_THREADS;
+    static constexpr unsigned E = Chunk<T>::elems;
+
+    const T* a_row[A_COPIES];  // weight row (at tap 0, this thread's chunk), or null
+    unsigned a_chunk, a_smem[A_COPIES];
+    const T* b_pixel;  // the receptive field's origin in xp, or null
+    unsigned b_chunk, b_smem[2];
+    // The K position of the next step to load: tap (dt, dy, dx) and channel c0; the tap's
+    // offsets into a weight row and (relative to the pixel's origin) into xp.
+    unsigned dt, dy, dx, c0;
+    u64 a_tap, b_tap;
+
+    __device__ __forceinline__ TcLoader(const T* xp, const T* wr, const ConvGeom& g, const Padded& p, unsigned m0,
+                                        u64 n0, u64 n_cols) {
+        const u64 ktot = g.kt * g.kh * g.kw * (u64)p.cp;
+        a_chunk = threadIdx.x & 3;
+#pragma unroll
+        for (int q = 0; q < A_COPIES; ++q) {
+            const unsigned row = (threadIdx.x + q * TC_THREADS) >> 2;
+            const bool ok = row < BM && m0 + row < g.cout;
+            a_row[q] = ok ? wr + (u64)(m0 + row) * ktot + a_chunk * E : nullptr;
+            a_smem[q] = swizzled(row < BM ? row : 0, a_chunk);
+        }
+        const unsigned pixel = threadIdx.x >> 1;
+        const u64 col = n0 + pixel;
+        b_pixel = nullptr;
+        if (col < n_cols) {
+            const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
+            const u64 b = col / (g.wo * g.ho * g.to);
+            b_pixel = xp + (((b * p.tp + to * g.stride_t) * p.hp + ho * g.stride) * p.wp + wo * g.stride) * p.cp;
+        }
+        b_chunk = (threadIdx.x & 1) * 2;
+        b_smem[0] = swizzled(pixel, b_chunk);
+        b_smem[1] = swizzled(pixel, b_chunk + 1);
+        dt = dy = dx = c0 = 0;
+        a_tap = b_tap = 0;
+    }
+
+    // Issues the copies of the next K step into `stage` and advances to the one after.
+    __device__ __forceinline__ void load(unsigned char* stage, const T* xp, const T* wr, const ConvGeom& g,
+                                         const Padded& p) {
+        unsigned char* As = stage;
+        unsigned char* Bs = stage + BM * 64;
+        const bool a_in = c0 + a_chunk * E < p.cp;
+#pragma unroll
+        for (int q = 0; q < A_COPIES; ++q) {
+            if (q * TC_THREADS + threadIdx.x >= BM * 4) break;
+            const bool ok = a_row[q] && a_in;
+            cp_async_16(As + a_smem[q], ok ? a_row[q] + a_tap + c0 : wr, ok);
+        }
+#pragma unroll
+        for (unsigned q = 0; q < 2; ++q) {
+            const bool ok = b_pixel && c0 + (b_chunk + q) * E < p.cp;
+            cp_async_16(Bs + b_smem[q], ok ? b_pixel + b_tap + c0 + (b_chunk + q) * E : xp, ok);
+        }
+        c0 += 4 * E;
+        if (c0 >= p.cp) {
+            c0 = 0;
+            a_tap += p.cp;
+            if (++dx == g.kw) {
+                dx = 0;
+                if (++dy == g.kh) {
+                    dy = 0;
+                    ++dt;
+                }
+            }
+            b_tap = (((u64)dt * p.hp + dy) * p.wp + dx) * p.cp;
+        }
+    }
+};
+
+// f32 products on TF32 tensor cores with f32 accuracy ("3xTF32"): each operand x splits into
+// hi = tf32(x) and lo = tf32(x - hi), and a b = a_hi b_hi + a_hi b_lo + a_lo b_hi (the small
+// terms first), dropping a_lo b_lo and the rounding of lo, both near 2^-22 relative: below the
+// f32 accumulation's own error over a conv's thousands of terms. One TF32 product alone (10-bit
+// mantissas, PyTorch's default for f32 convolutions) would be 2^-11.
+__device__ __forceinline__ void split_tf32(unsigned x, unsigned& hi, unsigned& lo) {
+    hi = to_tf32(__uint_as_float(x));
+    lo = to_tf32(__uint_as_float(x) - __uint_as_float(hi));
+}
+
+// One k slice of 16 bytes per row pair (k16 of bf16, k8 of f32) for fragments a[4], b[2].
+__device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const unsigned b[2], unsigned short) {
+    mma_bf16_16816(c, a, b);
+}
+
+__device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const unsigned b[2], float) {
+    unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_tf32(a[i], a_hi[i], a_lo[i]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) split_tf32(b[i], b_hi[i], b_lo[i]);
+    mma_tf32_1688(c, a_hi, b_lo);
+    mma_tf32_1688(c, a_lo, b_hi);
+    mma_tf32_1688(c, a_hi, b_hi);
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const float* bias, T* out,
+                                               const ConvGeom& g) {
+    constexpr int BM = 32 * MT;
+    constexpr int STAGE_BYTES = (BM + TC_BN) * 64;
+    constexpr unsigned LDC = TC_BN + 16 / sizeof(T);
+    static_assert(TC_STAGES * STAGE_BYTES <= 48 * 1024, "static shared memory is limited to 48 KiB");
+    __shared__ __align__(128) unsigned char smem[TC_STAGES * STAGE_BYTES];
+
+    const Padded p = padded_of<T>(g);
+    const u64 n_cols = g.n * g.to * g.ho * g.wo;
+    const unsigned csteps = (p.cp + 4 * Chunk<T>::elems - 1) / (4 * Chunk<T>::elems);
+    const unsigned steps = (unsigned)(g.kt * g.kh * g.kw) * csteps;
+    const u64 n0 = (u64)blockIdx.x * TC_BN;
+    const unsigned m0 = blockIdx.y * BM;
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warp_m = warp >> 2, warp_n = warp & 3;
+    TcLoader<T, MT> loader(xp, wr, g, p, m0, n0, n_cols);
+
+    float acc[MT][4][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+#pragma unroll
+    for (unsigned s = 0; s < TC_STAGES - 1; ++s) {
+        if (s < steps) loader.load(smem + s * STAGE_BYTES, xp, wr, g, p);
+        cp_async_commit();
+    }
+    for (unsigned step = 0; step < steps; ++step) {
+        // Step `step` has landed (for every thread, after the barrier), and every warp is done
+        // with the stage the next prefetch overwrites (the one computed in the last iteration).
+        cp_async_wait<TC_STAGES - 2>();
+        __syncthreads();
+        const unsigned next = step + TC_STAGES - 1;
+        if (next < steps) loader.load(smem + (next % TC_STAGES) * STAGE_BYTES, xp, wr, g, p);
+        cp_async_commit();
+        const unsigned char* As = smem + (step % TC_STAGES) * STAGE_BYTES;
+        const unsigned char* Bs = As + BM * 64;
+#pragma unroll
+        for (unsigned ks = 0; ks < 2; ++ks) {
+            // Each slice is two chunks of every row: k16 of bf16 (one m16n8k16), k8 of f32 (one
+            // m16n8k8). Fragments of 32-bit elements load with the same 16-bit `ldmatrix`: each
+            // lane then holds one element per register, the layout the TF32 mma expects.
+            unsigned a[MT][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                // Matrices: rows 0-7 / 8-15 (lane bit 3) x chunk lo / hi (lane bit 4).
+                const unsigned row = warp_m * 16 * MT + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(a[i], As + swizzled(row, ks * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                // Matrices: pixels 0-7 x chunk lo, 0-7 x hi, 8-15 x lo, 8-15 x hi of a pair of
+                // n8 fragments (B is stored pixel-major, k contiguous: PTX's "col" operand).
+                const unsigned pix = warp_n * 32 + j * 16 + (lane & 7) + (lane >> 4) * 8;
+                unsigned r[4];
+                ldmatrix_x4(r, Bs + swizzled(pix, ks * 2 + ((lane >> 3) & 1)));
+                b[2 * j][0] = r[0];
+                b[2 * j][1] = r[1];
+                b[2 * j + 1][0] = r[2];
+                b[2 * j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_slice(acc[i][j], a[i], b[j], T(0));
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // The tile, biased and rounded once to T, through shared memory in row halves (an f32 tile
+    // of 128 x 128 would not fit), so that the stores to [N, Cout, To, Ho, Wo] run along the
+    // pixels. Every element a thread stores is in one pixel column (TC_THREADS is a multiple of
+    // TC_BN): one output offset, stepped by a channel plane per row.
+    T* Cs = (T*)smem;
+    const unsigned c = threadIdx.x % TC_BN;
+    const u64 out_col = n0 + c;
+    const u64 plane = g.to * g.ho * g.wo;
+    const u64 base = out_col < n_cols ? (out_col / plane) * g.cout * plane + out_col % plane : 0;
+#pragma unroll
+    for (unsigned half = 0; half < 2; ++half) {
+        if (warp_m == half) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const unsigned row = i * 16 + (lane >> 2) + (q >= 2 ? 8 : 0);
+                        const unsigned col = warp_n * 32 + j * 8 + (lane & 3) * 2 + (q & 1);
+                        const unsigned co = m0 + half * 16 * MT + row;
+                        const float bv = (bias && co < g.cout) ? bias[co] : 0.0f;
+                        store_f32(&Cs[row * LDC + col], acc[i][j][q] + bv);
+                    }
+        }
+        __syncthreads();
+        if (out_col < n_cols) {
+            for (unsigned row = threadIdx.x / TC_BN; row < 16 * MT; row += TC_THREADS / TC_BN) {
+                const unsigned co = m0 + half * 16 * MT + row;
+                if (co < g.cout) out[base + (u64)co * plane] = Cs[row * LDC + c];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// `xp` and `wr` as `conv_input_channels_last_*` and `conv_weight_channels_last_*` made them;
+// grid (columns / 128, cout / BM), 256 threads, two blocks per multiprocessor (at most 128
+// registers). Tile heights (the backend picks one per launch): 128 (bf16 only), 96 and 64
+// output channels.
+#define CONV_TC(SUFFIX, T, MT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                     \
+        conv3d_tc_##SUFFIX##_m##MT(const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) { \
+        conv3d_tc_impl<T, MT>(xp, wr, bias, out, g);                                                \
+    }
+
+#define CONV_TC_ALL(SUFFIX, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                       \
+        conv_input_channels_last_##SUFFIX(const T* x, T* xp, ConvGeom g) {                                  \
+        conv_input_channels_last_impl<T>(x, xp, g);                                                         \
+    }                                                                                                       \
+    extern "C" __global__ void conv_weight_channels_last_##SUFFIX(const T* w, T* wr, ConvGeom g) {          \
+        conv_weight_channels_last_impl<T>(w, wr, g);                                                        \
+    }                                                                                                       \
+    CONV_TC(SUFFIX, T, 3)                                                                                   \
+    CONV_TC(SUFFIX, T, 2)
+
+// The f32 kernels have no 128-row tile: with the TF32 split its 128 accumulators and operand
+// halves need more than the 128 registers that let two blocks share a multiprocessor.
+CONV_TC_ALL(bf16, unsigned short)
+CONV_TC(bf16, unsigned short, 4)
+CONV_TC_ALL(f32, float)

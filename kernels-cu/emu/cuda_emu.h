@@ -76,7 +76,18 @@ void warp_collective(const char* op, const void* args, std::size_t size);
 // `lane ^ lane_mask`. Only the full mask and width 32 are emulated (all the kernels use).
 std::uint64_t shfl_xor(unsigned mask, std::uint64_t bits, int lane_mask, int width);
 
+// A full warp's exchange of `size` bytes per lane (at most 64): every lane deposits `mine` and
+// gets all 32 deposits in lane order in `all` (the warp-collective PTX instructions of
+// emu/include/ptx_emu.h are built on it: one exchange per instruction).
+void warp_gather(const void* mine, std::size_t size, void* all);
+
+// The calling thread's linear index within its block.
+unsigned thread_linear();
+
 }  // namespace emu
+
+// Kernels select the emulated forms of their inline PTX with this (see kernels-cu/ptx.cuh).
+#define VAE_KERNELS_EMULATOR 1
 
 #define __syncthreads() ::emu::sync_block(__FILE__, __LINE__)
 

@@ -513,6 +513,16 @@ std::uint64_t shfl_xor(unsigned mask, std::uint64_t bits, int lane_mask, int wid
     return slots[lane ^ lane_mask];
 }
 
+void warp_gather(const void* mine, std::size_t size, void* all) {
+    if (size > kMaxCollectiveArgs) fail("warp exchange of %zu bytes per lane (at most %zu)", size, kMaxCollectiveArgs);
+    auto& slots = my_warp().args[t_exchanges++ % 2];
+    std::memcpy(slots[lane_id()], mine, size);
+    sync_full_warp("warp-collective PTX instruction");
+    for (unsigned l = 0; l < kWarpSize; ++l) std::memcpy((unsigned char*)all + l * size, slots[l], size);
+}
+
+unsigned thread_linear() { return t_linear; }
+
 void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body) {
     g_kernel = kernel;
     // The hardware's limits (compute capability 8.x and 9.x); a launch outside them fails there.

@@ -1,8 +1,10 @@
-// conv.cu: both implicit-GEMM convolutions, launched as the Rust backend does (64x64 output tiles,
-// grid (columns / 64, cout / 64); 256 threads for f32, 128 for bf16), against a plain-loop
-// convolution in f64 with PyTorch's padding and strides. The shapes leave partial tiles in M, N
-// and K, and cover the causal front padding, temporal and spatial strides, padding on one side
-// only, a missing bias, accumulation into the output, and batches.
+// conv.cu: both implicit-GEMM convolutions, launched as the Rust backend does, against a
+// plain-loop convolution in f64 with PyTorch's padding and strides: the f32 kernel (64x64 output
+// tiles, grid (columns / 64, cout / 64), 256 threads) and the bf16 tensor-core pipeline (the
+// channels-last copies of input and weights, checked element by element, then each of the three
+// tile heights). The shapes leave partial tiles in M, N and K, channel counts that are no
+// multiple of 8 or 32, and cover the causal front padding, temporal and spatial strides, padding
+// on one side only, a missing bias, accumulation into the output (f32 only), and batches.
 #include "conv.cu"
 
 #include <cstddef>
@@ -60,6 +62,9 @@ const Case kCases[] = {
     {"1x1, no bias, accumulate", 3, 130, 1, 5, 7, 5, 1, 1, 1, 1, 1, {0, 0, 0, 0, 0, 0}, false, true},
     {"2x3x1, uneven padding", 1, 6, 4, 8, 6, 64, 2, 3, 1, 1, 1, {1, 0, 2, 0, 0, 0}, true, true},
     {"3x3x3, spatial stride 2", 2, 2, 3, 7, 9, 3, 3, 3, 3, 1, 2, {2, 0, 1, 1, 1, 1}, true, false},
+    // Several K slices per tap (40 channels: one full slice of 32, one of 8) and 200 output
+    // channels (a partial last tile at every tile height).
+    {"40 -> 200 channels, 3x3", 1, 40, 1, 6, 23, 200, 1, 3, 3, 1, 1, {0, 0, 1, 1, 1, 1}, true, false},
 };
 
 // out = (accumulate ? init : 0) + bias + conv(x, w) in f64, with the sum of the magnitudes of
@@ -130,7 +135,146 @@ void run_cases(Check& check, const char* name,
     }
 }
 
+// The padded channels-last geometry, as the host computes it (`Padded` in conv.cu): channels
+// rounded up to a 16-byte chunk of T.
+template <typename T>
+struct PaddedHost {
+    u64 tp, hp, wp, cp;
+    explicit PaddedHost(const ConvGeom& g)
+        : tp((g.to - 1) * g.stride_t + g.kt),
+          hp((g.ho - 1) * g.stride + g.kh),
+          wp((g.wo - 1) * g.stride + g.kw),
+          cp((g.cin + 16 / sizeof(T) - 1) / (16 / sizeof(T)) * (16 / sizeof(T))) {}
+    u64 len(const ConvGeom& g) const { return g.n * tp * hp * wp * cp; }
+};
+
+template <typename T>
+using InputKernel = void (*)(const T*, T*, ConvGeom);
+
+// `conv_input_channels_last_*` as the backend launches it (grid (N Tp Hp, Wp / 64, Cp / 32)).
+template <typename T>
+std::vector<T> input_channels_last(const ConvGeom& g, const std::vector<T>& x, const char* name,
+                                   InputKernel<T> kernel) {
+    const PaddedHost<T> p(g);
+    std::vector<T> xp(p.len(g), Storage<T>::from_f32(NAN));  // an unwritten element shows
+    const dim3 grid((unsigned)(g.n * p.tp * p.hp), (unsigned)((p.wp + 63) / 64), (unsigned)((p.cp + 31) / 32));
+    emu::launch(name, kernel, grid, dim3(256), x.data(), xp.data(), g);
+    return xp;
+}
+
+template <typename T>
+std::vector<T> weight_channels_last(const ConvGeom& g, const std::vector<T>& w, const char* name,
+                                    InputKernel<T> kernel) {
+    const PaddedHost<T> p(g);
+    const u64 len = g.cout * g.kt * g.kh * g.kw * p.cp;
+    std::vector<T> wr(len, Storage<T>::from_f32(NAN));
+    emu::launch(name, kernel, elementwise_grid(len), dim3(256), w.data(), wr.data(), g);
+    return wr;
+}
+
+// The kernels of one storage type: the two layout copies and the GEMM.
+template <typename T>
+struct Pipeline {
+    const char* input_name;
+    InputKernel<T> input;
+    const char* weight_name;
+    InputKernel<T> weight;
+};
+
+const Pipeline<u16> kBf16{"conv_input_channels_last_bf16", conv_input_channels_last_bf16,
+                          "conv_weight_channels_last_bf16", conv_weight_channels_last_bf16};
+const Pipeline<float> kF32{"conv_input_channels_last_f32", conv_input_channels_last_f32,
+                           "conv_weight_channels_last_f32", conv_weight_channels_last_f32};
+
+template <typename T>
+const Pipeline<T>& pipeline();
+template <>
+const Pipeline<u16>& pipeline<u16>() { return kBf16; }
+template <>
+const Pipeline<float>& pipeline<float>() { return kF32; }
+
+// The tensor-core pipeline with tiles of `32 * mt` output channels. bf16: f32 accumulation of
+// exact products, then one rounding to bf16. f32: the three TF32 products lose about 2^-21 of
+// each product's magnitude, inside the f32 bound (f32 accumulation error) used for conv3d_f32.
+template <typename T>
+void run_tensor_core_cases(Check& check, const char* name,
+                           void (*kernel)(const T*, const T*, const float*, T*, ConvGeom), unsigned mt) {
+    for (const Case& c : kCases) {
+        if (c.accumulate) continue;  // the tensor-core kernels write, they do not accumulate
+        const ConvGeom g = c.geometry();
+        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
+        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
+        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
+        std::vector<double> want, magnitude;
+        reference(c, g, values(x), values(w), bias, {}, want, magnitude);
+        std::vector<double> bound(len);
+        for (std::size_t i = 0; i < len; ++i) {
+            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
+        }
+        const Pipeline<T>& p = pipeline<T>();
+        const auto xp = input_channels_last<T>(g, x, p.input_name, p.input);
+        const auto wr = weight_channels_last<T>(g, w, p.weight_name, p.weight);
+        std::vector<T> out(len, Storage<T>::from_f32(NAN));
+        const u64 cols = g.n * g.to * g.ho * g.wo;
+        const dim3 grid((unsigned)((cols + 127) / 128), (unsigned)((g.cout + 32 * mt - 1) / (32 * mt)));
+        emu::launch(name, kernel, grid, dim3(256), xp.data(), wr.data(), c.bias ? bias.data() : nullptr, out.data(),
+                    g);
+        check.near(std::string(c.name) + ", tile of " + num(32 * mt), values(out), want, bound);
+    }
+}
+
+// Every element of xp against its definition: the input element the padding shifts in, or zero.
+template <typename T>
+void check_input_channels_last(Check& check) {
+    for (const Case& c : kCases) {
+        const ConvGeom g = c.geometry();
+        const PaddedHost<T> p(g);
+        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 21, -1.0f, 1.0f));
+        std::vector<T> want(p.len(g));
+        std::size_t o = 0;
+        for (u64 b = 0; b < g.n; ++b)
+            for (u64 tp = 0; tp < p.tp; ++tp)
+                for (u64 yp = 0; yp < p.hp; ++yp)
+                    for (u64 xq = 0; xq < p.wp; ++xq)
+                        for (u64 ch = 0; ch < p.cp; ++ch, ++o) {
+                            const i64 t = (i64)tp - g.pad_front, y = (i64)yp - g.pad_top, xi = (i64)xq - g.pad_left;
+                            const bool inside = ch < g.cin && t >= 0 && y >= 0 && xi >= 0 && t < (i64)g.t &&
+                                                y < (i64)g.h && xi < (i64)g.w;
+                            want[o] = inside ? x[(((b * g.cin + ch) * g.t + (u64)t) * g.h + (u64)y) * g.w + (u64)xi]
+                                             : T(0);
+                        }
+        const Pipeline<T>& pl = pipeline<T>();
+        check.exact(c.name, input_channels_last<T>(g, x, pl.input_name, pl.input), want);
+    }
+}
+
+template <typename T>
+void check_weight_channels_last(Check& check) {
+    for (const Case& c : kCases) {
+        const ConvGeom g = c.geometry();
+        const PaddedHost<T> p(g);
+        const u64 taps = g.kt * g.kh * g.kw;
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * taps, 22, -1.0f, 1.0f));
+        std::vector<T> want(g.cout * taps * p.cp);
+        for (u64 co = 0; co < g.cout; ++co)
+            for (u64 tap = 0; tap < taps; ++tap)
+                for (u64 ch = 0; ch < p.cp; ++ch)
+                    want[(co * taps + tap) * p.cp + ch] = ch < g.cin ? w[(co * g.cin + ch) * taps + tap] : T(0);
+        const Pipeline<T>& pl = pipeline<T>();
+        check.exact(c.name, weight_channels_last<T>(g, w, pl.weight_name, pl.weight), want);
+    }
+}
+
 }  // namespace
 
 KERNEL_TEST(conv3d_f32) { run_cases<float>(check, KERNEL(conv3d_f32), 256); }
-KERNEL_TEST(conv3d_bf16_wmma) { run_cases<u16>(check, KERNEL(conv3d_bf16_wmma), 128); }
+KERNEL_TEST(conv_input_channels_last_bf16) { check_input_channels_last<u16>(check); }
+KERNEL_TEST(conv_input_channels_last_f32) { check_input_channels_last<float>(check); }
+KERNEL_TEST(conv_weight_channels_last_bf16) { check_weight_channels_last<u16>(check); }
+KERNEL_TEST(conv_weight_channels_last_f32) { check_weight_channels_last<float>(check); }
+KERNEL_TEST(conv3d_tc_bf16_m4) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m4), 4); }
+KERNEL_TEST(conv3d_tc_bf16_m3) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m3), 3); }
+KERNEL_TEST(conv3d_tc_bf16_m2) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m2), 2); }
+KERNEL_TEST(conv3d_tc_f32_m3) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m3), 3); }
+KERNEL_TEST(conv3d_tc_f32_m2) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m2), 2); }

@@ -92,7 +92,21 @@ fn every_module_loads_and_has_its_entry_points() {
     let Some(gpu) = Gpu::get("entry points") else { return };
     let expected: &[(&str, &[&str])] = &[
         ("attention", &["softmax_rows_f32"]),
-        ("conv", &["conv3d_f32", "conv3d_bf16_wmma"]),
+        (
+            "conv",
+            &[
+                "conv3d_f32",
+                "conv_input_channels_last_bf16",
+                "conv_weight_channels_last_bf16",
+                "conv3d_tc_bf16_m4",
+                "conv3d_tc_bf16_m3",
+                "conv3d_tc_bf16_m2",
+                "conv_input_channels_last_f32",
+                "conv_weight_channels_last_f32",
+                "conv3d_tc_f32_m3",
+                "conv3d_tc_f32_m2",
+            ],
+        ),
         (
             "elementwise",
             &[
@@ -319,15 +333,19 @@ fn gemm_and_softmax_make_the_cpu_attention() {
     close(&gpu.download(&out, q.dims()), &Tensor::attention(&q, &k, &v).unwrap(), 1e-5, "attention");
 }
 
-/// The tensor-core conv (bf16 in, f32 accumulation, bf16 out), which no tensor op uses yet:
-/// inputs and weights are rounded to bf16 on the device (`cast_f32_bf16`), the result compared
-/// with the f32 CPU conv of the same rounded values within bf16's output rounding.
+/// The tensor-core conv pipeline (bf16 in, f32 accumulation, bf16 out), launched kernel by
+/// kernel as the backend does: input and weights into channels-last copies, then the GEMM at
+/// each of the three tile heights. Inputs and weights are rounded to bf16 on the device
+/// (`cast_f32_bf16`), the result compared with the f32 CPU conv of the same rounded values within
+/// bf16's output rounding. 20 input channels (not a multiple of 8: zero-padded) and 200 output
+/// channels (a partial last tile at every height).
 #[test]
 fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let Some(gpu) = Gpu::get("bf16 conv") else { return };
-    let x = pattern(&[1, 16, 2, 9, 11], 23);
-    let w = pattern(&[40, 16, 3, 3, 3], 24).affine(0.1, 0.0).unwrap();
-    let b = pattern(&[40], 25);
+    let (cin, cout) = (20usize, 200usize);
+    let x = pattern(&[1, cin, 2, 9, 11], 23);
+    let w = pattern(&[cout, cin, 3, 3, 3], 24).affine(0.1, 0.0).unwrap();
+    let b = pattern(&[cout], 25);
     let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
     let to_bf16 = |t: &Tensor| -> CudaSlice<u16> {
         let src = gpu.upload(t);
@@ -348,20 +366,38 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let (xb, wb) = (to_bf16(&x), to_bf16(&w));
     let want = to_f32(&xb, x.dims()).conv3d(&to_f32(&wb, w.dims()), Some(&b), &p).unwrap();
     let g = geometry(&x, &w, &p);
-    let out_dims = [1, 40, g.to as usize, g.ho as usize, g.wo as usize];
-    let mut out = gpu.stream.alloc_zeros::<u16>(out_dims.iter().product()).unwrap();
+
+    // Channels-last copies: [1, Tp, Hp, Wp, 24] and [200, 27, 24].
+    let (tp, hp, wp, cp) = (g.to + 2, g.ho + 2, g.wo + 2, 24u64);
+    let mut xp = gpu.stream.alloc_zeros::<u16>((tp * hp * wp * cp) as usize).unwrap();
+    let f = gpu.function("conv", "conv_input_channels_last_bf16");
+    let cfg = LaunchConfig {
+        grid_dim: ((tp * hp) as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { gpu.stream.launch_builder(&f).arg(&xb).arg(&mut xp).arg(&g).launch(cfg) }.unwrap();
+    let wr_len = cout * 27 * cp as usize;
+    let mut wr = gpu.stream.alloc_zeros::<u16>(wr_len).unwrap();
+    let f = gpu.function("conv", "conv_weight_channels_last_bf16");
+    unsafe { gpu.stream.launch_builder(&f).arg(&wb).arg(&mut wr).arg(&g).launch(grid(wr_len)) }.unwrap();
+
+    let out_dims = [1, cout, g.to as usize, g.ho as usize, g.wo as usize];
     let db = gpu.upload(&b);
     let cols = (g.to * g.ho * g.wo) as u32;
-    let cfg = LaunchConfig { grid_dim: (cols.div_ceil(64), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-    let f = gpu.function("conv", "conv3d_bf16_wmma");
-    let accumulate = 0i32;
-    unsafe {
-        gpu.stream.launch_builder(&f).arg(&xb).arg(&wb).arg(&db).arg(&mut out).arg(&g).arg(&accumulate).launch(cfg)
+    for (tile, name) in [(128u32, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")] {
+        let mut out = gpu.stream.alloc_zeros::<u16>(out_dims.iter().product()).unwrap();
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(128), (cout as u32).div_ceil(tile), 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = gpu.function("conv", name);
+        unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(&db).arg(&mut out).arg(&g).launch(cfg) }.unwrap();
+        let got = to_f32(&out, &out_dims);
+        // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
+        close(&got, &want, 8.0 / 256.0, name);
     }
-    .unwrap();
-    let got = to_f32(&out, &out_dims);
-    // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
-    close(&got, &want, 8.0 / 256.0, "bf16 tensor-core conv");
 }
 
 #[test]

@@ -26,6 +26,8 @@ use crate::{DType, Device, Result, TensorError};
 /// A device's context, stream and kernels.
 pub(crate) struct CudaDevice {
     ordinal: usize,
+    /// Streaming multiprocessors, for launch shapes that must fill them.
+    multiprocessors: u64,
     stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
@@ -76,7 +78,13 @@ impl CudaDevice {
                 ctx.load_module(image).map_err(|e| unavailable(ordinal, format!("loading {}: {e}", m.name)))?;
             modules.push((m.name, module));
         }
-        let device = Arc::new(Self { ordinal, stream: ctx.default_stream(), modules, functions: Mutex::default() });
+        let device = Arc::new(Self {
+            ordinal,
+            multiprocessors: u64::from(info.multiprocessors.max(1)),
+            stream: ctx.default_stream(),
+            modules,
+            functions: Mutex::default(),
+        });
         devices.insert(ordinal, Arc::clone(&device));
         Ok(device)
     }
@@ -104,6 +112,19 @@ impl CudaDevice {
 
     fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
+    }
+
+    /// `n` elements whose contents are unspecified, for outputs a kernel writes in full (no
+    /// memset traffic).
+    fn alloc_unset(&self, n: usize, dtype: DType) -> Result<CudaData> {
+        let err = |e| driver(self.ordinal, "alloc", e);
+        // SAFETY: the memory is only read after the kernel the caller launches next has written
+        // every element (each caller says so).
+        match dtype {
+            DType::F32 => Ok(CudaData::F32(unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(err)?)),
+            DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream.alloc::<u16>(n.max(1)) }.map_err(err)?)),
+            DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
+        }
     }
 
     fn alloc(&self, n: usize, dtype: DType) -> Result<CudaData> {
@@ -171,6 +192,28 @@ impl std::fmt::Debug for CudaStorage {
 /// A null device pointer, for optional kernel arguments.
 const NULL: u64 = 0;
 
+/// The tensor-core conv's tile height and kernel for `cout` output channels and `pixel_tiles`
+/// tiles of 128 pixels on `sms` multiprocessors. Heights are 128 (bf16 only: the f32 kernel's
+/// operand split leaves it no registers for it), 96 and 64 output channels; the choice is the
+/// one whose busiest multiprocessor has the least to do, `ceil(blocks / sms) * (height + 32)`.
+/// A block's cost is its rows plus a fixed part for the pixel tile every block loads whatever
+/// its height (worth about 32 rows: it is why taller tiles multiply more per byte loaded). That
+/// leaves no idle rows where a height divides `cout` (Wan's 96 and 192 channels take 96) and,
+/// on small grids (a 60x104 frame at 384 channels is 49 pixel tiles), prefers more, shorter
+/// tiles to a second, nearly empty wave. Ties go to the taller tile.
+fn tensor_core_tile(bf16: bool, cout: u64, pixel_tiles: u64, sms: u64) -> (u64, &'static str) {
+    let tiles: &[(u64, &'static str)] = if bf16 {
+        &[(128, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")]
+    } else {
+        &[(96, "conv3d_tc_f32_m3"), (64, "conv3d_tc_f32_m2")]
+    };
+    tiles
+        .iter()
+        .copied()
+        .min_by_key(|&(m, _)| ((pixel_tiles * cout.div_ceil(m)).div_ceil(sms) * (m + 32), u64::MAX - m))
+        .expect("tile heights")
+}
+
 /// A 1-D grid-stride launch over `n` elements.
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
@@ -229,6 +272,12 @@ impl CudaStorage {
     /// `len` zeros of the same type on the same device.
     fn like(&self, len: usize) -> Result<Self> {
         self.like_typed(len, self.dtype())
+    }
+
+    /// `len` elements of the same type on the same device, left unset: only for outputs the
+    /// next kernel writes in full.
+    fn like_unset(&self, len: usize) -> Result<Self> {
+        Ok(Self::new(self.device.alloc_unset(len, self.dtype())?, Arc::clone(&self.device), len))
     }
 
     fn like_typed(&self, len: usize, dtype: DType) -> Result<Self> {
@@ -473,48 +522,87 @@ impl CudaStorage {
         Ok(out)
     }
 
-    /// The implicit-GEMM convolution (2-D convs are one frame, one temporal tap): f32 on CUDA
-    /// cores, bf16 on tensor cores (f32 accumulation). The bias is f32 in both.
+    /// The convolution (2-D convs are one frame, one temporal tap) on tensor cores, in three
+    /// launches: the input into a zero-padded channels-last buffer `[N, Tp, Hp, Wp, Cp]`
+    /// (channels rounded up to a 16-byte chunk), the weights into `[Cout, kt, kh, kw, Cp]`, then
+    /// the implicit GEMM, whose K loop reads 64 contiguous bytes per pixel and tap with no bounds
+    /// checks (`conv3d_tc_*` in conv.cu). bf16 multiplies on bf16 tensor cores; f32 on TF32
+    /// tensor cores with each operand split in two TF32 parts (three products: f32 accuracy).
+    /// Accumulation is f32 and the bias is f32 in both; the tile height is chosen by
+    /// [`tensor_core_tile`].
     pub(crate) fn conv3d(&self, weight: &Self, bias: Option<&Self>, g: ConvGeom) -> Result<Self> {
         self.same_dtype("conv3d", &[weight])?;
         if let Some(b) = bias {
             Self::f32_param("conv3d", b)?;
         }
         let len = (g.n * g.cout * g.to * g.ho * g.wo) as usize;
-        let mut out = self.like(len)?;
-        let f = self.kernel("conv", "conv3d_f32", "conv3d_bf16_wmma")?;
-        // Both kernels cover a 64x64 output tile per block: 8 warps on CUDA cores, 4 warps of
-        // 2x2 wmma fragments on tensor cores.
-        let threads = if self.dtype() == DType::BF16 { 128 } else { 256 };
-        let cols = g.n * g.to * g.ho * g.wo;
-        let grid_x = cols.div_ceil(64);
-        let grid_y = g.cout.div_ceil(64);
-        if grid_x > u32::MAX as u64 || grid_y > 65_535 {
-            return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
+        if len == 0 {
+            return self.like(0);
         }
-        // The kernels split GEMM rows and place receptive fields in 32-bit arithmetic (see
-        // `Column` in conv.cu); element offsets stay 64-bit.
-        let rows = g.cin * g.kt * g.kh * g.kw;
-        let extents = [g.t, g.h, g.w, g.to * g.stride_t + g.kt, g.ho * g.stride + g.kh, g.wo * g.stride + g.kw];
-        if rows + 64 > u32::MAX as u64 || extents.iter().any(|&e| e >= i32::MAX as u64) {
+        let bf16 = self.dtype() == DType::BF16;
+        let chunk = if bf16 { 8 } else { 4 };
+        let (tp, hp, wp) = ((g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw);
+        let cp = g.cin.div_ceil(chunk) * chunk;
+        let taps = g.kt * g.kh * g.kw;
+        let cols = g.n * g.to * g.ho * g.wo;
+        let rows_padded = g.n * tp * hp;
+        // The K loop counts slices and places channels in 32-bit arithmetic; offsets are 64-bit.
+        if taps * cp + 64 > u32::MAX as u64 || [tp, hp, wp].iter().any(|&e| e >= i32::MAX as u64) {
             return Err(TensorError::InvalidArgument {
                 op: "conv3d",
-                reason: format!("{rows} GEMM rows or extents {extents:?} exceed the kernels' 32-bit index range"),
+                reason: format!(
+                    "{taps} taps of {cp} channels or extents {:?} exceed the kernels' 32-bit range",
+                    [tp, hp, wp]
+                ),
             });
         }
+        let (tile_m, name) = tensor_core_tile(bf16, g.cout, cols.div_ceil(128), self.device.multiprocessors);
+        if rows_padded > i32::MAX as u64
+            || wp.div_ceil(64) > 65_535
+            || cp.div_ceil(32) > 65_535
+            || cols.div_ceil(128) > i32::MAX as u64
+            || g.cout.div_ceil(tile_m) > 65_535
+        {
+            return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
+        }
+        // The three kernels write every element of their outputs (the padding as zeros).
+        let mut padded = self.like_unset((rows_padded * wp * cp) as usize)?;
+        let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
         let cfg = LaunchConfig {
-            grid_dim: (grid_x as u32, grid_y as u32, 1),
-            block_dim: (threads, 1, 1),
+            grid_dim: (rows_padded as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let accumulate = 0i32;
+        unsafe { self.device.stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
+            .map_err(self.err("conv3d"))?;
+        let weight_len = (g.cout * taps * cp) as usize;
+        let mut reordered = self.like_unset(weight_len)?;
+        let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
+        unsafe {
+            self.device
+                .stream
+                .launch_builder(&f)
+                .arg(&weight.data)
+                .arg(&mut reordered.data)
+                .arg(&g)
+                .launch(elementwise(weight_len))
+        }
+        .map_err(self.err("conv3d"))?;
+
+        let mut out = self.like_unset(len)?;
+        let f = self.device.function("conv", name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(128) as u32, g.cout.div_ceil(tile_m) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut launch = self.device.stream.launch_builder(&f);
-        launch.arg(&self.data).arg(&weight.data);
+        launch.arg(&padded.data).arg(&reordered.data);
         match bias {
             Some(b) => launch.arg(&b.data),
             None => launch.arg(&NULL),
         };
-        launch.arg(&mut out.data).arg(&g).arg(&accumulate);
+        launch.arg(&mut out.data).arg(&g);
         unsafe { launch.launch(cfg) }.map_err(self.err("conv3d"))?;
         Ok(out)
     }
@@ -731,5 +819,29 @@ impl CudaStorage {
         let mut out = q.like(batch * n * dv)?;
         scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0, 0.0)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tensor_core_tile;
+
+    #[test]
+    fn tensor_core_tiles_leave_no_idle_rows_and_fill_small_grids() {
+        // A large Wan2.1 frame (480x832 pixels = 3120 tiles) on an H200's 132 SMs.
+        let (sms, big) = (132, 3120);
+        for bf16 in [true, false] {
+            assert_eq!(tensor_core_tile(bf16, 96, big, sms).0, 96);
+            assert_eq!(tensor_core_tile(bf16, 192, big, sms).0, 96);
+            // Fewer output channels than any tile: the shortest.
+            assert_eq!(tensor_core_tile(bf16, 3, big, sms).0, 64);
+            // 384 channels of one 60x104 frame (49 pixel tiles): 147 tiles of 128 would leave
+            // the 15 multiprocessors that get two of them as the critical path; 196 tiles of 96
+            // spread it.
+            assert_eq!(tensor_core_tile(bf16, 384, 49, sms).0, 96);
+        }
+        assert_eq!(tensor_core_tile(true, 384, big, sms), (128, "conv3d_tc_bf16_m4"));
+        assert_eq!(tensor_core_tile(true, 768, big, sms).0, 128);
+        assert_eq!(tensor_core_tile(false, 384, big, sms), (96, "conv3d_tc_f32_m3"));
     }
 }

@@ -1,0 +1,83 @@
+// Host stand-ins for the tensor-core conv GEMMs of conv.cu under the fake driver.
+//
+// Emulated lane by lane, a `conv3d_tc_*` block stops at a warp-wide exchange for every `ldmatrix`
+// and `mma` (about 60 per K slice and warp); the model tests under the fake driver would take
+// half an hour. Here each block of the launched grid computes its tile of outputs on the host
+// from the same operands (the channels-last copies the real `conv_input_channels_last_*` and
+// `conv_weight_channels_last_*` kernels made) with the same arithmetic: f32 sums of exact bf16
+// products, or of the three TF32 partial products of each f32 product; the bias added, then one
+// rounding to the storage type. A grid that misses a tile leaves its outputs unwritten (NaN in
+// the fake's fresh allocations), as the kernel would. `cargo xtask kernels-emu` tests the kernels
+// themselves, fragment by fragment, against a plain convolution.
+#pragma once
+
+#include "registry.h"
+
+namespace fake_cuda {
+
+inline float tf32_value(unsigned bits) { return __uint_as_float(bits & ~0x1fffu); }
+
+// One product as the kernel's `mma_slice` forms it.
+inline float tensor_core_product(unsigned short w, unsigned short x, float acc) {
+    return acc + bf16_to_f32(w) * bf16_to_f32(x);
+}
+
+inline float tensor_core_product(float w, float x, float acc) {
+    unsigned w_hi, w_lo, x_hi, x_lo;
+    split_tf32(__float_as_uint(w), w_hi, w_lo);
+    split_tf32(__float_as_uint(x), x_hi, x_lo);
+    acc += tf32_value(w_hi) * tf32_value(x_lo);
+    acc += tf32_value(w_lo) * tf32_value(x_hi);
+    return acc + tf32_value(w_hi) * tf32_value(x_hi);
+}
+
+template <typename T, int MT>
+void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) {
+    const unsigned bm = 32 * MT;
+    const Padded p = padded_of<T>(g);
+    const u64 n_cols = g.n * g.to * g.ho * g.wo, plane = g.to * g.ho * g.wo;
+    const u64 taps = g.kt * g.kh * g.kw, ktot = taps * p.cp;
+    for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx)
+            for (unsigned c = 0; c < TC_BN; ++c) {
+                const u64 col = (u64)bx * TC_BN + c;
+                if (col >= n_cols) continue;
+                const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
+                const u64 b = col / plane;
+                const T* origin =
+                    xp + (((b * p.tp + to * g.stride_t) * p.hp + ho * g.stride) * p.wp + wo * g.stride) * p.cp;
+                for (unsigned row = 0; row < bm; ++row) {
+                    const u64 co = (u64)by * bm + row;
+                    if (co >= g.cout) continue;
+                    float acc = 0.0f;
+                    for (u64 dt = 0; dt < g.kt; ++dt)
+                        for (u64 dy = 0; dy < g.kh; ++dy)
+                            for (u64 dx = 0; dx < g.kw; ++dx) {
+                                const u64 tap = (dt * g.kh + dy) * g.kw + dx;
+                                const T* w = wr + co * ktot + tap * p.cp;
+                                const T* x = origin + ((dt * p.hp + dy) * p.wp + dx) * p.cp;
+                                for (unsigned ci = 0; ci < p.cp; ++ci) acc = tensor_core_product(w[ci], x[ci], acc);
+                            }
+                    store_f32(&out[(b * g.cout + co) * plane + col % plane], acc + (bias ? bias[co] : 0.0f));
+                }
+            }
+}
+
+#define FAKE_CUDA_STAND_IN(kernel, T, MT)                                                              \
+    template <>                                                                                      \
+    struct StandIn<&kernel> {                                                                        \
+        static constexpr bool present = true;                                                        \
+        static void run(dim3 grid, const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) { \
+            conv3d_tc_on_host<T, MT>(grid, xp, wr, bias, out, g);                                    \
+        }                                                                                            \
+    };
+
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m4, unsigned short, 4)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m3, unsigned short, 3)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m2, unsigned short, 2)
+FAKE_CUDA_STAND_IN(conv3d_tc_f32_m3, float, 3)
+FAKE_CUDA_STAND_IN(conv3d_tc_f32_m2, float, 2)
+
+#undef FAKE_CUDA_STAND_IN
+
+}  // namespace fake_cuda
