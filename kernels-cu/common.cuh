@@ -86,3 +86,61 @@ __device__ __forceinline__ void fma_tile_4x4(const float (*As)[LD], const float 
             for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
     }
 }
+
+// ---- Vectorised access for the memory-bound kernels (elementwise, norms, layout) ----
+// A memory-bound kernel reaches the device's bandwidth only with wide accesses: one 16-byte
+// load or store moves 4 f32 or 8 bf16 elements in one instruction. `Pack<B>` is B bytes (8 or 16)
+// as 32-bit words; `pack_load` / `pack_store` need `p` aligned to B bytes (the callers check with
+// `aligned`), and element k of a pack is read and written as f32 whatever the storage type.
+template <int B>
+struct __align__(B) Pack {
+    unsigned int w[B / 4];
+};
+
+__device__ __forceinline__ bool aligned(const void* p, int bytes) {
+    return ((unsigned long long)p & (unsigned long long)(bytes - 1)) == 0;
+}
+
+template <int B>
+__device__ __forceinline__ Pack<B> pack_load(const void* p) {
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const Pack<B>*>(p);
+#else  // the CPU emulator: no aliasing through the struct, and a misaligned access fails as on the GPU
+    if (!aligned(p, B)) ::emu::fail("misaligned %d-byte load", B);
+    Pack<B> v;
+    std::memcpy(&v, p, B);
+    return v;
+#endif
+}
+
+template <int B>
+__device__ __forceinline__ void pack_store(void* p, const Pack<B>& v) {
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<Pack<B>*>(p) = v;
+#else
+    if (!aligned(p, B)) ::emu::fail("misaligned %d-byte store", B);
+    std::memcpy(p, &v, B);
+#endif
+}
+
+// Elements per B-byte pack of storage type T, and element k of a pack as f32 (k a constant after
+// unrolling, so these are register moves). `pack_set` writes into a zeroed pack.
+template <typename T, int B>
+struct PackOf {
+    static constexpr int N = B / (int)sizeof(T);
+};
+
+__device__ __forceinline__ float pack_get(const unsigned int* w, int k, const float*) { return __uint_as_float(w[k]); }
+__device__ __forceinline__ float pack_get(const unsigned int* w, int k, const unsigned short*) {
+    return bf16_to_f32((unsigned short)(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffffu));
+}
+__device__ __forceinline__ void pack_set(unsigned int* w, int k, float v, const float*) { w[k] = __float_as_uint(v); }
+__device__ __forceinline__ void pack_set(unsigned int* w, int k, float v, const unsigned short*) {
+    const unsigned int b = f32_to_bf16(v);  // into a zeroed pack: the two halves of a word are ORed in
+    w[k >> 1] |= k & 1 ? b << 16 : b;
+}
+
+// Grid-stride over `units` with a thread's first unit and the stride, as 64-bit counters (a
+// video activation passes 2^31 elements); no division anywhere.
+#define GRID_STRIDE_FROM(i, first, n) \
+    for (u64 i = (u64)(first) + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)(n); i += (u64)blockDim.x * gridDim.x)

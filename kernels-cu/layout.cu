@@ -14,19 +14,33 @@ struct Box8 {
 };
 
 // Element types do not matter to a copy: one body for f32 and for 16-bit (bf16) storage.
+//
+// The box is walked by rows of its last dimension: a row's offsets are decomposed once (the
+// 64-bit divisions of the other dimensions), then 32 virtual lanes (consecutive threads of the
+// grid-stride range over (row, lane) pairs) step through the row, so a warp reads and writes 32
+// consecutive elements wherever the last dimension is the contiguous one, and the per-element
+// work is one multiply-add per side. Rows shorter than a warp take one thread each. The backend
+// first drops dimensions of extent 1 and merges dimensions that are contiguous in both source and
+// destination (a narrow of whole rows becomes one long row), so rows are as long as they can be.
 template <typename T>
 __device__ __forceinline__ void copy_box_impl(const T* src, T* dst, const Box8& box, u64 n) {
-    GRID_STRIDE(i, n) {
-        u64 rest = i;
+    const int last = box.rank - 1;
+    const u64 e = last >= 0 ? box.extent[last] : 1;
+    const i64 ss = last >= 0 ? box.src_stride[last] : 0, ds = last >= 0 ? box.dst_stride[last] : 0;
+    const u64 rows = e == 0 ? 0 : n / e;
+    const int lanes_log2 = e >= 32 ? 5 : 0;
+    GRID_STRIDE(j, rows << lanes_log2) {
+        u64 rest = j >> lanes_log2;
         i64 s = 0, d = 0;
-        for (int k = box.rank - 1; k >= 0; --k) {
-            const u64 e = box.extent[k];
-            const u64 at = rest % e;
-            rest /= e;
+        for (int k = last - 1; k >= 0; --k) {
+            const u64 ext = box.extent[k];
+            const u64 at = rest % ext;
+            rest /= ext;
             s += (i64)at * box.src_stride[k];
             d += (i64)at * box.dst_stride[k];
         }
-        dst[d] = src[s];
+        const u64 lanes = (u64)1 << lanes_log2;
+        for (u64 i = j & (lanes - 1); i < e; i += lanes) dst[d + (i64)i * ds] = src[s + (i64)i * ss];
     }
 }
 
@@ -40,12 +54,43 @@ extern "C" __global__ void copy_box_u16(const unsigned short* src, unsigned shor
 
 // `F.interpolate(scale_factor=f, mode="nearest")` (and nearest-exact, equal for integer f) of
 // the last two dimensions; `planes` is the product of the leading ones.
+//
+// Each input row `r` (of `planes * h`) is read once and written to output rows `r * f + dy`
+// (no division: `oh = h * f`); 32 virtual lanes (consecutive threads of the grid-stride range over
+// (row, lane) pairs) step through the row, so a warp reads 32 consecutive elements and, for the
+// usual f = 2, stores each one's pair of copies in one access (8 bytes of f32, 4 of bf16; rows of
+// `2w` elements keep pairs aligned).
+// Two copies of an element's bits in one pack (bits, not values: a NaN's payload is kept).
+__device__ __forceinline__ Pack<8> pair_of(float v) {
+    Pack<8> p;
+    p.w[0] = p.w[1] = __float_as_uint(v);
+    return p;
+}
+__device__ __forceinline__ Pack<4> pair_of(unsigned short v) {
+    Pack<4> p;
+    p.w[0] = (unsigned int)v | ((unsigned int)v << 16);
+    return p;
+}
+
 template <typename T>
 __device__ __forceinline__ void upsample_nearest2d_impl(const T* x, T* out, u64 planes, u64 h, u64 w, u64 f) {
-    const u64 oh = h * f, ow = w * f;
-    GRID_STRIDE(i, planes * oh * ow) {
-        const u64 ox = i % ow, oy = (i / ow) % oh, p = i / (ow * oh);
-        out[i] = x[(p * h + oy / f) * w + ox / f];
+    const u64 ow = w * f;
+    const bool pairs = f == 2 && aligned(out, 2 * (int)sizeof(T));
+    GRID_STRIDE(j, planes * h * 32) {
+        const u64 row = j >> 5;
+        const T* xr = x + row * w;
+        T* o = out + row * f * ow;
+        for (u64 ix = j & 31; ix < w; ix += 32) {
+            const T v = xr[ix];
+            if (pairs) {
+                const auto p = pair_of(v);
+                pack_store<2 * sizeof(T)>(o + 2 * ix, p);
+                pack_store<2 * sizeof(T)>(o + ow + 2 * ix, p);
+            } else {
+                for (u64 dy = 0; dy < f; ++dy)
+                    for (u64 dx = 0; dx < f; ++dx) o[dy * ow + ix * f + dx] = v;
+            }
+        }
     }
 }
 

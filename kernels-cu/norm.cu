@@ -7,120 +7,203 @@
 // are f32 in both variants.
 #include "common.cuh"
 
-// `nn.GroupNorm` on `[N, C, spatial]` in four launches, so that a few large groups (32 groups of
-// 16 M elements in an SD decoder at 1024 px) still spread over every SM:
-//   1. `group_norm_sums`: each block sums one chunk of one group (f64), grid (chunks, N * groups);
-//   2. `group_norm_squares`: each block derives its group's mean from the chunk sums and sums the
-//      squared deviations of its chunk (f64): the two-pass variance, exact to f64;
-//   3. `group_norm_stats`: one thread per group: mean and 1 / sqrt(var + eps), in f64;
-//   4. `group_norm_apply`: every element, grid-stride: (x - mean) * (gamma * rstd) + beta in f64,
-//      rounded once (then SiLU when fused).
-// Chunks are `chunk_len` consecutive elements of a group (the last one shorter).
+// `nn.GroupNorm` on `[N, C, spatial]` in three launches, so that a few large groups (32 groups
+// of 16 M elements in an SD decoder at 1024 px) still spread over every SM, reading the input
+// twice (the least without holding a whole group on chip):
+//   1. `group_norm_partials`: each block takes one chunk of `chunk_len` consecutive elements of a
+//      group (the last one shorter; grid (chunks, N * groups), the backend's chunks at most
+//      256 * GN_PER_THREAD long) into registers as f64 and writes its sum and the sum of squared deviations from its
+//      own mean (a two-pass variance over data already on chip: one read of the input);
+//   2. `group_norm_stats`: one block per group combines its chunks (Chan et al.: the group's
+//      M2 is the chunks' M2 plus n_i (mean_i - mean)^2), all in f64: mean and 1 / sqrt(var + eps);
+//   3. `group_norm_apply`: grid (x: pieces of a row, y: rows of `spatial` elements, one per
+//      (sample, channel)): the row's mean, gamma * rstd and beta are loaded once, and each element
+//      is (x - mean) * (gamma * rstd) + beta in f64, rounded once (then SiLU when fused), 16 bytes
+//      per access where the row allows, without any per-element index division.
+// The statistics equal the exact two-pass f64 ones to f64 rounding (about 1e-16 relative), far
+// inside the f32 ulp the results are rounded to.
+#define GN_PER_THREAD 16
+
 template <typename T>
-__device__ __forceinline__ void group_norm_sums_impl(const T* x, double* sums, u64 group_len, u64 chunk_len) {
+__device__ __forceinline__ void group_norm_partials_impl(const T* x, double* partials, u64 group_len, u64 chunk_len) {
     __shared__ double scratch[32];
     const u64 bg = blockIdx.y, chunk = blockIdx.x;
-    const T* xg = x + bg * group_len;
     const u64 start = chunk * chunk_len, end = start + chunk_len < group_len ? start + chunk_len : group_len;
+    const T* xc = x + bg * group_len + start;
+    const u64 len = end - start, held = (u64)GN_PER_THREAD * blockDim.x;
+    // Element k * blockDim.x + t of the chunk in register k of thread t: consecutive threads read
+    // consecutive elements. The backend's chunks fit in the registers (256 threads); elements
+    // beyond them (a smaller block) are read again for the deviations.
+    double v[GN_PER_THREAD];
     double acc = 0.0;
-    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) acc += (double)load_f32(&xg[i]);
-    acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) sums[bg * gridDim.x + chunk] = acc;
-}
-
-// The mean of group `bg` from its `chunks` chunk sums (every thread reads them: a few hundred
-// doubles, cached).
-__device__ __forceinline__ double group_mean(const double* sums, u64 bg, u64 chunks, u64 group_len) {
-    double total = 0.0;
-    for (u64 c = 0; c < chunks; ++c) total += sums[bg * chunks + c];
-    return total / (double)group_len;
-}
-
-template <typename T>
-__device__ __forceinline__ void group_norm_squares_impl(
-    const T* x, const double* sums, double* squares, u64 group_len, u64 chunk_len) {
-    __shared__ double scratch[32];
-    const u64 bg = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x;
-    const double mean = group_mean(sums, bg, chunks, group_len);
-    const T* xg = x + bg * group_len;
-    const u64 start = chunk * chunk_len, end = start + chunk_len < group_len ? start + chunk_len : group_len;
-    double acc = 0.0;
-    for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
-        const double d = (double)load_f32(&xg[i]) - mean;
+#pragma unroll
+    for (int k = 0; k < GN_PER_THREAD; ++k) {
+        const u64 i = (u64)k * blockDim.x + threadIdx.x;
+        v[k] = i < len ? (double)load_f32(&xc[i]) : 0.0;
+        acc += v[k];
+    }
+    for (u64 i = held + threadIdx.x; i < len; i += blockDim.x) acc += (double)load_f32(&xc[i]);
+    const double sum = block_sum(acc, scratch);
+    const double mean = sum / (double)len;
+    acc = 0.0;
+#pragma unroll
+    for (int k = 0; k < GN_PER_THREAD; ++k) {
+        const u64 i = (u64)k * blockDim.x + threadIdx.x;
+        const double d = v[k] - mean;
+        if (i < len) acc += d * d;
+    }
+    for (u64 i = held + threadIdx.x; i < len; i += blockDim.x) {
+        const double d = (double)load_f32(&xc[i]) - mean;
         acc += d * d;
     }
-    acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) squares[bg * chunks + chunk] = acc;
+    const double m2 = block_sum(acc, scratch);
+    if (threadIdx.x == 0) {
+        partials[2 * (bg * gridDim.x + chunk)] = sum;
+        partials[2 * (bg * gridDim.x + chunk) + 1] = m2;
+    }
 }
 
-// `stats[2 * bg]` = mean, `stats[2 * bg + 1]` = 1 / sqrt(var + eps), for `groups_total` groups.
+// `stats[2 * bg]` = mean, `stats[2 * bg + 1]` = 1 / sqrt(var + eps), one block per group (grid-
+// stride over `groups_total`), blockDim.x a multiple of 32.
 extern "C" __global__ void group_norm_stats(
-    const double* sums, const double* squares, double* stats, u64 groups_total, u64 chunks, u64 group_len, float eps) {
-    GRID_STRIDE(bg, groups_total) {
-        const double mean = group_mean(sums, bg, chunks, group_len);
-        double var = 0.0;
-        for (u64 c = 0; c < chunks; ++c) var += squares[bg * chunks + c];
-        var /= (double)group_len;
-        stats[2 * bg] = mean;
-        stats[2 * bg + 1] = 1.0 / sqrt(var + (double)eps);
+    const double* partials, double* stats, u64 groups_total, u64 chunks, u64 group_len, u64 chunk_len, float eps) {
+    __shared__ double scratch[32];
+    for (u64 bg = blockIdx.x; bg < groups_total; bg += gridDim.x) {
+        const double* p = partials + 2 * bg * chunks;
+        double acc = 0.0;
+        for (u64 c = threadIdx.x; c < chunks; c += blockDim.x) acc += p[2 * c];
+        const double mean = block_sum(acc, scratch) / (double)group_len;
+        acc = 0.0;
+        for (u64 c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const u64 n = c + 1 < chunks ? chunk_len : group_len - c * chunk_len;
+            const double d = p[2 * c] / (double)n - mean;
+            acc += p[2 * c + 1] + (double)n * d * d;
+        }
+        const double var = block_sum(acc, scratch) / (double)group_len;
+        if (threadIdx.x == 0) {
+            stats[2 * bg] = mean;
+            stats[2 * bg + 1] = 1.0 / sqrt(var + (double)eps);
+        }
     }
 }
 
 template <typename T>
 __device__ __forceinline__ void group_norm_apply_impl(
     const T* x, T* out, const float* gamma, const float* beta, const double* stats,
-    u64 n, u64 channels, u64 spatial, u64 groups, int fuse_silu) {
+    u64 rows, u64 channels, u64 spatial, u64 groups, int fuse_silu) {
+    constexpr int N = 16 / (int)sizeof(T);
     const u64 per_group = channels / groups;
-    GRID_STRIDE(i, n) {
-        const u64 c = (i / spatial) % channels, b = i / (spatial * channels);
-        const u64 bg = b * groups + c / per_group;
-        const double mean = stats[2 * bg], rstd = stats[2 * bg + 1];
-        const float y = (float)(((double)load_f32(&x[i]) - mean) * ((double)gamma[c] * rstd) + (double)beta[c]);
-        store_f32(&out[i], fuse_silu ? silu(y) : y);
+    // Rows of `spatial` elements start 16-byte aligned when the tensors do and `spatial` is a
+    // multiple of a pack; then whole packs, else element by element.
+    const bool wide = aligned(x, 16) && aligned(out, 16) && spatial % N == 0;
+    for (u64 row = blockIdx.y; row < rows; row += gridDim.y) {
+        const u64 c = row % channels, bg = (row / channels) * groups + c / per_group;
+        const double mean = stats[2 * bg], scale = (double)gamma[c] * stats[2 * bg + 1], shift = (double)beta[c];
+        const T* xr = x + row * spatial;
+        T* orow = out + row * spatial;
+        const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, step = (u64)blockDim.x * gridDim.x;
+        if (wide) {
+            for (u64 p = first; p < spatial / N; p += step) {
+                const Pack<16> a = pack_load<16>(xr + p * N);
+                Pack<16> o = {};
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    const float y = (float)(((double)pack_get(a.w, k, x) - mean) * scale + shift);
+                    pack_set(o.w, k, fuse_silu ? silu(y) : y, out);
+                }
+                pack_store<16>(orow + p * N, o);
+            }
+        } else {
+            for (u64 i = first; i < spatial; i += step) {
+                const float y = (float)(((double)load_f32(&xr[i]) - mean) * scale + shift);
+                store_f32(&orow[i], fuse_silu ? silu(y) : y);
+            }
+        }
     }
 }
 
 // Wan's `WanRMS_norm` on `[N, C, inner]`: each pixel's channel vector divided by
-// `max(||x||_2, eps)`, times `sqrt(C) * gamma[c]` (+ `bias[c]` when given). One thread per pixel;
-// consecutive threads read consecutive pixels of a channel, so loads coalesce.
+// `max(||x||_2, eps)`, times `sqrt(C) * gamma[c]` (+ `bias[c]` when given).
+//
+// A block is `blockDim.x` pixel lanes by `blockDim.y` channel slices (the backend: 32 x
+// ceil(C / RMS_PER_THREAD), at most 32) and takes tiles of `blockDim.x` consecutive pixels of
+// one sample, grid-stride: lane x of slice y reads channels y, y + blockDim.y, ... of its pixel
+// (a warp reads 32 consecutive pixels of one channel: coalesced), keeps the first RMS_PER_THREAD
+// in registers, sums their squares in f64, and the slices' sums meet in shared memory; then the
+// same thread scales the values it holds (channels beyond the registers are read again). So the
+// input is read once and written once with all of the device's threads busy, where one thread
+// per pixel walking every channel twice left most SMs idle at Wan's 384 channels. Any launch
+// shape is correct (blockDim.x * blockDim.y at most 1024).
+#define RMS_PER_THREAD 12
+
 template <typename T>
 __device__ __forceinline__ void rms_norm_channels_impl(
     const T* x, T* out, const float* gamma, const float* bias,
     u64 batch, u64 channels, u64 inner, float eps, int fuse_silu) {
+    __shared__ double partial[1024];
     const double scale = sqrt((double)channels);
-    GRID_STRIDE(p, batch * inner) {
-        const u64 b = p / inner, s = p % inner;
-        const T* xp = x + b * channels * inner + s;
-        T* op = out + b * channels * inner + s;
+    const unsigned lanes = blockDim.x, slices = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    // This thread's channels: ty, ty + slices, ... (`mine` of them), the first RMS_PER_THREAD in
+    // registers; walked by pointer steps of `step` elements.
+    const u64 mine = channels > ty ? (channels - ty + slices - 1) / slices : 0, step = (u64)slices * inner;
+    const u64 tiles_per_sample = (inner + lanes - 1) / lanes, tiles = batch * tiles_per_sample;
+    for (u64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const u64 b = tile / tiles_per_sample, s = (tile - b * tiles_per_sample) * lanes + tx;
+        const unsigned held = s < inner ? (unsigned)(mine < RMS_PER_THREAD ? mine : RMS_PER_THREAD) : 0u;
+        const u64 rest = s < inner ? mine : 0;
+        const u64 at = (b * channels + ty) * inner + s;  // element (b, ty, s)
+        float v[RMS_PER_THREAD];
         double sq = 0.0;
-        for (u64 c = 0; c < channels; ++c) {
-            const double v = load_f32(&xp[c * inner]);
-            sq += v * v;
+        const T* xp = x + at;
+#pragma unroll
+        for (unsigned k = 0; k < RMS_PER_THREAD; ++k) {
+            v[k] = 0.0f;
+            if (k < held) v[k] = load_f32(xp + k * step);
         }
-        const double inv = 1.0 / fmax(sqrt(sq), (double)eps);
-        for (u64 c = 0; c < channels; ++c) {
-            double y = (double)load_f32(&xp[c * inner]) * inv * ((double)gamma[c] * scale);
-            if (bias) y += (double)bias[c];
+#pragma unroll
+        for (int k = 0; k < RMS_PER_THREAD; ++k) sq += (double)v[k] * (double)v[k];
+        for (u64 k = RMS_PER_THREAD; k < rest; ++k) {
+            const double d = load_f32(xp + k * step);
+            sq += d * d;
+        }
+        partial[ty * lanes + tx] = sq;
+        __syncthreads();
+        double total = 0.0;
+        for (unsigned j = 0; j < slices; ++j) total += partial[j * lanes + tx];
+        __syncthreads();  // every thread has its total before the next tile overwrites `partial`
+        const double inv = 1.0 / fmax(sqrt(total), (double)eps);
+        T* op = out + at;
+        const float* gp = gamma + ty;
+        const float* bp = bias ? bias + ty : nullptr;
+#pragma unroll
+        for (unsigned k = 0; k < RMS_PER_THREAD; ++k) {
+            if (k < held) {
+                double y = (double)v[k] * inv * ((double)gp[k * slices] * scale);
+                if (bp) y += (double)bp[k * slices];
+                const float yf = (float)y;
+                store_f32(op + k * step, fuse_silu ? silu(yf) : yf);
+            }
+        }
+        for (u64 k = RMS_PER_THREAD; k < rest; ++k) {
+            double y = (double)load_f32(xp + k * step) * inv * ((double)gp[k * slices] * scale);
+            if (bp) y += (double)bp[k * slices];
             const float yf = (float)y;
-            store_f32(&op[c * inner], fuse_silu ? silu(yf) : yf);
+            store_f32(op + k * step, fuse_silu ? silu(yf) : yf);
         }
     }
 }
 
 #define NORMS(SUFFIX, T)                                                                                  \
-    extern "C" __global__ void group_norm_sums_##SUFFIX(const T* x, double* sums, u64 group_len, u64 chunk_len) { \
-        group_norm_sums_impl(x, sums, group_len, chunk_len);                                               \
-    }                                                                                                     \
-    extern "C" __global__ void group_norm_squares_##SUFFIX(                                               \
-        const T* x, const double* sums, double* squares, u64 group_len, u64 chunk_len) {                  \
-        group_norm_squares_impl(x, sums, squares, group_len, chunk_len);                                  \
+    extern "C" __global__ void __launch_bounds__(256) group_norm_partials_##SUFFIX(                       \
+        const T* x, double* partials, u64 group_len, u64 chunk_len) {                                     \
+        group_norm_partials_impl(x, partials, group_len, chunk_len);                                       \
     }                                                                                                     \
     extern "C" __global__ void group_norm_apply_##SUFFIX(                                                 \
         const T* x, T* out, const float* gamma, const float* beta, const double* stats,                  \
-        u64 n, u64 channels, u64 spatial, u64 groups, int fuse_silu) {                                    \
-        group_norm_apply_impl(x, out, gamma, beta, stats, n, channels, spatial, groups, fuse_silu);       \
+        u64 rows, u64 channels, u64 spatial, u64 groups, int fuse_silu) {                                 \
+        group_norm_apply_impl(x, out, gamma, beta, stats, rows, channels, spatial, groups, fuse_silu);    \
     }                                                                                                     \
-    extern "C" __global__ void rms_norm_channels_##SUFFIX(                                                \
+    extern "C" __global__ void __launch_bounds__(768) rms_norm_channels_##SUFFIX(                        \
         const T* x, T* out, const float* gamma, const float* bias,                                        \
         u64 batch, u64 channels, u64 inner, float eps, int fuse_silu) {                                   \
         rms_norm_channels_impl(x, out, gamma, bias, batch, channels, inner, eps, fuse_silu);              \

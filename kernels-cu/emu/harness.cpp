@@ -154,6 +154,17 @@ dim3 elementwise_grid(std::uint64_t n) {
     return dim3((unsigned)blocks);
 }
 
+dim3 streaming_grid(std::uint64_t units) {
+    const std::uint64_t blocks = std::clamp<std::uint64_t>((units + 255) / 256, 1, 132 * 8 * 4);
+    return dim3((unsigned)blocks);
+}
+
+std::vector<LaunchShape> streaming_shapes(std::uint64_t units) {
+    auto shapes = grid_stride_shapes(units);
+    shapes[0] = {"backend launch", streaming_grid(units), dim3(256)};
+    return shapes;
+}
+
 std::vector<LaunchShape> grid_stride_shapes(std::uint64_t n) {
     return {
         {"backend launch", elementwise_grid(n), dim3(256)},

@@ -133,6 +133,13 @@ struct LaunchShape {
 // block.
 std::vector<LaunchShape> grid_stride_shapes(std::uint64_t n);
 
+// The backend's launch of the memory-bound kernels over `units` work items (`streaming()` in
+// cuda/backend.rs, on the fake driver's 132 SMs): blocks of 256, at most 32 per SM.
+dim3 streaming_grid(std::uint64_t units);
+
+// `grid_stride_shapes` with the backend's streaming launch over `units` first.
+std::vector<LaunchShape> streaming_shapes(std::uint64_t units);
+
 // A number as %g prints it, for case names.
 std::string num(double v);
 

@@ -1,5 +1,7 @@
 // elementwise.cu: each kernel under every grid-stride launch shape, on sizes that are no multiple
-// of a block or a warp, with NaN, infinities, signed zeros, subnormals and huge values mixed in.
+// of a block, a warp or a 16-byte pack (a tail after the packs), with NaN, infinities, signed
+// zeros, subnormals and huge values mixed in, and with operands one element off 16-byte alignment
+// (the element-by-element path; for add, one operand alone).
 // Every kernel but SiLU has a defined result (f32 operations, then one rounding to the storage
 // type), so those are compared bit for bit.
 #include "elementwise.cu"
@@ -23,6 +25,25 @@ std::vector<float> mixed_f32(std::size_t n, std::uint64_t seed, float scale) {
     return v;
 }
 
+// A copy of `v` that starts `off` elements into its buffer (vectors are 16-byte aligned, so
+// `off = 1` misaligns every 16-byte access), with sentinels around it that must survive.
+template <typename T>
+struct At {
+    std::vector<T> buf;
+    std::size_t off, n;
+    At(const std::vector<T>& v, std::size_t off_) : buf(v.size() + 2, Storage<T>::from_f32(-777.0f)), off(off_), n(v.size()) {
+        std::copy(v.begin(), v.end(), buf.begin() + (std::ptrdiff_t)off);
+    }
+    T* ptr() { return buf.data() + off; }
+    std::vector<T> get() const { return std::vector<T>(buf.begin() + (std::ptrdiff_t)off, buf.begin() + (std::ptrdiff_t)(off + n)); }
+    bool pads_intact() const {
+        const T pad = Storage<T>::from_f32(-777.0f);
+        for (std::size_t i = 0; i < buf.size(); ++i)
+            if ((i < off || i >= off + n) && std::memcmp(&buf[i], &pad, sizeof(T)) != 0) return false;
+        return true;
+    }
+};
+
 // A value no kernel writes, to see that an output was written exactly where expected.
 template <typename T>
 T sentinel() {
@@ -31,14 +52,25 @@ T sentinel() {
 
 // Runs `launch(shape, out)` for every launch shape on a fresh copy of `init` and checks the
 // result bit for bit against `want`.
+// `launch(shape, out, off)` gets the output at element offset `off` (0 and 1) and puts its
+// inputs at the same offset.
+// The backend launches one thread per 16-byte pack of the output (4 elements for the casts).
+template <typename T>
+std::uint64_t packs(std::uint64_t n) {
+    return (n + 16 / sizeof(T) - 1) / (16 / sizeof(T));
+}
+
 template <typename T, typename Launch>
 void exact_all_shapes(Check& check, const std::string& what, std::uint64_t n, const std::vector<T>& init,
-                      const std::vector<T>& want, Launch launch) {
-    for (const auto& shape : grid_stride_shapes(n)) {
-        std::vector<T> out = init;
-        launch(shape, out);
-        check.exact(what + ", " + shape.name, out, want);
-    }
+                      const std::vector<T>& want, Launch launch, std::uint64_t units = 0) {
+    for (const std::size_t off : {0, 1})
+        for (const auto& shape : streaming_shapes(units ? units : packs<T>(n))) {
+            At<T> out(init, off);
+            launch(shape, out.ptr(), off);
+            const std::string name = what + ", " + shape.name + (off ? ", misaligned" : "");
+            check.exact(name, out.get(), want);
+            check.exact(name + ", padding", std::vector<T>{out.pads_intact() ? T(0) : T(1)}, std::vector<T>{T(0)});
+        }
 }
 
 template <typename T>
@@ -51,14 +83,23 @@ void test_add(Check& check, const char* name, void (*kernel)(const T*, const T*,
             want[i] = Storage<T>::from_f32((float)Storage<T>::value(a[i]) + (float)Storage<T>::value(b[i]));
         }
         exact_all_shapes(check, "n " + std::to_string(n), n, std::vector<T>(n, sentinel<T>()), want,
-                         [&](const LaunchShape& s, std::vector<T>& out) {
-                             emu::launch(name, kernel, s.grid, s.block, a.data(), b.data(), out.data(), n);
+                         [&](const LaunchShape& s, T* out, std::size_t off) {
+                             At<T> da(a, off), db(b, off);
+                             emu::launch(name, kernel, s.grid, s.block, da.ptr(), db.ptr(), out, n);
+                         });
+        // One operand off alignment, the others aligned: element by element.
+        exact_all_shapes(check, "n " + std::to_string(n) + ", b alone misaligned", n,
+                         std::vector<T>(n, sentinel<T>()), want, [&](const LaunchShape& s, T* out, std::size_t off) {
+                             At<T> db(b, 1 - off);
+                             emu::launch(name, kernel, s.grid, s.block, a.data(), db.ptr(), out, n);
                          });
     }
 }
 
-template <typename T>
-void test_silu(Check& check, const char* name, void (*kernel)(T*, u64)) {
+// `run(shape, x, n)` gives SiLU of `x` (in place or into a new vector); every result must also be
+// bit-identical to the in-place kernel's on the aligned input (fused and separate paths agree).
+template <typename T, typename Run>
+void test_silu(Check& check, Run run) {
     for (const std::uint64_t n : kSizes) {
         const auto x = to_storage<T>(mixed_f32(n, 3 + n, 12.0f));
         std::vector<double> want(n), bound(n);
@@ -67,12 +108,34 @@ void test_silu(Check& check, const char* name, void (*kernel)(T*, u64)) {
             // __expf is within about 1e-6 relative for these arguments; then the storage rounding.
             bound[i] = (1e-5 + Storage<T>::rounding) * std::fabs(want[i]) + 1e-37;
         }
-        for (const auto& s : grid_stride_shapes(n)) {
-            std::vector<T> y = x;
-            emu::launch(name, kernel, s.grid, s.block, y.data(), n);
-            check.near("n " + std::to_string(n) + ", " + s.name, values(y), want, bound);
-        }
+        std::vector<T> first;
+        for (const std::size_t off : {0, 1})
+            for (const auto& s : streaming_shapes(packs<T>(n))) {
+                At<T> in(x, off);
+                const std::vector<T> y = run(s, in, n);
+                const std::string what = "n " + std::to_string(n) + ", " + s.name + (off ? ", misaligned" : "");
+                check.near(what, values(y), want, bound);
+                if (first.empty()) first = y;
+                check.exact(what + ", as the first launch", y, first);
+            }
     }
+}
+
+template <typename T>
+void test_silu_inplace(Check& check, const char* name, void (*kernel)(T*, u64)) {
+    test_silu<T>(check, [&](const LaunchShape& s, At<T>& x, u64 n) {
+        emu::launch(name, kernel, s.grid, s.block, x.ptr(), n);
+        return x.get();
+    });
+}
+
+template <typename T>
+void test_silu_into(Check& check, const char* name, void (*kernel)(const T*, T*, u64)) {
+    test_silu<T>(check, [&](const LaunchShape& s, At<T>& x, u64 n) {
+        At<T> out(std::vector<T>(n, sentinel<T>()), x.off);
+        emu::launch(name, kernel, s.grid, s.block, x.ptr(), out.ptr(), n);
+        return x.pads_intact() && out.pads_intact() ? out.get() : std::vector<T>{};
+    });
 }
 
 // PyTorch's clamp, as the CPU op: NaN stays NaN, `lo > hi` gives `hi` everywhere.
@@ -90,8 +153,8 @@ void test_clamp(Check& check, const char* name, void (*kernel)(T*, u64, float, f
             std::vector<T> want(n);
             for (std::size_t i = 0; i < n; ++i) want[i] = Storage<T>::from_f32(clamp_ref((float)Storage<T>::value(x[i]), lo, hi));
             const std::string what = "n " + std::to_string(n) + ", [" + num(lo) + ", " + num(hi) + "]";
-            exact_all_shapes(check, what, n, x, want, [&](const LaunchShape& s, std::vector<T>& y) {
-                emu::launch(name, kernel, s.grid, s.block, y.data(), n, lo, hi);
+            exact_all_shapes(check, what, n, x, want, [&](const LaunchShape& s, T* y, std::size_t) {
+                emu::launch(name, kernel, s.grid, s.block, y, n, lo, hi);
             });
         }
     }
@@ -111,8 +174,9 @@ void test_affine(Check& check, const char* name, void (*kernel)(const T*, T*, u6
             }
             const std::string what = "n " + std::to_string(n) + ", x * " + num(mul) + " + " + num(add);
             exact_all_shapes(check, what, n, std::vector<T>(n, sentinel<T>()), want,
-                             [&](const LaunchShape& s, std::vector<T>& out) {
-                                 emu::launch(name, kernel, s.grid, s.block, x.data(), out.data(), n, mul, add);
+                             [&](const LaunchShape& s, T* out, std::size_t off) {
+                                 At<T> dx(x, off);
+                                 emu::launch(name, kernel, s.grid, s.block, dx.ptr(), out, n, mul, add);
                              });
         }
     }
@@ -139,8 +203,9 @@ void test_channel_affine(Check& check, const char* name,
         const std::string what =
             std::to_string(batch) + "x" + std::to_string(channels) + "x" + std::to_string(inner);
         exact_all_shapes(check, what, n, std::vector<T>(n, sentinel<T>()), want,
-                         [&](const LaunchShape& s, std::vector<T>& out) {
-                             emu::launch(name, kernel, s.grid, s.block, x.data(), out.data(), scale.data(),
+                         [&](const LaunchShape& s, T* out, std::size_t off) {
+                             At<T> dx(x, off);
+                             emu::launch(name, kernel, s.grid, s.block, dx.ptr(), out, scale.data(),
                                          shift.data(), channels, inner, n);
                          });
     }
@@ -150,8 +215,10 @@ void test_channel_affine(Check& check, const char* name,
 
 KERNEL_TEST(add_f32) { test_add<float>(check, KERNEL(add_f32)); }
 KERNEL_TEST(add_bf16) { test_add<u16>(check, KERNEL(add_bf16)); }
-KERNEL_TEST(silu_f32) { test_silu<float>(check, KERNEL(silu_f32)); }
-KERNEL_TEST(silu_bf16) { test_silu<u16>(check, KERNEL(silu_bf16)); }
+KERNEL_TEST(silu_f32) { test_silu_inplace<float>(check, KERNEL(silu_f32)); }
+KERNEL_TEST(silu_bf16) { test_silu_inplace<u16>(check, KERNEL(silu_bf16)); }
+KERNEL_TEST(silu_into_f32) { test_silu_into<float>(check, KERNEL(silu_into_f32)); }
+KERNEL_TEST(silu_into_bf16) { test_silu_into<u16>(check, KERNEL(silu_into_bf16)); }
 KERNEL_TEST(clamp_f32) { test_clamp<float>(check, KERNEL(clamp_f32)); }
 KERNEL_TEST(clamp_bf16) { test_clamp<u16>(check, KERNEL(clamp_bf16)); }
 KERNEL_TEST(affine_f32) { test_affine<float>(check, KERNEL(affine_f32)); }
@@ -177,9 +244,10 @@ KERNEL_TEST(cast_f32_bf16) {
     std::vector<u16> want(n);
     for (std::size_t i = 0; i < n; ++i) want[i] = bf16_from_f32(x[i]);
     exact_all_shapes(check, "4099 patterns", n, std::vector<u16>(n, 0x1234), want,
-                     [&](const LaunchShape& s, std::vector<u16>& out) {
-                         EMU_LAUNCH(cast_f32_bf16, s.grid, s.block, x.data(), out.data(), n);
-                     });
+                     [&](const LaunchShape& s, u16* out, std::size_t off) {
+                         At<float> dx(x, off);
+                         EMU_LAUNCH(cast_f32_bf16, s.grid, s.block, dx.ptr(), out, n);
+                     }, (n + 3) / 4);
 }
 
 // All 65536 bf16 patterns; a NaN keeps its payload (shifted), as PyTorch's widening does.
@@ -196,7 +264,8 @@ KERNEL_TEST(cast_bf16_f32) {
         }
     }
     exact_all_shapes(check, "65536 patterns", n, std::vector<float>(n, -1.0f), want,
-                     [&](const LaunchShape& s, std::vector<float>& out) {
-                         EMU_LAUNCH(cast_bf16_f32, s.grid, s.block, x.data(), out.data(), n);
-                     });
+                     [&](const LaunchShape& s, float* out, std::size_t off) {
+                         At<u16> dx(x, off);
+                         EMU_LAUNCH(cast_bf16_f32, s.grid, s.block, dx.ptr(), out, n);
+                     }, (n + 3) / 4);
 }

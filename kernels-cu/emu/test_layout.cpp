@@ -61,6 +61,11 @@ std::vector<BoxCase> box_cases() {
         {"strided column (halo pack)", 400, 130, 3, 0, {130}, {3}, {1}},
         {"halo unpack into a padded plane", 2 * 5 * 9 * 11, 2 * 5 * 11 * 13, 0, 14, {2, 5, 9, 11}, {495, 99, 11, 1},
          {715, 143, 13, 1}},
+        // Rows of at least 32 elements take 32 lanes each (partial last pass of the lanes).
+        {"narrow of rows of 70 in [3,4,80]", 3 * 4 * 80, 3 * 4 * 70, 5, 0, {3, 4, 70}, {320, 80, 1}, {280, 70, 1}},
+        {"permute NCHW -> NHWC, 40 channels", 40 * 6, 40 * 6, 0, 0, {6, 40}, {1, 6}, {40, 1}},
+        {"one row of 33", 33, 40, 0, 7, {33}, {1}, {1}},
+        {"a single element (rank 0)", 3, 3, 2, 1, {}, {}, {}},
     };
 }
 
@@ -84,7 +89,8 @@ void test_copy_box(Check& check, const char* name, void (*kernel)(const T*, T*, 
             }
         }
         const Box8 box = make_box(c.extent, c.src_stride, c.dst_stride);
-        for (const auto& s : grid_stride_shapes(n)) {
+        const u64 last = c.extent.empty() ? 1 : c.extent.back();
+        for (const auto& s : streaming_shapes(n / last * (last >= 32 ? 32 : 1))) {
             std::vector<T> dst = init;
             emu::launch(name, kernel, s.grid, s.block, src.data() + c.src_offset, dst.data() + c.dst_offset, box, n);
             check.exact(std::string(c.name) + ", " + s.name, dst, want);
@@ -100,7 +106,8 @@ std::vector<T> unwritten(std::size_t n) {
 
 template <typename T>
 void test_upsample(Check& check, const char* name, void (*kernel)(const T*, T*, u64, u64, u64, u64)) {
-    const u64 cases[][4] = {{6, 5, 7, 3}, {2, 1, 4, 2}, {3, 4, 4, 1}};  // planes, h, w, factor
+    // planes, h, w, factor: rows shorter and longer than the 32 lanes, the paired stores of f = 2.
+    const u64 cases[][4] = {{6, 5, 7, 3}, {2, 1, 4, 2}, {3, 4, 4, 1}, {2, 3, 45, 2}, {1, 2, 70, 3}};
     for (const auto& [planes, h, w, f] : cases) {
         const auto x = to_storage<T>(random_f32(planes * h * w, 63, -3.0f, 3.0f));
         const u64 oh = h * f, ow = w * f;
@@ -113,11 +120,15 @@ void test_upsample(Check& check, const char* name, void (*kernel)(const T*, T*, 
                             want[(p * oh + y * f + dy) * ow + xx * f + dx] = x[(p * h + y) * w + xx];
         const std::string what = std::to_string(planes) + "x" + std::to_string(h) + "x" + std::to_string(w) + " x" +
                                  std::to_string(f);
-        for (const auto& s : grid_stride_shapes(want.size())) {
-            auto out = unwritten<T>(want.size());
-            emu::launch(name, kernel, s.grid, s.block, x.data(), out.data(), planes, h, w, f);
-            check.exact(what + ", " + s.name, out, want);
-        }
+        for (const std::size_t off : {0, 1})  // an output off alignment: element stores
+            for (const auto& s : streaming_shapes(planes * h * 32)) {
+                auto out = unwritten<T>(want.size() + 1);
+                emu::launch(name, kernel, s.grid, s.block, x.data(), out.data() + off, planes, h, w, f);
+                const std::vector<T> got(out.begin() + (std::ptrdiff_t)off, out.begin() + (std::ptrdiff_t)(off + want.size()));
+                check.exact(what + ", " + s.name + (off ? ", misaligned output" : ""), got, want);
+                check.exact(what + ", " + s.name + ", untouched past the end", std::vector<T>{out[off ? 0 : want.size()]},
+                            std::vector<T>{Storage<T>::from_f32(-12345.0f)});
+            }
     }
 }
 

@@ -1,12 +1,15 @@
 // norm.cu: GroupNorm and Wan's channel RMS norm, f32 and bf16 storage, with and without the fused
-// SiLU, against f64 references. GroupNorm's chunk sums and squared deviations run one block per
-// (chunk, sample and group) with the backend's 256 threads and with 64 and 1024 (the f64 block
-// reductions take any multiple of 32), over one chunk per group and several with a short last
-// one; the groups are shorter than a warp, longer than the block, offset from zero, and
-// constant; the statistics are checked on a hand example and the four launches together against
-// the f64 GroupNorm. The RMS norm
-// runs under every grid-stride launch shape, with and without a bias, over one channel and many,
-// and over a pixel whose channels are all zero (divided by eps, not by zero).
+// SiLU, against f64 references. GroupNorm's chunk partials (sum, squared deviations from the
+// chunk's own mean) run one block per (chunk, sample and group) with the backend's 256 threads
+// and with 64 and 128 (chunks longer than the registers hold: the rest is read twice), over one
+// chunk per group and several with a short last one; the groups are shorter than a warp, longer
+// than the block, offset from zero, and constant; the statistics (one block per group, Chan's
+// combination) against the exact two-pass f64 ones, and the three launches together against the
+// f64 GroupNorm, with the apply under its backend grid (rows in y, pieces of a row in x), grids
+// too small in either direction, rows that are and are not whole 16-byte packs, and tensors off
+// alignment. The RMS norm runs under the backend's 32 x slices blocks (channels held in registers
+// and channels read again), other 2-D and 1-D blocks and grids too small, with and without a bias,
+// over one channel and many, and over a pixel whose channels are all zero (divided by eps).
 #include "norm.cu"
 
 #include "harness.h"
@@ -32,6 +35,8 @@ const GroupCase kGroupCases[] = {
     {"1x6x1000, 3 groups, chunks of 333, offset 3, SiLU", 1, 6, 1000, 3, 333, 3.0f, false, true},
     {"1x8x5, 8 groups, chunks of 2", 1, 8, 5, 8, 2, 0.0f, false, false},
     {"2x4x7, constant groups", 2, 4, 7, 2, 5, 0.5f, true, false},
+    {"1x4x4096, 2 groups, chunks of 4096, offset 1000", 1, 4, 4096, 2, 4096, 1000.0f, false, false},
+    {"2x6x64, 3 groups, chunks of 100 (whole packs per row), SiLU", 2, 6, 64, 3, 100, 0.0f, false, true},
 };
 
 // One case's input and its f64 statistics per (sample, group) and chunk.
@@ -39,7 +44,7 @@ template <typename T>
 struct GroupData {
     std::vector<T> x;
     std::vector<float> gamma, beta;
-    std::vector<double> xv, sums, squares, means, vars;
+    std::vector<double> xv, partials, means, vars;
     u64 group_len, groups_total, chunks;
 
     explicit GroupData(const GroupCase& c) {
@@ -53,19 +58,24 @@ struct GroupData {
         group_len = c.channels / c.groups * c.spatial;
         groups_total = c.batch * c.groups;
         chunks = (group_len + c.chunk_len - 1) / c.chunk_len;
-        sums.assign(groups_total * chunks, 0.0);
-        squares.assign(groups_total * chunks, 0.0);
+        partials.assign(2 * groups_total * chunks, 0.0);
         means.assign(groups_total, 0.0);
         vars.assign(groups_total, 0.0);
         for (u64 bg = 0; bg < groups_total; ++bg) {
-            for (u64 i = 0; i < group_len; ++i) sums[bg * chunks + i / c.chunk_len] += xv[bg * group_len + i];
-            for (u64 k = 0; k < chunks; ++k) means[bg] += sums[bg * chunks + k];
-            means[bg] /= (double)group_len;
-            for (u64 i = 0; i < group_len; ++i) {
-                const double d = xv[bg * group_len + i] - means[bg];
-                squares[bg * chunks + i / c.chunk_len] += d * d;
+            const double* g = &xv[bg * group_len];
+            for (u64 k = 0; k < chunks; ++k) {
+                const u64 start = k * c.chunk_len, end = std::min(start + c.chunk_len, group_len);
+                double sum = 0.0, m2 = 0.0;
+                for (u64 i = start; i < end; ++i) sum += g[i];
+                const double mean = sum / (double)(end - start);
+                for (u64 i = start; i < end; ++i) m2 += (g[i] - mean) * (g[i] - mean);
+                partials[2 * (bg * chunks + k)] = sum;
+                partials[2 * (bg * chunks + k) + 1] = m2;
             }
-            for (u64 k = 0; k < chunks; ++k) vars[bg] += squares[bg * chunks + k];
+            // The exact two-pass statistics of the whole group.
+            for (u64 i = 0; i < group_len; ++i) means[bg] += g[i];
+            means[bg] /= (double)group_len;
+            for (u64 i = 0; i < group_len; ++i) vars[bg] += (g[i] - means[bg]) * (g[i] - means[bg]);
             vars[bg] /= (double)group_len;
         }
     }
@@ -77,43 +87,31 @@ struct GroupData {
 double sum_bound(double scale, u64 n) { return 1e-13 * scale * (double)n; }
 
 template <typename T>
-void test_group_sums(Check& check, const char* name, void (*kernel)(const T*, double*, u64, u64)) {
+void test_group_partials(Check& check, const char* name, void (*kernel)(const T*, double*, u64, u64)) {
     for (const GroupCase& c : kGroupCases) {
         const GroupData<T> d(c);
-        for (const unsigned threads : {256u, 64u, 1024u}) {
-            std::vector<double> sums(d.sums.size(), NAN);
-            emu::launch(name, kernel, d.per_chunk(), dim3(threads), d.x.data(), sums.data(), d.group_len, c.chunk_len);
-            check.near(std::string(c.name) + ", " + std::to_string(threads) + " threads", sums, d.sums,
-                       sum_bound(std::fabs(c.offset) + 1.0, c.chunk_len), 0.0);
+        for (const unsigned threads : {256u, 64u, 128u}) {
+            std::vector<double> partials(d.partials.size(), NAN);
+            emu::launch(name, kernel, d.per_chunk(), dim3(threads), d.x.data(), partials.data(), d.group_len,
+                        c.chunk_len);
+            std::vector<double> bound(partials.size());
+            for (std::size_t i = 0; i < bound.size(); ++i)
+                bound[i] = i % 2 == 0 ? sum_bound(std::fabs(c.offset) + 1.0, c.chunk_len) : sum_bound(4.0, c.chunk_len) + 1e-12 * std::fabs(d.partials[i]);
+            check.near(std::string(c.name) + ", " + std::to_string(threads) + " threads", partials, d.partials, bound);
         }
     }
 }
 
-template <typename T>
-void test_group_squares(Check& check, const char* name,
-                        void (*kernel)(const T*, const double*, double*, u64, u64)) {
-    for (const GroupCase& c : kGroupCases) {
-        const GroupData<T> d(c);
-        for (const unsigned threads : {256u, 64u, 1024u}) {
-            std::vector<double> squares(d.squares.size(), NAN);
-            emu::launch(name, kernel, d.per_chunk(), dim3(threads), d.x.data(), d.sums.data(), squares.data(),
-                        d.group_len, c.chunk_len);
-            check.near(std::string(c.name) + ", " + std::to_string(threads) + " threads", squares, d.squares,
-                       sum_bound(4.0, c.chunk_len), 1e-12);
-        }
-    }
-}
-
-// The four launches as the backend makes them, against the f64 GroupNorm (then SiLU).
+// The three launches as the backend makes them (the apply under several grids), against the f64
+// GroupNorm (then SiLU).
 template <typename T>
 void test_group_apply(Check& check, const char* name,
                       void (*kernel)(const T*, T*, const float*, const float*, const double*, u64, u64, u64, u64, int),
-                      void (*sums_kernel)(const T*, double*, u64, u64),
-                      void (*squares_kernel)(const T*, const double*, double*, u64, u64)) {
+                      void (*partials_kernel)(const T*, double*, u64, u64)) {
     const float eps = 1e-6f;
     for (const GroupCase& c : kGroupCases) {
         const GroupData<T> d(c);
-        const u64 len = d.x.size(), per_group = c.channels / c.groups;
+        const u64 len = d.x.size(), per_group = c.channels / c.groups, rows = c.batch * c.channels;
         std::vector<double> want(len), bound(len);
         for (u64 i = 0; i < len; ++i) {
             const u64 ch = (i / c.spatial) % c.channels, bg = (i / (c.spatial * c.channels)) * c.groups + ch / per_group;
@@ -124,19 +122,30 @@ void test_group_apply(Check& check, const char* name,
             bound[i] = (c.silu ? 2e-6 : 0x1p-24) * std::fabs(want[i]) + 1e-12 * (1.0 + std::fabs(y)) +
                        Storage<T>::rounding * std::fabs(want[i]);
         }
-        std::vector<double> sums(d.sums.size()), squares(d.squares.size());
-        std::vector<double> stats(2 * d.groups_total);
-        EMU_LAUNCH(sums_kernel, d.per_chunk(), dim3(256), d.x.data(), sums.data(), d.group_len, c.chunk_len);
-        EMU_LAUNCH(squares_kernel, d.per_chunk(), dim3(256), d.x.data(), sums.data(), squares.data(), d.group_len,
-                   c.chunk_len);
-        EMU_LAUNCH(group_norm_stats, dim3(1), dim3(256), sums.data(), squares.data(), stats.data(), d.groups_total,
-                   d.chunks, d.group_len, eps);
-        for (const auto& shape : grid_stride_shapes(len)) {
-            std::vector<T> out(len, Storage<T>::from_f32(NAN));
-            emu::launch(name, kernel, shape.grid, shape.block, d.x.data(), out.data(), d.gamma.data(), d.beta.data(),
-                        stats.data(), (u64)len, c.channels, c.spatial, c.groups, c.silu ? 1 : 0);
-            check.near(std::string(c.name) + ", " + shape.name, values(out), want, bound);
-        }
+        std::vector<double> partials(d.partials.size()), stats(2 * d.groups_total);
+        EMU_LAUNCH(partials_kernel, d.per_chunk(), dim3(256), d.x.data(), partials.data(), d.group_len, c.chunk_len);
+        EMU_LAUNCH(group_norm_stats, dim3((unsigned)d.groups_total), dim3(256), partials.data(), stats.data(),
+                   d.groups_total, d.chunks, d.group_len, c.chunk_len, eps);
+        // The backend's grid: rows in y, enough pieces of a row in x for 132 * 32 blocks.
+        const u64 pack = 16 / sizeof(T), per_row = std::max<u64>(1, (c.spatial + pack * 256 - 1) / (pack * 256));
+        const u64 backend_x = std::max<u64>(1, std::min<u64>(per_row, (132 * 32 + rows - 1) / rows));
+        const LaunchShape shapes[] = {
+            {"backend launch", dim3((unsigned)backend_x, (unsigned)rows), dim3(256)},
+            {"1 x 1 blocks of 64", dim3(1, 1), dim3(64)},
+            {"3 x 2 blocks of 100", dim3(3, 2), dim3(100)},
+            {"2 x rows blocks of 1024", dim3(2, (unsigned)rows), dim3(1024)},
+        };
+        for (const std::size_t off : {0, 1})
+            for (const auto& shape : shapes) {
+                // At element offset `off`: 1 is off 16-byte alignment (element by element).
+                std::vector<T> xs(len + 1), out(len + 1, Storage<T>::from_f32(NAN));
+                std::copy(d.x.begin(), d.x.end(), xs.begin() + (std::ptrdiff_t)off);
+                emu::launch(name, kernel, shape.grid, shape.block, xs.data() + off, out.data() + off, d.gamma.data(),
+                            d.beta.data(), stats.data(), rows, c.channels, c.spatial, c.groups, c.silu ? 1 : 0);
+                const std::vector<T> got(out.begin() + (std::ptrdiff_t)off, out.begin() + (std::ptrdiff_t)(off + len));
+                check.near(std::string(c.name) + ", " + shape.name + (off ? ", misaligned" : ""), values(got), want,
+                           bound);
+            }
     }
 }
 
@@ -151,6 +160,7 @@ const RmsCase kRmsCases[] = {
     {"3x5x67, bias, SiLU", 3, 5, 67, true, true, false},
     {"1x96x130, a zero pixel, bias", 1, 96, 130, true, false, true},
     {"2x1x33", 2, 1, 33, false, false, false},
+    {"1x300x40, SiLU (more channels than 24 slices hold)", 1, 300, 40, false, true, false},
 };
 
 template <typename T>
@@ -184,8 +194,19 @@ void test_rms_norm(Check& check, const char* name,
                                Storage<T>::rounding * std::fabs(want[i]);
                 }
             }
-        const u64 pixels = c.batch * c.inner;
-        for (const auto& shape : grid_stride_shapes(pixels)) {
+        // The backend's block: 32 pixel lanes by ceil(C / 12) slices (at most 24), a block per tile
+        // of 32 pixels; then other 2-D blocks, 1-D blocks (one slice) and grids too small.
+        const u64 slices = std::clamp<u64>((c.channels + 11) / 12, 1, 24);
+        const u64 tiles = c.batch * ((c.inner + 31) / 32);
+        const LaunchShape shapes[] = {
+            {"backend launch", dim3((unsigned)tiles), dim3(32, (unsigned)slices)},
+            {"1 block of 32 x 3", dim3(1), dim3(32, 3)},
+            {"2 blocks of 16 x 7", dim3(2), dim3(16, 7)},
+            {"3 blocks of 32 x 24", dim3(3), dim3(32, 24)},
+            {"2 blocks of 100", dim3(2), dim3(100)},
+            {"backend grid of 256 x 1", dim3((unsigned)((c.batch * c.inner + 255) / 256)), dim3(256)},
+        };
+        for (const auto& shape : shapes) {
             std::vector<T> out(len, Storage<T>::from_f32(NAN));
             emu::launch(name, kernel, shape.grid, shape.block, x.data(), out.data(), gamma.data(),
                         c.bias ? bias.data() : nullptr, c.batch, c.channels, c.inner, eps, c.silu ? 1 : 0);
@@ -196,30 +217,41 @@ void test_rms_norm(Check& check, const char* name,
 
 }  // namespace
 
-KERNEL_TEST(group_norm_sums_f32) { test_group_sums<float>(check, KERNEL(group_norm_sums_f32)); }
-KERNEL_TEST(group_norm_sums_bf16) { test_group_sums<u16>(check, KERNEL(group_norm_sums_bf16)); }
-KERNEL_TEST(group_norm_squares_f32) { test_group_squares<float>(check, KERNEL(group_norm_squares_f32)); }
-KERNEL_TEST(group_norm_squares_bf16) { test_group_squares<u16>(check, KERNEL(group_norm_squares_bf16)); }
+KERNEL_TEST(group_norm_partials_f32) { test_group_partials<float>(check, KERNEL(group_norm_partials_f32)); }
+KERNEL_TEST(group_norm_partials_bf16) { test_group_partials<u16>(check, KERNEL(group_norm_partials_bf16)); }
 KERNEL_TEST(group_norm_stats) {
-    // Partial sums of two groups in three chunks: mean and 1 / sqrt(var + eps), in f64, summed in
-    // chunk order (so exactly these values).
-    const std::vector<double> sums = {1.0, 2.0, 3.0, -4.0, 0.5, 0.25};
-    const std::vector<double> squares = {0.5, 0.25, 0.125, 8.0, 4.0, 2.0};
-    const double eps = 1e-6;
-    for (const auto& shape : grid_stride_shapes(2)) {
-        std::vector<double> stats(4, NAN);
-        emu::launch("group_norm_stats", group_norm_stats, shape.grid, shape.block, sums.data(), squares.data(),
-                    stats.data(), (u64)2, (u64)3, (u64)10, (float)eps);
-        const std::vector<double> want = {6.0 / 10.0, 1.0 / std::sqrt(0.875 / 10.0 + (double)(float)eps), -3.25 / 10.0,
-                                          1.0 / std::sqrt(14.0 / 10.0 + (double)(float)eps)};
-        check.near(std::string("two groups, ") + shape.name, stats, want, 0.0, 0.0);
+    // Each case's exact chunk partials combined into mean and 1 / sqrt(var + eps), against the
+    // two-pass f64 statistics of the whole group (Chan's combination agrees to f64 rounding), one
+    // block per group and fewer blocks than groups, blocks of 256, 64 and 1024.
+    const float eps = 1e-6f;
+    for (const GroupCase& c : kGroupCases) {
+        const GroupData<float> d(c);
+        std::vector<double> want(2 * d.groups_total), bound(2 * d.groups_total);
+        for (u64 bg = 0; bg < d.groups_total; ++bg) {
+            want[2 * bg] = d.means[bg];
+            want[2 * bg + 1] = 1.0 / std::sqrt(d.vars[bg] + (double)eps);
+            bound[2 * bg] = 1e-14 * (std::fabs(c.offset) + 1.0);
+            // Relative to the variance, the error is that of the squares against the mean's.
+            bound[2 * bg + 1] = 1e-12 * want[2 * bg + 1] * (1.0 + c.offset * c.offset / (d.vars[bg] + (double)eps));
+        }
+        const LaunchShape shapes[] = {
+            {"backend launch", dim3((unsigned)d.groups_total), dim3(256)},
+            {"1 block of 64", dim3(1), dim3(64)},
+            {"2 blocks of 1024", dim3(2), dim3(1024)},
+        };
+        for (const auto& shape : shapes) {
+            std::vector<double> stats(want.size(), NAN);
+            emu::launch("group_norm_stats", group_norm_stats, shape.grid, shape.block, d.partials.data(), stats.data(),
+                        d.groups_total, d.chunks, d.group_len, c.chunk_len, eps);
+            check.near(std::string(c.name) + ", " + shape.name, stats, want, bound);
+        }
     }
 }
 KERNEL_TEST(group_norm_apply_f32) {
-    test_group_apply<float>(check, KERNEL(group_norm_apply_f32), group_norm_sums_f32, group_norm_squares_f32);
+    test_group_apply<float>(check, KERNEL(group_norm_apply_f32), group_norm_partials_f32);
 }
 KERNEL_TEST(group_norm_apply_bf16) {
-    test_group_apply<u16>(check, KERNEL(group_norm_apply_bf16), group_norm_sums_bf16, group_norm_squares_bf16);
+    test_group_apply<u16>(check, KERNEL(group_norm_apply_bf16), group_norm_partials_bf16);
 }
 KERNEL_TEST(rms_norm_channels_f32) { test_rms_norm<float>(check, KERNEL(rms_norm_channels_f32)); }
 KERNEL_TEST(rms_norm_channels_bf16) { test_rms_norm<u16>(check, KERNEL(rms_norm_channels_bf16)); }

@@ -45,7 +45,7 @@ type OpFn = Box<dyn Fn(&[Tensor]) -> vae_parallel::tensor::Result<Tensor>>;
 
 /// One op at one shape.
 struct Case {
-    name: &'static str,
+    name: String,
     shape: String,
     bound: Bound,
     /// Inputs, on the host in f32; moved to the device (and type) before timing.
@@ -72,7 +72,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
     let x = [1, 384, 3, d(60), d(104)];
     let w = [384, 384, 3, 3, 3];
     out.push(Case {
-        name: "conv3d 3x3x3 (cached)",
+        name: "conv3d 3x3x3 (cached)".into(),
         shape: format!("{x:?} * {w:?}"),
         bound: Bound::Compute(2.0 * 384.0 * 384.0 * 27.0 * elems(&x[3..])),
         inputs: vec![random(&x, 1)?, random(&w, 2)?.mul_scalar(0.02)?, random(&[384], 3)?],
@@ -83,7 +83,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
     let x = [1, 192, d(240), d(416)];
     let w = [192, 192, 3, 3];
     out.push(Case {
-        name: "conv2d 3x3",
+        name: "conv2d 3x3".into(),
         shape: format!("{x:?} * {w:?}"),
         bound: Bound::Compute(2.0 * 192.0 * 192.0 * 9.0 * elems(&x[2..])),
         inputs: vec![random(&x, 4)?, random(&w, 5)?.mul_scalar(0.02)?, random(&[192], 6)?],
@@ -94,64 +94,75 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
     let n = d(60) * d(104);
     let q = [1, n, 384];
     out.push(Case {
-        name: "attention",
+        name: "attention".into(),
         shape: format!("{q:?}"),
         bound: Bound::Compute(4.0 * (n * n) as f64 * 384.0),
         inputs: vec![random(&q, 7)?, random(&q, 8)?, random(&q, 9)?],
         typed: vec![true; 3],
         run: Box::new(|t| Tensor::attention(&t[0], &t[1], &t[2])),
     });
-    let v = [1, 384, 1, d(120), d(208)];
-    out.push(Case {
-        name: "rms_norm_channels",
-        shape: format!("{v:?}"),
-        bound: Bound::Memory(2.0 * elems(&v) * size),
-        inputs: vec![random(&v, 10)?, random(&[384, 1, 1, 1], 11)?],
-        typed: vec![true, false],
-        run: Box::new(|t| t[0].rms_norm_channels(&t[1], None, 1, 1e-12)),
-    });
-    let g = [1, 512, d(128), d(128)];
-    out.push(Case {
-        name: "group_norm",
-        shape: format!("{g:?}"),
-        bound: Bound::Memory(2.0 * elems(&g) * size),
-        inputs: vec![random(&g, 12)?, random(&[512], 13)?, random(&[512], 14)?],
-        typed: vec![true, false, false],
-        run: Box::new(|t| t[0].group_norm(32, &t[1], &t[2], 1e-6)),
-    });
-    out.push(Case {
-        name: "silu",
-        shape: format!("{v:?}"),
-        bound: Bound::Memory(2.0 * elems(&v) * size),
-        inputs: vec![random(&v, 15)?],
-        typed: vec![true],
-        run: Box::new(|t| t[0].silu()),
-    });
-    out.push(Case {
-        name: "add",
-        shape: format!("{v:?}"),
-        bound: Bound::Memory(3.0 * elems(&v) * size),
-        inputs: vec![random(&v, 16)?, random(&v, 17)?],
-        typed: vec![true, true],
-        run: Box::new(|t| t[0].add(&t[1])),
-    });
-    let u = [1, 384, d(60), d(104)];
-    out.push(Case {
-        name: "upsample_nearest2d x2",
-        shape: format!("{u:?}"),
-        bound: Bound::Memory(5.0 * elems(&u) * size),
-        inputs: vec![random(&u, 18)?],
-        typed: vec![true],
-        run: Box::new(|t| t[0].upsample_nearest2d(2)),
-    });
-    out.push(Case {
-        name: "permute (NCHW -> NHWC)",
-        shape: format!("{u:?}"),
-        bound: Bound::Memory(2.0 * elems(&u) * size),
-        inputs: vec![random(&u, 19)?],
-        typed: vec![true],
-        run: Box::new(|t| t[0].permute(&[0, 2, 3, 1])),
-    });
+    // The memory-bound ops, each at the decoder shape above and at one large realistic shape:
+    // Wan2.1's last stage (96 channels, 4 frames of 480x832 per chunk: 153 M elements), an SD
+    // 1024 px decoder's GroupNorm at full resolution, and a 4x upsample / permute stage.
+    let small_v = [1, 384, 1, d(120), d(208)];
+    let large_v = [1, 96, 4, d(480), d(832)];
+    for (v, label) in [(small_v, ""), (large_v, " (large)")] {
+        let name = |op: &str| format!("{op}{label}");
+        let c = v[1];
+        out.push(Case {
+            name: name("rms_norm_channels"),
+            shape: format!("{v:?}"),
+            bound: Bound::Memory(2.0 * elems(&v) * size),
+            inputs: vec![random(&v, 10)?, random(&[c, 1, 1, 1], 11)?],
+            typed: vec![true, false],
+            run: Box::new(|t| t[0].rms_norm_channels(&t[1], None, 1, 1e-12)),
+        });
+        out.push(Case {
+            name: name("silu"),
+            shape: format!("{v:?}"),
+            bound: Bound::Memory(2.0 * elems(&v) * size),
+            inputs: vec![random(&v, 15)?],
+            typed: vec![true],
+            run: Box::new(|t| t[0].silu()),
+        });
+        out.push(Case {
+            name: name("add"),
+            shape: format!("{v:?}"),
+            bound: Bound::Memory(3.0 * elems(&v) * size),
+            inputs: vec![random(&v, 16)?, random(&v, 17)?],
+            typed: vec![true, true],
+            run: Box::new(|t| t[0].add(&t[1])),
+        });
+    }
+    for (g, label) in [([1, 512, d(128), d(128)], ""), ([1, 128, d(1024), d(1024)], " (large)")] {
+        let c = g[1];
+        out.push(Case {
+            name: format!("group_norm{label}"),
+            shape: format!("{g:?}"),
+            bound: Bound::Memory(2.0 * elems(&g) * size),
+            inputs: vec![random(&g, 12)?, random(&[c], 13)?, random(&[c], 14)?],
+            typed: vec![true, false, false],
+            run: Box::new(|t| t[0].group_norm(32, &t[1], &t[2], 1e-6)),
+        });
+    }
+    for (u, label) in [([1, 384, d(60), d(104)], ""), ([1, 192, d(240), d(416)], " (large)")] {
+        out.push(Case {
+            name: format!("upsample_nearest2d x2{label}"),
+            shape: format!("{u:?}"),
+            bound: Bound::Memory(5.0 * elems(&u) * size),
+            inputs: vec![random(&u, 18)?],
+            typed: vec![true],
+            run: Box::new(|t| t[0].upsample_nearest2d(2)),
+        });
+        out.push(Case {
+            name: format!("permute (NCHW -> NHWC){label}"),
+            shape: format!("{u:?}"),
+            bound: Bound::Memory(2.0 * elems(&u) * size),
+            inputs: vec![random(&u, 19)?],
+            typed: vec![true],
+            run: Box::new(|t| t[0].permute(&[0, 2, 3, 1])),
+        });
+    }
     Ok(out)
 }
 
@@ -189,7 +200,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
         let mut best = f64::INFINITY;
         for i in 0..=args.iters {
             let clock = Instant::now();
-            let out = (case.run)(&inputs).with_context(|| case.name)?;
+            let out = (case.run)(&inputs).with_context(|| case.name.clone())?;
             synchronize(device)?;
             let seconds = clock.elapsed().as_secs_f64();
             drop(out);
@@ -230,7 +241,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
         Some(i) => println!("ops on {device} ({}) in {dtype}, best of {}", i.name, args.iters),
         None => println!("ops on the CPU ({threads} thread(s)) in {dtype}, best of {} (no published peak)", args.iters),
     }
-    println!("{:<24}  {:>34}  {:>10}  {:>16}  {:>16}  {:>8}", "op", "shape", "best ms", "achieved", "peak", "of peak");
+    println!("{:<32}  {:>34}  {:>10}  {:>16}  {:>16}  {:>8}", "op", "shape", "best ms", "achieved", "peak", "of peak");
     for r in &rows {
         let rate = |v: &serde_json::Value| {
             v.as_f64().map_or("-".to_string(), |x| {
@@ -239,7 +250,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             })
         };
         println!(
-            "{:<24}  {:>34}  {:>10.3}  {:>16}  {:>16}  {:>8}",
+            "{:<32}  {:>34}  {:>10.3}  {:>16}  {:>16}  {:>8}",
             r["op"].as_str().unwrap_or(""),
             r["shape"].as_str().unwrap_or(""),
             r["best_ms"].as_f64().unwrap_or(0.0),

@@ -114,6 +114,8 @@ fn every_module_loads_and_has_its_entry_points() {
                 "add_bf16",
                 "silu_f32",
                 "silu_bf16",
+                "silu_into_f32",
+                "silu_into_bf16",
                 "clamp_f32",
                 "clamp_bf16",
                 "affine_f32",
@@ -137,8 +139,8 @@ fn every_module_loads_and_has_its_entry_points() {
         (
             "norm",
             &[
-                "group_norm_sums_f32",
-                "group_norm_squares_f32",
+                "group_norm_partials_f32",
+                "group_norm_partials_bf16",
                 "group_norm_stats",
                 "group_norm_apply_f32",
                 "group_norm_apply_bf16",

@@ -26,8 +26,9 @@ use crate::{DType, Device, Result, TensorError};
 /// A device's context, stream and kernels.
 pub(crate) struct CudaDevice {
     ordinal: usize,
-    /// Streaming multiprocessors, for launch shapes that must fill them.
-    multiprocessors: u64,
+    /// Streaming multiprocessors: the memory-bound kernels launch a few waves of blocks per SM,
+    /// the tensor-core conv picks its tile height to fill them.
+    sms: usize,
     stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
@@ -80,7 +81,7 @@ impl CudaDevice {
         }
         let device = Arc::new(Self {
             ordinal,
-            multiprocessors: u64::from(info.multiprocessors.max(1)),
+            sms: (info.multiprocessors as usize).max(1),
             stream: ctx.default_stream(),
             modules,
             functions: Mutex::default(),
@@ -114,19 +115,6 @@ impl CudaDevice {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
     }
 
-    /// `n` elements whose contents are unspecified, for outputs a kernel writes in full (no
-    /// memset traffic).
-    fn alloc_unset(&self, n: usize, dtype: DType) -> Result<CudaData> {
-        let err = |e| driver(self.ordinal, "alloc", e);
-        // SAFETY: the memory is only read after the kernel the caller launches next has written
-        // every element (each caller says so).
-        match dtype {
-            DType::F32 => Ok(CudaData::F32(unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(err)?)),
-            DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream.alloc::<u16>(n.max(1)) }.map_err(err)?)),
-            DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
-        }
-    }
-
     fn alloc(&self, n: usize, dtype: DType) -> Result<CudaData> {
         match dtype {
             DType::F32 => Ok(CudaData::F32(self.alloc_zeros(n)?)),
@@ -134,6 +122,34 @@ impl CudaDevice {
             DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
         }
     }
+
+    /// `n` elements of `dtype`, not cleared: only for an output that the next kernel on the
+    /// stream writes in full (clearing it first would cost a whole extra pass over memory).
+    fn alloc_for_kernel(&self, n: usize, dtype: DType) -> Result<CudaData> {
+        let err = |e| driver(self.ordinal, "alloc", e);
+        // SAFETY: the memory is only read after the kernel queued next on this stream has written
+        // every element (the callers' contract); stream order makes that write happen first.
+        match dtype {
+            DType::F32 => Ok(CudaData::F32(unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(err)?)),
+            DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream.alloc::<u16>(n.max(1)) }.map_err(err)?)),
+            DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
+        }
+    }
+
+    /// A grid-stride launch of blocks of 256 threads over `units` work items (packs of 16 bytes,
+    /// rows, ...): one thread per item up to a few waves of blocks per SM (8 blocks of 256 fill
+    /// an SM), then each thread takes several. The memory-bound kernels keep the device busy
+    /// without a block per item (the old launch made up to 2^20 blocks of 256 scalar elements).
+    fn streaming(&self, units: usize) -> LaunchConfig {
+        let blocks = units.div_ceil(256).clamp(1, self.sms * 8 * 4) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+/// Elements per 16-byte access of the vectorised elementwise kernels (`map_unary` /
+/// `map_binary` in elementwise.cu), by storage type.
+fn per_pack(dtype: DType) -> usize {
+    if dtype == DType::BF16 { 8 } else { 4 }
 }
 
 /// Device memory of one storage type (bf16 as its raw bits).
@@ -187,6 +203,35 @@ impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaStorage(cuda:{}, {} {})", self.device.ordinal, self.len, self.dtype())
     }
+}
+
+/// The same box copy with fewer dimensions (`copy_box` in layout.cu walks rows of the last one):
+/// dimensions of extent 1 dropped, and each dimension merged into the next where both source and
+/// destination step over it as over one longer row. At least one dimension remains. `extent`
+/// holds no zero (the caller returns first).
+fn merged_box(extent: &[usize], src: &[usize], dst: &[usize]) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+    if src.len() != extent.len() || dst.len() != extent.len() {
+        return (extent.to_vec(), src.to_vec(), dst.to_vec()); // refused by `Box8::new`
+    }
+    let (mut e, mut s, mut d): (Vec<usize>, Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..extent.len() {
+        if extent[k] == 1 {
+            continue;
+        }
+        match e.len().checked_sub(1) {
+            Some(j) if s[j] == src[k] * extent[k] && d[j] == dst[k] * extent[k] => {
+                e[j] *= extent[k];
+                s[j] = src[k];
+                d[j] = dst[k];
+            }
+            _ => {
+                e.push(extent[k]);
+                s.push(src[k]);
+                d.push(dst[k]);
+            }
+        }
+    }
+    if e.is_empty() { (vec![1], vec![0], vec![0]) } else { (e, s, d) }
 }
 
 /// A null device pointer, for optional kernel arguments.
@@ -274,14 +319,24 @@ impl CudaStorage {
         self.like_typed(len, self.dtype())
     }
 
-    /// `len` elements of the same type on the same device, left unset: only for outputs the
-    /// next kernel writes in full.
-    fn like_unset(&self, len: usize) -> Result<Self> {
-        Ok(Self::new(self.device.alloc_unset(len, self.dtype())?, Arc::clone(&self.device), len))
-    }
-
     fn like_typed(&self, len: usize, dtype: DType) -> Result<Self> {
         Ok(Self::new(self.device.alloc(len, dtype)?, Arc::clone(&self.device), len))
+    }
+
+    /// `len` uncleared elements of `dtype` on the same device, for an output that the kernel
+    /// launched next writes in full (see [`CudaDevice::alloc_for_kernel`]).
+    fn output_typed(&self, len: usize, dtype: DType) -> Result<Self> {
+        Ok(Self::new(self.device.alloc_for_kernel(len, dtype)?, Arc::clone(&self.device), len))
+    }
+
+    fn output(&self, len: usize) -> Result<Self> {
+        self.output_typed(len, self.dtype())
+    }
+
+    /// An uncleared tensor of `len` elements of this type on the same device, for a caller that
+    /// writes every element (a permute's box copy over the whole output) before reading any.
+    pub(crate) fn uninit_like(&self, len: usize) -> Result<Self> {
+        self.output(len)
     }
 
     /// The kernel `f32` or `bf16` of `module`, by this storage's type.
@@ -317,7 +372,7 @@ impl CudaStorage {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let mut out = self.like_typed(self.len, dtype)?;
+        let mut out = self.output_typed(self.len, dtype)?;
         let name = match dtype {
             DType::BF16 => "cast_f32_bf16",
             DType::F32 => "cast_bf16_f32",
@@ -338,7 +393,7 @@ impl CudaStorage {
                 .arg(&self.data)
                 .arg(&mut out.data)
                 .arg(&n)
-                .launch(elementwise(self.len))
+                .launch(self.device.streaming(self.len.div_ceil(4)))
         }
         .map_err(self.err("to_dtype"))?;
         Ok(out)
@@ -351,7 +406,7 @@ impl CudaStorage {
     /// `self + other`, element-wise.
     pub(crate) fn add(&self, other: &Self) -> Result<Self> {
         self.same_dtype("add", &[other])?;
-        let mut out = self.like(self.len)?;
+        let mut out = self.output(self.len)?;
         let f = self.kernel("elementwise", "add_f32", "add_bf16")?;
         let n = self.len as u64;
         unsafe {
@@ -362,7 +417,7 @@ impl CudaStorage {
                 .arg(&other.data)
                 .arg(&mut out.data)
                 .arg(&n)
-                .launch(elementwise(self.len))
+                .launch(self.packs())
         }
         .map_err(self.err("add"))?;
         Ok(out)
@@ -371,7 +426,7 @@ impl CudaStorage {
     /// `x * mul + add`, two roundings (`affine_f32`). With `add = -0.0` this is exactly `x * mul`,
     /// signed zeros included.
     pub(crate) fn affine(&self, mul: f32, add: f32) -> Result<Self> {
-        let mut out = self.like(self.len)?;
+        let mut out = self.output(self.len)?;
         let f = self.kernel("elementwise", "affine_f32", "affine_bf16")?;
         let n = self.len as u64;
         unsafe {
@@ -383,31 +438,46 @@ impl CudaStorage {
                 .arg(&n)
                 .arg(&mul)
                 .arg(&add)
-                .launch(elementwise(self.len))
+                .launch(self.packs())
         }
         .map_err(self.err("affine"))?;
         Ok(out)
+    }
+
+    /// A streaming launch with one thread per 16-byte pack of this tensor's elements.
+    fn packs(&self) -> LaunchConfig {
+        self.device.streaming(self.len.div_ceil(per_pack(self.dtype())))
     }
 
     /// SiLU in place.
     pub(crate) fn silu_inplace(&mut self) -> Result<()> {
         let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
         let n = self.len as u64;
-        let stream = Arc::clone(&self.device.stream);
-        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(elementwise(self.len)) }
+        let (stream, cfg) = (Arc::clone(&self.device.stream), self.packs());
+        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(cfg) }
             .map_err(|e| driver(self.device.ordinal, "silu", e))?;
         Ok(())
+    }
+
+    /// SiLU into a new tensor: one pass (read, write) instead of a copy and an in-place pass.
+    pub(crate) fn silu(&self) -> Result<Self> {
+        let mut out = self.output(self.len)?;
+        let f = self.kernel("elementwise", "silu_into_f32", "silu_into_bf16")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device.stream.launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
+        }
+        .map_err(self.err("silu"))?;
+        Ok(out)
     }
 
     /// Clamp to `[lo, hi]` in place.
     pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
         let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
         let n = self.len as u64;
-        let stream = Arc::clone(&self.device.stream);
-        unsafe {
-            stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(elementwise(self.len))
-        }
-        .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
+        let (stream, cfg) = (Arc::clone(&self.device.stream), self.packs());
+        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(cfg) }
+            .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
         Ok(())
     }
 
@@ -424,7 +494,10 @@ impl CudaStorage {
         if let Some(b) = bias {
             Self::f32_param("rms_norm_channels", b)?;
         }
-        let mut out = self.like(self.len)?;
+        let mut out = self.output(self.len)?;
+        if self.len == 0 {
+            return Ok(out);
+        }
         let f = self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?;
         let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
         let mut launch = self.device.stream.launch_builder(&f);
@@ -434,7 +507,18 @@ impl CudaStorage {
             None => launch.arg(&NULL),
         };
         launch.arg(&b).arg(&c).arg(&i).arg(&eps).arg(&silu);
-        unsafe { launch.launch(elementwise(batch * inner)) }.map_err(self.err("rms_norm_channels"))?;
+        // Blocks of 32 pixel lanes by enough channel slices that each thread holds at most
+        // RMS_PER_THREAD (12) channels in registers, at most 24 slices (the kernel's launch bound
+        // of 768 threads; more channels are read twice, the second time mostly from L2); one
+        // block per tile of 32 pixels up to several waves, grid-stride beyond (see norm.cu).
+        let slices = channels.div_ceil(12).clamp(1, 24);
+        let tiles = batch * inner.div_ceil(32);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.clamp(1, self.device.sms * 16) as u32, 1, 1),
+            block_dim: (32, slices as u32, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { launch.launch(cfg) }.map_err(self.err("rms_norm_channels"))?;
         Ok(out)
     }
 
@@ -450,18 +534,21 @@ impl CudaStorage {
     ) -> Result<Self> {
         Self::f32_param("group_norm", gamma)?;
         Self::f32_param("group_norm", beta)?;
-        let mut out = self.like(self.len)?;
+        let mut out = self.output(self.len)?;
         if self.len == 0 {
             return Ok(out);
         }
-        // Four launches (see norm.cu): chunk sums, chunk squared deviations, per-group
-        // statistics, then every element. Enough chunks to put about a thousand blocks on the
-        // device, none shorter than 4096 elements.
+        // Three launches (see norm.cu): per-chunk sums and squared deviations, per-group
+        // statistics, then every element. Chunks of at most 4096 elements (256 threads of 16
+        // registers each); shorter ones, down to 1024 elements, where that puts about a thousand
+        // blocks on the device.
         let group_len = channels / groups * spatial;
         let groups_total = batch * groups;
-        let wanted = 1024usize.div_ceil(groups_total).min(group_len.div_ceil(4096)).max(1);
+        let spread = 1024usize.div_ceil(groups_total).min(group_len.div_ceil(1024));
+        let wanted = group_len.div_ceil(4096).max(spread).max(1);
         let chunk_len = group_len.div_ceil(wanted);
         let chunks = group_len.div_ceil(chunk_len);
+        let rows = batch * channels;
         if groups_total > 65_535 {
             return Err(TensorError::InvalidArgument {
                 op: "group_norm",
@@ -469,8 +556,7 @@ impl CudaStorage {
             });
         }
         let stream = &self.device.stream;
-        let alloc = |n: usize| self.device.alloc_zeros::<f64>(n);
-        let (mut sums, mut squares) = (alloc(groups_total * chunks)?, alloc(groups_total * chunks)?);
+        let mut partials = self.device.alloc_zeros::<f64>(2 * groups_total * chunks)?;
         let mut stats = self.device.alloc_zeros::<f64>(2 * groups_total)?;
         let per_chunk = LaunchConfig {
             grid_dim: (chunks as u32, groups_total as u32, 1),
@@ -478,31 +564,38 @@ impl CudaStorage {
             shared_mem_bytes: 0,
         };
         let (gl, cl, ch, gt) = (group_len as u64, chunk_len as u64, chunks as u64, groups_total as u64);
-        let f = self.kernel("norm", "group_norm_sums_f32", "group_norm_sums_bf16")?;
-        unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut sums).arg(&gl).arg(&cl).launch(per_chunk) }
+        let f = self.kernel("norm", "group_norm_partials_f32", "group_norm_partials_bf16")?;
+        unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut partials).arg(&gl).arg(&cl).launch(per_chunk) }
             .map_err(self.err("group_norm"))?;
-        let f = self.kernel("norm", "group_norm_squares_f32", "group_norm_squares_bf16")?;
-        unsafe {
-            stream.launch_builder(&f).arg(&self.data).arg(&sums).arg(&mut squares).arg(&gl).arg(&cl).launch(per_chunk)
-        }
-        .map_err(self.err("group_norm"))?;
         let f = self.device.function("norm", "group_norm_stats")?;
+        let per_group = LaunchConfig {
+            grid_dim: (groups_total.clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         unsafe {
             stream
                 .launch_builder(&f)
-                .arg(&sums)
-                .arg(&squares)
+                .arg(&partials)
                 .arg(&mut stats)
                 .arg(&gt)
                 .arg(&ch)
                 .arg(&gl)
+                .arg(&cl)
                 .arg(&eps)
-                .launch(elementwise(groups_total))
+                .launch(per_group)
         }
         .map_err(self.err("group_norm"))?;
+        // Rows of `spatial` elements (one per sample and channel) in grid y, pieces of a row in
+        // grid x: enough blocks for a few waves over the whole tensor, each thread about one
+        // 16-byte pack per row it visits.
         let f = self.kernel("norm", "group_norm_apply_f32", "group_norm_apply_bf16")?;
-        let (n, c, sp, g, silu) =
-            (self.len as u64, channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
+        let grid_y = rows.clamp(1, 65_535);
+        let per_row = spatial.div_ceil(per_pack(self.dtype()) * 256).max(1);
+        let grid_x = per_row.min((self.device.sms * 32).div_ceil(grid_y)).max(1);
+        let apply =
+            LaunchConfig { grid_dim: (grid_x as u32, grid_y as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (r, c, sp, g, silu) = (rows as u64, channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
         unsafe {
             stream
                 .launch_builder(&f)
@@ -511,12 +604,12 @@ impl CudaStorage {
                 .arg(&gamma.data)
                 .arg(&beta.data)
                 .arg(&stats)
-                .arg(&n)
+                .arg(&r)
                 .arg(&c)
                 .arg(&sp)
                 .arg(&g)
                 .arg(&silu)
-                .launch(elementwise(self.len))
+                .launch(apply)
         }
         .map_err(self.err("group_norm"))?;
         Ok(out)
@@ -556,7 +649,7 @@ impl CudaStorage {
                 ),
             });
         }
-        let (tile_m, name) = tensor_core_tile(bf16, g.cout, cols.div_ceil(128), self.device.multiprocessors);
+        let (tile_m, name) = tensor_core_tile(bf16, g.cout, cols.div_ceil(128), self.device.sms as u64);
         if rows_padded > i32::MAX as u64
             || wp.div_ceil(64) > 65_535
             || cp.div_ceil(32) > 65_535
@@ -566,7 +659,7 @@ impl CudaStorage {
             return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
         }
         // The three kernels write every element of their outputs (the padding as zeros).
-        let mut padded = self.like_unset((rows_padded * wp * cp) as usize)?;
+        let mut padded = self.output((rows_padded * wp * cp) as usize)?;
         let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
         let cfg = LaunchConfig {
             grid_dim: (rows_padded as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
@@ -576,7 +669,7 @@ impl CudaStorage {
         unsafe { self.device.stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
             .map_err(self.err("conv3d"))?;
         let weight_len = (g.cout * taps * cp) as usize;
-        let mut reordered = self.like_unset(weight_len)?;
+        let mut reordered = self.output(weight_len)?;
         let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
         unsafe {
             self.device
@@ -589,7 +682,7 @@ impl CudaStorage {
         }
         .map_err(self.err("conv3d"))?;
 
-        let mut out = self.like_unset(len)?;
+        let mut out = self.output(len)?;
         let f = self.device.function("conv", name)?;
         let cfg = LaunchConfig {
             grid_dim: (cols.div_ceil(128) as u32, g.cout.div_ceil(tile_m) as u32, 1),
@@ -610,7 +703,7 @@ impl CudaStorage {
     /// Nearest upsampling of the last two dimensions of `planes` planes of `h × w`.
     pub(crate) fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
         let len = planes * h * w * factor * factor;
-        let mut out = self.like(len)?;
+        let mut out = self.output(len)?;
         let f = self.kernel("layout", "upsample_nearest2d_f32", "upsample_nearest2d_bf16")?;
         let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
         unsafe {
@@ -623,7 +716,8 @@ impl CudaStorage {
                 .arg(&hh)
                 .arg(&ww)
                 .arg(&k)
-                .launch(elementwise(len))
+                // 32 lanes per input row (see layout.cu).
+                .launch(self.device.streaming(planes * h * 32))
         }
         .map_err(self.err("upsample_nearest2d"))?;
         Ok(out)
@@ -644,10 +738,14 @@ impl CudaStorage {
         if n == 0 {
             return Ok(());
         }
-        let b = Box8::new(extent, src_strides, dst_strides).ok_or_else(|| TensorError::InvalidArgument {
+        let (extent, src_strides, dst_strides) = merged_box(extent, src_strides, dst_strides);
+        let b = Box8::new(&extent, &src_strides, &dst_strides).ok_or_else(|| TensorError::InvalidArgument {
             op: "copy_box",
             reason: format!("rank {} > 8 on CUDA", extent.len()),
         })?;
+        // Rows of the last dimension, 32 lanes each when a row is at least that long (layout.cu).
+        let last = extent[extent.len() - 1];
+        let cfg = self.device.streaming(n / last * if last >= 32 { 32 } else { 1 });
         self.same_dtype("copy_box", &[dst])?;
         let f = self.kernel("layout", "copy_box_f32", "copy_box_u16")?;
         let total = n as u64;
@@ -655,11 +753,11 @@ impl CudaStorage {
         let launched = match (&self.data, &mut dst.data) {
             (CudaData::F32(s), CudaData::F32(d)) => {
                 let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
-                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(elementwise(n)) }
+                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(cfg) }
             }
             (CudaData::Bf16(s), CudaData::Bf16(d)) => {
                 let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
-                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(elementwise(n)) }
+                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(cfg) }
             }
             _ => return Err(TensorError::InvalidArgument { op: "copy_box", reason: "operand types differ".into() }),
         };
@@ -693,11 +791,6 @@ impl CudaStorage {
         }
         unsafe { launch.launch(elementwise(out_len)) }.map_err(self.err(name))?;
         Ok(out)
-    }
-
-    /// An empty (zero) tensor of `len` elements on the same device.
-    pub(crate) fn zeros_like(&self, len: usize) -> Result<Self> {
-        self.like(len)
     }
 
     /// `c[b] = alpha · a[b] · b[b] + beta · c[b]` for every batch `b` (`gemm_batched_f32`; `c`

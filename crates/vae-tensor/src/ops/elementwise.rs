@@ -34,10 +34,8 @@ impl Tensor {
     /// SiLU (swish), `x · sigmoid(x)`, element-wise.
     pub fn silu(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.cuda().is_some() {
-            let mut out = self.clone();
-            out.silu_inplace()?;
-            return Ok(out);
+        if let Some(c) = self.cuda() {
+            return Ok(Tensor::from_cuda(c.silu()?, self.shape().clone()));
         }
         self.map(silu)
     }
