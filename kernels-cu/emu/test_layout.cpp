@@ -65,6 +65,10 @@ std::vector<BoxCase> box_cases() {
         {"narrow of rows of 70 in [3,4,80]", 3 * 4 * 80, 3 * 4 * 70, 5, 0, {3, 4, 70}, {320, 80, 1}, {280, 70, 1}},
         {"permute NCHW -> NHWC, 40 channels", 40 * 6, 40 * 6, 0, 0, {6, 40}, {1, 6}, {40, 1}},
         {"one row of 33", 33, 40, 0, 7, {33}, {1}, {1}},
+        // Rows longer than a segment (2048): a whole contiguous tensor as one row, and rows of
+        // two full segments and a partial one, between strided rows.
+        {"one row of 5000 (three segments)", 5003, 5010, 3, 10, {5000}, {1}, {1}},
+        {"two rows of 4100 in [2,4200]", 2 * 4200, 2 * 4100, 50, 0, {2, 4100}, {4200, 1}, {4100, 1}},
         {"a single element (rank 0)", 3, 3, 2, 1, {}, {}, {}},
     };
 }
@@ -90,7 +94,7 @@ void test_copy_box(Check& check, const char* name, void (*kernel)(const T*, T*, 
         }
         const Box8 box = make_box(c.extent, c.src_stride, c.dst_stride);
         const u64 last = c.extent.empty() ? 1 : c.extent.back();
-        for (const auto& s : streaming_shapes(n / last * (last >= 32 ? 32 : 1))) {
+        for (const auto& s : streaming_shapes(n / last * ((last + 2047) / 2048) * (last >= 32 ? 32 : 1))) {
             std::vector<T> dst = init;
             emu::launch(name, kernel, s.grid, s.block, src.data() + c.src_offset, dst.data() + c.dst_offset, box, n);
             check.exact(std::string(c.name) + ", " + s.name, dst, want);

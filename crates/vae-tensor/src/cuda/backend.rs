@@ -234,6 +234,9 @@ fn merged_box(extent: &[usize], src: &[usize], dst: &[usize]) -> (Vec<usize>, Ve
     if e.is_empty() { (vec![1], vec![0], vec![0]) } else { (e, s, d) }
 }
 
+/// `COPY_SEGMENT` of layout.cu: the longest piece of a row one group of 32 lanes copies.
+const COPY_SEGMENT: usize = 2048;
+
 /// A null device pointer, for optional kernel arguments.
 const NULL: u64 = 0;
 
@@ -743,9 +746,10 @@ impl CudaStorage {
             op: "copy_box",
             reason: format!("rank {} > 8 on CUDA", extent.len()),
         })?;
-        // Rows of the last dimension, 32 lanes each when a row is at least that long (layout.cu).
+        // Rows of the last dimension in segments of at most 2048 elements, 32 lanes each when a
+        // row is at least that long (`copy_box` in layout.cu).
         let last = extent[extent.len() - 1];
-        let cfg = self.device.streaming(n / last * if last >= 32 { 32 } else { 1 });
+        let cfg = self.device.streaming(n / last * last.div_ceil(COPY_SEGMENT) * if last >= 32 { 32 } else { 1 });
         self.same_dtype("copy_box", &[dst])?;
         let f = self.kernel("layout", "copy_box_f32", "copy_box_u16")?;
         let total = n as u64;
