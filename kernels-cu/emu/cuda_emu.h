@@ -1,11 +1,12 @@
 // Host emulation of the CUDA C++ that the kernels in kernels-cu/ use, so the unchanged .cu files
 // compile with g++ or clang++ and run on the CPU. Force-included (`-include`) before every
-// translation unit of the emulator; `emu/include/` stands in for <mma.h> and <cuda_bf16.h>.
+// translation unit of the emulator; `emu/include/ptx_emu.h` stands in for the inline PTX of
+// kernels-cu/ptx.cuh (cp.async, ldmatrix, mma.sync).
 //
 // The model (see runtime.cpp): a launch runs its blocks one after another, in a shuffled order;
 // every thread of the running block is an OS thread (or a fiber on the launching thread, with
 // `emu::use_fibers`), so `__shared__` is plain static storage that all of them see, `__syncthreads()` is a real barrier of the block's threads, and warp
-// operations (`__shfl_xor_sync`, the wmma calls) are real exchanges among the 32 threads of a
+// operations (`__shfl_xor_sync`, ldmatrix and mma) are real exchanges among the 32 threads of a
 // warp. What the emulator cannot see (timing, coalescing, bank conflicts, real warp scheduling,
 // registers) stays for the GPU tests.
 #pragma once
@@ -53,7 +54,7 @@ constexpr int warpSize = 32;
 namespace emu {
 
 // Reports a misuse the GPU would not survive either (a divergent barrier, a shuffle with absent
-// lanes, a misaligned wmma pointer) with the running kernel, block and thread, and aborts.
+// lanes, a misaligned ldmatrix row) with the running kernel, block and thread, and aborts.
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // `__syncthreads()`: waits for every live thread of the block. All of them must wait at the same
@@ -68,7 +69,7 @@ int lane_id();
 void sync_warp(const char* op);
 
 // The start of a warp-collective operation `op`: every lane of a full warp must call it with the
-// same `size` bytes at `args` (a wmma call's pointer and leading dimension, say); returns once
+// same `size` bytes at `args` (an operation's shared arguments); returns once
 // all 32 lanes have arrived and agreed.
 void warp_collective(const char* op, const void* args, std::size_t size);
 

@@ -3,7 +3,7 @@
 //
 // OS threads (the default): every emulated thread runs on an OS thread of its own for as long as
 // it lives, but OS threads are handed out lazily: a "runner" starts the block's threads one after
-// another, and only when one of them blocks (at `__syncthreads`, a shuffle, a wmma call) is
+// another, and only when one of them blocks (at `__syncthreads`, a shuffle, an mma) is
 // another runner woken to start the rest. A kernel without barriers thus runs its block on one OS
 // thread without a context switch, and one with barriers gets one OS thread per thread, all
 // waiting at the barrier at once, then really running at the same time.

@@ -1,10 +1,9 @@
-// conv.cu: both implicit-GEMM convolutions, launched as the Rust backend does, against a
-// plain-loop convolution in f64 with PyTorch's padding and strides: the f32 kernel (64x64 output
-// tiles, grid (columns / 64, cout / 64), 256 threads) and the bf16 tensor-core pipeline (the
-// channels-last copies of input and weights, checked element by element, then each of the three
-// tile heights). The shapes leave partial tiles in M, N and K, channel counts that are no
-// multiple of 8 or 32, and cover the causal front padding, temporal and spatial strides, padding
-// on one side only, a missing bias, accumulation into the output (f32 only), and batches.
+// conv.cu: the tensor-core convolution pipeline in bf16 and f32, launched as the Rust backend
+// does (the channels-last copies of input and weights, checked element by element, then the
+// GEMM at each tile height) against a plain-loop convolution in f64 with PyTorch's padding and
+// strides. The shapes leave partial tiles in M, N and K, channel counts that are no multiple of
+// 4, 8 or 32, and cover the causal front padding, temporal and spatial strides, padding on one
+// side only, a missing bias, and batches.
 #include "conv.cu"
 
 #include <cstddef>
@@ -26,7 +25,7 @@ struct Case {
     u64 n, cin, t, h, w, cout, kt, kh, kw, stride_t, stride;
     // front, back, top, bottom, left, right, as F.pad would add them.
     i64 pad[6];
-    bool bias, accumulate;
+    bool bias;
 
     u64 out_extent(u64 in, i64 before, i64 after, u64 k, u64 s) const {
         return (u64)(((i64)in + before + after - (i64)k) / (i64)s + 1);
@@ -54,23 +53,23 @@ struct Case {
 
 const Case kCases[] = {
     // Wan's CausalConv3d 3x3x3: two frames of zeros in front, none behind; 67 output channels.
-    {"causal 3x3x3, batch 2", 2, 5, 3, 9, 11, 67, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true, false},
+    {"causal 3x3x3, batch 2", 2, 5, 3, 9, 11, 67, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true},
     // diffusers' Downsample2D: F.pad(0, 1, 0, 1), then a stride-2 3x3 conv.
-    {"stride 2, pad bottom/right", 2, 3, 1, 13, 10, 7, 1, 3, 3, 1, 2, {0, 0, 0, 1, 0, 1}, true, false},
+    {"stride 2, pad bottom/right", 2, 3, 1, 13, 10, 7, 1, 3, 3, 1, 2, {0, 0, 0, 1, 0, 1}, true},
     // Wan's time_conv: 3x1x1, temporal stride 2, causal padding.
-    {"temporal stride 2", 1, 4, 7, 3, 5, 65, 3, 1, 1, 2, 1, {2, 0, 0, 0, 0, 0}, true, false},
-    {"1x1, no bias, accumulate", 3, 130, 1, 5, 7, 5, 1, 1, 1, 1, 1, {0, 0, 0, 0, 0, 0}, false, true},
-    {"2x3x1, uneven padding", 1, 6, 4, 8, 6, 64, 2, 3, 1, 1, 1, {1, 0, 2, 0, 0, 0}, true, true},
-    {"3x3x3, spatial stride 2", 2, 2, 3, 7, 9, 3, 3, 3, 3, 1, 2, {2, 0, 1, 1, 1, 1}, true, false},
+    {"temporal stride 2", 1, 4, 7, 3, 5, 65, 3, 1, 1, 2, 1, {2, 0, 0, 0, 0, 0}, true},
+    {"1x1, no bias", 3, 130, 1, 5, 7, 5, 1, 1, 1, 1, 1, {0, 0, 0, 0, 0, 0}, false},
+    {"2x3x1, uneven padding", 1, 6, 4, 8, 6, 64, 2, 3, 1, 1, 1, {1, 0, 2, 0, 0, 0}, true},
+    {"3x3x3, spatial stride 2", 2, 2, 3, 7, 9, 3, 3, 3, 3, 1, 2, {2, 0, 1, 1, 1, 1}, true},
     // Several K slices per tap (40 channels: one full slice of 32, one of 8) and 200 output
     // channels (a partial last tile at every tile height).
-    {"40 -> 200 channels, 3x3", 1, 40, 1, 6, 23, 200, 1, 3, 3, 1, 1, {0, 0, 1, 1, 1, 1}, true, false},
+    {"40 -> 200 channels, 3x3", 1, 40, 1, 6, 23, 200, 1, 3, 3, 1, 1, {0, 0, 1, 1, 1, 1}, true},
 };
 
-// out = (accumulate ? init : 0) + bias + conv(x, w) in f64, with the sum of the magnitudes of
-// everything added (the scale of the f32 accumulation error).
+// out = bias + conv(x, w) in f64, with the sum of the magnitudes of everything added (the scale
+// of the f32 accumulation error).
 void reference(const Case& c, const ConvGeom& g, const std::vector<double>& x, const std::vector<double>& w,
-               const std::vector<float>& bias, const std::vector<double>& init, std::vector<double>& out,
+               const std::vector<float>& bias, std::vector<double>& out,
                std::vector<double>& magnitude) {
     const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
     out.assign(len, 0.0);
@@ -82,7 +81,6 @@ void reference(const Case& c, const ConvGeom& g, const std::vector<double>& x, c
                 for (u64 ho = 0; ho < g.ho; ++ho)
                     for (u64 wo = 0; wo < g.wo; ++wo, ++o) {
                         double sum = 0.0, mag = 0.0;
-                        if (c.accumulate) sum += init[o], mag += std::fabs(init[o]);
                         if (c.bias) sum += bias[co], mag += std::fabs(bias[co]);
                         for (u64 ci = 0; ci < g.cin; ++ci)
                             for (u64 dt = 0; dt < g.kt; ++dt)
@@ -104,35 +102,6 @@ void reference(const Case& c, const ConvGeom& g, const std::vector<double>& x, c
                         out[o] = sum;
                         magnitude[o] = mag;
                     }
-}
-
-// Runs `kernel` on every case with data of storage type `T` and checks it within the f32
-// accumulation error plus one rounding to `T`.
-template <typename T>
-void run_cases(Check& check, const char* name,
-               void (*kernel)(const T*, const T*, const float*, T*, ConvGeom, int), unsigned threads) {
-    for (const Case& c : kCases) {
-        const ConvGeom g = c.geometry();
-        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
-        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
-        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
-        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
-        // Without accumulation every output must be written: NaN shows one that is not.
-        const auto out_init = c.accumulate ? to_storage<T>(random_f32(len, 14, -2.0f, 2.0f))
-                                           : std::vector<T>(len, Storage<T>::from_f32(NAN));
-        std::vector<double> want, magnitude;
-        reference(c, g, values(x), values(w), bias, values(out_init), want, magnitude);
-        std::vector<double> bound(len);
-        for (std::size_t i = 0; i < len; ++i) {
-            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
-        }
-        std::vector<T> out = out_init;
-        const u64 cols = g.n * g.to * g.ho * g.wo;
-        const dim3 grid((unsigned)((cols + 63) / 64), (unsigned)((g.cout + 63) / 64));
-        emu::launch(name, kernel, grid, dim3(threads), x.data(), w.data(), c.bias ? bias.data() : nullptr,
-                    out.data(), g, c.accumulate ? 1 : 0);
-        check.near(c.name, values(out), want, bound);
-    }
 }
 
 // The padded channels-last geometry, as the host computes it (`Padded` in conv.cu): channels
@@ -195,19 +164,19 @@ const Pipeline<float>& pipeline<float>() { return kF32; }
 
 // The tensor-core pipeline with tiles of `32 * mt` output channels. bf16: f32 accumulation of
 // exact products, then one rounding to bf16. f32: the three TF32 products lose about 2^-21 of
-// each product's magnitude, inside the f32 bound (f32 accumulation error) used for conv3d_f32.
+// each product's magnitude, inside the bound of f32 accumulation error (one TF32 product alone,
+// 2^-11, would not be).
 template <typename T>
 void run_tensor_core_cases(Check& check, const char* name,
                            void (*kernel)(const T*, const T*, const float*, T*, ConvGeom), unsigned mt) {
     for (const Case& c : kCases) {
-        if (c.accumulate) continue;  // the tensor-core kernels write, they do not accumulate
         const ConvGeom g = c.geometry();
         const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
         const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
         const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
         const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
         std::vector<double> want, magnitude;
-        reference(c, g, values(x), values(w), bias, {}, want, magnitude);
+        reference(c, g, values(x), values(w), bias, want, magnitude);
         std::vector<double> bound(len);
         for (std::size_t i = 0; i < len; ++i) {
             bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
@@ -268,7 +237,6 @@ void check_weight_channels_last(Check& check) {
 
 }  // namespace
 
-KERNEL_TEST(conv3d_f32) { run_cases<float>(check, KERNEL(conv3d_f32), 256); }
 KERNEL_TEST(conv_input_channels_last_bf16) { check_input_channels_last<u16>(check); }
 KERNEL_TEST(conv_input_channels_last_f32) { check_input_channels_last<float>(check); }
 KERNEL_TEST(conv_weight_channels_last_bf16) { check_weight_channels_last<u16>(check); }

@@ -188,7 +188,7 @@ CUresult allocate(const char* api, CUdeviceptr* out, std::size_t bytes) {
                       device().total_memory);
     }
     void* p = nullptr;
-    // 256-byte aligned, as cuMemAlloc's allocations are (the wmma loads need 32).
+    // 256-byte aligned, as cuMemAlloc's allocations are (cp.async and ldmatrix need 16).
     if (posix_memalign(&p, 256, bytes) != 0) {
         return refuse(CUDA_ERROR_OUT_OF_MEMORY, api, "the host has no %zu bytes to spare", bytes);
     }
