@@ -42,6 +42,20 @@ inline float bf16_value(unsigned reg, int half) {
     return f;
 }
 
+// This lane's accumulators of an m16n8 product over `K`, `A(row, k)` and `B(k, col)` read from
+// the gathered fragments: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1] (g = lane / 4,
+// t = lane % 4), each summed in k order in f32.
+template <int K, typename FA, typename FB>
+inline void accumulate(float c[4], const FA& A, const FB& B) {
+    const int lane = ::emu::lane_id(), g = lane / 4, t = lane % 4;
+    for (int q = 0; q < 4; ++q) {
+        const int row = g + (q >= 2 ? 8 : 0), col = 2 * t + (q % 2);
+        float sum = c[q];
+        for (int k = 0; k < K; ++k) sum += A(row, k) * B(k, col);
+        c[q] = sum;
+    }
+}
+
 }  // namespace emu_ptx
 
 // `cp.async.cg.shared.global [smem], [gmem], 16, full ? 16 : 0`: 16 bytes, or 16 zero bytes
@@ -102,13 +116,7 @@ inline void mma_bf16_16816(float c[4], const unsigned a[4], const unsigned b[2])
         const int lane = n * 4 + (k % 8) / 2;
         return emu_ptx::bf16_value(all[lane].b[k >= 8 ? 1 : 0], k % 2);
     };
-    const int lane = ::emu::lane_id(), g = lane / 4, t = lane % 4;
-    for (int q = 0; q < 4; ++q) {
-        const int row = g + (q >= 2 ? 8 : 0), col = 2 * t + (q % 2);
-        float sum = c[q];
-        for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
-        c[q] = sum;
-    }
+    emu_ptx::accumulate<16>(c, A, B);
 }
 
 // `cvt.rna.tf32.f32`: 10 mantissa bits, to nearest with ties away from zero; the low 13 bits of
@@ -136,11 +144,5 @@ inline void mma_tf32_1688(float c[4], const unsigned a[4], const unsigned b[2]) 
     };
     auto A = [&](int r, int k) { return value(all[(r % 8) * 4 + k % 4].a[(r >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]); };
     auto B = [&](int k, int n) { return value(all[n * 4 + k % 4].b[k >= 4 ? 1 : 0]); };
-    const int lane = ::emu::lane_id(), g = lane / 4, t = lane % 4;
-    for (int q = 0; q < 4; ++q) {
-        const int row = g + (q >= 2 ? 8 : 0), col = 2 * t + (q % 2);
-        float sum = c[q];
-        for (int k = 0; k < 8; ++k) sum += A(row, k) * B(k, col);
-        c[q] = sum;
-    }
+    emu_ptx::accumulate<8>(c, A, B);
 }
