@@ -8,7 +8,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
 use cudarc::nvrtc::Ptx;
 use vae_tensor::cuda::abi::{Box8, ConvGeom};
 use vae_tensor::cuda::{embedded_modules, probe};
@@ -233,38 +236,50 @@ fn geometry(x: &Tensor, w: &Tensor, p: &Conv3dParams) -> ConvGeom {
     }
 }
 
-/// Runs the f32 tensor-core conv pipeline for an NCTHW input with the given padding and strides,
-/// kernel by kernel as the backend does: the channels-last copies of input and weights (channels
-/// padded to 4), then the GEMM with tiles of `tile` output channels (96 or 64).
-fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, tile: u32) -> Tensor {
-    let (d, k) = (x.dims(), w.dims());
+/// The tensor-core conv pipeline kernel by kernel, as the backend launches it: input and
+/// weights into their zero-padded channels-last copies ([`ConvGeom::channels_last`]), then the
+/// GEMM `conv3d_tc_{suffix}_m{mt}` with tiles of `32 * mt` output channels. `T` is the storage
+/// type (`f32`, or `u16` holding bf16 bits); the bias is f32.
+fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<T>,
+    bias: &CudaSlice<f32>,
+    g: &ConvGeom,
+    suffix: &str,
+    mt: u64,
+) -> CudaSlice<T> {
+    let p = g.channels_last(std::mem::size_of::<T>() as u64);
+    let mut xp = gpu.stream.alloc_zeros::<T>((g.n * p.t * p.h * p.w * p.c) as usize).unwrap();
+    let f = gpu.function("conv", &format!("conv_input_channels_last_{suffix}"));
+    let cfg = LaunchConfig {
+        grid_dim: ((g.n * p.t * p.h) as u32, p.w.div_ceil(64) as u32, p.c.div_ceil(32) as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { gpu.stream.launch_builder(&f).arg(x).arg(&mut xp).arg(g).launch(cfg) }.unwrap();
+    let wr_len = (g.cout * g.kt * g.kh * g.kw * p.c) as usize;
+    let mut wr = gpu.stream.alloc_zeros::<T>(wr_len).unwrap();
+    let f = gpu.function("conv", &format!("conv_weight_channels_last_{suffix}"));
+    unsafe { gpu.stream.launch_builder(&f).arg(w).arg(&mut wr).arg(g).launch(grid(wr_len)) }.unwrap();
+    let mut out = gpu.stream.alloc_zeros::<T>((g.n * g.cout * g.to * g.ho * g.wo) as usize).unwrap();
+    let cols = g.n * g.to * g.ho * g.wo;
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(128) as u32, g.cout.div_ceil(32 * mt) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = gpu.function("conv", &format!("conv3d_tc_{suffix}_m{mt}"));
+    unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(bias).arg(&mut out).arg(g).launch(cfg) }.unwrap();
+    out
+}
+
+/// The f32 pipeline for an NCTHW input with the given padding and strides, tiles of `32 * mt`
+/// output channels (the f32 kernels have heights 96 and 64).
+fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, mt: u64) -> Tensor {
     let g = geometry(x, w, p);
-    let (to, ho, wo) = (g.to as usize, g.ho as usize, g.wo as usize);
-    let out_dims = [d[0], k[0], to, ho, wo];
-    let (dx, dw, db) = (gpu.upload(x), gpu.upload(w), gpu.upload(bias));
-    let (tp, hp, wp) = ((g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw);
-    let cp = g.cin.div_ceil(4) * 4;
-    let mut xp = gpu.zeros((g.n * tp * hp * wp * cp) as usize);
-    let f = gpu.function("conv", "conv_input_channels_last_f32");
-    let cfg = LaunchConfig {
-        grid_dim: ((g.n * tp * hp) as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    unsafe { gpu.stream.launch_builder(&f).arg(&dx).arg(&mut xp).arg(&g).launch(cfg) }.unwrap();
-    let wr_len = (g.cout * g.kt * g.kh * g.kw * cp) as usize;
-    let mut wr = gpu.zeros(wr_len);
-    let f = gpu.function("conv", "conv_weight_channels_last_f32");
-    unsafe { gpu.stream.launch_builder(&f).arg(&dw).arg(&mut wr).arg(&g).launch(grid(wr_len)) }.unwrap();
-    let mut out = gpu.zeros(out_dims.iter().product());
-    let cols = (d[0] * to * ho * wo) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(128), (k[0] as u32).div_ceil(tile), 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let f = gpu.function("conv", if tile == 96 { "conv3d_tc_f32_m3" } else { "conv3d_tc_f32_m2" });
-    unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(&db).arg(&mut out).arg(&g).launch(cfg) }.unwrap();
+    let out_dims = [x.dims()[0], w.dims()[0], g.to as usize, g.ho as usize, g.wo as usize];
+    let out = tensor_core_conv(gpu, &gpu.upload(x), &gpu.upload(w), &gpu.upload(bias), &g, "f32", mt);
     gpu.download(&out, &out_dims)
 }
 
@@ -273,13 +288,13 @@ fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams
 #[test]
 fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
     let Some(gpu) = Gpu::get("conv") else { return };
-    for tile in [96, 64] {
+    for mt in [3, 2] {
         // Wan's causal 3x3x3 conv: two zero frames in front, one row / column each side.
         let x = pattern(&[1, 8, 3, 9, 11], 8);
         let w = pattern(&[70, 8, 3, 3, 3], 9).affine(0.1, 0.0).unwrap();
         let b = pattern(&[70], 10);
         let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
-        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, tile);
+        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, mt);
         close(&got, &x.conv3d(&w, Some(&b), &p).unwrap(), 1e-4, "causal conv3d");
         // diffusers' stride-2 downsample as a one-frame conv3d (5 channels: padded to 8).
         let img = pattern(&[2, 5, 1, 12, 10], 11);
@@ -291,7 +306,7 @@ fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
             .unwrap()
             .conv2d(&w2.reshape(vec![7, 5, 3, 3]).unwrap(), Some(&b2), &Conv2dParams::diffusers_downsample())
             .unwrap();
-        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, tile);
+        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, mt);
         close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, 1e-4, "stride-2 conv2d");
     }
 }
@@ -384,37 +399,14 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let (xb, wb) = (to_bf16(&x), to_bf16(&w));
     let want = to_f32(&xb, x.dims()).conv3d(&to_f32(&wb, w.dims()), Some(&b), &p).unwrap();
     let g = geometry(&x, &w, &p);
-
-    // Channels-last copies: [1, Tp, Hp, Wp, 24] and [200, 27, 24].
-    let (tp, hp, wp, cp) = (g.to + 2, g.ho + 2, g.wo + 2, 24u64);
-    let mut xp = gpu.stream.alloc_zeros::<u16>((tp * hp * wp * cp) as usize).unwrap();
-    let f = gpu.function("conv", "conv_input_channels_last_bf16");
-    let cfg = LaunchConfig {
-        grid_dim: ((tp * hp) as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    unsafe { gpu.stream.launch_builder(&f).arg(&xb).arg(&mut xp).arg(&g).launch(cfg) }.unwrap();
-    let wr_len = cout * 27 * cp as usize;
-    let mut wr = gpu.stream.alloc_zeros::<u16>(wr_len).unwrap();
-    let f = gpu.function("conv", "conv_weight_channels_last_bf16");
-    unsafe { gpu.stream.launch_builder(&f).arg(&wb).arg(&mut wr).arg(&g).launch(grid(wr_len)) }.unwrap();
-
     let out_dims = [1, cout, g.to as usize, g.ho as usize, g.wo as usize];
     let db = gpu.upload(&b);
-    let cols = (g.to * g.ho * g.wo) as u32;
-    for (tile, name) in [(128u32, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")] {
-        let mut out = gpu.stream.alloc_zeros::<u16>(out_dims.iter().product()).unwrap();
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(128), (cout as u32).div_ceil(tile), 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = gpu.function("conv", name);
-        unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(&db).arg(&mut out).arg(&g).launch(cfg) }.unwrap();
+    for mt in [4, 3, 2] {
+        let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", mt);
+        let name = format!("conv3d_tc_bf16_m{mt}");
         let got = to_f32(&out, &out_dims);
         // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
-        close(&got, &want, 8.0 / 256.0, name);
+        close(&got, &want, 8.0 / 256.0, &name);
     }
 }
 

@@ -33,6 +33,33 @@ pub struct ConvGeom {
 // SAFETY: plain integers in C layout, as `conv.cu` declares the struct.
 unsafe impl DeviceRepr for ConvGeom {}
 
+impl ConvGeom {
+    /// The zero-padded channels-last copy of the input that the tensor-core convolution reads
+    /// (`padded_of` in conv.cu), for elements of `elem_bytes` (4: f32, 2: bf16): frames, rows
+    /// and columns with the padding materialised, and the channels rounded up to a whole
+    /// 16-byte chunk. Output extents must be non-zero.
+    pub fn channels_last(&self, elem_bytes: u64) -> ChannelsLast {
+        let chunk = 16 / elem_bytes;
+        ChannelsLast {
+            t: (self.to - 1) * self.stride_t + self.kt,
+            h: (self.ho - 1) * self.stride + self.kh,
+            w: (self.wo - 1) * self.stride + self.kw,
+            c: self.cin.div_ceil(chunk) * chunk,
+        }
+    }
+}
+
+/// Extents of a convolution's padded channels-last input `[n, t, h, w, c]` (see
+/// [`ConvGeom::channels_last`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)] // the extents, named as the dimensions
+pub struct ChannelsLast {
+    pub t: u64,
+    pub h: u64,
+    pub w: u64,
+    pub c: u64,
+}
+
 /// `Box8` of `layout.cu`: a box of up to 8 dimensions (`extent`, row-major), read and written
 /// through element strides.
 #[repr(C)]
@@ -64,5 +91,54 @@ impl Box8 {
             b.dst_stride[d] = dst_stride[d] as i64;
         }
         Some(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_channels_last_copy_materialises_the_padding_and_rounds_channels_to_a_chunk() {
+        // Wan's causal 3x3x3 conv (two frames in front, one row / column each side) on 20
+        // channels: 3 output frames of 9x11 read 5 frames of 11x13.
+        let causal = ConvGeom {
+            n: 1,
+            cin: 20,
+            t: 3,
+            h: 9,
+            w: 11,
+            cout: 8,
+            kt: 3,
+            kh: 3,
+            kw: 3,
+            to: 3,
+            ho: 9,
+            wo: 11,
+            stride_t: 1,
+            stride: 1,
+            pad_front: 2,
+            pad_top: 1,
+            pad_left: 1,
+        };
+        assert_eq!(causal.channels_last(2), ChannelsLast { t: 5, h: 11, w: 13, c: 24 });
+        assert_eq!(causal.channels_last(4), ChannelsLast { t: 5, h: 11, w: 13, c: 20 });
+        // A stride-2 3x3 downsample of 12x10 (padded bottom and right): 6x5 outputs read 13x11.
+        let down = ConvGeom {
+            cin: 5,
+            t: 1,
+            h: 12,
+            w: 10,
+            kt: 1,
+            to: 1,
+            ho: 6,
+            wo: 5,
+            stride: 2,
+            pad_front: 0,
+            pad_top: 0,
+            pad_left: 0,
+            ..causal
+        };
+        assert_eq!(down.channels_last(4), ChannelsLast { t: 1, h: 13, w: 11, c: 8 });
     }
 }

@@ -18,7 +18,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::abi::{Box8, ConvGeom};
+use super::abi::{Box8, ChannelsLast, ConvGeom};
 use super::embedded_modules;
 use crate::memory::DeviceCharge;
 use crate::{DType, Device, Result, TensorError};
@@ -636,9 +636,7 @@ impl CudaStorage {
             return self.like(0);
         }
         let bf16 = self.dtype() == DType::BF16;
-        let chunk = if bf16 { 8 } else { 4 };
-        let (tp, hp, wp) = ((g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw);
-        let cp = g.cin.div_ceil(chunk) * chunk;
+        let ChannelsLast { t: tp, h: hp, w: wp, c: cp } = g.channels_last(if bf16 { 2 } else { 4 });
         let taps = g.kt * g.kh * g.kw;
         let cols = g.n * g.to * g.ho * g.wo;
         let rows_padded = g.n * tp * hp;
