@@ -1,8 +1,17 @@
 // A fake libcuda.so: the slice of CUDA's driver API that cudarc's safe layer calls for the
 // vae-parallel CUDA backend, on the CPU. One emulated device; device memory is host memory;
-// every operation runs synchronously, in call order, under one lock (the backend uses one
-// stream per device, whose operations are ordered anyway); a launch runs the kernel compiled into
-// this library from the unchanged kernels-cu/*.cu on the kernel emulator (../runtime.cpp).
+// every call runs under one lock; a launch runs the kernel compiled into this library from the
+// unchanged kernels-cu/*.cu on the kernel emulator (../runtime.cpp).
+//
+// Streams are as lazy as CUDA allows: what a call queues on a stream (launches, async copies and
+// sets, stream-ordered frees, event records) runs only when something must see it done: a
+// synchronize of the stream, the context or an event, a download to the host, a stream that
+// reaches a wait on an event recorded after it, a synchronous call. So work on two streams that
+// nothing orders does not happen in call order; a reader that should have waited for another
+// stream's writer reads what was there before (fresh memory is NaN, see below) instead of
+// passing by luck. The legacy default stream is ordered with the blocking streams, as in CUDA
+// (cudarc's own streams are non-blocking); the per-thread default stream is treated as the
+// legacy one, a stricter order than CUDA's.
 //
 // What the real driver refuses, this refuses with the same error code and says why on stderr:
 // calls before cuInit or without a current context, a kernel the loaded image does not contain,
@@ -15,6 +24,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdarg>
+#include <deque>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -47,13 +58,29 @@ struct CUmod_st {
     std::map<std::string, std::unique_ptr<CUfunc_st>> functions;
 };
 
+namespace fake_cuda {
+
+// What is queued on one stream, in order: each operation runs when something waits for it.
+struct Queue {
+    std::deque<std::function<void()>> pending;
+    std::uint64_t queued = 0;  // operations ever queued
+    std::uint64_t done = 0;    // operations ever run (the first `done` of `queued`)
+    bool blocking = true;      // ordered with the legacy default stream
+};
+
+}  // namespace fake_cuda
+
 struct CUstream_st {
     unsigned flags;
+    std::shared_ptr<fake_cuda::Queue> queue;
 };
 
 struct CUevent_st {
     unsigned flags;
-    bool recorded = false;
+    // The last record: the stream's queue and how much of it the event waits for.
+    std::shared_ptr<fake_cuda::Queue> queue;
+    std::uint64_t upto = 0;
+    bool recorded = false;  // the record has run (the time below is set)
     std::chrono::steady_clock::time_point at;
 };
 
@@ -124,6 +151,13 @@ std::set<CUmod_st*> g_modules;
 std::set<CUfunc_st*> g_functions;
 std::set<CUstream_st*> g_streams;
 std::set<CUevent_st*> g_events;
+// The legacy default stream (the null stream; also stands for the per-thread default stream).
+const std::shared_ptr<Queue> g_legacy = std::make_shared<Queue>();
+// Allocations whose stream-ordered free is queued and has not run.
+std::set<CUdeviceptr> g_freeing;
+// The first error of queued work, returned by every later synchronizing call, as a faulted
+// context's error is on a GPU.
+CUresult g_sticky = CUDA_SUCCESS;
 
 // Reports a refused call on stderr (the real driver only returns the code; the message is what
 // makes a failure under the fake quick to diagnose) and returns `code`.
@@ -165,6 +199,57 @@ CUresult check_stream(const char* api, CUstream s) {
     return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown stream %p", (void*)s);
 }
 
+std::shared_ptr<Queue> queue_of(CUstream s) {
+    return s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ? g_legacy : s->queue;
+}
+
+// Runs `q`'s operations until `upto` of them have run. An operation may be a wait that runs
+// another queue first; those point back only at operations queued before them, so this ends.
+void flush(Queue& q, std::uint64_t upto) {
+    while (q.done < upto && !q.pending.empty()) {
+        std::function<void()> op = std::move(q.pending.front());
+        q.pending.pop_front();
+        ++q.done;
+        op();
+    }
+}
+
+void flush(Queue& q) { flush(q, q.queued); }
+
+// Everything queued anywhere, as a context synchronize does.
+void flush_all() {
+    flush(*g_legacy);
+    for (CUstream_st* s : g_streams) flush(*s->queue);
+}
+
+// Queues `op` on stream `s`, after what the legacy stream's ordering puts before it: the
+// blocking streams' work before legacy work, and legacy work before a blocking stream's.
+void enqueue(CUstream s, std::function<void()> op) {
+    const std::shared_ptr<Queue> q = queue_of(s);
+    if (q == g_legacy) {
+        for (CUstream_st* other : g_streams) {
+            if (other->queue->blocking) flush(*other->queue);
+        }
+    } else if (q->blocking) {
+        flush(*g_legacy);
+    }
+    q->pending.push_back(std::move(op));
+    ++q->queued;
+}
+
+// Records a failure of queued work (on stderr now, as the sticky error of the next
+// synchronizing call).
+void fault(CUresult code, const char* api, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+void fault(CUresult code, const char* api, const char* fmt, ...) {
+    std::fprintf(stderr, "fake libcuda: queued %s failed when it ran (%d): ", api, (int)code);
+    va_list ap;
+    va_start(ap, fmt);
+    std::vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    std::fputc('\n', stderr);
+    if (g_sticky == CUDA_SUCCESS) g_sticky = code;
+}
+
 // Whether `[ptr, ptr + bytes)` lies in one live allocation.
 bool inside_allocation(CUdeviceptr ptr, std::size_t bytes) {
     auto it = g_allocations.upper_bound(ptr);
@@ -199,16 +284,20 @@ CUresult allocate(const char* api, CUdeviceptr* out, std::size_t bytes) {
     return CUDA_SUCCESS;
 }
 
-CUresult release(const char* api, CUdeviceptr ptr) {
+CUresult check_releasable(const char* api, CUdeviceptr ptr) {
     if (CUresult r = current_context(api)) return r;
-    const auto it = g_allocations.find(ptr);
-    if (it == g_allocations.end()) {
+    if (!g_allocations.count(ptr) || g_freeing.count(ptr)) {
         return refuse(CUDA_ERROR_INVALID_VALUE, api, "%#llx is not a live allocation (freed twice?)", ptr);
     }
+    return CUDA_SUCCESS;
+}
+
+void release(CUdeviceptr ptr) {
+    const auto it = g_allocations.find(ptr);
     g_allocated -= it->second;
     g_allocations.erase(it);
+    g_freeing.erase(ptr);
     std::free((void*)ptr);
-    return CUDA_SUCCESS;
 }
 
 // The most threads a block of `f` may have on this device: its launch bounds, and the registers
@@ -418,10 +507,16 @@ FAKE_API CUresult cuCtxSetCurrent(CUcontext ctx) {
 
 FAKE_API CUresult cuCtxSynchronize() {
     Lock lock(g_mutex);
-    return current_context("cuCtxSynchronize");
+    if (CUresult r = current_context("cuCtxSynchronize")) return r;
+    flush_all();
+    return g_sticky;
 }
 
 // ---------------------------------------------------------------- memory
+//
+// Allocation is immediate (the address is the call's result). Synchronous calls first run
+// everything queued, as they are ordered after it on a GPU (a stricter order than CUDA's for
+// non-blocking streams, which only hides bugs the lazy streams would show, never invents one).
 
 FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, std::size_t bytes) {
     Lock lock(g_mutex);
@@ -436,13 +531,21 @@ FAKE_API CUresult cuMemAllocAsync(CUdeviceptr* ptr, std::size_t bytes, CUstream 
 
 FAKE_API CUresult cuMemFree_v2(CUdeviceptr ptr) {
     Lock lock(g_mutex);
-    return release("cuMemFree", ptr);
+    if (CUresult r = check_releasable("cuMemFree", ptr)) return r;
+    flush_all();
+    if (g_allocations.count(ptr)) release(ptr);
+    return CUDA_SUCCESS;
 }
 
+// The memory goes back when the stream reaches the free: work queued before it on the stream
+// may still use it; work elsewhere that nothing orders before the free finds it gone.
 FAKE_API CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuMemFreeAsync", s)) return r;
-    return release("cuMemFreeAsync", ptr);
+    if (CUresult r = check_releasable("cuMemFreeAsync", ptr)) return r;
+    g_freeing.insert(ptr);
+    enqueue(s, [ptr] { release(ptr); });
+    return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
@@ -456,85 +559,117 @@ FAKE_API CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
 
 namespace {
 
-CUresult memset_d8(const char* api, CUdeviceptr dst, unsigned char value, std::size_t n) {
+// The copies and sets check their ranges when called (the driver's argument checks) and again
+// when they run: by then a free queued elsewhere may have taken the memory.
+
+void run_memset(CUdeviceptr dst, unsigned char value, std::size_t n) {
+    if (!inside_allocation(dst, n)) return fault(CUDA_ERROR_ILLEGAL_ADDRESS, "memset", "destination was freed");
+    std::memset((void*)dst, value, n);
+}
+
+void run_copy(CUdeviceptr dst, const void* src, std::size_t n) {
+    if (!inside_allocation(dst, n)) return fault(CUDA_ERROR_ILLEGAL_ADDRESS, "copy", "destination was freed");
+    std::memmove((void*)dst, src, n);
+}
+
+void run_dtod(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    if (!inside_allocation(src, n)) return fault(CUDA_ERROR_ILLEGAL_ADDRESS, "copy", "source was freed");
+    run_copy(dst, (const void*)src, n);
+}
+
+CUresult memset_d8(const char* api, CUdeviceptr dst, unsigned char value, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
     if (CUresult r = check_range(api, "destination", dst, n)) return r;
-    std::memset((void*)dst, value, n);
+    enqueue(s, [=] { run_memset(dst, value, n); });
     return CUDA_SUCCESS;
 }
 
-CUresult copy_htod(const char* api, CUdeviceptr dst, const void* src, std::size_t n) {
+// The host source is read when the call is made (pageable memory: the caller may reuse it as
+// soon as the call returns).
+CUresult copy_htod(const char* api, CUdeviceptr dst, const void* src, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
     if (!src) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host source");
     if (CUresult r = check_range(api, "destination", dst, n)) return r;
-    std::memcpy((void*)dst, src, n);
+    auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
+                                                              (const unsigned char*)src + n);
+    enqueue(s, [=] { run_copy(dst, staged->data(), n); });
     return CUDA_SUCCESS;
 }
 
-CUresult copy_dtoh(const char* api, void* dst, CUdeviceptr src, std::size_t n) {
+// Into pageable host memory: the call returns with the data, after the work queued before it.
+CUresult copy_dtoh(const char* api, void* dst, CUdeviceptr src, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
     if (!dst) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host destination");
     if (CUresult r = check_range(api, "source", src, n)) return r;
+    flush(*queue_of(s));
+    if (g_sticky != CUDA_SUCCESS) return g_sticky;
+    if (!inside_allocation(src, n)) return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, api, "the source was freed");
     std::memcpy(dst, (const void*)src, n);
     return CUDA_SUCCESS;
 }
 
-CUresult copy_dtod(const char* api, CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+CUresult copy_dtod(const char* api, CUdeviceptr dst, CUdeviceptr src, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
     if (CUresult r = check_range(api, "destination", dst, n)) return r;
     if (CUresult r = check_range(api, "source", src, n)) return r;
-    std::memmove((void*)dst, (const void*)src, n);
+    enqueue(s, [=] { run_dtod(dst, src, n); });
     return CUDA_SUCCESS;
+}
+
+// A synchronous call: everything queued first, then the operation on the legacy stream, run now.
+template <class F>
+CUresult synchronous(const char* api, F call) {
+    if (CUresult r = current_context(api)) return r;
+    flush_all();
+    if (CUresult r = call()) return r;
+    flush_all();
+    return g_sticky;
 }
 
 }  // namespace
 
 FAKE_API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, std::size_t n) {
     Lock lock(g_mutex);
-    if (CUresult r = current_context("cuMemsetD8")) return r;
-    return memset_d8("cuMemsetD8", dst, value, n);
+    return synchronous("cuMemsetD8", [&] { return memset_d8("cuMemsetD8", dst, value, n, nullptr); });
 }
 
 FAKE_API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, std::size_t n, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuMemsetD8Async", s)) return r;
-    return memset_d8("cuMemsetD8Async", dst, value, n);
+    return memset_d8("cuMemsetD8Async", dst, value, n, s);
 }
 
 FAKE_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
     Lock lock(g_mutex);
-    if (CUresult r = current_context("cuMemcpyHtoD")) return r;
-    return copy_htod("cuMemcpyHtoD", dst, src, n);
+    return synchronous("cuMemcpyHtoD", [&] { return copy_htod("cuMemcpyHtoD", dst, src, n, nullptr); });
 }
 
 FAKE_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuMemcpyHtoDAsync", s)) return r;
-    return copy_htod("cuMemcpyHtoDAsync", dst, src, n);
+    return copy_htod("cuMemcpyHtoDAsync", dst, src, n, s);
 }
 
 FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
     Lock lock(g_mutex);
-    if (CUresult r = current_context("cuMemcpyDtoH")) return r;
-    return copy_dtoh("cuMemcpyDtoH", dst, src, n);
+    return synchronous("cuMemcpyDtoH", [&] { return copy_dtoh("cuMemcpyDtoH", dst, src, n, nullptr); });
 }
 
 FAKE_API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuMemcpyDtoHAsync", s)) return r;
-    return copy_dtoh("cuMemcpyDtoHAsync", dst, src, n);
+    return copy_dtoh("cuMemcpyDtoHAsync", dst, src, n, s);
 }
 
 FAKE_API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
     Lock lock(g_mutex);
-    if (CUresult r = current_context("cuMemcpyDtoD")) return r;
-    return copy_dtod("cuMemcpyDtoD", dst, src, n);
+    return synchronous("cuMemcpyDtoD", [&] { return copy_dtod("cuMemcpyDtoD", dst, src, n, nullptr); });
 }
 
 FAKE_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuMemcpyDtoDAsync", s)) return r;
-    return copy_dtod("cuMemcpyDtoDAsync", dst, src, n);
+    return copy_dtod("cuMemcpyDtoDAsync", dst, src, n, s);
 }
 
 // ---------------------------------------------------------------- streams and events
@@ -543,36 +678,49 @@ FAKE_API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuStreamCreate")) return r;
     if (!s) return refuse(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate", "null output");
-    *s = new CUstream_st{flags};
+    auto queue = std::make_shared<Queue>();
+    queue->blocking = (flags & CU_STREAM_NON_BLOCKING) == 0;
+    *s = new CUstream_st{flags, std::move(queue)};
     g_streams.insert(*s);
     return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
 
+// The stream's queued work still runs (CUDA finishes it after the call returns; here first).
 FAKE_API CUresult cuStreamDestroy_v2(CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuStreamDestroy")) return r;
-    if (!g_streams.erase(s)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuStreamDestroy", "unknown stream %p", (void*)s);
+    if (!g_streams.count(s)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuStreamDestroy", "unknown stream %p", (void*)s);
+    flush(*s->queue);
+    g_streams.erase(s);
     delete s;
     return CUDA_SUCCESS;
 }
 
-// Work runs when it is issued: every stream is always idle.
 FAKE_API CUresult cuStreamSynchronize(CUstream s) {
     Lock lock(g_mutex);
-    return check_stream("cuStreamSynchronize", s);
+    if (CUresult r = check_stream("cuStreamSynchronize", s)) return r;
+    flush(*queue_of(s));
+    return g_sticky;
 }
 
+// Runs the stream's work and says it is done (a query that answered "not ready" forever would
+// stall a caller that polls).
 FAKE_API CUresult cuStreamQuery(CUstream s) {
     Lock lock(g_mutex);
-    return check_stream("cuStreamQuery", s);
+    if (CUresult r = check_stream("cuStreamQuery", s)) return r;
+    flush(*queue_of(s));
+    return g_sticky;
 }
 
+// The stream's later work waits for what the event's last record covers (nothing, when it was
+// never recorded).
 FAKE_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuStreamWaitEvent", s)) return r;
     if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent", "unknown event");
+    if (e->queue) enqueue(s, [q = e->queue, upto = e->upto] { flush(*q, upto); });
     return CUDA_SUCCESS;
 }
 
@@ -580,15 +728,18 @@ FAKE_API CUresult cuEventCreate(CUevent* e, unsigned flags) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuEventCreate")) return r;
     if (!e) return refuse(CUDA_ERROR_INVALID_VALUE, "cuEventCreate", "null output");
-    *e = new CUevent_st{flags, false, {}};
+    *e = new CUevent_st{flags, nullptr, 0, false, {}};
     g_events.insert(*e);
     return CUDA_SUCCESS;
 }
 
+// Whatever the event's last record covers still runs (its time is written into the event).
 FAKE_API CUresult cuEventDestroy_v2(CUevent e) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuEventDestroy")) return r;
-    if (!g_events.erase(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy", "unknown event");
+    if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy", "unknown event");
+    if (e->queue) flush(*e->queue, e->upto);
+    g_events.erase(e);
     delete e;
     return CUDA_SUCCESS;
 }
@@ -597,22 +748,33 @@ FAKE_API CUresult cuEventRecord(CUevent e, CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuEventRecord", s)) return r;
     if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord", "unknown event");
-    e->recorded = true;
-    e->at = std::chrono::steady_clock::now();
+    // A re-record supersedes the last one; that one's timestamp must not land after it.
+    if (e->queue) flush(*e->queue, e->upto);
+    e->recorded = false;
+    enqueue(s, [e] {
+        e->recorded = true;
+        e->at = std::chrono::steady_clock::now();
+    });
+    e->queue = queue_of(s);
+    e->upto = e->queue->queued;
     return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuEventSynchronize(CUevent e) {
     Lock lock(g_mutex);
     if (CUresult r = initialized("cuEventSynchronize")) return r;
-    return g_events.count(e) ? CUDA_SUCCESS
-                             : refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize", "unknown event");
+    if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize", "unknown event");
+    if (e->queue) flush(*e->queue, e->upto);
+    return g_sticky;
 }
 
+// As cuStreamQuery: runs the work and says it is done.
 FAKE_API CUresult cuEventQuery(CUevent e) {
     Lock lock(g_mutex);
     if (CUresult r = initialized("cuEventQuery")) return r;
-    return g_events.count(e) ? CUDA_SUCCESS : refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventQuery", "unknown event");
+    if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventQuery", "unknown event");
+    if (e->queue) flush(*e->queue, e->upto);
+    return g_sticky;
 }
 
 // Host time between the two records (what ran in between ran on the CPU).
@@ -623,9 +785,10 @@ FAKE_API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
     if (!g_events.count(start) || !g_events.count(end)) {
         return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime", "unknown event");
     }
-    if ((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING || !start->recorded || !end->recorded) {
+    if ((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING || !start->queue || !end->queue) {
         return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime", "an event without timing or never recorded");
     }
+    if (!start->recorded || !end->recorded) return CUDA_ERROR_NOT_READY;
     *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
     return CUDA_SUCCESS;
 }
@@ -649,7 +812,9 @@ FAKE_API CUresult cuModuleLoadData(CUmodule* module, const void* data) {
 FAKE_API CUresult cuModuleUnload(CUmodule module) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuModuleUnload")) return r;
-    if (!g_modules.erase(module)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuModuleUnload", "unknown module");
+    if (!g_modules.count(module)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuModuleUnload", "unknown module");
+    flush_all();  // queued launches of its kernels run first
+    g_modules.erase(module);
     for (const auto& [name, f] : module->functions) g_functions.erase(f.get());
     delete module;
     return CUDA_SUCCESS;
@@ -755,7 +920,24 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
                           i, ptr);
         }
     }
-    k.run(k.name, dim3(gx, gy, gz), dim3(bx, by, bz), params);
+    // The launch keeps copies of the argument values (the caller's may be gone when it runs).
+    std::vector<std::vector<unsigned char>> values;
+    for (std::size_t i = 0; i < k.params.size(); ++i) {
+        const auto* p = (const unsigned char*)params[i];
+        values.emplace_back(p, p + k.params[i].size);
+    }
+    enqueue(s, [&k, grid = dim3(gx, gy, gz), block = dim3(bx, by, bz), values = std::move(values)] {
+        std::vector<void*> args;
+        for (std::size_t i = 0; i < values.size(); ++i) {
+            const auto ptr = k.params[i].pointer ? load_param<CUdeviceptr>(values[i].data()) : 0;
+            if (ptr != 0 && !inside_allocation(ptr, 1)) {
+                return fault(CUDA_ERROR_ILLEGAL_ADDRESS, "cuLaunchKernel", "%s: argument %zu (%#llx) was freed", k.name,
+                             i, ptr);
+            }
+            args.push_back((void*)values[i].data());
+        }
+        k.run(k.name, grid, block, args.data());
+    });
     return CUDA_SUCCESS;
 }
 

@@ -78,6 +78,11 @@ enum : unsigned {
     CU_EVENT_DISABLE_TIMING = 2,
 };
 
+// CUstream_flags.
+enum : unsigned {
+    CU_STREAM_NON_BLOCKING = 1,
+};
+
 // The special stream handles: the legacy default stream and the per-thread default stream.
 #define CU_STREAM_LEGACY ((CUstream)0x1)
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
