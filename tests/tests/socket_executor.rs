@@ -59,6 +59,10 @@ impl TileOperator for FailsTileTwo {
     fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
         self.0.merge(tiles, grid)
     }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
 }
 
 #[test]

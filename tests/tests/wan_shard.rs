@@ -8,7 +8,7 @@ use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_runtime::{
     DistributedVaeExecutor, OutputPlacement, ParallelMode, RankReport, ShardAxis, Strategy, StrategyReport,
 };
-use vae_tensor::Tensor;
+use vae_tensor::{Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
 
 /// The three video families of the fixtures: (directory, model).
@@ -287,6 +287,10 @@ impl vae_runtime::ShardOperator for FailsMidway {
 
     fn finish(&self, assembled: Tensor) -> Result<Tensor, vae_runtime::OperatorError> {
         Ok(assembled)
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
     }
 }
 

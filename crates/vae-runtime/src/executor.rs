@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use std::ops::Range;
 
 use vae_planner::{BandPartition, GridCoord, GridSpec, ShardAxis, TileTask, lpt_assign};
-use vae_tensor::{DType, Device, Shape, Tensor};
+use vae_tensor::{DType, Device, Shape, StreamScope, Tensor};
 use vae_transport::{CommStats, Communicator, CommunicatorExt};
 
 use crate::codec::{Reader, Writer};
@@ -44,6 +44,9 @@ pub trait TileOperator {
     fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError>;
     /// Assembles the output from every tile's output.
     fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError>;
+    /// The device the operator computes on (its model's), whatever the input's: in-process ranks
+    /// that share a GPU each get a stream of their own there for the request.
+    fn device(&self) -> Device;
 }
 
 /// Tile outputs by grid coordinate, handed to [`TileOperator::merge`].
@@ -306,6 +309,7 @@ impl DistributedVaeExecutor {
         axis: ShardAxis,
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
+        let _stream = self.device_stream(op.device());
         let comm = self.comm.as_ref();
         let (rank, world) = (comm.rank(), comm.size());
         let traffic_before = comm.stats();
@@ -418,12 +422,30 @@ impl DistributedVaeExecutor {
         err
     }
 
+    /// Where this rank's device work goes during a request on `device`. Ranks that are threads
+    /// of one process (the in-process transport) may share a GPU; each then queues its kernels
+    /// on a stream of its own, so that they run side by side instead of one after another on
+    /// the device's default stream. A rank alone in its process keeps the default stream (a
+    /// second stream would make every launch record and wait for events, for nothing).
+    fn device_stream(&self, device: Device) -> StreamScope {
+        if device.is_cpu() || self.comm.size() < 2 || self.comm.mailbox().is_none() {
+            return StreamScope::none();
+        }
+        StreamScope::own(&device).unwrap_or_else(|e| {
+            // The default stream is as correct, only serial; the request itself will report
+            // a device that cannot be used.
+            tracing::warn!(rank = self.comm.rank(), "no stream of its own on {device}: {e}");
+            StreamScope::none()
+        })
+    }
+
     fn run<O: TileOperator>(
         &self,
         input: &Tensor,
         op: &O,
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
+        let _stream = self.device_stream(op.device());
         let comm = self.comm.as_ref();
         let (rank, world) = (comm.rank(), comm.size());
         let traffic_before = comm.stats();

@@ -44,6 +44,9 @@ pub trait ShardOperator {
     /// Turns the assembled output (bands concatenated along the axis) into the result (crop,
     /// unpatchify, clamp, ...). Runs on the owner only.
     fn finish(&self, assembled: Tensor) -> Result<Tensor, OperatorError>;
+    /// The device the operator computes on (its model's): in-process ranks that share a GPU
+    /// each get a stream of their own there for the request.
+    fn device(&self) -> Device;
 }
 
 /// Communication inside one rank's sharded computation.

@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use vae_planner::{AxisTiling, GridSpec, MergeRule, TileTask};
-use vae_tensor::{DType, Tensor};
+use vae_tensor::{DType, Device, Tensor};
 
 use crate::stitch::{StitchSpec, stitch};
 use crate::{OperatorError, TileMap, TileOperator, TilePlan};
@@ -101,5 +101,9 @@ impl TileOperator for SyntheticDecoder {
     fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
         let shape = [grid.grid_shape[0], grid.grid_shape[1]];
         Ok(stitch(tiles, shape, &grid.tile_spec)?)
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
     }
 }

@@ -244,6 +244,10 @@ impl TileOperator for Failing {
         }
         self.inner.merge(tiles, grid)
     }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
 }
 
 #[test]
@@ -379,6 +383,10 @@ impl TileOperator for FirstSplitDiffers {
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
         small_op().merge(tiles, grid)
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
     }
 }
 

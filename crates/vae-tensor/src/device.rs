@@ -11,8 +11,9 @@ pub enum Device {
     /// Host memory, computed by the CPU backend.
     #[default]
     Cpu,
-    /// A CUDA device by ordinal. Tensors cannot be created there until the CUDA backend lands;
-    /// every attempt returns [`TensorError::DeviceUnavailable`].
+    /// A CUDA device by ordinal. Where the device cannot be used (no driver, no such device, a
+    /// build without the `cuda` feature or without embedded kernels), creating tensors there
+    /// returns [`TensorError::DeviceUnavailable`].
     Cuda(usize),
 }
 
@@ -51,6 +52,59 @@ impl FromStr for Device {
             "cuda" => Ok(Self::Cuda(0)),
             other => other.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Self::Cuda).ok_or_else(bad),
         }
+    }
+}
+
+/// While it lives, the CUDA work the calling thread queues on one device goes to a stream of the
+/// thread's own instead of the device's default stream: the way several ranks share one GPU (the
+/// in-process transport) and still run side by side.
+///
+/// Tensors need no care when they cross streams: once a second stream exists, every device
+/// buffer records the stream that last wrote it, and work on another stream waits for that
+/// record (cudarc's event tracking). When the scope ends, the device's default stream waits for
+/// everything queued on the thread's stream, so the thread's later work, and
+/// [`crate::cuda::synchronize`], see its results. On the CPU, and in a build without the `cuda`
+/// feature, the scope does nothing.
+#[must_use = "the thread's own stream is used only while the scope lives"]
+pub struct StreamScope {
+    #[cfg(feature = "cuda")]
+    _own: Option<crate::cuda::backend::OwnStream>,
+    /// A scope belongs to the thread that opened it.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl StreamScope {
+    /// Opens a stream of the calling thread's own on `device` (nothing for the CPU). Fails
+    /// like any first use of the device when it cannot be opened.
+    pub fn own(device: &Device) -> Result<Self, TensorError> {
+        match device {
+            Device::Cpu => Ok(Self::none()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => Ok(Self {
+                _own: Some(crate::cuda::backend::CudaDevice::get(*ordinal)?.own_stream()?),
+                _not_send: std::marker::PhantomData,
+            }),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(TensorError::DeviceUnavailable {
+                device: *device,
+                reason: "this build has no CUDA backend (the `cuda` feature is off)".into(),
+            }),
+        }
+    }
+
+    /// A scope that changes nothing (work stays where it was going).
+    pub fn none() -> Self {
+        Self {
+            #[cfg(feature = "cuda")]
+            _own: None,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl fmt::Debug for StreamScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StreamScope")
     }
 }
 

@@ -5,7 +5,7 @@
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
 
 use vae_tensor::cuda::{embedded_modules, probe};
-use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor, TensorError};
+use vae_tensor::{Conv2dParams, Conv3dParams, DType, Device, StreamScope, Tensor, TensorError};
 
 const CUDA: Device = Device::Cuda(0);
 
@@ -123,6 +123,42 @@ fn convolutions_match() {
     same_on_both("causal conv3d", &[v, w3, b3], 1e-4, |t| {
         t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
     });
+}
+
+/// Two threads, each with a stream of its own on the device (as two ranks of one process share a
+/// GPU), hand each other device tensors whose producing work may not have run yet, and drop their
+/// own buffers at once. Under the fake driver, which runs a stream's work only when something
+/// waits for it, a missing wait reads NaN (fresh memory) and a missing one before a free is a
+/// fault; on a GPU it is a race. Either way the result must equal the CPU's.
+#[test]
+fn threads_on_streams_of_their_own_hand_each_other_device_tensors() {
+    if !gpu("streams of their own") {
+        return;
+    }
+    let (x, w) = (pattern(&[1, 6, 20, 24], 40), pattern(&[6, 6, 3, 3], 41).affine(0.2, 0.0).unwrap());
+    let stage_a = |x: &Tensor, w: &Tensor| x.conv2d(w, None, &Conv2dParams::same(3)).unwrap().silu().unwrap();
+    let stage_b = |y: &Tensor, w: &Tensor| y.conv2d(w, None, &Conv2dParams::same(3)).unwrap().add(y).unwrap();
+    let want = stage_b(&stage_a(&x, &w), &w);
+
+    let (w_gpu, x_gpu) = (&gpu_of(&w), &gpu_of(&x));
+    let (to_b, from_a) = std::sync::mpsc::channel::<Tensor>();
+    let (to_main, results) = std::sync::mpsc::channel::<Tensor>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let _own = StreamScope::own(&CUDA).unwrap();
+            // Intermediates die here, freed on this thread's stream.
+            to_b.send(stage_a(x_gpu, w_gpu)).unwrap();
+        });
+        s.spawn(move || {
+            let _own = StreamScope::own(&CUDA).unwrap();
+            let y = from_a.recv().unwrap();
+            to_main.send(stage_b(&y, w_gpu)).unwrap();
+        });
+    });
+    let got = results.recv().unwrap();
+    assert_eq!(got.device(), CUDA);
+    let diff = got.to_device(&Device::Cpu).unwrap().max_abs_diff(&want).unwrap();
+    assert!(diff <= 1e-4, "max |cuda - cpu| across streams = {diff}");
 }
 
 #[test]

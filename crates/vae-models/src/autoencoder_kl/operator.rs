@@ -7,7 +7,7 @@ use std::ops::Range;
 use vae_planner::{GridSpec, TileLayout2d, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
-use vae_tensor::{DType, Tensor};
+use vae_tensor::{DType, Device, Tensor};
 
 use super::model::AutoencoderKl;
 use crate::ModelError;
@@ -90,5 +90,9 @@ impl TileOperator for KlOperator<'_> {
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
     }
 }

@@ -1084,6 +1084,10 @@ impl TileOperator for WanDecodeOperator<'_> {
         let merged = merge_plan(tiles, grid)?;
         Ok(self.model.finish_decode(merged, clamp)?)
     }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
 }
 
 /// Wan / Qwen-Image encode for the executor: diffusers' `tiled_encode` cut into split / exec /
@@ -1135,6 +1139,10 @@ impl TileOperator for WanEncodeOperator<'_> {
     ) -> std::result::Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
     }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
 }
 
 /// Wan / Qwen-Image decode sharded along one spatial axis: the plain (direct) decode, each
@@ -1164,5 +1172,9 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
 
     fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
         Ok(self.model.finish_decode(assembled, true)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
     }
 }

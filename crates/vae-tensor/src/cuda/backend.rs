@@ -1,7 +1,9 @@
 //! CUDA tensor storage and the ops that run on it, through the embedded `kernels-cu/` modules.
 //!
-//! One [`CudaDevice`] per ordinal and process (context, one stream, the loaded modules), created
-//! on first use. Storage is f32 or bf16 ([`CudaData`]); every op with a bf16 variant picks the
+//! One [`CudaDevice`] per ordinal and process (context, default stream, the loaded modules),
+//! created on first use. Work goes to the device's default stream, or to the calling thread's own
+//! stream while it holds an [`OwnStream`] for the device (several ranks on one GPU, one stream
+//! each; see `crate::StreamScope`). Storage is f32 or bf16 ([`CudaData`]); every op with a bf16 variant picks the
 //! kernel by the storage type, computes in f32 and rounds once, as PyTorch's bf16 kernels do.
 //! Per-channel parameters (biases, norm scales) stay f32 in both: a bf16 model keeps them as the
 //! f32 values of its bf16 parameters. Every op checks its arguments on the host exactly as the
@@ -9,6 +11,7 @@
 //! kernels on the device's stream; results come back to the host only when asked
 //! (`to_device(Cpu)`, `to_vec_f32`; bf16 widens exactly to f32 on the way).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -23,13 +26,14 @@ use super::embedded_modules;
 use crate::memory::DeviceCharge;
 use crate::{DType, Device, Result, TensorError};
 
-/// A device's context, stream and kernels.
+/// A device's context, default stream and kernels.
 pub(crate) struct CudaDevice {
     ordinal: usize,
     /// Streaming multiprocessors: the memory-bound kernels launch a few waves of blocks per SM,
     /// the tensor-core conv picks its tile height to fill them.
     sms: usize,
-    stream: Arc<CudaStream>,
+    /// Where work goes unless the calling thread has a stream of its own ([`OwnStream`]).
+    default_stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
 }
@@ -82,7 +86,7 @@ impl CudaDevice {
         let device = Arc::new(Self {
             ordinal,
             sms: (info.multiprocessors as usize).max(1),
-            stream: ctx.default_stream(),
+            default_stream: ctx.default_stream(),
             modules,
             functions: Mutex::default(),
         });
@@ -106,13 +110,38 @@ impl CudaDevice {
         Ok(f)
     }
 
-    /// Waits for everything queued on the device's stream.
+    /// Waits for everything queued on the device, on every stream.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| driver(self.ordinal, "synchronize", e))
+        self.default_stream.context().synchronize().map_err(|e| driver(self.ordinal, "synchronize", e))
+    }
+
+    /// The stream the calling thread's work on this device goes to: the innermost of its
+    /// [`OwnStream`]s for the device, else the default stream.
+    fn stream(&self) -> Arc<CudaStream> {
+        OWN_STREAMS
+            .with_borrow(|own| own.iter().rev().find(|(o, _)| *o == self.ordinal).map(|(_, s)| Arc::clone(s)))
+            .unwrap_or_else(|| Arc::clone(&self.default_stream))
+    }
+
+    /// Gives the calling thread a new stream on this device until the returned guard drops.
+    pub(crate) fn own_stream(self: &Arc<Self>) -> Result<OwnStream> {
+        // The first extra stream puts cudarc's context into multi-stream mode: from then on every
+        // buffer records which stream last wrote and read it, and a launch on another stream
+        // waits for those events. That is what orders a tensor one rank wrote and another reads
+        // (a halo handed over device to device, a tile gathered to the owner, the weights).
+        let stream = self.default_stream.context().new_stream().map_err(|e| driver(self.ordinal, "stream", e))?;
+        // It starts after what the default stream holds so far. Buffers written there before
+        // the context had a second stream recorded no events, and cudarc synchronizes the context
+        // only for the first extra stream: a second thread's stream, created just then, would not
+        // wait for them.
+        stream.join(&self.default_stream).map_err(|e| driver(self.ordinal, "stream", e))?;
+        OWN_STREAMS.with_borrow_mut(|own| own.push((self.ordinal, Arc::clone(&stream))));
+        tracing::debug!(device = self.ordinal, "this thread's CUDA work goes to a stream of its own");
+        Ok(OwnStream { device: Arc::clone(self), stream })
     }
 
     fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
+        self.stream().alloc_zeros::<T>(n.max(1)).map_err(|e| driver(self.ordinal, "alloc", e))
     }
 
     fn alloc(&self, n: usize, dtype: DType) -> Result<CudaData> {
@@ -130,8 +159,8 @@ impl CudaDevice {
         // SAFETY: the memory is only read after the kernel queued next on this stream has written
         // every element (the callers' contract); stream order makes that write happen first.
         match dtype {
-            DType::F32 => Ok(CudaData::F32(unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(err)?)),
-            DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream.alloc::<u16>(n.max(1)) }.map_err(err)?)),
+            DType::F32 => Ok(CudaData::F32(unsafe { self.stream().alloc::<f32>(n.max(1)) }.map_err(err)?)),
+            DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream().alloc::<u16>(n.max(1)) }.map_err(err)?)),
             DType::F16 => Err(TensorError::UnsupportedDType { op: "alloc", dtype, device: Device::Cuda(self.ordinal) }),
         }
     }
@@ -143,6 +172,36 @@ impl CudaDevice {
     fn streaming(&self, units: usize) -> LaunchConfig {
         let blocks = units.div_ceil(256).clamp(1, self.sms * 8 * 4) as u32;
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+thread_local! {
+    /// The streams of the calling thread's live [`OwnStream`]s, by ordinal, innermost last.
+    static OWN_STREAMS: RefCell<Vec<(usize, Arc<CudaStream>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A thread's own stream on one device, in use while this lives (see [`CudaDevice::own_stream`]).
+/// Not `Send`: it belongs to the thread that opened it.
+pub(crate) struct OwnStream {
+    device: Arc<CudaDevice>,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for OwnStream {
+    /// Hands the device back to the default stream, ordered after everything queued on this one:
+    /// the default stream waits for it (on the device; the host does not block), so work the
+    /// thread queues next, and [`CudaDevice::synchronize`], see this stream's results.
+    fn drop(&mut self) {
+        OWN_STREAMS.with_borrow_mut(|own| {
+            if let Some(i) = own.iter().rposition(|(_, s)| Arc::ptr_eq(s, &self.stream)) {
+                own.remove(i);
+            }
+        });
+        if let Err(e) = self.device.default_stream.join(&self.stream) {
+            // Buffers still order themselves by their events; only a later synchronize could
+            // return early. A driver that fails here has failed the work queued before it too.
+            tracing::warn!(device = self.device.ordinal, "ordering the default stream after a rank's stream: {e}");
+        }
     }
 }
 
@@ -287,7 +346,7 @@ impl CudaStorage {
         if host.is_empty() {
             return Self::zeros(ordinal, 0, DType::F32);
         }
-        let data = device.stream.clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
+        let data = device.stream().clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
         Ok(Self::new(CudaData::F32(data), device, host.len()))
     }
 
@@ -295,9 +354,9 @@ impl CudaStorage {
     pub(crate) fn download(&self) -> Result<Vec<f32>> {
         let err = |e| driver(self.device.ordinal, "download", e);
         let mut v = match &self.data {
-            CudaData::F32(d) => self.device.stream.clone_dtoh(d).map_err(err)?,
+            CudaData::F32(d) => self.device.stream().clone_dtoh(d).map_err(err)?,
             CudaData::Bf16(d) => {
-                let bits = self.device.stream.clone_dtoh(d).map_err(err)?;
+                let bits = self.device.stream().clone_dtoh(d).map_err(err)?;
                 bits.into_iter().map(|b| f32::from_bits(u32::from(b) << 16)).collect()
             }
         };
@@ -391,7 +450,7 @@ impl CudaStorage {
         let n = self.len as u64;
         unsafe {
             self.device
-                .stream
+                .stream()
                 .launch_builder(&f)
                 .arg(&self.data)
                 .arg(&mut out.data)
@@ -414,7 +473,7 @@ impl CudaStorage {
         let n = self.len as u64;
         unsafe {
             self.device
-                .stream
+                .stream()
                 .launch_builder(&f)
                 .arg(&self.data)
                 .arg(&other.data)
@@ -434,7 +493,7 @@ impl CudaStorage {
         let n = self.len as u64;
         unsafe {
             self.device
-                .stream
+                .stream()
                 .launch_builder(&f)
                 .arg(&self.data)
                 .arg(&mut out.data)
@@ -456,7 +515,7 @@ impl CudaStorage {
     pub(crate) fn silu_inplace(&mut self) -> Result<()> {
         let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
         let n = self.len as u64;
-        let (stream, cfg) = (Arc::clone(&self.device.stream), self.packs());
+        let (stream, cfg) = (self.device.stream(), self.packs());
         unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(cfg) }
             .map_err(|e| driver(self.device.ordinal, "silu", e))?;
         Ok(())
@@ -468,7 +527,7 @@ impl CudaStorage {
         let f = self.kernel("elementwise", "silu_into_f32", "silu_into_bf16")?;
         let n = self.len as u64;
         unsafe {
-            self.device.stream.launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
+            self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
         }
         .map_err(self.err("silu"))?;
         Ok(out)
@@ -478,7 +537,7 @@ impl CudaStorage {
     pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
         let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
         let n = self.len as u64;
-        let (stream, cfg) = (Arc::clone(&self.device.stream), self.packs());
+        let (stream, cfg) = (self.device.stream(), self.packs());
         unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(cfg) }
             .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
         Ok(())
@@ -503,7 +562,8 @@ impl CudaStorage {
         }
         let f = self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?;
         let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
-        let mut launch = self.device.stream.launch_builder(&f);
+        let stream = self.device.stream();
+        let mut launch = stream.launch_builder(&f);
         launch.arg(&self.data).arg(&mut out.data).arg(&gamma.data);
         match bias {
             Some(bias) => launch.arg(&bias.data),
@@ -558,7 +618,7 @@ impl CudaStorage {
                 reason: format!("{groups_total} (sample, group) pairs exceed one launch's 65535"),
             });
         }
-        let stream = &self.device.stream;
+        let stream = &self.device.stream();
         let mut partials = self.device.alloc_zeros::<f64>(2 * groups_total * chunks)?;
         let mut stats = self.device.alloc_zeros::<f64>(2 * groups_total)?;
         let per_chunk = LaunchConfig {
@@ -667,14 +727,14 @@ impl CudaStorage {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { self.device.stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
+        unsafe { self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
             .map_err(self.err("conv3d"))?;
         let weight_len = (g.cout * taps * cp) as usize;
         let mut reordered = self.output(weight_len)?;
         let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
         unsafe {
             self.device
-                .stream
+                .stream()
                 .launch_builder(&f)
                 .arg(&weight.data)
                 .arg(&mut reordered.data)
@@ -690,7 +750,8 @@ impl CudaStorage {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = self.device.stream.launch_builder(&f);
+        let stream = self.device.stream();
+        let mut launch = stream.launch_builder(&f);
         launch.arg(&padded.data).arg(&reordered.data);
         match bias {
             Some(b) => launch.arg(&b.data),
@@ -709,7 +770,7 @@ impl CudaStorage {
         let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
         unsafe {
             self.device
-                .stream
+                .stream()
                 .launch_builder(&f)
                 .arg(&self.data)
                 .arg(&mut out.data)
@@ -751,7 +812,7 @@ impl CudaStorage {
         self.same_dtype("copy_box", &[dst])?;
         let f = self.kernel("layout", "copy_box_f32", "copy_box_u16")?;
         let total = n as u64;
-        let stream = &self.device.stream;
+        let stream = &self.device.stream();
         let launched = match (&self.data, &mut dst.data) {
             (CudaData::F32(s), CudaData::F32(d)) => {
                 let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
@@ -786,7 +847,8 @@ impl CudaStorage {
         let mut out = self.like(out_len)?;
         let f = self.device.function("layout", name)?;
         let args: Vec<u64> = dims.iter().chain(&params).map(|&v| v as u64).collect();
-        let mut launch = self.device.stream.launch_builder(&f);
+        let stream = self.device.stream();
+        let mut launch = stream.launch_builder(&f);
         launch.arg(&self.data).arg(&mut out.data);
         for a in &args {
             launch.arg(a);
@@ -838,7 +900,8 @@ impl CudaStorage {
         };
         let dims = [m as u64, n as u64, k as u64];
         let strides: Vec<i64> = a_strides.iter().chain(&b_strides).chain(&[m * n, n]).map(|&v| v as i64).collect();
-        let mut launch = self.device.stream.launch_builder(&f);
+        let stream = self.device.stream();
+        let mut launch = stream.launch_builder(&f);
         launch.arg(&self.data).arg(&b.data).arg(&mut c.data);
         for d in &dims {
             launch.arg(d);
@@ -902,7 +965,7 @@ impl CudaStorage {
         let cfg_rows = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         unsafe {
             q.device
-                .stream
+                .stream()
                 .launch_builder(&softmax)
                 .arg(&mut scores.data)
                 .arg(&rows)
