@@ -8,7 +8,8 @@
 #   3. the NCCL backend's collectives (world size 1; every GPU when there are several), and the
 #      CLI decoding over --transport nccl;
 #   4. per-op rates against the device peak (bench kernels, f32 and bf16);
-#   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU.
+#   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU;
+#   6. the same decode on two local ranks of the one GPU (a stream each): direct, shard, tile.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
 # well under 8 minutes (the kernels test runs small shapes).
@@ -96,6 +97,11 @@ if python3 -c "import torch, diffusers" 2>/dev/null; then
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --model "$OUT/wan21" \
             --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours_$dtype.json" || status=1
     done
+    # Two ranks of one process on the one GPU, each queueing on a stream of its own: the direct
+    # decode, the 2-rank shard (halos device to device) and 2-rank tiles, each after a warm-up.
+    step "two local ranks on one GPU (bf16): direct, shard, tile"
+    timeout 120 "$BUNDLE/vae-parallel" bench shard --device cuda --dtype bf16 --model "$OUT/wan21" \
+        --latent "$OUT/wan21/z.npy" --ranks 2 2>&1 | tee "$OUT/bench_two_ranks.txt" || status=1
 else
     echo "benchmark skipped: no torch/diffusers in this machine's python3"
 fi

@@ -65,6 +65,13 @@ pub struct ShardBenchArgs {
     /// Which runs, comma-separated, in order: `direct`, `shard`, `tile`.
     #[arg(long, default_value = "direct,shard,tile")]
     runs: String,
+    /// `cpu` (default) or `cuda[:N]`: every rank on that one device (on a GPU, each rank queues
+    /// its kernels on a stream of its own), falling back to the CPU with a warning.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// `f32` (default) or `bf16` (CUDA only).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -463,7 +470,12 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         mode != ParallelMode::Tile,
         "--mode is the shard mode (auto or spatial_shard_*); tile always runs as `tile`"
     );
-    let engine = Engine::load(&args.model, None, None)?;
+    let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(args.device.parse()?);
+    if let Some(why) = fallback {
+        eprintln!("warning: --device {}: {why}", args.device);
+    }
+    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
+    let engine = Engine::load_on(&args.model, None, None, device, dtype)?;
     anyhow::ensure!(matches!(engine.model(), Model::Video(_)), "bench shard needs a video VAE (Wan, Qwen-Image)");
     let latent = match &args.latent {
         Some(path) => vae_parallel::io::read_tensor(path)?,
@@ -486,15 +498,23 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
             "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
             other => anyhow::bail!("unknown run {other:?} (direct, shard or tile)"),
         };
-        eprintln!("running {name} on {ranks} rank(s) x {} thread(s)...", args.threads_per_rank);
+        eprintln!("running {name} on {ranks} rank(s) x {} thread(s) on {device}...", args.threads_per_rank);
+        if !device.is_cpu() {
+            // Untimed: the first decode of a shape on a GPU also grows the memory pool and, on
+            // the first run, loads the kernels.
+            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options)?;
+        }
         let (seconds, output, reports) = timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options)?;
         runs.push(ShardRun { name: name.to_string(), ranks, seconds, output, reports });
     }
     let direct = runs.iter().find(|r| r.name == "direct");
+    // A rank's peak of what it computes with: host memory on the CPU, device memory on a GPU
+    // (the weights included, which every rank of the process shares).
+    let rank_peak = |r: &RankReport| if device.is_cpu() { r.exec_peak_bytes } else { r.device_peak_bytes };
     let rows: Vec<serde_json::Value> = runs
         .iter()
         .map(|run| {
-            let peak = run.reports.iter().map(|r| r.exec_peak_bytes).max().unwrap_or(0);
+            let peak = run.reports.iter().map(rank_peak).max().unwrap_or(0);
             let sent: u64 = run.reports.iter().map(|r| r.traffic.bytes_sent()).sum();
             let (halo_sent, halo_reused, map_sent, halo_ms) =
                 run.reports.iter().fold((0, 0, 0, 0.0), |acc, r| match &r.strategy {
@@ -508,7 +528,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                 });
             let (speedup, peak_ratio, diff, identical) = match direct {
                 Some(d) => {
-                    let d_peak = d.reports[0].exec_peak_bytes.max(1) as f64;
+                    let d_peak = rank_peak(&d.reports[0]).max(1) as f64;
                     (
                         Some(d.seconds / run.seconds),
                         Some(peak as f64 / d_peak),
@@ -539,6 +559,8 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         .collect();
     let summary = serde_json::json!({
         "kind": "shard",
+        "device": device.to_string(),
+        "dtype": dtype.to_string(),
         "latent": latent.dims(),
         "threads_per_rank": args.threads_per_rank,
         "runs": rows,
@@ -548,7 +570,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "decode of a {:?} latent, {} thread(s) per rank, one process (local ranks)",
+        "decode of a {:?} latent in {dtype} on {device}, {} thread(s) per rank, one process (local ranks)",
         latent.dims(),
         args.threads_per_rank
     );

@@ -91,3 +91,37 @@ fn a_video_decode_with_device_cuda_matches_the_cpu() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_shard_bench_runs_two_ranks_on_one_device() {
+    if !gpu("bench shard on CUDA") {
+        return;
+    }
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
+    let (model, latent) = (fixtures.join("wan21_like"), fixtures.join("wan21_like.decode_t3.in.npy"));
+    let text = cli(&[
+        "bench",
+        "shard",
+        "--model",
+        model.to_str().unwrap(),
+        "--latent",
+        latent.to_str().unwrap(),
+        "--mode",
+        "spatial_shard_width",
+        "--device",
+        "cuda",
+        "--json",
+    ]);
+    let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some("f32")), "{line}");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3, "{line}");
+    // Two ranks on one GPU, each on a stream of its own, exchanging halos device to device:
+    // the shard run is the direct decode's computation (as on the CPU).
+    let shard = runs.iter().find(|r| r["run"] == "shard").unwrap();
+    assert_eq!(shard["ranks"], 2, "{line}");
+    assert!(shard["strategy"].as_str().unwrap().starts_with("shard"), "{line}");
+    assert!(shard["max_abs_diff_vs_direct"].as_f64().unwrap() <= 1e-5, "{line}");
+    assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0), "{line}");
+}
