@@ -125,70 +125,137 @@ __device__ __forceinline__ void group_norm_apply_impl(
 // Wan's `WanRMS_norm` on `[N, C, inner]`: each pixel's channel vector divided by
 // `max(||x||_2, eps)`, times `sqrt(C) * gamma[c]` (+ `bias[c]` when given).
 //
-// A block is `blockDim.x` pixel lanes by `blockDim.y` channel slices (the backend: 32 x
-// ceil(C / RMS_PER_THREAD), at most 32) and takes tiles of `blockDim.x` consecutive pixels of
-// one sample, grid-stride: lane x of slice y reads channels y, y + blockDim.y, ... of its pixel
-// (a warp reads 32 consecutive pixels of one channel: coalesced), keeps the first RMS_PER_THREAD
-// in registers, sums their squares in f64, and the slices' sums meet in shared memory; then the
-// same thread scales the values it holds (channels beyond the registers are read again). So the
-// input is read once and written once with all of the device's threads busy, where one thread
-// per pixel walking every channel twice left most SMs idle at Wan's 384 channels. Any launch
-// shape is correct (blockDim.x * blockDim.y at most 1024).
-#define RMS_PER_THREAD 12
+// A block is `blockDim.x` pixel lanes by `blockDim.y` channel slices and takes tiles of
+// `blockDim.x * PIX` consecutive pixels of one sample, grid-stride: lane x of slice y reads PIX
+// consecutive pixels of channels y, y + blockDim.y, ... (a warp reads 32 * PIX consecutive pixels
+// of one channel: coalesced), keeps the first RMS_HELD channels in registers, sums their squares
+// in f64 per pixel, and the slices' sums meet in shared memory; then the same thread scales the
+// values it holds (channels beyond the registers are read again, mostly from L2). So the input is
+// read once and written once with all of the device's threads busy. Any launch shape is correct
+// (at most the launch bound's threads); both pixel widths give the same bits.
+//
+// The kernel is bound by the bytes each multiprocessor has in flight. One bf16 pixel per lane is
+// 2 bytes per access, 12 held channels 24 bytes per thread: a quarter of the H200's bandwidth
+// where f32 reached a half. The bf16 `_x4` kernel takes 4 pixels per lane in one 8-byte access
+// (`inner` a multiple of 4) and holds them packed as loaded, 8 channels: 64 bytes per thread.
+template <typename T, int PIX>
+struct RmsPixels;
 
 template <typename T>
+struct RmsPixels<T, 1> {
+    float v;
+    __device__ __forceinline__ void load(const T* p) { v = load_f32(p); }
+    __device__ __forceinline__ float get(int) const { return v; }
+    __device__ __forceinline__ void clear() { v = 0.0f; }
+    __device__ __forceinline__ void forget() {}
+};
+
+template <>
+struct RmsPixels<unsigned short, 4> {
+    Pack<8> q;  // 4 bf16 as loaded: 2 registers
+    __device__ __forceinline__ void load(const unsigned short* p) { q = pack_load<8>(p); }
+    __device__ __forceinline__ float get(int k) const { return pack_get(q.w, k, (const unsigned short*)nullptr); }
+    __device__ __forceinline__ void clear() { q.w[0] = q.w[1] = 0u; }
+    // Hides from the compiler that the values are the ones it widened for the sums: kept as
+    // widened, 4 pixels x 8 channels of f64 would need 64 registers (it spilled).
+    __device__ __forceinline__ void forget() { asm volatile("" : "+r"(q.w[0]), "+r"(q.w[1])); }
+};
+
+template <typename T, int PIX>
+__device__ __forceinline__ void store_pixels(T* p, const float (&v)[PIX]) {
+    if constexpr (PIX == 1) {
+        store_f32(p, v[0]);
+    } else {
+        Pack<PIX * (int)sizeof(T)> q = {};
+#pragma unroll
+        for (int k = 0; k < PIX; ++k) pack_set(q.w, k, v[k], p);
+        pack_store(p, q);
+    }
+}
+
+// y = x * inv * (gamma * sqrt(C)) (+ beta) in f64, rounded once, SiLU'd in f32, stored at `op`.
+template <typename T, int PIX>
+__device__ __forceinline__ void rms_finish(T* op, RmsPixels<T, PIX> w, const double (&inv)[PIX], double g,
+                                           const float* beta, int fuse_silu) {
+    float y[PIX];
+#pragma unroll
+    for (int p = 0; p < PIX; ++p) {
+        double yd = (double)w.get(p) * inv[p] * g;
+        if (beta) yd += (double)*beta;
+        const float yf = (float)yd;
+        y[p] = fuse_silu ? silu(yf) : yf;
+    }
+    store_pixels<T, PIX>(op, y);
+}
+
+// Channels a thread holds in registers, and the most threads of a block, per pixel width: the
+// backend's slices are ceil(C / RMS_HELD) up to RMS_THREADS / 32.
+#define RMS_HELD(PIX) ((PIX) == 1 ? 12 : 8)
+#define RMS_THREADS(PIX) ((PIX) == 1 ? 768 : 512)
+
+template <typename T, int PIX>
 __device__ __forceinline__ void rms_norm_channels_impl(
     const T* x, T* out, const float* gamma, const float* bias,
     u64 batch, u64 channels, u64 inner, float eps, int fuse_silu) {
-    __shared__ double partial[1024];
+    constexpr unsigned HELD = RMS_HELD(PIX);
+    __shared__ double partial[RMS_THREADS(PIX) * PIX];
     const double scale = sqrt((double)channels);
     const unsigned lanes = blockDim.x, slices = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
-    // This thread's channels: ty, ty + slices, ... (`mine` of them), the first RMS_PER_THREAD in
-    // registers; walked by pointer steps of `step` elements.
+    // This thread's channels: ty, ty + slices, ... (`mine` of them), the first HELD in registers;
+    // walked by pointer steps of `step` elements.
     const u64 mine = channels > ty ? (channels - ty + slices - 1) / slices : 0, step = (u64)slices * inner;
-    const u64 tiles_per_sample = (inner + lanes - 1) / lanes, tiles = batch * tiles_per_sample;
+    const u64 span = (u64)lanes * PIX;
+    const u64 tiles_per_sample = (inner + span - 1) / span, tiles = batch * tiles_per_sample;
     for (u64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const u64 b = tile / tiles_per_sample, s = (tile - b * tiles_per_sample) * lanes + tx;
-        const unsigned held = s < inner ? (unsigned)(mine < RMS_PER_THREAD ? mine : RMS_PER_THREAD) : 0u;
+        const u64 b = tile / tiles_per_sample, s = (tile - b * tiles_per_sample) * span + (u64)tx * PIX;
+        // With PIX > 1, `inner` is a multiple of PIX: a thread's pixels are all in or all out.
+        const unsigned held = s < inner ? (unsigned)(mine < HELD ? mine : HELD) : 0u;
         const u64 rest = s < inner ? mine : 0;
         const u64 at = (b * channels + ty) * inner + s;  // element (b, ty, s)
-        float v[RMS_PER_THREAD];
-        double sq = 0.0;
+        RmsPixels<T, PIX> v[HELD];
+        double sq[PIX];
+#pragma unroll
+        for (int p = 0; p < PIX; ++p) sq[p] = 0.0;
         const T* xp = x + at;
 #pragma unroll
-        for (unsigned k = 0; k < RMS_PER_THREAD; ++k) {
-            v[k] = 0.0f;
-            if (k < held) v[k] = load_f32(xp + k * step);
+        for (unsigned k = 0; k < HELD; ++k) {
+            v[k].clear();
+            if (k < held) v[k].load(xp + k * step);
         }
 #pragma unroll
-        for (int k = 0; k < RMS_PER_THREAD; ++k) sq += (double)v[k] * (double)v[k];
-        for (u64 k = RMS_PER_THREAD; k < rest; ++k) {
-            const double d = load_f32(xp + k * step);
-            sq += d * d;
+        for (unsigned k = 0; k < HELD; ++k)
+#pragma unroll
+            for (int p = 0; p < PIX; ++p) sq[p] += (double)v[k].get(p) * (double)v[k].get(p);
+        for (u64 k = HELD; k < rest; ++k) {
+            RmsPixels<T, PIX> w;
+            w.load(xp + k * step);
+#pragma unroll
+            for (int p = 0; p < PIX; ++p) sq[p] += (double)w.get(p) * (double)w.get(p);
         }
-        partial[ty * lanes + tx] = sq;
+#pragma unroll
+        for (int p = 0; p < PIX; ++p) partial[(ty * lanes + tx) * PIX + p] = sq[p];
         __syncthreads();
-        double total = 0.0;
-        for (unsigned j = 0; j < slices; ++j) total += partial[j * lanes + tx];
-        __syncthreads();  // every thread has its total before the next tile overwrites `partial`
-        const double inv = 1.0 / fmax(sqrt(total), (double)eps);
+        double inv[PIX];
+#pragma unroll
+        for (int p = 0; p < PIX; ++p) {
+            double total = 0.0;
+            for (unsigned j = 0; j < slices; ++j) total += partial[(j * lanes + tx) * PIX + p];
+            inv[p] = 1.0 / fmax(sqrt(total), (double)eps);
+        }
+        __syncthreads();  // every thread has its totals before the next tile overwrites `partial`
+#pragma unroll
+        for (unsigned k = 0; k < HELD; ++k) v[k].forget();
         T* op = out + at;
         const float* gp = gamma + ty;
         const float* bp = bias ? bias + ty : nullptr;
 #pragma unroll
-        for (unsigned k = 0; k < RMS_PER_THREAD; ++k) {
-            if (k < held) {
-                double y = (double)v[k] * inv * ((double)gp[k * slices] * scale);
-                if (bp) y += (double)bp[k * slices];
-                const float yf = (float)y;
-                store_f32(op + k * step, fuse_silu ? silu(yf) : yf);
-            }
+        for (unsigned k = 0; k < HELD; ++k) {
+            if (k < held) rms_finish<T, PIX>(op + k * step, v[k], inv, gp[k * slices] * scale, bp ? bp + k * slices : nullptr, fuse_silu);
         }
-        for (u64 k = RMS_PER_THREAD; k < rest; ++k) {
-            double y = (double)load_f32(xp + k * step) * inv * ((double)gp[k * slices] * scale);
-            if (bp) y += (double)bp[k * slices];
-            const float yf = (float)y;
-            store_f32(op + k * step, fuse_silu ? silu(yf) : yf);
+        for (u64 k = HELD; k < rest; ++k) {
+            RmsPixels<T, PIX> w;
+            w.load(xp + k * step);
+            rms_finish<T, PIX>(op + k * step, w, inv, gp[k * slices] * scale, bp ? bp + k * slices : nullptr, fuse_silu);
         }
     }
 }
@@ -203,11 +270,19 @@ __device__ __forceinline__ void rms_norm_channels_impl(
         u64 rows, u64 channels, u64 spatial, u64 groups, int fuse_silu) {                                 \
         group_norm_apply_impl(x, out, gamma, beta, stats, rows, channels, spatial, groups, fuse_silu);    \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(768) rms_norm_channels_##SUFFIX(                        \
+    extern "C" __global__ void __launch_bounds__(RMS_THREADS(1)) rms_norm_channels_##SUFFIX(             \
         const T* x, T* out, const float* gamma, const float* bias,                                        \
         u64 batch, u64 channels, u64 inner, float eps, int fuse_silu) {                                   \
-        rms_norm_channels_impl(x, out, gamma, bias, batch, channels, inner, eps, fuse_silu);              \
+        rms_norm_channels_impl<T, 1>(x, out, gamma, bias, batch, channels, inner, eps, fuse_silu);        \
     }
 
 NORMS(f32, float)
 NORMS(bf16, unsigned short)
+
+// `inner` a multiple of 4. (f32 has no such kernel: one f32 pixel per lane already keeps 48 bytes
+// per thread in flight, and four would not fit the registers.)
+extern "C" __global__ void __launch_bounds__(RMS_THREADS(4)) rms_norm_channels_x4_bf16(
+    const unsigned short* x, unsigned short* out, const float* gamma, const float* bias,
+    u64 batch, u64 channels, u64 inner, float eps, int fuse_silu) {
+    rms_norm_channels_impl<unsigned short, 4>(x, out, gamma, bias, batch, channels, inner, eps, fuse_silu);
+}

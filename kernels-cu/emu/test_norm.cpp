@@ -161,13 +161,19 @@ const RmsCase kRmsCases[] = {
     {"1x96x130, a zero pixel, bias", 1, 96, 130, true, false, true},
     {"2x1x33", 2, 1, 33, false, false, false},
     {"1x300x40, SiLU (more channels than 24 slices hold)", 1, 300, 40, false, true, false},
+    {"1x96x132, a zero pixel, bias", 1, 96, 132, true, false, true},
+    {"2x192x64, SiLU (more channels than 16 slices hold in 4-pixel lanes)", 2, 192, 64, false, true, false},
 };
 
+// `pix` pixels per lane (4: the `_x4` kernels, for pixel counts that are multiples of 4), whose
+// lanes hold `held` channels each in blocks of at most `max_threads`.
 template <typename T>
 void test_rms_norm(Check& check, const char* name,
-                   void (*kernel)(const T*, T*, const float*, const float*, u64, u64, u64, float, int)) {
+                   void (*kernel)(const T*, T*, const float*, const float*, u64, u64, u64, float, int), u64 pix,
+                   u64 held, unsigned max_threads) {
     const float eps = 1e-12f;
     for (const RmsCase& c : kRmsCases) {
+        if (c.inner % pix != 0) continue;
         const u64 len = c.batch * c.channels * c.inner;
         auto xf = random_f32(len, 51, -2.0f, 2.0f);
         if (c.zero_pixel) {
@@ -194,15 +200,18 @@ void test_rms_norm(Check& check, const char* name,
                                Storage<T>::rounding * std::fabs(want[i]);
                 }
             }
-        // The backend's block: 32 pixel lanes by ceil(C / 12) slices (at most 24), a block per tile
-        // of 32 pixels; then other 2-D blocks, 1-D blocks (one slice) and grids too small.
-        const u64 slices = std::clamp<u64>((c.channels + 11) / 12, 1, 24);
-        const u64 tiles = c.batch * ((c.inner + 31) / 32);
+        // The backend's block: 32 pixel lanes by ceil(C / held) slices (as many as the launch
+        // bound allows), a block per tile of 32 lanes; then other 2-D blocks, 1-D blocks (one
+        // slice) and grids too small.
+        const u64 most = max_threads / 32;
+        const u64 slices = std::clamp<u64>((c.channels + held - 1) / held, 1, most);
+        const u64 tiles = c.batch * ((c.inner + 32 * pix - 1) / (32 * pix));
+        const std::string widest = "3 blocks of 32 x " + std::to_string(most);
         const LaunchShape shapes[] = {
             {"backend launch", dim3((unsigned)tiles), dim3(32, (unsigned)slices)},
             {"1 block of 32 x 3", dim3(1), dim3(32, 3)},
             {"2 blocks of 16 x 7", dim3(2), dim3(16, 7)},
-            {"3 blocks of 32 x 24", dim3(3), dim3(32, 24)},
+            {widest.c_str(), dim3(3), dim3(32, (unsigned)most)},
             {"2 blocks of 100", dim3(2), dim3(100)},
             {"backend grid of 256 x 1", dim3((unsigned)((c.batch * c.inner + 255) / 256)), dim3(256)},
         };
@@ -253,5 +262,6 @@ KERNEL_TEST(group_norm_apply_f32) {
 KERNEL_TEST(group_norm_apply_bf16) {
     test_group_apply<u16>(check, KERNEL(group_norm_apply_bf16), group_norm_partials_bf16);
 }
-KERNEL_TEST(rms_norm_channels_f32) { test_rms_norm<float>(check, KERNEL(rms_norm_channels_f32)); }
-KERNEL_TEST(rms_norm_channels_bf16) { test_rms_norm<u16>(check, KERNEL(rms_norm_channels_bf16)); }
+KERNEL_TEST(rms_norm_channels_f32) { test_rms_norm<float>(check, KERNEL(rms_norm_channels_f32), 1, 12, 768); }
+KERNEL_TEST(rms_norm_channels_bf16) { test_rms_norm<u16>(check, KERNEL(rms_norm_channels_bf16), 1, 12, 768); }
+KERNEL_TEST(rms_norm_channels_x4_bf16) { test_rms_norm<u16>(check, KERNEL(rms_norm_channels_x4_bf16), 4, 8, 512); }

@@ -238,11 +238,16 @@ fn bf16_ops_match_the_cpu_on_bf16_values() {
     same_in_bf16("group_norm", &[x.clone(), g.clone(), bt], &[true, false, false], |t| {
         t[0].group_norm(4, &t[1], &t[2], 1e-6).unwrap()
     });
+    // 60 pixels: four per lane (the `_x4` kernel); 75: one per lane; 150 channels: more than
+    // the 16 slices of four-pixel lanes hold in registers.
+    for (i, dims) in [[1, 8, 3, 4, 5], [1, 8, 3, 5, 5], [1, 150, 1, 2, 4]].into_iter().enumerate() {
+        let v = pattern(&dims, 35 + 10 * i as u64);
+        let gamma = pattern(&[dims[1], 1, 1, 1], 36);
+        same_in_bf16(&format!("rms_norm_channels {dims:?}"), &[v, gamma], &[true, false], |t| {
+            t[0].rms_norm_channels(&t[1], None, 1, 1e-12).unwrap()
+        });
+    }
     let v = pattern(&[1, 8, 3, 4, 5], 35);
-    let gamma = pattern(&[8, 1, 1, 1], 36);
-    same_in_bf16("rms_norm_channels", &[v.clone(), gamma], &[true, false], |t| {
-        t[0].rms_norm_channels(&t[1], None, 1, 1e-12).unwrap()
-    });
     let w = pattern(&[70, 8, 3, 3], 37).affine(0.2, 0.0).unwrap();
     let bias = pattern(&[70], 38);
     same_in_bf16("conv2d (tensor cores)", &[x.clone(), w, bias], &[true, true, false], |t| {

@@ -560,7 +560,13 @@ impl CudaStorage {
         if self.len == 0 {
             return Ok(out);
         }
-        let f = self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?;
+        // bf16 takes four pixels per lane (one 8-byte access) where the pixel count allows it.
+        let four = self.dtype() == DType::BF16 && inner % 4 == 0;
+        let f = if four {
+            self.device.function("norm", "rms_norm_channels_x4_bf16")?
+        } else {
+            self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?
+        };
         let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
@@ -571,11 +577,13 @@ impl CudaStorage {
         };
         launch.arg(&b).arg(&c).arg(&i).arg(&eps).arg(&silu);
         // Blocks of 32 pixel lanes by enough channel slices that each thread holds at most
-        // RMS_PER_THREAD (12) channels in registers, at most 24 slices (the kernel's launch bound
-        // of 768 threads; more channels are read twice, the second time mostly from L2); one
-        // block per tile of 32 pixels up to several waves, grid-stride beyond (see norm.cu).
-        let slices = channels.div_ceil(12).clamp(1, 24);
-        let tiles = batch * inner.div_ceil(32);
+        // RMS_HELD channels in registers (12 with one pixel per lane, 8 with four), as many slices
+        // as the launch bound allows (768 or 512 threads; more channels are read twice, the
+        // second time mostly from L2); one block per tile of 32 lanes up to several waves,
+        // grid-stride beyond (see norm.cu).
+        let (held, most, pixels) = if four { (8, 16, 4) } else { (12, 24, 1) };
+        let slices = channels.div_ceil(held).clamp(1, most);
+        let tiles = batch * inner.div_ceil(32 * pixels);
         let cfg = LaunchConfig {
             grid_dim: (tiles.clamp(1, self.device.sms * 16) as u32, 1, 1),
             block_dim: (32, slices as u32, 1),
