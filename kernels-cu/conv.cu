@@ -207,13 +207,15 @@ __device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const
     mma_tf32_1688(c, a_hi, b_hi);
 }
 
-template <typename T, int MT>
-__device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const float* bias, T* out,
+// Operands of type T, output of type TO (T, or f32 for bf16 operands: attention's scores).
+template <typename T, typename TO, int MT>
+__device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const float* bias, TO* out,
                                                const ConvGeom& g) {
     constexpr int BM = 32 * MT;
     constexpr int STAGE_BYTES = (BM + TC_BN) * 64;
-    constexpr unsigned LDC = TC_BN + 16 / sizeof(T);
+    constexpr unsigned LDC = TC_BN + 16 / sizeof(TO);
     static_assert(TC_STAGES * STAGE_BYTES <= 48 * 1024, "static shared memory is limited to 48 KiB");
+    static_assert(16 * MT * LDC * sizeof(TO) <= TC_STAGES * STAGE_BYTES, "the output half-tile fits the stages");
     __shared__ __align__(128) unsigned char smem[TC_STAGES * STAGE_BYTES];
 
     const Padded p = padded_of<T>(g);
@@ -285,7 +287,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
     // of 128 x 128 would not fit), so that the stores to [N, Cout, To, Ho, Wo] run along the
     // pixels. Every element a thread stores is in one pixel column (TC_THREADS is a multiple of
     // TC_BN): one output offset, stepped by a channel plane per row.
-    T* Cs = (T*)smem;
+    TO* Cs = (TO*)smem;
     const unsigned c = threadIdx.x % TC_BN;
     const u64 out_col = n0 + c;
     const u64 plane = g.to * g.ho * g.wo;
@@ -324,7 +326,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 #define CONV_TC(SUFFIX, T, MT)                                                                      \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                     \
         conv3d_tc_##SUFFIX##_m##MT(const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) { \
-        conv3d_tc_impl<T, MT>(xp, wr, bias, out, g);                                                \
+        conv3d_tc_impl<T, T, MT>(xp, wr, bias, out, g);                                             \
     }
 
 #define CONV_TC_ALL(SUFFIX, T)                                                                               \
@@ -343,3 +345,11 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 CONV_TC_ALL(bf16, unsigned short)
 CONV_TC(bf16, unsigned short, 4)
 CONV_TC_ALL(f32, float)
+
+// bf16 operands, f32 output: attention's scores Q K^T as a 1x1 "convolution" (Q the weights, K
+// the channels-last pixels), kept in f32 for the softmax as flash attention keeps them.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)
+    conv3d_tc_bf16_f32out_m4(const unsigned short* xp, const unsigned short* wr, const float* bias, float* out,
+                             ConvGeom g) {
+    conv3d_tc_impl<unsigned short, float, 4>(xp, wr, bias, out, g);
+}

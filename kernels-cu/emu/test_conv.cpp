@@ -166,9 +166,10 @@ const Pipeline<float>& pipeline<float>() { return kF32; }
 // exact products, then one rounding to bf16. f32: the three TF32 products lose about 2^-21 of
 // each product's magnitude, inside the bound of f32 accumulation error (one TF32 product alone,
 // 2^-11, would not be).
-template <typename T>
+// Outputs of type TO: T, or f32 for bf16 operands (attention's scores).
+template <typename T, typename TO = T>
 void run_tensor_core_cases(Check& check, const char* name,
-                           void (*kernel)(const T*, const T*, const float*, T*, ConvGeom), unsigned mt) {
+                           void (*kernel)(const T*, const T*, const float*, TO*, ConvGeom), unsigned mt) {
     for (const Case& c : kCases) {
         const ConvGeom g = c.geometry();
         const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
@@ -179,12 +180,12 @@ void run_tensor_core_cases(Check& check, const char* name,
         reference(c, g, values(x), values(w), bias, want, magnitude);
         std::vector<double> bound(len);
         for (std::size_t i = 0; i < len; ++i) {
-            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
+            bound[i] = 1.01e-5 * magnitude[i] + Storage<TO>::rounding * std::fabs(want[i]);
         }
         const Pipeline<T>& p = pipeline<T>();
         const auto xp = input_channels_last<T>(g, x, p.input_name, p.input);
         const auto wr = weight_channels_last<T>(g, w, p.weight_name, p.weight);
-        std::vector<T> out(len, Storage<T>::from_f32(NAN));
+        std::vector<TO> out(len, Storage<TO>::from_f32(NAN));
         const u64 cols = g.n * g.to * g.ho * g.wo;
         const dim3 grid((unsigned)((cols + 127) / 128), (unsigned)((g.cout + 32 * mt - 1) / (32 * mt)));
         emu::launch(name, kernel, grid, dim3(256), xp.data(), wr.data(), c.bias ? bias.data() : nullptr, out.data(),
@@ -244,5 +245,8 @@ KERNEL_TEST(conv_weight_channels_last_f32) { check_weight_channels_last<float>(c
 KERNEL_TEST(conv3d_tc_bf16_m4) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m4), 4); }
 KERNEL_TEST(conv3d_tc_bf16_m3) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m3), 3); }
 KERNEL_TEST(conv3d_tc_bf16_m2) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m2), 2); }
+KERNEL_TEST(conv3d_tc_bf16_f32out_m4) {
+    run_tensor_core_cases<u16, float>(check, KERNEL(conv3d_tc_bf16_f32out_m4), 4);
+}
 KERNEL_TEST(conv3d_tc_f32_m3) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m3), 3); }
 KERNEL_TEST(conv3d_tc_f32_m2) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m2), 2); }

@@ -178,7 +178,13 @@ fn layout_ops_and_attention_match() {
     let odd = pattern(&[1, 4, 3, 4, 6], 22);
     same_on_both("avg_down3d", &[odd], 1e-7, |t| t[0].avg_down3d(2, 2, 8).unwrap());
     let (q, k, v) = (pattern(&[2, 29, 16], 18), pattern(&[2, 31, 16], 19), pattern(&[2, 31, 8], 20));
-    same_on_both("attention", &[q, k, v], 1e-5, |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
+    same_on_both("attention (31 keys: CUDA cores)", &[q, k, v], 1e-5, |t| {
+        Tensor::attention(&t[0], &t[1], &t[2]).unwrap()
+    });
+    // Key and channel counts in whole 16-byte chunks: both products on the tensor cores (f32 as
+    // three TF32 products), 300 queries over three row tiles, 200 keys over two pixel tiles.
+    let (q, k, v) = (pattern(&[2, 300, 24], 23), pattern(&[2, 200, 24], 24), pattern(&[2, 200, 12], 25));
+    same_on_both("attention (tensor cores)", &[q, k, v], 1e-5, |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
 }
 
 #[test]
@@ -266,7 +272,15 @@ fn bf16_ops_match_the_cpu_on_bf16_values() {
     let odd = pattern(&[1, 4, 3, 4, 6], 40);
     same_in_bf16("avg_down3d", &[odd], &[true], |t| t[0].avg_down3d(2, 2, 8).unwrap());
     let (q, k, vv) = (pattern(&[2, 29, 16], 41), pattern(&[2, 31, 16], 42), pattern(&[2, 31, 8], 43));
-    same_in_bf16("attention", &[q, k, vv], &[true, true, true], |t| Tensor::attention(&t[0], &t[1], &t[2]).unwrap());
+    same_in_bf16("attention (CUDA cores)", &[q, k, vv], &[true, true, true], |t| {
+        Tensor::attention(&t[0], &t[1], &t[2]).unwrap()
+    });
+    // 200 keys of 24 channels: both products on the tensor cores, the probabilities rounded to
+    // bf16 for P V (as flash attention does), inside the same bound.
+    let (q, k, vv) = (pattern(&[2, 300, 24], 49), pattern(&[2, 200, 24], 50), pattern(&[2, 200, 12], 51));
+    same_in_bf16("attention (tensor cores)", &[q, k, vv], &[true, true, true], |t| {
+        Tensor::attention(&t[0], &t[1], &t[2]).unwrap()
+    });
     let (xs, wl, bl) = (pattern(&[2, 67, 24], 44), pattern(&[33, 24], 45), pattern(&[33], 46));
     same_in_bf16("linear", &[xs, wl, bl], &[true, true, false], |t| t[0].linear(&t[1], Some(&t[2])).unwrap());
     let (ma, mb) = (pattern(&[3, 67, 20], 47), pattern(&[3, 20, 130], 48));

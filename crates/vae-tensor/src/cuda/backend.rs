@@ -16,8 +16,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -238,6 +238,54 @@ unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaData> for LaunchArgs<'a> {
         match arg {
             CudaData::F32(s) => self.arg(s),
             CudaData::Bf16(s) => self.arg(s),
+        }
+    }
+}
+
+/// A storage from an element on, as a kernel argument (a batch's operand inside a batched
+/// tensor).
+enum DataView<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, u16>),
+}
+
+enum DataViewMut<'a> {
+    F32(CudaViewMut<'a, f32>),
+    Bf16(CudaViewMut<'a, u16>),
+}
+
+impl CudaData {
+    fn view(&self, from: usize) -> DataView<'_> {
+        match self {
+            CudaData::F32(s) => DataView::F32(s.slice(from..)),
+            CudaData::Bf16(s) => DataView::Bf16(s.slice(from..)),
+        }
+    }
+
+    fn view_mut(&mut self, from: usize) -> DataViewMut<'_> {
+        match self {
+            CudaData::F32(s) => DataViewMut::F32(s.slice_mut(from..)),
+            CudaData::Bf16(s) => DataViewMut::Bf16(s.slice_mut(from..)),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b DataView<'c>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DataView<'c>) -> &mut Self {
+        match arg {
+            DataView::F32(v) => self.arg(v),
+            DataView::Bf16(v) => self.arg(v),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b mut DataViewMut<'c>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DataViewMut<'c>) -> &mut Self {
+        match arg {
+            DataViewMut::F32(v) => self.arg(v),
+            DataViewMut::Bf16(v) => self.arg(v),
         }
     }
 }
@@ -962,29 +1010,142 @@ impl CudaStorage {
         scale: f32,
     ) -> Result<Self> {
         q.same_dtype("attention", &[k, v])?;
+        // The tensor cores take rows of whole 16-byte chunks: d (Q and K rows) and m (rows of P
+        // and of Vᵀ) in multiples of 8 bf16 or 4 f32 (Wan's mid block: d 384, m 60 x 104).
+        let chunk = 16 / q.dtype().size_in_bytes();
+        if d % chunk == 0 && m % chunk == 0 && n.max(m) < i32::MAX as usize && n.div_ceil(32) <= 65_535 {
+            return Self::attention_on_tensor_cores(q, k, v, [batch, n, m, d, dv], scale);
+        }
         // Scores and probabilities in f32 whatever the operands' type (as flash attention keeps
         // them); only the output is rounded to the operands' type.
         let mut scores = q.like_typed(batch * n * m, DType::F32)?;
         // Element (i, j) of kᵀ is k[j, i]: row stride 1, column stride d.
         q.gemm_batched(k, &mut scores, [batch, n, m, d], [n * d, d, 1], [m * d, 1, d], scale, 0.0)?;
-        let softmax = q.device.function("attention", "softmax_rows_f32")?;
-        let (rows, cols, one) = ((batch * n) as u64, m as u64, 1.0f32);
-        let blocks = (batch * n).clamp(1, 1 << 20) as u32;
-        let cfg_rows = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe {
-            q.device
-                .stream()
-                .launch_builder(&softmax)
-                .arg(&mut scores.data)
-                .arg(&rows)
-                .arg(&cols)
-                .arg(&one)
-                .launch(cfg_rows)
-        }
-        .map_err(q.err("attention"))?;
+        q.softmax_rows(&mut scores, None, batch * n, m, 1.0)?;
         let mut out = q.like(batch * n * dv)?;
         scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0, 0.0)?;
         Ok(out)
+    }
+
+    /// `softmax(scores * scale)` row by row: in place (`probabilities` none), or into bf16
+    /// probabilities.
+    fn softmax_rows(
+        &self,
+        scores: &mut Self,
+        probabilities: Option<&mut Self>,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let blocks = rows.clamp(1, 1 << 20) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (rows, cols) = (rows as u64, cols as u64);
+        let stream = self.device.stream();
+        let launched = match probabilities {
+            None => {
+                let f = self.device.function("attention", "softmax_rows_f32")?;
+                unsafe { stream.launch_builder(&f).arg(&mut scores.data).arg(&rows).arg(&cols).arg(&scale).launch(cfg) }
+            }
+            Some(p) => {
+                let f = self.device.function("attention", "softmax_rows_to_bf16")?;
+                unsafe {
+                    stream
+                        .launch_builder(&f)
+                        .arg(&mut scores.data)
+                        .arg(&mut p.data)
+                        .arg(&rows)
+                        .arg(&cols)
+                        .arg(&scale)
+                        .launch(cfg)
+                }
+            }
+        };
+        launched.map_err(self.err("attention"))?;
+        Ok(())
+    }
+
+    /// Attention with both products on the tensor-core convolution, as 1x1 convolutions of one
+    /// batch each: the scores `Q Kᵀ` (`n` filters `Q[i]` over `m` pixels `K[j]` of `d` channels),
+    /// f32 from bf16 operands as flash attention keeps them; the softmax into probabilities P of
+    /// the operands' type (bf16 rounds them, as flash attention does); then `P V` (`n` filters
+    /// `P[i]` over `dv` pixels `Vᵀ[c]` of `m` channels), which writes `[n, dv]` row by row.
+    fn attention_on_tensor_cores(
+        q: &Self,
+        k: &Self,
+        v: &Self,
+        [batch, n, m, d, dv]: [usize; 5],
+        scale: f32,
+    ) -> Result<Self> {
+        let bf16 = q.dtype() == DType::BF16;
+        let sms = q.device.sms as u64;
+        // Every product below writes all of its output.
+        let mut scores = q.output_typed(batch * n * m, DType::F32)?;
+        let (tile, name) = if bf16 {
+            (128, "conv3d_tc_bf16_f32out_m4")
+        } else {
+            tensor_core_tile(false, n as u64, m.div_ceil(128) as u64, sms)
+        };
+        for b in 0..batch {
+            q.tensor_core_gemm(name, tile, (k, b * m * d), (q, b * n * d), (&mut scores, b * n * m), [n, m, d])?;
+        }
+        let mut bf16_probabilities = if bf16 { Some(q.output(batch * n * m)?) } else { None };
+        q.softmax_rows(&mut scores, bf16_probabilities.as_mut(), batch * n, m, scale)?;
+        let p = bf16_probabilities.as_ref().unwrap_or(&scores);
+        let mut vt = v.output(batch * dv * m)?;
+        v.copy_box_into(&[m * dv, 1, dv], 0, &mut vt, &[dv * m, m, 1], 0, &[batch, dv, m])?;
+        let mut out = q.output(batch * n * dv)?;
+        let (tile, name) = tensor_core_tile(bf16, n as u64, dv.div_ceil(128) as u64, sms);
+        for b in 0..batch {
+            q.tensor_core_gemm(name, tile, (&vt, b * dv * m), (p, b * n * m), (&mut out, b * n * dv), [n, dv, m])?;
+        }
+        Ok(out)
+    }
+
+    /// `out[o][p] = Σ_c filters[o][c] · pixels[p][c]` for `[outs, pixels, channels]` (rows of
+    /// whole 16-byte chunks), each operand from an element on: a 1x1 convolution on the
+    /// tensor-core kernel `name` with tiles of `tile` output rows, no bias.
+    fn tensor_core_gemm(
+        &self,
+        name: &'static str,
+        tile: u64,
+        (pixels, pixels_from): (&Self, usize),
+        (filters, filters_from): (&Self, usize),
+        (out, out_from): (&mut Self, usize),
+        [outs, cols, channels]: [usize; 3],
+    ) -> Result<()> {
+        let (outs, cols, channels) = (outs as u64, cols as u64, channels as u64);
+        let g = ConvGeom {
+            n: 1,
+            cin: channels,
+            t: 1,
+            h: 1,
+            w: cols,
+            cout: outs,
+            kt: 1,
+            kh: 1,
+            kw: 1,
+            to: 1,
+            ho: 1,
+            wo: cols,
+            stride_t: 1,
+            stride: 1,
+            pad_front: 0,
+            pad_top: 0,
+            pad_left: 0,
+        };
+        let f = self.device.function("conv", name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(128) as u32, outs.div_ceil(tile) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (xp, wr, mut dst) =
+            (pixels.data.view(pixels_from), filters.data.view(filters_from), out.data.view_mut(out_from));
+        let stream = self.device.stream();
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(&xp).arg(&wr).arg(&NULL).arg(&mut dst).arg(&g);
+        unsafe { launch.launch(cfg) }.map_err(self.err("attention"))?;
+        Ok(())
     }
 }
 

@@ -31,8 +31,8 @@ inline float tensor_core_product(float w, float x, float acc) {
     return acc + tf32_value(w_hi) * tf32_value(x_hi);
 }
 
-template <typename T, int MT>
-void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) {
+template <typename T, typename TO, int MT>
+void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) {
     const unsigned bm = 32 * MT;
     const Padded p = padded_of<T>(g);
     const u64 n_cols = g.n * g.to * g.ho * g.wo, plane = g.to * g.ho * g.wo;
@@ -63,20 +63,21 @@ void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, T
             }
 }
 
-#define FAKE_CUDA_STAND_IN(kernel, T, MT)                                                              \
-    template <>                                                                                      \
-    struct StandIn<&kernel> {                                                                        \
-        static constexpr bool present = true;                                                        \
-        static void run(dim3 grid, const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) { \
-            conv3d_tc_on_host<T, MT>(grid, xp, wr, bias, out, g);                                    \
-        }                                                                                            \
+#define FAKE_CUDA_STAND_IN(kernel, T, TO, MT)                                                           \
+    template <>                                                                                       \
+    struct StandIn<&kernel> {                                                                         \
+        static constexpr bool present = true;                                                         \
+        static void run(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) { \
+            conv3d_tc_on_host<T, TO, MT>(grid, xp, wr, bias, out, g);                                 \
+        }                                                                                             \
     };
 
-FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m4, unsigned short, 4)
-FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m3, unsigned short, 3)
-FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m2, unsigned short, 2)
-FAKE_CUDA_STAND_IN(conv3d_tc_f32_m3, float, 3)
-FAKE_CUDA_STAND_IN(conv3d_tc_f32_m2, float, 2)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m4, unsigned short, unsigned short, 4)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m3, unsigned short, unsigned short, 3)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m2, unsigned short, unsigned short, 2)
+FAKE_CUDA_STAND_IN(conv3d_tc_bf16_f32out_m4, unsigned short, float, 4)
+FAKE_CUDA_STAND_IN(conv3d_tc_f32_m3, float, float, 3)
+FAKE_CUDA_STAND_IN(conv3d_tc_f32_m2, float, float, 2)
 
 #undef FAKE_CUDA_STAND_IN
 
