@@ -346,6 +346,69 @@ CONV_TC_ALL(bf16, unsigned short)
 CONV_TC(bf16, unsigned short, 4)
 CONV_TC_ALL(f32, float)
 
+// ---------------------------------------------------------------------------------------------
+// Few output channels (the RGB heads: Wan's 96 -> 3 causal 3x3x3 at full resolution, SD's
+// 128 -> 3): the shortest tensor-core tile has 64 rows, 61 of which would multiply zeros. Here
+// CUDA cores compute every output channel of one pixel per thread from the same channels-last
+// operands, the weights staged in shared memory (every thread reads the same weight: broadcast),
+// 16 bytes of a pixel's channels per load. f32 accumulation of f32 products in the order tap,
+// channel; bf16 products are exact in f32, as on the tensor cores. Grid-stride over the output
+// pixels (the weights are staged once per block); the backend uses it for at most CO = 4 output
+// channels whose weights fit SMALL_COUT_SMEM bytes. (An 8-channel variant spilled registers.)
+// ---------------------------------------------------------------------------------------------
+#define SMALL_COUT_SMEM 45056
+
+template <typename T, int CO>
+__device__ __forceinline__ void conv3d_small_cout_impl(const T* xp, const T* wr, const float* bias, T* out,
+                                                       const ConvGeom& g) {
+    constexpr unsigned E = Chunk<T>::elems;
+    __shared__ __align__(16) T ws[SMALL_COUT_SMEM / sizeof(T)];
+    const Padded p = padded_of<T>(g);
+    const u64 row = g.kt * g.kh * g.kw * (u64)p.cp;  // one output channel's weights
+    for (u64 i = threadIdx.x; i < CO * row; i += blockDim.x) ws[i] = i / row < g.cout ? wr[i] : T(0);
+    __syncthreads();
+    const u64 plane = g.to * g.ho * g.wo, n_cols = g.n * plane;
+    for (u64 col = (u64)blockIdx.x * blockDim.x + threadIdx.x; col < n_cols; col += (u64)gridDim.x * blockDim.x) {
+        const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to, b = col / plane;
+        const T* origin = xp + (((b * p.tp + to * g.stride_t) * p.hp + ho * g.stride) * p.wp + wo * g.stride) * p.cp;
+        float acc[CO];
+#pragma unroll
+        for (int co = 0; co < CO; ++co) acc[co] = 0.0f;
+        const T* w = ws;
+        for (u64 dt = 0; dt < g.kt; ++dt)
+            for (u64 dy = 0; dy < g.kh; ++dy)
+                for (u64 dx = 0; dx < g.kw; ++dx) {
+                    const T* x = origin + ((dt * p.hp + dy) * p.wp + dx) * p.cp;
+                    for (unsigned c = 0; c < p.cp; c += E, w += E) {
+                        const Pack<16> xv = pack_load<16>(x + c);
+#pragma unroll
+                        for (int co = 0; co < CO; ++co) {
+                            const Pack<16> wv = pack_load<16>(w + co * row);
+#pragma unroll
+                            for (unsigned k = 0; k < E; ++k) {
+                                acc[co] = fmaf(pack_get(xv.w, k, x), pack_get(wv.w, k, x), acc[co]);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+        for (int co = 0; co < CO; ++co) {
+            if ((u64)co < g.cout) {
+                store_f32(&out[(b * g.cout + co) * plane + col % plane], acc[co] + (bias ? bias[co] : 0.0f));
+            }
+        }
+    }
+}
+
+#define CONV_SMALL_COUT(SUFFIX, T, CO)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) conv3d_small_cout_##SUFFIX##_c##CO(                   \
+        const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) {                                  \
+        conv3d_small_cout_impl<T, CO>(xp, wr, bias, out, g);                                                \
+    }
+
+CONV_SMALL_COUT(bf16, unsigned short, 4)
+CONV_SMALL_COUT(f32, float, 4)
+
 // bf16 operands, f32 output: attention's scores Q K^T as a 1x1 "convolution" (Q the weights, K
 // the channels-last pixels), kept in f32 for the softmax as flash attention keeps them.
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)

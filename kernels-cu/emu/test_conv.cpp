@@ -64,6 +64,8 @@ const Case kCases[] = {
     // Several K slices per tap (40 channels: one full slice of 32, one of 8) and 200 output
     // channels (a partial last tile at every tile height).
     {"40 -> 200 channels, 3x3", 1, 40, 1, 6, 23, 200, 1, 3, 3, 1, 1, {0, 0, 1, 1, 1, 1}, true},
+    // Wan's RGB head: 96 -> 3, causal 3x3x3.
+    {"96 -> 3 channels, causal 3x3x3", 1, 96, 2, 5, 9, 3, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true},
 };
 
 // out = bias + conv(x, w) in f64, with the sum of the magnitudes of everything added (the scale
@@ -194,6 +196,44 @@ void run_tensor_core_cases(Check& check, const char* name,
     }
 }
 
+// The CUDA-core kernel for at most 4 output channels (`conv3d_small_cout_*_c4`) on the cases it
+// takes (weights of 4 channels within its shared memory), launched as the backend does (blocks of
+// 256 over the pixels, a few waves) and with fewer blocks than pixels need (grid-stride): f32
+// accumulation in another order than the reference's.
+template <typename T>
+void run_small_cout_cases(Check& check, const char* name,
+                          void (*kernel)(const T*, const T*, const float*, T*, ConvGeom)) {
+    for (const Case& c : kCases) {
+        const ConvGeom g = c.geometry();
+        const PaddedHost<T> p(g);
+        if (g.cout > 4 || 4 * g.kt * g.kh * g.kw * p.cp * sizeof(T) > 45056) continue;
+        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
+        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
+        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
+        std::vector<double> want, magnitude;
+        reference(c, g, values(x), values(w), bias, want, magnitude);
+        std::vector<double> bound(len);
+        for (std::size_t i = 0; i < len; ++i) {
+            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
+        }
+        const Pipeline<T>& pl = pipeline<T>();
+        const auto xp = input_channels_last<T>(g, x, pl.input_name, pl.input);
+        const auto wr = weight_channels_last<T>(g, w, pl.weight_name, pl.weight);
+        const u64 cols = g.n * g.to * g.ho * g.wo;
+        const LaunchShape shapes[] = {
+            {"backend launch", dim3((unsigned)std::min<u64>((cols + 255) / 256, 132 * 8)), dim3(256)},
+            {"2 blocks of 64", dim3(2), dim3(64)},
+        };
+        for (const auto& shape : shapes) {
+            std::vector<T> out(len, Storage<T>::from_f32(NAN));
+            emu::launch(name, kernel, shape.grid, shape.block, xp.data(), wr.data(), c.bias ? bias.data() : nullptr,
+                        out.data(), g);
+            check.near(std::string(c.name) + ", " + shape.name, values(out), want, bound);
+        }
+    }
+}
+
 // Every element of xp against its definition: the input element the padding shifts in, or zero.
 template <typename T>
 void check_input_channels_last(Check& check) {
@@ -245,6 +285,8 @@ KERNEL_TEST(conv_weight_channels_last_f32) { check_weight_channels_last<float>(c
 KERNEL_TEST(conv3d_tc_bf16_m4) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m4), 4); }
 KERNEL_TEST(conv3d_tc_bf16_m3) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m3), 3); }
 KERNEL_TEST(conv3d_tc_bf16_m2) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m2), 2); }
+KERNEL_TEST(conv3d_small_cout_bf16_c4) { run_small_cout_cases<u16>(check, KERNEL(conv3d_small_cout_bf16_c4)); }
+KERNEL_TEST(conv3d_small_cout_f32_c4) { run_small_cout_cases<float>(check, KERNEL(conv3d_small_cout_f32_c4)); }
 KERNEL_TEST(conv3d_tc_bf16_f32out_m4) {
     run_tensor_core_cases<u16, float>(check, KERNEL(conv3d_tc_bf16_f32out_m4), 4);
 }

@@ -90,6 +90,18 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         typed: vec![true, true, false],
         run: Box::new(|t| t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3))),
     });
+    // Wan2.1's RGB head: 96 channels to 3 at full resolution, one frame behind its 2 cached ones
+    // (CUDA cores: a tensor-core tile would be 61 rows of zeros out of 64).
+    let x = [1, 96, 3, d(480), d(832)];
+    let w = [3, 96, 3, 3, 3];
+    out.push(Case {
+        name: "conv3d 3x3x3 to RGB".into(),
+        shape: format!("{x:?} * {w:?}"),
+        bound: Bound::Compute(2.0 * 3.0 * 96.0 * 27.0 * elems(&x[3..])),
+        inputs: vec![random(&x, 10)?, random(&w, 11)?.mul_scalar(0.05)?, random(&[3], 12)?],
+        typed: vec![true, true, false],
+        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
+    });
     // Mid-block attention over the latent's positions, one head of 384.
     let n = d(60) * d(104);
     let q = [1, n, 384];

@@ -120,15 +120,25 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     let ops = v["ops"].as_array().unwrap();
     // The decoders' ops at their shapes, and each memory-bound one again at a large shape.
     let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
-    let base =
-        ["conv3d", "conv2d", "attention", "rms_norm_channels", "silu", "add", "group_norm", "upsample", "permute"];
+    let base = [
+        "conv3d 3x3x3 (cached)",
+        "conv2d",
+        "attention",
+        "rms_norm_channels",
+        "silu",
+        "add",
+        "group_norm",
+        "upsample",
+        "permute",
+        "conv3d 3x3x3 to RGB",
+    ];
     for name in base {
         assert!(names.iter().any(|n| n.starts_with(name) && !n.ends_with("(large)")), "{name} missing: {line}");
     }
-    for name in &base[3..] {
+    for name in &base[3..9] {
         assert!(names.iter().any(|n| n.starts_with(name) && n.ends_with("(large)")), "{name} (large) missing: {line}");
     }
-    assert_eq!(ops.len(), 15, "{line}");
+    assert_eq!(ops.len(), 16, "{line}");
     for op in ops {
         assert!(op["best_ms"].as_f64().unwrap() > 0.0, "{op}");
         assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");

@@ -120,7 +120,12 @@ fn convolutions_match() {
     let v = pattern(&[1, 5, 3, 7, 6], 14);
     let w3 = pattern(&[7, 5, 3, 3, 3], 15).affine(0.1, 0.0).unwrap();
     let b3 = pattern(&[7], 16);
-    same_on_both("causal conv3d", &[v, w3, b3], 1e-4, |t| {
+    same_on_both("causal conv3d", &[v.clone(), w3, b3], 1e-4, |t| {
+        t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
+    });
+    // An RGB head: 3 output channels on CUDA cores.
+    let (w_rgb, b_rgb) = (pattern(&[3, 5, 3, 3, 3], 17).affine(0.1, 0.0).unwrap(), pattern(&[3], 18));
+    same_on_both("causal conv3d to 3 channels", &[v, w_rgb, b_rgb], 1e-4, |t| {
         t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
     });
 }
@@ -262,6 +267,10 @@ fn bf16_ops_match_the_cpu_on_bf16_values() {
     let w3 = pattern(&[9, 8, 3, 3, 3], 39).affine(0.1, 0.0).unwrap();
     same_in_bf16("causal conv3d (tensor cores)", &[v.clone(), w3], &[true, true], |t| {
         t[0].conv3d(&t[1], None, &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
+    });
+    let (w_rgb, b_rgb) = (pattern(&[3, 8, 3, 3, 3], 52).affine(0.1, 0.0).unwrap(), pattern(&[3], 53));
+    same_in_bf16("causal conv3d to 3 channels (CUDA cores)", &[v.clone(), w_rgb, b_rgb], &[true, true, false], |t| {
+        t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::causal([1, 1, 1], [1, 1, 1])).unwrap()
     });
     same_in_bf16("upsample", std::slice::from_ref(&x), &[true], |t| t[0].upsample_nearest2d(2).unwrap());
     same_in_bf16("permute", std::slice::from_ref(&x), &[true], |t| t[0].permute(&[0, 2, 3, 1]).unwrap());

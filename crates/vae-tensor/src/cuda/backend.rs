@@ -344,6 +344,10 @@ fn merged_box(extent: &[usize], src: &[usize], dst: &[usize]) -> (Vec<usize>, Ve
 /// `COPY_SEGMENT` of layout.cu: the longest piece of a row one group of 32 lanes copies.
 const COPY_SEGMENT: usize = 2048;
 
+/// `SMALL_COUT_SMEM` of conv.cu: the bytes of weights (4 output channels' worth) the small-Cout
+/// convolution stages in shared memory.
+const SMALL_COUT_SMEM: u64 = 45056;
+
 /// A null device pointer, for optional kernel arguments.
 const NULL: u64 = 0;
 
@@ -800,11 +804,17 @@ impl CudaStorage {
         .map_err(self.err("conv3d"))?;
 
         let mut out = self.output(len)?;
-        let f = self.device.function("conv", name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(128) as u32, g.cout.div_ceil(tile_m) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        // At most 4 output channels (the RGB heads) on CUDA cores, where a tensor-core tile would
+        // multiply 60 and more rows of zeros; their weights staged in the kernel's shared memory.
+        let elem = if bf16 { 2 } else { 4 };
+        let (f, cfg) = if g.cout <= 4 && 4 * weight_len as u64 / g.cout * elem <= SMALL_COUT_SMEM {
+            let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
+            let blocks = cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32;
+            (f, LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        } else {
+            let f = self.device.function("conv", name)?;
+            let grid_dim = (cols.div_ceil(128) as u32, g.cout.div_ceil(tile_m) as u32, 1);
+            (f, LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
         };
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
