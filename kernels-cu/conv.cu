@@ -208,7 +208,23 @@ __device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const
 }
 
 // Operands of type T, output of type TO (T, or f32 for bf16 operands: attention's scores).
-template <typename T, typename TO, int MT>
+// One TF32 product per f32 product ("TF32" mode, PyTorch's default for f32 convolutions on these
+// GPUs): each operand rounded to a 10-bit mantissa (2^-11 relative), f32 accumulation; three
+// times fewer tensor-core instructions than 3xTF32.
+struct Tf32 {};
+
+__device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const unsigned b[2], Tf32) {
+    unsigned at[4], bt[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) at[i] = to_tf32(__uint_as_float(a[i]));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bt[i] = to_tf32(__uint_as_float(b[i]));
+    mma_tf32_1688(c, at, bt);
+}
+
+// Operands of type T, output of type TO (T, or f32 for bf16 operands: attention's scores), the
+// products as `Math` says (the storage type's own, or Tf32 for f32 operands).
+template <typename T, typename TO, int MT, typename Math = T>
 __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const float* bias, TO* out,
                                                const ConvGeom& g) {
     constexpr int BM = 32 * MT;
@@ -277,7 +293,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_slice(acc[i][j], a[i], b[j], T(0));
+                for (int j = 0; j < 4; ++j) mma_slice(acc[i][j], a[i], b[j], Math{});
         }
     }
     cp_async_wait<0>();
@@ -408,6 +424,18 @@ __device__ __forceinline__ void conv3d_small_cout_impl(const T* xp, const T* wr,
 
 CONV_SMALL_COUT(bf16, unsigned short, 4)
 CONV_SMALL_COUT(f32, float, 4)
+
+// f32 operands in TF32 mode (`--dtype tf32`): one TF32 product each. The 128-row tile fits the
+// registers here (no operand split).
+#define CONV_TC_TF32(MT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                     \
+        conv3d_tc_tf32_m##MT(const float* xp, const float* wr, const float* bias, float* out, ConvGeom g) { \
+        conv3d_tc_impl<float, float, MT, Tf32>(xp, wr, bias, out, g);                               \
+    }
+
+CONV_TC_TF32(4)
+CONV_TC_TF32(3)
+CONV_TC_TF32(2)
 
 // bf16 operands, f32 output: attention's scores Q K^T as a 1x1 "convolution" (Q the weights, K
 // the channels-last pixels), kept in f32 for the softmax as flash attention keeps them.

@@ -7,8 +7,9 @@
 #      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
 #   3. the NCCL backend's collectives (world size 1; every GPU when there are several), and the
 #      CLI decoding over --transport nccl;
-#   4. per-op rates against the device peak (bench kernels, f32 and bf16);
-#   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32 and in bf16, same GPU;
+#   4. per-op rates against the device peak (bench kernels, f32, tf32 and bf16);
+#   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32, tf32 and bf16, same GPU
+#      (diffusers' default f32 takes TF32 convolutions: compare it with ours in tf32);
 #   6. the same decode on two local ranks of the one GPU (a stream each): direct, shard, tile.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
@@ -79,21 +80,22 @@ python3 -c "import numpy as n, sys; d=abs(n.load(sys.argv[1])-n.load(sys.argv[2]
     "$OUT/nccl.npy" "$OUT/cpu.npy" || status=1
 
 # Each op alone at the decoders' real shapes: achieved FLOP/s or GB/s next to the device peak.
-for dtype in f32 bf16; do
+for dtype in f32 tf32 bf16; do
     step "bench kernels ($dtype)"
     timeout 60 "$BUNDLE/vae-parallel" bench kernels --device cuda --dtype $dtype --iters 3 2>&1 \
         | tee "$OUT/kernels_$dtype.txt" || status=1
 done
 
 # The benchmark: Wan2.1 real geometry, latent [1, 16, 5, 60, 104] (17 frames of 480x832),
-# diffusers in f32 (PyTorch's default TF32 convs, and strict IEEE f32 as ours) and bf16, then
-# ours in f32 and bf16, on the same GPU. Needs torch and
+# diffusers in f32 (PyTorch's default TF32 convs, and strict IEEE f32) and bf16, then ours in
+# f32 (f32 accuracy), tf32 (one TF32 product per conv product, as PyTorch's default) and bf16,
+# on the same GPU. Needs torch and
 # diffusers on this machine; skipped (not failed) without them.
 step "benchmark: Wan2.1 480x832x17 decode, diffusers vs vae-parallel"
 if python3 -c "import torch, diffusers" 2>/dev/null; then
     timeout 180 python3 scripts/bench_gpu_diffusers.py --out "$OUT/wan21" --shape 1,16,5,60,104 \
         --dtypes float32,float32_strict,bfloat16 --iters 2 2>&1 | tee "$OUT/bench_diffusers.jsonl" || status=1
-    for dtype in f32 bf16; do
+    for dtype in f32 tf32 bf16; do
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --model "$OUT/wan21" \
             --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours_$dtype.json" || status=1
     done

@@ -186,7 +186,9 @@ double silu_ref(double x) { return x / (1.0 + std::exp(-x)); }
 
 namespace {
 
-// A kernel that never returns (a barrier some thread never reaches) must not hang CI.
+// A kernel that never returns (a barrier some thread never reaches) must not hang CI: each test
+// has this long (the slowest, a tensor-core conv under OS threads, takes under a minute on CI's
+// two cores).
 constexpr unsigned kTimeoutSeconds = 300;
 const char* volatile g_running = "(none)";
 
@@ -202,7 +204,6 @@ void on_timeout(int) {
 
 int main(int argc, char** argv) {
     std::signal(SIGALRM, on_timeout);
-    alarm(kTimeoutSeconds);
     auto& tests = emu_test::registry();
     std::sort(tests.begin(), tests.end(),
               [](const emu_test::Test& a, const emu_test::Test& b) { return std::strcmp(a.kernel, b.kernel) < 0; });
@@ -222,6 +223,7 @@ int main(int argc, char** argv) {
         std::printf("-- threads as %s\n", fibers ? "fibers" : "OS threads");
         for (const auto& t : tests) {
             g_running = t.kernel;
+            alarm(kTimeoutSeconds);
             emu_test::Check check;
             const auto start = std::chrono::steady_clock::now();
             t.fn(check);

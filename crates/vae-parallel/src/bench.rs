@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::model_cmds::ComputeType;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use vae_parallel::engine::{Engine, Model, RequestOptions};
@@ -15,7 +16,7 @@ use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
 use vae_parallel::tensor::memory::Account;
-use vae_parallel::tensor::{DType, Device, Tensor};
+use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
 use vae_parallel::transport::{TransportConfig, run_local};
 
@@ -69,7 +70,7 @@ pub struct ShardBenchArgs {
     /// its kernels on a stream of its own), falling back to the CPU with a warning.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// `f32` (default) or `bf16` (CUDA only).
+    /// `f32` (default), `bf16` or `tf32` (CUDA only; see `decode --help`).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Print one JSON object instead of the table.
@@ -99,7 +100,7 @@ pub struct DecodeBenchArgs {
     /// `cpu` (default) or `cuda[:N]` (falls back to the CPU with a warning).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// `f32` (default) or `bf16` (CUDA only).
+    /// `f32` (default), `bf16` or `tf32` (CUDA only; see `decode --help`).
     #[arg(long, default_value = "f32")]
     dtype: String,
 }
@@ -303,12 +304,13 @@ fn decode_on_one_rank(
     latent: &Path,
     iters: usize,
     device: Device,
-    dtype: DType,
+    compute: ComputeType,
 ) -> anyhow::Result<DecodeRun> {
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
-        let engine = Engine::load_on(model, None, None, device, dtype)?;
+        let mut engine = Engine::load_on(model, None, None, device, compute.dtype)?;
+        engine.set_tf32_convolutions(compute.tf32);
         let latent = vae_parallel::io::read_tensor(latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
         // Weights and the latent: the high-water mark below counts them too.
@@ -356,7 +358,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
+    let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
     let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
@@ -474,8 +476,9 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
-    let engine = Engine::load_on(&args.model, None, None, device, dtype)?;
+    let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
+    let mut engine = Engine::load_on(&args.model, None, None, device, dtype.dtype)?;
+    engine.set_tf32_convolutions(dtype.tf32);
     anyhow::ensure!(matches!(engine.model(), Model::Video(_)), "bench shard needs a video VAE (Wan, Qwen-Image)");
     let latent = match &args.latent {
         Some(path) => vae_parallel::io::read_tensor(path)?,

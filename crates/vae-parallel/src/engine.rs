@@ -72,6 +72,9 @@ pub enum Model {
 pub struct Engine {
     model: Model,
     dir: PathBuf,
+    /// f32 convolutions as one TF32 product each (`--dtype tf32`), on the threads that run
+    /// requests.
+    tf32_convolutions: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -136,7 +139,18 @@ impl Engine {
                 });
             }
         };
-        Ok(Self { model, dir: dir.to_path_buf() })
+        Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false })
+    }
+
+    /// TF32 mode for the f32 convolutions of every request (see [`vae_tensor::Tf32Scope`]): what
+    /// PyTorch does by default for an f32 model on a GPU. Only CUDA models change.
+    pub fn set_tf32_convolutions(&mut self, on: bool) {
+        self.tf32_convolutions = on;
+    }
+
+    /// The calling thread's TF32 mode for one request.
+    fn tf32_scope(&self) -> Option<vae_tensor::Tf32Scope> {
+        self.tf32_convolutions.then(vae_tensor::Tf32Scope::enter)
     }
 
     /// Sets the tile geometry of a video VAE as diffusers' `enable_tiling(min_h, min_w,
@@ -200,6 +214,7 @@ impl Engine {
         latent: &Tensor,
         options: &RequestOptions,
     ) -> Result<ExecOutput, EngineError> {
+        let _tf32 = self.tf32_scope();
         let use_tiling = options.use_tiling || executor.parallel_size() > 1;
         let placement = self.placement(Direction::Decode, options);
         let denormalized;
@@ -245,6 +260,7 @@ impl Engine {
         options: &RequestOptions,
         output: EncodeOutput,
     ) -> Result<ExecOutput, EngineError> {
+        let _tf32 = self.tf32_scope();
         if output == EncodeOutput::Moments && options.latents_normalized {
             return Err(ModelError::InvalidInput(
                 "normalised output is defined for the mean, not the raw moments (use --output mean)".into(),

@@ -17,7 +17,8 @@ pub struct KernelBenchArgs {
     /// `cpu` (default) or `cuda[:N]` (falls back to the CPU with a warning).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// `f32` (default) or `bf16` (CUDA only: convolutions on tensor cores).
+    /// `f32` (default), `bf16` or `tf32` (CUDA only; convolutions on tensor cores in all three:
+    /// f32 as three TF32 products each, tf32 as one).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Divides every spatial extent (1: the real decoder shapes; larger for a quick look).
@@ -186,13 +187,16 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype = crate::model_cmds::compute_dtype(&args.dtype, device)?;
+    let compute = crate::model_cmds::compute_type(&args.dtype, device)?;
+    let dtype = compute.dtype;
+    let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
     let info = match device {
         Device::Cuda(ordinal) => Some(probe(ordinal).map_err(anyhow::Error::msg)?),
         Device::Cpu => None,
     };
     let peak_compute = info.as_ref().and_then(|i| match dtype {
         DType::BF16 => i.peak_bf16_tensor_flops(),
+        _ if compute.tf32 => i.peak_tf32_tensor_flops(),
         _ => i.peak_f32_flops(),
     });
     let peak_bandwidth = info.as_ref().map(|i| i.peak_bandwidth());
@@ -240,7 +244,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             "kind": "kernels",
             "device": device.to_string(),
             "device_name": info.as_ref().map(|i| i.name.clone()),
-            "dtype": dtype.to_string(),
+            "dtype": compute.to_string(),
             "downscale": args.downscale,
             "iters": args.iters,
             "ops": rows,
@@ -250,7 +254,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let threads = rayon::current_num_threads();
     match &info {
-        Some(i) => println!("ops on {device} ({}) in {dtype}, best of {}", i.name, args.iters),
+        Some(i) => println!("ops on {device} ({}) in {compute}, best of {}", i.name, args.iters),
         None => println!("ops on the CPU ({threads} thread(s)) in {dtype}, best of {} (no published peak)", args.iters),
     }
     println!("{:<32}  {:>34}  {:>10}  {:>16}  {:>16}  {:>8}", "op", "shape", "best ms", "achieved", "peak", "of peak");

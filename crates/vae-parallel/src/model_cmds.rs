@@ -72,8 +72,10 @@ pub struct ParallelArgs {
     /// build without kernels) the work runs on the CPU, and a warning says why.
     #[arg(long)]
     device: Option<String>,
-    /// Element type the model computes in: `f32` (default) or `bf16` (CUDA only; inputs and
-    /// outputs stay f32, as `vae.to(torch.bfloat16)` with f32 latents cast on the way in).
+    /// Element type the model computes in: `f32` (default), `bf16` (CUDA only; inputs and
+    /// outputs stay f32, as `vae.to(torch.bfloat16)` with f32 latents cast on the way in) or
+    /// `tf32` (CUDA only: f32 with each convolution product from TF32 operands, PyTorch's default
+    /// for an f32 model on a GPU).
     #[arg(long)]
     dtype: Option<String>,
     /// TOML file with any of the settings above.
@@ -111,7 +113,7 @@ struct Resolved {
     /// Where the model computes (after the CUDA probe).
     device: vae_parallel::tensor::Device,
     /// What it computes in.
-    dtype: vae_parallel::tensor::DType,
+    compute: ComputeType,
     parallel_size: usize,
     group: GroupArgs,
     options: RequestOptions,
@@ -157,7 +159,7 @@ impl ParallelArgs {
         if let Some(why) = fallback {
             eprintln!("warning: --device {requested}: {why}");
         }
-        let dtype = compute_dtype(&self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()), device)?;
+        let compute = compute_type(&self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()), device)?;
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         if transport == vae_parallel::group::TransportKind::Nccl {
             if requested != vae_parallel::tensor::Device::Cuda(0) {
@@ -170,7 +172,7 @@ impl ParallelArgs {
         Ok(Resolved {
             model: self.model.clone(),
             device,
-            dtype,
+            compute,
             parallel_size,
             group: GroupArgs { ranks, transport, rank: None, master_addr: None },
             options: RequestOptions {
@@ -207,8 +209,14 @@ impl Resolved {
     }
 
     fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
-        let mut engine =
-            Engine::load_on(&self.model, self.tile_sample_min_size, self.tile_overlap_factor, device, self.dtype)?;
+        let mut engine = Engine::load_on(
+            &self.model,
+            self.tile_sample_min_size,
+            self.tile_overlap_factor,
+            device,
+            self.compute.dtype,
+        )?;
+        engine.set_tf32_convolutions(self.compute.tf32);
         if let Some((min, stride)) = self.video_tiling {
             engine.set_video_tiling(min, stride)?;
         }
@@ -275,17 +283,35 @@ pub struct InspectArgs {
     model: PathBuf,
 }
 
+/// What `--dtype` asks for: the element type, and whether f32 convolutions take one TF32 product
+/// per product (`tf32`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ComputeType {
+    pub dtype: vae_parallel::tensor::DType,
+    pub tf32: bool,
+}
+
+impl std::fmt::Display for ComputeType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.tf32 { f.write_str("tf32") } else { self.dtype.fmt(f) }
+    }
+}
+
 /// The `--dtype` flag for work on `device` (after the CUDA probe). A type the device cannot
 /// compute in is refused, never run quietly in f32: the numbers would not be the ones asked for.
-pub(crate) fn compute_dtype(
-    flag: &str,
-    device: vae_parallel::tensor::Device,
-) -> anyhow::Result<vae_parallel::tensor::DType> {
-    let dtype: vae_parallel::tensor::DType = flag.parse()?;
-    if !device.computes_in(dtype) {
-        bail!("--dtype {dtype} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
+pub(crate) fn compute_type(flag: &str, device: vae_parallel::tensor::Device) -> anyhow::Result<ComputeType> {
+    use vae_parallel::tensor::DType;
+    let (dtype, tf32) = match flag.trim() {
+        "f32" => (DType::F32, false),
+        "bf16" => (DType::BF16, false),
+        "tf32" => (DType::F32, true),
+        other => bail!("--dtype {other:?} is not f32, bf16 or tf32"),
+    };
+    if !device.computes_in(dtype) || (tf32 && device.is_cpu()) {
+        let asked = if tf32 { "tf32".to_string() } else { dtype.to_string() };
+        bail!("--dtype {asked} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
     }
-    Ok(dtype)
+    Ok(ComputeType { dtype, tf32 })
 }
 
 fn check_output_path(path: &Path, allowed: &[&str]) -> anyhow::Result<()> {

@@ -1,5 +1,5 @@
 //! The CLI's CUDA paths as a user runs them: `bench kernels` on the device (rates next to the
-//! device's peak) and a video decode with `--device cuda` in f32 and bf16 against the CPU.
+//! device's peak) and a video decode with `--device cuda` in f32, tf32 and bf16 against the CPU.
 //! Needs a usable GPU (or the fake driver of `cargo xtask gpu-emu`); elsewhere each test says
 //! why it is skipped.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
@@ -81,7 +81,8 @@ fn a_video_decode_with_device_cuda_matches_the_cpu() {
     let cpu = decode(&dir.join("cpu.npy"), &[]);
     // 2 local ranks, shard along the width: bands and halos on the device.
     let mode = ["--vae-parallel-mode", "spatial_shard_width"];
-    for (dtype, tol) in [("f32", 1e-4f32), ("bf16", 0.1)] {
+    // tf32: f32 with each convolution product from 10-bit-mantissa operands (2^-10 relative).
+    for (dtype, tol) in [("f32", 1e-4f32), ("tf32", 5e-3), ("bf16", 0.1)] {
         let out = dir.join(format!("cuda_{dtype}.npy"));
         let got = decode(&out, &[&["--device", "cuda", "--dtype", dtype][..], &mode[..]].concat());
         let diff = got.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

@@ -203,13 +203,18 @@ fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
     std::fs::write(&garbage, b"not numpy").unwrap();
     assert_clean_failure("npy", &decode_args(m, s(&garbage), o, &[]), "not a .npy file");
 
-    // bf16 is a CUDA type: on the CPU it is refused, not quietly run in f32.
+    // bf16 and tf32 are CUDA types: on the CPU they are refused, not quietly run in f32.
     assert_clean_failure(
         "bf16 on cpu",
         &decode_args(m, l, o, &["--dtype", "bf16"]),
         "--dtype bf16 needs a CUDA device",
     );
-    assert_clean_failure("dtype", &decode_args(m, l, o, &["--dtype", "f64"]), "is not f32, bf16 or f16");
+    assert_clean_failure(
+        "tf32 on cpu",
+        &decode_args(m, l, o, &["--dtype", "tf32"]),
+        "--dtype tf32 needs a CUDA device",
+    );
+    assert_clean_failure("dtype", &decode_args(m, l, o, &["--dtype", "f64"]), "is not f32, bf16 or tf32");
     // NCCL runs rank r on cuda:r: the CPU (and any other device choice) is refused up front.
     assert_clean_failure("nccl on cpu", &decode_args(m, l, o, &["--transport", "nccl"]), "pass --device cuda, not cpu");
     assert!(!out.exists(), "no output file after failures");

@@ -108,6 +108,37 @@ impl fmt::Debug for StreamScope {
     }
 }
 
+/// While it lives, the calling thread's f32 convolutions on CUDA take one TF32 product per
+/// product (operands rounded to 10-bit mantissas, f32 accumulation): PyTorch's default for f32
+/// convolutions on Ampere and later GPUs (`torch.backends.cudnn.allow_tf32`), about three times
+/// the tensor-core rate of the default f32 path, which keeps f32 accuracy with three TF32 products
+/// each. Everything else (bf16, the CPU, attention and other matrix products, which PyTorch keeps
+/// in f32) is unchanged. Scopes nest; the previous mode returns when one ends.
+#[must_use = "TF32 mode holds only while the scope lives"]
+pub struct Tf32Scope {
+    #[cfg(feature = "cuda")]
+    _guard: crate::cuda::backend::Tf32Guard,
+    /// A scope belongs to the thread that opened it.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Tf32Scope {
+    /// Turns TF32 mode on for the calling thread.
+    pub fn enter() -> Self {
+        Self {
+            #[cfg(feature = "cuda")]
+            _guard: crate::cuda::backend::Tf32Guard::enter(),
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl fmt::Debug for Tf32Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Tf32Scope")
+    }
+}
+
 /// Element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DType {

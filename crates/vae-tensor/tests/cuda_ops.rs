@@ -166,6 +166,37 @@ fn threads_on_streams_of_their_own_hand_each_other_device_tensors() {
     assert!(diff <= 1e-4, "max |cuda - cpu| across streams = {diff}");
 }
 
+/// TF32 mode (`Tf32Scope`): f32 convolutions with one TF32 product each stay within the TF32
+/// bound of the CPU's f32 result, differ from the default f32 path (three products, f32
+/// accuracy), and only on the thread that holds the scope.
+#[test]
+fn tf32_convolutions_keep_the_tf32_bound_on_their_thread_only() {
+    if !gpu("tf32") {
+        return;
+    }
+    let x = pattern(&[1, 40, 3, 9, 11], 60);
+    let w = pattern(&[70, 40, 3, 3, 3], 61).affine(0.05, 0.0).unwrap();
+    let params = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    let want = x.conv3d(&w, None, &params).unwrap();
+    let (xg, wg) = (gpu_of(&x), gpu_of(&w));
+    let strict = xg.conv3d(&wg, None, &params).unwrap().to_device(&Device::Cpu).unwrap();
+    let tf32 = {
+        let _tf32 = vae_tensor::Tf32Scope::enter();
+        xg.conv3d(&wg, None, &params).unwrap().to_device(&Device::Cpu).unwrap()
+    };
+    let after = xg.conv3d(&wg, None, &params).unwrap().to_device(&Device::Cpu).unwrap();
+    let other_thread = std::thread::scope(|s| {
+        s.spawn(|| xg.conv3d(&wg, None, &params).unwrap().to_device(&Device::Cpu).unwrap()).join().unwrap()
+    });
+    // Each output sums 1080 products of magnitude up to 0.05: 2^-10 of that is the TF32 bound.
+    let magnitude = 1080.0 * 0.05;
+    let diff = |t: &Tensor| t.max_abs_diff(&want).unwrap();
+    assert!(diff(&strict) <= 1e-4, "f32: {}", diff(&strict));
+    assert!(diff(&tf32) <= magnitude * 2f32.powi(-10), "tf32: {}", diff(&tf32));
+    assert!(!tf32.bit_eq(&strict), "TF32 mode changed the products");
+    assert!(after.bit_eq(&strict) && other_thread.bit_eq(&strict), "the mode ends with its scope, on its thread");
+}
+
 #[test]
 fn layout_ops_and_attention_match() {
     if !gpu("layout") {

@@ -351,20 +351,62 @@ const SMALL_COUT_SMEM: u64 = 45056;
 /// A null device pointer, for optional kernel arguments.
 const NULL: u64 = 0;
 
+/// How the tensor-core conv multiplies: bf16 products, f32 products as three TF32 products (f32
+/// accuracy), or one TF32 product each (TF32 mode, see [`Tf32Guard`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TensorCoreMath {
+    Bf16,
+    F32,
+    Tf32,
+}
+
+impl TensorCoreMath {
+    /// A convolution's products for operands of `dtype` on the calling thread.
+    fn for_conv(dtype: DType) -> Self {
+        match dtype {
+            DType::BF16 => Self::Bf16,
+            _ if TF32_CONVOLUTIONS.get() => Self::Tf32,
+            _ => Self::F32,
+        }
+    }
+}
+
+thread_local! {
+    /// Whether this thread's f32 convolutions take one TF32 product per product.
+    static TF32_CONVOLUTIONS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// TF32 mode for the calling thread's f32 convolutions while this lives (see `crate::Tf32Scope`).
+pub(crate) struct Tf32Guard {
+    previous: bool,
+}
+
+impl Tf32Guard {
+    pub(crate) fn enter() -> Self {
+        Self { previous: TF32_CONVOLUTIONS.replace(true) }
+    }
+}
+
+impl Drop for Tf32Guard {
+    fn drop(&mut self) {
+        TF32_CONVOLUTIONS.set(self.previous);
+    }
+}
+
 /// The tensor-core conv's tile height and kernel for `cout` output channels and `pixel_tiles`
-/// tiles of 128 pixels on `sms` multiprocessors. Heights are 128 (bf16 only: the f32 kernel's
-/// operand split leaves it no registers for it), 96 and 64 output channels; the choice is the
+/// tiles of 128 pixels on `sms` multiprocessors. Heights are 128 (not with 3xTF32: its operand
+/// split leaves no registers for it), 96 and 64 output channels; the choice is the
 /// one whose busiest multiprocessor has the least to do, `ceil(blocks / sms) * (height + 32)`.
 /// A block's cost is its rows plus a fixed part for the pixel tile every block loads whatever
 /// its height (worth about 32 rows: it is why taller tiles multiply more per byte loaded). That
 /// leaves no idle rows where a height divides `cout` (Wan's 96 and 192 channels take 96) and,
 /// on small grids (a 60x104 frame at 384 channels is 49 pixel tiles), prefers more, shorter
 /// tiles to a second, nearly empty wave. Ties go to the taller tile.
-fn tensor_core_tile(bf16: bool, cout: u64, pixel_tiles: u64, sms: u64) -> (u64, &'static str) {
-    let tiles: &[(u64, &'static str)] = if bf16 {
-        &[(128, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")]
-    } else {
-        &[(96, "conv3d_tc_f32_m3"), (64, "conv3d_tc_f32_m2")]
+fn tensor_core_tile(math: TensorCoreMath, cout: u64, pixel_tiles: u64, sms: u64) -> (u64, &'static str) {
+    let tiles: &[(u64, &'static str)] = match math {
+        TensorCoreMath::Bf16 => &[(128, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")],
+        TensorCoreMath::F32 => &[(96, "conv3d_tc_f32_m3"), (64, "conv3d_tc_f32_m2")],
+        TensorCoreMath::Tf32 => &[(128, "conv3d_tc_tf32_m4"), (96, "conv3d_tc_tf32_m3"), (64, "conv3d_tc_tf32_m2")],
     };
     tiles
         .iter()
@@ -770,7 +812,8 @@ impl CudaStorage {
                 ),
             });
         }
-        let (tile_m, name) = tensor_core_tile(bf16, g.cout, cols.div_ceil(128), self.device.sms as u64);
+        let math = TensorCoreMath::for_conv(self.dtype());
+        let (tile_m, name) = tensor_core_tile(math, g.cout, cols.div_ceil(128), self.device.sms as u64);
         if rows_padded > i32::MAX as u64
             || wp.div_ceil(64) > 65_535
             || cp.div_ceil(32) > 65_535
@@ -1093,7 +1136,8 @@ impl CudaStorage {
         let (tile, name) = if bf16 {
             (128, "conv3d_tc_bf16_f32out_m4")
         } else {
-            tensor_core_tile(false, n as u64, m.div_ceil(128) as u64, sms)
+            // Full f32 products in TF32 mode too, as PyTorch leaves matrix products in f32.
+            tensor_core_tile(TensorCoreMath::F32, n as u64, m.div_ceil(128) as u64, sms)
         };
         for b in 0..batch {
             q.tensor_core_gemm(name, tile, (k, b * m * d), (q, b * n * d), (&mut scores, b * n * m), [n, m, d])?;
@@ -1104,7 +1148,8 @@ impl CudaStorage {
         let mut vt = v.output(batch * dv * m)?;
         v.copy_box_into(&[m * dv, 1, dv], 0, &mut vt, &[dv * m, m, 1], 0, &[batch, dv, m])?;
         let mut out = q.output(batch * n * dv)?;
-        let (tile, name) = tensor_core_tile(bf16, n as u64, dv.div_ceil(128) as u64, sms);
+        let math = if bf16 { TensorCoreMath::Bf16 } else { TensorCoreMath::F32 };
+        let (tile, name) = tensor_core_tile(math, n as u64, dv.div_ceil(128) as u64, sms);
         for b in 0..batch {
             q.tensor_core_gemm(name, tile, (&vt, b * dv * m), (p, b * n * m), (&mut out, b * n * dv), [n, dv, m])?;
         }
@@ -1161,24 +1206,25 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::tensor_core_tile;
+    use super::{TensorCoreMath, tensor_core_tile};
 
     #[test]
     fn tensor_core_tiles_leave_no_idle_rows_and_fill_small_grids() {
         // A large Wan2.1 frame (480x832 pixels = 3120 tiles) on an H200's 132 SMs.
         let (sms, big) = (132, 3120);
-        for bf16 in [true, false] {
-            assert_eq!(tensor_core_tile(bf16, 96, big, sms).0, 96);
-            assert_eq!(tensor_core_tile(bf16, 192, big, sms).0, 96);
+        for math in [TensorCoreMath::Bf16, TensorCoreMath::F32, TensorCoreMath::Tf32] {
+            assert_eq!(tensor_core_tile(math, 96, big, sms).0, 96);
+            assert_eq!(tensor_core_tile(math, 192, big, sms).0, 96);
             // Fewer output channels than any tile: the shortest.
-            assert_eq!(tensor_core_tile(bf16, 3, big, sms).0, 64);
+            assert_eq!(tensor_core_tile(math, 3, big, sms).0, 64);
             // 384 channels of one 60x104 frame (49 pixel tiles): 147 tiles of 128 would leave
             // the 15 multiprocessors that get two of them as the critical path; 196 tiles of 96
             // spread it.
-            assert_eq!(tensor_core_tile(bf16, 384, 49, sms).0, 96);
+            assert_eq!(tensor_core_tile(math, 384, 49, sms).0, 96);
         }
-        assert_eq!(tensor_core_tile(true, 384, big, sms), (128, "conv3d_tc_bf16_m4"));
-        assert_eq!(tensor_core_tile(true, 768, big, sms).0, 128);
-        assert_eq!(tensor_core_tile(false, 384, big, sms), (96, "conv3d_tc_f32_m3"));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, big, sms), (128, "conv3d_tc_bf16_m4"));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 768, big, sms).0, 128);
+        assert_eq!(tensor_core_tile(TensorCoreMath::F32, 384, big, sms), (96, "conv3d_tc_f32_m3"));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Tf32, 384, big, sms), (128, "conv3d_tc_tf32_m4"));
     }
 }

@@ -86,6 +86,12 @@ impl CudaDeviceInfo {
         })
     }
 
+    /// Peak dense TF32 tensor-core FLOP/s (half the bf16 rate); `None` for unknown
+    /// architectures.
+    pub fn peak_tf32_tensor_flops(&self) -> Option<f64> {
+        self.peak_bf16_tensor_flops().map(|f| f / 2.0)
+    }
+
     fn per_sm_per_clock(&self, flops: impl Fn((i32, i32)) -> Option<f64>) -> Option<f64> {
         flops(self.compute_capability).map(|f| f * self.multiprocessors as f64 * self.clock_khz as f64 * 1e3)
     }
@@ -183,6 +189,7 @@ mod tests {
         assert!((h100.peak_bandwidth() / 1e12 - 3.35).abs() < 0.01, "{}", h100.peak_bandwidth());
         assert!((h100.peak_f32_flops().unwrap() / 1e12 - 66.9).abs() < 0.1);
         assert!((h100.peak_bf16_tensor_flops().unwrap() / 1e12 - 1070.5).abs() < 0.5);
+        assert!((h100.peak_tf32_tensor_flops().unwrap() / 1e12 - 535.3).abs() < 0.5);
         let unknown = CudaDeviceInfo { compute_capability: (7, 5), ..h100 };
         assert_eq!(unknown.peak_f32_flops(), None);
         assert_eq!(unknown.peak_bf16_tensor_flops(), None);

@@ -31,7 +31,17 @@ inline float tensor_core_product(float w, float x, float acc) {
     return acc + tf32_value(w_hi) * tf32_value(x_hi);
 }
 
-template <typename T, typename TO, int MT>
+// One TF32 product (the `Tf32` kernels): both operands rounded to 10-bit mantissas.
+inline float tensor_core_product(float w, float x, float acc, Tf32) {
+    return acc + tf32_value(to_tf32(w)) * tf32_value(to_tf32(x));
+}
+
+template <typename T>
+inline float tensor_core_product(T w, T x, float acc, T) {
+    return tensor_core_product(w, x, acc);
+}
+
+template <typename T, typename TO, int MT, typename Math = T>
 void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) {
     const unsigned bm = 32 * MT;
     const Padded p = padded_of<T>(g);
@@ -56,19 +66,19 @@ void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, T
                                 const u64 tap = (dt * g.kh + dy) * g.kw + dx;
                                 const T* w = wr + co * ktot + tap * p.cp;
                                 const T* x = origin + ((dt * p.hp + dy) * p.wp + dx) * p.cp;
-                                for (unsigned ci = 0; ci < p.cp; ++ci) acc = tensor_core_product(w[ci], x[ci], acc);
+                                for (unsigned ci = 0; ci < p.cp; ++ci) acc = tensor_core_product(w[ci], x[ci], acc, Math{});
                             }
                     store_f32(&out[(b * g.cout + co) * plane + col % plane], acc + (bias ? bias[co] : 0.0f));
                 }
             }
 }
 
-#define FAKE_CUDA_STAND_IN(kernel, T, TO, MT)                                                           \
+#define FAKE_CUDA_STAND_IN(kernel, T, TO, MT, ...)                                                      \
     template <>                                                                                       \
     struct StandIn<&kernel> {                                                                         \
         static constexpr bool present = true;                                                         \
         static void run(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) { \
-            conv3d_tc_on_host<T, TO, MT>(grid, xp, wr, bias, out, g);                                 \
+            conv3d_tc_on_host<T, TO, MT __VA_OPT__(, ) __VA_ARGS__>(grid, xp, wr, bias, out, g);     \
         }                                                                                             \
     };
 
@@ -78,6 +88,9 @@ FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m2, unsigned short, unsigned short, 2)
 FAKE_CUDA_STAND_IN(conv3d_tc_bf16_f32out_m4, unsigned short, float, 4)
 FAKE_CUDA_STAND_IN(conv3d_tc_f32_m3, float, float, 3)
 FAKE_CUDA_STAND_IN(conv3d_tc_f32_m2, float, float, 2)
+FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m4, float, float, 4, Tf32)
+FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m3, float, float, 3, Tf32)
+FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m2, float, float, 2, Tf32)
 
 #undef FAKE_CUDA_STAND_IN
 
