@@ -166,38 +166,51 @@ const Pipeline<u16>& pipeline<u16>() { return kBf16; }
 template <>
 const Pipeline<float>& pipeline<float>() { return kF32; }
 
+// One case's operands as the backend hands them to a GEMM kernel (channels-last copies made by
+// the pipeline's own kernels), and the reference with its bound: the f32 accumulation's error
+// (1.01e-5 of the magnitude summed), `product_error` of it per product, and the output type's
+// rounding.
+template <typename T, typename TO>
+struct Operands {
+    ConvGeom g;
+    std::vector<T> xp, wr;
+    std::vector<float> bias;
+    std::vector<double> want, bound;
+
+    Operands(const Case& c, double product_error) : g(c.geometry()) {
+        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
+        bias = random_f32(g.cout, 13, -1.0f, 1.0f);
+        std::vector<double> magnitude;
+        reference(c, g, values(x), values(w), bias, want, magnitude);
+        bound.resize(want.size());
+        for (std::size_t i = 0; i < want.size(); ++i) {
+            bound[i] = (1.01e-5 + product_error) * magnitude[i] + Storage<TO>::rounding * std::fabs(want[i]);
+        }
+        const Pipeline<T>& p = pipeline<T>();
+        xp = input_channels_last<T>(g, x, p.input_name, p.input);
+        wr = weight_channels_last<T>(g, w, p.weight_name, p.weight);
+    }
+    u64 cols() const { return g.n * g.to * g.ho * g.wo; }
+};
+
 // The tensor-core pipeline with tiles of `32 * mt` output channels. bf16: f32 accumulation of
 // exact products, then one rounding to bf16. f32: the three TF32 products lose about 2^-21 of
 // each product's magnitude, inside the bound of f32 accumulation error (one TF32 product alone,
-// 2^-11, would not be).
-// Outputs of type TO: T, or f32 for bf16 operands (attention's scores). `product_error`: the
-// relative error of one product (TF32 mode rounds both f32 operands to 10-bit mantissas:
-// 2^-11 each), on top of the f32 accumulation's.
+// 2^-11, would not be). Outputs of type TO: T, or f32 for bf16 operands (attention's scores).
+// `product_error`: the relative error of one product (TF32 mode rounds both f32 operands to
+// 10-bit mantissas: 2^-11 each).
 template <typename T, typename TO = T>
 void run_tensor_core_cases(Check& check, const char* name,
                            void (*kernel)(const T*, const T*, const float*, TO*, ConvGeom), unsigned mt,
                            double product_error = 0.0) {
     for (const Case& c : kCases) {
-        const ConvGeom g = c.geometry();
-        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
-        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
-        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
-        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
-        std::vector<double> want, magnitude;
-        reference(c, g, values(x), values(w), bias, want, magnitude);
-        std::vector<double> bound(len);
-        for (std::size_t i = 0; i < len; ++i) {
-            bound[i] = (1.01e-5 + product_error) * magnitude[i] + Storage<TO>::rounding * std::fabs(want[i]);
-        }
-        const Pipeline<T>& p = pipeline<T>();
-        const auto xp = input_channels_last<T>(g, x, p.input_name, p.input);
-        const auto wr = weight_channels_last<T>(g, w, p.weight_name, p.weight);
-        std::vector<TO> out(len, Storage<TO>::from_f32(NAN));
-        const u64 cols = g.n * g.to * g.ho * g.wo;
-        const dim3 grid((unsigned)((cols + 127) / 128), (unsigned)((g.cout + 32 * mt - 1) / (32 * mt)));
-        emu::launch(name, kernel, grid, dim3(256), xp.data(), wr.data(), c.bias ? bias.data() : nullptr, out.data(),
-                    g);
-        check.near(std::string(c.name) + ", tile of " + num(32 * mt), values(out), want, bound);
+        const Operands<T, TO> d(c, product_error);
+        std::vector<TO> out(d.want.size(), Storage<TO>::from_f32(NAN));
+        const dim3 grid((unsigned)((d.cols() + 127) / 128), (unsigned)((d.g.cout + 32 * mt - 1) / (32 * mt)));
+        emu::launch(name, kernel, grid, dim3(256), d.xp.data(), d.wr.data(), c.bias ? d.bias.data() : nullptr,
+                    out.data(), d.g);
+        check.near(std::string(c.name) + ", tile of " + num(32 * mt), values(out), d.want, d.bound);
     }
 }
 
@@ -212,31 +225,17 @@ void run_small_cout_cases(Check& check, const char* name,
     cases.push_back(kRgbHead);
     for (const Case& c : cases) {
         const ConvGeom g = c.geometry();
-        const PaddedHost<T> p(g);
-        if (g.cout > 4 || 4 * g.kt * g.kh * g.kw * p.cp * sizeof(T) > 45056) continue;
-        const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 11, -1.0f, 1.0f));
-        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 12, -0.3f, 0.3f));
-        const auto bias = random_f32(g.cout, 13, -1.0f, 1.0f);
-        const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
-        std::vector<double> want, magnitude;
-        reference(c, g, values(x), values(w), bias, want, magnitude);
-        std::vector<double> bound(len);
-        for (std::size_t i = 0; i < len; ++i) {
-            bound[i] = 1.01e-5 * magnitude[i] + Storage<T>::rounding * std::fabs(want[i]);
-        }
-        const Pipeline<T>& pl = pipeline<T>();
-        const auto xp = input_channels_last<T>(g, x, pl.input_name, pl.input);
-        const auto wr = weight_channels_last<T>(g, w, pl.weight_name, pl.weight);
-        const u64 cols = g.n * g.to * g.ho * g.wo;
+        if (g.cout > 4 || 4 * g.kt * g.kh * g.kw * PaddedHost<T>(g).cp * sizeof(T) > 45056) continue;
+        const Operands<T, T> d(c, 0.0);
         const LaunchShape shapes[] = {
-            {"backend launch", dim3((unsigned)std::min<u64>((cols + 255) / 256, 132 * 8)), dim3(256)},
+            {"backend launch", dim3((unsigned)std::min<u64>((d.cols() + 255) / 256, 132 * 8)), dim3(256)},
             {"2 blocks of 64", dim3(2), dim3(64)},
         };
         for (const auto& shape : shapes) {
-            std::vector<T> out(len, Storage<T>::from_f32(NAN));
-            emu::launch(name, kernel, shape.grid, shape.block, xp.data(), wr.data(), c.bias ? bias.data() : nullptr,
-                        out.data(), g);
-            check.near(std::string(c.name) + ", " + shape.name, values(out), want, bound);
+            std::vector<T> out(d.want.size(), Storage<T>::from_f32(NAN));
+            emu::launch(name, kernel, shape.grid, shape.block, d.xp.data(), d.wr.data(),
+                        c.bias ? d.bias.data() : nullptr, out.data(), d.g);
+            check.near(std::string(c.name) + ", " + shape.name, values(out), d.want, d.bound);
         }
     }
 }

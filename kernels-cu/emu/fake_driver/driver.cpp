@@ -159,16 +159,21 @@ std::set<CUdeviceptr> g_freeing;
 // context's error is on a GPU.
 CUresult g_sticky = CUDA_SUCCESS;
 
-// Reports a refused call on stderr (the real driver only returns the code; the message is what
-// makes a failure under the fake quick to diagnose) and returns `code`.
+// One line on stderr about a failed call or queued operation (the real driver only returns the
+// code; the message is what makes a failure under the fake quick to diagnose).
+void report(const char* what, const char* api, CUresult code, const char* fmt, va_list ap) {
+    std::fprintf(stderr, "fake libcuda: %s%s failed (%d): ", what, api, (int)code);
+    std::vfprintf(stderr, fmt, ap);
+    std::fputc('\n', stderr);
+}
+
+// Reports a refused call and returns `code`.
 CUresult refuse(CUresult code, const char* api, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 CUresult refuse(CUresult code, const char* api, const char* fmt, ...) {
-    std::fprintf(stderr, "fake libcuda: %s failed (%d): ", api, (int)code);
     va_list ap;
     va_start(ap, fmt);
-    std::vfprintf(stderr, fmt, ap);
+    report("", api, code, fmt, ap);
     va_end(ap);
-    std::fputc('\n', stderr);
     return code;
 }
 
@@ -241,12 +246,10 @@ void enqueue(CUstream s, std::function<void()> op) {
 // synchronizing call).
 void fault(CUresult code, const char* api, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 void fault(CUresult code, const char* api, const char* fmt, ...) {
-    std::fprintf(stderr, "fake libcuda: queued %s failed when it ran (%d): ", api, (int)code);
     va_list ap;
     va_start(ap, fmt);
-    std::vfprintf(stderr, fmt, ap);
+    report("queued ", api, code, fmt, ap);
     va_end(ap);
-    std::fputc('\n', stderr);
     if (g_sticky == CUDA_SUCCESS) g_sticky = code;
 }
 

@@ -1054,7 +1054,8 @@ impl CudaStorage {
     }
 
     /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
-    /// `[batch, m, dv]`: two batched GEMMs around the row softmax.
+    /// `[batch, m, dv]`: two products around the row softmax, on the tensor cores where the rows
+    /// allow it ([`Self::attention_on_tensor_cores`]), else the CUDA-core batched GEMM.
     pub(crate) fn attention(
         q: &Self,
         k: &Self,
