@@ -10,10 +10,13 @@
 #   4. per-op rates against the device peak (bench kernels, f32, tf32 and bf16);
 #   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32, tf32 and bf16, same GPU
 #      (diffusers' default f32 takes TF32 convolutions: compare it with ours in tf32);
-#   6. the same decode on two local ranks of the one GPU (a stream each): direct, shard, tile.
+#   6. the same decode on two local ranks of the one GPU (a stream each): direct, shard, tile;
+#   7. where ncu exists, GPU time per kernel of a small bf16 decode (scripts/gpu-profile.sh, at
+#      most 3 minutes, informational: it does not fail the check). PROFILE=0 skips it.
 #
 # Each step prints its own result; the script exits non-zero if any step failed. It finishes in
-# well under 8 minutes (the kernels test runs small shapes).
+# under 8 minutes (148 s on an H200 before steps 6, 7 and the tf32 runs were added; step 7 is
+# capped at 3 minutes).
 #
 # Where the GPU machine has torch but no diffusers, carry the wheels in .whl/ (ignored by git):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -106,6 +109,12 @@ if python3 -c "import torch, diffusers" 2>/dev/null; then
         --latent "$OUT/wan21/z.npy" --ranks 2 2>&1 | tee "$OUT/bench_two_ranks.txt" || status=1
 else
     echo "benchmark skipped: no torch/diffusers in this machine's python3"
+fi
+
+if [ "${PROFILE:-1}" != 0 ] && command -v ncu >/dev/null 2>&1; then
+    step "GPU time per kernel (ncu, bf16, small latent; informational)"
+    OUT="$OUT/profile" timeout 180 bash scripts/gpu-profile.sh bf16 2>&1 | tee "$OUT/profile.txt" \
+        || echo "profile did not finish (not counted as a failure)"
 fi
 
 step "result"
