@@ -123,13 +123,14 @@ __device__ __forceinline__ void pack_store(void* p, const Pack<B>& v) {
 #endif
 }
 
-// Elements per B-byte pack of storage type T, and element k of a pack as f32 (k a constant after
-// unrolling, so these are register moves). `pack_set` writes into a zeroed pack.
-template <typename T, int B>
-struct PackOf {
-    static constexpr int N = B / (int)sizeof(T);
+// Elements of T in 16 bytes (4 f32, 8 bf16): one widest access, one `cp.async` chunk.
+template <typename T>
+struct Wide {
+    static constexpr int N = 16 / (int)sizeof(T);
 };
 
+// Element k of a pack as f32 (k a constant after unrolling, so these are register moves).
+// `pack_set` writes into a zeroed pack.
 __device__ __forceinline__ float pack_get(const unsigned int* w, int k, const float*) { return __uint_as_float(w[k]); }
 __device__ __forceinline__ float pack_get(const unsigned int* w, int k, const unsigned short*) {
     return bf16_to_f32((unsigned short)(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffffu));

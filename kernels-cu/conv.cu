@@ -28,11 +28,7 @@ struct ConvGeom {
 // index arithmetic ran at 12 TFLOP/s on an H200). Written once over the storage type T.
 // ---------------------------------------------------------------------------------------------
 
-// Elements of T in a 16-byte chunk (8 bf16, 4 f32); a K slice is four chunks.
-template <typename T>
-struct Chunk {
-    static constexpr unsigned elems = 16 / sizeof(T);
-};
+// A 16-byte chunk holds Wide<T>::N elements (common.cuh: 8 bf16, 4 f32); a K slice is four chunks.
 
 // The padded channels-last geometry of a convolution's input.
 struct Padded {
@@ -42,7 +38,7 @@ struct Padded {
 
 template <typename T>
 __device__ __forceinline__ Padded padded_of(const ConvGeom& g) {
-    const u64 e = Chunk<T>::elems;
+    const u64 e = (unsigned)Wide<T>::N;
     return Padded{(g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw,
                   (unsigned)((g.cin + e - 1) / e * e)};
 }
@@ -111,7 +107,7 @@ template <typename T, int MT>
 struct TcLoader {
     static constexpr int BM = 32 * MT;
     static constexpr int A_COPIES = (BM * 4 + TC_THREADS - 1) / TC_THREADS;
-    static constexpr unsigned E = Chunk<T>::elems;
+    static constexpr unsigned E = (unsigned)Wide<T>::N;
 
     const T* a_row[A_COPIES];  // weight row (at tap 0, this thread's chunk), or null
     unsigned a_chunk, a_smem[A_COPIES];
@@ -236,7 +232,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 
     const Padded p = padded_of<T>(g);
     const u64 n_cols = g.n * g.to * g.ho * g.wo;
-    const unsigned csteps = (p.cp + 4 * Chunk<T>::elems - 1) / (4 * Chunk<T>::elems);
+    const unsigned csteps = (p.cp + 4 * (unsigned)Wide<T>::N - 1) / (4 * (unsigned)Wide<T>::N);
     const unsigned steps = (unsigned)(g.kt * g.kh * g.kw) * csteps;
     const u64 n0 = (u64)blockIdx.x * TC_BN;
     const unsigned m0 = blockIdx.y * BM;
@@ -377,7 +373,7 @@ CONV_TC_ALL(f32, float)
 template <typename T, int CO>
 __device__ __forceinline__ void conv3d_small_cout_impl(const T* xp, const T* wr, const float* bias, T* out,
                                                        const ConvGeom& g) {
-    constexpr unsigned E = Chunk<T>::elems;
+    constexpr unsigned E = (unsigned)Wide<T>::N;
     __shared__ __align__(16) T ws[SMALL_COUT_SMEM / sizeof(T)];
     const Padded p = padded_of<T>(g);
     const u64 row = g.kt * g.kh * g.kw * (u64)p.cp;  // one output channel's weights

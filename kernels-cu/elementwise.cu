@@ -49,12 +49,6 @@ __device__ __forceinline__ void map_binary(const T* a, const T* b, T* out, u64 n
     GRID_STRIDE_FROM(i, done, n) store_f32(&out[i], f(load_f32(&a[i]), load_f32(&b[i])));
 }
 
-// Elements of T per 16-byte access.
-template <typename T>
-struct Wide {
-    static constexpr int N = 16 / (int)sizeof(T);
-};
-
 template <typename T>
 __device__ __forceinline__ void add_impl(const T* a, const T* b, T* out, u64 n) {
     map_binary<Wide<T>::N>(a, b, out, n, [](float x, float y) { return x + y; });

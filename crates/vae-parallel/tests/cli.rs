@@ -1,12 +1,10 @@
 //! The `vae-parallel` binary, as a user runs it.
 
+mod support;
+
 use std::process::Command;
 
-fn cli(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
-}
+use support::{cli, json_line};
 
 #[test]
 fn the_demo_decodes_with_the_built_in_vae_and_is_bit_identical() {
@@ -114,8 +112,7 @@ fn ranks_can_be_started_by_hand_with_flags() {
 fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     let (ok, text) = cli(&["bench", "kernels", "--downscale", "8", "--iters", "1", "--json"]);
     assert!(ok, "{text}");
-    let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let v = json_line(&text);
     assert_eq!(v["device"], "cpu");
     let ops = v["ops"].as_array().unwrap();
     // The decoders' ops at their shapes, and each memory-bound one again at a large shape.
@@ -133,12 +130,12 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
         "conv3d 3x3x3 to RGB",
     ];
     for name in base {
-        assert!(names.iter().any(|n| n.starts_with(name) && !n.ends_with("(large)")), "{name} missing: {line}");
+        assert!(names.iter().any(|n| n.starts_with(name) && !n.ends_with("(large)")), "{name} missing: {v}");
     }
     for name in &base[3..9] {
-        assert!(names.iter().any(|n| n.starts_with(name) && n.ends_with("(large)")), "{name} (large) missing: {line}");
+        assert!(names.iter().any(|n| n.starts_with(name) && n.ends_with("(large)")), "{name} (large) missing: {v}");
     }
-    assert_eq!(ops.len(), 16, "{line}");
+    assert_eq!(ops.len(), 16, "{v}");
     for op in ops {
         assert!(op["best_ms"].as_f64().unwrap() > 0.0, "{op}");
         assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");

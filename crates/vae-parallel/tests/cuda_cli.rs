@@ -4,8 +4,11 @@
 //! why it is skipped.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
 
+mod support;
+
 use std::path::Path;
-use std::process::Command;
+
+use support::{json_line, read_npy_f32};
 
 use vae_parallel::tensor::Device;
 use vae_parallel::tensor::cuda::resolve_device;
@@ -20,10 +23,10 @@ fn gpu(test: &str) -> bool {
     }
 }
 
+/// Runs `vae-parallel`, which must succeed.
 fn cli(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "vae-parallel {args:?}:\n{text}");
+    let (ok, text) = support::cli(args);
+    assert!(ok, "vae-parallel {args:?}:\n{text}");
     text
 }
 
@@ -46,20 +49,13 @@ fn the_kernel_bench_runs_on_the_device_and_reports_its_peaks() {
             "1",
             "--json",
         ]);
-        let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some(dtype)), "{line}");
+        let v = json_line(&text);
+        assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some(dtype)), "{v}");
         for op in v["ops"].as_array().unwrap() {
             assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");
             assert!(op["peak"].as_f64().unwrap() > 0.0, "a known architecture has peaks: {op}");
         }
     }
-}
-
-fn read_npy_f32(path: &Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap();
-    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    bytes[10 + header_len..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 #[test]
@@ -113,16 +109,15 @@ fn the_shard_bench_runs_two_ranks_on_one_device() {
         "cuda",
         "--json",
     ]);
-    let line = text.lines().find(|l| l.starts_with('{')).expect("one JSON line");
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some("f32")), "{line}");
+    let v = json_line(&text);
+    assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some("f32")), "{v}");
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 3, "{line}");
+    assert_eq!(runs.len(), 3, "{v}");
     // Two ranks on one GPU, each on a stream of its own, exchanging halos device to device:
     // the shard run is the direct decode's computation (as on the CPU).
     let shard = runs.iter().find(|r| r["run"] == "shard").unwrap();
-    assert_eq!(shard["ranks"], 2, "{line}");
-    assert!(shard["strategy"].as_str().unwrap().starts_with("shard"), "{line}");
-    assert!(shard["max_abs_diff_vs_direct"].as_f64().unwrap() <= 1e-5, "{line}");
-    assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0), "{line}");
+    assert_eq!(shard["ranks"], 2, "{v}");
+    assert!(shard["strategy"].as_str().unwrap().starts_with("shard"), "{v}");
+    assert!(shard["max_abs_diff_vs_direct"].as_f64().unwrap() <= 1e-5, "{v}");
+    assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0), "{v}");
 }

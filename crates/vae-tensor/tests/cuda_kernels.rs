@@ -94,7 +94,7 @@ const NULL: u64 = 0;
 fn every_module_loads_and_has_its_entry_points() {
     let Some(gpu) = Gpu::get("entry points") else { return };
     let expected: &[(&str, &[&str])] = &[
-        ("attention", &["softmax_rows_f32"]),
+        ("attention", &["softmax_rows_f32", "softmax_rows_to_bf16"]),
         (
             "conv",
             &[
@@ -107,6 +107,12 @@ fn every_module_loads_and_has_its_entry_points() {
                 "conv_weight_channels_last_f32",
                 "conv3d_tc_f32_m3",
                 "conv3d_tc_f32_m2",
+                "conv3d_tc_tf32_m4",
+                "conv3d_tc_tf32_m3",
+                "conv3d_tc_tf32_m2",
+                "conv3d_tc_bf16_f32out_m4",
+                "conv3d_small_cout_f32_c4",
+                "conv3d_small_cout_bf16_c4",
             ],
         ),
         (
@@ -148,6 +154,7 @@ fn every_module_loads_and_has_its_entry_points() {
                 "group_norm_apply_bf16",
                 "rms_norm_channels_f32",
                 "rms_norm_channels_bf16",
+                "rms_norm_channels_x4_bf16",
             ],
         ),
     ];
@@ -237,21 +244,24 @@ fn geometry(x: &Tensor, w: &Tensor, p: &Conv3dParams) -> ConvGeom {
 }
 
 /// The tensor-core conv pipeline kernel by kernel, as the backend launches it: input and
-/// weights into their zero-padded channels-last copies ([`ConvGeom::channels_last`]), then the
-/// GEMM `conv3d_tc_{suffix}_m{mt}` with tiles of `32 * mt` output channels. `T` is the storage
-/// type (`f32`, or `u16` holding bf16 bits); the bias is f32.
+/// weights into their zero-padded channels-last copies ([`ConvGeom::channels_last`],
+/// `conv_*_channels_last_{copies}`), then the GEMM `conv3d_tc_{gemm}_m{mt}` with tiles of
+/// `32 * mt` output channels. `T` is the storage type (`f32`, or `u16` holding bf16 bits); the
+/// bias is f32.
+#[allow(clippy::too_many_arguments)] // the pipeline's operands and its three kernels
 fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     gpu: &Gpu,
     x: &CudaSlice<T>,
     w: &CudaSlice<T>,
     bias: &CudaSlice<f32>,
     g: &ConvGeom,
-    suffix: &str,
+    copies: &str,
+    gemm: &str,
     mt: u64,
 ) -> CudaSlice<T> {
     let p = g.channels_last(std::mem::size_of::<T>() as u64);
     let mut xp = gpu.stream.alloc_zeros::<T>((g.n * p.t * p.h * p.w * p.c) as usize).unwrap();
-    let f = gpu.function("conv", &format!("conv_input_channels_last_{suffix}"));
+    let f = gpu.function("conv", &format!("conv_input_channels_last_{copies}"));
     let cfg = LaunchConfig {
         grid_dim: ((g.n * p.t * p.h) as u32, p.w.div_ceil(64) as u32, p.c.div_ceil(32) as u32),
         block_dim: (256, 1, 1),
@@ -260,7 +270,7 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     unsafe { gpu.stream.launch_builder(&f).arg(x).arg(&mut xp).arg(g).launch(cfg) }.unwrap();
     let wr_len = (g.cout * g.kt * g.kh * g.kw * p.c) as usize;
     let mut wr = gpu.stream.alloc_zeros::<T>(wr_len).unwrap();
-    let f = gpu.function("conv", &format!("conv_weight_channels_last_{suffix}"));
+    let f = gpu.function("conv", &format!("conv_weight_channels_last_{copies}"));
     unsafe { gpu.stream.launch_builder(&f).arg(w).arg(&mut wr).arg(g).launch(grid(wr_len)) }.unwrap();
     let mut out = gpu.stream.alloc_zeros::<T>((g.n * g.cout * g.to * g.ho * g.wo) as usize).unwrap();
     let cols = g.n * g.to * g.ho * g.wo;
@@ -269,33 +279,38 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = gpu.function("conv", &format!("conv3d_tc_{suffix}_m{mt}"));
+    let f = gpu.function("conv", &format!("conv3d_tc_{gemm}_m{mt}"));
     unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(bias).arg(&mut out).arg(g).launch(cfg) }.unwrap();
     out
 }
 
-/// The f32 pipeline for an NCTHW input with the given padding and strides, tiles of `32 * mt`
-/// output channels (the f32 kernels have heights 96 and 64).
-fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, mt: u64) -> Tensor {
+/// An f32 pipeline (`suffix` `f32` or `tf32`) for an NCTHW input with the given padding and
+/// strides, tiles of `32 * mt` output channels.
+fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, suffix: &str, mt: u64) -> Tensor {
     let g = geometry(x, w, p);
     let out_dims = [x.dims()[0], w.dims()[0], g.to as usize, g.ho as usize, g.wo as usize];
-    let out = tensor_core_conv(gpu, &gpu.upload(x), &gpu.upload(w), &gpu.upload(bias), &g, "f32", mt);
+    // The TF32 kernels read the f32 pipeline's channels-last copies.
+    let copies = if suffix == "tf32" { "f32" } else { suffix };
+    let out = tensor_core_conv(gpu, &gpu.upload(x), &gpu.upload(w), &gpu.upload(bias), &g, copies, suffix, mt);
     gpu.download(&out, &out_dims)
 }
 
-/// f32 on TF32 tensor cores with each operand split in two (three products): within 1e-4 of the
-/// CPU's f32 conv, as the CUDA-core kernel it replaced.
+/// f32 on TF32 tensor cores with each operand split in two (three products, heights 96 and 64):
+/// within 1e-4 of the CPU's f32 conv, as the CUDA-core kernel it replaced. TF32 mode (one product,
+/// heights 128, 96 and 64): within 2^-10 of the magnitude summed, at most 216 products of at most
+/// 0.1 here, about 0.021.
 #[test]
 fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
     let Some(gpu) = Gpu::get("conv") else { return };
-    for mt in [3, 2] {
+    let runs = [("f32", 3, 1e-4), ("f32", 2, 1e-4), ("tf32", 4, 0.025), ("tf32", 3, 0.025), ("tf32", 2, 0.025)];
+    for (suffix, mt, tol) in runs {
         // Wan's causal 3x3x3 conv: two zero frames in front, one row / column each side.
         let x = pattern(&[1, 8, 3, 9, 11], 8);
         let w = pattern(&[70, 8, 3, 3, 3], 9).affine(0.1, 0.0).unwrap();
         let b = pattern(&[70], 10);
         let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
-        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, mt);
-        close(&got, &x.conv3d(&w, Some(&b), &p).unwrap(), 1e-4, "causal conv3d");
+        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, suffix, mt);
+        close(&got, &x.conv3d(&w, Some(&b), &p).unwrap(), tol, &format!("causal conv3d, {suffix} m{mt}"));
         // diffusers' stride-2 downsample as a one-frame conv3d (5 channels: padded to 8).
         let img = pattern(&[2, 5, 1, 12, 10], 11);
         let w2 = pattern(&[7, 5, 1, 3, 3], 12).affine(0.2, 0.0).unwrap();
@@ -306,8 +321,8 @@ fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
             .unwrap()
             .conv2d(&w2.reshape(vec![7, 5, 3, 3]).unwrap(), Some(&b2), &Conv2dParams::diffusers_downsample())
             .unwrap();
-        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, mt);
-        close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, 1e-4, "stride-2 conv2d");
+        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, suffix, mt);
+        close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, tol, &format!("stride-2 conv2d, {suffix} m{mt}"));
     }
 }
 
@@ -402,7 +417,7 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let out_dims = [1, cout, g.to as usize, g.ho as usize, g.wo as usize];
     let db = gpu.upload(&b);
     for mt in [4, 3, 2] {
-        let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", mt);
+        let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", mt);
         let name = format!("conv3d_tc_bf16_m{mt}");
         let got = to_f32(&out, &out_dims);
         // Output rounding to bf16: 2^-8 relative; the values here stay below 8.

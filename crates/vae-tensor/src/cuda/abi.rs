@@ -34,6 +34,29 @@ pub struct ConvGeom {
 unsafe impl DeviceRepr for ConvGeom {}
 
 impl ConvGeom {
+    /// The 1x1 convolution of one row of `pixels` pixels of `channels` channels into `outs`
+    /// outputs: the product `out[o][p] = Σ_c w[o][c] · x[p][c]` on the convolution kernels (the
+    /// tensor-core attention's two products).
+    pub fn pointwise(outs: u64, pixels: u64, channels: u64) -> Self {
+        Self {
+            n: 1,
+            cin: channels,
+            t: 1,
+            h: 1,
+            w: pixels,
+            cout: outs,
+            kt: 1,
+            kh: 1,
+            kw: 1,
+            to: 1,
+            ho: 1,
+            wo: pixels,
+            stride_t: 1,
+            stride: 1,
+            ..Self::default()
+        }
+    }
+
     /// The zero-padded channels-last copy of the input that the tensor-core convolution reads
     /// (`padded_of` in conv.cu), for elements of `elem_bytes` (4: f32, 2: bf16): frames, rows
     /// and columns with the padding materialised, and the channels rounded up to a whole
@@ -140,5 +163,14 @@ mod tests {
             ..causal
         };
         assert_eq!(down.channels_last(4), ChannelsLast { t: 1, h: 13, w: 11, c: 8 });
+    }
+
+    #[test]
+    fn a_pointwise_product_reads_its_operands_unpadded() {
+        // Attention's scores over 6240 keys of 384 channels: the keys' rows as they are.
+        let g = ConvGeom::pointwise(6240, 6240, 384);
+        assert_eq!((g.cout, g.cin, g.to * g.ho * g.wo), (6240, 384, 6240));
+        assert_eq!(g.channels_last(2), ChannelsLast { t: 1, h: 1, w: 6240, c: 384 });
+        assert_eq!((g.pad_front, g.pad_top, g.pad_left), (0, 0, 0));
     }
 }

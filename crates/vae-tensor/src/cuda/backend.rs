@@ -415,6 +415,35 @@ fn tensor_core_tile(math: TensorCoreMath, cout: u64, pixel_tiles: u64, sms: u64)
         .expect("tile heights")
 }
 
+/// The kernel of a convolution's product (after the channels-last copies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConvKernel {
+    /// The tensor-core implicit GEMM with tiles of `tile` output channels.
+    TensorCores { tile: u64, name: &'static str },
+    /// At most 4 output channels on CUDA cores (`conv3d_small_cout_*_c4`).
+    SmallCout,
+}
+
+/// The kernel for `cout` output channels whose weights are `taps * cp` elements of `elem_bytes`
+/// each per channel, over `pixel_tiles` tiles of 128 pixels: at most 4 output channels (the RGB
+/// heads) on CUDA cores when 4 channels' weights fit the kernel's shared memory (a tensor-core
+/// tile would multiply 60 and more rows of zeros), else the tensor-core tile of
+/// [`tensor_core_tile`].
+fn conv_kernel(
+    math: TensorCoreMath,
+    cout: u64,
+    weights_per_channel: u64,
+    elem_bytes: u64,
+    pixel_tiles: u64,
+    sms: u64,
+) -> ConvKernel {
+    if cout <= 4 && 4 * weights_per_channel * elem_bytes <= SMALL_COUT_SMEM {
+        return ConvKernel::SmallCout;
+    }
+    let (tile, name) = tensor_core_tile(math, cout, pixel_tiles, sms);
+    ConvKernel::TensorCores { tile, name }
+}
+
 /// A 1-D grid-stride launch over `n` elements.
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
@@ -813,12 +842,17 @@ impl CudaStorage {
             });
         }
         let math = TensorCoreMath::for_conv(self.dtype());
-        let (tile_m, name) = tensor_core_tile(math, g.cout, cols.div_ceil(128), self.device.sms as u64);
+        let elem = if bf16 { 2 } else { 4 };
+        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols.div_ceil(128), self.device.sms as u64);
+        let row_tiles = match kernel {
+            ConvKernel::TensorCores { tile, .. } => g.cout.div_ceil(tile),
+            ConvKernel::SmallCout => 1,
+        };
         if rows_padded > i32::MAX as u64
             || wp.div_ceil(64) > 65_535
             || cp.div_ceil(32) > 65_535
             || cols.div_ceil(128) > i32::MAX as u64
-            || g.cout.div_ceil(tile_m) > 65_535
+            || row_tiles > 65_535
         {
             return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
         }
@@ -847,18 +881,16 @@ impl CudaStorage {
         .map_err(self.err("conv3d"))?;
 
         let mut out = self.output(len)?;
-        // At most 4 output channels (the RGB heads) on CUDA cores, where a tensor-core tile would
-        // multiply 60 and more rows of zeros; their weights staged in the kernel's shared memory.
-        let elem = if bf16 { 2 } else { 4 };
-        let (f, cfg) = if g.cout <= 4 && 4 * weight_len as u64 / g.cout * elem <= SMALL_COUT_SMEM {
-            let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
-            let blocks = cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32;
-            (f, LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
-        } else {
-            let f = self.device.function("conv", name)?;
-            let grid_dim = (cols.div_ceil(128) as u32, g.cout.div_ceil(tile_m) as u32, 1);
-            (f, LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        let (f, grid_dim) = match kernel {
+            ConvKernel::SmallCout => {
+                let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
+                (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1))
+            }
+            ConvKernel::TensorCores { name, .. } => {
+                (self.device.function("conv", name)?, (cols.div_ceil(128) as u32, row_tiles as u32, 1))
+            }
         };
+        let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
         launch.arg(&padded.data).arg(&reordered.data);
@@ -1067,7 +1099,8 @@ impl CudaStorage {
         // The tensor cores take rows of whole 16-byte chunks: d (Q and K rows) and m (rows of P
         // and of Vᵀ) in multiples of 8 bf16 or 4 f32 (Wan's mid block: d 384, m 60 x 104).
         let chunk = 16 / q.dtype().size_in_bytes();
-        if d % chunk == 0 && m % chunk == 0 && n.max(m) < i32::MAX as usize && n.div_ceil(32) <= 65_535 {
+        let shortest_tile = 64;
+        if d % chunk == 0 && m % chunk == 0 && n.max(m) < i32::MAX as usize && n.div_ceil(shortest_tile) <= 65_535 {
             return Self::attention_on_tensor_cores(q, k, v, [batch, n, m, d, dv], scale);
         }
         // Scores and probabilities in f32 whatever the operands' type (as flash attention keeps
@@ -1169,26 +1202,8 @@ impl CudaStorage {
         (out, out_from): (&mut Self, usize),
         [outs, cols, channels]: [usize; 3],
     ) -> Result<()> {
-        let (outs, cols, channels) = (outs as u64, cols as u64, channels as u64);
-        let g = ConvGeom {
-            n: 1,
-            cin: channels,
-            t: 1,
-            h: 1,
-            w: cols,
-            cout: outs,
-            kt: 1,
-            kh: 1,
-            kw: 1,
-            to: 1,
-            ho: 1,
-            wo: cols,
-            stride_t: 1,
-            stride: 1,
-            pad_front: 0,
-            pad_top: 0,
-            pad_left: 0,
-        };
+        let (outs, cols) = (outs as u64, cols as u64);
+        let g = ConvGeom::pointwise(outs, cols, channels as u64);
         let f = self.device.function("conv", name)?;
         let cfg = LaunchConfig {
             grid_dim: (cols.div_ceil(128) as u32, outs.div_ceil(tile) as u32, 1),
@@ -1207,7 +1222,7 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::{TensorCoreMath, tensor_core_tile};
+    use super::{ConvKernel, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile};
 
     #[test]
     fn tensor_core_tiles_leave_no_idle_rows_and_fill_small_grids() {
@@ -1216,7 +1231,8 @@ mod tests {
         for math in [TensorCoreMath::Bf16, TensorCoreMath::F32, TensorCoreMath::Tf32] {
             assert_eq!(tensor_core_tile(math, 96, big, sms).0, 96);
             assert_eq!(tensor_core_tile(math, 192, big, sms).0, 96);
-            // Fewer output channels than any tile: the shortest.
+            // Fewer output channels than any tile: the shortest (the RGB heads whose weights do
+            // not fit the small-Cout kernel; see the test below).
             assert_eq!(tensor_core_tile(math, 3, big, sms).0, 64);
             // 384 channels of one 60x104 frame (49 pixel tiles): 147 tiles of 128 would leave
             // the 15 multiprocessors that get two of them as the critical path; 196 tiles of 96
@@ -1227,5 +1243,21 @@ mod tests {
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 768, big, sms).0, 128);
         assert_eq!(tensor_core_tile(TensorCoreMath::F32, 384, big, sms), (96, "conv3d_tc_f32_m3"));
         assert_eq!(tensor_core_tile(TensorCoreMath::Tf32, 384, big, sms), (128, "conv3d_tc_tf32_m4"));
+    }
+
+    #[test]
+    fn rgb_heads_run_on_cuda_cores_when_their_weights_fit() {
+        let (sms, big) = (132, 3120);
+        // Wan's head: 96 channels, 27 taps, in bf16 and in f32 (41.5 KiB of 44).
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 3, 27 * 96, 2, big, sms), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::F32, 3, 27 * 96, 4, big, sms), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 4, 9 * 128, 2, big, sms), ConvKernel::SmallCout);
+        // Too many weights for the kernel's shared memory, or more than 4 channels: tensor cores.
+        let over = SMALL_COUT_SMEM / (4 * 4) + 4;
+        assert!(matches!(
+            conv_kernel(TensorCoreMath::F32, 3, over, 4, big, sms),
+            ConvKernel::TensorCores { tile: 64, .. }
+        ));
+        assert!(matches!(conv_kernel(TensorCoreMath::Bf16, 5, 27 * 96, 2, big, sms), ConvKernel::TensorCores { .. }));
     }
 }
