@@ -84,12 +84,27 @@ __device__ __forceinline__ void conv_weight_channels_last_impl(const T* w, T* wr
     }
 }
 
-// The tile geometry: a block owns BM = 32 * MT output channels x 128 output pixels; 8 warps in a
-// 2 (M) x 4 (N) grid, each a (16 * MT) x 32 tile of MT x 4 mma fragments. K advances one
-// 64-byte slice per stage, three stages in flight.
-#define TC_BN 128
-#define TC_STAGES 3
+// The tile geometry: a block owns BM = 32 * MT output channels x BN output pixels; 8 warps in a
+// 2 (M) x 4 (N) grid, each a (16 * MT) x (BN / 4) tile of MT x BN / 32 mma fragments. K advances
+// one 64-byte slice per stage, STAGES stages in flight. Two shapes: BN = 128 with 3 stages in 48
+// KiB of static shared memory (two blocks per multiprocessor), and BN = 256 with 4 stages in
+// dynamic shared memory (one block per multiprocessor, up to 255 registers a thread): half the
+// operand bytes per product from L2 and from shared memory, for grids of enough blocks.
 #define TC_THREADS 256
+
+template <int MT, int BN, int STAGES>
+struct TcShape {
+    static constexpr int BM = 32 * MT;
+    static constexpr int FRAGS_N = BN / 32;  // n8 fragments per warp
+    static constexpr int STAGE_BYTES = (BM + BN) * 64;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+    static_assert(BN == 128 || BN == 256, "a warp's pixels are whole pairs of n8 fragments per ldmatrix");
+    static_assert(TC_THREADS % BN == 0, "the epilogue gives every thread one pixel column");
+};
+
+// The dynamic shared memory of the BN = 256 kernels (the backend launches with these bytes).
+#define TC_WIDE_STAGES 4
+#define TC_WIDE_SMEM(MT) (TC_WIDE_STAGES * (32 * (MT) + 256) * 64)
 
 // Shared-memory rows are 64 bytes = four 16-byte chunks; chunk c of row r is stored at
 // c ^ ((r >> 1) & 3), so the eight rows an `ldmatrix` reads at one logical chunk fall in eight
@@ -99,20 +114,23 @@ __device__ __forceinline__ unsigned swizzled(unsigned row, unsigned chunk) {
 }
 
 // The copies of one thread, stage after stage. Everything that does not change along K is fixed
-// once: the thread's chunk (t % 4) of weight rows t / 4 (+ 64, + 128, ...) and chunks
-// (t % 2) * 2 and +1 of pixel t / 2, their source rows and their swizzled places in a stage.
-// Along K only the tap (dt, dy, dx) and the channel offset c0 advance, incrementally (the K
-// loop is short of issue slots: no divisions, no 64-bit multiplies per step).
-template <typename T, int MT>
+// once: the thread's chunk (t % 4) of weight rows t / 4 (+ 64, + 128, ...), its half (t % 2) of
+// both 32-byte sectors of pixel t / 2 (+ 128 where BN = 256), their source rows and their
+// swizzled places in a stage. The two lanes of a pixel read one whole sector per copy
+// instruction (a lane reading one 16-byte half of each of two sectors made L2 send every sector
+// twice). Along K only the tap (dt, dy, dx) and the channel offset c0 advance, incrementally (the
+// K loop is short of issue slots: no divisions, no 64-bit multiplies per step).
+template <typename T, int MT, int BN>
 struct TcLoader {
     static constexpr int BM = 32 * MT;
     static constexpr int A_COPIES = (BM * 4 + TC_THREADS - 1) / TC_THREADS;
+    static constexpr int PIXELS = BN / (TC_THREADS / 2);
     static constexpr unsigned E = (unsigned)Wide<T>::N;
 
     const T* a_row[A_COPIES];  // weight row (at tap 0, this thread's chunk), or null
     unsigned a_chunk, a_smem[A_COPIES];
-    const T* b_pixel;  // the receptive field's origin in xp, or null
-    unsigned b_chunk, b_smem[2];
+    const T* b_pixel[PIXELS];  // the receptive field's origin in xp, or null
+    unsigned b_half, b_smem[PIXELS][2];
     // The K position of the next step to load: tap (dt, dy, dx) and channel c0; the tap's
     // offsets into a weight row and (relative to the pixel's origin) into xp.
     unsigned dt, dy, dx, c0;
@@ -129,17 +147,21 @@ struct TcLoader {
             a_row[q] = ok ? wr + (u64)(m0 + row) * ktot + a_chunk * E : nullptr;
             a_smem[q] = swizzled(row < BM ? row : 0, a_chunk);
         }
-        const unsigned pixel = threadIdx.x >> 1;
-        const u64 col = n0 + pixel;
-        b_pixel = nullptr;
-        if (col < n_cols) {
-            const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
-            const u64 b = col / (g.wo * g.ho * g.to);
-            b_pixel = xp + (((b * p.tp + to * g.stride_t) * p.hp + ho * g.stride) * p.wp + wo * g.stride) * p.cp;
+        b_half = threadIdx.x & 1;
+#pragma unroll
+        for (int k = 0; k < PIXELS; ++k) {
+            const unsigned pixel = (threadIdx.x >> 1) + k * (TC_THREADS / 2);
+            const u64 col = n0 + pixel;
+            b_pixel[k] = nullptr;
+            if (col < n_cols) {
+                const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
+                const u64 b = col / (g.wo * g.ho * g.to);
+                b_pixel[k] =
+                    xp + (((b * p.tp + to * g.stride_t) * p.hp + ho * g.stride) * p.wp + wo * g.stride) * p.cp;
+            }
+#pragma unroll
+            for (unsigned q = 0; q < 2; ++q) b_smem[k][q] = swizzled(pixel, 2 * q + b_half);
         }
-        b_chunk = (threadIdx.x & 1) * 2;
-        b_smem[0] = swizzled(pixel, b_chunk);
-        b_smem[1] = swizzled(pixel, b_chunk + 1);
         dt = dy = dx = c0 = 0;
         a_tap = b_tap = 0;
     }
@@ -157,10 +179,13 @@ struct TcLoader {
             cp_async_16(As + a_smem[q], ok ? a_row[q] + a_tap + c0 : wr, ok);
         }
 #pragma unroll
-        for (unsigned q = 0; q < 2; ++q) {
-            const bool ok = b_pixel && c0 + (b_chunk + q) * E < p.cp;
-            cp_async_16(Bs + b_smem[q], ok ? b_pixel + b_tap + c0 + (b_chunk + q) * E : xp, ok);
-        }
+        for (int k = 0; k < PIXELS; ++k)
+#pragma unroll
+            for (unsigned q = 0; q < 2; ++q) {
+                const unsigned c = c0 + (2 * q + b_half) * E;
+                const bool ok = b_pixel[k] && c < p.cp;
+                cp_async_16(Bs + b_smem[k][q], ok ? b_pixel[k] + b_tap + c : xp, ok);
+            }
         c0 += 4 * E;
         if (c0 >= p.cp) {
             c0 = 0;
@@ -219,55 +244,56 @@ __device__ __forceinline__ void mma_slice(float c[4], const unsigned a[4], const
 }
 
 // Operands of type T, output of type TO (T, or f32 for bf16 operands: attention's scores), the
-// products as `Math` says (the storage type's own, or Tf32 for f32 operands).
-template <typename T, typename TO, int MT, typename Math = T>
-__device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const float* bias, TO* out,
-                                               const ConvGeom& g) {
-    constexpr int BM = 32 * MT;
-    constexpr int STAGE_BYTES = (BM + TC_BN) * 64;
-    constexpr unsigned LDC = TC_BN + 16 / sizeof(TO);
-    static_assert(TC_STAGES * STAGE_BYTES <= 48 * 1024, "static shared memory is limited to 48 KiB");
-    static_assert(16 * MT * LDC * sizeof(TO) <= TC_STAGES * STAGE_BYTES, "the output half-tile fits the stages");
-    __shared__ __align__(128) unsigned char smem[TC_STAGES * STAGE_BYTES];
+// products as `Math` says (the storage type's own, or Tf32 for f32 operands), tiles of
+// 32 * MT x BN, STAGES stages in `smem` (TcShape<MT, BN, STAGES>::SMEM_BYTES of them). Every
+// output element is summed over K in the same order whatever the tile: the kernels of one Math
+// give bit-identical results.
+template <typename T, typename TO, int MT, typename Math, int BN, int STAGES>
+__device__ __forceinline__ void conv3d_tc_impl(unsigned char* smem, const T* xp, const T* wr, const float* bias,
+                                               TO* out, const ConvGeom& g) {
+    using Shape = TcShape<MT, BN, STAGES>;
+    constexpr int BM = Shape::BM, FN = Shape::FRAGS_N, STAGE_BYTES = Shape::STAGE_BYTES;
+    constexpr unsigned LDC = BN + 16 / sizeof(TO);
+    static_assert(16 * MT * LDC * sizeof(TO) <= Shape::SMEM_BYTES, "the output half-tile fits the stages");
 
     const Padded p = padded_of<T>(g);
     const u64 n_cols = g.n * g.to * g.ho * g.wo;
     const unsigned csteps = (p.cp + 4 * (unsigned)Wide<T>::N - 1) / (4 * (unsigned)Wide<T>::N);
     const unsigned steps = (unsigned)(g.kt * g.kh * g.kw) * csteps;
-    const u64 n0 = (u64)blockIdx.x * TC_BN;
+    const u64 n0 = (u64)blockIdx.x * BN;
     const unsigned m0 = blockIdx.y * BM;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warp_m = warp >> 2, warp_n = warp & 3;
-    TcLoader<T, MT> loader(xp, wr, g, p, m0, n0, n_cols);
+    TcLoader<T, MT, BN> loader(xp, wr, g, p, m0, n0, n_cols);
 
-    float acc[MT][4][4];
+    float acc[MT][FN][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < FN; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
 #pragma unroll
-    for (unsigned s = 0; s < TC_STAGES - 1; ++s) {
+    for (unsigned s = 0; s < STAGES - 1; ++s) {
         if (s < steps) loader.load(smem + s * STAGE_BYTES, xp, wr, g, p);
         cp_async_commit();
     }
     for (unsigned step = 0; step < steps; ++step) {
         // Step `step` has landed (for every thread, after the barrier), and every warp is done
         // with the stage the next prefetch overwrites (the one computed in the last iteration).
-        cp_async_wait<TC_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const unsigned next = step + TC_STAGES - 1;
-        if (next < steps) loader.load(smem + (next % TC_STAGES) * STAGE_BYTES, xp, wr, g, p);
+        const unsigned next = step + STAGES - 1;
+        if (next < steps) loader.load(smem + (next % STAGES) * STAGE_BYTES, xp, wr, g, p);
         cp_async_commit();
-        const unsigned char* As = smem + (step % TC_STAGES) * STAGE_BYTES;
+        const unsigned char* As = smem + (step % STAGES) * STAGE_BYTES;
         const unsigned char* Bs = As + BM * 64;
 #pragma unroll
         for (unsigned ks = 0; ks < 2; ++ks) {
             // Each slice is two chunks of every row: k16 of bf16 (one m16n8k16), k8 of f32 (one
             // m16n8k8). Fragments of 32-bit elements load with the same 16-bit `ldmatrix`: each
             // lane then holds one element per register, the layout the TF32 mma expects.
-            unsigned a[MT][4], b[4][2];
+            unsigned a[MT][4], b[FN][2];
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 // Matrices: rows 0-7 / 8-15 (lane bit 3) x chunk lo / hi (lane bit 4).
@@ -275,10 +301,10 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
                 ldmatrix_x4(a[i], As + swizzled(row, ks * 2 + (lane >> 4)));
             }
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
+            for (int j = 0; j < FN / 2; ++j) {
                 // Matrices: pixels 0-7 x chunk lo, 0-7 x hi, 8-15 x lo, 8-15 x hi of a pair of
                 // n8 fragments (B is stored pixel-major, k contiguous: PTX's "col" operand).
-                const unsigned pix = warp_n * 32 + j * 16 + (lane & 7) + (lane >> 4) * 8;
+                const unsigned pix = warp_n * (BN / 4) + j * 16 + (lane & 7) + (lane >> 4) * 8;
                 unsigned r[4];
                 ldmatrix_x4(r, Bs + swizzled(pix, ks * 2 + ((lane >> 3) & 1)));
                 b[2 * j][0] = r[0];
@@ -289,7 +315,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_slice(acc[i][j], a[i], b[j], Math{});
+                for (int j = 0; j < FN; ++j) mma_slice(acc[i][j], a[i], b[j], Math{});
         }
     }
     cp_async_wait<0>();
@@ -298,9 +324,9 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
     // The tile, biased and rounded once to T, through shared memory in row halves (an f32 tile
     // of 128 x 128 would not fit), so that the stores to [N, Cout, To, Ho, Wo] run along the
     // pixels. Every element a thread stores is in one pixel column (TC_THREADS is a multiple of
-    // TC_BN): one output offset, stepped by a channel plane per row.
+    // BN): one output offset, stepped by a channel plane per row.
     TO* Cs = (TO*)smem;
-    const unsigned c = threadIdx.x % TC_BN;
+    const unsigned c = threadIdx.x % BN;
     const u64 out_col = n0 + c;
     const u64 plane = g.to * g.ho * g.wo;
     const u64 base = out_col < n_cols ? (out_col / plane) * g.cout * plane + out_col % plane : 0;
@@ -310,11 +336,11 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < FN; ++j)
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
                         const unsigned row = i * 16 + (lane >> 2) + (q >= 2 ? 8 : 0);
-                        const unsigned col = warp_n * 32 + j * 8 + (lane & 3) * 2 + (q & 1);
+                        const unsigned col = warp_n * (BN / 4) + j * 8 + (lane & 3) * 2 + (q & 1);
                         const unsigned co = m0 + half * 16 * MT + row;
                         const float bv = (bias && co < g.cout) ? bias[co] : 0.0f;
                         store_f32(&Cs[row * LDC + col], acc[i][j][q] + bv);
@@ -322,7 +348,7 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
         }
         __syncthreads();
         if (out_col < n_cols) {
-            for (unsigned row = threadIdx.x / TC_BN; row < 16 * MT; row += TC_THREADS / TC_BN) {
+            for (unsigned row = threadIdx.x / BN; row < 16 * MT; row += TC_THREADS / BN) {
                 const unsigned co = m0 + half * 16 * MT + row;
                 if (co < g.cout) out[base + (u64)co * plane] = Cs[row * LDC + c];
             }
@@ -331,32 +357,65 @@ __device__ __forceinline__ void conv3d_tc_impl(const T* xp, const T* wr, const f
     }
 }
 
+// The two tile shapes over shared memory of their own: static for BN = 128 (3 stages, 48 KiB at
+// most), dynamic for BN = 256 (TC_WIDE_STAGES stages, TC_WIDE_SMEM(MT) bytes, which the launch
+// must give; `dynamic_shared` checks it).
+template <typename T, typename TO, int MT, typename Math = T>
+__device__ __forceinline__ void conv3d_tc_narrow(const T* xp, const T* wr, const float* bias, TO* out,
+                                                 const ConvGeom& g) {
+    constexpr int bytes = TcShape<MT, 128, 3>::SMEM_BYTES;
+    static_assert(bytes <= 48 * 1024, "static shared memory is limited to 48 KiB");
+    __shared__ __align__(128) unsigned char smem[bytes];
+    conv3d_tc_impl<T, TO, MT, Math, 128, 3>(smem, xp, wr, bias, out, g);
+}
+
+template <typename T, typename TO, int MT, typename Math = T>
+__device__ __forceinline__ void conv3d_tc_wide(const T* xp, const T* wr, const float* bias, TO* out,
+                                               const ConvGeom& g) {
+    static_assert(TcShape<MT, 256, TC_WIDE_STAGES>::SMEM_BYTES == TC_WIDE_SMEM(MT), "TC_WIDE_SMEM");
+    unsigned char* smem = dynamic_shared(TC_WIDE_SMEM(MT));
+    conv3d_tc_impl<T, TO, MT, Math, 256, TC_WIDE_STAGES>(smem, xp, wr, bias, out, g);
+}
+
 // `xp` and `wr` as `conv_input_channels_last_*` and `conv_weight_channels_last_*` made them;
-// grid (columns / 128, cout / BM), 256 threads, two blocks per multiprocessor (at most 128
-// registers). Tile heights (the backend picks one per launch): 128 (bf16 only), 96 and 64
-// output channels.
-#define CONV_TC(SUFFIX, T, MT)                                                                      \
+// 256 threads. `conv3d_tc_<type>_m<MT>`: grid (columns / 128, cout / BM), two blocks per
+// multiprocessor (at most 128 registers). `conv3d_tc_<type>_m<MT>_n256`: grid (columns / 256,
+// cout / BM), TC_WIDE_SMEM(MT) bytes of dynamic shared memory, one block per multiprocessor.
+// Tile heights (the backend picks one per launch): 128 (not with 3xTF32), 96 and 64 output
+// channels.
+#define CONV_TC(SUFFIX, T, MT, MATH)                                                                \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                     \
         conv3d_tc_##SUFFIX##_m##MT(const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) { \
-        conv3d_tc_impl<T, T, MT>(xp, wr, bias, out, g);                                             \
+        conv3d_tc_narrow<T, T, MT, MATH>(xp, wr, bias, out, g);                                     \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) conv3d_tc_##SUFFIX##_m##MT##_n256(   \
+        const T* xp, const T* wr, const float* bias, T* out, ConvGeom g) {                          \
+        conv3d_tc_wide<T, T, MT, MATH>(xp, wr, bias, out, g);                                       \
     }
 
-#define CONV_TC_ALL(SUFFIX, T)                                                                               \
-    extern "C" __global__ void __launch_bounds__(256)                                                       \
-        conv_input_channels_last_##SUFFIX(const T* x, T* xp, ConvGeom g) {                                  \
-        conv_input_channels_last_impl<T>(x, xp, g);                                                         \
-    }                                                                                                       \
-    extern "C" __global__ void conv_weight_channels_last_##SUFFIX(const T* w, T* wr, ConvGeom g) {          \
-        conv_weight_channels_last_impl<T>(w, wr, g);                                                        \
-    }                                                                                                       \
-    CONV_TC(SUFFIX, T, 3)                                                                                   \
-    CONV_TC(SUFFIX, T, 2)
+#define CONV_INPUT_COPIES(SUFFIX, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        conv_input_channels_last_##SUFFIX(const T* x, T* xp, ConvGeom g) {                          \
+        conv_input_channels_last_impl<T>(x, xp, g);                                                 \
+    }                                                                                               \
+    extern "C" __global__ void conv_weight_channels_last_##SUFFIX(const T* w, T* wr, ConvGeom g) {  \
+        conv_weight_channels_last_impl<T>(w, wr, g);                                                \
+    }
 
+CONV_INPUT_COPIES(bf16, unsigned short)
+CONV_INPUT_COPIES(f32, float)
+CONV_TC(bf16, unsigned short, 4, unsigned short)
+CONV_TC(bf16, unsigned short, 3, unsigned short)
+CONV_TC(bf16, unsigned short, 2, unsigned short)
 // The f32 kernels have no 128-row tile: with the TF32 split its 128 accumulators and operand
 // halves need more than the 128 registers that let two blocks share a multiprocessor.
-CONV_TC_ALL(bf16, unsigned short)
-CONV_TC(bf16, unsigned short, 4)
-CONV_TC_ALL(f32, float)
+CONV_TC(f32, float, 3, float)
+CONV_TC(f32, float, 2, float)
+// f32 operands in TF32 mode (`--dtype tf32`): one TF32 product each. The 128-row tile fits the
+// registers here (no operand split).
+CONV_TC(tf32, float, 4, Tf32)
+CONV_TC(tf32, float, 3, Tf32)
+CONV_TC(tf32, float, 2, Tf32)
 
 // ---------------------------------------------------------------------------------------------
 // Few output channels (the RGB heads: Wan's 96 -> 3 causal 3x3x3 at full resolution, SD's
@@ -421,22 +480,10 @@ __device__ __forceinline__ void conv3d_small_cout_impl(const T* xp, const T* wr,
 CONV_SMALL_COUT(bf16, unsigned short, 4)
 CONV_SMALL_COUT(f32, float, 4)
 
-// f32 operands in TF32 mode (`--dtype tf32`): one TF32 product each. The 128-row tile fits the
-// registers here (no operand split).
-#define CONV_TC_TF32(MT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                     \
-        conv3d_tc_tf32_m##MT(const float* xp, const float* wr, const float* bias, float* out, ConvGeom g) { \
-        conv3d_tc_impl<float, float, MT, Tf32>(xp, wr, bias, out, g);                               \
-    }
-
-CONV_TC_TF32(4)
-CONV_TC_TF32(3)
-CONV_TC_TF32(2)
-
 // bf16 operands, f32 output: attention's scores Q K^T as a 1x1 "convolution" (Q the weights, K
 // the channels-last pixels), kept in f32 for the softmax as flash attention keeps them.
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)
     conv3d_tc_bf16_f32out_m4(const unsigned short* xp, const unsigned short* wr, const float* bias, float* out,
                              ConvGeom g) {
-    conv3d_tc_impl<unsigned short, float, 4>(xp, wr, bias, out, g);
+    conv3d_tc_narrow<unsigned short, float, 4>(xp, wr, bias, out, g);
 }

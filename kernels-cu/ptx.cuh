@@ -2,7 +2,7 @@
 // global-to-shared copies (`cp.async`, so loads of the next K slices overlap the math of this
 // one), `ldmatrix` (a warp loads its operand fragments from shared memory in one instruction),
 // the bf16 `mma.sync` of shape m16n8k16 and the TF32 one of shape m16n8k8, both with f32
-// accumulators, and the conversion of f32 to TF32. The kernel emulator
+// accumulators, the conversion of f32 to TF32, and the block's dynamic shared memory. The kernel emulator
 // (`cargo xtask kernels-emu`) defines VAE_KERNELS_EMULATOR and substitutes emulations with the
 // same per-lane fragment layouts (emu/include/ptx_emu.h).
 #pragma once
@@ -10,6 +10,16 @@
 #ifdef VAE_KERNELS_EMULATOR
 #include <ptx_emu.h>
 #else
+
+// The block's dynamic shared memory, which must hold `bytes`: a launch that gave less traps
+// (the kernel would otherwise read and write past it).
+__device__ __forceinline__ unsigned char* dynamic_shared(unsigned bytes) {
+    extern __shared__ __align__(128) unsigned char dynamic_smem[];
+    unsigned given;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(given));
+    if (given < bytes) __trap();
+    return dynamic_smem;
+}
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);

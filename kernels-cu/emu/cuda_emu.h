@@ -85,6 +85,10 @@ void warp_gather(const void* mine, std::size_t size, void* all);
 // The calling thread's linear index within its block.
 unsigned thread_linear();
 
+// The running launch's dynamic shared memory (one block at a time, like `__shared__`); fails
+// unless the launch gave at least `bytes`.
+unsigned char* dynamic_shared(std::size_t bytes);
+
 }  // namespace emu
 
 // Kernels select the emulated forms of their inline PTX with this (see kernels-cu/ptx.cuh).

@@ -1,7 +1,9 @@
 // Kernel launches on the emulator: `EMU_LAUNCH(kernel, grid, block, args...)` is
-// `kernel<<<grid, block>>>(args...)`, synchronous.
+// `kernel<<<grid, block>>>(args...)`, synchronous; `EMU_LAUNCH_SHARED(kernel, grid, block, bytes,
+// args...)` is `kernel<<<grid, block, bytes>>>(args...)`.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <tuple>
 #include <utility>
@@ -13,18 +15,28 @@ namespace emu {
 // synchronise often (see runtime.cpp).
 void use_fibers(bool on);
 
-// Runs `body` on every thread of every block of `grid` (see runtime.cpp).
-void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body);
+// Runs `body` on every thread of every block of `grid` with `dynamic_shared` bytes of dynamic
+// shared memory (see runtime.cpp).
+void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,
+              const std::function<void()>& body);
 
 // The arguments are converted to the kernel's parameter types once, as the driver copies them,
 // and every thread calls the kernel with its own copies (a kernel may modify its parameters).
 template <typename... P, typename... A>
-void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
+void launch_shared(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, std::size_t dynamic_shared,
+                   A&&... args) {
     static_assert(sizeof...(P) == sizeof...(A), "the kernel takes a different number of arguments");
     const std::tuple<P...> params(std::forward<A>(args)...);
-    run_grid(name, grid, block, [&] { std::apply(kernel, params); });
+    run_grid(name, grid, block, dynamic_shared, [&] { std::apply(kernel, params); });
+}
+
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
+    launch_shared(name, kernel, grid, block, 0, std::forward<A>(args)...);
 }
 
 }  // namespace emu
 
 #define EMU_LAUNCH(kernel, grid, block, ...) ::emu::launch(#kernel, kernel, grid, block, __VA_ARGS__)
+#define EMU_LAUNCH_SHARED(kernel, grid, block, bytes, ...) \
+    ::emu::launch_shared(#kernel, kernel, grid, block, bytes, __VA_ARGS__)

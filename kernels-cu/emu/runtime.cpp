@@ -523,8 +523,30 @@ void warp_gather(const void* mine, std::size_t size, void* all) {
 
 unsigned thread_linear() { return t_linear; }
 
-void run_grid(const char* kernel, dim3 grid, dim3 block, const std::function<void()>& body) {
+namespace {
+// Dynamic shared memory: the most a block may opt in to on compute capability 9.0, and the
+// running launch's size.
+constexpr std::size_t kMaxDynamicShared = 227 << 10;
+alignas(128) unsigned char g_dynamic_shared[kMaxDynamicShared];
+std::size_t g_dynamic_shared_bytes = 0;
+}  // namespace
+
+unsigned char* dynamic_shared(std::size_t bytes) {
+    if (bytes > g_dynamic_shared_bytes) {
+        fail("the kernel needs %zu bytes of dynamic shared memory; the launch gave %zu", bytes,
+             g_dynamic_shared_bytes);
+    }
+    return g_dynamic_shared;
+}
+
+void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,
+              const std::function<void()>& body) {
     g_kernel = kernel;
+    if (dynamic_shared > kMaxDynamicShared) {
+        fail("%zu bytes of dynamic shared memory: more than a block may have (%zu)", dynamic_shared,
+             kMaxDynamicShared);
+    }
+    g_dynamic_shared_bytes = dynamic_shared;
     // The hardware's limits (compute capability 8.x and 9.x); a launch outside them fails there.
     const std::uint64_t threads = (std::uint64_t)block.x * block.y * block.z;
     if (threads == 0 || threads > kMaxThreads || block.x > 1024 || block.y > 1024 || block.z > 64) {

@@ -201,8 +201,10 @@ struct Operands {
 // `product_error`: the relative error of one product (TF32 mode rounds both f32 operands to
 // 10-bit mantissas: 2^-11 each).
 template <typename T, typename TO = T>
-void run_tensor_core_cases(Check& check, const char* name,
-                           void (*kernel)(const T*, const T*, const float*, TO*, ConvGeom), unsigned mt,
+using TensorCoreKernel = void (*)(const T*, const T*, const float*, TO*, ConvGeom);
+
+template <typename T, typename TO = T>
+void run_tensor_core_cases(Check& check, const char* name, TensorCoreKernel<T, TO> kernel, unsigned mt,
                            double product_error = 0.0) {
     for (const Case& c : kCases) {
         const Operands<T, TO> d(c, product_error);
@@ -211,6 +213,31 @@ void run_tensor_core_cases(Check& check, const char* name,
         emu::launch(name, kernel, grid, dim3(256), d.xp.data(), d.wr.data(), c.bias ? d.bias.data() : nullptr,
                     out.data(), d.g);
         check.near(std::string(c.name) + ", tile of " + num(32 * mt), values(out), d.want, d.bound);
+    }
+}
+
+// The same GEMM with tiles of 256 pixels (`*_n256`: dynamic shared memory of TC_WIDE_SMEM(mt)
+// bytes, four stages), against the reference on every case and, bit for bit, against the
+// 128-pixel kernel `narrow` on two (the K order per output is the same, so the backend may pick
+// either shape). Grids of 256-pixel tiles end in a partial tile here too.
+template <typename T, typename TO = T>
+void run_wide_tensor_core_cases(Check& check, const char* name, TensorCoreKernel<T, TO> kernel,
+                                TensorCoreKernel<T, TO> narrow, unsigned mt, double product_error = 0.0) {
+    for (const Case& c : kCases) {
+        const Operands<T, TO> d(c, product_error);
+        const unsigned row_tiles = (unsigned)((d.g.cout + 32 * mt - 1) / (32 * mt));
+        const float* bias = c.bias ? d.bias.data() : nullptr;
+        std::vector<TO> out(d.want.size(), Storage<TO>::from_f32(NAN));
+        emu::launch_shared(name, kernel, dim3((unsigned)((d.cols() + 255) / 256), row_tiles), dim3(256),
+                           TC_WIDE_SMEM(mt), d.xp.data(), d.wr.data(), bias, out.data(), d.g);
+        const std::string what = std::string(c.name) + ", tile of " + num(32 * mt) + " x 256";
+        check.near(what, values(out), d.want, d.bound);
+        if (&c == &kCases[0] || &c == &kCases[std::size(kCases) - 1]) {
+            std::vector<TO> same(d.want.size(), Storage<TO>::from_f32(NAN));
+            emu::launch("narrow", narrow, dim3((unsigned)((d.cols() + 127) / 128), row_tiles), dim3(256),
+                        d.xp.data(), d.wr.data(), bias, same.data(), d.g);
+            check.exact(what + " = tile of " + num(32 * mt) + " x 128", out, same);
+        }
     }
 }
 
@@ -301,3 +328,29 @@ KERNEL_TEST(conv3d_tc_f32_m2) { run_tensor_core_cases<float>(check, KERNEL(conv3
 KERNEL_TEST(conv3d_tc_tf32_m4) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m4), 4, 0x1p-10); }
 KERNEL_TEST(conv3d_tc_tf32_m3) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m3), 3, 0x1p-10); }
 KERNEL_TEST(conv3d_tc_tf32_m2) { run_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m2), 2, 0x1p-10); }
+
+// Eight kernels: the wide tiles of every tensor-core family but attention's scores.
+KERNEL_TEST(conv3d_tc_bf16_m4_n256) {
+    run_wide_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m4_n256), conv3d_tc_bf16_m4, 4);
+}
+KERNEL_TEST(conv3d_tc_bf16_m3_n256) {
+    run_wide_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m3_n256), conv3d_tc_bf16_m3, 3);
+}
+KERNEL_TEST(conv3d_tc_bf16_m2_n256) {
+    run_wide_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m2_n256), conv3d_tc_bf16_m2, 2);
+}
+KERNEL_TEST(conv3d_tc_f32_m3_n256) {
+    run_wide_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m3_n256), conv3d_tc_f32_m3, 3);
+}
+KERNEL_TEST(conv3d_tc_f32_m2_n256) {
+    run_wide_tensor_core_cases<float>(check, KERNEL(conv3d_tc_f32_m2_n256), conv3d_tc_f32_m2, 2);
+}
+KERNEL_TEST(conv3d_tc_tf32_m4_n256) {
+    run_wide_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m4_n256), conv3d_tc_tf32_m4, 4, 0x1p-10);
+}
+KERNEL_TEST(conv3d_tc_tf32_m3_n256) {
+    run_wide_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m3_n256), conv3d_tc_tf32_m3, 3, 0x1p-10);
+}
+KERNEL_TEST(conv3d_tc_tf32_m2_n256) {
+    run_wide_tensor_core_cases<float>(check, KERNEL(conv3d_tc_tf32_m2_n256), conv3d_tc_tf32_m2, 2, 0x1p-10);
+}

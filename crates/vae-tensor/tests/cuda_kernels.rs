@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
@@ -110,6 +111,14 @@ fn every_module_loads_and_has_its_entry_points() {
                 "conv3d_tc_tf32_m4",
                 "conv3d_tc_tf32_m3",
                 "conv3d_tc_tf32_m2",
+                "conv3d_tc_bf16_m4_n256",
+                "conv3d_tc_bf16_m3_n256",
+                "conv3d_tc_bf16_m2_n256",
+                "conv3d_tc_f32_m3_n256",
+                "conv3d_tc_f32_m2_n256",
+                "conv3d_tc_tf32_m4_n256",
+                "conv3d_tc_tf32_m3_n256",
+                "conv3d_tc_tf32_m2_n256",
                 "conv3d_tc_bf16_f32out_m4",
                 "conv3d_small_cout_f32_c4",
                 "conv3d_small_cout_bf16_c4",
@@ -246,8 +255,9 @@ fn geometry(x: &Tensor, w: &Tensor, p: &Conv3dParams) -> ConvGeom {
 /// The tensor-core conv pipeline kernel by kernel, as the backend launches it: input and
 /// weights into their zero-padded channels-last copies ([`ConvGeom::channels_last`],
 /// `conv_*_channels_last_{copies}`), then the GEMM `conv3d_tc_{gemm}_m{mt}` with tiles of
-/// `32 * mt` output channels. `T` is the storage type (`f32`, or `u16` holding bf16 bits); the
-/// bias is f32.
+/// `32 * mt` output channels by `pixels` output pixels (256: the `_n256` kernel, allowed and given
+/// its four stages of dynamic shared memory, conv.cu's `TC_WIDE_SMEM`). `T` is the storage type
+/// (`f32`, or `u16` holding bf16 bits); the bias is f32.
 #[allow(clippy::too_many_arguments)] // the pipeline's operands and its three kernels
 fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     gpu: &Gpu,
@@ -257,7 +267,7 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     g: &ConvGeom,
     copies: &str,
     gemm: &str,
-    mt: u64,
+    (mt, pixels): (u64, u64),
 ) -> CudaSlice<T> {
     let p = g.channels_last(std::mem::size_of::<T>() as u64);
     let mut xp = gpu.stream.alloc_zeros::<T>((g.n * p.t * p.h * p.w * p.c) as usize).unwrap();
@@ -274,43 +284,62 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     unsafe { gpu.stream.launch_builder(&f).arg(w).arg(&mut wr).arg(g).launch(grid(wr_len)) }.unwrap();
     let mut out = gpu.stream.alloc_zeros::<T>((g.n * g.cout * g.to * g.ho * g.wo) as usize).unwrap();
     let cols = g.n * g.to * g.ho * g.wo;
-    let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(128) as u32, g.cout.div_ceil(32 * mt) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let (name, shared) = match pixels {
+        128 => (format!("conv3d_tc_{gemm}_m{mt}"), 0),
+        256 => (format!("conv3d_tc_{gemm}_m{mt}_n256"), 4 * (32 * mt as u32 + 256) * 64),
+        _ => panic!("no tiles of {pixels} pixels"),
     };
-    let f = gpu.function("conv", &format!("conv3d_tc_{gemm}_m{mt}"));
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(pixels) as u32, g.cout.div_ceil(32 * mt) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    let f = gpu.function("conv", &name);
+    if shared > 0 {
+        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
+            .unwrap();
+    }
     unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(bias).arg(&mut out).arg(g).launch(cfg) }.unwrap();
     out
 }
 
 /// An f32 pipeline (`suffix` `f32` or `tf32`) for an NCTHW input with the given padding and
-/// strides, tiles of `32 * mt` output channels.
-fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, suffix: &str, mt: u64) -> Tensor {
+/// strides, tiles of `32 * mt` output channels by `pixels`.
+fn gpu_conv3d(
+    gpu: &Gpu,
+    x: &Tensor,
+    w: &Tensor,
+    bias: &Tensor,
+    p: &Conv3dParams,
+    suffix: &str,
+    tile: (u64, u64),
+) -> Tensor {
     let g = geometry(x, w, p);
     let out_dims = [x.dims()[0], w.dims()[0], g.to as usize, g.ho as usize, g.wo as usize];
     // The TF32 kernels read the f32 pipeline's channels-last copies.
     let copies = if suffix == "tf32" { "f32" } else { suffix };
-    let out = tensor_core_conv(gpu, &gpu.upload(x), &gpu.upload(w), &gpu.upload(bias), &g, copies, suffix, mt);
+    let out = tensor_core_conv(gpu, &gpu.upload(x), &gpu.upload(w), &gpu.upload(bias), &g, copies, suffix, tile);
     gpu.download(&out, &out_dims)
 }
 
 /// f32 on TF32 tensor cores with each operand split in two (three products, heights 96 and 64):
 /// within 1e-4 of the CPU's f32 conv, as the CUDA-core kernel it replaced. TF32 mode (one product,
 /// heights 128, 96 and 64): within 2^-10 of the magnitude summed, at most 216 products of at most
-/// 0.1 here, about 0.021.
+/// 0.1 here, about 0.021. Every height at both tile widths (128 and 256 pixels).
 #[test]
 fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
     let Some(gpu) = Gpu::get("conv") else { return };
     let runs = [("f32", 3, 1e-4), ("f32", 2, 1e-4), ("tf32", 4, 0.025), ("tf32", 3, 0.025), ("tf32", 2, 0.025)];
-    for (suffix, mt, tol) in runs {
+    for ((suffix, mt, tol), pixels) in runs.into_iter().flat_map(|r| [(r, 128), (r, 256)]) {
+        let tile = (mt, pixels);
+        let label = format!("{suffix} m{mt} x {pixels}");
         // Wan's causal 3x3x3 conv: two zero frames in front, one row / column each side.
         let x = pattern(&[1, 8, 3, 9, 11], 8);
         let w = pattern(&[70, 8, 3, 3, 3], 9).affine(0.1, 0.0).unwrap();
         let b = pattern(&[70], 10);
         let p = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
-        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, suffix, mt);
-        close(&got, &x.conv3d(&w, Some(&b), &p).unwrap(), tol, &format!("causal conv3d, {suffix} m{mt}"));
+        let got = gpu_conv3d(&gpu, &x, &w, &b, &p, suffix, tile);
+        close(&got, &x.conv3d(&w, Some(&b), &p).unwrap(), tol, &format!("causal conv3d, {label}"));
         // diffusers' stride-2 downsample as a one-frame conv3d (5 channels: padded to 8).
         let img = pattern(&[2, 5, 1, 12, 10], 11);
         let w2 = pattern(&[7, 5, 1, 3, 3], 12).affine(0.2, 0.0).unwrap();
@@ -321,8 +350,8 @@ fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
             .unwrap()
             .conv2d(&w2.reshape(vec![7, 5, 3, 3]).unwrap(), Some(&b2), &Conv2dParams::diffusers_downsample())
             .unwrap();
-        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, suffix, mt);
-        close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, tol, &format!("stride-2 conv2d, {suffix} m{mt}"));
+        let got = gpu_conv3d(&gpu, &img, &w2, &b2, &p2, suffix, tile);
+        close(&got.reshape(cpu.dims().to_vec()).unwrap(), &cpu, tol, &format!("stride-2 conv2d, {label}"));
     }
 }
 
@@ -417,11 +446,14 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let out_dims = [1, cout, g.to as usize, g.ho as usize, g.wo as usize];
     let db = gpu.upload(&b);
     for mt in [4, 3, 2] {
-        let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", mt);
-        let name = format!("conv3d_tc_bf16_m{mt}");
-        let got = to_f32(&out, &out_dims);
+        let narrow = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", (mt, 128));
+        let got = to_f32(&narrow, &out_dims);
         // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
-        close(&got, &want, 8.0 / 256.0, &name);
+        close(&got, &want, 8.0 / 256.0, &format!("conv3d_tc_bf16_m{mt}"));
+        // The wide tiles sum every output in the same order: the same bits.
+        let wide = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", (mt, 256));
+        let (narrow, wide) = (gpu.stream.clone_dtoh(&narrow).unwrap(), gpu.stream.clone_dtoh(&wide).unwrap());
+        assert!(narrow == wide, "conv3d_tc_bf16_m{mt}_n256 differs from conv3d_tc_bf16_m{mt}");
     }
 }
 

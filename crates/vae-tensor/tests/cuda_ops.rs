@@ -197,6 +197,35 @@ fn tf32_convolutions_keep_the_tf32_bound_on_their_thread_only() {
     assert!(after.bit_eq(&strict) && other_thread.bit_eq(&strict), "the mode ends with its scope, on its thread");
 }
 
+/// Both tile widths of the tensor-core convolution (`ConvTilesScope`) give the same bits as the
+/// backend's own choice, in every dtype, for a conv whose grid ends in partial tiles of either
+/// width, and each within its bound of the CPU.
+#[test]
+fn both_conv_tile_widths_give_the_same_bits() {
+    if !gpu("conv tile widths") {
+        return;
+    }
+    use vae_tensor::cuda::{ConvTileWidth, ConvTilesScope};
+    let x = pattern(&[1, 40, 3, 17, 23], 62);
+    let w = pattern(&[200, 40, 3, 3, 3], 63).affine(0.05, 0.0).unwrap();
+    let b = pattern(&[200], 64);
+    let params = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    let want = x.conv3d(&w, Some(&b), &params).unwrap();
+    for (dtype, tf32, tol) in [(DType::F32, false, 1e-4), (DType::F32, true, 0.06), (DType::BF16, false, 0.25)] {
+        let _tf32 = tf32.then(vae_tensor::Tf32Scope::enter);
+        let (xg, wg, bg) = (gpu_of(&x).to_dtype(dtype).unwrap(), gpu_of(&w).to_dtype(dtype).unwrap(), gpu_of(&b));
+        let conv = || xg.conv3d(&wg, Some(&bg), &params).unwrap().to_dtype(DType::F32).unwrap();
+        let auto = conv().to_device(&Device::Cpu).unwrap();
+        let what = format!("{dtype}{}", if tf32 { " (tf32)" } else { "" });
+        assert!(auto.max_abs_diff(&want).unwrap() <= tol, "{what}: {}", auto.max_abs_diff(&want).unwrap());
+        for width in [ConvTileWidth::Pixels128, ConvTileWidth::Pixels256] {
+            let _only = ConvTilesScope::only(width);
+            let got = conv().to_device(&Device::Cpu).unwrap();
+            assert!(got.bit_eq(&auto), "{what}: tiles of {} pixels change the result", width.pixels());
+        }
+    }
+}
+
 #[test]
 fn layout_ops_and_attention_match() {
     if !gpu("layout") {

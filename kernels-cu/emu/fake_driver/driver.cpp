@@ -51,6 +51,9 @@ struct CUfunc_st {
     const fake_cuda::Kernel* kernel;
     fake_cuda::ImageKernel image;
     unsigned max_threads;  // per block: the device limit, the launch bounds, the registers
+    // The most dynamic shared memory a launch may give (what is left of the default 48 KiB
+    // until cuFuncSetAttribute opts in to more).
+    std::size_t max_dynamic_shared;
 };
 
 struct CUmod_st {
@@ -115,6 +118,8 @@ namespace {
 // code that sizes work from these numbers sees real ones.
 constexpr int kSmCount = 132, kClockKhz = 1980000, kMemoryClockKhz = 3201000, kBusBits = 6144;
 constexpr int kMaxThreads = 1024, kMaxSharedPerBlock = 48 << 10, kRegistersPerSm = 65536;
+// Shared memory a block may opt in to (cuFuncSetAttribute) on compute capability 9.0.
+constexpr int kMaxSharedPerBlockOptIn = 227 << 10;
 constexpr int kDriverVersion = 12090;
 // Blocks of one launch the emulator runs (it runs them one after another).
 constexpr std::uint64_t kMaxEmulatedBlocks = 1u << 22;
@@ -348,7 +353,7 @@ int attribute(int attr, bool& known) {
         case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return d.cc_minor;
         case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: return 228 << 10;
         case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: return kRegistersPerSm;
-        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return 227 << 10;
+        case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return kMaxSharedPerBlockOptIn;
         // As the H200 answers: cudarc then allocates and frees with cuMemAllocAsync /
         // cuMemFreeAsync, the calls it makes on the real device.
         case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1;
@@ -858,7 +863,8 @@ FAKE_API CUresult cuModuleGetFunction(CUfunction* function, CUmodule module, con
                       "kernels are stale (run cargo xtask kernels, then rebuild)",
                       name, sizes(meta.param_sizes).c_str(), module->image.kind, sizes(compiled).c_str());
     }
-    auto f = std::make_unique<CUfunc_st>(CUfunc_st{kernel, meta, max_threads_of(meta)});
+    const std::size_t dynamic = kMaxSharedPerBlock - std::min<std::size_t>(meta.static_shared, kMaxSharedPerBlock);
+    auto f = std::make_unique<CUfunc_st>(CUfunc_st{kernel, meta, max_threads_of(meta), dynamic});
     *function = f.get();
     g_functions.insert(f.get());
     module->functions[name] = std::move(f);
@@ -878,9 +884,28 @@ FAKE_API CUresult cuFuncGetAttribute(int* value, int attr, CUfunction f) {
             if (!f->image.registers) break;
             *value = (int)f->image.registers;
             return CUDA_SUCCESS;
+        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *value = (int)f->max_dynamic_shared; return CUDA_SUCCESS;
         default: break;
     }
     return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "attribute %d of %s is not emulated", attr, f->kernel->name);
+}
+
+FAKE_API CUresult cuFuncSetAttribute(CUfunction f, int attr, int value) {
+    Lock lock(g_mutex);
+    const char* api = "cuFuncSetAttribute";
+    if (CUresult r = initialized(api)) return r;
+    if (!g_functions.count(f)) return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown function");
+    if (attr != CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
+        return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "setting attribute %d of %s is not emulated", attr,
+                      f->kernel->name);
+    }
+    if (value < 0 || f->image.static_shared + (std::size_t)value > (std::size_t)kMaxSharedPerBlockOptIn) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api,
+                      "%s: %d bytes of dynamic shared memory with %zu static: more than a block may have (%d)",
+                      f->kernel->name, value, f->image.static_shared, kMaxSharedPerBlockOptIn);
+    }
+    f->max_dynamic_shared = (std::size_t)value;
+    return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -907,9 +932,11 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
         return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "%s: grid (%u, %u, %u) has more blocks than the emulator runs",
                       k.name, gx, gy, gz);
     }
-    if (f->image.static_shared + shared_bytes > (std::size_t)kMaxSharedPerBlock) {
-        return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: %zu bytes of static and %u of dynamic shared memory", k.name,
-                      f->image.static_shared, shared_bytes);
+    if (shared_bytes > f->max_dynamic_shared) {
+        return refuse(CUDA_ERROR_INVALID_VALUE, api,
+                      "%s: %u bytes of dynamic shared memory, at most %zu (%zu static; above 48 KiB in all, "
+                      "cuFuncSetAttribute must opt in)",
+                      k.name, shared_bytes, f->max_dynamic_shared, f->image.static_shared);
     }
     if (!params && !k.params.empty()) return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: no kernelParams", k.name);
     // A pointer argument must be null (the kernels' optional inputs) or point into device
@@ -929,7 +956,7 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
         const auto* p = (const unsigned char*)params[i];
         values.emplace_back(p, p + k.params[i].size);
     }
-    enqueue(s, [&k, grid = dim3(gx, gy, gz), block = dim3(bx, by, bz), values = std::move(values)] {
+    enqueue(s, [&k, grid = dim3(gx, gy, gz), block = dim3(bx, by, bz), shared_bytes, values = std::move(values)] {
         std::vector<void*> args;
         for (std::size_t i = 0; i < values.size(); ++i) {
             const auto ptr = k.params[i].pointer ? load_param<CUdeviceptr>(values[i].data()) : 0;
@@ -939,7 +966,7 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
             }
             args.push_back((void*)values[i].data());
         }
-        k.run(k.name, grid, block, args.data());
+        k.run(k.name, grid, block, shared_bytes, args.data());
     });
     return CUDA_SUCCESS;
 }

@@ -24,9 +24,9 @@ struct Param {
 struct Kernel {
     const char* name;
     std::vector<Param> params;
-    // Runs the kernel on the emulator (launch.h); `args[i]` points at parameter i's value, as
-    // cuLaunchKernel's `kernelParams` do.
-    void (*run)(const char* name, dim3 grid, dim3 block, void* const* args);
+    // Runs the kernel on the emulator (launch.h) with `shared` bytes of dynamic shared memory;
+    // `args[i]` points at parameter i's value, as cuLaunchKernel's `kernelParams` do.
+    void (*run)(const char* name, dim3 grid, dim3 block, unsigned shared, void* const* args);
 };
 
 // Adds a kernel; a second kernel of the same name is reported when the driver initialises.
@@ -56,22 +56,24 @@ struct Signature<void (*)(P...)> {
     static std::vector<Param> params() { return {Param{sizeof(P), std::is_pointer_v<P>}...}; }
 
     template <auto K, std::size_t... I>
-    static void run(const char* name, dim3 grid, dim3 block, void* const* args, std::index_sequence<I...>) {
-        ::emu::launch(name, K, grid, block, load_param<P>(args[I])...);
+    static void run(const char* name, dim3 grid, dim3 block, unsigned shared, void* const* args,
+                    std::index_sequence<I...>) {
+        ::emu::launch_shared(name, K, grid, block, shared, load_param<P>(args[I])...);
     }
 };
 
 template <auto K>
-void run_kernel(const char* name, dim3 grid, dim3 block, void* const* args) {
+void run_kernel(const char* name, dim3 grid, dim3 block, unsigned shared, void* const* args) {
     using S = Signature<decltype(K)>;
-    S::template run<K>(name, grid, block, args, std::make_index_sequence<S::arity>{});
+    S::template run<K>(name, grid, block, shared, args, std::make_index_sequence<S::arity>{});
 }
 
 // A host stand-in for kernel K, where one is declared (a specialisation with `present = true` and
-// `static void run(dim3 grid, P... params)`): it computes what the kernel's grid computes, block
+// `static void run(dim3 grid, unsigned shared, P... params)`): it computes what the kernel's grid computes, block
 // by block, without emulating its threads. Only for kernels whose warp-level emulation costs far
 // more than the tests can afford under the fake driver; `cargo xtask kernels-emu` still runs the
-// kernels themselves, lane by lane.
+// kernels themselves, lane by lane. `run` also gets the launch's dynamic shared memory, to refuse
+// less than the kernel needs.
 template <auto K>
 struct StandIn {
     static constexpr bool present = false;
@@ -83,14 +85,15 @@ struct StandInRunner;
 template <auto K, typename... P>
 struct StandInRunner<K, void (*)(P...)> {
     template <std::size_t... I>
-    static void run(dim3 grid, void* const* args, std::index_sequence<I...>) {
-        StandIn<K>::run(grid, load_param<P>(args[I])...);
+    static void run(dim3 grid, unsigned shared, void* const* args, std::index_sequence<I...>) {
+        StandIn<K>::run(grid, shared, load_param<P>(args[I])...);
     }
 };
 
 template <auto K>
-void run_stand_in(const char*, dim3 grid, dim3, void* const* args) {
-    StandInRunner<K, decltype(K)>::run(grid, args, std::make_index_sequence<Signature<decltype(K)>::arity>{});
+void run_stand_in(const char*, dim3 grid, dim3, unsigned shared, void* const* args) {
+    StandInRunner<K, decltype(K)>::run(grid, shared, args,
+                                       std::make_index_sequence<Signature<decltype(K)>::arity>{});
 }
 
 struct Registration {

@@ -58,6 +58,10 @@ inline void accumulate(float c[4], const FA& A, const FB& B) {
 
 }  // namespace emu_ptx
 
+// The block's dynamic shared memory (the launch's bytes, not cleared between blocks), which
+// must hold `bytes`: the emulator fails where the GPU would trap.
+inline unsigned char* dynamic_shared(unsigned bytes) { return ::emu::dynamic_shared(bytes); }
+
 // `cp.async.cg.shared.global [smem], [gmem], 16, full ? 16 : 0`: 16 bytes, or 16 zero bytes
 // (the source is then not read).
 inline void cp_async_16(void* smem, const void* gmem, bool full) {

@@ -95,6 +95,23 @@ impl CudaDevice {
     }
 
     fn function(&self, module: &str, name: &'static str) -> Result<CudaFunction> {
+        self.function_with_dynamic_shared(module, name, 0)
+    }
+
+    /// The tensor-core convolution kernel of `tile`, allowed its dynamic shared memory.
+    fn tensor_core_function(&self, tile: TensorCoreTile) -> Result<CudaFunction> {
+        self.function_with_dynamic_shared("conv", tile.name, tile.dynamic_shared_bytes())
+    }
+
+    /// Kernel `name` of `module`, loaded once; where its launches give more than 48 KiB of
+    /// dynamic shared memory (`dynamic_shared` bytes), the kernel is allowed that much when it
+    /// loads (the driver refuses such launches otherwise).
+    fn function_with_dynamic_shared(
+        &self,
+        module: &str,
+        name: &'static str,
+        dynamic_shared: u32,
+    ) -> Result<CudaFunction> {
         let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
@@ -106,6 +123,13 @@ impl CudaDevice {
             .map(|(_, m)| m)
             .ok_or_else(|| unavailable(self.ordinal, format!("no kernel module {module}")))?;
         let f = m.load_function(name).map_err(|e| driver(self.ordinal, name, e))?;
+        if dynamic_shared > 48 << 10 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_shared as i32,
+            )
+            .map_err(|e| driver(self.ordinal, name, e))?;
+        }
         cache.insert(name, f.clone());
         Ok(f)
     }
@@ -393,55 +417,139 @@ impl Drop for Tf32Guard {
     }
 }
 
-/// The tensor-core conv's tile height and kernel for `cout` output channels and `pixel_tiles`
-/// tiles of 128 pixels on `sms` multiprocessors. Heights are 128 (not with 3xTF32: its operand
-/// split leaves no registers for it), 96 and 64 output channels; the choice is the
-/// one whose busiest multiprocessor has the least to do, `ceil(blocks / sms) * (height + 32)`.
-/// A block's cost is its rows plus a fixed part for the pixel tile every block loads whatever
-/// its height (worth about 32 rows: it is why taller tiles multiply more per byte loaded). That
+thread_local! {
+    /// The tile widths this thread's tensor-core convolutions may take (see [`ConvTilesGuard`]).
+    static CONV_TILE_PIXELS: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Restricts the calling thread's tensor-core convolutions to tiles of `pixels` output pixels
+/// while this lives (`crate::cuda::ConvTilesScope`).
+pub(crate) struct ConvTilesGuard {
+    previous: Option<u64>,
+}
+
+impl ConvTilesGuard {
+    pub(crate) fn enter(pixels: Option<u64>) -> Self {
+        Self { previous: CONV_TILE_PIXELS.replace(pixels) }
+    }
+}
+
+impl Drop for ConvTilesGuard {
+    fn drop(&mut self) {
+        CONV_TILE_PIXELS.set(self.previous);
+    }
+}
+
+/// A tensor-core convolution kernel (conv.cu's `conv3d_tc_*`): tiles of `rows` output channels
+/// by `pixels` output pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TensorCoreTile {
+    pub(crate) rows: u64,
+    pub(crate) pixels: u64,
+    pub(crate) name: &'static str,
+}
+
+impl TensorCoreTile {
+    const fn new(rows: u64, pixels: u64, name: &'static str) -> Self {
+        Self { rows, pixels, name }
+    }
+
+    /// The dynamic shared memory its launch gives: conv.cu's `TC_WIDE_SMEM(MT)` for tiles of 256
+    /// pixels (four stages of `rows + 256` rows of 64 bytes); tiles of 128 pixels use static
+    /// shared memory.
+    pub(crate) fn dynamic_shared_bytes(&self) -> u32 {
+        if self.pixels == 256 { (4 * (self.rows + 256) * 64) as u32 } else { 0 }
+    }
+
+    /// The launch grid over `cols` output pixels and `cout` output channels.
+    fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
+        (cols.div_ceil(self.pixels) as u32, cout.div_ceil(self.rows) as u32, 1)
+    }
+}
+
+/// How much faster a tile of 256 pixels multiplies than two of 128 (one block per
+/// multiprocessor against two): half the operand bytes per product from L2 and from shared
+/// memory. An estimate, as a ratio 5/4, until `bench kernels` (which times both shapes side by
+/// side on the GPU) measures it; both shapes give bit-identical results.
+const WIDE_TILE_SPEEDUP: (u64, u64) = (5, 4);
+
+/// The tensor-core conv's kernel for `cout` output channels and `cols` output pixels on `sms`
+/// multiprocessors. Heights are 128 (not with 3xTF32: its operand split leaves no registers
+/// for it), 96 and 64 output channels; widths 128 pixels (two blocks per multiprocessor) and
+/// 256 (one, [`WIDE_TILE_SPEEDUP`] faster per product). The choice is the one whose busiest
+/// multiprocessor has the least to do, `ceil(blocks / sms) * (rows + 32) * pixels / speed`. A
+/// block's cost is its rows plus a fixed part for the pixel tile every block loads whatever its
+/// height (worth about 32 rows: it is why taller tiles multiply more per byte loaded). That
 /// leaves no idle rows where a height divides `cout` (Wan's 96 and 192 channels take 96) and,
-/// on small grids (a 60x104 frame at 384 channels is 49 pixel tiles), prefers more, shorter
-/// tiles to a second, nearly empty wave. Ties go to the taller tile.
-fn tensor_core_tile(math: TensorCoreMath, cout: u64, pixel_tiles: u64, sms: u64) -> (u64, &'static str) {
-    let tiles: &[(u64, &'static str)] = match math {
-        TensorCoreMath::Bf16 => &[(128, "conv3d_tc_bf16_m4"), (96, "conv3d_tc_bf16_m3"), (64, "conv3d_tc_bf16_m2")],
-        TensorCoreMath::F32 => &[(96, "conv3d_tc_f32_m3"), (64, "conv3d_tc_f32_m2")],
-        TensorCoreMath::Tf32 => &[(128, "conv3d_tc_tf32_m4"), (96, "conv3d_tc_tf32_m3"), (64, "conv3d_tc_tf32_m2")],
+/// on small grids (a 60x104 frame at 384 channels is 49 tiles of 128 pixels), prefers more,
+/// smaller tiles to a second, nearly empty wave. Ties go to the taller, then the wider tile. A
+/// [`ConvTilesGuard`] on the calling thread restricts the widths.
+fn tensor_core_tile(math: TensorCoreMath, cout: u64, cols: u64, sms: u64) -> TensorCoreTile {
+    const T: fn(u64, u64, &'static str) -> TensorCoreTile = TensorCoreTile::new;
+    let tiles: &[TensorCoreTile] = match math {
+        TensorCoreMath::Bf16 => &[
+            T(128, 128, "conv3d_tc_bf16_m4"),
+            T(96, 128, "conv3d_tc_bf16_m3"),
+            T(64, 128, "conv3d_tc_bf16_m2"),
+            T(128, 256, "conv3d_tc_bf16_m4_n256"),
+            T(96, 256, "conv3d_tc_bf16_m3_n256"),
+            T(64, 256, "conv3d_tc_bf16_m2_n256"),
+        ],
+        TensorCoreMath::F32 => &[
+            T(96, 128, "conv3d_tc_f32_m3"),
+            T(64, 128, "conv3d_tc_f32_m2"),
+            T(96, 256, "conv3d_tc_f32_m3_n256"),
+            T(64, 256, "conv3d_tc_f32_m2_n256"),
+        ],
+        TensorCoreMath::Tf32 => &[
+            T(128, 128, "conv3d_tc_tf32_m4"),
+            T(96, 128, "conv3d_tc_tf32_m3"),
+            T(64, 128, "conv3d_tc_tf32_m2"),
+            T(128, 256, "conv3d_tc_tf32_m4_n256"),
+            T(96, 256, "conv3d_tc_tf32_m3_n256"),
+            T(64, 256, "conv3d_tc_tf32_m2_n256"),
+        ],
     };
+    let only = CONV_TILE_PIXELS.get();
+    let (fast, slow) = WIDE_TILE_SPEEDUP;
     tiles
         .iter()
         .copied()
-        .min_by_key(|&(m, _)| ((pixel_tiles * cout.div_ceil(m)).div_ceil(sms) * (m + 32), u64::MAX - m))
-        .expect("tile heights")
+        .filter(|t| only.is_none_or(|p| p == t.pixels))
+        .min_by_key(|t| {
+            let blocks = cols.div_ceil(t.pixels) * cout.div_ceil(t.rows);
+            let speed = if t.pixels == 256 { fast } else { slow };
+            let cost = blocks.div_ceil(sms) * (t.rows + 32) * t.pixels * (fast * slow / speed);
+            (cost, u64::MAX - t.rows, u64::MAX - t.pixels)
+        })
+        .expect("tile shapes")
 }
 
 /// The kernel of a convolution's product (after the channels-last copies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ConvKernel {
-    /// The tensor-core implicit GEMM with tiles of `tile` output channels.
-    TensorCores { tile: u64, name: &'static str },
+    /// The tensor-core implicit GEMM.
+    TensorCores(TensorCoreTile),
     /// At most 4 output channels on CUDA cores (`conv3d_small_cout_*_c4`).
     SmallCout,
 }
 
 /// The kernel for `cout` output channels whose weights are `taps * cp` elements of `elem_bytes`
-/// each per channel, over `pixel_tiles` tiles of 128 pixels: at most 4 output channels (the RGB
-/// heads) on CUDA cores when 4 channels' weights fit the kernel's shared memory (a tensor-core
-/// tile would multiply 60 and more rows of zeros), else the tensor-core tile of
-/// [`tensor_core_tile`].
+/// each per channel, over `cols` output pixels: at most 4 output channels (the RGB heads) on
+/// CUDA cores when 4 channels' weights fit the kernel's shared memory (a tensor-core tile would
+/// multiply 60 and more rows of zeros), else the tensor-core tile of [`tensor_core_tile`].
 fn conv_kernel(
     math: TensorCoreMath,
     cout: u64,
     weights_per_channel: u64,
     elem_bytes: u64,
-    pixel_tiles: u64,
+    cols: u64,
     sms: u64,
 ) -> ConvKernel {
     if cout <= 4 && 4 * weights_per_channel * elem_bytes <= SMALL_COUT_SMEM {
         return ConvKernel::SmallCout;
     }
-    let (tile, name) = tensor_core_tile(math, cout, pixel_tiles, sms);
-    ConvKernel::TensorCores { tile, name }
+    ConvKernel::TensorCores(tensor_core_tile(math, cout, cols, sms))
 }
 
 /// A 1-D grid-stride launch over `n` elements.
@@ -843,9 +951,9 @@ impl CudaStorage {
         }
         let math = TensorCoreMath::for_conv(self.dtype());
         let elem = if bf16 { 2 } else { 4 };
-        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols.div_ceil(128), self.device.sms as u64);
+        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols, self.device.sms as u64);
         let row_tiles = match kernel {
-            ConvKernel::TensorCores { tile, .. } => g.cout.div_ceil(tile),
+            ConvKernel::TensorCores(tile) => g.cout.div_ceil(tile.rows),
             ConvKernel::SmallCout => 1,
         };
         if rows_padded > i32::MAX as u64
@@ -881,16 +989,16 @@ impl CudaStorage {
         .map_err(self.err("conv3d"))?;
 
         let mut out = self.output(len)?;
-        let (f, grid_dim) = match kernel {
+        let (f, grid_dim, shared_mem_bytes) = match kernel {
             ConvKernel::SmallCout => {
                 let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
-                (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1))
+                (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1), 0)
             }
-            ConvKernel::TensorCores { name, .. } => {
-                (self.device.function("conv", name)?, (cols.div_ceil(128) as u32, row_tiles as u32, 1))
+            ConvKernel::TensorCores(tile) => {
+                (self.device.tensor_core_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
             }
         };
-        let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes };
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
         launch.arg(&padded.data).arg(&reordered.data);
@@ -1167,14 +1275,14 @@ impl CudaStorage {
         let sms = q.device.sms as u64;
         // Every product below writes all of its output.
         let mut scores = q.output_typed(batch * n * m, DType::F32)?;
-        let (tile, name) = if bf16 {
-            (128, "conv3d_tc_bf16_f32out_m4")
+        let tile = if bf16 {
+            TensorCoreTile::new(128, 128, "conv3d_tc_bf16_f32out_m4")
         } else {
             // Full f32 products in TF32 mode too, as PyTorch leaves matrix products in f32.
-            tensor_core_tile(TensorCoreMath::F32, n as u64, m.div_ceil(128) as u64, sms)
+            tensor_core_tile(TensorCoreMath::F32, n as u64, m as u64, sms)
         };
         for b in 0..batch {
-            q.tensor_core_gemm(name, tile, (k, b * m * d), (q, b * n * d), (&mut scores, b * n * m), [n, m, d])?;
+            q.tensor_core_gemm(tile, (k, b * m * d), (q, b * n * d), (&mut scores, b * n * m), [n, m, d])?;
         }
         let mut bf16_probabilities = if bf16 { Some(q.output(batch * n * m)?) } else { None };
         q.softmax_rows(&mut scores, bf16_probabilities.as_mut(), batch * n, m, scale)?;
@@ -1183,20 +1291,19 @@ impl CudaStorage {
         v.copy_box_into(&[m * dv, 1, dv], 0, &mut vt, &[dv * m, m, 1], 0, &[batch, dv, m])?;
         let mut out = q.output(batch * n * dv)?;
         let math = if bf16 { TensorCoreMath::Bf16 } else { TensorCoreMath::F32 };
-        let (tile, name) = tensor_core_tile(math, n as u64, dv.div_ceil(128) as u64, sms);
+        let tile = tensor_core_tile(math, n as u64, dv as u64, sms);
         for b in 0..batch {
-            q.tensor_core_gemm(name, tile, (&vt, b * dv * m), (p, b * n * m), (&mut out, b * n * dv), [n, dv, m])?;
+            q.tensor_core_gemm(tile, (&vt, b * dv * m), (p, b * n * m), (&mut out, b * n * dv), [n, dv, m])?;
         }
         Ok(out)
     }
 
     /// `out[o][p] = Σ_c filters[o][c] · pixels[p][c]` for `[outs, pixels, channels]` (rows of
     /// whole 16-byte chunks), each operand from an element on: a 1x1 convolution on the
-    /// tensor-core kernel `name` with tiles of `tile` output rows, no bias.
+    /// tensor-core kernel `tile`, no bias.
     fn tensor_core_gemm(
         &self,
-        name: &'static str,
-        tile: u64,
+        tile: TensorCoreTile,
         (pixels, pixels_from): (&Self, usize),
         (filters, filters_from): (&Self, usize),
         (out, out_from): (&mut Self, usize),
@@ -1204,11 +1311,11 @@ impl CudaStorage {
     ) -> Result<()> {
         let (outs, cols) = (outs as u64, cols as u64);
         let g = ConvGeom::pointwise(outs, cols, channels as u64);
-        let f = self.device.function("conv", name)?;
+        let f = self.device.tensor_core_function(tile)?;
         let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(128) as u32, outs.div_ceil(tile) as u32, 1),
+            grid_dim: tile.grid(cols, outs),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: tile.dynamic_shared_bytes(),
         };
         let (xp, wr, mut dst) =
             (pixels.data.view(pixels_from), filters.data.view(filters_from), out.data.view_mut(out_from));
@@ -1222,42 +1329,77 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::{ConvKernel, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile};
+    use super::{ConvKernel, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile};
+
+    /// A large Wan2.1 chunk (4 frames of 480x832) and an H200's multiprocessors.
+    const BIG: u64 = 4 * 480 * 832;
+    const SMS: u64 = 132;
 
     #[test]
     fn tensor_core_tiles_leave_no_idle_rows_and_fill_small_grids() {
-        // A large Wan2.1 frame (480x832 pixels = 3120 tiles) on an H200's 132 SMs.
-        let (sms, big) = (132, 3120);
         for math in [TensorCoreMath::Bf16, TensorCoreMath::F32, TensorCoreMath::Tf32] {
-            assert_eq!(tensor_core_tile(math, 96, big, sms).0, 96);
-            assert_eq!(tensor_core_tile(math, 192, big, sms).0, 96);
+            assert_eq!(tensor_core_tile(math, 96, BIG, SMS).rows, 96);
+            assert_eq!(tensor_core_tile(math, 192, BIG, SMS).rows, 96);
             // Fewer output channels than any tile: the shortest (the RGB heads whose weights do
             // not fit the small-Cout kernel; see the test below).
-            assert_eq!(tensor_core_tile(math, 3, big, sms).0, 64);
-            // 384 channels of one 60x104 frame (49 pixel tiles): 147 tiles of 128 would leave
-            // the 15 multiprocessors that get two of them as the critical path; 196 tiles of 96
-            // spread it.
-            assert_eq!(tensor_core_tile(math, 384, 49, sms).0, 96);
+            assert_eq!(tensor_core_tile(math, 3, BIG, SMS).rows, 64);
+            // Large grids take the wide tiles (a few partial waves cost little there).
+            assert_eq!(tensor_core_tile(math, 96, BIG, SMS).pixels, 256);
         }
-        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, big, sms), (128, "conv3d_tc_bf16_m4"));
-        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 768, big, sms).0, 128);
-        assert_eq!(tensor_core_tile(TensorCoreMath::F32, 384, big, sms), (96, "conv3d_tc_f32_m3"));
-        assert_eq!(tensor_core_tile(TensorCoreMath::Tf32, 384, big, sms), (128, "conv3d_tc_tf32_m4"));
+        // 384 channels of one 60x104 frame (6240 pixels): 25 x 3 wide tiles of 128 rows would
+        // leave 57 multiprocessors idle, 49 x 3 narrow ones two blocks on 15 of them; 25 x 4
+        // wide tiles of 96 rows give 100 multiprocessors one each.
+        let small = tensor_core_tile(TensorCoreMath::Bf16, 384, 60 * 104, SMS);
+        assert_eq!((small.rows, small.pixels), (96, 256));
+        let wide = tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS);
+        assert_eq!((wide.rows, wide.pixels, wide.name), (128, 256, "conv3d_tc_bf16_m4_n256"));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 768, BIG, SMS).rows, 128);
+        assert_eq!(tensor_core_tile(TensorCoreMath::F32, 384, BIG, SMS).name, "conv3d_tc_f32_m3_n256");
+        assert_eq!(tensor_core_tile(TensorCoreMath::Tf32, 384, BIG, SMS).name, "conv3d_tc_tf32_m4_n256");
+        // Tiny grids (one tile of pixels): the narrow tiles, more of them.
+        let tiny = tensor_core_tile(TensorCoreMath::Bf16, 384, 100, SMS);
+        assert_eq!((tiny.rows, tiny.pixels), (64, 128));
+    }
+
+    #[test]
+    fn a_guard_restricts_the_tile_width_on_its_thread_only() {
+        let narrow = {
+            let _only = ConvTilesGuard::enter(Some(128));
+            let t = tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS);
+            let other = std::thread::spawn(|| tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS)).join();
+            assert_eq!(other.expect("thread").pixels, 256);
+            t
+        };
+        assert_eq!((narrow.rows, narrow.pixels, narrow.name), (128, 128, "conv3d_tc_bf16_m4"));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).pixels, 256);
+        let _only = ConvTilesGuard::enter(Some(256));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, 100, SMS).pixels, 256);
+    }
+
+    #[test]
+    fn wide_tiles_ask_for_their_four_stages_of_dynamic_shared_memory() {
+        let _only = ConvTilesGuard::enter(Some(256));
+        // conv.cu's TC_WIDE_SMEM(MT) = 4 * (32 * MT + 256) * 64; narrow tiles use static memory.
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).dynamic_shared_bytes(), 98_304);
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 96, BIG, SMS).dynamic_shared_bytes(), 90_112);
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 3, BIG, SMS).dynamic_shared_bytes(), 81_920);
+        drop(_only);
+        let _only = ConvTilesGuard::enter(Some(128));
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).dynamic_shared_bytes(), 0);
     }
 
     #[test]
     fn rgb_heads_run_on_cuda_cores_when_their_weights_fit() {
-        let (sms, big) = (132, 3120);
         // Wan's head: 96 channels, 27 taps, in bf16 and in f32 (41.5 KiB of 44).
-        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 3, 27 * 96, 2, big, sms), ConvKernel::SmallCout);
-        assert_eq!(conv_kernel(TensorCoreMath::F32, 3, 27 * 96, 4, big, sms), ConvKernel::SmallCout);
-        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 4, 9 * 128, 2, big, sms), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 3, 27 * 96, 2, BIG, SMS), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::F32, 3, 27 * 96, 4, BIG, SMS), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 4, 9 * 128, 2, BIG, SMS), ConvKernel::SmallCout);
         // Too many weights for the kernel's shared memory, or more than 4 channels: tensor cores.
         let over = SMALL_COUT_SMEM / (4 * 4) + 4;
         assert!(matches!(
-            conv_kernel(TensorCoreMath::F32, 3, over, 4, big, sms),
-            ConvKernel::TensorCores { tile: 64, .. }
+            conv_kernel(TensorCoreMath::F32, 3, over, 4, BIG, SMS),
+            ConvKernel::TensorCores(t) if t.rows == 64
         ));
-        assert!(matches!(conv_kernel(TensorCoreMath::Bf16, 5, 27 * 96, 2, big, sms), ConvKernel::TensorCores { .. }));
+        assert!(matches!(conv_kernel(TensorCoreMath::Bf16, 5, 27 * 96, 2, BIG, SMS), ConvKernel::TensorCores(_)));
     }
 }

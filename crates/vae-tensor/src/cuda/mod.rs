@@ -97,6 +97,51 @@ impl CudaDeviceInfo {
     }
 }
 
+/// The width of the tensor-core convolutions' tiles, in output pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConvTileWidth {
+    /// 128 pixels: three stages in static shared memory, two blocks per multiprocessor.
+    Pixels128,
+    /// 256 pixels: four stages in dynamic shared memory, one block per multiprocessor, half
+    /// the operand traffic per product.
+    Pixels256,
+}
+
+impl ConvTileWidth {
+    /// The width in pixels.
+    pub fn pixels(self) -> u64 {
+        match self {
+            Self::Pixels128 => 128,
+            Self::Pixels256 => 256,
+        }
+    }
+}
+
+/// While it lives, the calling thread's tensor-core convolutions (and attention products) take
+/// tiles of one width only, instead of the backend's choice per launch: for benchmarks that
+/// time both widths side by side. Results are bit-identical either way (every output is summed
+/// in the same order); only the speed differs. Scopes nest; the previous choice returns when
+/// one ends.
+#[must_use = "the tile width holds only while the scope lives"]
+pub struct ConvTilesScope {
+    _guard: backend::ConvTilesGuard,
+    /// A scope belongs to the thread that opened it.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl ConvTilesScope {
+    /// Restricts the calling thread's tensor-core convolutions to tiles of `width`.
+    pub fn only(width: ConvTileWidth) -> Self {
+        Self { _guard: backend::ConvTilesGuard::enter(Some(width.pixels())), _not_send: std::marker::PhantomData }
+    }
+}
+
+impl std::fmt::Debug for ConvTilesScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConvTilesScope")
+    }
+}
+
 /// Waits until everything queued on `device` has run (a no-op for the CPU), so host timers
 /// measure the work and not its launch.
 pub fn synchronize(device: Device) -> crate::Result<()> {

@@ -41,16 +41,22 @@ inline float tensor_core_product(T w, T x, float acc, T) {
     return tensor_core_product(w, x, acc);
 }
 
+// The grid of a kernel with tiles of 32 * MT x `bn` pixels that needs `shared_needed` bytes of
+// dynamic shared memory (the launch gave `shared`; a GPU would trap on less).
 template <typename T, typename TO, int MT, typename Math = T>
-void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) {
+void conv3d_tc_on_host(dim3 grid, unsigned bn, unsigned shared, unsigned shared_needed, const T* xp, const T* wr,
+                       const float* bias, TO* out, ConvGeom g) {
+    if (shared < shared_needed) {
+        ::emu::fail("the kernel needs %u bytes of dynamic shared memory; the launch gave %u", shared_needed, shared);
+    }
     const unsigned bm = 32 * MT;
     const Padded p = padded_of<T>(g);
     const u64 n_cols = g.n * g.to * g.ho * g.wo, plane = g.to * g.ho * g.wo;
     const u64 taps = g.kt * g.kh * g.kw, ktot = taps * p.cp;
     for (unsigned by = 0; by < grid.y; ++by)
         for (unsigned bx = 0; bx < grid.x; ++bx)
-            for (unsigned c = 0; c < TC_BN; ++c) {
-                const u64 col = (u64)bx * TC_BN + c;
+            for (unsigned c = 0; c < bn; ++c) {
+                const u64 col = (u64)bx * bn + c;
                 if (col >= n_cols) continue;
                 const u64 wo = col % g.wo, ho = (col / g.wo) % g.ho, to = (col / (g.wo * g.ho)) % g.to;
                 const u64 b = col / plane;
@@ -73,19 +79,25 @@ void conv3d_tc_on_host(dim3 grid, const T* xp, const T* wr, const float* bias, T
             }
 }
 
-#define FAKE_CUDA_STAND_IN(kernel, T, TO, MT, ...)                                                      \
+#define FAKE_CUDA_STAND_IN_SHAPE(kernel, T, TO, MT, BN, SHARED, ...)                                   \
     template <>                                                                                       \
     struct StandIn<&kernel> {                                                                         \
         static constexpr bool present = true;                                                         \
-        static void run(dim3 grid, const T* xp, const T* wr, const float* bias, TO* out, ConvGeom g) { \
-            conv3d_tc_on_host<T, TO, MT __VA_OPT__(, ) __VA_ARGS__>(grid, xp, wr, bias, out, g);     \
+        static void run(dim3 grid, unsigned shared, const T* xp, const T* wr, const float* bias, TO* out, \
+                        ConvGeom g) {                                                                 \
+            conv3d_tc_on_host<T, TO, MT __VA_OPT__(, ) __VA_ARGS__>(grid, BN, shared, SHARED, xp, wr, bias, out, g); \
         }                                                                                             \
     };
+
+// Both tile shapes of one kernel family (conv.cu's CONV_TC).
+#define FAKE_CUDA_STAND_IN(kernel, T, TO, MT, ...)                                                      \
+    FAKE_CUDA_STAND_IN_SHAPE(kernel, T, TO, MT, 128, 0 __VA_OPT__(, ) __VA_ARGS__)                    \
+    FAKE_CUDA_STAND_IN_SHAPE(kernel##_n256, T, TO, MT, 256, TC_WIDE_SMEM(MT) __VA_OPT__(, ) __VA_ARGS__)
 
 FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m4, unsigned short, unsigned short, 4)
 FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m3, unsigned short, unsigned short, 3)
 FAKE_CUDA_STAND_IN(conv3d_tc_bf16_m2, unsigned short, unsigned short, 2)
-FAKE_CUDA_STAND_IN(conv3d_tc_bf16_f32out_m4, unsigned short, float, 4)
+FAKE_CUDA_STAND_IN_SHAPE(conv3d_tc_bf16_f32out_m4, unsigned short, float, 4, 128, 0)
 FAKE_CUDA_STAND_IN(conv3d_tc_f32_m3, float, float, 3)
 FAKE_CUDA_STAND_IN(conv3d_tc_f32_m2, float, float, 2)
 FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m4, float, float, 4, Tf32)
@@ -93,5 +105,6 @@ FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m3, float, float, 3, Tf32)
 FAKE_CUDA_STAND_IN(conv3d_tc_tf32_m2, float, float, 2, Tf32)
 
 #undef FAKE_CUDA_STAND_IN
+#undef FAKE_CUDA_STAND_IN_SHAPE
 
 }  // namespace fake_cuda
