@@ -102,6 +102,13 @@ if python3 -c "import torch, diffusers" 2>/dev/null; then
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --model "$OUT/wan21" \
             --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours_$dtype.json" || status=1
     done
+    # The bf16 decode again with each conv tile width forced (same bits, another speed): what
+    # the backend's choice per launch gains over either width alone.
+    for tiles in 128 256; do
+        timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype bf16 --conv-tiles $tiles \
+            --model "$OUT/wan21" --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 \
+            | tee -a "$OUT/bench_ours_bf16.json" || status=1
+    done
     # Two ranks of one process on the one GPU, each queueing on a stream of its own: the direct
     # decode, the 2-rank shard (halos device to device) and 2-rank tiles, each after a warm-up.
     step "two local ranks on one GPU (bf16): direct, shard, tile"

@@ -15,6 +15,7 @@ use vae_parallel::group::TransportKind;
 use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
+use vae_parallel::tensor::cuda::{ConvTileWidth, ConvTilesScope};
 use vae_parallel::tensor::memory::Account;
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
@@ -103,6 +104,23 @@ pub struct DecodeBenchArgs {
     /// `f32` (default), `bf16` or `tf32` (CUDA only; see `decode --help`).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// The tensor-core convolutions' tile width: `auto` (default: the backend picks per
+    /// launch), `128` or `256` pixels (CUDA only; the results are bit-identical, only the time
+    /// differs).
+    #[arg(long, default_value = "auto")]
+    conv_tiles: String,
+}
+
+/// Parses `--conv-tiles`: `None` for the backend's own choice.
+fn conv_tiles(flag: &str, device: Device) -> anyhow::Result<Option<ConvTileWidth>> {
+    let width = match flag.trim() {
+        "auto" => return Ok(None),
+        "128" => ConvTileWidth::Pixels128,
+        "256" => ConvTileWidth::Pixels256,
+        other => anyhow::bail!("--conv-tiles {other:?} is not auto, 128 or 256"),
+    };
+    anyhow::ensure!(!device.is_cpu(), "--conv-tiles {flag} needs a CUDA device (the CPU has no tensor-core tiles)");
+    Ok(Some(width))
 }
 
 /// Options of `bench transport`.
@@ -305,10 +323,13 @@ fn decode_on_one_rank(
     iters: usize,
     device: Device,
     compute: ComputeType,
+    tiles: Option<ConvTileWidth>,
 ) -> anyhow::Result<DecodeRun> {
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
+        // One rank: the decode runs on this thread.
+        let _tiles = tiles.map(ConvTilesScope::only);
         let mut engine = Engine::load_on(model, None, None, device, compute.dtype)?;
         engine.set_tf32_convolutions(compute.tf32);
         let latent = vae_parallel::io::read_tensor(latent)?;
@@ -359,7 +380,8 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: --device {}: {why}", args.device);
     }
     let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
-    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype)?;
+    let tiles = conv_tiles(&args.conv_tiles, device)?;
+    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype, tiles)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
     let mut sorted = run.times.clone();
@@ -378,6 +400,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
             "impl": "vae-parallel",
             "device": device.to_string(),
             "dtype": dtype.to_string(),
+            "conv_tiles": tiles.map_or("auto".to_string(), |w| w.pixels().to_string()),
             "size": run.output.last().copied().unwrap_or(0),
             "output_shape": run.output,
             "threads": threads,

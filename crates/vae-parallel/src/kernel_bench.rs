@@ -1,14 +1,16 @@
 //! `vae-parallel bench kernels`: each op the decoders spend their time in, alone, at the shapes
 //! a Wan2.1 480x832 decode (and an SD-style 1024 px AutoencoderKL decode) gives it, with the
 //! achieved FLOP/s (convolutions, attention) or bytes/s (everything else) next to the device's
-//! peak. On the CPU there is no published peak, so only the achieved rate is printed.
+//! peak. On the CPU there is no published peak, so only the achieved rate is printed. On CUDA
+//! the convolutions are timed again with each tile width of the tensor-core kernels forced
+//! (`[128-px tiles]`, `[256-px tiles]`), side by side with the backend's own choice.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
+use vae_parallel::tensor::cuda::{ConvTileWidth, ConvTilesScope, probe, resolve_device, synchronize};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 /// Options of `bench kernels`.
@@ -54,6 +56,8 @@ struct Case {
     /// Which inputs take the compute type (the rest are f32 per-channel parameters).
     typed: Vec<bool>,
     run: OpFn,
+    /// A convolution on tensor cores, timed again at each tile width on CUDA.
+    tiled: bool,
 }
 
 fn random(dims: &[usize], seed: u64) -> anyhow::Result<Tensor> {
@@ -79,6 +83,20 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         inputs: vec![random(&x, 1)?, random(&w, 2)?.mul_scalar(0.02)?, random(&[384], 3)?],
         typed: vec![true, true, false],
         run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
+        tiled: true,
+    });
+    // Wan2.1's last stage: 96 channels at full resolution, where a decode spends a third of its
+    // convolution FLOPs.
+    let x = [1, 96, 3, d(480), d(832)];
+    let w = [96, 96, 3, 3, 3];
+    out.push(Case {
+        name: "conv3d 3x3x3 96 ch".into(),
+        shape: format!("{x:?} * {w:?}"),
+        bound: Bound::Compute(2.0 * 96.0 * 96.0 * 27.0 * elems(&x[3..])),
+        inputs: vec![random(&x, 20)?, random(&w, 21)?.mul_scalar(0.03)?, random(&[96], 22)?],
+        typed: vec![true, true, false],
+        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
+        tiled: true,
     });
     // The resample conv after an upsample (Wan, 192 channels at 4x) and AutoencoderKL's 3x3.
     let x = [1, 192, d(240), d(416)];
@@ -90,6 +108,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         inputs: vec![random(&x, 4)?, random(&w, 5)?.mul_scalar(0.02)?, random(&[192], 6)?],
         typed: vec![true, true, false],
         run: Box::new(|t| t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3))),
+        tiled: true,
     });
     // Wan2.1's RGB head: 96 channels to 3 at full resolution, one frame behind its 2 cached ones
     // (CUDA cores: a tensor-core tile would be 61 rows of zeros out of 64).
@@ -102,6 +121,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         inputs: vec![random(&x, 10)?, random(&w, 11)?.mul_scalar(0.05)?, random(&[3], 12)?],
         typed: vec![true, true, false],
         run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
+        tiled: false,
     });
     // Mid-block attention over the latent's positions, one head of 384.
     let n = d(60) * d(104);
@@ -113,6 +133,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         inputs: vec![random(&q, 7)?, random(&q, 8)?, random(&q, 9)?],
         typed: vec![true; 3],
         run: Box::new(|t| Tensor::attention(&t[0], &t[1], &t[2])),
+        tiled: false,
     });
     // The memory-bound ops, each at the decoder shape above and at one large realistic shape:
     // Wan2.1's last stage (96 channels, 4 frames of 480x832 per chunk: 153 M elements), an SD
@@ -129,6 +150,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&v, 10)?, random(&[c, 1, 1, 1], 11)?],
             typed: vec![true, false],
             run: Box::new(|t| t[0].rms_norm_channels(&t[1], None, 1, 1e-12)),
+            tiled: false,
         });
         out.push(Case {
             name: name("silu"),
@@ -137,6 +159,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&v, 15)?],
             typed: vec![true],
             run: Box::new(|t| t[0].silu()),
+            tiled: false,
         });
         out.push(Case {
             name: name("add"),
@@ -145,6 +168,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&v, 16)?, random(&v, 17)?],
             typed: vec![true, true],
             run: Box::new(|t| t[0].add(&t[1])),
+            tiled: false,
         });
     }
     for (g, label) in [([1, 512, d(128), d(128)], ""), ([1, 128, d(1024), d(1024)], " (large)")] {
@@ -156,6 +180,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&g, 12)?, random(&[c], 13)?, random(&[c], 14)?],
             typed: vec![true, false, false],
             run: Box::new(|t| t[0].group_norm(32, &t[1], &t[2], 1e-6)),
+            tiled: false,
         });
     }
     for (u, label) in [([1, 384, d(60), d(104)], ""), ([1, 192, d(240), d(416)], " (large)")] {
@@ -166,6 +191,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&u, 18)?],
             typed: vec![true],
             run: Box::new(|t| t[0].upsample_nearest2d(2)),
+            tiled: false,
         });
         out.push(Case {
             name: format!("permute (NCHW -> NHWC){label}"),
@@ -174,6 +200,7 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
             inputs: vec![random(&u, 19)?],
             typed: vec![true],
             run: Box::new(|t| t[0].permute(&[0, 2, 3, 1])),
+            tiled: false,
         });
     }
     Ok(out)
@@ -202,6 +229,10 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     let peak_bandwidth = info.as_ref().map(|i| i.peak_bandwidth());
 
     let mut rows = Vec::new();
+    let widths: &[Option<ConvTileWidth>] = match device {
+        Device::Cuda(_) => &[None, Some(ConvTileWidth::Pixels128), Some(ConvTileWidth::Pixels256)],
+        Device::Cpu => &[None],
+    };
     for case in cases(args.downscale, dtype.size_in_bytes() as f64)? {
         let inputs = case
             .inputs
@@ -213,31 +244,38 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             })
             .collect::<vae_parallel::tensor::Result<Vec<_>>>()
             .with_context(|| format!("{}: preparing the inputs", case.name))?;
-        let mut best = f64::INFINITY;
-        for i in 0..=args.iters {
-            let clock = Instant::now();
-            let out = (case.run)(&inputs).with_context(|| case.name.clone())?;
-            synchronize(device)?;
-            let seconds = clock.elapsed().as_secs_f64();
-            drop(out);
-            if i > 0 {
-                best = best.min(seconds); // run 0 warms up (kernel loading, caches)
+        for &width in widths.iter().filter(|w| case.tiled || w.is_none()) {
+            let _tiles = width.map(ConvTilesScope::only);
+            let name = match width {
+                None => case.name.clone(),
+                Some(w) => format!("{} [{}-px tiles]", case.name, w.pixels()),
+            };
+            let mut best = f64::INFINITY;
+            for i in 0..=args.iters {
+                let clock = Instant::now();
+                let out = (case.run)(&inputs).with_context(|| name.clone())?;
+                synchronize(device)?;
+                let seconds = clock.elapsed().as_secs_f64();
+                drop(out);
+                if i > 0 {
+                    best = best.min(seconds); // run 0 warms up (kernel loading, caches)
+                }
             }
+            let (amount, peak, unit) = match case.bound {
+                Bound::Compute(flops) => (flops, peak_compute, "FLOP/s"),
+                Bound::Memory(bytes) => (bytes, peak_bandwidth, "B/s"),
+            };
+            let achieved = amount / best;
+            rows.push(serde_json::json!({
+                "op": name,
+                "shape": case.shape,
+                "best_ms": best * 1e3,
+                "unit": unit,
+                "achieved": achieved,
+                "peak": peak,
+                "fraction_of_peak": peak.map(|p| achieved / p),
+            }));
         }
-        let (amount, peak, unit) = match case.bound {
-            Bound::Compute(flops) => (flops, peak_compute, "FLOP/s"),
-            Bound::Memory(bytes) => (bytes, peak_bandwidth, "B/s"),
-        };
-        let achieved = amount / best;
-        rows.push(serde_json::json!({
-            "op": case.name,
-            "shape": case.shape,
-            "best_ms": best * 1e3,
-            "unit": unit,
-            "achieved": achieved,
-            "peak": peak,
-            "fraction_of_peak": peak.map(|p| achieved / p),
-        }));
     }
     if args.json {
         let value = serde_json::json!({
@@ -257,7 +295,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
         Some(i) => println!("ops on {device} ({}) in {compute}, best of {}", i.name, args.iters),
         None => println!("ops on the CPU ({threads} thread(s)) in {dtype}, best of {} (no published peak)", args.iters),
     }
-    println!("{:<32}  {:>34}  {:>10}  {:>16}  {:>16}  {:>8}", "op", "shape", "best ms", "achieved", "peak", "of peak");
+    println!("{:<40}  {:>34}  {:>10}  {:>16}  {:>16}  {:>8}", "op", "shape", "best ms", "achieved", "peak", "of peak");
     for r in &rows {
         let rate = |v: &serde_json::Value| {
             v.as_f64().map_or("-".to_string(), |x| {
@@ -266,7 +304,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             })
         };
         println!(
-            "{:<32}  {:>34}  {:>10.3}  {:>16}  {:>16}  {:>8}",
+            "{:<40}  {:>34}  {:>10.3}  {:>16}  {:>16}  {:>8}",
             r["op"].as_str().unwrap_or(""),
             r["shape"].as_str().unwrap_or(""),
             r["best_ms"].as_f64().unwrap_or(0.0),

@@ -119,6 +119,7 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
     let base = [
         "conv3d 3x3x3 (cached)",
+        "conv3d 3x3x3 96 ch",
         "conv2d",
         "attention",
         "rms_norm_channels",
@@ -132,10 +133,12 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     for name in base {
         assert!(names.iter().any(|n| n.starts_with(name) && !n.ends_with("(large)")), "{name} missing: {v}");
     }
-    for name in &base[3..9] {
+    for name in &base[4..10] {
         assert!(names.iter().any(|n| n.starts_with(name) && n.ends_with("(large)")), "{name} (large) missing: {v}");
     }
-    assert_eq!(ops.len(), 16, "{v}");
+    // One row per case: the tile widths are timed separately on CUDA only.
+    assert_eq!(ops.len(), 17, "{v}");
+    assert!(names.iter().all(|n| !n.contains("px tiles")), "{v}");
     for op in ops {
         assert!(op["best_ms"].as_f64().unwrap() > 0.0, "{op}");
         assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");
@@ -149,4 +152,11 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     // bf16 is refused on the CPU, not run as f32.
     let (ok, text) = cli(&["bench", "kernels", "--dtype", "bf16", "--downscale", "8"]);
     assert!(!ok && text.contains("needs a CUDA device"), "{text}");
+    // So is a tile width for the tensor cores (before anything is loaded), and a width we lack.
+    let decode =
+        |tiles: &str| cli(&["bench", "decode", "--model", "no-model", "--latent", "no.npy", "--conv-tiles", tiles]);
+    let (ok, text) = decode("256");
+    assert!(!ok && text.contains("--conv-tiles 256 needs a CUDA device"), "{text}");
+    let (ok, text) = decode("64");
+    assert!(!ok && text.contains("is not auto, 128 or 256"), "{text}");
 }

@@ -51,6 +51,13 @@ fn the_kernel_bench_runs_on_the_device_and_reports_its_peaks() {
         ]);
         let v = json_line(&text);
         assert_eq!((v["device"].as_str(), v["dtype"].as_str()), (Some("cuda:0"), Some(dtype)), "{v}");
+        // Each tensor-core convolution again at both tile widths, next to the backend's choice.
+        let names: Vec<&str> = v["ops"].as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
+        for conv in ["conv3d 3x3x3 (cached)", "conv3d 3x3x3 96 ch", "conv2d 3x3"] {
+            for width in ["", " [128-px tiles]", " [256-px tiles]"] {
+                assert!(names.contains(&format!("{conv}{width}").as_str()), "{conv}{width} missing: {v}");
+            }
+        }
         for op in v["ops"].as_array().unwrap() {
             assert!(op["achieved"].as_f64().unwrap() > 0.0, "{op}");
             assert!(op["peak"].as_f64().unwrap() > 0.0, "a known architecture has peaks: {op}");
