@@ -45,23 +45,31 @@ __device__ __forceinline__ Padded padded_of(const ConvGeom& g) {
 
 // x[N, Cin, T, H, W] -> xp[N, Tp, Hp, Wp, Cp]: element (n, tp, yp, xq, c) is
 // x[n, c, tp - pad_front, yp - pad_top, xq - pad_left], or zero outside x and for c >= Cin.
+// The input's first `front_t` of its T = g.t frames may come from another tensor `front`
+// [N, Cin, front_t, H, W] (Wan's causal cache: the conv of cat(front, x) along time without
+// the cat); x then holds the other T - front_t.
 // Grid (N * Tp * Hp, Wp / 64, Cp / 32), 256 threads: a block transposes a 32-channel x 64-column
 // tile of one row through shared memory, reading along W and writing along C (both coalesced).
 template <typename T>
-__device__ __forceinline__ void conv_input_channels_last_impl(const T* x, T* xp, const ConvGeom& g) {
+__device__ __forceinline__ void conv_input_channels_last_impl(const T* front, u64 front_t, const T* x, T* xp,
+                                                              const ConvGeom& g) {
     __shared__ T tile[32][64 + 4 / sizeof(T)];  // rows 33 words apart: no bank conflicts
     const Padded p = padded_of<T>(g);
     const u64 row = blockIdx.x;  // (n, tp, yp)
     const u64 n = row / (p.tp * p.hp), tp = (row / p.hp) % p.tp, yp = row % p.hp;
     const i64 t = (i64)tp - g.pad_front, y = (i64)yp - g.pad_top;
     const bool row_inside = t >= 0 && y >= 0 && t < (i64)g.t && y < (i64)g.h;
+    // This row's frame: in `front` (of front_t frames) or in x (of the rest).
+    const bool in_front = t < (i64)front_t;
+    const T* src = in_front ? front : x;
+    const u64 src_t = in_front ? (u64)t : (u64)t - front_t, src_frames = in_front ? front_t : g.t - front_t;
     const unsigned w0 = blockIdx.y * 64, c0 = blockIdx.z * 32;
     for (unsigned e = threadIdx.x; e < 32 * 64; e += 256) {
         const unsigned cl = e / 64, wl = e % 64, c = c0 + cl;
         const i64 xq = (i64)(w0 + wl) - g.pad_left;
         T v = T(0);
         if (row_inside && c < g.cin && xq >= 0 && xq < (i64)g.w) {
-            v = x[(((n * g.cin + c) * g.t + (u64)t) * g.h + (u64)y) * g.w + (u64)xq];
+            v = src[(((n * g.cin + c) * src_frames + src_t) * g.h + (u64)y) * g.w + (u64)xq];
         }
         tile[cl][wl] = v;
     }
@@ -396,7 +404,11 @@ __device__ __forceinline__ void conv3d_tc_wide(const T* xp, const T* wr, const f
 #define CONV_INPUT_COPIES(SUFFIX, T)                                                                \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         conv_input_channels_last_##SUFFIX(const T* x, T* xp, ConvGeom g) {                          \
-        conv_input_channels_last_impl<T>(x, xp, g);                                                 \
+        conv_input_channels_last_impl<T>(nullptr, 0, x, xp, g);                                     \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) conv_input_channels_last_split_##SUFFIX(      \
+        const T* front, u64 front_t, const T* x, T* xp, ConvGeom g) {                               \
+        conv_input_channels_last_impl<T>(front, front_t, x, xp, g);                                 \
     }                                                                                               \
     extern "C" __global__ void conv_weight_channels_last_##SUFFIX(const T* w, T* wr, ConvGeom g) {  \
         conv_weight_channels_last_impl<T>(w, wr, g);                                                \

@@ -145,19 +145,26 @@ std::vector<T> weight_channels_last(const ConvGeom& g, const std::vector<T>& w, 
     return wr;
 }
 
-// The kernels of one storage type: the two layout copies and the GEMM.
+template <typename T>
+using SplitInputKernel = void (*)(const T*, u64, const T*, T*, ConvGeom);
+
+// The kernels of one storage type: the layout copies (the input's from one tensor or two).
 template <typename T>
 struct Pipeline {
     const char* input_name;
     InputKernel<T> input;
     const char* weight_name;
     InputKernel<T> weight;
+    const char* split_name;
+    SplitInputKernel<T> split;
 };
 
-const Pipeline<u16> kBf16{"conv_input_channels_last_bf16", conv_input_channels_last_bf16,
-                          "conv_weight_channels_last_bf16", conv_weight_channels_last_bf16};
-const Pipeline<float> kF32{"conv_input_channels_last_f32", conv_input_channels_last_f32,
-                           "conv_weight_channels_last_f32", conv_weight_channels_last_f32};
+const Pipeline<u16> kBf16{"conv_input_channels_last_bf16",       conv_input_channels_last_bf16,
+                          "conv_weight_channels_last_bf16",      conv_weight_channels_last_bf16,
+                          "conv_input_channels_last_split_bf16", conv_input_channels_last_split_bf16};
+const Pipeline<float> kF32{"conv_input_channels_last_f32",       conv_input_channels_last_f32,
+                           "conv_weight_channels_last_f32",      conv_weight_channels_last_f32,
+                           "conv_input_channels_last_split_f32", conv_input_channels_last_split_f32};
 
 template <typename T>
 const Pipeline<T>& pipeline();
@@ -268,8 +275,10 @@ void run_small_cout_cases(Check& check, const char* name,
 }
 
 // Every element of xp against its definition: the input element the padding shifts in, or zero.
+// `split`: the split copy (`*_split_*`: the first front_t frames from another tensor) for every
+// split of the frames, none and all of them included.
 template <typename T>
-void check_input_channels_last(Check& check) {
+void check_input_channels_last(Check& check, bool split) {
     for (const Case& c : kCases) {
         const ConvGeom g = c.geometry();
         const PaddedHost<T> p(g);
@@ -288,7 +297,26 @@ void check_input_channels_last(Check& check) {
                                              : T(0);
                         }
         const Pipeline<T>& pl = pipeline<T>();
-        check.exact(c.name, input_channels_last<T>(g, x, pl.input_name, pl.input), want);
+        if (!split) {
+            check.exact(c.name, input_channels_last<T>(g, x, pl.input_name, pl.input), want);
+            continue;
+        }
+        for (u64 front_t = 0; front_t <= g.t; ++front_t) {
+            const std::size_t frame = g.h * g.w;
+            std::vector<T> front, rest;
+            for (u64 b = 0; b < g.n; ++b)
+                for (u64 ch = 0; ch < g.cin; ++ch)
+                    for (u64 t = 0; t < g.t; ++t) {
+                        const auto from = x.begin() + (std::ptrdiff_t)(((b * g.cin + ch) * g.t + t) * frame);
+                        (t < front_t ? front : rest).insert((t < front_t ? front : rest).end(), from,
+                                                            from + (std::ptrdiff_t)frame);
+                    }
+            std::vector<T> xp(p.len(g), Storage<T>::from_f32(NAN));
+            const dim3 grid((unsigned)(g.n * p.tp * p.hp), (unsigned)((p.wp + 63) / 64), (unsigned)((p.cp + 31) / 32));
+            emu::launch(pl.split_name, pl.split, grid, dim3(256), front_t ? front.data() : nullptr, front_t,
+                        rest.empty() ? nullptr : rest.data(), xp.data(), g);
+            check.exact(std::string(c.name) + ", " + num(front_t) + " frames in front", xp, want);
+        }
     }
 }
 
@@ -311,8 +339,10 @@ void check_weight_channels_last(Check& check) {
 
 }  // namespace
 
-KERNEL_TEST(conv_input_channels_last_bf16) { check_input_channels_last<u16>(check); }
-KERNEL_TEST(conv_input_channels_last_f32) { check_input_channels_last<float>(check); }
+KERNEL_TEST(conv_input_channels_last_bf16) { check_input_channels_last<u16>(check, false); }
+KERNEL_TEST(conv_input_channels_last_f32) { check_input_channels_last<float>(check, false); }
+KERNEL_TEST(conv_input_channels_last_split_bf16) { check_input_channels_last<u16>(check, true); }
+KERNEL_TEST(conv_input_channels_last_split_f32) { check_input_channels_last<float>(check, true); }
 KERNEL_TEST(conv_weight_channels_last_bf16) { check_weight_channels_last<u16>(check); }
 KERNEL_TEST(conv_weight_channels_last_f32) { check_weight_channels_last<float>(check); }
 KERNEL_TEST(conv3d_tc_bf16_m4) { run_tensor_core_cases<u16>(check, KERNEL(conv3d_tc_bf16_m4), 4); }

@@ -216,7 +216,8 @@ fn conv3d_matches_reference(device: &Device) {
 
 /// A causal conv over a whole clip equals the chunked run with the last two input frames of
 /// the previous chunk prepended as cache (front padding reduced accordingly), as the Wan
-/// decoder runs it.
+/// decoder runs it; `conv3d_after` (the cache in front without the concatenation) gives the
+/// concatenation's bits.
 fn conv3d_causal_cache_matches_whole_clip(device: &Device) {
     let mut rng = Rng(102);
     let x = tensor(&mut rng, &[1, 3, 5, 4, 4], device);
@@ -229,8 +230,21 @@ fn conv3d_causal_cache_matches_whole_clip(device: &Device) {
         let cache_len = t.min(2);
         let chunk = x.narrow(2, t - cache_len, cache_len + 1).unwrap();
         let p = Conv3dParams::new([1; 3], [2 - cache_len, 0, 1, 1, 1, 1]);
-        parts.push(chunk.conv3d(&w, Some(&b), &p).unwrap());
+        let joined = chunk.conv3d(&w, Some(&b), &p).unwrap();
+        let (cache, new) = (x.narrow(2, t - cache_len, cache_len).unwrap(), x.narrow(2, t, 1).unwrap());
+        let behind = new.conv3d_after(&cache, &w, Some(&b), &p).unwrap();
+        assert!(behind.bit_eq(&joined), "conv3d_after at frame {t}: {}", behind.max_abs_diff(&joined).unwrap());
+        parts.push(joined);
     }
+    // Two new frames behind one cached, and the edge cases: nothing in front, nothing behind.
+    let p = Conv3dParams::new([1; 3], [1, 0, 1, 1, 1, 1]);
+    let (cache, new) = (x.narrow(2, 0, 1).unwrap(), x.narrow(2, 1, 2).unwrap());
+    let joined = x.narrow(2, 0, 3).unwrap().conv3d(&w, Some(&b), &p).unwrap();
+    assert!(new.conv3d_after(&cache, &w, Some(&b), &p).unwrap().bit_eq(&joined));
+    let none = x.narrow(2, 0, 0).unwrap();
+    let all = x.narrow(2, 0, 3).unwrap();
+    assert!(all.conv3d_after(&none, &w, Some(&b), &p).unwrap().bit_eq(&joined));
+    assert!(none.conv3d_after(&all, &w, Some(&b), &p).unwrap().bit_eq(&joined));
     let refs: Vec<&Tensor> = parts.iter().collect();
     let chunked = Tensor::cat(&refs, 2).unwrap();
     assert!(chunked.max_abs_diff(&whole).unwrap() <= 1e-5, "{}", chunked.max_abs_diff(&whole).unwrap());
@@ -422,6 +436,10 @@ fn bad_video_inputs_are_errors(device: &Device) {
     assert!(invalid(x.conv3d(&w, None, &Conv3dParams::new([0, 1, 1], [2, 0, 1, 1, 1, 1]))));
     assert!(invalid(x.conv3d(&w, None, &Conv3dParams::new([1, 1, 2], [2, 0, 1, 1, 1, 1]))));
     assert!(invalid(x.conv3d(&w, None, &Conv3dParams::new([1; 3], [usize::MAX, 1, 1, 1, 1, 1]))));
+    // conv3d_after: the frames in front must match in everything but time.
+    assert!(shape_mismatch(x.conv3d_after(&tensor(&mut rng, &[1, 2, 2, 4, 5], device), &w, None, &causal)));
+    assert!(shape_mismatch(x.conv3d_after(&tensor(&mut rng, &[1, 3, 2, 4, 4], device), &w, None, &causal)));
+    assert!(invalid(x.conv3d_after(&tensor(&mut rng, &[1, 2, 4, 4], device), &w, None, &causal)));
 
     // rms_norm_channels
     let g = tensor(&mut rng, &[2, 1, 1, 1], device);

@@ -111,14 +111,12 @@ impl CausalConv3d {
     /// `halo_axis`, so that axis is not padded again.
     fn forward_haloed(&self, x: &Tensor, cache: Option<&Tensor>, halo_axis: Option<ShardAxis>) -> Result<Tensor> {
         let mut front = 2 * self.pad[0];
-        let joined;
-        let input = match cache {
+        let cached = match cache {
             Some(c) if front > 0 => {
                 front = front.saturating_sub(c.dims()[2]);
-                joined = Tensor::cat(&[c, x], 2)?;
-                &joined
+                Some(c)
             }
-            _ => x,
+            _ => None,
         };
         let [_, mut ph, mut pw] = self.pad;
         match halo_axis {
@@ -127,7 +125,12 @@ impl CausalConv3d {
             None => {}
         }
         let params = Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]);
-        Ok(input.conv3d(&self.weight, Some(&self.bias), &params)?)
+        // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
+        // without the concatenation on CUDA.
+        Ok(match cached {
+            Some(c) => x.conv3d_after(c, &self.weight, Some(&self.bias), &params)?,
+            None => x.conv3d(&self.weight, Some(&self.bias), &params)?,
+        })
     }
 }
 

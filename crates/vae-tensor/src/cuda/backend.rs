@@ -925,8 +925,21 @@ impl CudaStorage {
     /// tensor cores with each operand split in two TF32 parts (three products: f32 accuracy).
     /// Accumulation is f32 and the bias is f32 in both; the tile height is chosen by
     /// [`tensor_core_tile`].
-    pub(crate) fn conv3d(&self, weight: &Self, bias: Option<&Self>, g: ConvGeom) -> Result<Self> {
+    ///
+    /// With `front = Some((f, ft))` the input is `f` (`ft` frames) followed by `self` along time,
+    /// `g.t` frames in all: the conv of their concatenation, whose frames the channels-last copy
+    /// reads from both (`conv_input_channels_last_split_*`) instead of a copy of the whole.
+    pub(crate) fn conv3d(
+        &self,
+        front: Option<(&Self, u64)>,
+        weight: &Self,
+        bias: Option<&Self>,
+        g: ConvGeom,
+    ) -> Result<Self> {
         self.same_dtype("conv3d", &[weight])?;
+        if let Some((f, _)) = front {
+            self.same_dtype("conv3d", &[f])?;
+        }
         if let Some(b) = bias {
             Self::f32_param("conv3d", b)?;
         }
@@ -966,14 +979,26 @@ impl CudaStorage {
         }
         // The three kernels write every element of their outputs (the padding as zeros).
         let mut padded = self.output((rows_padded * wp * cp) as usize)?;
-        let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
         let cfg = LaunchConfig {
             grid_dim: (rows_padded as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
-            .map_err(self.err("conv3d"))?;
+        let stream = self.device.stream();
+        match front {
+            None => {
+                let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
+                unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
+            }
+            Some((front, front_t)) => {
+                let f =
+                    self.kernel("conv", "conv_input_channels_last_split_f32", "conv_input_channels_last_split_bf16")?;
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&front.data).arg(&front_t).arg(&self.data).arg(&mut padded.data).arg(&g);
+                unsafe { launch.launch(cfg) }
+            }
+        }
+        .map_err(self.err("conv3d"))?;
         let weight_len = (g.cout * taps * cp) as usize;
         let mut reordered = self.output(weight_len)?;
         let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
@@ -999,7 +1024,6 @@ impl CudaStorage {
             }
         };
         let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes };
-        let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
         launch.arg(&padded.data).arg(&reordered.data);
         match bias {

@@ -209,7 +209,7 @@ impl Tensor {
                 pad_left: left as i64,
             };
             let _ = (bottom, right); // implied by the output extents
-            return Ok(Tensor::from_cuda(x.conv3d(wt, b, g)?, Shape::new([n, cout, ho, wo])));
+            return Ok(Tensor::from_cuda(x.conv3d(None, wt, b, g)?, Shape::new([n, cout, ho, wo])));
         }
         // An unpadded stride-1 conv reads the input in place.
         let direct = s == 1 && params.padding == [0; 4];

@@ -92,16 +92,61 @@ impl Tensor {
     /// weight `[Cout, Cin, kt, kh, kw]`, optional bias `[Cout]`, output `[N, Cout, To, Ho, Wo]`
     /// with `To = (T + t_front + t_back − kt) / st + 1` (likewise `Ho`, `Wo`). Padding is zeros.
     ///
-    /// This covers `WanCausalConv3d` (see [`Conv3dParams::causal`]); the causal cache is the
-    /// caller's `Tensor::cat` along dimension 2 with a correspondingly smaller front padding.
+    /// This covers `WanCausalConv3d` (see [`Conv3dParams::causal`]); the causal cache goes in
+    /// front of the input along dimension 2, with a correspondingly smaller front padding, through
+    /// [`Tensor::conv3d_after`].
     ///
     /// Runs as one [`Tensor::conv2d`] per temporal tap over the batch of frames that tap reads
     /// (see the module docs), accumulated in f32 in tap order, bias added once. Scratch: a
     /// frame-major copy of the input, one gathered batch of frames and its conv output per tap,
     /// and a frame-major output before the final transpose.
     pub fn conv3d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv3dParams) -> Result<Tensor> {
+        self.conv3d_behind(None, weight, bias, params)
+    }
+
+    /// [`Tensor::conv3d`] of `front` followed by `self` along time (`Tensor::cat(&[front, self],
+    /// 2)`: Wan's causal cache in front of a chunk's frames), with the same result. On CUDA the
+    /// concatenation is never made: the conv's channels-last copy of its input reads the frames
+    /// from both tensors. `front` must match `self` in batch, channels, height and width.
+    pub fn conv3d_after(
+        &self,
+        front: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv3dParams,
+    ) -> Result<Tensor> {
+        const OP: &str = "conv3d";
+        let [n, c, t, h, w] = video_dims(OP, self)?;
+        let [fn_, fc, ft, fh, fw] = video_dims(OP, front)?;
+        if [fn_, fc, fh, fw] != [n, c, h, w] {
+            return Err(TensorError::ShapeMismatch { op: OP, lhs: front.shape().clone(), rhs: self.shape().clone() });
+        }
+        self.check_same_device(OP, front)?;
+        if front.dtype() != self.dtype() {
+            return Err(invalid(OP, format!("frames of {} in front of {}", front.dtype(), self.dtype())));
+        }
+        match (ft, t) {
+            (0, _) => self.conv3d(weight, bias, params),
+            (_, 0) => front.conv3d(weight, bias, params),
+            #[cfg(feature = "cuda")]
+            _ if self.cuda().is_some() => self.conv3d_behind(Some(front), weight, bias, params),
+            _ => Tensor::cat(&[front, self], 2)?.conv3d(weight, bias, params),
+        }
+    }
+
+    /// [`Tensor::conv3d`] of `self`, or on CUDA of `front` (checked by the caller) followed by
+    /// `self` along time.
+    fn conv3d_behind(
+        &self,
+        front: Option<&Tensor>,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv3dParams,
+    ) -> Result<Tensor> {
         const OP: &str = "conv3d";
         let [n, cin, t, h, w] = video_dims(OP, self)?;
+        let front_t = front.map_or(0, |f| f.dims()[2]);
+        let t = t + front_t;
         let mismatch = |rhs: &Shape| TensorError::ShapeMismatch { op: OP, lhs: self.shape().clone(), rhs: rhs.clone() };
         let &[cout, wcin, kt, kh, kw] = weight.dims() else { return Err(mismatch(weight.shape())) };
         if wcin != cin {
@@ -154,8 +199,16 @@ impl Tensor {
                 pad_left: left as i64,
             };
             let _ = (bottom, right, out_len); // implied by the output extents
-            return Ok(Tensor::from_cuda(x.conv3d(wt, b, g)?, Shape::new([n, cout, to, ho, wo])));
+            let front = match front {
+                Some(f) => Some((
+                    f.cuda().ok_or_else(|| invalid(OP, "front frames not on the device".into()))?,
+                    front_t as u64,
+                )),
+                None => None,
+            };
+            return Ok(Tensor::from_cuda(x.conv3d(front, wt, b, g)?, Shape::new([n, cout, to, ho, wo])));
         }
+        debug_assert!(front.is_none(), "the CPU convolves cat(front, x), never its parts");
         let p2 = Conv2dParams::new(sh, [top, bottom, left, right]);
 
         // Frames contiguous: [N, T, Cin, H, W].
