@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on the build machine, what scripts/gpu-check.sh runs on a GPU machine: the kernels
 # (cargo xtask kernels), then the release CLI and the GPU test binaries with them embedded,
-# copied into gpu-bundle/ (ignored by git; carry it to the GPU machine).
+# packed into gpu-bundle/bundle.tar.xz (ignored by git; carry gpu-bundle/ to the GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo xtask kernels
@@ -22,6 +22,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in wanted:
         shutil.copy(m["executable"], "gpu-bundle/" + m["target"]["name"])' "${tests[@]}"
 for t in "${tests[@]}"; do test -x "gpu-bundle/$t"; done
-# Debug info off: the device machine takes at most 64 MiB with the working tree.
+# Debug info off, and the binaries packed: the device machine takes at most 64 MiB with the
+# working tree, and each binary embeds about 8 MB of kernels (mostly PTX text, which xz shrinks
+# about tenfold). gpu-check.sh unpacks bundle.tar.xz when it finds it.
 strip --strip-debug gpu-bundle/*
+(cd gpu-bundle && tar -cJf bundle.tar.xz --remove-files vae-parallel "${tests[@]}")
 du -sh gpu-bundle

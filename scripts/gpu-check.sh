@@ -22,7 +22,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 -d .whl diffusers==0.38.0 importlib_metadata
 set -u -o pipefail
-BUNDLE=${BUNDLE:-gpu-bundle}
+source scripts/unpack-bundle.sh
 # The test binaries were built elsewhere: point them at this checkout's fixtures.
 export VAE_FIXTURES_DIR="$PWD/fixtures"
 OUT=${OUT:-/tmp/gpu-check}

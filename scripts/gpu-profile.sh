@@ -10,7 +10,7 @@
 # ncu times each kernel alone (one metric, one pass), so a small latent keeps it to seconds.
 # This found copy_box's single-block launches (2.1 s of a 2.2 s decode) on 2026-11-30.
 set -u
-BUNDLE=${BUNDLE:-gpu-bundle}
+source scripts/unpack-bundle.sh
 OUT=${OUT:-/tmp/gpu-profile}
 DTYPE=${1:-bf16}
 SHAPE=${2:-1,16,2,30,52}
