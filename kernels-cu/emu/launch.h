@@ -22,6 +22,11 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_sha
 
 // The arguments are converted to the kernel's parameter types once, as the driver copies them,
 // and every thread calls the kernel with its own copies (a kernel may modify its parameters).
+// Runs `body` on the calling thread as the host stand-in of a launch of `kernel` (the fake
+// driver's, see fake_driver/registry.h): the emulator's error reports name that kernel, as they
+// do for run_grid's launches, and say no block or thread of it is running.
+void run_on_host(const char* kernel, const std::function<void()>& body);
+
 template <typename... P, typename... A>
 void launch_shared(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, std::size_t dynamic_shared,
                    A&&... args) {

@@ -53,6 +53,9 @@ const char* g_kernel = "(no kernel)";
 // The calling thread's index within its block, row-major over (x, y, z).
 thread_local unsigned t_linear;
 
+// Whether the calling thread runs a host stand-in (`run_on_host`) rather than a kernel's thread.
+thread_local bool t_on_host = false;
+
 // How many warp exchanges the calling thread has made (the lanes of a warp agree on it).
 thread_local unsigned t_exchanges;
 
@@ -475,8 +478,12 @@ void wait_for_phase(std::atomic<unsigned>& phase, unsigned old) {
 }  // namespace
 
 void fail(const char* fmt, ...) {
-    std::fprintf(stderr, "emulator error in %s, block (%u, %u, %u), thread (%u, %u, %u): ", g_kernel, blockIdx.x,
-                 blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
+    if (t_on_host) {
+        std::fprintf(stderr, "emulator error in %s (its host stand-in): ", g_kernel);
+    } else {
+        std::fprintf(stderr, "emulator error in %s, block (%u, %u, %u), thread (%u, %u, %u): ", g_kernel,
+                     blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
+    }
     va_list ap;
     va_start(ap, fmt);
     std::vfprintf(stderr, fmt, ap);
@@ -537,6 +544,14 @@ unsigned char* dynamic_shared(std::size_t bytes) {
              g_dynamic_shared_bytes);
     }
     return g_dynamic_shared;
+}
+
+void run_on_host(const char* kernel, const std::function<void()>& body) {
+    g_kernel = kernel;
+    t_on_host = true;
+    body();
+    t_on_host = false;
+    g_kernel = "(no kernel)";
 }
 
 void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,

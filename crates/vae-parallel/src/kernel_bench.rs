@@ -68,36 +68,31 @@ fn elems(dims: &[usize]) -> f64 {
     dims.iter().product::<usize>() as f64
 }
 
+/// Wan's causal 3x3x3 conv from `x` ([1, Cin, 3, H, W]) to `cout` channels on one new frame
+/// behind its 2 cached ones (no temporal padding: every tap is real work), weights scaled by
+/// `scale`, inputs seeded from `seed`; `tiled` where it runs on the tensor-core tiles.
+fn conv3d_case(name: &str, x: [usize; 5], cout: usize, scale: f32, seed: u64, tiled: bool) -> anyhow::Result<Case> {
+    let w = [cout, x[1], 3, 3, 3];
+    Ok(Case {
+        name: name.into(),
+        shape: format!("{x:?} * {w:?}"),
+        bound: Bound::Compute(2.0 * elems(&w) * elems(&x[3..])),
+        inputs: vec![random(&x, seed)?, random(&w, seed + 1)?.mul_scalar(scale)?, random(&[cout], seed + 2)?],
+        typed: vec![true, true, false],
+        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
+        tiled,
+    })
+}
+
 /// The cases, spatial extents divided by `down`; `size` is the element size of the compute type.
 fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
     let d = |n: usize| (n / down).max(1);
     let mut out = Vec::new();
-    // Wan2.1 decoder: 384 channels at the latent resolution, a causal 3x3x3 conv on one new
-    // frame behind its 2 cached ones (so no temporal padding: every tap is real work).
-    let x = [1, 384, 3, d(60), d(104)];
-    let w = [384, 384, 3, 3, 3];
-    out.push(Case {
-        name: "conv3d 3x3x3 (cached)".into(),
-        shape: format!("{x:?} * {w:?}"),
-        bound: Bound::Compute(2.0 * 384.0 * 384.0 * 27.0 * elems(&x[3..])),
-        inputs: vec![random(&x, 1)?, random(&w, 2)?.mul_scalar(0.02)?, random(&[384], 3)?],
-        typed: vec![true, true, false],
-        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
-        tiled: true,
-    });
+    // Wan2.1 decoder: 384 channels at the latent resolution.
+    out.push(conv3d_case("conv3d 3x3x3 (cached)", [1, 384, 3, d(60), d(104)], 384, 0.02, 1, true)?);
     // Wan2.1's last stage: 96 channels at full resolution, where a decode spends a third of its
     // convolution FLOPs.
-    let x = [1, 96, 3, d(480), d(832)];
-    let w = [96, 96, 3, 3, 3];
-    out.push(Case {
-        name: "conv3d 3x3x3 96 ch".into(),
-        shape: format!("{x:?} * {w:?}"),
-        bound: Bound::Compute(2.0 * 96.0 * 96.0 * 27.0 * elems(&x[3..])),
-        inputs: vec![random(&x, 20)?, random(&w, 21)?.mul_scalar(0.03)?, random(&[96], 22)?],
-        typed: vec![true, true, false],
-        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
-        tiled: true,
-    });
+    out.push(conv3d_case("conv3d 3x3x3 96 ch", [1, 96, 3, d(480), d(832)], 96, 0.03, 20, true)?);
     // The resample conv after an upsample (Wan, 192 channels at 4x) and AutoencoderKL's 3x3.
     let x = [1, 192, d(240), d(416)];
     let w = [192, 192, 3, 3];
@@ -110,19 +105,9 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
         run: Box::new(|t| t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3))),
         tiled: true,
     });
-    // Wan2.1's RGB head: 96 channels to 3 at full resolution, one frame behind its 2 cached ones
-    // (CUDA cores: a tensor-core tile would be 61 rows of zeros out of 64).
-    let x = [1, 96, 3, d(480), d(832)];
-    let w = [3, 96, 3, 3, 3];
-    out.push(Case {
-        name: "conv3d 3x3x3 to RGB".into(),
-        shape: format!("{x:?} * {w:?}"),
-        bound: Bound::Compute(2.0 * 3.0 * 96.0 * 27.0 * elems(&x[3..])),
-        inputs: vec![random(&x, 10)?, random(&w, 11)?.mul_scalar(0.05)?, random(&[3], 12)?],
-        typed: vec![true, true, false],
-        run: Box::new(|t| t[0].conv3d(&t[1], Some(&t[2]), &Conv3dParams::new([1; 3], [0, 0, 1, 1, 1, 1]))),
-        tiled: false,
-    });
+    // Wan2.1's RGB head: 96 channels to 3 at full resolution (CUDA cores: a tensor-core tile
+    // would be 61 rows of zeros out of 64).
+    out.push(conv3d_case("conv3d 3x3x3 to RGB", [1, 96, 3, d(480), d(832)], 3, 0.05, 10, false)?);
     // Mid-block attention over the latent's positions, one head of 384.
     let n = d(60) * d(104);
     let q = [1, n, 384];

@@ -8,7 +8,7 @@ mod support;
 
 use std::path::Path;
 
-use support::{json_line, read_npy_f32};
+use support::{json_line, read_npy_f32, wan21_fixture};
 
 use vae_parallel::tensor::Device;
 use vae_parallel::tensor::cuda::resolve_device;
@@ -70,8 +70,7 @@ fn a_video_decode_with_device_cuda_matches_the_cpu() {
     if !gpu("decode --device cuda") {
         return;
     }
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
-    let (model, latent) = (fixtures.join("wan21_like"), fixtures.join("wan21_like.decode_t3.in.npy"));
+    let (model, latent) = wan21_fixture();
     let dir = std::env::temp_dir().join(format!("vae-cuda-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let decode = |out: &Path, extra: &[&str]| {
@@ -101,8 +100,7 @@ fn the_shard_bench_runs_two_ranks_on_one_device() {
     if !gpu("bench shard on CUDA") {
         return;
     }
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
-    let (model, latent) = (fixtures.join("wan21_like"), fixtures.join("wan21_like.decode_t3.in.npy"));
+    let (model, latent) = wan21_fixture();
     let text = cli(&[
         "bench",
         "shard",

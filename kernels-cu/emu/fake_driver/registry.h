@@ -91,9 +91,11 @@ struct StandInRunner<K, void (*)(P...)> {
 };
 
 template <auto K>
-void run_stand_in(const char*, dim3 grid, dim3, unsigned shared, void* const* args) {
-    StandInRunner<K, decltype(K)>::run(grid, shared, args,
-                                       std::make_index_sequence<Signature<decltype(K)>::arity>{});
+void run_stand_in(const char* name, dim3 grid, dim3, unsigned shared, void* const* args) {
+    ::emu::run_on_host(name, [&] {
+        StandInRunner<K, decltype(K)>::run(grid, shared, args,
+                                           std::make_index_sequence<Signature<decltype(K)>::arity>{});
+    });
 }
 
 struct Registration {

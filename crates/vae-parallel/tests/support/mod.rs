@@ -3,7 +3,7 @@
 //! the matching reader).
 #![allow(dead_code)] // each test file uses part of it
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Runs `vae-parallel` with `args`: whether it succeeded, and its stdout then stderr.
@@ -17,6 +17,12 @@ pub fn cli(args: &[&str]) -> (bool, String) {
 pub fn json_line(text: &str) -> serde_json::Value {
     let line = text.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line in:\n{text}"));
     serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
+/// The Wan2.1-like fixture model and its 3-frame decode latent.
+pub fn wan21_fixture() -> (PathBuf, PathBuf) {
+    let wan = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
+    (wan.join("wan21_like"), wan.join("wan21_like.decode_t3.in.npy"))
 }
 
 /// The f32 elements of a version-1 `.npy` file.
