@@ -8,6 +8,7 @@
 
 #include <cstddef>
 
+#include "conv_cases.h"
 #include "harness.h"
 
 // The layout of `vae_tensor::cuda::abi::ConvGeom` (`#[repr(C)]`): 14 u64, then 3 i64.
@@ -17,109 +18,12 @@ static_assert(offsetof(ConvGeom, stride) == 13 * 8 && offsetof(ConvGeom, pad_lef
 
 namespace {
 
-using namespace emu_test;
+using namespace conv_cases;
 using u16 = std::uint16_t;
 
-struct Case {
-    const char* name;
-    u64 n, cin, t, h, w, cout, kt, kh, kw, stride_t, stride;
-    // front, back, top, bottom, left, right, as F.pad would add them.
-    i64 pad[6];
-    bool bias;
-
-    u64 out_extent(u64 in, i64 before, i64 after, u64 k, u64 s) const {
-        return (u64)(((i64)in + before + after - (i64)k) / (i64)s + 1);
-    }
-    ConvGeom geometry() const {
-        return ConvGeom{n,
-                        cin,
-                        t,
-                        h,
-                        w,
-                        cout,
-                        kt,
-                        kh,
-                        kw,
-                        out_extent(t, pad[0], pad[1], kt, stride_t),
-                        out_extent(h, pad[2], pad[3], kh, stride),
-                        out_extent(w, pad[4], pad[5], kw, stride),
-                        stride_t,
-                        stride,
-                        pad[0],
-                        pad[2],
-                        pad[4]};
-    }
-};
-
-const Case kCases[] = {
-    // Wan's CausalConv3d 3x3x3: two frames of zeros in front, none behind; 67 output channels.
-    {"causal 3x3x3, batch 2", 2, 5, 3, 9, 11, 67, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true},
-    // diffusers' Downsample2D: F.pad(0, 1, 0, 1), then a stride-2 3x3 conv.
-    {"stride 2, pad bottom/right", 2, 3, 1, 13, 10, 7, 1, 3, 3, 1, 2, {0, 0, 0, 1, 0, 1}, true},
-    // Wan's time_conv: 3x1x1, temporal stride 2, causal padding.
-    {"temporal stride 2", 1, 4, 7, 3, 5, 65, 3, 1, 1, 2, 1, {2, 0, 0, 0, 0, 0}, true},
-    {"1x1, no bias", 3, 130, 1, 5, 7, 5, 1, 1, 1, 1, 1, {0, 0, 0, 0, 0, 0}, false},
-    {"2x3x1, uneven padding", 1, 6, 4, 8, 6, 64, 2, 3, 1, 1, 1, {1, 0, 2, 0, 0, 0}, true},
-    {"3x3x3, spatial stride 2", 2, 2, 3, 7, 9, 3, 3, 3, 3, 1, 2, {2, 0, 1, 1, 1, 1}, true},
-    // Several K slices per tap (40 channels: one full slice of 32, one of 8) and 200 output
-    // channels (a partial last tile at every tile height).
-    {"40 -> 200 channels, 3x3", 1, 40, 1, 6, 23, 200, 1, 3, 3, 1, 1, {0, 0, 1, 1, 1, 1}, true},
-};
-
 // The small-Cout kernel's own: Wan's RGB head, 96 -> 3, causal 3x3x3 (slow to emulate on the
-// tensor-core kernels, which the cases above already cover).
+// tensor-core kernels, which kCases already cover).
 const Case kRgbHead = {"96 -> 3 channels, causal 3x3x3", 1, 96, 2, 5, 9, 3, 3, 3, 3, 1, 1, {2, 0, 1, 1, 1, 1}, true};
-
-// out = bias + conv(x, w) in f64, with the sum of the magnitudes of everything added (the scale
-// of the f32 accumulation error).
-void reference(const Case& c, const ConvGeom& g, const std::vector<double>& x, const std::vector<double>& w,
-               const std::vector<float>& bias, std::vector<double>& out,
-               std::vector<double>& magnitude) {
-    const std::size_t len = g.n * g.cout * g.to * g.ho * g.wo;
-    out.assign(len, 0.0);
-    magnitude.assign(len, 0.0);
-    std::size_t o = 0;
-    for (u64 b = 0; b < g.n; ++b)
-        for (u64 co = 0; co < g.cout; ++co)
-            for (u64 to = 0; to < g.to; ++to)
-                for (u64 ho = 0; ho < g.ho; ++ho)
-                    for (u64 wo = 0; wo < g.wo; ++wo, ++o) {
-                        double sum = 0.0, mag = 0.0;
-                        if (c.bias) sum += bias[co], mag += std::fabs(bias[co]);
-                        for (u64 ci = 0; ci < g.cin; ++ci)
-                            for (u64 dt = 0; dt < g.kt; ++dt)
-                                for (u64 dy = 0; dy < g.kh; ++dy)
-                                    for (u64 dx = 0; dx < g.kw; ++dx) {
-                                        const i64 ti = (i64)(to * g.stride_t + dt) - c.pad[0];
-                                        const i64 yi = (i64)(ho * g.stride + dy) - c.pad[2];
-                                        const i64 xi = (i64)(wo * g.stride + dx) - c.pad[4];
-                                        if (ti < 0 || yi < 0 || xi < 0 || ti >= (i64)g.t || yi >= (i64)g.h ||
-                                            xi >= (i64)g.w) {
-                                            continue;
-                                        }
-                                        const double p =
-                                            w[(((co * g.cin + ci) * g.kt + dt) * g.kh + dy) * g.kw + dx] *
-                                            x[(((b * g.cin + ci) * g.t + (u64)ti) * g.h + (u64)yi) * g.w + (u64)xi];
-                                        sum += p;
-                                        mag += std::fabs(p);
-                                    }
-                        out[o] = sum;
-                        magnitude[o] = mag;
-                    }
-}
-
-// The padded channels-last geometry, as the host computes it (`Padded` in conv.cu): channels
-// rounded up to a 16-byte chunk of T.
-template <typename T>
-struct PaddedHost {
-    u64 tp, hp, wp, cp;
-    explicit PaddedHost(const ConvGeom& g)
-        : tp((g.to - 1) * g.stride_t + g.kt),
-          hp((g.ho - 1) * g.stride + g.kh),
-          wp((g.wo - 1) * g.stride + g.kw),
-          cp((g.cin + 16 / sizeof(T) - 1) / (16 / sizeof(T)) * (16 / sizeof(T))) {}
-    u64 len(const ConvGeom& g) const { return g.n * tp * hp * wp * cp; }
-};
 
 template <typename T>
 using InputKernel = void (*)(const T*, T*, ConvGeom);
@@ -283,19 +187,7 @@ void check_input_channels_last(Check& check, bool split) {
         const ConvGeom g = c.geometry();
         const PaddedHost<T> p(g);
         const auto x = to_storage<T>(random_f32(g.n * g.cin * g.t * g.h * g.w, 21, -1.0f, 1.0f));
-        std::vector<T> want(p.len(g));
-        std::size_t o = 0;
-        for (u64 b = 0; b < g.n; ++b)
-            for (u64 tp = 0; tp < p.tp; ++tp)
-                for (u64 yp = 0; yp < p.hp; ++yp)
-                    for (u64 xq = 0; xq < p.wp; ++xq)
-                        for (u64 ch = 0; ch < p.cp; ++ch, ++o) {
-                            const i64 t = (i64)tp - g.pad_front, y = (i64)yp - g.pad_top, xi = (i64)xq - g.pad_left;
-                            const bool inside = ch < g.cin && t >= 0 && y >= 0 && xi >= 0 && t < (i64)g.t &&
-                                                y < (i64)g.h && xi < (i64)g.w;
-                            want[o] = inside ? x[(((b * g.cin + ch) * g.t + (u64)t) * g.h + (u64)y) * g.w + (u64)xi]
-                                             : T(0);
-                        }
+        const std::vector<T> want = input_channels_last_definition(g, x);
         const Pipeline<T>& pl = pipeline<T>();
         if (!split) {
             check.exact(c.name, input_channels_last<T>(g, x, pl.input_name, pl.input), want);
@@ -324,14 +216,8 @@ template <typename T>
 void check_weight_channels_last(Check& check) {
     for (const Case& c : kCases) {
         const ConvGeom g = c.geometry();
-        const PaddedHost<T> p(g);
-        const u64 taps = g.kt * g.kh * g.kw;
-        const auto w = to_storage<T>(random_f32(g.cout * g.cin * taps, 22, -1.0f, 1.0f));
-        std::vector<T> want(g.cout * taps * p.cp);
-        for (u64 co = 0; co < g.cout; ++co)
-            for (u64 tap = 0; tap < taps; ++tap)
-                for (u64 ch = 0; ch < p.cp; ++ch)
-                    want[(co * taps + tap) * p.cp + ch] = ch < g.cin ? w[(co * g.cin + ch) * taps + tap] : T(0);
+        const auto w = to_storage<T>(random_f32(g.cout * g.cin * g.kt * g.kh * g.kw, 22, -1.0f, 1.0f));
+        const std::vector<T> want = weight_channels_last_definition(g, w);
         const Pipeline<T>& pl = pipeline<T>();
         check.exact(c.name, weight_channels_last<T>(g, w, pl.weight_name, pl.weight), want);
     }

@@ -148,7 +148,8 @@ fn require_fresh_kernels(root: &Path) -> anyhow::Result<()> {
     let newest_source = sources.iter().map(|s| modified(s)).collect::<anyhow::Result<Vec<_>>>()?.into_iter().max();
     for cu in files_with_extension(&kernels, "cu")? {
         let stem = cu.file_stem().context("kernel file name")?.to_string_lossy().into_owned();
-        let cubin = root.join(crate::kernels::OUT_DIR).join(format!("{stem}.sm_90.cubin"));
+        let arch = if stem.ends_with(crate::kernels::SM90A_SUFFIX) { "sm_90a" } else { "sm_90" };
+        let cubin = root.join(crate::kernels::OUT_DIR).join(format!("{stem}.{arch}.cubin"));
         if !modified(&cubin).is_ok_and(|m| Some(m) >= newest_source) {
             bail!("{} is missing or older than {KERNEL_DIR}/: run `cargo xtask kernels` first", cubin.display());
         }

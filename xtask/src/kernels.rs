@@ -1,6 +1,6 @@
 //! `cargo xtask kernels`: compiles every `kernels-cu/*.cu` with NVRTC, with no GPU and no CUDA
 //! install, into what the CUDA backend embeds: PTX for each virtual architecture in
-//! [`PTX_ARCHS`] and an `sm_90` cubin. Then `ptxas -v` reports every kernel's registers and
+//! [`PTX_ARCHS`] and an `sm_90` cubin (files `*_sm90a.cu`, Hopper's wgmma: an `sm_90a` cubin only). Then `ptxas -v` reports every kernel's registers and
 //! spills, and the task fails on a compile error, a warning, or a spill above
 //! [`SPILL_BUDGET_BYTES`].
 //!
@@ -32,6 +32,9 @@ const PTX_ARCHS: [&str; 2] = ["compute_80", "compute_90"];
 
 /// The real architecture of the shipped cubin (H100 / H200).
 const CUBIN_ARCH: &str = "sm_90";
+
+/// Kernel files `<stem>_sm90a.cu` use Hopper-only instructions: they compile for sm_90a alone.
+pub const SM90A_SUFFIX: &str = "_sm90a";
 
 /// Spill stores plus loads allowed per kernel, in bytes: none. A spill in these kernels means a
 /// register tile too large for the launch bounds, which costs more than it saves.
@@ -93,6 +96,18 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
     for file in &files {
         let stem = file.file_stem().and_then(|s| s.to_str()).context("kernel file name")?.to_string();
         let source = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        if stem.ends_with(SM90A_SUFFIX) {
+            // Hopper-only instructions (wgmma): PTX for compute_90a (for the report) and the
+            // sm_90a cubin the backend loads on compute capability 9.0; nothing for other GPUs.
+            let ptx = compile(&source, &stem, "--gpu-architecture=compute_90a", &include_dirs, false)?;
+            let ptx_path = out.join(format!("{stem}.compute_90a.ptx"));
+            std::fs::write(&ptx_path, &ptx)?;
+            let cubin = compile(&source, &stem, "--gpu-architecture=sm_90a", &include_dirs, true)?;
+            std::fs::write(out.join(format!("{stem}.sm_90a.cubin")), &cubin)?;
+            reports.extend(resource_report(&ptxas, &ptx_path, "sm_90a")?);
+            eprintln!("compiled {stem}.cu: sm_90a cubin ({} bytes)", cubin.len());
+            continue;
+        }
         for arch in PTX_ARCHS {
             let ptx = compile(&source, &stem, &format!("--gpu-architecture={arch}"), &include_dirs, false)?;
             std::fs::write(out.join(format!("{stem}.{arch}.ptx")), &ptx)?;
@@ -100,7 +115,7 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
         let cubin = compile(&source, &stem, &format!("--gpu-architecture={CUBIN_ARCH}"), &include_dirs, true)?;
         std::fs::write(out.join(format!("{stem}.{CUBIN_ARCH}.cubin")), &cubin)?;
         let ptx90 = out.join(format!("{stem}.compute_90.ptx"));
-        reports.extend(resource_report(&ptxas, &ptx90)?);
+        reports.extend(resource_report(&ptxas, &ptx90, CUBIN_ARCH)?);
         eprintln!("compiled {stem}.cu: PTX for {}, {CUBIN_ARCH} cubin ({} bytes)", PTX_ARCHS.join(", "), cubin.len());
     }
 
@@ -195,17 +210,22 @@ fn c_text(chars: &[std::ffi::c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Registers, spills and shared memory of every kernel in a PTX file, from `ptxas -v` for
-/// [`CUBIN_ARCH`].
-fn resource_report(ptxas: &Path, ptx: &Path) -> anyhow::Result<Vec<KernelReport>> {
+/// Registers, spills and shared memory of every kernel in a PTX file, from `ptxas -v` for `arch`.
+/// Fails where ptxas reports a performance loss it had to accept (wgmma products serialised
+/// because the accumulators are touched while a product runs: the kernel would be correct and
+/// several times slower).
+fn resource_report(ptxas: &Path, ptx: &Path, arch: &str) -> anyhow::Result<Vec<KernelReport>> {
     let output = Command::new(ptxas)
-        .args(["-v", &format!("-arch={CUBIN_ARCH}"), "-o", "/dev/null"])
+        .args(["-v", &format!("-arch={arch}"), "-o", "/dev/null"])
         .arg(ptx)
         .output()
         .with_context(|| format!("running {}", ptxas.display()))?;
     let text = String::from_utf8_lossy(&output.stderr).into_owned() + &String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
         bail!("ptxas rejected {}:\n{text}", ptx.display());
+    }
+    if let Some(line) = text.lines().find(|l| l.contains("Potential Performance Loss")) {
+        bail!("ptxas, {}: {line}", ptx.display());
     }
     Ok(parse_ptxas(&text))
 }

@@ -7,6 +7,8 @@
 // stage before waiting for it reads stale data (the shared memory of the previous stage or block).
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -28,6 +30,37 @@ struct Pending {
 inline Pending g_pending[1024];
 
 inline Pending& mine() { return g_pending[::emu::thread_linear()]; }
+
+// Shared-memory writes not yet fenced for the async proxy (`fence.proxy.async`), per 16-byte chunk
+// of dynamic shared memory: the writing thread + 1, or 0. A `wgmma` that reads such a chunk fails
+// (emu/include/wgmma_emu.h). Each thread lists the chunks it marked, to clear them at its fence.
+constexpr std::size_t kDynamicChunks = (227u << 10) / 16;
+inline std::atomic<unsigned> g_unfenced[kDynamicChunks];
+inline std::vector<std::size_t> g_marked[1024];
+
+// Per 16-byte chunk of dynamic shared memory: how many `wgmma` products in flight read it (their
+// warpgroups' first threads count them, see wgmma_emu.h). A copy issued into such a chunk races
+// with the product and fails.
+inline std::atomic<unsigned> g_read_in_flight[kDynamicChunks];
+
+// The dynamic shared-memory chunk of `p`, or kDynamicChunks outside it.
+inline std::size_t dynamic_chunk(const void* p) {
+    const auto base = (std::uintptr_t)::emu::dynamic_shared(0), at = (std::uintptr_t)p;
+    return at < base || at >= base + kDynamicChunks * 16 ? kDynamicChunks : (at - base) / 16;
+}
+
+// Marks a landed copy to `dst` as unfenced when it is in dynamic shared memory.
+inline void landed(const void* dst) {
+    const std::size_t chunk = dynamic_chunk(dst);
+    if (chunk == kDynamicChunks) return;
+    const unsigned me = ::emu::thread_linear();
+    g_unfenced[chunk].store(me + 1, std::memory_order_relaxed);
+    auto& marked = g_marked[me];
+    // Kernels without async-proxy readers never fence: keep their lists bounded (their marks stay
+    // until a later copy to the same chunk replaces them).
+    if (marked.size() >= 4096) marked.clear();
+    marked.push_back(chunk);
+}
 
 // One lane's operand registers of an mma, exchanged across the warp in one step.
 struct Operands {
@@ -68,6 +101,10 @@ inline void cp_async_16(void* smem, const void* gmem, bool full) {
     if ((std::uintptr_t)smem % 16 != 0 || (full && (std::uintptr_t)gmem % 16 != 0)) {
         ::emu::fail("cp.async of 16 bytes between unaligned addresses %p <- %p", smem, gmem);
     }
+    const std::size_t chunk = emu_ptx::dynamic_chunk(smem);
+    if (chunk != emu_ptx::kDynamicChunks && emu_ptx::g_read_in_flight[chunk].load(std::memory_order_relaxed) != 0) {
+        ::emu::fail("cp.async into shared memory that a wgmma in flight reads (wait for its group first)");
+    }
     emu_ptx::PendingCopy c{smem, {}};
     if (full) std::memcpy(c.bytes, gmem, 16);
     emu_ptx::mine().open.push_back(c);
@@ -85,7 +122,10 @@ template <int N>
 inline void cp_async_wait() {
     auto& p = emu_ptx::mine();
     while (p.groups.size() > (std::size_t)N) {
-        for (const auto& c : p.groups.front()) std::memcpy(c.dst, c.bytes, 16);
+        for (const auto& c : p.groups.front()) {
+            std::memcpy(c.dst, c.bytes, 16);
+            emu_ptx::landed(c.dst);
+        }
         p.groups.pop_front();
     }
 }
