@@ -4,12 +4,14 @@
 #
 #   1. what the driver reports, and which kernels this build embeds (vae-parallel devices);
 #   2. every CUDA kernel, every CUDA tensor op, then the video VAEs (plain and 2-rank shard)
-#      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries);
+#      on CUDA, against the CPU backend and the diffusers fixtures (three test binaries); the
+#      model tests once more with the warpgroup-MMA convolutions (VAE_CUDA_WGMMA=1, Hopper);
 #   3. the NCCL backend's collectives (world size 1; every GPU when there are several), and the
 #      CLI decoding over --transport nccl;
 #   4. per-op rates against the device peak (bench kernels, f32, tf32 and bf16);
 #   5. the Wan2.1 480x832x17 decode benchmark, diffusers vs ours in f32, tf32 and bf16, same GPU
-#      (diffusers' default f32 takes TF32 convolutions: compare it with ours in tf32);
+#      (diffusers' default f32 takes TF32 convolutions: compare it with ours in tf32), and bf16
+#      with each conv kernel family forced (mma.sync 128 / 256 pixels, wgmma);
 #   6. the same decode on two local ranks of the one GPU (a stream each): direct, shard, tile;
 #   7. where ncu exists, GPU time per kernel of a small bf16 decode (scripts/gpu-profile.sh, at
 #      most 3 minutes, informational: it does not fail the check). PROFILE=0 skips it.
@@ -71,6 +73,12 @@ for suite in cuda_kernels cuda_ops conformance conformance_video cuda_models ncc
     fi
 done
 
+# The decoders once more with every bf16 convolution of 96 channels and more on Hopper's
+# warpgroup MMA (not yet the default; elsewhere the variable changes nothing).
+step "cuda_models with VAE_CUDA_WGMMA=1 (warpgroup-MMA convolutions)"
+VAE_CUDA_WGMMA=1 timeout 90 "$BUNDLE/cuda_models" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda_models_wgmma.txt" \
+    || status=1
+
 # The CLI over NCCL: a one-rank NCCL group (bootstrap over sockets, then NCCL collectives) on
 # cuda:0 decodes a fixture latent to what the CPU decodes.
 step "CLI decode over --transport nccl vs the CPU"
@@ -102,9 +110,10 @@ if python3 -c "import torch, diffusers" 2>/dev/null; then
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --model "$OUT/wan21" \
             --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 | tee "$OUT/bench_ours_$dtype.json" || status=1
     done
-    # The bf16 decode again with each conv tile width forced (same bits, another speed): what
-    # the backend's choice per launch gains over either width alone.
-    for tiles in 128 256; do
+    # The bf16 decode again with each conv kernel family forced: mma.sync tiles of 128 or 256
+    # pixels (same bits, another speed: what the backend's choice per launch gains over either
+    # alone), and Hopper's warpgroup MMA (not yet the default).
+    for tiles in 128 256 wgmma; do
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype bf16 --conv-tiles $tiles \
             --model "$OUT/wan21" --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 \
             | tee -a "$OUT/bench_ours_bf16.json" || status=1

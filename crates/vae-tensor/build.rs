@@ -1,5 +1,6 @@
 //! Embeds the CUDA kernels that `cargo xtask kernels` compiled (PTX per virtual architecture and
-//! an `sm_90` cubin per `kernels-cu/*.cu`), when they exist. Without them the crate still builds:
+//! an `sm_90` cubin per `kernels-cu/*.cu`; an `sm_90a` cubin per `kernels-cu/*_sm90a.cu`), when
+//! they exist. Without them the crate still builds:
 //! the CUDA layer then reports that this build carries no kernels.
 
 use std::fmt::Write as _;
@@ -36,6 +37,28 @@ fn main() {
             "    EmbeddedModule {{ name: {name:?}, ptx_compute_80: include_str!({:?}), ptx_compute_90: include_str!({:?}), cubin_sm_90: include_bytes!({:?}) }},",
             ptx80.display().to_string(),
             ptx90.display().to_string(),
+            cubin.display().to_string()
+        );
+    }
+    code.push_str("];\n");
+    // Files of Hopper-only kernels (`*_sm90a.cu`): an sm_90a cubin each, nothing else.
+    let mut hopper: Vec<String> = std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter_map(|f| f.strip_suffix(".sm_90a.cubin").map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    hopper.sort();
+    code.push_str("/// Hopper-only kernels embedded at build time (sm_90a cubins).\n");
+    code.push_str("pub(crate) static EMBEDDED_SM90A: &[Sm90aModule] = &[\n");
+    for name in &hopper {
+        let cubin = dir.join(format!("{name}.sm_90a.cubin"));
+        println!("cargo::rerun-if-changed={}", cubin.display());
+        let _ = writeln!(
+            code,
+            "    Sm90aModule {{ name: {name:?}, cubin_sm_90a: include_bytes!({:?}) }},",
             cubin.display().to_string()
         );
     }

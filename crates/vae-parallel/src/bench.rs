@@ -15,7 +15,7 @@ use vae_parallel::group::TransportKind;
 use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
-use vae_parallel::tensor::cuda::{ConvTileWidth, ConvTilesScope};
+use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope};
 use vae_parallel::tensor::memory::Account;
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
@@ -104,20 +104,22 @@ pub struct DecodeBenchArgs {
     /// `f32` (default), `bf16` or `tf32` (CUDA only; see `decode --help`).
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// The tensor-core convolutions' tile width: `auto` (default: the backend picks per
-    /// launch), `128` or `256` pixels (CUDA only; the results are bit-identical, only the time
-    /// differs).
+    /// The tensor-core convolutions' kernels: `auto` (default: the backend picks per launch),
+    /// `mma.sync` tiles of `128` or `256` pixels (bit-identical results, only the time differs),
+    /// or `wgmma`: Hopper's warpgroup MMA for the bf16 convolutions of 96 channels and more
+    /// (compute capability 9.0; elsewhere and for other convolutions, auto). CUDA only.
     #[arg(long, default_value = "auto")]
     conv_tiles: String,
 }
 
 /// Parses `--conv-tiles`: `None` for the backend's own choice.
-fn conv_tiles(flag: &str, device: Device) -> anyhow::Result<Option<ConvTileWidth>> {
+fn conv_tiles(flag: &str, device: Device) -> anyhow::Result<Option<ConvKernels>> {
     let width = match flag.trim() {
         "auto" => return Ok(None),
-        "128" => ConvTileWidth::Pixels128,
-        "256" => ConvTileWidth::Pixels256,
-        other => anyhow::bail!("--conv-tiles {other:?} is not auto, 128 or 256"),
+        "128" => ConvKernels::Pixels128,
+        "256" => ConvKernels::Pixels256,
+        "wgmma" => ConvKernels::Wgmma,
+        other => anyhow::bail!("--conv-tiles {other:?} is not auto, 128, 256 or wgmma"),
     };
     anyhow::ensure!(!device.is_cpu(), "--conv-tiles {flag} needs a CUDA device (the CPU has no tensor-core tiles)");
     Ok(Some(width))
@@ -323,7 +325,7 @@ fn decode_on_one_rank(
     iters: usize,
     device: Device,
     compute: ComputeType,
-    tiles: Option<ConvTileWidth>,
+    tiles: Option<ConvKernels>,
 ) -> anyhow::Result<DecodeRun> {
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
@@ -400,7 +402,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
             "impl": "vae-parallel",
             "device": device.to_string(),
             "dtype": dtype.to_string(),
-            "conv_tiles": tiles.map_or("auto".to_string(), |w| w.pixels().to_string()),
+            "conv_tiles": tiles.map_or("auto".to_string(), |w| w.to_string()),
             "size": run.output.last().copied().unwrap_or(0),
             "output_shape": run.output,
             "threads": threads,

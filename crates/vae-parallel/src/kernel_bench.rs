@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::tensor::cuda::{ConvTileWidth, ConvTilesScope, probe, resolve_device, synchronize};
+use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 /// Options of `bench kernels`.
@@ -214,10 +214,15 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     let peak_bandwidth = info.as_ref().map(|i| i.peak_bandwidth());
 
     let mut rows = Vec::new();
-    let widths: &[Option<ConvTileWidth>] = match device {
-        Device::Cuda(_) => &[None, Some(ConvTileWidth::Pixels128), Some(ConvTileWidth::Pixels256)],
-        Device::Cpu => &[None],
-    };
+    // On CUDA each tensor-core case also runs on each kernel family forced, side by side; the
+    // warpgroup-MMA kernels only where they exist (bf16 on compute capability 9.0).
+    let mut widths = vec![None];
+    if let Some(info) = &info {
+        widths.extend([Some(ConvKernels::Pixels128), Some(ConvKernels::Pixels256)]);
+        if dtype == DType::BF16 && info.compute_capability == (9, 0) {
+            widths.push(Some(ConvKernels::Wgmma));
+        }
+    }
     for case in cases(args.downscale, dtype.size_in_bytes() as f64)? {
         let inputs = case
             .inputs
@@ -233,7 +238,8 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             let _tiles = width.map(ConvTilesScope::only);
             let name = match width {
                 None => case.name.clone(),
-                Some(w) => format!("{} [{}-px tiles]", case.name, w.pixels()),
+                Some(ConvKernels::Wgmma) => format!("{} [wgmma]", case.name),
+                Some(w) => format!("{} [{w}-px tiles]", case.name),
             };
             let mut best = f64::INFINITY;
             for i in 0..=args.iters {

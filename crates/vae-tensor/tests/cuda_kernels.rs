@@ -15,12 +15,14 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use vae_tensor::cuda::abi::{Box8, ConvGeom};
-use vae_tensor::cuda::{embedded_modules, probe};
+use vae_tensor::cuda::{embedded_modules, embedded_sm90a_modules, probe};
 use vae_tensor::{Conv2dParams, Conv3dParams, Device, Tensor};
 
 struct Gpu {
     stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
+    /// Compute capability 9.0: the sm_90a modules are loaded too.
+    sm90: bool,
 }
 
 impl Gpu {
@@ -39,7 +41,7 @@ impl Gpu {
         }
         let ctx = CudaContext::new(0).expect("the probe opened this device");
         let sm90 = info.compute_capability == (9, 0);
-        let modules = embedded_modules()
+        let mut modules: Vec<_> = embedded_modules()
             .iter()
             .map(|m| {
                 // The SASS where it matches the device, PTX (JIT) elsewhere.
@@ -48,7 +50,14 @@ impl Gpu {
                 (m.name, ctx.load_module(image).unwrap_or_else(|e| panic!("loading {}: {e}", m.name)))
             })
             .collect();
-        Some(Self { stream: ctx.default_stream(), modules })
+        // The Hopper-only kernels, on compute capability 9.0 alone.
+        if sm90 {
+            for m in embedded_sm90a_modules() {
+                let image = Ptx::from_binary(m.cubin_sm_90a.to_vec());
+                modules.push((m.name, ctx.load_module(image).unwrap_or_else(|e| panic!("loading {}: {e}", m.name))));
+            }
+        }
+        Some(Self { stream: ctx.default_stream(), modules, sm90 })
     }
 
     fn function(&self, module: &str, name: &str) -> CudaFunction {
@@ -172,7 +181,15 @@ fn every_module_loads_and_has_its_entry_points() {
             gpu.function(module, name);
         }
     }
+    if gpu.sm90 {
+        for n in WGMMA_CHANNELS {
+            gpu.function("conv_sm90a", &format!("conv3d_wgmma_bf16_n{n}"));
+        }
+    }
 }
+
+/// The output channels of conv_sm90a.cu's tiles.
+const WGMMA_CHANNELS: [u64; 4] = [96, 128, 192, 256];
 
 #[test]
 fn elementwise_kernels_match_the_cpu() {
@@ -252,12 +269,23 @@ fn geometry(x: &Tensor, w: &Tensor, p: &Conv3dParams) -> ConvGeom {
     }
 }
 
+/// A GEMM kernel of the tensor-core conv pipeline.
+#[derive(Debug, Clone, Copy)]
+enum Gemm {
+    /// conv.cu's `conv3d_tc_{gemm}_m{mt}`: tiles of `32 * mt` output channels by `pixels` output
+    /// pixels (256: the `_n256` kernel, allowed and given its four stages of dynamic shared
+    /// memory, conv.cu's `TC_WIDE_SMEM`).
+    Mma { mt: u64, pixels: u64 },
+    /// conv_sm90a.cu's `conv3d_wgmma_bf16_n{channels}`: tiles of 128 pixels by `channels`, with
+    /// `WGMMA_SMEM(channels)` bytes of dynamic shared memory.
+    Wgmma { channels: u64 },
+}
+
 /// The tensor-core conv pipeline kernel by kernel, as the backend launches it: input and
 /// weights into their zero-padded channels-last copies ([`ConvGeom::channels_last`],
-/// `conv_*_channels_last_{copies}`), then the GEMM `conv3d_tc_{gemm}_m{mt}` with tiles of
-/// `32 * mt` output channels by `pixels` output pixels (256: the `_n256` kernel, allowed and given
-/// its four stages of dynamic shared memory, conv.cu's `TC_WIDE_SMEM`). `T` is the storage type
-/// (`f32`, or `u16` holding bf16 bits); the bias is f32.
+/// `conv_*_channels_last_{copies}`), then the GEMM of `tile` (`{gemm}` names the mma.sync
+/// kernels' products). `T` is the storage type (`f32`, or `u16` holding bf16 bits); the bias is
+/// f32.
 #[allow(clippy::too_many_arguments)] // the pipeline's operands and its three kernels
 fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     gpu: &Gpu,
@@ -267,7 +295,7 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     g: &ConvGeom,
     copies: &str,
     gemm: &str,
-    (mt, pixels): (u64, u64),
+    tile: Gemm,
 ) -> CudaSlice<T> {
     let p = g.channels_last(std::mem::size_of::<T>() as u64);
     let mut xp = gpu.stream.alloc_zeros::<T>((g.n * p.t * p.h * p.w * p.c) as usize).unwrap();
@@ -284,17 +312,24 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
     unsafe { gpu.stream.launch_builder(&f).arg(w).arg(&mut wr).arg(g).launch(grid(wr_len)) }.unwrap();
     let mut out = gpu.stream.alloc_zeros::<T>((g.n * g.cout * g.to * g.ho * g.wo) as usize).unwrap();
     let cols = g.n * g.to * g.ho * g.wo;
-    let (name, shared) = match pixels {
-        128 => (format!("conv3d_tc_{gemm}_m{mt}"), 0),
-        256 => (format!("conv3d_tc_{gemm}_m{mt}_n256"), 4 * (32 * mt as u32 + 256) * 64),
-        _ => panic!("no tiles of {pixels} pixels"),
+    let (module, name, shared, (pixels, rows)) = match tile {
+        Gemm::Mma { mt, pixels: 128 } => ("conv", format!("conv3d_tc_{gemm}_m{mt}"), 0, (128, 32 * mt)),
+        Gemm::Mma { mt, pixels: 256 } => {
+            ("conv", format!("conv3d_tc_{gemm}_m{mt}_n256"), 4 * (32 * mt as u32 + 256) * 64, (256, 32 * mt))
+        }
+        Gemm::Mma { pixels, .. } => panic!("no tiles of {pixels} pixels"),
+        Gemm::Wgmma { channels } => {
+            let stages = if channels >= 192 { 5 } else { 6 };
+            let shared = (stages * (channels + 128) * 64 + 512) as u32;
+            ("conv_sm90a", format!("conv3d_wgmma_bf16_n{channels}"), shared, (128, channels))
+        }
     };
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(pixels) as u32, g.cout.div_ceil(32 * mt) as u32, 1),
+        grid_dim: (cols.div_ceil(pixels) as u32, g.cout.div_ceil(rows) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: shared,
     };
-    let f = gpu.function("conv", &name);
+    let f = gpu.function(module, &name);
     if shared > 0 {
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
             .unwrap();
@@ -305,15 +340,7 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
 
 /// An f32 pipeline (`suffix` `f32` or `tf32`) for an NCTHW input with the given padding and
 /// strides, tiles of `32 * mt` output channels by `pixels`.
-fn gpu_conv3d(
-    gpu: &Gpu,
-    x: &Tensor,
-    w: &Tensor,
-    bias: &Tensor,
-    p: &Conv3dParams,
-    suffix: &str,
-    tile: (u64, u64),
-) -> Tensor {
+fn gpu_conv3d(gpu: &Gpu, x: &Tensor, w: &Tensor, bias: &Tensor, p: &Conv3dParams, suffix: &str, tile: Gemm) -> Tensor {
     let g = geometry(x, w, p);
     let out_dims = [x.dims()[0], w.dims()[0], g.to as usize, g.ho as usize, g.wo as usize];
     // The TF32 kernels read the f32 pipeline's channels-last copies.
@@ -331,7 +358,7 @@ fn the_implicit_gemm_conv_matches_the_cpu_conv3d_and_conv2d() {
     let Some(gpu) = Gpu::get("conv") else { return };
     let runs = [("f32", 3, 1e-4), ("f32", 2, 1e-4), ("tf32", 4, 0.025), ("tf32", 3, 0.025), ("tf32", 2, 0.025)];
     for ((suffix, mt, tol), pixels) in runs.into_iter().flat_map(|r| [(r, 128), (r, 256)]) {
-        let tile = (mt, pixels);
+        let tile = Gemm::Mma { mt, pixels };
         let label = format!("{suffix} m{mt} x {pixels}");
         // Wan's causal 3x3x3 conv: two zero frames in front, one row / column each side.
         let x = pattern(&[1, 8, 3, 9, 11], 8);
@@ -445,15 +472,32 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
     let g = geometry(&x, &w, &p);
     let out_dims = [1, cout, g.to as usize, g.ho as usize, g.wo as usize];
     let db = gpu.upload(&b);
+    let mut reference = None;
     for mt in [4, 3, 2] {
-        let narrow = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", (mt, 128));
+        let narrow = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", Gemm::Mma { mt, pixels: 128 });
         let got = to_f32(&narrow, &out_dims);
         // Output rounding to bf16: 2^-8 relative; the values here stay below 8.
         close(&got, &want, 8.0 / 256.0, &format!("conv3d_tc_bf16_m{mt}"));
         // The wide tiles sum every output in the same order: the same bits.
-        let wide = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", (mt, 256));
+        let wide = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", Gemm::Mma { mt, pixels: 256 });
         let (narrow, wide) = (gpu.stream.clone_dtoh(&narrow).unwrap(), gpu.stream.clone_dtoh(&wide).unwrap());
         assert!(narrow == wide, "conv3d_tc_bf16_m{mt}_n256 differs from conv3d_tc_bf16_m{mt}");
+        reference = Some((got, narrow));
+    }
+    // Hopper's warpgroup MMA at every tile width (200 channels: one partial tile of 256, two of
+    // 96 and 128 with a partial one, a partial tile of 192).
+    if gpu.sm90 {
+        let (mma, mma_bits) = reference.expect("the mma.sync kernels ran");
+        for channels in WGMMA_CHANNELS {
+            let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", Gemm::Wgmma { channels });
+            let got = to_f32(&out, &out_dims);
+            close(&got, &want, 8.0 / 256.0, &format!("conv3d_wgmma_bf16_n{channels}"));
+            let same = gpu.stream.clone_dtoh(&out).unwrap() == mma_bits;
+            eprintln!(
+                "conv3d_wgmma_bf16_n{channels}: {} from mma.sync (bit-identical: {same})",
+                got.max_abs_diff(&mma).unwrap()
+            );
+        }
     }
 }
 

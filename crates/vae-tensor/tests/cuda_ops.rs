@@ -205,7 +205,7 @@ fn both_conv_tile_widths_give_the_same_bits() {
     if !gpu("conv tile widths") {
         return;
     }
-    use vae_tensor::cuda::{ConvTileWidth, ConvTilesScope};
+    use vae_tensor::cuda::{ConvKernels, ConvTilesScope};
     let x = pattern(&[1, 40, 3, 17, 23], 62);
     let w = pattern(&[200, 40, 3, 3, 3], 63).affine(0.05, 0.0).unwrap();
     let b = pattern(&[200], 64);
@@ -218,11 +218,60 @@ fn both_conv_tile_widths_give_the_same_bits() {
         let auto = conv().to_device(&Device::Cpu).unwrap();
         let what = format!("{dtype}{}", if tf32 { " (tf32)" } else { "" });
         assert!(auto.max_abs_diff(&want).unwrap() <= tol, "{what}: {}", auto.max_abs_diff(&want).unwrap());
-        for width in [ConvTileWidth::Pixels128, ConvTileWidth::Pixels256] {
+        for width in [ConvKernels::Pixels128, ConvKernels::Pixels256] {
             let _only = ConvTilesScope::only(width);
             let got = conv().to_device(&Device::Cpu).unwrap();
-            assert!(got.bit_eq(&auto), "{what}: tiles of {} pixels change the result", width.pixels());
+            assert!(got.bit_eq(&auto), "{what}: tiles of {width} pixels change the result");
         }
+    }
+}
+
+/// The warpgroup-MMA convolutions (`ConvKernels::Wgmma`, compute capability 9.0) at every tile
+/// width they take (96, 128, 192 and 256 channels, 384 as two tiles of 192, 200 as a partial tile
+/// of 256), causal 3x3x3 over a grid that ends in a partial tile of pixels, with and without a
+/// bias: within bf16's bound of the CPU, and next to the mma.sync kernels (the difference is
+/// printed; whether both tensor-core paths round alike is for the GPU to show). Elsewhere the
+/// choice falls back to mma.sync, bit for bit.
+#[test]
+fn wgmma_convolutions_match_the_cpu() {
+    if !gpu("wgmma convolutions") {
+        return;
+    }
+    use vae_tensor::cuda::{ConvKernels, ConvTilesScope, wgmma_available};
+    let sm90 = probe(0).unwrap().compute_capability == (9, 0);
+    let available = wgmma_available(0).unwrap();
+    assert_eq!(
+        available,
+        sm90 && !vae_tensor::cuda::embedded_sm90a_modules().is_empty(),
+        "the sm_90a kernels load exactly on compute capability 9.0"
+    );
+    let params = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    for (cout, cin, bias) in
+        [(96, 96, true), (128, 40, false), (192, 64, true), (256, 33, true), (384, 96, true), (200, 40, false)]
+    {
+        let x = pattern(&[1, cin, 3, 9, 23], 70 + cout as u64);
+        let w = pattern(&[cout, cin, 3, 3, 3], 71).affine(0.05, 0.0).unwrap();
+        let b = bias.then(|| pattern(&[cout], 72));
+        let want = x.conv3d(&w, b.as_ref(), &params).unwrap();
+        let (xg, wg) = (gpu_of(&x).to_dtype(DType::BF16).unwrap(), gpu_of(&w).to_dtype(DType::BF16).unwrap());
+        let bg = b.as_ref().map(gpu_of);
+        let conv = |kernels| {
+            let _only = ConvTilesScope::only(kernels);
+            xg.conv3d(&wg, bg.as_ref(), &params).unwrap().to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap()
+        };
+        let (wgmma, mma) = (conv(ConvKernels::Wgmma), conv(ConvKernels::Pixels128));
+        if !available {
+            // Elsewhere the choice falls back to mma.sync, whose widths give the same bits.
+            assert!(wgmma.bit_eq(&mma), "{cout} channels: the fallback differs from mma.sync");
+            continue;
+        }
+        let err = wgmma.max_abs_diff(&want).unwrap();
+        assert!(err <= 0.25, "{cout} channels: wgmma is {err} from the CPU");
+        eprintln!(
+            "wgmma, {cout} output channels: {err} from the CPU, {} from mma.sync (bit-identical: {})",
+            wgmma.max_abs_diff(&mma).unwrap(),
+            wgmma.bit_eq(&mma)
+        );
     }
 }
 

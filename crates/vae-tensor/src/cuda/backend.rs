@@ -22,7 +22,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::abi::{Box8, ChannelsLast, ConvGeom};
-use super::embedded_modules;
+use super::{ConvKernels, WGMMA_ENV, embedded_modules, embedded_sm90a_modules};
 use crate::memory::DeviceCharge;
 use crate::{DType, Device, Result, TensorError};
 
@@ -35,6 +35,9 @@ pub(crate) struct CudaDevice {
     /// Where work goes unless the calling thread has a stream of its own ([`OwnStream`]).
     default_stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
+    /// Whether the Hopper-only kernels (`*_sm90a.cu`: `wgmma`) are loaded: compute capability 9.0
+    /// and a build that embeds them.
+    wgmma: bool,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
 }
 
@@ -83,15 +86,32 @@ impl CudaDevice {
                 ctx.load_module(image).map_err(|e| unavailable(ordinal, format!("loading {}: {e}", m.name)))?;
             modules.push((m.name, module));
         }
+        // sm_90a code runs on compute capability 9.0 exactly (not on later GPUs).
+        let mut wgmma = false;
+        if sm90 {
+            for m in embedded_sm90a_modules() {
+                let module = ctx
+                    .load_module(Ptx::from_binary(m.cubin_sm_90a.to_vec()))
+                    .map_err(|e| unavailable(ordinal, format!("loading {}: {e}", m.name)))?;
+                modules.push((m.name, module));
+                wgmma |= m.name == WGMMA_MODULE;
+            }
+        }
         let device = Arc::new(Self {
             ordinal,
             sms: (info.multiprocessors as usize).max(1),
             default_stream: ctx.default_stream(),
             modules,
+            wgmma,
             functions: Mutex::default(),
         });
         devices.insert(ordinal, Arc::clone(&device));
         Ok(device)
+    }
+
+    /// Whether the warpgroup-MMA kernels are loaded.
+    pub(crate) fn has_wgmma(&self) -> bool {
+        self.wgmma
     }
 
     fn function(&self, module: &str, name: &'static str) -> Result<CudaFunction> {
@@ -101,6 +121,11 @@ impl CudaDevice {
     /// The tensor-core convolution kernel of `tile`, allowed its dynamic shared memory.
     fn tensor_core_function(&self, tile: TensorCoreTile) -> Result<CudaFunction> {
         self.function_with_dynamic_shared("conv", tile.name, tile.dynamic_shared_bytes())
+    }
+
+    /// The warpgroup-MMA convolution kernel of `tile`, allowed its dynamic shared memory.
+    fn wgmma_function(&self, tile: WgmmaTile) -> Result<CudaFunction> {
+        self.function_with_dynamic_shared(WGMMA_MODULE, tile.name, tile.dynamic_shared_bytes())
     }
 
     /// Kernel `name` of `module`, loaded once; where its launches give more than 48 KiB of
@@ -418,26 +443,74 @@ impl Drop for Tf32Guard {
 }
 
 thread_local! {
-    /// The tile widths this thread's tensor-core convolutions may take (see [`ConvTilesGuard`]).
-    static CONV_TILE_PIXELS: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    /// The kernels this thread's tensor-core convolutions must take (see [`ConvTilesGuard`]).
+    static CONV_KERNELS: std::cell::Cell<Option<ConvKernels>> = const { std::cell::Cell::new(None) };
 }
 
-/// Restricts the calling thread's tensor-core convolutions to tiles of `pixels` output pixels
-/// while this lives (`crate::cuda::ConvTilesScope`).
+/// Restricts the calling thread's tensor-core convolutions to `kernels` while this lives
+/// (`crate::cuda::ConvTilesScope`).
 pub(crate) struct ConvTilesGuard {
-    previous: Option<u64>,
+    previous: Option<ConvKernels>,
 }
 
 impl ConvTilesGuard {
-    pub(crate) fn enter(pixels: Option<u64>) -> Self {
-        Self { previous: CONV_TILE_PIXELS.replace(pixels) }
+    pub(crate) fn enter(kernels: Option<ConvKernels>) -> Self {
+        Self { previous: CONV_KERNELS.replace(kernels) }
     }
 }
 
 impl Drop for ConvTilesGuard {
     fn drop(&mut self) {
-        CONV_TILE_PIXELS.set(self.previous);
+        CONV_KERNELS.set(self.previous);
     }
+}
+
+/// The module of the warpgroup-MMA convolutions (`kernels-cu/conv_sm90a.cu`).
+const WGMMA_MODULE: &str = "conv_sm90a";
+
+/// Whether this thread's bf16 convolutions take the warpgroup-MMA kernels where a device has them:
+/// as a [`ConvTilesGuard`] says, else as [`WGMMA_ENV`] says (read once per process).
+fn wgmma_wanted() -> bool {
+    static DEFAULT: OnceLock<bool> = OnceLock::new();
+    match CONV_KERNELS.get() {
+        Some(kernels) => kernels == ConvKernels::Wgmma,
+        None => *DEFAULT.get_or_init(|| std::env::var(WGMMA_ENV).is_ok_and(|v| v == "1")),
+    }
+}
+
+/// A warpgroup-MMA convolution kernel (conv_sm90a.cu's `conv3d_wgmma_bf16_n<N>`): tiles of 128
+/// output pixels by `channels` output channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WgmmaTile {
+    pub(crate) channels: u64,
+    pub(crate) name: &'static str,
+}
+
+impl WgmmaTile {
+    /// conv_sm90a.cu's `WGMMA_SMEM(N)`: its stages (5 of 192 and 256 channels, 6 of fewer) of
+    /// `channels + 128` rows of 64 bytes, and 512 bytes to align them.
+    pub(crate) fn dynamic_shared_bytes(&self) -> u32 {
+        let stages = if self.channels >= 192 { 5 } else { 6 };
+        (stages * (self.channels + 128) * 64 + 512) as u32
+    }
+
+    fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
+        (cols.div_ceil(128) as u32, cout.div_ceil(self.channels) as u32, 1)
+    }
+}
+
+/// The warpgroup-MMA kernel for `cout` output channels: the tile width (96, 128, 192 or 256
+/// channels) that pads `cout` least, the widest of those. It depends on `cout` alone, never on the
+/// grid, so that every rank of a sharded or tiled decode runs a given convolution on the same
+/// kernel as one device would.
+fn wgmma_tile(cout: u64) -> WgmmaTile {
+    const TILES: [WgmmaTile; 4] = [
+        WgmmaTile { channels: 256, name: "conv3d_wgmma_bf16_n256" },
+        WgmmaTile { channels: 192, name: "conv3d_wgmma_bf16_n192" },
+        WgmmaTile { channels: 128, name: "conv3d_wgmma_bf16_n128" },
+        WgmmaTile { channels: 96, name: "conv3d_wgmma_bf16_n96" },
+    ];
+    *TILES.iter().min_by_key(|t| cout.div_ceil(t.channels) * t.channels).expect("tiles")
 }
 
 /// A tensor-core convolution kernel (conv.cu's `conv3d_tc_*`): tiles of `rows` output channels
@@ -510,7 +583,7 @@ fn tensor_core_tile(math: TensorCoreMath, cout: u64, cols: u64, sms: u64) -> Ten
             T(64, 256, "conv3d_tc_tf32_m2_n256"),
         ],
     };
-    let only = CONV_TILE_PIXELS.get();
+    let only = CONV_KERNELS.get().and_then(ConvKernels::mma_pixels);
     let (fast, slow) = WIDE_TILE_SPEEDUP;
     tiles
         .iter()
@@ -528,16 +601,21 @@ fn tensor_core_tile(math: TensorCoreMath, cout: u64, cols: u64, sms: u64) -> Ten
 /// The kernel of a convolution's product (after the channels-last copies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ConvKernel {
-    /// The tensor-core implicit GEMM.
+    /// The tensor-core implicit GEMM on `mma.sync`.
     TensorCores(TensorCoreTile),
+    /// The same on Hopper's warpgroup MMA (bf16).
+    Wgmma(WgmmaTile),
     /// At most 4 output channels on CUDA cores (`conv3d_small_cout_*_c4`).
     SmallCout,
 }
 
 /// The kernel for `cout` output channels whose weights are `taps * cp` elements of `elem_bytes`
-/// each per channel, over `cols` output pixels: at most 4 output channels (the RGB heads) on
-/// CUDA cores when 4 channels' weights fit the kernel's shared memory (a tensor-core tile would
-/// multiply 60 and more rows of zeros), else the tensor-core tile of [`tensor_core_tile`].
+/// each per channel, over `cols` output pixels, on a device of `sms` multiprocessors that has the
+/// warpgroup-MMA kernels or not (`wgmma`): at most 4 output channels (the RGB heads) on CUDA
+/// cores when 4 channels' weights fit the kernel's shared memory (a tensor-core tile would
+/// multiply 60 and more rows of zeros); bf16 with at least 96 output channels on the
+/// warpgroup-MMA tile of [`wgmma_tile`] where the device has it and the thread wants it
+/// ([`wgmma_wanted`]); else the `mma.sync` tile of [`tensor_core_tile`].
 fn conv_kernel(
     math: TensorCoreMath,
     cout: u64,
@@ -545,9 +623,13 @@ fn conv_kernel(
     elem_bytes: u64,
     cols: u64,
     sms: u64,
+    wgmma: bool,
 ) -> ConvKernel {
     if cout <= 4 && 4 * weights_per_channel * elem_bytes <= SMALL_COUT_SMEM {
         return ConvKernel::SmallCout;
+    }
+    if wgmma && math == TensorCoreMath::Bf16 && cout >= 96 && wgmma_wanted() {
+        return ConvKernel::Wgmma(wgmma_tile(cout));
     }
     ConvKernel::TensorCores(tensor_core_tile(math, cout, cols, sms))
 }
@@ -964,9 +1046,10 @@ impl CudaStorage {
         }
         let math = TensorCoreMath::for_conv(self.dtype());
         let elem = if bf16 { 2 } else { 4 };
-        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols, self.device.sms as u64);
+        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols, self.device.sms as u64, self.device.wgmma);
         let row_tiles = match kernel {
             ConvKernel::TensorCores(tile) => g.cout.div_ceil(tile.rows),
+            ConvKernel::Wgmma(tile) => g.cout.div_ceil(tile.channels),
             ConvKernel::SmallCout => 1,
         };
         if rows_padded > i32::MAX as u64
@@ -1021,6 +1104,9 @@ impl CudaStorage {
             }
             ConvKernel::TensorCores(tile) => {
                 (self.device.tensor_core_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
+            }
+            ConvKernel::Wgmma(tile) => {
+                (self.device.wgmma_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
             }
         };
         let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes };
@@ -1353,7 +1439,10 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::{ConvKernel, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile};
+    use super::{
+        ConvKernel, ConvKernels, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile,
+        wgmma_tile,
+    };
 
     /// A large Wan2.1 chunk (4 frames of 480x832) and an H200's multiprocessors.
     const BIG: u64 = 4 * 480 * 832;
@@ -1388,7 +1477,7 @@ mod tests {
     #[test]
     fn a_guard_restricts_the_tile_width_on_its_thread_only() {
         let narrow = {
-            let _only = ConvTilesGuard::enter(Some(128));
+            let _only = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
             let t = tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS);
             let other = std::thread::spawn(|| tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS)).join();
             assert_eq!(other.expect("thread").pixels, 256);
@@ -1396,34 +1485,69 @@ mod tests {
         };
         assert_eq!((narrow.rows, narrow.pixels, narrow.name), (128, 128, "conv3d_tc_bf16_m4"));
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).pixels, 256);
-        let _only = ConvTilesGuard::enter(Some(256));
+        let _only = ConvTilesGuard::enter(Some(ConvKernels::Pixels256));
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, 100, SMS).pixels, 256);
     }
 
     #[test]
     fn wide_tiles_ask_for_their_four_stages_of_dynamic_shared_memory() {
-        let _only = ConvTilesGuard::enter(Some(256));
+        let _only = ConvTilesGuard::enter(Some(ConvKernels::Pixels256));
         // conv.cu's TC_WIDE_SMEM(MT) = 4 * (32 * MT + 256) * 64; narrow tiles use static memory.
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).dynamic_shared_bytes(), 98_304);
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 96, BIG, SMS).dynamic_shared_bytes(), 90_112);
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 3, BIG, SMS).dynamic_shared_bytes(), 81_920);
         drop(_only);
-        let _only = ConvTilesGuard::enter(Some(128));
+        let _only = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
         assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).dynamic_shared_bytes(), 0);
     }
 
     #[test]
     fn rgb_heads_run_on_cuda_cores_when_their_weights_fit() {
         // Wan's head: 96 channels, 27 taps, in bf16 and in f32 (41.5 KiB of 44).
-        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 3, 27 * 96, 2, BIG, SMS), ConvKernel::SmallCout);
-        assert_eq!(conv_kernel(TensorCoreMath::F32, 3, 27 * 96, 4, BIG, SMS), ConvKernel::SmallCout);
-        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 4, 9 * 128, 2, BIG, SMS), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 3, 27 * 96, 2, BIG, SMS, true), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::F32, 3, 27 * 96, 4, BIG, SMS, false), ConvKernel::SmallCout);
+        assert_eq!(conv_kernel(TensorCoreMath::Bf16, 4, 9 * 128, 2, BIG, SMS, false), ConvKernel::SmallCout);
         // Too many weights for the kernel's shared memory, or more than 4 channels: tensor cores.
         let over = SMALL_COUT_SMEM / (4 * 4) + 4;
         assert!(matches!(
-            conv_kernel(TensorCoreMath::F32, 3, over, 4, BIG, SMS),
+            conv_kernel(TensorCoreMath::F32, 3, over, 4, BIG, SMS, false),
             ConvKernel::TensorCores(t) if t.rows == 64
         ));
-        assert!(matches!(conv_kernel(TensorCoreMath::Bf16, 5, 27 * 96, 2, BIG, SMS), ConvKernel::TensorCores(_)));
+        assert!(matches!(
+            conv_kernel(TensorCoreMath::Bf16, 5, 27 * 96, 2, BIG, SMS, false),
+            ConvKernel::TensorCores(_)
+        ));
+    }
+
+    #[test]
+    fn wgmma_tiles_pad_the_channels_least_and_ignore_the_grid() {
+        let channels = |cout| wgmma_tile(cout).channels;
+        // Wan's 96 and 192, AutoencoderKL's 128, 256 and 512: no idle channels.
+        assert_eq!([channels(96), channels(128), channels(192), channels(256)], [96, 128, 192, 256]);
+        // Ties go to the widest: 384 = 2 x 192 (not 3 x 128 or 4 x 96), 768 = 3 x 256.
+        assert_eq!([channels(384), channels(512), channels(768)], [192, 256, 256]);
+        // 200 channels: 256 pads 56, 128 x 2 pads as much, 96 x 3 more.
+        assert_eq!(channels(200), 256);
+        assert_eq!(wgmma_tile(96).name, "conv3d_wgmma_bf16_n96");
+        // conv_sm90a.cu's WGMMA_SMEM(N): 6 stages below 192 channels, 5 from there, + 512.
+        assert_eq!(wgmma_tile(96).dynamic_shared_bytes(), 6 * 224 * 64 + 512);
+        assert_eq!(wgmma_tile(256).dynamic_shared_bytes(), 5 * 384 * 64 + 512);
+    }
+
+    #[test]
+    fn wgmma_takes_bf16_convolutions_of_96_channels_and_more_where_the_device_has_it() {
+        let _wgmma = ConvTilesGuard::enter(Some(ConvKernels::Wgmma));
+        let kernel = |math, cout, wgmma| conv_kernel(math, cout, 27 * 96, 2, BIG, SMS, wgmma);
+        assert!(matches!(kernel(TensorCoreMath::Bf16, 96, true), ConvKernel::Wgmma(t) if t.channels == 96));
+        assert!(matches!(kernel(TensorCoreMath::Bf16, 384, true), ConvKernel::Wgmma(t) if t.channels == 192));
+        // Without the kernels (not compute capability 9.0), fewer channels, other products.
+        assert!(matches!(kernel(TensorCoreMath::Bf16, 96, false), ConvKernel::TensorCores(_)));
+        assert!(matches!(kernel(TensorCoreMath::Bf16, 64, true), ConvKernel::TensorCores(_)));
+        assert!(matches!(kernel(TensorCoreMath::F32, 96, true), ConvKernel::TensorCores(_)));
+        assert!(matches!(kernel(TensorCoreMath::Tf32, 96, true), ConvKernel::TensorCores(_)));
+        assert_eq!(kernel(TensorCoreMath::Bf16, 3, true), ConvKernel::SmallCout);
+        // A thread that forces an mma.sync width gets it.
+        let _narrow = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
+        assert!(matches!(kernel(TensorCoreMath::Bf16, 96, true), ConvKernel::TensorCores(t) if t.pixels == 128));
     }
 }

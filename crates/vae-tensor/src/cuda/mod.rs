@@ -33,11 +33,26 @@ pub struct EmbeddedModule {
     pub cubin_sm_90: &'static [u8],
 }
 
+/// One compiled `kernels-cu/*_sm90a.cu`: kernels with Hopper-only instructions (`wgmma`), which
+/// run on compute capability 9.0 alone.
+#[derive(Debug, Clone, Copy)]
+pub struct Sm90aModule {
+    /// The source file's stem (`conv_sm90a`).
+    pub name: &'static str,
+    /// SASS for sm_90a.
+    pub cubin_sm_90a: &'static [u8],
+}
+
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
 /// The kernel modules embedded in this build (none when `cargo xtask kernels` had not run).
 pub fn embedded_modules() -> &'static [EmbeddedModule] {
     EMBEDDED
+}
+
+/// The Hopper-only kernel modules embedded in this build.
+pub fn embedded_sm90a_modules() -> &'static [Sm90aModule] {
+    EMBEDDED_SM90A
 }
 
 /// What the driver says about a device.
@@ -97,32 +112,55 @@ impl CudaDeviceInfo {
     }
 }
 
-/// The width of the tensor-core convolutions' tiles, in output pixels.
+/// Which kernels the tensor-core convolutions take, where a benchmark or a check forces one
+/// family instead of the backend's choice per launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ConvTileWidth {
-    /// 128 pixels: three stages in static shared memory, two blocks per multiprocessor.
+pub enum ConvKernels {
+    /// `mma.sync` tiles of 128 pixels: three stages in static shared memory, two blocks per
+    /// multiprocessor.
     Pixels128,
-    /// 256 pixels: four stages in dynamic shared memory, one block per multiprocessor, half
-    /// the operand traffic per product.
+    /// `mma.sync` tiles of 256 pixels: four stages in dynamic shared memory, one block per
+    /// multiprocessor, half the operand traffic per product.
     Pixels256,
+    /// Hopper's warpgroup MMA (`wgmma`, `kernels-cu/conv_sm90a.cu`) for every bf16 convolution
+    /// of at least 96 output channels on a device of compute capability 9.0; the backend's
+    /// `mma.sync` choice for the others (f32 and TF32, fewer channels, other GPUs). Not yet the
+    /// default: it has run only under the kernel emulator and the fake driver so far. The
+    /// environment variable `VAE_CUDA_WGMMA=1` makes it the default of a process.
+    Wgmma,
 }
 
-impl ConvTileWidth {
-    /// The width in pixels.
-    pub fn pixels(self) -> u64 {
+/// The environment variable that makes [`ConvKernels::Wgmma`] the default of a process (`1`),
+/// until a GPU has measured the warpgroup-MMA convolutions and they become the default.
+pub const WGMMA_ENV: &str = "VAE_CUDA_WGMMA";
+
+impl ConvKernels {
+    /// The `mma.sync` tile width this choice forces, if any.
+    pub(crate) fn mma_pixels(self) -> Option<u64> {
         match self {
-            Self::Pixels128 => 128,
-            Self::Pixels256 => 256,
+            Self::Pixels128 => Some(128),
+            Self::Pixels256 => Some(256),
+            Self::Wgmma => None,
         }
     }
 }
 
+impl std::fmt::Display for ConvKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Pixels128 => "128",
+            Self::Pixels256 => "256",
+            Self::Wgmma => "wgmma",
+        })
+    }
+}
+
 /// While it lives, the calling thread's tensor-core convolutions (and attention products) take
-/// tiles of one width only, instead of the backend's choice per launch: for benchmarks that
-/// time both widths side by side. Results are bit-identical either way (every output is summed
-/// in the same order); only the speed differs. Scopes nest; the previous choice returns when
-/// one ends.
-#[must_use = "the tile width holds only while the scope lives"]
+/// the kernels of one [`ConvKernels`] only, instead of the backend's choice per launch: for
+/// benchmarks that time them side by side. Both `mma.sync` widths give bit-identical results
+/// (every output is summed in the same order); whether `wgmma`'s tensor cores round the same is
+/// for a GPU to show. Scopes nest; the previous choice returns when one ends.
+#[must_use = "the kernel choice holds only while the scope lives"]
 pub struct ConvTilesScope {
     _guard: backend::ConvTilesGuard,
     /// A scope belongs to the thread that opened it.
@@ -130,9 +168,9 @@ pub struct ConvTilesScope {
 }
 
 impl ConvTilesScope {
-    /// Restricts the calling thread's tensor-core convolutions to tiles of `width`.
-    pub fn only(width: ConvTileWidth) -> Self {
-        Self { _guard: backend::ConvTilesGuard::enter(Some(width.pixels())), _not_send: std::marker::PhantomData }
+    /// Restricts the calling thread's tensor-core convolutions to `kernels`.
+    pub fn only(kernels: ConvKernels) -> Self {
+        Self { _guard: backend::ConvTilesGuard::enter(Some(kernels)), _not_send: std::marker::PhantomData }
     }
 }
 
@@ -140,6 +178,12 @@ impl std::fmt::Debug for ConvTilesScope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ConvTilesScope")
     }
+}
+
+/// Whether device `ordinal` runs [`ConvKernels::Wgmma`]: compute capability 9.0 and a build that
+/// embeds the sm_90a kernels (opens the device on first use).
+pub fn wgmma_available(ordinal: usize) -> crate::Result<bool> {
+    Ok(backend::CudaDevice::get(ordinal)?.has_wgmma())
 }
 
 /// Waits until everything queued on `device` has run (a no-op for the CPU), so host timers
@@ -246,6 +290,9 @@ mod tests {
             assert!(m.ptx_compute_80.contains(".target sm_80"), "{}", m.name);
             assert!(m.ptx_compute_90.contains(".target sm_90"), "{}", m.name);
             assert!(m.cubin_sm_90.starts_with(b"\x7fELF"), "{}", m.name);
+        }
+        for m in embedded_sm90a_modules() {
+            assert!(m.cubin_sm_90a.starts_with(b"\x7fELF"), "{}", m.name);
         }
     }
 }
