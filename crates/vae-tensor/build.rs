@@ -1,10 +1,24 @@
 //! Embeds the CUDA kernels that `cargo xtask kernels` compiled (PTX per virtual architecture and
 //! an `sm_90` cubin per `kernels-cu/*.cu`; an `sm_90a` cubin per `kernels-cu/*_sm90a.cu`), when
-//! they exist. Without them the crate still builds:
-//! the CUDA layer then reports that this build carries no kernels.
+//! they exist. Without them the crate still builds: the CUDA layer then reports that this build
+//! carries no kernels.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// The names in `dir` that end in `suffix`, without it, sorted (none when `dir` is missing).
+fn stems_with_suffix(dir: &Path, suffix: &str) -> Vec<String> {
+    let mut stems: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter_map(|f| f.strip_suffix(suffix).map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    stems.sort();
+    stems
+}
 
 fn main() {
     println!("cargo::rerun-if-env-changed=VAE_KERNELS_DIR");
@@ -12,15 +26,7 @@ fn main() {
         PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo")).join("../../target/kernels")
     });
     println!("cargo::rerun-if-changed={}", dir.display());
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter_map(|f| f.strip_suffix(".sm_90.cubin").map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
+    let names = stems_with_suffix(&dir, ".sm_90.cubin");
     let mut code = String::from("/// Kernels embedded at build time (empty when `cargo xtask kernels` has not run).\n");
     code.push_str("pub(crate) static EMBEDDED: &[EmbeddedModule] = &[\n");
     for name in &names {
@@ -42,15 +48,7 @@ fn main() {
     }
     code.push_str("];\n");
     // Files of Hopper-only kernels (`*_sm90a.cu`): an sm_90a cubin each, nothing else.
-    let mut hopper: Vec<String> = std::fs::read_dir(&dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter_map(|f| f.strip_suffix(".sm_90a.cubin").map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
-    hopper.sort();
+    let hopper = stems_with_suffix(&dir, ".sm_90a.cubin");
     code.push_str("/// Hopper-only kernels embedded at build time (sm_90a cubins).\n");
     code.push_str("pub(crate) static EMBEDDED_SM90A: &[Sm90aModule] = &[\n");
     for name in &hopper {

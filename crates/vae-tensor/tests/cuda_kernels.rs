@@ -485,19 +485,46 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
         reference = Some((got, narrow));
     }
     // Hopper's warpgroup MMA at every tile width (200 channels: one partial tile of 256, two of
-    // 96 and 128 with a partial one, a partial tile of 192).
+    // 96 and 128 with a partial one, a partial tile of 192). Every width runs and reports before
+    // any fails, with where its wrong outputs fall (a wrong operand layout shows as a pattern in
+    // the channels or in the pixels).
     if gpu.sm90 {
         let (mma, mma_bits) = reference.expect("the mma.sync kernels ran");
+        let plane = out_dims[2..].iter().product::<usize>();
+        let mut failed = Vec::new();
         for channels in WGMMA_CHANNELS {
+            let name = format!("conv3d_wgmma_bf16_n{channels}");
             let out = tensor_core_conv(&gpu, &xb, &wb, &db, &g, "bf16", "bf16", Gemm::Wgmma { channels });
             let got = to_f32(&out, &out_dims);
-            close(&got, &want, 8.0 / 256.0, &format!("conv3d_wgmma_bf16_n{channels}"));
             let same = gpu.stream.clone_dtoh(&out).unwrap() == mma_bits;
+            let (got_v, want_v) = (got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap());
+            // NaN counts as off.
+            let off = |i: usize| (got_v[i] - want_v[i]).abs().is_nan() || (got_v[i] - want_v[i]).abs() > 8.0 / 256.0;
+            let wrong: Vec<usize> = (0..got_v.len()).filter(|&i| off(i)).collect();
             eprintln!(
-                "conv3d_wgmma_bf16_n{channels}: {} from mma.sync (bit-identical: {same})",
-                got.max_abs_diff(&mma).unwrap()
+                "{name}: {} from the CPU, {} from mma.sync (bit-identical: {same}); {} of {} outputs off",
+                got.max_abs_diff(&want).unwrap(),
+                got.max_abs_diff(&mma).unwrap(),
+                wrong.len(),
+                got_v.len()
             );
+            if !wrong.is_empty() {
+                let mut channels_off: Vec<usize> = wrong.iter().map(|i| i / plane).collect();
+                let mut pixels_off: Vec<usize> = wrong.iter().map(|i| i % plane).collect();
+                channels_off.dedup();
+                pixels_off.sort_unstable();
+                pixels_off.dedup();
+                eprintln!(
+                    "  {} channels off (first {:?}), {} pixels off (first {:?})",
+                    channels_off.len(),
+                    &channels_off[..channels_off.len().min(16)],
+                    pixels_off.len(),
+                    &pixels_off[..pixels_off.len().min(16)]
+                );
+                failed.push(name);
+            }
         }
+        assert!(failed.is_empty(), "outside bf16 rounding of the CPU: {failed:?}");
     }
 }
 
