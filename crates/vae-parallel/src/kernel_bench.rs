@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize};
+use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize, wgmma_available};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 /// Options of `bench kernels`.
@@ -217,9 +217,9 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     // On CUDA each tensor-core case also runs on each kernel family forced, side by side; the
     // warpgroup-MMA kernels only where they exist (bf16 on compute capability 9.0).
     let mut widths = vec![None];
-    if let Some(info) = &info {
+    if let Device::Cuda(ordinal) = device {
         widths.extend([Some(ConvKernels::Pixels128), Some(ConvKernels::Pixels256)]);
-        if dtype == DType::BF16 && info.compute_capability == (9, 0) {
+        if dtype == DType::BF16 && wgmma_available(ordinal)? {
             widths.push(Some(ConvKernels::Wgmma));
         }
     }
