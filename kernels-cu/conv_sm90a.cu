@@ -57,7 +57,8 @@ __device__ __forceinline__ void conv3d_wgmma_impl(const unsigned short* xp, cons
 
     // Step s's copies go into stage s % STAGES, STAGES - 2 steps ahead of the products: the stage
     // a load overwrites was read by the products of two steps back, which every warpgroup has
-    // waited for (wgmma_wait<1> below) before the barrier that precedes the load.
+    // waited for (wgmma_wait<1> below) before the barrier that precedes the load. The products
+    // of this step read another stage, so the copies may be issued while they run.
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         if ((unsigned)s < steps) loader.load(smem + s * STAGE_BYTES, xp, wr, g, p);
@@ -67,10 +68,7 @@ __device__ __forceinline__ void conv3d_wgmma_impl(const unsigned short* xp, cons
         cp_async_wait<STAGES - 3>();
         fence_proxy_async();
         __syncthreads();
-        const unsigned next = step + STAGES - 2;
-        if (next < steps) loader.load(smem + (next % STAGES) * STAGE_BYTES, xp, wr, g, p);
-        cp_async_commit();
-
+        // The products first, so that the tensor cores start while this thread issues the copies.
         const unsigned char* stage = smem + (step % STAGES) * STAGE_BYTES;
         const unsigned char* pixels = stage + N * 64 + group * 64 * 64;
         wgmma_fence();
@@ -79,6 +77,9 @@ __device__ __forceinline__ void conv3d_wgmma_impl(const unsigned short* xp, cons
             wgmma_bf16<N>(acc, wgmma_desc_sw64(pixels + ks * 32), wgmma_desc_sw64(stage + ks * 32));
         }
         wgmma_commit();
+        const unsigned next = step + STAGES - 2;
+        if (next < steps) loader.load(smem + (next % STAGES) * STAGE_BYTES, xp, wr, g, p);
+        cp_async_commit();
         // The products of this step may still run; those of the last step are done.
         wgmma_wait<1>();
     }
