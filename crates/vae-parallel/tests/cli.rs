@@ -152,11 +152,13 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     // bf16 is refused on the CPU, not run as f32.
     let (ok, text) = cli(&["bench", "kernels", "--dtype", "bf16", "--downscale", "8"]);
     assert!(!ok && text.contains("needs a CUDA device"), "{text}");
-    // So is a tile width for the tensor cores (before anything is loaded), and a width we lack.
+    // So is a choice of tensor-core kernels (before anything is loaded), and a width we lack.
     let decode =
         |tiles: &str| cli(&["bench", "decode", "--model", "no-model", "--latent", "no.npy", "--conv-tiles", tiles]);
-    let (ok, text) = decode("256");
-    assert!(!ok && text.contains("--conv-tiles 256 needs a CUDA device"), "{text}");
+    for tiles in ["256", "wgmma"] {
+        let (ok, text) = decode(tiles);
+        assert!(!ok && text.contains(&format!("--conv-tiles {tiles} needs a CUDA device")), "{text}");
+    }
     let (ok, text) = decode("64");
-    assert!(!ok && text.contains("is not auto, 128 or 256"), "{text}");
+    assert!(!ok && text.contains("is not auto, 128, 256 or wgmma"), "{text}");
 }
