@@ -74,7 +74,7 @@ fn main() -> ExitCode {
 /// `vae-parallel devices`.
 fn devices() -> anyhow::Result<ExitCode> {
     use vae_parallel::tensor::Device;
-    use vae_parallel::tensor::cuda::{embedded_modules, probe, resolve_device};
+    use vae_parallel::tensor::cuda::{embedded_modules, embedded_sm90a_modules, probe, resolve_device};
 
     println!("cpu       {} thread(s)", rayon::current_num_threads());
     match probe(0) {
@@ -107,6 +107,14 @@ fn devices() -> anyhow::Result<ExitCode> {
             "kernels   {} module(s) embedded (sm_90 cubin, compute_80/90 PTX): {}",
             modules.len(),
             names.join(", ")
+        );
+    }
+    let hopper: Vec<&str> = embedded_sm90a_modules().iter().map(|m| m.name).collect();
+    if !hopper.is_empty() {
+        println!(
+            "kernels   {} Hopper-only module(s) (sm_90a cubin, loaded on compute capability 9.0): {}",
+            hopper.len(),
+            hopper.join(", ")
         );
     }
     let (device, why) = resolve_device(Device::Cuda(0));
