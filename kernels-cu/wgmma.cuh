@@ -1,8 +1,8 @@
 // Hopper's warpgroup MMA (`wgmma.mma_async`, sm_90a only) for conv_sm90a.cu: the 64-bit
 // shared-memory matrix descriptors, the fences and groups that order the asynchronous products,
 // and the bf16 products of shape m64nNk16 (f32 accumulators) for the N the convolution takes.
-// The kernel emulator (`cargo xtask kernels-emu`) substitutes emulations with the same register
-// layout and descriptor decoding (emu/include/wgmma_emu.h).
+// The kernel emulator (`cargo xtask kernels-emu`) substitutes emulations of the instructions with
+// the same register layout, decoding the descriptors built here (emu/include/wgmma_emu.h).
 #pragma once
 
 #include "common.cuh"
@@ -11,17 +11,6 @@
 #ifdef VAE_KERNELS_EMULATOR
 #include <wgmma_emu.h>
 #else
-
-// The descriptor of a K-major operand of rows of 64 bytes in the 64-byte swizzle (conv_common.cuh's
-// `swizzled`) starting at `p`: bits 0-13 the shared-window address / 16, 16-29 the leading byte
-// offset / 16 (unused by K-major swizzled layouts: 1), 32-45 the stride byte offset / 16 between
-// groups of 8 rows (8 x 64 bytes), 62-63 the swizzle mode (2: 64 bytes). The swizzle is taken on
-// the address bits, so the region's rows must start 512-byte aligned; `p` itself may be 32 bytes
-// into a row (the second k16 step of a 64-byte slice).
-__device__ __forceinline__ u64 wgmma_desc_sw64(const void* p) {
-    const u64 address = shared_address(p);
-    return ((address & 0x3ffff) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
-}
 
 // `wgmma.fence`: orders this thread's earlier register accesses before the next `wgmma`.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -162,3 +151,16 @@ __device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], u64 a, u64 b) {
 }
 
 #endif
+
+// Written once for the GPU and the emulator (whose `shared_address` maps its dynamic shared
+// memory into a window), so that kernels-emu decodes the very descriptors the kernels build.
+// The descriptor of a K-major operand of rows of 64 bytes in the 64-byte swizzle (conv_common.cuh's
+// `swizzled`) starting at `p`: bits 0-13 the shared-window address / 16, 16-29 the leading byte
+// offset / 16 (unused by K-major swizzled layouts: 1), 32-45 the stride byte offset / 16 between
+// groups of 8 rows (8 x 64 bytes), 62-63 the swizzle mode (2: 64 bytes). The swizzle is taken on
+// the address bits, so the region's rows must start 512-byte aligned; `p` itself may be 32 bytes
+// into a row (the second k16 step of a 64-byte slice).
+__device__ __forceinline__ u64 wgmma_desc_sw64(const void* p) {
+    const u64 address = shared_address(p);
+    return ((address & 0x3ffff) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
+}

@@ -112,11 +112,6 @@ inline unsigned shared_address(const void* p) {
     return emu_wgmma::kWindowBase + (unsigned)(at - base);
 }
 
-inline u64 wgmma_desc_sw64(const void* p) {
-    const u64 address = shared_address(p);
-    return ((address & 0x3ffff) >> 4) | (1ull << 16) | ((u64)(512 >> 4) << 32) | (2ull << 62);
-}
-
 inline void wgmma_fence() { emu_wgmma::mine().fenced = true; }
 
 inline void wgmma_commit() {
