@@ -383,15 +383,13 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
     let tiles = conv_tiles(&args.conv_tiles, device)?;
-    if let (Some(ConvKernels::Wgmma), Device::Cuda(ordinal)) = (tiles, device) {
-        if !vae_parallel::tensor::cuda::wgmma_available(ordinal)? {
-            eprintln!(
-                "warning: --conv-tiles wgmma: cuda:{ordinal} has no warpgroup MMA kernels (compute capability 9.0 \
-                 only); the convolutions take the backend's mma.sync choice"
-            );
-        } else if dtype.dtype != vae_parallel::tensor::DType::BF16 {
-            eprintln!("warning: --conv-tiles wgmma: only bf16 convolutions run on the warpgroup MMA");
-        }
+    if let (Some(ConvKernels::Wgmma), Device::Cuda(ordinal)) = (tiles, device)
+        && !vae_parallel::tensor::cuda::wgmma_runs(ordinal, dtype.dtype)?
+    {
+        eprintln!(
+            "warning: --conv-tiles wgmma: no warpgroup MMA kernels for {dtype} on cuda:{ordinal} (bf16 on compute \
+             capability 9.0 only); the convolutions take the backend's mma.sync choice"
+        );
     }
     let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype, tiles)?;
     let peak_kib = proc_status_kib("VmHWM")?;

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize, wgmma_available};
+use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize, wgmma_runs};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 /// Options of `bench kernels`.
@@ -219,7 +219,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     let mut widths = vec![None];
     if let Device::Cuda(ordinal) = device {
         widths.extend([Some(ConvKernels::Pixels128), Some(ConvKernels::Pixels256)]);
-        if dtype == DType::BF16 && wgmma_available(ordinal)? {
+        if wgmma_runs(ordinal, dtype)? {
             widths.push(Some(ConvKernels::Wgmma));
         }
     }

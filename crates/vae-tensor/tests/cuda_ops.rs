@@ -237,9 +237,11 @@ fn wgmma_convolutions_match_the_cpu() {
     if !gpu("wgmma convolutions") {
         return;
     }
-    use vae_tensor::cuda::{ConvKernels, ConvTilesScope, wgmma_available};
+    use vae_tensor::cuda::{ConvKernels, ConvTilesScope, wgmma_available, wgmma_runs};
     let sm90 = probe(0).unwrap().compute_capability == (9, 0);
     let available = wgmma_available(0).unwrap();
+    assert_eq!(wgmma_runs(0, DType::BF16).unwrap(), available, "bf16 runs where the kernels are");
+    assert!(!wgmma_runs(0, DType::F32).unwrap(), "f32 stays on mma.sync");
     assert_eq!(
         available,
         sm90 && !vae_tensor::cuda::embedded_sm90a_modules().is_empty(),

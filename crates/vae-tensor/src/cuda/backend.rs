@@ -410,6 +410,14 @@ enum TensorCoreMath {
 }
 
 impl TensorCoreMath {
+    /// The storage type of the operands.
+    fn dtype(self) -> DType {
+        match self {
+            Self::Bf16 => DType::BF16,
+            Self::F32 | Self::Tf32 => DType::F32,
+        }
+    }
+
     /// A convolution's products for operands of `dtype` on the calling thread.
     fn for_conv(dtype: DType) -> Self {
         match dtype {
@@ -476,6 +484,12 @@ fn wgmma_wanted() -> bool {
         Some(kernels) => kernels == ConvKernels::Wgmma,
         None => *DEFAULT.get_or_init(|| std::env::var(WGMMA_ENV).is_ok_and(|v| v == "1")),
     }
+}
+
+/// Whether the warpgroup-MMA kernels take convolutions of `dtype`: bf16 only (TF32 `wgmma` reads
+/// f32 operands unrounded, and the 3xTF32 split needs register operands).
+pub(crate) fn wgmma_takes(dtype: DType) -> bool {
+    dtype == DType::BF16
 }
 
 /// A warpgroup-MMA convolution kernel (conv_sm90a.cu's `conv3d_wgmma_bf16_n<N>`): tiles of 128
@@ -628,7 +642,7 @@ fn conv_kernel(
     if cout <= 4 && 4 * weights_per_channel * elem_bytes <= SMALL_COUT_SMEM {
         return ConvKernel::SmallCout;
     }
-    if wgmma && math == TensorCoreMath::Bf16 && cout >= 96 && wgmma_wanted() {
+    if wgmma && wgmma_takes(math.dtype()) && cout >= 96 && wgmma_wanted() {
         return ConvKernel::Wgmma(wgmma_tile(cout));
     }
     ConvKernel::TensorCores(tensor_core_tile(math, cout, cols, sms))

@@ -186,6 +186,13 @@ pub fn wgmma_available(ordinal: usize) -> crate::Result<bool> {
     Ok(backend::CudaDevice::get(ordinal)?.has_wgmma())
 }
 
+/// Whether [`ConvKernels::Wgmma`] changes any kernel of `dtype` convolutions on device `ordinal`:
+/// the warpgroup-MMA kernels exist there ([`wgmma_available`]) and take that dtype (bf16 only:
+/// the backend keeps f32 and TF32 on `mma.sync`).
+pub fn wgmma_runs(ordinal: usize, dtype: crate::DType) -> crate::Result<bool> {
+    Ok(backend::wgmma_takes(dtype) && wgmma_available(ordinal)?)
+}
+
 /// Waits until everything queued on `device` has run (a no-op for the CPU), so host timers
 /// measure the work and not its launch.
 pub fn synchronize(device: Device) -> crate::Result<()> {
