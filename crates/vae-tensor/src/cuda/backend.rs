@@ -482,7 +482,22 @@ fn wgmma_wanted() -> bool {
     static DEFAULT: OnceLock<bool> = OnceLock::new();
     match CONV_KERNELS.get() {
         Some(kernels) => kernels == ConvKernels::Wgmma,
-        None => *DEFAULT.get_or_init(|| std::env::var(WGMMA_ENV).is_ok_and(|v| v == "1")),
+        None => *DEFAULT.get_or_init(|| wgmma_env_says(std::env::var(WGMMA_ENV).ok().as_deref())),
+    }
+}
+
+/// What a value of [`WGMMA_ENV`] asks for: `1`, `true`, `yes` or `on` (any case) turn the
+/// warpgroup-MMA kernels on; unset, empty, `0`, `false`, `no` and `off` leave them off; anything
+/// else leaves them off with a warning, rather than being read as either.
+fn wgmma_env_says(value: Option<&str>) -> bool {
+    let Some(value) = value.map(str::trim) else { return false };
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        _ => {
+            tracing::warn!("{WGMMA_ENV}={value:?} is not 1/true/yes/on or 0/false/no/off: the wgmma kernels stay off");
+            false
+        }
     }
 }
 
@@ -1455,7 +1470,7 @@ impl CudaStorage {
 mod tests {
     use super::{
         ConvKernel, ConvKernels, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile,
-        wgmma_tile,
+        wgmma_env_says, wgmma_tile,
     };
 
     /// A large Wan2.1 chunk (4 frames of 480x832) and an H200's multiprocessors.
@@ -1563,5 +1578,17 @@ mod tests {
         // A thread that forces an mma.sync width gets it.
         let _narrow = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
         assert!(matches!(kernel(TensorCoreMath::Bf16, 96, true), ConvKernel::TensorCores(t) if t.pixels == 128));
+    }
+
+    #[test]
+    fn the_wgmma_variable_turns_the_kernels_on_only_when_it_says_so() {
+        for on in ["1", "true", "TRUE", "yes", "On", " 1 "] {
+            assert!(wgmma_env_says(Some(on)), "{on:?}");
+        }
+        // Unset, off, and what is neither (a typo is not read as a yes).
+        for off in ["", "0", "false", "No", "off", "2", "ture", "enable"] {
+            assert!(!wgmma_env_says(Some(off)), "{off:?}");
+        }
+        assert!(!wgmma_env_says(None));
     }
 }
