@@ -9,9 +9,10 @@
 //! paired exchanges are grouped `ncclSend`/`ncclRecv` calls, lengths first. NCCL refuses two
 //! ranks on one GPU: several ranks on one GPU use the `local` backend instead.
 //!
-//! Status: compiles and builds with no CUDA installed; not yet run on a GPU. NCCL has no
-//! timeouts of its own: a rank that dies mid-collective can leave the others waiting (the
-//! socket backend's failure detection does not apply here).
+//! Status: builds with no CUDA installed; ran with world size 1 on an H200 (a single GPU cannot
+//! hold two NCCL ranks); several ranks run in CI against the fake driver and fake NCCL of
+//! `cargo xtask gpu-emu`. NCCL has no timeouts of its own: a rank that dies mid-collective can
+//! leave the others waiting (the socket backend's failure detection does not apply here).
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -156,6 +157,23 @@ impl NcclComm {
         self.stream.clone_dtoh(d).map_err(|e| nccl_err("download", e))
     }
 
+    /// Runs `post` between `ncclGroupStart` and `ncclGroupEnd`, so that the sends and receives
+    /// it posts complete together and no pair of ranks can deadlock on their order. cudarc's
+    /// `Comm::group` unwraps `ncclGroupEnd`'s result in a destructor, which would panic when a
+    /// peer fails; here the group is always closed and the first error returned.
+    ///
+    /// The buffers passed in must be used on this communicator's stream alone (they are: each is
+    /// made on it, and read back on it): inside a group NCCL enqueues the operations only at
+    /// `ncclGroupEnd`, after cudarc recorded the buffers' events, so another stream ordered by
+    /// those events alone would not wait for them.
+    fn grouped(&self, post: impl FnOnce(&Comm) -> Result<()>) -> Result<()> {
+        let comm = self.comm();
+        cudarc::nccl::group_start().map_err(|e| nccl_err("group start", e))?;
+        let posted = post(&comm);
+        let ended = cudarc::nccl::group_end().map_err(|e| nccl_err("group end", e));
+        posted.and(ended.map(drop))
+    }
+
     /// Every rank's `u64`, in rank order.
     fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>> {
         let send = self.stream.clone_htod(&[v]).map_err(|e| nccl_err("upload", e))?;
@@ -293,14 +311,13 @@ impl Communicator for NcclComm {
             .iter()
             .map(|_| self.stream.alloc_zeros::<u64>(1).map_err(|e| nccl_err("alloc", e)))
             .collect::<Result<_>>()?;
-        {
-            let comm = self.comm();
-            let mut group = comm.group();
+        self.grouped(|comm| {
             for (leg, (s, r)) in legs.iter().zip(send_lens.iter().zip(recv_lens.iter_mut())) {
-                group.send(s.as_view(), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
-                group.recv(r.as_view_mut(), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                comm.send(s, leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                comm.recv(r, leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
             }
-        }
+            Ok(())
+        })?;
         let lens: Vec<usize> = recv_lens
             .iter()
             .map(|d| self.stream.clone_dtoh(d).map(|v| v[0] as usize).map_err(|e| nccl_err("download", e)))
@@ -311,18 +328,17 @@ impl Communicator for NcclComm {
             .iter()
             .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
             .collect::<Result<_>>()?;
-        {
-            let comm = self.comm();
-            let mut group = comm.group();
+        self.grouped(|comm| {
             for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
                 if !leg.send.is_empty() {
-                    group.send(s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                    comm.send(&s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
                 }
                 if n > 0 {
-                    group.recv(r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                    comm.recv(&mut r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
                 }
             }
-        }
+            Ok(())
+        })?;
         let (mut sent, mut received) = (0, 0);
         for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
             let bytes = self.download(r)?;
