@@ -17,9 +17,16 @@
 //! model decoded and encoded on the device), which would take four times as long checked. The
 //! op-level suites run checked.
 //!
+//! `FAKE_CUDA_DEVICE_COUNT` makes the fake report several identical devices, and
+//! `kernels-cu/emu/fake_nccl/` is a fake `libnccl.so` (fast build only, next to its
+//! `libcuda.so`): the NCCL calls cudarc makes, between ranks that are threads or processes,
+//! over Unix-domain sockets, on the fake devices' memory. With four devices,
+//! `vae-transport --test nccl` runs the NCCL transport at every world size from 1 to 4 and across
+//! two processes; with three, the models shard over NCCL; with two, the CLI decodes over NCCL
+//! with a rank process per device.
+//!
 //! A GPU test that prints "skipped" fails the run, as in `scripts/gpu-check.sh` (only the tests
-//! that need no GPU may say "this machine has a usable GPU"). NCCL is not faked: its tests
-//! (`vae-transport --test nccl`) are not run here.
+//! that need no GPU may say "this machine has a usable GPU").
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -37,6 +44,8 @@ const OUT_DIR: &str = "target/gpu-emu";
 
 /// The fake driver's sources, relative to the repository root.
 const DRIVER_DIR: &str = "kernels-cu/emu/fake_driver";
+/// The fake NCCL's sources, relative to the repository root.
+const NCCL_DIR: &str = "kernels-cu/emu/fake_nccl";
 /// Host stand-ins for kernels, per `.cu` file (`<stem>.h`), relative to the kernels folder.
 const DRIVER_STAND_INS: &str = "emu/fake_driver/stand_ins";
 
@@ -84,24 +93,51 @@ impl Flavor {
     }
 }
 
-/// The runs of the GPU test binaries: package; test target (`lib`: the library's unit tests);
-/// test-name filter (the conformance suites run their CPU instantiation too, only their `cuda::`
-/// tests matter here); the build of the fake; the compute capability it reports
-/// (`FAKE_CUDA_COMPUTE_CAPABILITY`): on 9.0 the backend loads the sm_90 cubins, on 8.0 the
-/// compute_80 PTX, as on an A100. The op-level suites run checked against both kinds of image,
-/// the model and CLI tests fast.
-const SUITES: [(&str, &str, Option<&str>, Flavor, &str); 11] = [
-    ("vae-tensor", "lib", None, Flavor::Checked, "9.0"),
-    ("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0"),
-    ("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0"),
-    ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "9.0"),
-    ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "9.0"),
-    ("vae-tensor", "cuda_kernels", None, Flavor::Checked, "8.0"),
-    ("vae-tensor", "cuda_ops", None, Flavor::Checked, "8.0"),
-    ("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "8.0"),
-    ("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "8.0"),
-    ("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0"),
-    ("vae-parallel", "cuda_cli", None, Flavor::Fast, "9.0"),
+/// One run of a GPU test binary.
+struct Suite {
+    package: &'static str,
+    /// The test target (`lib`: the library's unit tests).
+    target: &'static str,
+    /// A test-name filter: the conformance suites run their CPU instantiation too, only their
+    /// `cuda::` tests matter here.
+    filter: Option<&'static str>,
+    flavor: Flavor,
+    /// The compute capability the fake reports (`FAKE_CUDA_COMPUTE_CAPABILITY`): on 9.0 the
+    /// backend loads the sm_90 cubins, on 8.0 the compute_80 PTX, as on an A100.
+    compute_capability: &'static str,
+    /// How many devices the fake reports (`FAKE_CUDA_DEVICE_COUNT`).
+    devices: usize,
+}
+
+const fn suite(
+    package: &'static str,
+    target: &'static str,
+    filter: Option<&'static str>,
+    flavor: Flavor,
+    compute_capability: &'static str,
+    devices: usize,
+) -> Suite {
+    Suite { package, target, filter, flavor, compute_capability, devices }
+}
+
+/// The runs of the GPU test binaries. The op-level suites run checked against both kinds of
+/// image, the model, CLI and NCCL tests fast. The NCCL tests run every world size up to the
+/// device count (one rank per device, as NCCL requires) and two rank processes; the models
+/// shard over NCCL on up to three devices; the CLI decodes over NCCL on two.
+const SUITES: [Suite; 13] = [
+    suite("vae-tensor", "lib", None, Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "8.0", 1),
+    suite("vae-tensor", "cuda_ops", None, Flavor::Checked, "8.0", 1),
+    suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "8.0", 1),
+    suite("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Checked, "8.0", 1),
+    suite("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0", 3),
+    suite("vae-parallel", "cuda_cli", None, Flavor::Fast, "9.0", 2),
+    suite("vae-transport", "nccl", None, Flavor::Fast, "9.0", 4),
+    suite("vae-transport", "nccl_device", None, Flavor::Fast, "9.0", 4),
 ];
 
 /// Builds the fake driver, then runs every GPU test binary against it.
@@ -113,11 +149,13 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         .into_iter()
         .map(|flavor| Ok((flavor, build_fake_driver(root, &registries, flavor)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    eprintln!("fake driver built in {:.1} s", start.elapsed().as_secs_f64());
+    let fast = &libraries.iter().find(|(f, _)| *f == Flavor::Fast).context("no fast build")?.1;
+    build_fake_nccl(root, fast)?;
+    eprintln!("fake driver and NCCL built in {:.1} s", start.elapsed().as_secs_f64());
     let binaries = build_tests(root)?;
     let asan = sanitizer_runtime()?;
     let (mut passed, mut problems) = (0, Vec::new());
-    for (package, target, filter, flavor, compute_capability) in SUITES {
+    for Suite { package, target, filter, flavor, compute_capability, devices } in SUITES {
         let (binary, dir) = binaries
             .iter()
             .find(|b| b.package == package && b.target == target)
@@ -126,8 +164,8 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         let lib_dir = &libraries.iter().find(|(f, _)| *f == flavor).context("a flavor without a build")?.1;
         let preload = (flavor == Flavor::Checked).then_some(asan.as_path());
         let start = Instant::now();
-        let run = run_suite(binary, dir, filter, lib_dir, preload, compute_capability)?;
-        let what = format!("{package}/{target} on compute capability {compute_capability}");
+        let run = run_suite(binary, dir, filter, lib_dir, preload, compute_capability, devices)?;
+        let what = format!("{package}/{target} on compute capability {compute_capability}, {devices} device(s)");
         eprintln!("{what}: {} passed in {:.1} s", run.passed, start.elapsed().as_secs_f64());
         passed += run.passed;
         problems.extend(run.problems.into_iter().map(|p| format!("{what}: {p}")));
@@ -189,7 +227,8 @@ fn generate_registries(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// Compiles and links one build of the fake driver; returns the directory holding its
-/// `libcuda.so` (and nothing else, so that it can lead the loader's path).
+/// `libcuda.so` (and, for the fast build, the fake `libnccl.so`: nothing else, so that it can
+/// lead the loader's path).
 fn build_fake_driver(root: &Path, registries: &[PathBuf], flavor: Flavor) -> anyhow::Result<PathBuf> {
     let cxx = compiler()?;
     let kernels = root.join(KERNEL_DIR);
@@ -229,6 +268,37 @@ fn build_fake_driver(root: &Path, registries: &[PathBuf], flavor: Flavor) -> any
         bail!("linking {} failed", library.display());
     }
     Ok(lib_dir)
+}
+
+/// Compiles and links the fake NCCL into `lib_dir` (the fast build's, next to its `libcuda.so`,
+/// which it links against for the device memory it reads and writes). Only the fast build has
+/// one: NCCL's tests exercise the transport's logic, not kernels, and the fake NCCL checks every
+/// buffer's range with the fake driver before it copies.
+fn build_fake_nccl(root: &Path, lib_dir: &Path) -> anyhow::Result<()> {
+    let cxx = compiler()?;
+    let out = root.join(OUT_DIR).join(Flavor::Fast.name());
+    let mut args: Vec<String> = FLAGS.iter().map(|f| f.to_string()).collect();
+    args.push(format!("-I{}", root.join(DRIVER_DIR).display()));
+    let jobs = files_with_extension(&root.join(NCCL_DIR), "cpp")?
+        .into_iter()
+        .map(|source| Ok((source.clone(), out.join(format!("nccl_{}.o", stem(&source)?)))))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    compile_all(&cxx, &args, &jobs, newest_input(root)?)?;
+    let library = lib_dir.join("libnccl.so");
+    let status = Command::new(&cxx)
+        .args(FLAGS)
+        .args(["-shared", "-Wl,--no-undefined", "-o"])
+        .arg(&library)
+        .args(jobs.iter().map(|(_, object)| object))
+        .arg(format!("-L{}", lib_dir.display()))
+        // The libcuda.so beside it, whatever the loader's path says.
+        .args(["-lcuda", "-Wl,-rpath,$ORIGIN"])
+        .status()
+        .with_context(|| format!("starting {cxx}"))?;
+    if !status.success() {
+        bail!("linking {} failed", library.display());
+    }
+    Ok(())
 }
 
 fn stem(path: &Path) -> anyhow::Result<String> {
@@ -345,6 +415,7 @@ fn run_suite(
     lib_dir: &Path,
     preload: Option<&Path>,
     compute_capability: &str,
+    devices: usize,
 ) -> anyhow::Result<SuiteRun> {
     let mut path = lib_dir.as_os_str().to_owned();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -358,6 +429,7 @@ fn run_suite(
         .args(filter)
         .env("LD_LIBRARY_PATH", path)
         .env("FAKE_CUDA_COMPUTE_CAPABILITY", compute_capability)
+        .env("FAKE_CUDA_DEVICE_COUNT", devices.to_string())
         // Leak checking needs ptrace, which containers often forbid; the Rust side owns most
         // allocations anyway. Rust installs its own SIGSEGV handler (stack overflows).
         .env("ASAN_OPTIONS", "detect_leaks=0:handle_segv=0")
@@ -368,7 +440,8 @@ fn run_suite(
         cmd.env("LD_PRELOAD", runtime);
     }
     eprintln!(
-        "$ FAKE_CUDA_COMPUTE_CAPABILITY={compute_capability} LD_LIBRARY_PATH={} {} --nocapture {}",
+        "$ FAKE_CUDA_COMPUTE_CAPABILITY={compute_capability} FAKE_CUDA_DEVICE_COUNT={devices} LD_LIBRARY_PATH={} {} \
+         --nocapture {}",
         lib_dir.display(),
         binary.display(),
         filter.unwrap_or("")

@@ -186,6 +186,30 @@ impl fmt::Debug for PeerExchange<'_> {
     }
 }
 
+/// GPU memory named by its address, for a transport that moves device buffers itself
+/// ([`Communicator::exchange_device`]): `len` bytes at `address` on GPU `ordinal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBytes {
+    /// The GPU, by CUDA ordinal.
+    pub ordinal: usize,
+    /// The device address of the first byte.
+    pub address: u64,
+    /// The number of bytes.
+    pub len: usize,
+}
+
+/// One leg of a paired exchange of device buffers: `send` goes to `peer`, and what `peer` sends
+/// back lands in `recv`, which must be exactly as long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceExchange {
+    /// The other rank.
+    pub peer: usize,
+    /// What this rank sends to `peer`.
+    pub send: DeviceBytes,
+    /// Where the bytes from `peer` go.
+    pub recv: DeviceBytes,
+}
+
 /// A group of ranks that run collectives together.
 ///
 /// Every rank of the group calls every collective in the same order (idle ranks included);
@@ -241,6 +265,78 @@ pub trait Communicator: Send + Sync {
     /// groups across processes or devices.
     fn mailbox(&self) -> Option<&Mailbox> {
         None
+    }
+
+    /// Whether [`Self::exchange_device`] moves buffers on GPU `ordinal` itself, device to device
+    /// with no copy through the host (NCCL, for the GPU the rank was opened on). `false` (the
+    /// default): exchange host bytes instead.
+    fn exchanges_device_buffers(&self, _ordinal: usize) -> bool {
+        false
+    }
+
+    /// A paired exchange of device buffers, as [`Self::exchange_bytes`] (both sides of a pair
+    /// list each other; no order of legs can deadlock), for a backend whose
+    /// [`Self::exchanges_device_buffers`] says so. Each pair first checks that what one side sends
+    /// is what the other expects: on a mismatch both ranks still complete the exchange (with
+    /// the shorter length, so that neither waits for bytes that never come) and both return
+    /// [`TransportError::LengthMismatch`].
+    ///
+    /// # Safety
+    /// Every `send` must be device memory of at least its length on its GPU, not written by
+    /// anything until this returns; every `recv` device memory of its length, not read or written
+    /// by anything else until this returns, and no two overlapping. Work that writes a `send` must
+    /// be complete when this is called. When it returns, the received bytes are in place.
+    unsafe fn exchange_device(&self, _legs: &[DeviceExchange]) -> Result<()> {
+        Err(TransportError::Unavailable(format!("the {} backend does not move device buffers", self.backend())))
+    }
+}
+
+/// The same group with its shortcuts hidden: no [`Mailbox`] of in-process ranks, no device
+/// exchange of NCCL ([`Communicator::exchanges_device_buffers`] is `false`), so that everything
+/// moves through the byte collectives, as between processes of a group without them. For
+/// comparing the paths, and measuring what a shortcut saves.
+#[derive(Debug)]
+pub struct BytePathOnly<C>(pub C);
+
+impl<C: Communicator> Communicator for BytePathOnly<C> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn all_gather_bytes(&self, dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
+        self.0.all_gather_bytes(dtype, send, recv)
+    }
+    fn gather_bytes(
+        &self,
+        root: usize,
+        dtype: DataType,
+        send: &[u8],
+        recv: &mut dyn ByteBuf,
+    ) -> Result<Option<Vec<usize>>> {
+        self.0.gather_bytes(root, dtype, send, recv)
+    }
+    fn broadcast_bytes(&self, root: usize, dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
+        self.0.broadcast_bytes(root, dtype, buf)
+    }
+    fn all_reduce_bytes(&self, dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<()> {
+        self.0.all_reduce_bytes(dtype, op, buf)
+    }
+    fn exchange_bytes(&self, dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
+        self.0.exchange_bytes(dtype, legs)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.0.barrier()
+    }
+    fn abort(&self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn stats(&self) -> CommStats {
+        self.0.stats()
     }
 }
 

@@ -680,7 +680,7 @@ fn next(counter: &mut u64) -> u64 {
 }
 
 /// Element-wise reduction of `parts` (all of `out.len()` bytes) into `out`, in slice order.
-fn reduce_into(dtype: DataType, op: ReduceOp, parts: &[&[u8]], out: &mut [u8]) {
+pub(crate) fn reduce_into(dtype: DataType, op: ReduceOp, parts: &[&[u8]], out: &mut [u8]) {
     macro_rules! reduce {
         ($t:ty, $sum:expr, $max:expr) => {{
             const N: usize = std::mem::size_of::<$t>();

@@ -12,17 +12,19 @@
 //! Status: builds with no CUDA installed; ran with world size 1 on an H200 (a single GPU cannot
 //! hold two NCCL ranks); several ranks run in CI against the fake driver and fake NCCL of
 //! `cargo xtask gpu-emu`. NCCL has no timeouts of its own: a rank that dies mid-collective can
-//! leave the others waiting (the socket backend's failure detection does not apply here).
+//! leave the others waiting (the socket backend's failure detection does not apply here), and
+//! [`Communicator::abort`] marks this rank alone: NCCL has no channel to tell the others.
 
 use std::sync::Arc;
 use std::sync::Mutex;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::nccl::{Comm, Id};
 
 use crate::stats::StatsCounters;
 use crate::{
-    ByteBuf, CommStats, Communicator, CommunicatorExt, DataType, PeerExchange, ReduceOp, Result, TransportError,
+    ByteBuf, CommStats, Communicator, CommunicatorExt, DataType, DeviceExchange, PeerExchange, ReduceOp, Result,
+    TransportError,
 };
 
 /// One rank of an NCCL group.
@@ -33,8 +35,9 @@ pub struct NcclComm {
     rank: usize,
     size: usize,
     stats: StatsCounters,
-    /// Set by [`Communicator::abort`]: later calls fail instead of entering NCCL.
-    aborted: Mutex<Option<String>>,
+    /// Set by [`Communicator::abort`], or by the first failure inside NCCL: later calls fail
+    /// with it (`Aborted`, or `Poisoned` holding the failure) instead of entering NCCL.
+    failed: Mutex<Option<TransportError>>,
 }
 
 // SAFETY: `Comm` holds a raw `ncclComm_t`, which NCCL lets any thread use as long as calls are
@@ -71,6 +74,37 @@ fn check_libraries() -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Device memory someone else owns, named by address ([`Communicator::exchange_device`]), in the
+/// form cudarc's NCCL calls take. Its users order it by synchronising (the caller finished
+/// writing it before the call; the call synchronises its stream before returning), so it
+/// records no events.
+struct Borrowed<'a> {
+    address: u64,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+}
+
+impl DeviceSlice<u8> for Borrowed<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl DevicePtr<u8> for Borrowed<'_> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.address, SyncOnDrop::Sync(None))
+    }
+}
+
+impl DevicePtrMut<u8> for Borrowed<'_> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.address, SyncOnDrop::Sync(None))
+    }
 }
 
 impl NcclComm {
@@ -133,18 +167,31 @@ impl NcclComm {
     }
 
     fn wrap(comm: Comm, stream: Arc<CudaStream>, rank: usize, size: usize) -> Self {
-        Self { comm: Mutex::new(comm), stream, rank, size, stats: StatsCounters::default(), aborted: Mutex::new(None) }
+        Self { comm: Mutex::new(comm), stream, rank, size, stats: StatsCounters::default(), failed: Mutex::new(None) }
     }
 
     fn comm(&self) -> std::sync::MutexGuard<'_, Comm> {
         self.comm.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn check_open(&self) -> Result<()> {
-        match &*self.aborted.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(reason) => Err(TransportError::Aborted { rank: self.rank, reason: reason.clone() }),
-            None => Ok(()),
+    /// Runs one operation: refused when the communicator failed or was aborted before; a
+    /// failure inside it (anything but a caller error or a length mismatch, which every rank
+    /// detects alike before moving data) leaves the communicator failed, as the other backends
+    /// do, since the ranks may no longer agree on where they are.
+    fn run<R>(&self, body: impl FnOnce() -> Result<R>) -> Result<R> {
+        if let Some(first) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(match first {
+                aborted @ TransportError::Aborted { .. } => aborted,
+                other => TransportError::Poisoned(Box::new(other)),
+            });
         }
+        let result = body();
+        if let Err(e) = &result
+            && !matches!(e, TransportError::InvalidArgument(_) | TransportError::LengthMismatch { .. })
+        {
+            self.failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| e.clone());
+        }
+        result
     }
 
     fn upload(&self, bytes: &[u8], len: usize) -> Result<CudaSlice<u8>> {
@@ -172,6 +219,27 @@ impl NcclComm {
         let posted = post(&comm);
         let ended = cudarc::nccl::group_end().map_err(|e| nccl_err("group end", e));
         posted.and(ended.map(drop))
+    }
+
+    /// Sends each leg's words to its peer and receives as many words back from it, grouped so
+    /// that no pair of ranks can deadlock on the order of their legs.
+    fn swap_words(&self, legs: Vec<(usize, Vec<u64>)>) -> Result<Vec<Vec<u64>>> {
+        let sends: Vec<CudaSlice<u64>> = legs
+            .iter()
+            .map(|(_, words)| self.stream.clone_htod(words).map_err(|e| nccl_err("upload", e)))
+            .collect::<Result<_>>()?;
+        let mut recvs: Vec<CudaSlice<u64>> = legs
+            .iter()
+            .map(|(_, words)| self.stream.alloc_zeros::<u64>(words.len()).map_err(|e| nccl_err("alloc", e)))
+            .collect::<Result<_>>()?;
+        self.grouped(|comm| {
+            for ((peer, _), (s, r)) in legs.iter().zip(sends.iter().zip(recvs.iter_mut())) {
+                comm.send(s, *peer as i32).map_err(|e| nccl_err("send", e))?;
+                comm.recv(r, *peer as i32).map_err(|e| nccl_err("recv", e))?;
+            }
+            Ok(())
+        })?;
+        recvs.iter().map(|d| self.stream.clone_dtoh(d).map_err(|e| nccl_err("download", e))).collect()
     }
 
     /// Every rank's `u64`, in rank order.
@@ -208,13 +276,14 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather_bytes(&self, _dtype: DataType, send: &[u8], recv: &mut dyn ByteBuf) -> Result<Vec<usize>> {
-        self.check_open()?;
-        let parts = self.gather_all(send)?;
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-        recv.assign_concat(&refs)?;
-        let received: usize = parts.iter().map(Vec::len).sum();
-        self.stats.all_gather.record(send.len() * (self.size - 1), received - send.len());
-        Ok(parts.iter().map(Vec::len).collect())
+        self.run(|| {
+            let parts = self.gather_all(send)?;
+            let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            recv.assign_concat(&refs)?;
+            let received: usize = parts.iter().map(Vec::len).sum();
+            self.stats.all_gather.record(send.len() * (self.size - 1), received.saturating_sub(send.len()));
+            Ok(parts.iter().map(Vec::len).collect())
+        })
     }
 
     fn gather_bytes(
@@ -224,145 +293,199 @@ impl Communicator for NcclComm {
         send: &[u8],
         recv: &mut dyn ByteBuf,
     ) -> Result<Option<Vec<usize>>> {
-        self.check_open()?;
-        if root >= self.size {
-            return Err(TransportError::InvalidArgument(format!("gather root {root} in a group of {}", self.size)));
-        }
-        let parts = self.gather_all(send)?;
-        self.stats.gather.record(if self.rank == root { 0 } else { send.len() }, 0);
-        if self.rank != root {
-            return Ok(None);
-        }
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-        recv.assign_concat(&refs)?;
-        Ok(Some(parts.iter().map(Vec::len).collect()))
+        self.run(|| {
+            if root >= self.size {
+                return Err(TransportError::InvalidArgument(format!("gather root {root} in a group of {}", self.size)));
+            }
+            let parts = self.gather_all(send)?;
+            if self.rank != root {
+                self.stats.gather.record(send.len(), 0);
+                return Ok(None);
+            }
+            self.stats.gather.record(0, parts.iter().map(Vec::len).sum::<usize>().saturating_sub(send.len()));
+            let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            recv.assign_concat(&refs)?;
+            Ok(Some(parts.iter().map(Vec::len).collect()))
+        })
     }
 
     fn broadcast_bytes(&self, root: usize, _dtype: DataType, buf: &mut dyn ByteBuf) -> Result<()> {
-        self.check_open()?;
-        if root >= self.size {
-            return Err(TransportError::InvalidArgument(format!("broadcast root {root} in a group of {}", self.size)));
-        }
-        let mut len = self.stream.clone_htod(&[buf.as_bytes().len() as u64]).map_err(|e| nccl_err("upload", e))?;
-        self.comm().broadcast_in_place(&mut len, root as i32).map_err(|e| nccl_err("broadcast", e))?;
-        let len = self.stream.clone_dtoh(&len).map_err(|e| nccl_err("download", e))?[0] as usize;
-        let mut data = self.upload(if self.rank == root { buf.as_bytes() } else { &[] }, len)?;
-        self.comm().broadcast_in_place(&mut data, root as i32).map_err(|e| nccl_err("broadcast", e))?;
-        let bytes = self.download(&data)?;
-        buf.assign_concat(&[&bytes[..len]])?;
-        self.stats
-            .broadcast
-            .record(if self.rank == root { len * (self.size - 1) } else { 0 }, if self.rank == root { 0 } else { len });
-        Ok(())
+        self.run(|| {
+            if root >= self.size {
+                return Err(TransportError::InvalidArgument(format!(
+                    "broadcast root {root} in a group of {}",
+                    self.size
+                )));
+            }
+            let mut len = self.stream.clone_htod(&[buf.as_bytes().len() as u64]).map_err(|e| nccl_err("upload", e))?;
+            self.comm().broadcast_in_place(&mut len, root as i32).map_err(|e| nccl_err("broadcast", e))?;
+            let len = self.stream.clone_dtoh(&len).map_err(|e| nccl_err("download", e))?[0] as usize;
+            let mut data = self.upload(if self.rank == root { buf.as_bytes() } else { &[] }, len)?;
+            self.comm().broadcast_in_place(&mut data, root as i32).map_err(|e| nccl_err("broadcast", e))?;
+            let bytes = self.download(&data)?;
+            buf.assign_concat(&[&bytes[..len]])?;
+            self.stats.broadcast.record(
+                if self.rank == root { len * (self.size - 1) } else { 0 },
+                if self.rank == root { 0 } else { len },
+            );
+            Ok(())
+        })
     }
 
     fn all_reduce_bytes(&self, dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<()> {
-        self.check_open()?;
-        let lens = self.all_gather_u64(buf.len() as u64)?;
-        if let Some((r, &l)) = lens.iter().enumerate().find(|(_, l)| **l as usize != buf.len()) {
-            return Err(TransportError::LengthMismatch {
-                op: "all_reduce",
-                local_rank: self.rank,
-                local: buf.len(),
-                rank: r,
-                remote: l as usize,
-            });
-        }
-        let nccl_op = match op {
-            ReduceOp::Sum => NcclOp::Sum,
-            ReduceOp::Max => NcclOp::Max,
-        };
-        let len = buf.len();
-        macro_rules! reduce {
-            ($t:ty) => {{
-                let values: &mut [$t] = bytemuck::try_cast_slice_mut(buf)
-                    .map_err(|_| TransportError::InvalidArgument(format!("{len} bytes are not {dtype} elements")))?;
-                let mut d = self.stream.clone_htod(&*values).map_err(|e| nccl_err("upload", e))?;
-                self.comm().all_reduce_in_place(&mut d, &nccl_op).map_err(|e| nccl_err("all_reduce", e))?;
-                let out = self.stream.clone_dtoh(&d).map_err(|e| nccl_err("download", e))?;
-                values.copy_from_slice(&out);
-            }};
-        }
-        match dtype {
-            DataType::U8 => reduce!(u8),
-            DataType::I64 => reduce!(i64),
-            DataType::U64 => reduce!(u64),
-            DataType::F32 => reduce!(f32),
-            DataType::F64 => reduce!(f64),
-        }
-        self.stats.all_reduce.record(len, len);
-        Ok(())
+        self.run(|| {
+            // Every rank's buffer, reduced here in rank order: bit-identical to the other backends
+            // (NCCL's own reduction order depends on its ring or tree). The buffers are small
+            // (statistics, flags), so gathering them costs nothing that matters.
+            let parts = self.gather_all(buf)?;
+            // Every rank sees every length, so all of them refuse a mismatch alike.
+            if let Some((r, part)) = parts.iter().enumerate().find(|(_, p)| p.len() != buf.len()) {
+                return Err(TransportError::LengthMismatch {
+                    op: "all_reduce",
+                    local_rank: self.rank,
+                    local: buf.len(),
+                    rank: r,
+                    remote: part.len(),
+                });
+            }
+            if !buf.len().is_multiple_of(dtype.size_in_bytes()) {
+                return Err(TransportError::InvalidArgument(format!("{} bytes are not {dtype} elements", buf.len())));
+            }
+            let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            crate::mesh::reduce_into(dtype, op, &refs, buf);
+            let moved = buf.len() * (self.size - 1);
+            self.stats.all_reduce.record(moved, moved);
+            Ok(())
+        })
     }
 
     fn exchange_bytes(&self, _dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
-        self.check_open()?;
-        if let Some(bad) = legs.iter().find(|l| l.peer >= self.size || l.peer == self.rank) {
-            return Err(TransportError::InvalidArgument(format!(
-                "exchange with rank {} from rank {}",
-                bad.peer, self.rank
-            )));
-        }
-        // Lengths first (grouped, so no pair can deadlock), then the payloads.
-        let send_lens: Vec<CudaSlice<u64>> = legs
-            .iter()
-            .map(|l| self.stream.clone_htod(&[l.send.len() as u64]).map_err(|e| nccl_err("upload", e)))
-            .collect::<Result<_>>()?;
-        let mut recv_lens: Vec<CudaSlice<u64>> = legs
-            .iter()
-            .map(|_| self.stream.alloc_zeros::<u64>(1).map_err(|e| nccl_err("alloc", e)))
-            .collect::<Result<_>>()?;
-        self.grouped(|comm| {
-            for (leg, (s, r)) in legs.iter().zip(send_lens.iter().zip(recv_lens.iter_mut())) {
-                comm.send(s, leg.peer as i32).map_err(|e| nccl_err("send", e))?;
-                comm.recv(r, leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+        self.run(|| {
+            if let Some(bad) = legs.iter().find(|l| l.peer >= self.size || l.peer == self.rank) {
+                return Err(TransportError::InvalidArgument(format!(
+                    "exchange with rank {} from rank {}",
+                    bad.peer, self.rank
+                )));
+            }
+            // Lengths first, then the payloads.
+            let lens: Vec<usize> = self
+                .swap_words(legs.iter().map(|l| (l.peer, vec![l.send.len() as u64])).collect())?
+                .into_iter()
+                .map(|words| words[0] as usize)
+                .collect();
+            let sends: Vec<CudaSlice<u8>> =
+                legs.iter().map(|l| self.upload(l.send, l.send.len())).collect::<Result<_>>()?;
+            let mut recvs: Vec<CudaSlice<u8>> = lens
+                .iter()
+                .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
+                .collect::<Result<_>>()?;
+            self.grouped(|comm| {
+                for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
+                    if !leg.send.is_empty() {
+                        comm.send(&s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                    }
+                    if n > 0 {
+                        comm.recv(&mut r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                    }
+                }
+                Ok(())
+            })?;
+            let (mut sent, mut received) = (0, 0);
+            for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
+                let bytes = self.download(r)?;
+                leg.recv.assign_concat(&[&bytes[..n]])?;
+                sent += leg.send.len();
+                received += n;
+            }
+            self.stats.exchange.record(sent, received);
+            Ok(())
+        })
+    }
+
+    fn exchanges_device_buffers(&self, ordinal: usize) -> bool {
+        self.stream.context().ordinal() == ordinal
+    }
+
+    unsafe fn exchange_device(&self, legs: &[DeviceExchange]) -> Result<()> {
+        self.run(|| {
+            let ordinal = self.stream.context().ordinal();
+            for leg in legs {
+                if leg.peer >= self.size || leg.peer == self.rank {
+                    return Err(TransportError::InvalidArgument(format!(
+                        "exchange with rank {} from rank {}",
+                        leg.peer, self.rank
+                    )));
+                }
+                if let Some(b) = [leg.send, leg.recv].into_iter().find(|b| b.ordinal != ordinal) {
+                    return Err(TransportError::InvalidArgument(format!(
+                        "rank {} exchanges over cuda:{ordinal}, not a buffer on cuda:{}",
+                        self.rank, b.ordinal
+                    )));
+                }
+            }
+            // Each side of a pair tells the other what it sends and what it expects, so both sides
+            // agree whether the pair matches.
+            let theirs: Vec<(usize, usize)> = self
+                .swap_words(legs.iter().map(|l| (l.peer, vec![l.send.len as u64, l.recv.len as u64])).collect())?
+                .into_iter()
+                .map(|words| (words[0] as usize, words[1] as usize))
+                .collect();
+            // A mismatched pair still moves the shorter length both sides compute alike, so that
+            // neither waits for bytes that never come (NCCL would wait forever), then both fail.
+            let counts: Vec<(usize, usize)> = legs
+                .iter()
+                .zip(&theirs)
+                .map(|(l, &(their_send, their_recv))| (l.send.len.min(their_recv), their_send.min(l.recv.len)))
+                .collect();
+            self.grouped(|comm| {
+                for (leg, &(send, recv)) in legs.iter().zip(&counts) {
+                    if send > 0 {
+                        let data = Borrowed { address: leg.send.address, len: send, stream: &self.stream };
+                        comm.send(&data, leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                    }
+                    if recv > 0 {
+                        let mut into = Borrowed { address: leg.recv.address, len: recv, stream: &self.stream };
+                        comm.recv(&mut into, leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                    }
+                }
+                Ok(())
+            })?;
+            self.stream.synchronize().map_err(|e| nccl_err("synchronize", e))?;
+            let (sent, received) = counts.iter().fold((0, 0), |(s, r), &(cs, cr)| (s + cs, r + cr));
+            self.stats.exchange.record(sent, received);
+            for (leg, &(their_send, their_recv)) in legs.iter().zip(&theirs) {
+                let (local, remote) = if their_send != leg.recv.len {
+                    (leg.recv.len, their_send)
+                } else if their_recv != leg.send.len {
+                    (leg.send.len, their_recv)
+                } else {
+                    continue;
+                };
+                return Err(TransportError::LengthMismatch {
+                    op: "exchange_device",
+                    local_rank: self.rank,
+                    local,
+                    rank: leg.peer,
+                    remote,
+                });
             }
             Ok(())
-        })?;
-        let lens: Vec<usize> = recv_lens
-            .iter()
-            .map(|d| self.stream.clone_dtoh(d).map(|v| v[0] as usize).map_err(|e| nccl_err("download", e)))
-            .collect::<Result<_>>()?;
-        let sends: Vec<CudaSlice<u8>> =
-            legs.iter().map(|l| self.upload(l.send, l.send.len())).collect::<Result<_>>()?;
-        let mut recvs: Vec<CudaSlice<u8>> = lens
-            .iter()
-            .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
-            .collect::<Result<_>>()?;
-        self.grouped(|comm| {
-            for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
-                if !leg.send.is_empty() {
-                    comm.send(&s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
-                }
-                if n > 0 {
-                    comm.recv(&mut r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
-                }
-            }
-            Ok(())
-        })?;
-        let (mut sent, mut received) = (0, 0);
-        for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
-            let bytes = self.download(r)?;
-            leg.recv.assign_concat(&[&bytes[..n]])?;
-            sent += leg.send.len();
-            received += n;
-        }
-        self.stats.exchange.record(sent, received);
-        Ok(())
+        })
     }
 
     fn barrier(&self) -> Result<()> {
-        self.check_open()?;
-        let mut one = [0u8; 8];
-        self.all_reduce_bytes(DataType::U64, ReduceOp::Sum, &mut one)?;
-        self.stats.barrier.record(0, 0);
-        Ok(())
+        self.run(|| {
+            self.all_gather_u64(0)?;
+            self.stats.barrier.record(0, 0);
+            Ok(())
+        })
     }
 
     fn abort(&self, reason: &str) {
-        let mut aborted = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
-        if aborted.is_none() {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if failed.is_none() {
             tracing::error!(rank = self.rank, "nccl rank aborted: {reason}");
-            *aborted = Some(reason.to_string());
+            *failed = Some(TransportError::Aborted { rank: self.rank, reason: reason.to_string() });
         }
     }
 

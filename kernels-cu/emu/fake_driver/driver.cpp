@@ -1,7 +1,9 @@
 // A fake libcuda.so: the slice of CUDA's driver API that cudarc's safe layer calls for the
-// vae-parallel CUDA backend, on the CPU. One emulated device; device memory is host memory;
-// every call runs under one lock; a launch runs the kernel compiled into this library from the
-// unchanged kernels-cu/*.cu on the kernel emulator (../runtime.cpp).
+// vae-parallel CUDA backend, on the CPU. One emulated device, or FAKE_CUDA_DEVICE_COUNT (1 to 8)
+// identical ones, each with its primary context, its memory, streams and modules; device memory
+// is host memory; every call runs under one lock; a launch runs the kernel compiled into this
+// library from the unchanged kernels-cu/*.cu on the kernel emulator (../runtime.cpp). The fake
+// NCCL (../fake_nccl/) moves device memory through the few calls of fake_cuda.h.
 //
 // Streams are as lazy as CUDA allows: what a call queues on a stream (launches, async copies and
 // sets, stream-ordered frees, event records) runs only when something must see it done: a
@@ -9,15 +11,18 @@
 // reaches a wait on an event recorded after it, a synchronous call. So work on two streams that
 // nothing orders does not happen in call order; a reader that should have waited for another
 // stream's writer reads what was there before (fresh memory is NaN, see below) instead of
-// passing by luck. The legacy default stream is ordered with the blocking streams, as in CUDA
-// (cudarc's own streams are non-blocking); the per-thread default stream is treated as the
-// legacy one, a stricter order than CUDA's.
+// passing by luck. Each context's legacy default stream is ordered with its blocking streams,
+// as in CUDA (cudarc's own streams are non-blocking); the per-thread default stream is treated
+// as the legacy one, a stricter order than CUDA's. A context synchronize runs only its own
+// context's work, so a device that reads another's results without waiting for them sees NaN.
 //
 // What the real driver refuses, this refuses with the same error code and says why on stderr:
 // calls before cuInit or without a current context, a kernel the loaded image does not contain,
 // an image for another architecture, launches beyond the device's or the kernel's limits
-// (launch bounds, registers, shared memory), a pointer argument that is not device memory,
-// copies outside an allocation, double frees. Fresh allocations are filled with 0xff bytes (NaN
+// (launch bounds, registers, shared memory), a pointer argument that is not device memory (or
+// is another device's: there is no peer access; copies between devices are allowed, addresses
+// being unified), a launch of a module or on a stream of another device's context, copies
+// outside an allocation, double frees. Fresh allocations are filled with 0xff bytes (NaN
 // as f32 and as bf16), so reading memory nobody wrote shows in the results.
 #include <unistd.h>
 
@@ -37,14 +42,39 @@
 #include <vector>
 
 #include "driver_api.h"
+#include "fake_cuda.h"
 #include "image.h"
 #include "registry.h"
 
 #define FAKE_API extern "C" __attribute__((visibility("default")))
 
+namespace fake_cuda {
+
+// What is queued on one stream, in order: each operation runs when something waits for it.
+struct Queue {
+    std::deque<std::function<void()>> pending;
+    std::uint64_t queued = 0;  // operations ever queued
+    std::uint64_t done = 0;    // operations ever run (the first `done` of `queued`)
+    bool blocking = true;      // ordered with its context's legacy default stream
+    CUctx_st* ctx = nullptr;   // the context whose stream this is
+};
+
+}  // namespace fake_cuda
+
 // The handle types are the driver's opaque structs, defined here.
+
+// A device's primary context (the only contexts there are): what the device's streams, memory
+// and modules belong to.
 struct CUctx_st {
     int retains = 0;
+    int device = 0;
+    // This context's legacy default stream (the null stream; also stands for the per-thread
+    // default stream). Each context has its own, as in CUDA.
+    std::shared_ptr<fake_cuda::Queue> legacy;
+    // The first error of queued work in this context, returned by every later synchronizing
+    // call, as a faulted context's error is on a GPU.
+    CUresult sticky = CUDA_SUCCESS;
+    std::size_t allocated = 0;  // bytes of this device's memory in use
 };
 
 struct CUfunc_st {
@@ -54,32 +84,23 @@ struct CUfunc_st {
     // The most dynamic shared memory a launch may give (what is left of the default 48 KiB
     // until cuFuncSetAttribute opts in to more).
     std::size_t max_dynamic_shared;
+    CUctx_st* ctx;  // the context its module was loaded in, the only one it can be launched in
 };
 
 struct CUmod_st {
     fake_cuda::Image image;
     std::map<std::string, std::unique_ptr<CUfunc_st>> functions;
+    CUctx_st* ctx = nullptr;
 };
-
-namespace fake_cuda {
-
-// What is queued on one stream, in order: each operation runs when something waits for it.
-struct Queue {
-    std::deque<std::function<void()>> pending;
-    std::uint64_t queued = 0;  // operations ever queued
-    std::uint64_t done = 0;    // operations ever run (the first `done` of `queued`)
-    bool blocking = true;      // ordered with the legacy default stream
-};
-
-}  // namespace fake_cuda
 
 struct CUstream_st {
     unsigned flags;
-    std::shared_ptr<fake_cuda::Queue> queue;
+    std::shared_ptr<fake_cuda::Queue> queue;  // its context is the queue's
 };
 
 struct CUevent_st {
     unsigned flags;
+    CUctx_st* ctx;  // the context it was created in
     // The last record: the stream's queue and how much of it the event waits for.
     std::shared_ptr<fake_cuda::Queue> queue;
     std::uint64_t upto = 0;
@@ -124,10 +145,17 @@ constexpr int kDriverVersion = 12090;
 // Blocks of one launch the emulator runs (it runs them one after another).
 constexpr std::uint64_t kMaxEmulatedBlocks = 1u << 22;
 
+// The most devices FAKE_CUDA_DEVICE_COUNT may ask for (a DGX's eight).
+constexpr int kMaxDevices = 8;
+
+// What every device is (they are identical), and how many there are.
 struct Device {
     int cc_major = 9, cc_minor = 0;
     std::string name;
     std::size_t total_memory = 0;
+    // FAKE_CUDA_DEVICE_COUNT (default 1); 0 when it is not a count the fake offers, which cuInit
+    // refuses.
+    int count = 1;
 };
 
 const Device& device() {
@@ -137,6 +165,13 @@ const Device& device() {
         // compute capability, e.g. FAKE_CUDA_COMPUTE_CAPABILITY=8.0.
         if (const char* cc = std::getenv("FAKE_CUDA_COMPUTE_CAPABILITY")) {
             if (std::sscanf(cc, "%d.%d", &d.cc_major, &d.cc_minor) != 2) d.cc_major = 9, d.cc_minor = 0;
+        }
+        // Several devices for multi-GPU code (NCCL groups, one rank per device), each with its
+        // own primary context, memory and streams.
+        if (const char* n = std::getenv("FAKE_CUDA_DEVICE_COUNT")) {
+            char* end = nullptr;
+            const long v = std::strtol(n, &end, 10);
+            d.count = end != n && *end == '\0' && v >= 1 && v <= kMaxDevices ? (int)v : 0;
         }
         d.name = "CPU emulation of sm_" + std::to_string(d.cc_major * 10 + d.cc_minor) + " (vae-parallel kernels-emu)";
         d.total_memory = (std::size_t)sysconf(_SC_PHYS_PAGES) * (std::size_t)sysconf(_SC_PAGESIZE);
@@ -148,21 +183,22 @@ const Device& device() {
 // Every piece of state below, and every operation, is under this lock.
 std::mutex g_mutex;
 bool g_initialized = false;
-CUctx_st g_primary;
+// The devices' primary contexts, by ordinal (the first device().count exist).
+CUctx_st g_contexts[kMaxDevices];
 thread_local CUctx_st* t_current = nullptr;
-std::map<CUdeviceptr, std::size_t> g_allocations;  // base -> bytes
-std::size_t g_allocated = 0;
+struct Allocation {
+    std::size_t bytes;
+    int device;  // the device whose memory it is
+};
+std::map<CUdeviceptr, Allocation> g_allocations;  // by base address
 std::set<CUmod_st*> g_modules;
 std::set<CUfunc_st*> g_functions;
 std::set<CUstream_st*> g_streams;
 std::set<CUevent_st*> g_events;
-// The legacy default stream (the null stream; also stands for the per-thread default stream).
-const std::shared_ptr<Queue> g_legacy = std::make_shared<Queue>();
 // Allocations whose stream-ordered free is queued and has not run.
 std::set<CUdeviceptr> g_freeing;
-// The first error of queued work, returned by every later synchronizing call, as a faulted
-// context's error is on a GPU.
-CUresult g_sticky = CUDA_SUCCESS;
+// The context whose queued work is running (a fault is that context's sticky error).
+CUctx_st* g_running = nullptr;
 
 // One line on stderr about a failed call or queued operation (the real driver only returns the
 // code; the message is what makes a failure under the fake quick to diagnose).
@@ -198,73 +234,94 @@ CUresult current_context(const char* api) {
 
 CUresult check_device(const char* api, CUdevice dev) {
     if (CUresult r = initialized(api)) return r;
-    return dev == 0 ? CUDA_SUCCESS : refuse(CUDA_ERROR_INVALID_DEVICE, api, "no device %d (there is one)", dev);
+    if (dev >= 0 && dev < device().count) return CUDA_SUCCESS;
+    return refuse(CUDA_ERROR_INVALID_DEVICE, api, "no device %d (there %s %d)", dev,
+                  device().count == 1 ? "is" : "are", device().count);
 }
 
-// A stream of the current context: a created one, or a default stream (null, legacy,
-// per-thread).
+bool is_default_stream(CUstream s) { return s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD; }
+
+// A stream: a created one (of any context: its handle says which), or a default stream (null,
+// legacy, per-thread) of the current context.
 CUresult check_stream(const char* api, CUstream s) {
     if (CUresult r = current_context(api)) return r;
-    if (s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || g_streams.count(s)) return CUDA_SUCCESS;
+    if (is_default_stream(s) || g_streams.count(s)) return CUDA_SUCCESS;
     return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown stream %p", (void*)s);
 }
 
-std::shared_ptr<Queue> queue_of(CUstream s) {
-    return s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ? g_legacy : s->queue;
-}
+// A default stream is the current context's legacy stream.
+std::shared_ptr<Queue> queue_of(CUstream s) { return is_default_stream(s) ? t_current->legacy : s->queue; }
 
 // Runs `q`'s operations until `upto` of them have run. An operation may be a wait that runs
 // another queue first; those point back only at operations queued before them, so this ends.
 void flush(Queue& q, std::uint64_t upto) {
+    CUctx_st* const outer = g_running;
+    g_running = q.ctx;
     while (q.done < upto && !q.pending.empty()) {
         std::function<void()> op = std::move(q.pending.front());
         q.pending.pop_front();
         ++q.done;
         op();
     }
+    g_running = outer;
 }
 
 void flush(Queue& q) { flush(q, q.queued); }
 
-// Everything queued anywhere, as a context synchronize does.
+// Everything queued in context `ctx`, as a context synchronize does.
+void flush_context(CUctx_st* ctx) {
+    flush(*ctx->legacy);
+    for (CUstream_st* s : g_streams) {
+        if (s->queue->ctx == ctx) flush(*s->queue);
+    }
+}
+
+// Everything queued in every context: what the synchronous calls run first (see "memory" below).
 void flush_all() {
-    flush(*g_legacy);
+    for (int d = 0; d < device().count; ++d) flush(*g_contexts[d].legacy);
     for (CUstream_st* s : g_streams) flush(*s->queue);
 }
 
 // Queues `op` on stream `s`, after what the legacy stream's ordering puts before it: the
-// blocking streams' work before legacy work, and legacy work before a blocking stream's.
+// blocking streams' work of the same context before legacy work, and legacy work before a
+// blocking stream's.
 void enqueue(CUstream s, std::function<void()> op) {
     const std::shared_ptr<Queue> q = queue_of(s);
-    if (q == g_legacy) {
+    if (q == q->ctx->legacy) {
         for (CUstream_st* other : g_streams) {
-            if (other->queue->blocking) flush(*other->queue);
+            if (other->queue->blocking && other->queue->ctx == q->ctx) flush(*other->queue);
         }
     } else if (q->blocking) {
-        flush(*g_legacy);
+        flush(*q->ctx->legacy);
     }
     q->pending.push_back(std::move(op));
     ++q->queued;
 }
 
 // Records a failure of queued work (on stderr now, as the sticky error of the next
-// synchronizing call).
+// synchronizing call in the context whose work it was).
 void fault(CUresult code, const char* api, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 void fault(CUresult code, const char* api, const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     report("queued ", api, code, fmt, ap);
     va_end(ap);
-    if (g_sticky == CUDA_SUCCESS) g_sticky = code;
+    if (g_running && g_running->sticky == CUDA_SUCCESS) g_running->sticky = code;
 }
 
-// Whether `[ptr, ptr + bytes)` lies in one live allocation.
-bool inside_allocation(CUdeviceptr ptr, std::size_t bytes) {
+// The live allocation `[ptr, ptr + bytes)` lies in, or null.
+const Allocation* find_allocation(CUdeviceptr ptr, std::size_t bytes) {
     auto it = g_allocations.upper_bound(ptr);
-    if (it == g_allocations.begin()) return false;
+    if (it == g_allocations.begin()) return nullptr;
     --it;
-    return ptr >= it->first && ptr - it->first < it->second && bytes <= it->second - (ptr - it->first);
+    const std::size_t size = it->second.bytes;
+    const bool inside = ptr >= it->first && ptr - it->first < size && bytes <= size - (ptr - it->first);
+    return inside ? &it->second : nullptr;
 }
+
+// Whether `[ptr, ptr + bytes)` lies in one live allocation (of any device: copies between
+// devices are allowed, their addresses being unified).
+bool inside_allocation(CUdeviceptr ptr, std::size_t bytes) { return find_allocation(ptr, bytes) != nullptr; }
 
 CUresult check_range(const char* api, const char* what, CUdeviceptr ptr, std::size_t bytes) {
     if (inside_allocation(ptr, std::max<std::size_t>(bytes, 1))) return CUDA_SUCCESS;
@@ -276,8 +333,9 @@ CUresult allocate(const char* api, CUdeviceptr* out, std::size_t bytes) {
     if (CUresult r = current_context(api)) return r;
     if (!out) return refuse(CUDA_ERROR_INVALID_VALUE, api, "no output pointer");
     if (bytes == 0) return refuse(CUDA_ERROR_INVALID_VALUE, api, "0 bytes (the driver refuses empty allocations)");
-    if (bytes > device().total_memory - g_allocated) {
-        return refuse(CUDA_ERROR_OUT_OF_MEMORY, api, "%zu bytes with %zu of %zu in use", bytes, g_allocated,
+    CUctx_st& ctx = *t_current;
+    if (bytes > device().total_memory - ctx.allocated) {
+        return refuse(CUDA_ERROR_OUT_OF_MEMORY, api, "%zu bytes with %zu of %zu in use", bytes, ctx.allocated,
                       device().total_memory);
     }
     void* p = nullptr;
@@ -287,8 +345,8 @@ CUresult allocate(const char* api, CUdeviceptr* out, std::size_t bytes) {
     }
     std::memset(p, 0xff, bytes);
     *out = (CUdeviceptr)p;
-    g_allocations[*out] = bytes;
-    g_allocated += bytes;
+    g_allocations[*out] = Allocation{bytes, ctx.device};
+    ctx.allocated += bytes;
     return CUDA_SUCCESS;
 }
 
@@ -302,7 +360,7 @@ CUresult check_releasable(const char* api, CUdeviceptr ptr) {
 
 void release(CUdeviceptr ptr) {
     const auto it = g_allocations.find(ptr);
-    g_allocated -= it->second;
+    g_contexts[it->second.device].allocated -= it->second.bytes;
     g_allocations.erase(it);
     g_freeing.erase(ptr);
     std::free((void*)ptr);
@@ -423,6 +481,17 @@ FAKE_API CUresult cuInit(unsigned flags) {
     // Threads as fibers: the backend's tests launch thousands of blocks that synchronise every
     // few hundred instructions, which OS threads would spend in the scheduler.
     emu::use_fibers(true);
+    if (device().count == 0) {
+        return refuse(CUDA_ERROR_NO_DEVICE, "cuInit", "FAKE_CUDA_DEVICE_COUNT=%s: the fake offers 1 to %d devices",
+                      std::getenv("FAKE_CUDA_DEVICE_COUNT"), kMaxDevices);
+    }
+    if (!g_initialized) {
+        for (int d = 0; d < device().count; ++d) {
+            g_contexts[d].device = d;
+            g_contexts[d].legacy = std::make_shared<Queue>();
+            g_contexts[d].legacy->ctx = &g_contexts[d];
+        }
+    }
     g_initialized = true;
     return CUDA_SUCCESS;
 }
@@ -437,7 +506,7 @@ FAKE_API CUresult cuDeviceGetCount(int* count) {
     Lock lock(g_mutex);
     if (CUresult r = initialized("cuDeviceGetCount")) return r;
     if (!count) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDeviceGetCount", "null output");
-    *count = 1;
+    *count = device().count;
     return CUDA_SUCCESS;
 }
 
@@ -482,18 +551,18 @@ FAKE_API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
     Lock lock(g_mutex);
     if (CUresult r = check_device("cuDevicePrimaryCtxRetain", dev)) return r;
     if (!ctx) return refuse(CUDA_ERROR_INVALID_VALUE, "cuDevicePrimaryCtxRetain", "null output");
-    ++g_primary.retains;
-    *ctx = &g_primary;
+    ++g_contexts[dev].retains;
+    *ctx = &g_contexts[dev];
     return CUDA_SUCCESS;
 }
 
 FAKE_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     Lock lock(g_mutex);
     if (CUresult r = check_device("cuDevicePrimaryCtxRelease", dev)) return r;
-    if (g_primary.retains == 0) {
+    if (g_contexts[dev].retains == 0) {
         return refuse(CUDA_ERROR_INVALID_CONTEXT, "cuDevicePrimaryCtxRelease", "released more often than retained");
     }
-    --g_primary.retains;
+    --g_contexts[dev].retains;
     return CUDA_SUCCESS;
 }
 
@@ -508,23 +577,35 @@ FAKE_API CUresult cuCtxGetCurrent(CUcontext* ctx) {
 FAKE_API CUresult cuCtxSetCurrent(CUcontext ctx) {
     Lock lock(g_mutex);
     if (CUresult r = initialized("cuCtxSetCurrent")) return r;
-    if (ctx && ctx != &g_primary) return refuse(CUDA_ERROR_INVALID_CONTEXT, "cuCtxSetCurrent", "unknown context");
+    if (ctx && (ctx < g_contexts || ctx >= g_contexts + device().count)) {
+        return refuse(CUDA_ERROR_INVALID_CONTEXT, "cuCtxSetCurrent", "unknown context");
+    }
     t_current = ctx;
     return CUDA_SUCCESS;
 }
 
+FAKE_API CUresult cuCtxGetDevice(CUdevice* dev) {
+    Lock lock(g_mutex);
+    if (CUresult r = current_context("cuCtxGetDevice")) return r;
+    if (!dev) return refuse(CUDA_ERROR_INVALID_VALUE, "cuCtxGetDevice", "null output");
+    *dev = t_current->device;
+    return CUDA_SUCCESS;
+}
+
+// Only this context's work: another device's queues run when something waits for them.
 FAKE_API CUresult cuCtxSynchronize() {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuCtxSynchronize")) return r;
-    flush_all();
-    return g_sticky;
+    flush_context(t_current);
+    return t_current->sticky;
 }
 
 // ---------------------------------------------------------------- memory
 //
 // Allocation is immediate (the address is the call's result). Synchronous calls first run
-// everything queued, as they are ordered after it on a GPU (a stricter order than CUDA's for
-// non-blocking streams, which only hides bugs the lazy streams would show, never invents one).
+// everything queued, in every context, as they are ordered after it on a GPU (a stricter order
+// than CUDA's for non-blocking streams and other devices, which only hides bugs the lazy streams
+// would show, never invents one).
 
 FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, std::size_t bytes) {
     Lock lock(g_mutex);
@@ -561,7 +642,7 @@ FAKE_API CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
     if (CUresult r = current_context("cuMemGetInfo")) return r;
     if (!free || !total) return refuse(CUDA_ERROR_INVALID_VALUE, "cuMemGetInfo", "null output");
     *total = device().total_memory;
-    *free = *total - g_allocated;
+    *free = *total - t_current->allocated;
     return CUDA_SUCCESS;
 }
 
@@ -609,8 +690,9 @@ CUresult copy_dtoh(const char* api, void* dst, CUdeviceptr src, std::size_t n, C
     if (n == 0) return CUDA_SUCCESS;
     if (!dst) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host destination");
     if (CUresult r = check_range(api, "source", src, n)) return r;
-    flush(*queue_of(s));
-    if (g_sticky != CUDA_SUCCESS) return g_sticky;
+    const std::shared_ptr<Queue> q = queue_of(s);
+    flush(*q);
+    if (q->ctx->sticky != CUDA_SUCCESS) return q->ctx->sticky;
     if (!inside_allocation(src, n)) return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, api, "the source was freed");
     std::memcpy(dst, (const void*)src, n);
     return CUDA_SUCCESS;
@@ -631,7 +713,7 @@ CUresult synchronous(const char* api, F call) {
     flush_all();
     if (CUresult r = call()) return r;
     flush_all();
-    return g_sticky;
+    return t_current->sticky;
 }
 
 }  // namespace
@@ -688,6 +770,7 @@ FAKE_API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
     if (!s) return refuse(CUDA_ERROR_INVALID_VALUE, "cuStreamCreate", "null output");
     auto queue = std::make_shared<Queue>();
     queue->blocking = (flags & CU_STREAM_NON_BLOCKING) == 0;
+    queue->ctx = t_current;
     *s = new CUstream_st{flags, std::move(queue)};
     g_streams.insert(*s);
     return CUDA_SUCCESS;
@@ -709,8 +792,9 @@ FAKE_API CUresult cuStreamDestroy_v2(CUstream s) {
 FAKE_API CUresult cuStreamSynchronize(CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuStreamSynchronize", s)) return r;
-    flush(*queue_of(s));
-    return g_sticky;
+    const std::shared_ptr<Queue> q = queue_of(s);
+    flush(*q);
+    return q->ctx->sticky;
 }
 
 // Runs the stream's work and says it is done (a query that answered "not ready" forever would
@@ -718,8 +802,9 @@ FAKE_API CUresult cuStreamSynchronize(CUstream s) {
 FAKE_API CUresult cuStreamQuery(CUstream s) {
     Lock lock(g_mutex);
     if (CUresult r = check_stream("cuStreamQuery", s)) return r;
-    flush(*queue_of(s));
-    return g_sticky;
+    const std::shared_ptr<Queue> q = queue_of(s);
+    flush(*q);
+    return q->ctx->sticky;
 }
 
 // The stream's later work waits for what the event's last record covers (nothing, when it was
@@ -736,7 +821,7 @@ FAKE_API CUresult cuEventCreate(CUevent* e, unsigned flags) {
     Lock lock(g_mutex);
     if (CUresult r = current_context("cuEventCreate")) return r;
     if (!e) return refuse(CUDA_ERROR_INVALID_VALUE, "cuEventCreate", "null output");
-    *e = new CUevent_st{flags, nullptr, 0, false, {}};
+    *e = new CUevent_st{flags, t_current, nullptr, 0, false, {}};
     g_events.insert(*e);
     return CUDA_SUCCESS;
 }
@@ -773,7 +858,7 @@ FAKE_API CUresult cuEventSynchronize(CUevent e) {
     if (CUresult r = initialized("cuEventSynchronize")) return r;
     if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize", "unknown event");
     if (e->queue) flush(*e->queue, e->upto);
-    return g_sticky;
+    return (e->queue ? e->queue->ctx : e->ctx)->sticky;
 }
 
 // As cuStreamQuery: runs the work and says it is done.
@@ -782,7 +867,7 @@ FAKE_API CUresult cuEventQuery(CUevent e) {
     if (CUresult r = initialized("cuEventQuery")) return r;
     if (!g_events.count(e)) return refuse(CUDA_ERROR_INVALID_HANDLE, "cuEventQuery", "unknown event");
     if (e->queue) flush(*e->queue, e->upto);
-    return g_sticky;
+    return (e->queue ? e->queue->ctx : e->ctx)->sticky;
 }
 
 // Host time between the two records (what ran in between ran on the CPU).
@@ -812,6 +897,7 @@ FAKE_API CUresult cuModuleLoadData(CUmodule* module, const void* data) {
     if (CUresult r = parse_image(data, device().cc_major, device().cc_minor, m->image, why)) {
         return refuse(r, "cuModuleLoadData", "%s", why.c_str());
     }
+    m->ctx = t_current;
     *module = m.release();
     g_modules.insert(*module);
     return CUDA_SUCCESS;
@@ -864,7 +950,7 @@ FAKE_API CUresult cuModuleGetFunction(CUfunction* function, CUmodule module, con
                       name, sizes(meta.param_sizes).c_str(), module->image.kind, sizes(compiled).c_str());
     }
     const std::size_t dynamic = kMaxSharedPerBlock - std::min<std::size_t>(meta.static_shared, kMaxSharedPerBlock);
-    auto f = std::make_unique<CUfunc_st>(CUfunc_st{kernel, meta, max_threads_of(meta), dynamic});
+    auto f = std::make_unique<CUfunc_st>(CUfunc_st{kernel, meta, max_threads_of(meta), dynamic, module->ctx});
     *function = f.get();
     g_functions.insert(f.get());
     module->functions[name] = std::move(f);
@@ -916,6 +1002,17 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
     if (!g_functions.count(f)) return refuse(CUDA_ERROR_INVALID_HANDLE, api, "unknown function");
     const Kernel& k = *f->kernel;
     if (extra) return refuse(CUDA_ERROR_NOT_SUPPORTED, api, "%s: `extra` parameter buffers are not emulated", k.name);
+    // A launch runs in the current context: its module must have been loaded there, and a
+    // created stream must be one of its streams.
+    const int dev = t_current->device;
+    if (f->ctx != t_current) {
+        return refuse(CUDA_ERROR_INVALID_HANDLE, api, "%s: its module was loaded on cuda:%d, the launch is on cuda:%d",
+                      k.name, f->ctx->device, dev);
+    }
+    if (!is_default_stream(s) && s->queue->ctx != t_current) {
+        return refuse(CUDA_ERROR_INVALID_HANDLE, api, "%s: stream %p is cuda:%d's, the launch is on cuda:%d", k.name,
+                      (void*)s, s->queue->ctx->device, dev);
+    }
     const std::uint64_t threads = (std::uint64_t)bx * by * bz;
     if (threads == 0 || bx > 1024 || by > 1024 || bz > 64 || threads > kMaxThreads) {
         return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: invalid block (%u, %u, %u)", k.name, bx, by, bz);
@@ -939,15 +1036,22 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
                       k.name, shared_bytes, f->max_dynamic_shared, f->image.static_shared);
     }
     if (!params && !k.params.empty()) return refuse(CUDA_ERROR_INVALID_VALUE, api, "%s: no kernelParams", k.name);
-    // A pointer argument must be null (the kernels' optional inputs) or point into device
-    // memory; anything else (a swapped argument, a host pointer, freed memory) would fault on
-    // the GPU.
+    // A pointer argument must be null (the kernels' optional inputs) or point into the
+    // launching device's memory; anything else (a swapped argument, a host pointer, freed
+    // memory, another device's memory without peer access) would fault on the GPU.
     for (std::size_t i = 0; i < k.params.size(); ++i) {
         if (!k.params[i].pointer) continue;
         const auto ptr = load_param<CUdeviceptr>(params[i]);
-        if (ptr != 0 && !inside_allocation(ptr, 1)) {
+        if (ptr == 0) continue;
+        const Allocation* a = find_allocation(ptr, 1);
+        if (!a) {
             return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, api, "%s: argument %zu (%#llx) is not a device pointer", k.name,
                           i, ptr);
+        }
+        if (a->device != dev) {
+            return refuse(CUDA_ERROR_ILLEGAL_ADDRESS, api,
+                          "%s: argument %zu (%#llx) is memory of cuda:%d, the launch is on cuda:%d", k.name, i, ptr,
+                          a->device, dev);
         }
     }
     // The launch keeps copies of the argument values (the caller's may be gone when it runs).
@@ -956,11 +1060,12 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
         const auto* p = (const unsigned char*)params[i];
         values.emplace_back(p, p + k.params[i].size);
     }
-    enqueue(s, [&k, grid = dim3(gx, gy, gz), block = dim3(bx, by, bz), shared_bytes, values = std::move(values)] {
+    enqueue(s, [&k, grid = dim3(gx, gy, gz), block = dim3(bx, by, bz), shared_bytes, values = std::move(values), dev] {
         std::vector<void*> args;
         for (std::size_t i = 0; i < values.size(); ++i) {
             const auto ptr = k.params[i].pointer ? load_param<CUdeviceptr>(values[i].data()) : 0;
-            if (ptr != 0 && !inside_allocation(ptr, 1)) {
+            const Allocation* a = ptr != 0 ? find_allocation(ptr, 1) : nullptr;
+            if (ptr != 0 && (!a || a->device != dev)) {
                 return fault(CUDA_ERROR_ILLEGAL_ADDRESS, "cuLaunchKernel", "%s: argument %zu (%#llx) was freed", k.name,
                              i, ptr);
             }
@@ -983,4 +1088,56 @@ FAKE_API CUresult cuGetErrorString(CUresult r, const char** text) {
     if (!text) return CUDA_ERROR_INVALID_VALUE;
     *text = error_string(r);
     return *text ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+// ---------------------------------------------------------------- for the fake NCCL (fake_cuda.h)
+
+namespace {
+
+CUresult range_of(CUdeviceptr ptr, std::size_t bytes, int device, int* owner) {
+    if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    const Allocation* a = find_allocation(ptr, std::max<std::size_t>(bytes, 1));
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    if (a->device != device) {
+        if (owner) *owner = a->device;
+        return CUDA_ERROR_INVALID_DEVICE;
+    }
+    return CUDA_SUCCESS;
+}
+
+}  // namespace
+
+FAKE_API CUresult fake_cuda_check_range(CUdeviceptr ptr, std::size_t bytes, int device, int* owner) {
+    Lock lock(g_mutex);
+    return range_of(ptr, bytes, device, owner);
+}
+
+FAKE_API CUresult fake_cuda_synchronize(CUstream s, int device, int* owner) {
+    Lock lock(g_mutex);
+    if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (device < 0 || device >= fake_cuda::device().count) return CUDA_ERROR_INVALID_DEVICE;
+    if (!is_default_stream(s) && !g_streams.count(s)) return CUDA_ERROR_INVALID_HANDLE;
+    const std::shared_ptr<Queue> q = is_default_stream(s) ? g_contexts[device].legacy : s->queue;
+    if (q->ctx->device != device) {
+        if (owner) *owner = q->ctx->device;
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    flush(*q);
+    return q->ctx->sticky;
+}
+
+FAKE_API CUresult fake_cuda_read(void* dst, CUdeviceptr src, std::size_t bytes, int device) {
+    Lock lock(g_mutex);
+    if (bytes == 0) return CUDA_SUCCESS;
+    if (CUresult r = range_of(src, bytes, device, nullptr)) return r;
+    std::memcpy(dst, (const void*)src, bytes);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult fake_cuda_write(CUdeviceptr dst, const void* src, std::size_t bytes, int device) {
+    Lock lock(g_mutex);
+    if (bytes == 0) return CUDA_SUCCESS;
+    if (CUresult r = range_of(dst, bytes, device, nullptr)) return r;
+    std::memmove((void*)dst, src, bytes);
+    return CUDA_SUCCESS;
 }
