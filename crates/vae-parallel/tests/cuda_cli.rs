@@ -1,7 +1,8 @@
 //! The CLI's CUDA paths as a user runs them: `bench kernels` on the device (rates next to the
-//! device's peak) and a video decode with `--device cuda` in f32, tf32 and bf16 against the CPU.
-//! Needs a usable GPU (or the fake driver of `cargo xtask gpu-emu`); elsewhere each test says
-//! why it is skipped.
+//! device's peak), a video decode with `--device cuda` in f32, tf32 and bf16 against the CPU,
+//! and the same decode over NCCL with a rank process per GPU. Needs a usable GPU (or the fake
+//! driver of `cargo xtask gpu-emu`, whose NCCL run needs FAKE_CUDA_DEVICE_COUNT=2 at least);
+//! elsewhere each test says why it is skipped.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
 
 mod support;
@@ -125,4 +126,42 @@ fn the_shard_bench_runs_two_ranks_on_one_device() {
     assert!(shard["strategy"].as_str().unwrap().starts_with("shard"), "{v}");
     assert!(shard["max_abs_diff_vs_direct"].as_f64().unwrap() <= 1e-5, "{v}");
     assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0), "{v}");
+}
+
+#[test]
+fn a_decode_over_nccl_with_a_rank_process_per_gpu_matches_the_cpu() {
+    if !gpu("decode --transport nccl") {
+        return;
+    }
+    if let Err(reason) = vae_parallel::transport::nccl_available() {
+        eprintln!("decode --transport nccl: skipped, {reason}");
+        return;
+    }
+    let gpus = (0..8).take_while(|&o| vae_parallel::tensor::cuda::probe(o).is_ok()).count();
+    if gpus < 2 {
+        // The one skip scripts/gpu-check.sh excuses on a GPU machine (NCCL puts one rank per
+        // GPU); under `cargo xtask gpu-emu`, which gives this suite two devices, it fails.
+        eprintln!("decode --transport nccl: skipped, it needs one GPU per rank and this machine has {gpus}");
+        return;
+    }
+    let (model, latent) = wan21_fixture();
+    let dir = std::env::temp_dir().join(format!("vae-cuda-cli-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let decode = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["decode", "--model", model.to_str().unwrap(), "--latent", latent.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap(), "--vae-patch-parallel-size", "2"]);
+        args.extend(["--vae-parallel-mode", "spatial_shard_width"]);
+        args.extend_from_slice(extra);
+        let text = cli(&args);
+        (read_npy_f32(out), text)
+    };
+    let (cpu, _) = decode(&dir.join("cpu.npy"), &[]);
+    // Two rank processes, rank r on cuda:r, their halos and the gather over NCCL.
+    let (nccl, text) = decode(&dir.join("nccl.npy"), &["--device", "cuda", "--transport", "nccl"]);
+    assert!(text.contains("2 rank(s) (nccl transport)"), "{text}");
+    let diff = nccl.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    eprintln!("decode --device cuda --transport nccl, 2 ranks: max |cuda - cpu| = {diff}");
+    assert_eq!(nccl.len(), cpu.len());
+    assert!(diff <= 1e-4, "{diff}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

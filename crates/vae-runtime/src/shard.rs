@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use vae_planner::{BandPartition, ShardAxis};
 use vae_tensor::{DType, Device, Shape, Tensor};
-use vae_transport::{Communicator, PeerExchange};
+use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
 
 use crate::RuntimeError;
 use crate::executor::OperatorError;
@@ -271,8 +271,10 @@ impl<'c> ShardContext<'c> {
     /// Ranks that are threads of this process hand each other the tensors themselves through
     /// the group's mailbox, with a token exchange for ordering and failure detection: a device
     /// tensor stays on its device and is copied device-to-device into the receiver's buffer.
-    /// Other groups send f32 host bytes (a download for a device tensor: the CPU backend is f32
-    /// only, so a bf16 band's rows travel at 4 bytes per element).
+    /// A transport that moves device memory itself (NCCL, one GPU per rank) sends a device
+    /// tensor's elements from GPU to GPU in their own type. Other groups send f32 host bytes (a
+    /// download for a device tensor: the CPU backend is f32 only, so a bf16 band's rows travel
+    /// at 4 bytes per element).
     #[allow(clippy::type_complexity)] // (peer, tensor, dims) legs
     fn swap(
         &mut self,
@@ -307,6 +309,11 @@ impl<'c> ShardContext<'c> {
             }
             return Ok((received, sent));
         }
+        if let Device::Cuda(ordinal) = like.device()
+            && self.comm.exchanges_device_buffers(ordinal)
+        {
+            return self.swap_on_device(like, legs);
+        }
         let staged: Vec<(usize, Tensor, Vec<usize>)> =
             legs.into_iter().map(|(p, t, d)| Ok((p, on_host(t)?, d))).collect::<Result<_, RuntimeError>>()?;
         let sent = staged.iter().map(|(_, t, _)| t.size_in_bytes() as u64).sum();
@@ -330,6 +337,44 @@ impl<'c> ShardContext<'c> {
         }
         Ok((received, sent))
     }
+
+    /// [`Self::swap`] over a transport that moves device memory itself: each leg's tensor, on
+    /// `like`'s device in `like`'s type, goes from GPU to GPU; what arrives lands in a fresh
+    /// tensor of the leg's dims.
+    #[allow(clippy::type_complexity)] // as `swap`
+    fn swap_on_device(
+        &mut self,
+        like: &Tensor,
+        legs: Vec<(usize, Tensor, Vec<usize>)>,
+    ) -> Result<(Vec<(usize, Tensor)>, u64), RuntimeError> {
+        let device = like.device();
+        let on_device = |t: &Tensor| -> Result<DeviceBytes, RuntimeError> {
+            let m = t.device_memory()?.ok_or_else(|| invalid(format!("a halo on {} is not on a GPU", t.device())))?;
+            Ok(DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len })
+        };
+        let mut sends = Vec::with_capacity(legs.len());
+        let mut recvs = Vec::with_capacity(legs.len());
+        for (peer, t, dims) in legs {
+            // Converted only where needed: `to_device` and `to_dtype` copy even when nothing changes.
+            let t = if t.device() == device { t } else { t.to_device(&device)? };
+            let t = if t.dtype() == like.dtype() { t } else { t.to_dtype(like.dtype())? };
+            sends.push((peer, t));
+            recvs.push(Tensor::zeros(dims, like.dtype(), &device)?);
+        }
+        let mut exchange = Vec::with_capacity(sends.len());
+        for ((peer, send), recv) in sends.iter().zip(recvs.iter_mut()) {
+            let m = recv.device_memory_mut()?.ok_or_else(|| invalid(format!("a receive buffer on {device}")))?;
+            let recv = DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len };
+            exchange.push(DeviceExchange { peer: *peer, send: on_device(send)?, recv });
+        }
+        // SAFETY: the sends and receive buffers are tensors owned here until after the call, and
+        // nothing else uses them meanwhile (this thread waits in it); `device_memory` returned
+        // once their pending work had finished; each receive buffer is a tensor of its own, of
+        // exactly its leg's dims, so none overlap.
+        unsafe { self.comm.exchange_device(&exchange) }?;
+        let sent = sends.iter().map(|(_, t)| t.size_in_bytes() as u64).sum();
+        Ok((sends.into_iter().map(|(peer, _)| peer).zip(recvs).collect(), sent))
+    }
 }
 
 /// `t` in host memory (no copy when it is there already).
@@ -340,54 +385,7 @@ fn on_host(t: Tensor) -> Result<Tensor, RuntimeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vae_transport::{
-        ByteBuf, CommStats, DataType, LocalComm, ReduceOp, Result as TransportResult, TransportConfig, run_local,
-    };
-
-    /// A local rank without the mailbox: the byte path that process groups take.
-    struct BytesOnly(LocalComm);
-
-    impl Communicator for BytesOnly {
-        fn rank(&self) -> usize {
-            self.0.rank()
-        }
-        fn size(&self) -> usize {
-            self.0.size()
-        }
-        fn backend(&self) -> &'static str {
-            "bytes-only"
-        }
-        fn all_gather_bytes(&self, d: DataType, s: &[u8], r: &mut dyn ByteBuf) -> TransportResult<Vec<usize>> {
-            self.0.all_gather_bytes(d, s, r)
-        }
-        fn gather_bytes(
-            &self,
-            root: usize,
-            d: DataType,
-            s: &[u8],
-            r: &mut dyn ByteBuf,
-        ) -> TransportResult<Option<Vec<usize>>> {
-            self.0.gather_bytes(root, d, s, r)
-        }
-        fn broadcast_bytes(&self, root: usize, d: DataType, b: &mut dyn ByteBuf) -> TransportResult<()> {
-            self.0.broadcast_bytes(root, d, b)
-        }
-        fn all_reduce_bytes(&self, d: DataType, op: ReduceOp, b: &mut [u8]) -> TransportResult<()> {
-            self.0.all_reduce_bytes(d, op, b)
-        }
-        fn exchange_bytes(&self, d: DataType, legs: &mut [PeerExchange<'_>]) -> TransportResult<()> {
-            self.0.exchange_bytes(d, legs)
-        }
-        fn barrier(&self) -> TransportResult<()> {
-            self.0.barrier()
-        }
-        fn abort(&self, reason: &str) {
-            self.0.abort(reason)
-        }
-        fn stats(&self) -> CommStats {
-            self.0.stats()
-        }
-    }
+    use vae_transport::{BytePathOnly, TransportConfig, run_local};
 
     /// Each rank's halo'd band and gathered map of a [1, 2, 7, 5] map split in 3 height bands.
     fn halos_and_maps(comm: &dyn Communicator) -> (Tensor, Tensor, ShardTraffic) {
@@ -410,7 +408,7 @@ mod tests {
             halos_and_maps(&comm)
         })
         .unwrap();
-        let by_bytes = run_local(3, config, |comm| halos_and_maps(&BytesOnly(comm))).unwrap();
+        let by_bytes = run_local(3, config, |comm| halos_and_maps(&BytePathOnly(comm))).unwrap();
         let global = Tensor::seeded_uniform(vec![1, 2, 7, 5], 3, -1.0, 1.0, &Device::Cpu).unwrap();
         // Bands of 3, 2 and 2 rows; the halo is 2 rows, zeros beyond the global edges.
         for (rank, (m, b)) in by_mailbox.into_iter().zip(by_bytes).enumerate() {

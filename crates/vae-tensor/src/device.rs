@@ -202,3 +202,15 @@ impl FromStr for DType {
         }
     }
 }
+
+/// Elements of a tensor in GPU memory, named by address ([`crate::Tensor::device_memory`]): `len`
+/// bytes at `address` on CUDA device `ordinal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The CUDA ordinal of the device.
+    pub ordinal: usize,
+    /// The device address of the first element.
+    pub address: u64,
+    /// The size in bytes.
+    pub len: usize,
+}

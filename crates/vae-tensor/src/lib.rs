@@ -19,7 +19,7 @@ mod ops;
 mod shape;
 mod tensor;
 
-pub use device::{DType, Device, StreamScope, Tf32Scope};
+pub use device::{DType, Device, DeviceMemory, StreamScope, Tf32Scope};
 pub use error::{Result, TensorError};
 pub use ops::conv::Conv2dParams;
 pub use ops::video::Conv3dParams;

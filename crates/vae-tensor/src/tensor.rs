@@ -1,7 +1,7 @@
 //! The tensor type and its ops (CPU backend).
 
 use crate::memory::Buffer;
-use crate::{DType, Device, Result, Shape, TensorError};
+use crate::{DType, Device, DeviceMemory, Result, Shape, TensorError};
 
 /// Backend storage; the enum keeps the type above independent of any one backend.
 #[derive(Debug, Clone)]
@@ -117,6 +117,38 @@ impl Tensor {
         match &mut self.storage {
             Storage::Cuda(c) => Some(c),
             Storage::Cpu(_) => None,
+        }
+    }
+
+    /// Where the elements of a tensor on a GPU are, to hand them to something that moves device
+    /// memory itself (a transport's device-to-device exchange): `None` on the CPU. Returns once
+    /// every write queued to this tensor so far, on any stream, has finished.
+    ///
+    /// The address is valid while the tensor lives; the caller must not write through it.
+    pub fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        match &self.storage {
+            Storage::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => {
+                let address = c.settled_address()?;
+                Ok(Some(DeviceMemory { ordinal: c.ordinal(), address, len: self.size_in_bytes() }))
+            }
+        }
+    }
+
+    /// As [`Self::device_memory`], for memory something else is about to write (a receive
+    /// buffer): returns once every read and write queued to this tensor so far has finished.
+    /// The caller must write only within it, and finish before the tensor is used again.
+    pub fn device_memory_mut(&mut self) -> Result<Option<DeviceMemory>> {
+        #[cfg(feature = "cuda")]
+        let bytes = self.size_in_bytes();
+        match &mut self.storage {
+            Storage::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => {
+                let address = c.settled_address_mut()?;
+                Ok(Some(DeviceMemory { ordinal: c.ordinal(), address, len: bytes }))
+            }
         }
     }
 

@@ -16,8 +16,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -708,6 +708,32 @@ impl CudaStorage {
 
     pub(crate) fn ordinal(&self) -> usize {
         self.device.ordinal
+    }
+
+    /// The device address of the elements, once every write queued before (on any stream) has
+    /// finished. See [`crate::Tensor::device_memory`].
+    pub(crate) fn settled_address(&self) -> Result<u64> {
+        let stream = self.device.stream();
+        // The pointer call makes `stream` wait for the buffer's last writer on another stream;
+        // synchronising the stream then waits for all of it.
+        let address = match &self.data {
+            CudaData::F32(d) => d.device_ptr(&stream).0,
+            CudaData::Bf16(d) => d.device_ptr(&stream).0,
+        };
+        stream.synchronize().map_err(|e| driver(self.device.ordinal, "synchronize", e))?;
+        Ok(address)
+    }
+
+    /// As [`Self::settled_address`], for memory something else is about to write: once every
+    /// read and write queued before has finished.
+    pub(crate) fn settled_address_mut(&mut self) -> Result<u64> {
+        let stream = self.device.stream();
+        let address = match &mut self.data {
+            CudaData::F32(d) => d.device_ptr_mut(&stream).0,
+            CudaData::Bf16(d) => d.device_ptr_mut(&stream).0,
+        };
+        stream.synchronize().map_err(|e| driver(self.device.ordinal, "synchronize", e))?;
+        Ok(address)
     }
 
     /// The storage type.
