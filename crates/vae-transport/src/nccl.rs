@@ -57,8 +57,13 @@ fn unavailable(what: impl std::fmt::Display) -> TransportError {
     TransportError::Unavailable(format!("nccl: {what}"))
 }
 
-fn nccl_err(op: &str, e: impl std::fmt::Debug) -> TransportError {
-    TransportError::Io { rank: None, context: format!("nccl {op}"), message: format!("{e:?}") }
+fn nccl_err(op: &str, e: impl std::fmt::Debug + 'static) -> TransportError {
+    // cudarc's NcclError prints as just "NcclError": name its result code instead.
+    let message = match (&e as &dyn std::any::Any).downcast_ref::<cudarc::nccl::result::NcclError>() {
+        Some(nccl) => format!("{:?}", nccl.0),
+        None => format!("{e:?}"),
+    };
+    TransportError::Io { rank: None, context: format!("nccl {op}"), message }
 }
 
 /// Checks that the CUDA driver and NCCL libraries can be loaded (cudarc panics otherwise).

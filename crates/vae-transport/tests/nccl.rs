@@ -8,9 +8,10 @@
 #![cfg(feature = "nccl")]
 #![allow(clippy::print_stderr, clippy::print_stdout)] // a skipped GPU test says so; rank processes report
 
+mod common;
+
 use std::ffi::c_void;
 use std::io::Read;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -276,7 +277,12 @@ fn every_collective_at_every_world_size_up_to_the_gpu_count() {
     let Some((gpus, _lock)) = gpus() else { return };
     for size in 1..=gpus {
         let start = Instant::now();
-        on_every_rank(&(0..size).collect::<Vec<_>>(), |comm| exercise(comm));
+        on_every_rank(&(0..size).collect::<Vec<_>>(), |comm| {
+            // The checks every backend must pass (tests/common), counters included; then this
+            // backend's own, which end by aborting the rank.
+            common::exercise_all_collectives(comm);
+            exercise(comm);
+        });
         eprintln!("nccl: {size} rank(s), one per GPU: every collective checked in {:.2?}", start.elapsed());
     }
     if gpus > 1 {
@@ -325,21 +331,11 @@ fn nccl_rank_process_entry() {
 /// Runs the rank processes of `scenario` (one per GPU of `world`), each with `env`, and returns
 /// whether each succeeded with what it printed.
 fn run_ranks(scenario: &str, world: usize, env: &[(&str, &str)]) -> Vec<(bool, String)> {
-    let exe = std::env::current_exe().unwrap();
     let master = std::env::temp_dir().join(format!("vae-nccl-{}-{scenario}.sock", std::process::id()));
     let children: Vec<_> = (0..world)
         .map(|rank| {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["--exact", "nccl_rank_process_entry", "--include-ignored", "--nocapture", "--test-threads=1"])
-                .env(SCENARIO, scenario)
-                .env("VAE_RANK", rank.to_string())
-                .env("VAE_WORLD_SIZE", world.to_string())
-                .env("VAE_MASTER_ADDR", format!("unix:{}", master.display()))
-                .env("VAE_CONNECT_TIMEOUT_S", "30")
-                .env("VAE_COLLECTIVE_TIMEOUT_S", "60")
-                .env("RUST_BACKTRACE", "0")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            let master = format!("unix:{}", master.display());
+            let mut cmd = common::rank_process("nccl_rank_process_entry", SCENARIO, scenario, rank, world, &master);
             for (k, v) in env {
                 cmd.env(k, v);
             }

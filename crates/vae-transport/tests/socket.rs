@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -103,21 +103,10 @@ struct Rank {
 }
 
 fn spawn(scenario: &str, world: usize, master: &str, env: &[(&str, String)], worlds: Option<&[usize]>) -> Vec<Rank> {
-    let exe = std::env::current_exe().unwrap();
     (0..worlds.map_or(world, <[usize]>::len))
         .map(|rank| {
             let claimed_world = worlds.map_or(world, |w| w[rank]);
-            let mut cmd = Command::new(&exe);
-            cmd.args(["--exact", "child_process_entry", "--include-ignored", "--nocapture", "--test-threads=1", "-q"])
-                .env(SCENARIO, scenario)
-                .env("VAE_RANK", rank.to_string())
-                .env("VAE_WORLD_SIZE", claimed_world.to_string())
-                .env("VAE_MASTER_ADDR", master)
-                .env("VAE_CONNECT_TIMEOUT_S", "30")
-                .env("VAE_COLLECTIVE_TIMEOUT_S", "60")
-                .env("RUST_BACKTRACE", "0")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            let mut cmd = common::rank_process("child_process_entry", SCENARIO, scenario, rank, claimed_world, master);
             for (k, v) in env {
                 cmd.env(k, v);
             }

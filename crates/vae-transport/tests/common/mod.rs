@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+use std::process::{Command, Stdio};
+
 use vae_transport::{Communicator, CommunicatorExt, ReduceOp};
 
 /// What rank `r` contributes: uneven lengths (rank 2 sends nothing) and rank-specific values.
@@ -107,4 +109,29 @@ pub fn exercise_all_collectives(comm: &dyn Communicator) {
     assert_eq!(stats.broadcast.calls, size as u64);
     assert_eq!(stats.all_reduce.calls, 5);
     assert_eq!(stats.barrier.calls, 1);
+}
+
+/// A rank process of this test binary: it runs the ignored test `entry` alone, as `rank` of a
+/// socket group of `world` ranks meeting at `master`, with `scenario` in the environment
+/// variable `scenario_var` and its stdout and stderr piped back.
+pub fn rank_process(
+    entry: &str,
+    scenario_var: &str,
+    scenario: &str,
+    rank: usize,
+    world: usize,
+    master: &str,
+) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("the test binary"));
+    cmd.args(["--exact", entry, "--include-ignored", "--nocapture", "--test-threads=1", "-q"])
+        .env(scenario_var, scenario)
+        .env("VAE_RANK", rank.to_string())
+        .env("VAE_WORLD_SIZE", world.to_string())
+        .env("VAE_MASTER_ADDR", master)
+        .env("VAE_CONNECT_TIMEOUT_S", "30")
+        .env("VAE_COLLECTIVE_TIMEOUT_S", "60")
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
 }
