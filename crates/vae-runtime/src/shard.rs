@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vae_planner::{BandPartition, ShardAxis};
-use vae_tensor::{DType, Device, Shape, Tensor};
+use vae_tensor::{DType, Device, DeviceMemory, Shape, Tensor};
 use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
 
 use crate::RuntimeError;
@@ -348,9 +348,10 @@ impl<'c> ShardContext<'c> {
         legs: Vec<(usize, Tensor, Vec<usize>)>,
     ) -> Result<(Vec<(usize, Tensor)>, u64), RuntimeError> {
         let device = like.device();
-        let on_device = |t: &Tensor| -> Result<DeviceBytes, RuntimeError> {
-            let m = t.device_memory()?.ok_or_else(|| invalid(format!("a halo on {} is not on a GPU", t.device())))?;
-            Ok(DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len })
+        // vae-tensor names a tensor's memory, vae-transport moves it: the same three fields.
+        let bytes = |m: Option<DeviceMemory>| {
+            m.map(|m| DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len })
+                .ok_or_else(|| invalid(format!("a halo exchange on {device} with a tensor not on a GPU")))
         };
         let mut sends = Vec::with_capacity(legs.len());
         let mut recvs = Vec::with_capacity(legs.len());
@@ -363,9 +364,8 @@ impl<'c> ShardContext<'c> {
         }
         let mut exchange = Vec::with_capacity(sends.len());
         for ((peer, send), recv) in sends.iter().zip(recvs.iter_mut()) {
-            let m = recv.device_memory_mut()?.ok_or_else(|| invalid(format!("a receive buffer on {device}")))?;
-            let recv = DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len };
-            exchange.push(DeviceExchange { peer: *peer, send: on_device(send)?, recv });
+            let (send, recv) = (bytes(send.device_memory()?)?, bytes(recv.device_memory_mut()?)?);
+            exchange.push(DeviceExchange { peer: *peer, send, recv });
         }
         // SAFETY: the sends and receive buffers are tensors owned here until after the call, and
         // nothing else uses them meanwhile (this thread waits in it); `device_memory` returned

@@ -6,8 +6,10 @@
 //! The trait moves host bytes, so every collective stages its buffer through device memory:
 //! variable-length contributions travel as a length exchange then an equal-length (padded)
 //! collective; `gather` is an all_gather whose non-roots drop the result (NCCL has no gather);
-//! paired exchanges are grouped `ncclSend`/`ncclRecv` calls, lengths first. NCCL refuses two
-//! ranks on one GPU: several ranks on one GPU use the `local` backend instead.
+//! paired exchanges are grouped `ncclSend`/`ncclRecv` calls, lengths first. Device buffers skip
+//! the staging: [`Communicator::exchange_device`] sends and receives them where they are (the
+//! shard context's halos and maps). NCCL refuses two ranks on one GPU: several ranks on one GPU
+//! use the `local` backend instead.
 //!
 //! Status: builds with no CUDA installed; ran with world size 1 on an H200 (a single GPU cannot
 //! hold two NCCL ranks); several ranks run in CI against the fake driver and fake NCCL of

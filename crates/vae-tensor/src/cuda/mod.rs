@@ -202,6 +202,16 @@ pub fn synchronize(device: Device) -> crate::Result<()> {
     }
 }
 
+/// How many CUDA devices the driver reports: 0 without a driver (or one that fails to start).
+/// Never panics.
+pub fn device_count() -> usize {
+    // SAFETY: only tries to dlopen the driver library's candidate names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    catch_unwind(cudarc::driver::CudaContext::device_count).ok().and_then(Result::ok).map_or(0, |n| n.max(0) as usize)
+}
+
 /// Asks the driver about device `ordinal`, or says why it cannot be used (no driver library, no
 /// such device, a driver error). Never panics.
 pub fn probe(ordinal: usize) -> Result<CudaDeviceInfo, String> {
@@ -267,6 +277,10 @@ mod tests {
         if let Err(reason) = probe(4096) {
             assert!(reason.contains("no CUDA") || reason.contains("driver"), "{reason}");
         }
+        // The count agrees with what the probe opens: every device below it, none at it.
+        let count = device_count();
+        assert!((0..count).all(|o| probe(o).is_ok()), "{count} devices");
+        assert!(probe(count).is_err(), "no device {count}");
     }
 
     #[test]
