@@ -9,14 +9,21 @@
 
 extern "C" {
 
+// The driver API calls the fake NCCL makes (libnccl.so links against the fake driver), declared
+// here so that the compiler checks them against driver.cpp's definitions.
+CUresult cuInit(unsigned flags);
+CUresult cuDeviceGetCount(int* count);
+CUresult cuCtxGetDevice(CUdevice* device);
+
 // CUDA_SUCCESS when `[ptr, ptr + bytes)` lies in one live allocation of device `device`;
 // CUDA_ERROR_INVALID_VALUE when it does not lie in one live allocation (of any device);
 // CUDA_ERROR_INVALID_DEVICE when it is another device's memory, whose ordinal goes to `*owner`;
 // CUDA_ERROR_NOT_INITIALIZED before cuInit.
 CUresult fake_cuda_check_range(CUdeviceptr ptr, std::size_t bytes, int device, int* owner);
 
-// Runs what is queued on stream `s` (a default stream: `device`'s legacy stream), as
-// cuStreamSynchronize does but from any thread, current context or not, and returns the
+// Runs what is queued on stream `s` (a default stream: `device`'s legacy stream), and first
+// what the legacy stream's ordering puts before new work on it, as cuStreamSynchronize after a
+// launch on `s` would, but from any thread, current context or not; returns the
 // context's sticky error. CUDA_ERROR_INVALID_HANDLE for an unknown stream,
 // CUDA_ERROR_INVALID_CONTEXT for a stream of another device (its ordinal goes to `*owner`).
 CUresult fake_cuda_synchronize(CUstream s, int device, int* owner);

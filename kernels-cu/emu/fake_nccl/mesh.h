@@ -95,10 +95,6 @@ public:
     // other ranks' waits for it fail as soon as they need it.
     void abort();
 
-    int rank() const { return rank_; }
-    int nranks() const { return nranks_; }
-    int device_of(int rank) const { return devices_[rank]; }
-
 private:
     struct Peer {
         int fd = -1;

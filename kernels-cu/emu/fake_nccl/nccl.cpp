@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -43,11 +42,6 @@
 #include "nccl_api.h"
 
 #define FAKE_API extern "C" __attribute__((visibility("default")))
-
-// The driver calls this uses (the fake driver's: libnccl.so links against it).
-extern "C" CUresult cuInit(unsigned flags);
-extern "C" CUresult cuDeviceGetCount(int* count);
-extern "C" CUresult cuCtxGetDevice(CUdevice* device);
 
 using fake_nccl::Error;
 using fake_nccl::fail;

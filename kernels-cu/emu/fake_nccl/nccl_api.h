@@ -22,7 +22,6 @@ typedef enum {
     ncclInvalidUsage = 5,
     ncclRemoteError = 6,
     ncclInProgress = 7,
-    ncclNumResults = 8,
 } ncclResult_t;
 
 typedef enum {
@@ -48,7 +47,6 @@ typedef enum {
     ncclMin = 3,
     ncclAvg = 4,
     ncclNumOps = 5,
-    ncclMaxRedOp = 0x7fffffff,
 } ncclRedOp_t;
 
 // NCCL_VERSION_CODE of the release whose API this is: 2.27.3.
