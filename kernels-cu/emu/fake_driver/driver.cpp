@@ -282,18 +282,22 @@ void flush_all() {
     for (CUstream_st* s : g_streams) flush(*s->queue);
 }
 
-// Queues `op` on stream `s`, after what the legacy stream's ordering puts before it: the
-// blocking streams' work of the same context before legacy work, and legacy work before a
-// blocking stream's.
+// Runs what the legacy stream's ordering puts before new work on `q`: the blocking streams' work
+// of the same context before legacy work, and legacy work before a blocking stream's.
+void run_predecessors(Queue& q) {
+    if (&q == q.ctx->legacy.get()) {
+        for (CUstream_st* other : g_streams) {
+            if (other->queue->blocking && other->queue->ctx == q.ctx) flush(*other->queue);
+        }
+    } else if (q.blocking) {
+        flush(*q.ctx->legacy);
+    }
+}
+
+// Queues `op` on stream `s`, after what the legacy stream's ordering puts before it.
 void enqueue(CUstream s, std::function<void()> op) {
     const std::shared_ptr<Queue> q = queue_of(s);
-    if (q == q->ctx->legacy) {
-        for (CUstream_st* other : g_streams) {
-            if (other->queue->blocking && other->queue->ctx == q->ctx) flush(*other->queue);
-        }
-    } else if (q->blocking) {
-        flush(*q->ctx->legacy);
-    }
+    run_predecessors(*q);
     q->pending.push_back(std::move(op));
     ++q->queued;
 }
@@ -1122,6 +1126,8 @@ FAKE_API CUresult fake_cuda_synchronize(CUstream s, int device, int* owner) {
         if (owner) *owner = q->ctx->device;
         return CUDA_ERROR_INVALID_CONTEXT;
     }
+    // An NCCL call is work queued on `s`: what the legacy ordering puts before it runs first.
+    run_predecessors(*q);
     flush(*q);
     return q->ctx->sticky;
 }

@@ -147,7 +147,11 @@ void make_unique_id(ncclUniqueId& id) {
     std::snprintf(name, sizeof name, "fake-nccl-%d-%016llx", (int)getpid(), (unsigned long long)layout.nonce);
     // A socket address holds 107 bytes of path; `.<rank>` follows the base.
     std::string dir = std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "";
-    if (dir.empty() || dir.size() + 1 + std::strlen(name) + 8 >= sizeof(sockaddr_un{}.sun_path)) dir = "/tmp";
+    // The id must name an absolute path (read_unique_id refuses others): a relative $TMPDIR
+    // would mean another place in a process with another working directory.
+    if (dir.empty() || dir[0] != '/' || dir.size() + 1 + std::strlen(name) + 8 >= sizeof(sockaddr_un{}.sun_path)) {
+        dir = "/tmp";
+    }
     if (dir.back() != '/') dir += '/';
     std::snprintf(layout.base, sizeof layout.base, "%s%s", dir.c_str(), name);
     std::memcpy(id.internal, &layout, sizeof layout);
