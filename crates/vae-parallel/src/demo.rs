@@ -84,6 +84,9 @@ pub struct DemoArgs {
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write the report as an SVG plot of every rank's phases to this file.
+    #[arg(long)]
+    svg: Option<PathBuf>,
 }
 
 /// What rank 0 found.
@@ -283,6 +286,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.json {
         io::write_atomically(path, &serde_json::to_vec_pretty(&o.report)?)?;
         println!("  report written to {}", path.display());
+    }
+    if let Some(path) = &args.svg {
+        io::write_atomically(path, o.report.to_svg().as_bytes())?;
+        println!("  report plot written to {}", path.display());
     }
     if o.identical() {
         println!("  result: bit-identical to a single-rank run (max |diff| 0) on every rank that holds it");

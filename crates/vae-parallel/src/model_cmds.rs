@@ -81,7 +81,8 @@ pub struct ParallelArgs {
     /// TOML file with any of the settings above.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Also write the per-rank report as JSON to this file.
+    /// Also write the per-rank report to this file: an SVG plot of every rank's phases for a
+    /// `.svg` name, JSON otherwise.
     #[arg(long)]
     report: Option<PathBuf>,
 }
@@ -386,7 +387,7 @@ fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> any
         println!("wrote {}", path.display());
     }
     if let Some(path) = report_path {
-        io::write_atomically(path, &serde_json::to_vec_pretty(&done.report)?)?;
+        io::write_atomically(path, &done.report.file_bytes(path)?)?;
         println!("report written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)

@@ -1,10 +1,14 @@
-//! Request reports: per-rank summaries gathered to rank 0, rendered as a table or JSON.
+//! Request reports: per-rank summaries gathered to rank 0, rendered as a table, JSON or an SVG
+//! plot ([`RequestReport::to_svg`]).
 
 use std::fmt::Write as _;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use vae_runtime::{RankReport, StrategyReport};
 use vae_transport::{Communicator, CommunicatorExt, TransportError};
+
+mod svg;
 
 /// Traffic of one kind of collective.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,6 +155,26 @@ pub struct RequestReport {
 }
 
 impl RequestReport {
+    /// What a report file at `path` holds: the SVG plot for a `.svg` name, JSON otherwise.
+    pub fn file_bytes(&self, path: &Path) -> Result<Vec<u8>, serde_json::Error> {
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")) {
+            Ok(self.to_svg().into_bytes())
+        } else {
+            serde_json::to_vec_pretty(self)
+        }
+    }
+
+    /// What `rank` computed: its tiles, its band of latent rows (height shard) or columns
+    /// (width shard), or nothing.
+    fn work_of(&self, rank: &RankSummary) -> String {
+        match (rank.band, self.strategy.as_str()) {
+            (Some([a, b]), "shard-width") => format!("cols {a}..{b}"),
+            (Some([a, b]), _) => format!("rows {a}..{b}"),
+            (None, "tile") => format!("{} tiles", rank.tiles.len()),
+            (None, _) => "idle".into(),
+        }
+    }
+
     /// A fixed-width table: one row per rank.
     pub fn to_table(&self) -> String {
         let mut out = String::new();
@@ -181,11 +205,7 @@ impl RequestReport {
                 out,
                 "{:>4}  {:>9}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
                 format!("{}{}", r.rank, if r.is_owner { "*" } else { "" }),
-                match (r.band, self.strategy.as_str()) {
-                    (Some([a, b]), _) => format!("rows {a}..{b}"),
-                    (None, "tile") => format!("{} tiles", r.tiles.len()),
-                    (None, _) => "idle".into(),
-                },
+                self.work_of(r),
                 r.workload,
                 p.exec,
                 p.halo,

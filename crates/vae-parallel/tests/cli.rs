@@ -51,13 +51,28 @@ fn the_demo_runs_on_rank_processes_with_broadcast() {
 }
 
 #[test]
-fn the_demo_writes_its_report_as_json() {
+fn the_demo_writes_its_report_as_json_and_as_a_plot() {
     let path = std::env::temp_dir().join(format!("vae-cli-report-{}.json", std::process::id()));
-    let (ok, text) = cli(&["demo", "--operator", "synthetic", "--ranks", "2", "--json", path.to_str().unwrap()]);
+    let plot = path.with_extension("svg");
+    let (ok, text) = cli(&[
+        "demo",
+        "--operator",
+        "synthetic",
+        "--ranks",
+        "2",
+        "--json",
+        path.to_str().unwrap(),
+        "--svg",
+        plot.to_str().unwrap(),
+    ]);
     assert!(ok, "{text}");
     let json = std::fs::read_to_string(&path).unwrap();
-    let _ = std::fs::remove_file(&path);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    let _ = (std::fs::remove_file(&path), std::fs::remove_file(&plot));
     assert!(json.contains("\"world_size\": 2") && json.contains("\"phase_ms\""), "{json}");
+    let doc = roxmltree::Document::parse(&svg).expect("the plot is well-formed XML");
+    let execs = doc.descendants().filter(|n| n.attribute("data-phase") == Some("exec")).count();
+    assert_eq!(execs, 2, "an exec segment per rank: {svg}");
 }
 
 #[test]

@@ -425,6 +425,7 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
         cli(&decode_on("3", s(&model), s(&latent), s(&out), &["--vae-parallel-mode", "auto", "--report", s(&report)]));
     assert!(ok, "{text}");
     assert!(text.contains("shard-width (mode auto: auto: width, the only axis that fits 3 ranks)"), "{text}");
+    assert!(text.contains("cols 0..1") && text.contains("cols 2..3"), "bands of a width shard are columns: {text}");
     let (g, e) = (read_npy_f32(&out), read_npy_f32(&wan.join("wan21_like.decode_t3.out.npy")));
     let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
@@ -439,11 +440,23 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
         assert!(rank["phase_ms"]["halo"].as_f64().is_some() && rank["exec_peak_bytes"].as_u64().unwrap() > 0);
     }
 
-    // A forced axis that cannot fit falls back to tiles and says why.
-    let (ok, text) =
-        cli(&decode_on("3", s(&model), s(&latent), s(&out), &["--vae-parallel-mode", "spatial_shard_height"]));
+    // A forced axis that cannot fit falls back to tiles and says why; a `.svg` report is the plot.
+    let plot = dir.join("report.svg");
+    let (ok, text) = cli(&decode_on(
+        "3",
+        s(&model),
+        s(&latent),
+        s(&out),
+        &["--vae-parallel-mode", "spatial_shard_height", "--report", s(&plot)],
+    ));
     assert!(ok, "{text}");
     assert!(text.contains("spatial_shard_height: a latent height of 2 cannot give 3 rank(s)"), "{text}");
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    let doc = roxmltree::Document::parse(&svg).expect("the report plot is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let bars = doc.descendants().filter(|n| n.has_tag_name("g") && n.attribute("data-rank").is_some()).count();
+    assert_eq!(bars, 3, "one bar per rank: {svg}");
+    assert!(svg.contains("cannot give 3 rank(s)"), "the plot names the fallback: {svg}");
 
     // inspect lists every mode for the video family; AutoencoderKL refuses shard modes up front.
     let (ok, text) = cli(&["inspect", "--model", s(&model)]);
