@@ -193,6 +193,29 @@ pub fn postprocess_image(image: &Tensor) -> Result<(usize, usize, usize, Vec<u8>
     Ok((c, h, w, pixels))
 }
 
+/// Whether `a` and `b` name the same file: the same file-system object when both exist (through
+/// symbolic or hard links too), else the same name in the same directory. A path whose directory
+/// cannot be resolved matches nothing.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = (x, y);
+            return matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
+        }
+    }
+    let resolved = |p: &Path| -> Option<PathBuf> {
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        Some(dir.canonicalize().ok()?.join(p.file_name()?))
+    };
+    matches!((resolved(a), resolved(b)), (Some(x), Some(y)) if x == y)
+}
+
 /// Writes every image of a decoded batch `[B, C, H, W]` as PNG: `out.png` for one image,
 /// `out_0000.png`, `out_0001.png`, … for several. Returns the paths written.
 pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoError> {
@@ -306,6 +329,31 @@ pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn same_file_sees_through_spellings_and_links() {
+        let dir = std::env::temp_dir().join(format!("vae-io-same-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let a = dir.join("a.npy");
+        std::fs::write(&a, b"x").unwrap();
+        std::fs::write(dir.join("b.npy"), b"x").unwrap();
+        assert!(same_file(&a, &a));
+        assert!(same_file(&a, &dir.join("sub/../a.npy")), "another spelling of an existing file");
+        assert!(!same_file(&a, &dir.join("b.npy")), "same bytes, another file");
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&a, dir.join("link.npy")).unwrap();
+            std::fs::hard_link(&a, dir.join("hard.npy")).unwrap();
+            assert!(same_file(&dir.join("link.npy"), &a), "a symbolic link");
+            assert!(same_file(&a, &dir.join("hard.npy")), "a hard link");
+        }
+        // Files not written yet: the same name in the same directory, however spelt.
+        assert!(same_file(&dir.join("new.npy"), &dir.join("sub/../new.npy")));
+        assert!(!same_file(&dir.join("new.npy"), &dir.join("sub/new.npy")));
+        assert!(!same_file(Path::new("/nonexistent-dir/x.npy"), Path::new("/nonexistent-dir/x.npy")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn npy_round_trips() {

@@ -123,6 +123,8 @@ struct Resolved {
     /// Video tiling `[min_h, min_w]`, `[stride_h, stride_w]` when any was given.
     video_tiling: Option<([usize; 2], [usize; 2])>,
     report: Option<PathBuf>,
+    /// The `--config` file, if any.
+    config: Option<PathBuf>,
 }
 
 impl ParallelArgs {
@@ -195,11 +197,21 @@ impl ParallelArgs {
                 })
             },
             report: self.report.clone(),
+            config: self.config.clone(),
         })
     }
 }
 
 impl Resolved {
+    /// [`refuse_overwriting`] for a command reading `input` and writing `out` (and the report).
+    fn refuse_overwriting(&self, out: &Path, input: (&str, &Path)) -> anyhow::Result<()> {
+        let mut outputs = vec![("--out", out)];
+        outputs.extend(self.report.as_deref().map(|r| ("--report", r)));
+        let mut inputs = vec![input];
+        inputs.extend(self.config.as_deref().map(|c| ("--config", c)));
+        refuse_overwriting(&outputs, &inputs, &self.model)
+    }
+
     /// Local ranks are threads of this process: they share one loaded model (weights in memory
     /// once). Socket ranks are processes and load their own.
     fn shared_engine(&self) -> anyhow::Result<Option<Engine>> {
@@ -327,6 +339,29 @@ fn check_output_path(path: &Path, allowed: &[&str]) -> anyhow::Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !dir.is_dir() {
         bail!("output directory {} does not exist", dir.display());
+    }
+    Ok(())
+}
+
+/// Refuses a command whose outputs would overwrite what the user gave it (an input file, the
+/// config file, a file of the model directory) or each other, before any work or write: the
+/// atomic rename would otherwise replace the input with the result.
+fn refuse_overwriting(outputs: &[(&str, &Path)], inputs: &[(&str, &Path)], model_dir: &Path) -> anyhow::Result<()> {
+    let model_files: Vec<PathBuf> = std::fs::read_dir(model_dir)
+        .map(|entries| entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_file()).collect())
+        .unwrap_or_default();
+    for (i, (flag, out)) in outputs.iter().enumerate() {
+        for (other, input) in inputs {
+            if io::same_file(out, input) {
+                bail!("{flag} {} is the {other} file: writing it would destroy the input", out.display());
+            }
+        }
+        if let Some(file) = model_files.iter().find(|f| io::same_file(out, f)) {
+            bail!("{flag} {} would overwrite the model's {}", out.display(), file.display());
+        }
+        if let Some((earlier, _)) = outputs[..i].iter().find(|(_, o)| io::same_file(out, o)) {
+            bail!("{flag} and {earlier} name the same file {}", out.display());
+        }
     }
     Ok(())
 }
@@ -470,6 +505,7 @@ impl Drop for Spinner {
 pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
     check_output_path(&args.out, &["npy", "png"])?;
+    r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
     let png = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
@@ -503,6 +539,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
 pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
     check_output_path(&args.out, &["npy"])?;
+    r.refuse_overwriting(&args.out, ("--input", &args.input))?;
     let output = match args.output.as_str() {
         "moments" => EncodeOutput::Moments,
         "mean" => EncodeOutput::Mean,

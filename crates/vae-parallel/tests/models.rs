@@ -153,6 +153,47 @@ fn decode_on<'a>(ranks: &'a str, model: &'a str, latent: &'a str, out: &'a str, 
 }
 
 #[test]
+fn outputs_never_overwrite_what_the_user_gave() {
+    let dir = scratch("overwrite");
+    let model = model_copy("overwrite-model", "sd_like");
+    let latent = dir.join("z.npy");
+    std::fs::copy(fixtures().join("sd_like.decode.in.npy"), &latent).unwrap();
+    let original = std::fs::read(&latent).unwrap();
+    let config = dir.join("run.toml");
+    std::fs::write(&config, "vae_patch_parallel_size = 1\n").unwrap();
+    let (m, l, out) = (s(&model), s(&latent), dir.join("out.npy"));
+    let (o, model_config) = (s(&out), model.join("config.json"));
+    let same_latent = dir.join(".").join("z.npy");
+    for (name, args, expect) in [
+        ("out is the latent", decode_args(m, l, l, &[]), "--out"),
+        ("out is the latent, spelt otherwise", decode_args(m, l, s(&same_latent), &[]), "is the --latent file"),
+        ("report is the latent", decode_args(m, l, o, &["--report", l]), "--report"),
+        (
+            "report is the config",
+            decode_args(m, l, o, &["--config", s(&config), "--report", s(&config)]),
+            "--config file",
+        ),
+        ("report is the output", decode_args(m, l, o, &["--report", o]), "--report and --out name the same file"),
+        ("report in the model", decode_args(m, l, o, &["--report", s(&model_config)]), "would overwrite the model's"),
+        (
+            "encode out is its input",
+            vec!["encode", "--model", m, "--input", s(&out), "--out", s(&out)],
+            "is the --input file",
+        ),
+    ] {
+        if name.starts_with("encode") {
+            std::fs::write(&out, &original).unwrap();
+        }
+        assert_clean_failure(name, &args, expect);
+        let _ = std::fs::remove_file(&out);
+    }
+    assert_eq!(std::fs::read(&latent).unwrap(), original, "the latent is untouched");
+    assert!(std::fs::read_to_string(&model_config).unwrap().contains("AutoencoderKL"), "the model is untouched");
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), "vae_patch_parallel_size = 1\n");
+    assert!(!out.exists(), "nothing was written");
+}
+
+#[test]
 fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
     let f = fixtures();
     let dir = scratch("bad");
