@@ -6,6 +6,7 @@ mod bench;
 mod demo;
 mod kernel_bench;
 mod model_cmds;
+mod progress_bar;
 mod ranks;
 
 use std::process::ExitCode;

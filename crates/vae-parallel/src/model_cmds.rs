@@ -14,6 +14,7 @@ use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
 use vae_parallel::transport::Communicator;
 
+use crate::progress_bar::ProgressDisplay;
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
 
 /// Settings shared by `decode` and `encode`; each can also come from `--config FILE` (TOML, the
@@ -454,53 +455,6 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
     }
 }
 
-/// A spinner on rank 0 for work that takes longer than a second (hidden when stderr is not a
-/// terminal); dropped when the work ends.
-struct Spinner {
-    done: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Spinner {
-    fn start(what: &'static str, show: bool) -> Self {
-        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = Arc::clone(&done);
-        let thread = show.then(|| {
-            std::thread::spawn(move || {
-                let started = Instant::now();
-                let mut bar: Option<indicatif::ProgressBar> = None;
-                while !flag.load(std::sync::atomic::Ordering::SeqCst) {
-                    std::thread::sleep(std::time::Duration::from_millis(100));
-                    if bar.is_none() && started.elapsed().as_secs_f64() >= 1.0 {
-                        let b = indicatif::ProgressBar::new_spinner().with_message(what);
-                        b.set_style(
-                            indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
-                                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-                        );
-                        bar = Some(b);
-                    }
-                    if let Some(b) = &bar {
-                        b.tick();
-                    }
-                }
-                if let Some(b) = bar {
-                    b.finish_and_clear();
-                }
-            })
-        });
-        Self { done, thread }
-    }
-}
-
-impl Drop for Spinner {
-    fn drop(&mut self) {
-        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 /// `vae-parallel decode`.
 pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
@@ -509,7 +463,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let png = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
-        let _spinner = Spinner::start("decoding", comm.rank() == 0);
+        let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
         let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
@@ -547,7 +501,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
     };
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
-        let _spinner = Spinner::start("encoding", comm.rank() == 0);
+        let _progress = ProgressDisplay::start("encoding", "chunk", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
         let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;

@@ -12,6 +12,7 @@ use vae_tensor::{DType, Device, Shape, StreamScope, Tensor};
 use vae_transport::{CommStats, Communicator, CommunicatorExt};
 
 use crate::codec::{Reader, Writer};
+use crate::progress::{self, Progress};
 use crate::shard::{ShardContext, ShardOperator, ShardTraffic};
 use crate::{RuntimeError, Stage};
 
@@ -479,10 +480,14 @@ impl DistributedVaeExecutor {
         let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
         let mut outputs: Vec<(usize, Tensor)> = Vec::with_capacity(mine.len());
         let mut exec_error = None;
+        progress::report(Progress::Tiles { done: 0, total: mine.len() });
         for &tile_id in mine {
             let task = &plan.tasks[tile_id];
             match guarded(|| op.exec(input, task)) {
-                Ok(out) if out.rank() == input.rank() => outputs.push((tile_id, out)),
+                Ok(out) if out.rank() == input.rank() => {
+                    outputs.push((tile_id, out));
+                    progress::report(Progress::Tiles { done: outputs.len(), total: mine.len() });
+                }
                 Ok(out) => {
                     exec_error = Some((
                         tile_id,
@@ -713,6 +718,7 @@ pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor,
     let plan = guarded(|| op.split(input)).map_err(|m| failed(Stage::Split, m))?;
     plan.grid.validate_tasks(&plan.tasks)?;
     let mut tiles = TileMap::new();
+    progress::report(Progress::Tiles { done: 0, total: plan.tasks.len() });
     for task in &plan.tasks {
         let stage = Stage::Exec { tile_id: task.tile_id };
         let out = guarded(|| op.exec(input, task)).map_err(|m| failed(stage, m))?;
@@ -722,6 +728,7 @@ pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor,
             return Err(failed(stage, message));
         }
         tiles.insert(task.grid_coord.clone(), out);
+        progress::report(Progress::Tiles { done: tiles.len(), total: plan.tasks.len() });
     }
     guarded(|| op.merge(tiles, &plan.grid))
         .and_then(|out| cast_output(out, plan.grid.output_dtype))

@@ -5,13 +5,15 @@
 //! executes its own, and the owner merges what it gathered. [`DistributedVaeExecutor::execute_sharded`]
 //! runs a model's [`ShardOperator`] instead: the input cut into bands, one per rank, with halo
 //! exchanges between neighbours ([`shard`]). [`stitch`] is the diffusers-style
-//! blend-and-crop merge that the tiled VAEs share. Model *policy* (which strategy, which tile
-//! sizes, who gets the output) lives in the model adapters, never here.
+//! blend-and-crop merge that the tiled VAEs share; [`progress`] carries how far a request has
+//! got to a progress bar. Model *policy* (which strategy, which tile sizes, who gets the output)
+//! lives in the model adapters, never here.
 
 mod codec;
 mod error;
 mod executor;
 mod mode;
+pub mod progress;
 pub mod shard;
 pub mod stitch;
 pub mod synthetic;
@@ -22,6 +24,7 @@ pub use executor::{
     TileMap, TileOperator, TilePlan, execute_serial,
 };
 pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode};
+pub use progress::{Progress, ProgressScope, ProgressSink};
 pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic};
 pub use stitch::StitchSpec;
 pub use vae_planner::ShardAxis;

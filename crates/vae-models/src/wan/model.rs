@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use serde::Deserialize;
 use vae_planner::{BandPartition, GridSpec, ShardAxis, TileTask, WanTiling, halo_width};
+use vae_runtime::progress::{self, Progress};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
     OperatorError, ParallelMode, ShardContext, ShardGeometry, ShardOperator, Strategy, StrategyChoice, TileMap,
@@ -887,6 +888,7 @@ impl WanVae {
             cache.next = 0;
             let (start, len) = if i == 0 { (0, 1) } else { (1 + 4 * (i - 1), 4) };
             outs.push(encoder.forward(&x.narrow(2, start, len)?, &mut cache)?);
+            progress::report(Progress::Steps { done: i + 1, total: chunks });
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
         to_host(self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)?)
@@ -1036,6 +1038,7 @@ impl WanVae {
         for i in 0..d[2] {
             cache.next = 0;
             frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut cache, i == 0, band.as_deref_mut())?);
+            progress::report(Progress::Steps { done: i + 1, total: d[2] });
         }
         let refs: Vec<&Tensor> = frames.iter().collect();
         to_host(Tensor::cat(&refs, 2)?)
