@@ -225,22 +225,14 @@ fn decoding_a_prefix_of_the_latent_gives_the_leading_frames_exactly() {
 
 #[test]
 fn decode_and_encode_report_each_temporal_step_to_the_progress_sink() {
-    use std::sync::{Arc, Mutex};
-    use vae_runtime::{Progress, ProgressScope};
+    use vae_runtime::progress::{Progress, collect};
 
     let dir = fixtures_dir().join("wan");
     let model = WanVae::load(&dir.join("wan21_like")).unwrap();
-    let steps = |run: &dyn Fn()| -> Vec<Progress> {
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&log);
-        let _scope = ProgressScope::enter(Arc::new(move |p| sink.lock().unwrap().push(p)));
-        run();
-        log.lock().unwrap().clone()
-    };
     let step = |done, total| Progress::Steps { done, total };
     // Three latent frames decode in three steps; five video frames encode in two (1, then 4).
     let z = read_npy(&dir.join("wan21_like.decode_t3.in.npy")).unwrap();
-    assert_eq!(steps(&|| drop(model.decode(&z).unwrap())), [step(1, 3), step(2, 3), step(3, 3)]);
+    assert_eq!(collect(|| model.decode(&z).unwrap()).1, [step(1, 3), step(2, 3), step(3, 3)]);
     let x = read_npy(&dir.join("wan21_like.encode_f5.in.npy")).unwrap();
-    assert_eq!(steps(&|| drop(model.encode_moments(&x).unwrap())), [step(1, 2), step(2, 2)]);
+    assert_eq!(collect(|| model.encode_moments(&x).unwrap()).1, [step(1, 2), step(2, 2)]);
 }

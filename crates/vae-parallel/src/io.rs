@@ -193,21 +193,14 @@ pub fn postprocess_image(image: &Tensor) -> Result<(usize, usize, usize, Vec<u8>
     Ok((c, h, w, pixels))
 }
 
-/// Whether `a` and `b` name the same file: the same file-system object when both exist (through
-/// symbolic or hard links too), else the same name in the same directory. A path whose directory
-/// cannot be resolved matches nothing.
+/// Whether `a` and `b` name the same file: on Unix the same file-system object when both exist
+/// (through symbolic or hard links too), else the same name in the same directory (resolved
+/// through links). A path whose directory cannot be resolved matches nothing.
 pub fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
     if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::MetadataExt;
-            return x.dev() == y.dev() && x.ino() == y.ino();
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = (x, y);
-            return matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
-        }
+        use std::os::unix::fs::MetadataExt;
+        return x.dev() == y.dev() && x.ino() == y.ino();
     }
     let resolved = |p: &Path| -> Option<PathBuf> {
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -370,6 +363,14 @@ mod tests {
         let t = Tensor::from_vec(vec![1.0; 8], vec![8], &Device::Cpu).unwrap();
         let bytes = npy_bytes(&t).unwrap();
         assert!(parse_npy(&bytes[..bytes.len() - 4]).unwrap_err().contains("truncated"));
+        // A header that claims 1.6e16 elements over a few bytes is refused before any allocation.
+        let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 16, 100000, 100000, 100000), }";
+        let mut huge = b"\x93NUMPY\x01\x00".to_vec();
+        huge.extend_from_slice(&(header.len() as u16 + 1).to_le_bytes());
+        huge.extend_from_slice(header.as_bytes());
+        huge.extend_from_slice(b"\n");
+        huge.extend_from_slice(&[0; 64]);
+        assert!(parse_npy(&huge).unwrap_err().contains("truncated data: 64 bytes for 16000000000000000 elements"));
     }
 
     #[test]

@@ -405,12 +405,9 @@ fn finish_rank(
 
 fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> anyhow::Result<ExitCode> {
     let Some(done) = done else { return Ok(ExitCode::SUCCESS) };
-    let how = match done.report.strategy.as_str() {
-        "tile" => format!("{} tile(s)", done.report.tile_count),
-        other => other.to_string(),
-    };
     println!(
-        "{what}: {how} (mode {}: {}), {} rank(s) ({} transport), parallel size {}: {:.3} s",
+        "{what}: {} (mode {}: {}), {} rank(s) ({} transport), parallel size {}: {:.3} s",
+        done.report.what_ran(),
         done.report.mode,
         done.report.reason,
         done.report.world_size,

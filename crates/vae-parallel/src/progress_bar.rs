@@ -83,7 +83,9 @@ impl ProgressDisplay {
         let flag = Arc::clone(&done);
         let thread = std::thread::spawn(move || {
             let started = Instant::now();
-            let mut bar: Option<(ProgressBar, bool)> = None;
+            let mut bar: Option<ProgressBar> = None;
+            // Whether the bar shows a share yet (else it spins).
+            let mut measured = false;
             while !flag.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(100));
                 if started.elapsed() < Duration::from_secs(1) {
@@ -91,11 +93,15 @@ impl ProgressDisplay {
                 }
                 let now = position.lock().map(|p| *p).unwrap_or_default();
                 // The time shown counts from the request's start, not from when the bar appears.
-                let (b, measured) =
-                    bar.get_or_insert_with(|| (ProgressBar::new(SCALE).with_elapsed(started.elapsed()), false));
+                let b = bar.get_or_insert_with(|| {
+                    ProgressBar::new(SCALE).with_elapsed(started.elapsed()).with_style(
+                        ProgressStyle::with_template("{spinner} {msg} {elapsed}")
+                            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+                    )
+                });
                 match now.fraction() {
                     Some(share) => {
-                        if !*measured {
+                        if !measured {
                             b.set_style(
                                 ProgressStyle::with_template(
                                     "{msg} [{bar:30}] {percent:>3}% {elapsed} (about {eta} left)",
@@ -103,23 +109,17 @@ impl ProgressDisplay {
                                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                                 .progress_chars("=> "),
                             );
-                            *measured = true;
+                            measured = true;
                         }
                         b.set_position((share * SCALE as f64) as u64);
                     }
-                    None if !*measured => {
-                        b.set_style(
-                            ProgressStyle::with_template("{spinner} {msg} {elapsed}")
-                                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
-                        );
-                        b.tick();
-                    }
+                    None if !measured => b.tick(),
                     None => {}
                 }
                 let label = now.label(step_noun);
                 b.set_message(if label.is_empty() { what.to_string() } else { format!("{what} {label}") });
             }
-            if let Some((b, _)) = bar {
+            if let Some(b) = bar {
                 b.finish_and_clear();
             }
         });

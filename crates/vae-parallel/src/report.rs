@@ -60,7 +60,7 @@ pub struct RankSummary {
 }
 
 /// Milliseconds per phase.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct PhaseMs {
     /// Split.
     pub split: f64,
@@ -79,6 +79,18 @@ pub struct PhaseMs {
     pub broadcast: f64,
     /// Sum.
     pub total: f64,
+}
+
+impl RankSummary {
+    /// Bytes sent over every kind of collective.
+    pub fn bytes_sent(&self) -> u64 {
+        self.traffic.iter().map(|t| t.bytes_sent).sum()
+    }
+
+    /// Bytes received over every kind of collective.
+    pub fn bytes_received(&self) -> u64 {
+        self.traffic.iter().map(|t| t.bytes_received).sum()
+    }
 }
 
 impl From<&RankReport> for RankSummary {
@@ -164,6 +176,14 @@ impl RequestReport {
         }
     }
 
+    /// What ran, in a few words: `12 tile(s)` or the shard strategy (`shard-width`).
+    pub fn what_ran(&self) -> String {
+        match self.strategy.as_str() {
+            "tile" => format!("{} tile(s)", self.tile_count),
+            other => other.to_string(),
+        }
+    }
+
     /// What `rank` computed: its tiles, its band of latent rows (height shard) or columns
     /// (width shard), or nothing.
     fn work_of(&self, rank: &RankSummary) -> String {
@@ -199,8 +219,6 @@ impl RequestReport {
         );
         for r in &self.ranks {
             let p = &r.phase_ms;
-            let sent: u64 = r.traffic.iter().map(|t| t.bytes_sent).sum();
-            let received: u64 = r.traffic.iter().map(|t| t.bytes_received).sum();
             let _ = writeln!(
                 out,
                 "{:>4}  {:>9}  {:>8}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>9.2}  {:>9.2}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
@@ -214,8 +232,8 @@ impl RequestReport {
                 p.broadcast,
                 p.total,
                 p.split + p.agree,
-                human_bytes(sent),
-                human_bytes(received),
+                human_bytes(r.bytes_sent()),
+                human_bytes(r.bytes_received()),
                 human_bytes(r.peak_bytes),
                 if r.device_peak_bytes > 0 { human_bytes(r.device_peak_bytes) } else { "-".into() },
                 human_bytes(r.halo_bytes_sent),

@@ -9,7 +9,7 @@
 //! has to carry it. On CUDA a step is counted when its work is queued, not when it finishes.
 
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,10 +66,20 @@ pub fn report(update: Progress) {
     }
 }
 
+/// Runs `work` on this thread with a sink that keeps every update, and returns its result with
+/// them in order: a log of a request's progress (what the tests of every layer check).
+pub fn collect<T>(work: impl FnOnce() -> T) -> (T, Vec<Progress>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&log);
+    let scope = ProgressScope::enter(Arc::new(move |p| sink.lock().unwrap_or_else(|e| e.into_inner()).push(p)));
+    let out = work();
+    drop(scope);
+    let updates = std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()));
+    (out, updates)
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
 
     fn recorder() -> (ProgressSink, Arc<Mutex<Vec<Progress>>>) {
@@ -97,6 +107,16 @@ mod tests {
             [Progress::Tiles { done: 0, total: 2 }, Progress::Tiles { done: 1, total: 2 }]
         );
         assert_eq!(*inner_seen.lock().unwrap(), [Progress::Steps { done: 1, total: 3 }]);
+    }
+
+    #[test]
+    fn collect_keeps_the_updates_of_its_work_alone() {
+        let ((), inside) = collect(|| {
+            report(Progress::Steps { done: 1, total: 2 });
+            let ((), nested) = collect(|| report(Progress::Steps { done: 2, total: 2 }));
+            assert_eq!(nested, [Progress::Steps { done: 2, total: 2 }]);
+        });
+        assert_eq!(inside, [Progress::Steps { done: 1, total: 2 }]);
     }
 
     #[test]

@@ -364,18 +364,14 @@ fn the_report_accounts_for_the_request() {
 
 #[test]
 fn each_rank_reports_its_own_tiles_to_its_own_progress_sink() {
-    use std::sync::Mutex;
-    use vae_runtime::{Progress, ProgressScope, execute_serial};
+    use vae_runtime::execute_serial;
+    use vae_runtime::progress::{Progress, collect};
 
     let op = small_op();
     let x = input(&[1, 1, 20, 20], 4); // 16 tiles
     let seen: Vec<Vec<Progress>> = run_local(3, config(), |comm| {
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&log);
-        let _scope = ProgressScope::enter(Arc::new(move |p| sink.lock().unwrap().push(p)));
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
-        exec.execute(&x, &op, OutputPlacement::OwnerOnly).unwrap();
-        log.lock().unwrap().clone()
+        collect(|| exec.execute(&x, &op, OutputPlacement::OwnerOnly).unwrap()).1
     })
     .unwrap()
     .into_iter()
@@ -392,13 +388,9 @@ fn each_rank_reports_its_own_tiles_to_its_own_progress_sink() {
     assert_eq!(tiles, 16);
 
     // The serial path reports every tile of the plan.
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let sink = Arc::clone(&log);
-    let scope = ProgressScope::enter(Arc::new(move |p| sink.lock().unwrap().push(p)));
-    execute_serial(&op, &x).unwrap();
-    drop(scope);
-    assert_eq!(log.lock().unwrap().last(), Some(&Progress::Tiles { done: 16, total: 16 }));
-    assert_eq!(log.lock().unwrap().len(), 17);
+    let (_, serial) = collect(|| execute_serial(&op, &x).unwrap());
+    assert_eq!(serial.last(), Some(&Progress::Tiles { done: 16, total: 16 }));
+    assert_eq!(serial.len(), 17);
 }
 
 /// Splits differently on its first call than on later ones: a non-deterministic operator.

@@ -84,16 +84,15 @@ impl RequestReport {
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">"#
         );
         let _ = writeln!(svg, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
-        let what = match self.strategy.as_str() {
-            "tile" => format!("{} tile(s)", self.tile_count),
-            other => other.to_string(),
-        };
         let _ = writeln!(
             svg,
             r#"<text x="10" y="20" font-size="14" font-weight="bold">{}</text>"#,
             escape(&format!(
-                "{what} on {} rank(s), {} transport, parallel size {}",
-                self.world_size, self.backend, self.parallel_size
+                "{} on {} rank(s), {} transport, parallel size {}",
+                self.what_ran(),
+                self.world_size,
+                self.backend,
+                self.parallel_size
             ))
         );
         let _ = writeln!(
@@ -148,7 +147,6 @@ impl RequestReport {
                 start += d;
             }
             let _ = writeln!(svg, "</g>");
-            let sent: u64 = r.traffic.iter().map(|t| t.bytes_sent).sum();
             let device = if r.device_peak_bytes > 0 {
                 format!(" · device {}", human_bytes(r.device_peak_bytes))
             } else {
@@ -163,7 +161,7 @@ impl RequestReport {
                     "{} ms · peak {}{device} · sent {}",
                     ms(start),
                     human_bytes(r.peak_bytes),
-                    human_bytes(sent)
+                    human_bytes(r.bytes_sent())
                 ))
             );
         }
@@ -289,18 +287,7 @@ mod tests {
         assert_eq!([0.0, 0.5].map(|t| tick_label(t, 0.5)), ["0.0", "0.5"]);
         // An empty or instant request still renders.
         let mut r = report();
-        r.ranks.iter_mut().for_each(|r| {
-            r.phase_ms = PhaseMs {
-                split: 0.0,
-                agree: 0.0,
-                exec: 0.0,
-                halo: 0.0,
-                gather: 0.0,
-                merge: 0.0,
-                broadcast: 0.0,
-                total: 0.0,
-            }
-        });
+        r.ranks.iter_mut().for_each(|r| r.phase_ms = PhaseMs::default());
         let svg = r.to_svg();
         assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
         roxmltree::Document::parse(&svg).expect("well-formed");
