@@ -31,6 +31,14 @@ impl Conv2d {
         Self::load(w, cin, cout, 1, Conv2dParams::same(1))
     }
 
+    /// The same convolution, promised to see band cuts only on multiples of `align` rows and
+    /// columns of its input (see [`Conv2dParams::band_aligned`]): pass the rows one latent row
+    /// has become at the conv's resolution.
+    pub fn band_aligned(mut self, align: usize) -> Self {
+        self.params = self.params.band_aligned(align);
+        self
+    }
+
     /// Output channels.
     pub fn out_channels(&self) -> usize {
         self.weight.dims()[0]
@@ -98,13 +106,14 @@ pub struct ResnetBlock2d {
 }
 
 impl ResnetBlock2d {
-    /// Loads a block mapping `cin` to `cout` channels (a 1×1 `conv_shortcut` when they differ).
-    pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, groups: usize, eps: f32) -> Result<Self> {
+    /// Loads a block mapping `cin` to `cout` channels (a 1×1 `conv_shortcut` when they differ)
+    /// that runs where one latent row has become `align` rows ([`Conv2d::band_aligned`]).
+    pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, groups: usize, eps: f32, align: usize) -> Result<Self> {
         Ok(Self {
             norm1: GroupNorm::load(&mut w.pp("norm1"), groups, cin, eps)?,
-            conv1: Conv2d::load3x3(&mut w.pp("conv1"), cin, cout)?,
+            conv1: Conv2d::load3x3(&mut w.pp("conv1"), cin, cout)?.band_aligned(align),
             norm2: GroupNorm::load(&mut w.pp("norm2"), groups, cout, eps)?,
-            conv2: Conv2d::load3x3(&mut w.pp("conv2"), cout, cout)?,
+            conv2: Conv2d::load3x3(&mut w.pp("conv2"), cout, cout)?.band_aligned(align),
             conv_shortcut: if cin != cout {
                 Some(Conv2d::load1x1(&mut w.pp("conv_shortcut"), cin, cout)?)
             } else {
@@ -156,9 +165,10 @@ pub struct Upsample2d {
 }
 
 impl Upsample2d {
-    /// Loads `conv`.
-    pub fn load(w: &mut Weights<'_>, channels: usize) -> Result<Self> {
-        Ok(Self { conv: Conv2d::load3x3(&mut w.pp("conv"), channels, channels)? })
+    /// Loads `conv`, which runs where one latent row has become `align` rows (after the
+    /// upsampling; see [`Conv2d::band_aligned`]).
+    pub fn load(w: &mut Weights<'_>, channels: usize, align: usize) -> Result<Self> {
+        Ok(Self { conv: Conv2d::load3x3(&mut w.pp("conv"), channels, channels)?.band_aligned(align) })
     }
 
     /// Doubles the spatial size.
@@ -215,17 +225,18 @@ pub struct MidBlock2d {
 }
 
 impl MidBlock2d {
-    /// Loads `resnets.0`, `attentions.0` (when `with_attention`) and `resnets.1`.
+    /// Loads `resnets.0`, `attentions.0` (when `with_attention`) and `resnets.1`, at the
+    /// latent's resolution.
     pub fn load(w: &mut Weights<'_>, channels: usize, groups: usize, with_attention: bool) -> Result<Self> {
         const EPS: f32 = 1e-6;
         Ok(Self {
-            first: ResnetBlock2d::load(&mut w.pp("resnets").pp(0), channels, channels, groups, EPS)?,
+            first: ResnetBlock2d::load(&mut w.pp("resnets").pp(0), channels, channels, groups, EPS, 1)?,
             attention: if with_attention {
                 Some(SpatialAttention::load(&mut w.pp("attentions").pp(0), channels, groups, EPS)?)
             } else {
                 None
             },
-            second: ResnetBlock2d::load(&mut w.pp("resnets").pp(1), channels, channels, groups, EPS)?,
+            second: ResnetBlock2d::load(&mut w.pp("resnets").pp(1), channels, channels, groups, EPS, 1)?,
         })
     }
 

@@ -36,6 +36,11 @@ fn bench_conv(c: &mut Criterion, name: &str, input: [usize; 4], weight: [usize; 
 
 fn conv(c: &mut Criterion) {
     bench_conv(c, "3x3_128to128_128x128", [1, 128, 128, 128], [128, 128, 3, 3], Conv2dParams::same(3));
+    let wino = Conv2dParams::same(3).band_aligned(4);
+    bench_conv(c, "3x3_128to128_128x128_winograd", [1, 128, 128, 128], [128, 128, 3, 3], wino);
+    bench_conv(c, "3x3_512to512_32x32", [1, 512, 32, 32], [512, 512, 3, 3], Conv2dParams::same(3));
+    bench_conv(c, "3x3_512to512_32x32_winograd", [1, 512, 32, 32], [512, 512, 3, 3], wino);
+    bench_conv(c, "3x3_256to256_64x64_winograd", [1, 256, 64, 64], [256, 256, 3, 3], wino);
     bench_conv(c, "3x3s2_128to128_128x128", [1, 128, 128, 128], [128, 128, 3, 3], Conv2dParams::diffusers_downsample());
     bench_conv(c, "1x1_256to128_128x128", [1, 256, 128, 128], [128, 256, 1, 1], Conv2dParams::default());
 }

@@ -16,12 +16,14 @@ mod device;
 mod error;
 pub mod memory;
 mod ops;
+pub mod profile;
 mod shape;
 mod tensor;
 
 pub use device::{DType, Device, DeviceMemory, StreamScope, Tf32Scope};
 pub use error::{Result, TensorError};
 pub use ops::conv::Conv2dParams;
+pub use ops::simd::cpu_isa_name;
 pub use ops::video::Conv3dParams;
 pub use shape::Shape;
 pub use tensor::Tensor;

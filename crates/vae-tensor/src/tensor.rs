@@ -348,6 +348,7 @@ impl Tensor {
 
     /// A copy of `len` positions from `start` along `dim`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("narrow");
         self.check_dim("narrow", dim)?;
         if start + len > self.dims()[dim] {
             return Err(TensorError::RangeOutOfBounds {
@@ -369,6 +370,7 @@ impl Tensor {
 
     /// Concatenation along `dim`; all other extents must agree.
     pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("cat");
         let first = tensors.first().ok_or(TensorError::InvalidArgument { op: "cat", reason: "no tensors".into() })?;
         first.check_dim("cat", dim)?;
         let mut dims = first.dims().to_vec();
@@ -398,11 +400,13 @@ impl Tensor {
         src_offset: &[usize],
         extent: &[usize],
     ) -> Result<()> {
+        let _profile = crate::profile::Scope::new("copy_box");
         copy_box(src, src_offset, self, dst_offset, extent)
     }
 
     /// Every element times `factor`.
     pub fn scale(&self, factor: f32) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("scalar");
         #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             return Ok(Self::from_cuda(x.affine(factor, -0.0)?, self.shape.clone()));
@@ -413,6 +417,7 @@ impl Tensor {
 
     /// `x * mul + add` element-wise, rounded after each operation (as two PyTorch ops).
     pub fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("scalar");
         #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             return Ok(Self::from_cuda(x.affine(mul, add)?, self.shape.clone()));
@@ -428,6 +433,7 @@ impl Tensor {
     /// nearest-exact reads `floor((y + 0.5) / k)`, which equals `floor(y / k)` for integer `y`
     /// and `k`.
     pub fn upsample_nearest2d(&self, factor: usize) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("upsample_nearest");
         if self.rank() < 2 || factor == 0 {
             return Err(TensorError::InvalidArgument {
                 op: "upsample_nearest2d",
@@ -468,6 +474,7 @@ impl Tensor {
     /// exactly as PyTorch evaluates the expression. Only the first `e` positions of `self` are
     /// written; `prev` is read from its last `e` positions. All extents but `dim` must agree.
     pub fn blend_leading(&mut self, prev: &Tensor, dim: usize, weights: &[(f32, f32)]) -> Result<()> {
+        let _profile = crate::profile::Scope::new("blend");
         const OP: &str = "blend_leading";
         self.check_dim(OP, dim)?;
         let e = weights.len();

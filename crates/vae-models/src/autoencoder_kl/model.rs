@@ -34,7 +34,9 @@ impl Encoder {
     fn load(w: &mut Weights<'_>, c: &AutoencoderKlConfig) -> Result<Self> {
         let widths = &c.block_out_channels;
         let groups = c.norm_num_groups;
-        let conv_in = Conv2d::load3x3(&mut w.pp("conv_in"), c.in_channels, widths[0])?;
+        // Rows one latent row spans at each level (the alignment of band cuts there).
+        let mut align = 1usize << (widths.len() - 1);
+        let conv_in = Conv2d::load3x3(&mut w.pp("conv_in"), c.in_channels, widths[0])?.band_aligned(align);
         let mut down_blocks = Vec::with_capacity(widths.len());
         let mut output = widths[0];
         for (i, &width) in widths.iter().enumerate() {
@@ -44,12 +46,13 @@ impl Encoder {
             let resnets = (0..c.layers_per_block)
                 .map(|j| {
                     let cin = if j == 0 { input } else { output };
-                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS)
+                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS, align)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let last = i + 1 == widths.len();
             let downsample =
                 if last { None } else { Some(Downsample2d::load(&mut block.pp("downsamplers").pp(0), output)?) };
+            align = (align / 2).max(1);
             down_blocks.push(DownBlock { resnets, downsample });
         }
         let top = *widths.last().expect("validated non-empty");
@@ -101,6 +104,8 @@ impl Decoder {
         let mid_block = MidBlock2d::load(&mut w.pp("mid_block"), top, groups, c.mid_block_add_attention)?;
         let mut up_blocks = Vec::with_capacity(widths.len());
         let mut output = top;
+        // Rows one latent row spans at each level (the alignment of band cuts there).
+        let mut align = 1;
         for (i, &width) in widths.iter().rev().enumerate() {
             let prev = output;
             output = width;
@@ -108,11 +113,15 @@ impl Decoder {
             let resnets = (0..=c.layers_per_block)
                 .map(|j| {
                     let cin = if j == 0 { prev } else { output };
-                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS)
+                    ResnetBlock2d::load(&mut block.pp("resnets").pp(j), cin, output, groups, NORM_EPS, align)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let last = i + 1 == widths.len();
-            let upsample = if last { None } else { Some(Upsample2d::load(&mut block.pp("upsamplers").pp(0), output)?) };
+            if !last {
+                align *= 2;
+            }
+            let upsample =
+                if last { None } else { Some(Upsample2d::load(&mut block.pp("upsamplers").pp(0), output, align)?) };
             up_blocks.push(UpBlock { resnets, upsample });
         }
         Ok(Self {
@@ -120,7 +129,7 @@ impl Decoder {
             mid_block,
             up_blocks,
             conv_norm_out: GroupNorm::load(&mut w.pp("conv_norm_out"), groups, widths[0], NORM_EPS)?,
-            conv_out: Conv2d::load3x3(&mut w.pp("conv_out"), widths[0], c.out_channels)?,
+            conv_out: Conv2d::load3x3(&mut w.pp("conv_out"), widths[0], c.out_channels)?.band_aligned(align),
         })
     }
 

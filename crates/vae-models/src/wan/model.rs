@@ -87,6 +87,9 @@ struct CausalConv3d {
     bias: Tensor,
     pad: [usize; 3],
     time_stride: usize,
+    /// Rows one latent row has become at this conv's resolution: band cuts of a spatial shard
+    /// fall on multiples of it (`Conv3dParams::band_aligned`).
+    band_align: usize,
 }
 
 impl CausalConv3d {
@@ -96,7 +99,14 @@ impl CausalConv3d {
             bias: w.get("bias", &[cout])?,
             pad,
             time_stride: 1,
+            band_align: 1,
         })
+    }
+
+    /// The same conv at a resolution where one latent row has become `align` rows.
+    fn band_aligned(mut self, align: usize) -> Self {
+        self.band_align = align;
+        self
     }
 
     fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
@@ -125,7 +135,8 @@ impl CausalConv3d {
             Some(ShardAxis::Width) => pw = 0,
             None => {}
         }
-        let params = Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]);
+        let params =
+            Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]).band_aligned(self.band_align);
         // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
         // without the concatenation on CUDA.
         Ok(match cached {
@@ -246,12 +257,13 @@ struct ResidualBlock {
 }
 
 impl ResidualBlock {
-    fn load(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+    /// A block at a resolution where one latent row has become `align` rows.
+    fn load(w: &mut Weights<'_>, cin: usize, cout: usize, align: usize) -> Result<Self> {
         Ok(Self {
             norm1: RmsNorm::load(&mut w.pp("norm1"), cin, false)?,
-            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, [3, 3, 3], [1, 1, 1])?,
+            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, [3, 3, 3], [1, 1, 1])?.band_aligned(align),
             norm2: RmsNorm::load(&mut w.pp("norm2"), cout, false)?,
-            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, [3, 3, 3], [1, 1, 1])?,
+            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, [3, 3, 3], [1, 1, 1])?.band_aligned(align),
             shortcut: if cin != cout {
                 Some(CausalConv3d::load(&mut w.pp("conv_shortcut"), cin, cout, [1, 1, 1], [0, 0, 0])?)
             } else {
@@ -325,11 +337,14 @@ impl AttentionBlock {
 struct Upsample {
     conv: (Tensor, Tensor),
     time_conv: Option<CausalConv3d>,
+    /// Rows one latent row has become after the upsampling (see `CausalConv3d::band_align`).
+    band_align: usize,
 }
 
 impl Upsample {
-    /// `out_dim`: `dim / 2` in Wan2.1's up blocks, `dim` in Wan2.2's residual ones.
-    fn load(w: &mut Weights<'_>, dim: usize, out_dim: usize, temporal: bool) -> Result<Self> {
+    /// `out_dim`: `dim / 2` in Wan2.1's up blocks, `dim` in Wan2.2's residual ones; `align`:
+    /// rows one latent row has become after the upsampling.
+    fn load(w: &mut Weights<'_>, dim: usize, out_dim: usize, temporal: bool, align: usize) -> Result<Self> {
         let mut conv = w.pp("resample.1");
         let conv = (conv.get("weight", &[out_dim, dim, 3, 3])?, conv.get("bias", &[out_dim])?);
         let time_conv = if temporal {
@@ -337,7 +352,7 @@ impl Upsample {
         } else {
             None
         };
-        Ok(Self { conv, time_conv })
+        Ok(Self { conv, time_conv, band_align: align })
     }
 
     /// Rows of each neighbour the 3×3 resample conv needs.
@@ -394,7 +409,7 @@ impl Upsample {
         // nearest-exact with an integer factor is plain nearest.
         let upsampled = frames.upsample_nearest2d(2)?;
         let k = self.conv.0.dims()[2];
-        let same = Conv2dParams::same(k);
+        let same = Conv2dParams::same(k).band_aligned(self.band_align);
         let up = match band {
             None => upsampled.conv2d(&self.conv.0, Some(&self.conv.1), &same)?,
             Some(ctx) => {
@@ -405,7 +420,8 @@ impl Upsample {
                     ShardAxis::Height => [0, 0, left, right],
                     ShardAxis::Width => [top, bottom, 0, 0],
                 };
-                haloed.conv2d(&self.conv.0, Some(&self.conv.1), &Conv2dParams::new(1, padding))?
+                let params = Conv2dParams::new(1, padding).band_aligned(self.band_align);
+                haloed.conv2d(&self.conv.0, Some(&self.conv.1), &params)?
             }
         };
         let co = up.dims()[1];
@@ -505,9 +521,12 @@ struct Encoder {
 impl Encoder {
     fn load(w: &mut Weights<'_>, c: &WanConfig) -> Result<Self> {
         let dims: Vec<usize> = std::iter::once(1).chain(c.dim_mult.iter().copied()).map(|u| c.base_dim * u).collect();
-        let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.in_channels, dims[0], [3, 3, 3], [1, 1, 1])?;
-        let mut layers = Vec::new();
         let levels = c.dim_mult.len();
+        // Rows one latent row spans at each level (the alignment of band cuts there).
+        let mut align = 1usize << levels.saturating_sub(1);
+        let conv_in =
+            CausalConv3d::load(&mut w.pp("conv_in"), c.in_channels, dims[0], [3, 3, 3], [1, 1, 1])?.band_aligned(align);
+        let mut layers = Vec::new();
         for i in 0..levels {
             let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
             let down_flag = i != levels - 1;
@@ -517,8 +536,11 @@ impl Encoder {
                 let mut resnets = Vec::new();
                 let mut current = in_dim;
                 for j in 0..c.num_res_blocks {
-                    resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim)?);
+                    resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim, align)?);
                     current = out_dim;
+                }
+                if down_flag {
+                    align = (align / 2).max(1);
                 }
                 let downsample = if down_flag {
                     Some(Downsample::load(&mut block.pp("downsampler"), out_dim, temporal)?)
@@ -531,11 +553,12 @@ impl Encoder {
             }
             for _ in 0..c.num_res_blocks {
                 let k = layers.len();
-                let block = ResidualBlock::load(&mut w.pp(format!("down_blocks.{k}")), in_dim, out_dim)?;
+                let block = ResidualBlock::load(&mut w.pp(format!("down_blocks.{k}")), in_dim, out_dim, align)?;
                 layers.push(DownLayer::Residual(Box::new(block)));
                 in_dim = out_dim;
             }
             if down_flag {
+                align = (align / 2).max(1);
                 let k = layers.len();
                 let down = Downsample::load(&mut w.pp(format!("down_blocks.{k}")), out_dim, temporal)?;
                 layers.push(DownLayer::Downsample(Box::new(down)));
@@ -544,8 +567,8 @@ impl Encoder {
         let top = *dims.last().expect("non-empty");
         let mut mid = w.pp("mid_block");
         let mid_resnets = [
-            ResidualBlock::load(&mut mid.pp("resnets").pp(0), top, top)?,
-            ResidualBlock::load(&mut mid.pp("resnets").pp(1), top, top)?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(0), top, top, 1)?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(1), top, top, 1)?,
         ];
         let mid_attention = AttentionBlock::load(&mut mid.pp("attentions").pp(0), top)?;
         Ok(Self {
@@ -602,11 +625,13 @@ impl Decoder {
         let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.z_dim, dims[0], [3, 3, 3], [1, 1, 1])?;
         let mut mid = w.pp("mid_block");
         let mid_resnets = [
-            ResidualBlock::load(&mut mid.pp("resnets").pp(0), dims[0], dims[0])?,
-            ResidualBlock::load(&mut mid.pp("resnets").pp(1), dims[0], dims[0])?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(0), dims[0], dims[0], 1)?,
+            ResidualBlock::load(&mut mid.pp("resnets").pp(1), dims[0], dims[0], 1)?,
         ];
         let mid_attention = AttentionBlock::load(&mut mid.pp("attentions").pp(0), dims[0])?;
         let mut up_blocks = Vec::new();
+        // Rows one latent row spans at each level (the alignment of band cuts there).
+        let mut align = 1;
         for i in 0..mult.len() {
             let (mut in_dim, out_dim) = (dims[i], dims[i + 1]);
             if i > 0 && !c.is_residual {
@@ -616,18 +641,22 @@ impl Decoder {
             let mut resnets = Vec::new();
             let mut current = in_dim;
             for j in 0..=c.num_res_blocks {
-                resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim)?);
+                resnets.push(ResidualBlock::load(&mut block.pp("resnets").pp(j), current, out_dim, align)?);
                 current = out_dim;
             }
             let up_flag = i != mult.len() - 1;
+            if up_flag {
+                align *= 2;
+            }
             let temporal = up_flag && *up_temporal.get(i).unwrap_or(&false);
             let (upsample, dup_shortcut) = match (up_flag, c.is_residual) {
                 (false, _) => (None, None),
                 (true, false) => {
-                    (Some(Upsample::load(&mut block.pp("upsamplers").pp(0), out_dim, out_dim / 2, temporal)?), None)
+                    let up = Upsample::load(&mut block.pp("upsamplers").pp(0), out_dim, out_dim / 2, temporal, align)?;
+                    (Some(up), None)
                 }
                 (true, true) => (
-                    Some(Upsample::load(&mut block.pp("upsampler"), out_dim, out_dim, temporal)?),
+                    Some(Upsample::load(&mut block.pp("upsampler"), out_dim, out_dim, temporal, align)?),
                     Some((if temporal { 2 } else { 1 }, out_dim)),
                 ),
             };
@@ -640,7 +669,8 @@ impl Decoder {
             mid_attention,
             up_blocks,
             norm_out: RmsNorm::load(&mut w.pp("norm_out"), out_dim, false)?,
-            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), out_dim, c.out_channels, [3, 3, 3], [1, 1, 1])?,
+            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), out_dim, c.out_channels, [3, 3, 3], [1, 1, 1])?
+                .band_aligned(align),
         })
     }
 

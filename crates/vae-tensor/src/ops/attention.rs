@@ -42,6 +42,7 @@ fn softmax_rows(data: &mut [f32], len: usize) {
 impl Tensor {
     /// Softmax over the last dimension.
     pub fn softmax_last_dim(&self) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("softmax");
         let Some(&len) = self.dims().last() else {
             return Err(TensorError::InvalidArgument { op: "softmax_last_dim", reason: "needs rank >= 1".into() });
         };
@@ -58,6 +59,7 @@ impl Tensor {
     /// most 1024 rows (and about 16 MiB of scores) at a time, which for a 128x128 latent
     /// (`N = M = 16384`) is 256 rows.
     pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("attention");
         const OP: &str = "attention";
         q.check_same_device(OP, k)?;
         q.check_same_device(OP, v)?;

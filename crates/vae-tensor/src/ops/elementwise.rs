@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use crate::memory::Buffer;
-use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply, silu};
+use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply, silu_into};
 use crate::{Result, Shape, Tensor, TensorError};
 
 /// PyTorch's clamp: NaN stays NaN, and `min > max` gives `max` everywhere.
@@ -11,6 +11,16 @@ use crate::{Result, Shape, Tensor, TensorError};
 fn clamp(x: f32, min: f32, max: f32) -> f32 {
     let x = if x < min { min } else { x };
     if x > max { max } else { x }
+}
+
+/// `f(src chunk, dst chunk)` over matching chunks of two equally long slices, in parallel when
+/// they are large.
+fn par_zip_apply(src: &[f32], dst: &mut [f32], f: impl Fn(&[f32], &mut [f32]) + Sync + Send) {
+    if src.len() < PAR_MIN_ELEMS {
+        f(src, dst);
+    } else {
+        dst.par_chunks_mut(PAR_MIN_ELEMS / 2).zip(src.par_chunks(PAR_MIN_ELEMS / 2)).for_each(|(d, s)| f(s, d));
+    }
 }
 
 impl Tensor {
@@ -33,24 +43,39 @@ impl Tensor {
 
     /// SiLU (swish), `x · sigmoid(x)`, element-wise.
     pub fn silu(&self) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("silu");
         #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda() {
             return Ok(Tensor::from_cuda(c.silu()?, self.shape().clone()));
         }
-        self.map(silu)
+        let src = self.as_slice_f32()?;
+        let mut out = Buffer::zeros(src.len());
+        par_zip_apply(src, out.as_mut_slice(), |s, d| silu_into(crate::ops::simd::isa(), s, d));
+        Ok(Tensor::from_buffer(out, self.shape().clone()))
     }
 
     /// [`Tensor::silu`] in place.
     pub fn silu_inplace(&mut self) -> Result<()> {
+        let _profile = crate::profile::Scope::new("silu");
         #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda_mut() {
             return c.silu_inplace();
         }
-        self.map_inplace(silu)
+        let isa = crate::ops::simd::isa();
+        par_chunks_apply(self.as_mut_slice_f32()?, |c| {
+            let mut buf = [0.0f32; 256];
+            for chunk in c.chunks_mut(256) {
+                let n = chunk.len();
+                buf[..n].copy_from_slice(chunk);
+                silu_into(isa, &buf[..n], chunk);
+            }
+        });
+        Ok(())
     }
 
     /// Element-wise sum of two tensors of the same shape (no broadcasting).
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("add");
         self.check_same_shape("add", other)?;
         #[cfg(feature = "cuda")]
         if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
@@ -67,6 +92,7 @@ impl Tensor {
 
     /// `self += other` element-wise; shapes must be equal.
     pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
+        let _profile = crate::profile::Scope::new("add");
         self.check_same_shape("add_assign", other)?;
         #[cfg(feature = "cuda")]
         if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
@@ -89,6 +115,7 @@ impl Tensor {
 
     /// Every element times `factor` (the same as [`Tensor::scale`]).
     pub fn mul_scalar(&self, factor: f32) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("scalar");
         #[cfg(feature = "cuda")]
         if self.cuda().is_some() {
             return self.scale(factor);
@@ -98,29 +125,34 @@ impl Tensor {
 
     /// [`Tensor::mul_scalar`] in place.
     pub fn mul_scalar_inplace(&mut self, factor: f32) -> Result<()> {
+        let _profile = crate::profile::Scope::new("scalar");
         self.map_inplace(|x| x * factor)
     }
 
     /// Every element divided by `divisor` (a true division, as PyTorch's `x / s`, which can
     /// differ in the last bit from multiplying by `1 / s`).
     pub fn div_scalar(&self, divisor: f32) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("scalar");
         self.map(|x| x / divisor)
     }
 
     /// `value` added to every element.
     pub fn add_scalar(&self, value: f32) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("scalar");
         self.map(|x| x + value)
     }
 
     /// `x · scale[c] + shift[c]` per channel (dimension 1 of `[N, C, *]`), rounded after the
     /// product and after the sum as PyTorch's `x * scale + shift` with broadcast vectors.
     pub fn channel_affine(&self, scale: &[f32], shift: &[f32]) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("channel_affine");
         self.per_channel("channel_affine", scale, shift, |x, s, t| (x * s) + t)
     }
 
     /// `(x − mean[c]) / std[c]` per channel (dimension 1 of `[N, C, *]`), as PyTorch's
     /// `(x - mean) / std` with broadcast vectors.
     pub fn channel_normalize(&self, mean: &[f32], std: &[f32]) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("channel_affine");
         self.per_channel("channel_normalize", mean, std, |x, m, s| (x - m) / s)
     }
 
@@ -155,6 +187,7 @@ impl Tensor {
     /// Every element limited to `[min, max]`, as `torch.clamp`: NaN elements stay NaN, and
     /// `min > max` sets everything to `max`. NaN bounds are an error.
     pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("clamp");
         check_bounds(min, max)?;
         #[cfg(feature = "cuda")]
         if self.cuda().is_some() {
@@ -167,6 +200,7 @@ impl Tensor {
 
     /// [`Tensor::clamp`] in place.
     pub fn clamp_inplace(&mut self, min: f32, max: f32) -> Result<()> {
+        let _profile = crate::profile::Scope::new("clamp");
         check_bounds(min, max)?;
         #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda_mut() {
@@ -178,6 +212,7 @@ impl Tensor {
     /// Zero padding of the last two dimensions by `[top, bottom, left, right]`, as
     /// `F.pad(x, (left, right, top, bottom))`.
     pub fn pad2d(&self, padding: [usize; 4]) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("pad2d");
         const OP: &str = "pad2d";
         let r = self.rank();
         if r < 2 {

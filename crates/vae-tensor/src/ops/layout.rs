@@ -30,6 +30,7 @@ impl Tensor {
     /// A copy with dimensions reordered: output dimension `i` is input dimension `dims[i]`, as
     /// `torch.permute(...).contiguous()`. `dims` must be a permutation of `0..rank`.
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("permute");
         const OP: &str = "permute";
         let rank = self.rank();
         let mut seen = vec![false; rank];
@@ -83,6 +84,7 @@ impl Tensor {
     /// The mean of diffusers' `DiagonalGaussianDistribution` for encoder moments
     /// `[N, 2C, *]`: the first `C` channels (the rest are the log-variance).
     pub fn diag_gaussian_mean(&self) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("diag_gaussian_mean");
         const OP: &str = "diag_gaussian_mean";
         if self.rank() < 2 || !self.dims()[1].is_multiple_of(2) {
             return Err(TensorError::InvalidArgument {

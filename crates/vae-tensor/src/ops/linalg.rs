@@ -8,6 +8,7 @@ impl Tensor {
     /// Batched matrix product `[.., M, K] · [.., K, N] → [.., M, N]`. Both operands must have
     /// the same rank (at least 2) and equal leading (batch) dimensions; there is no broadcasting.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("matmul");
         const OP: &str = "matmul";
         self.check_same_device(OP, rhs)?;
         let r = self.rank();
@@ -46,6 +47,7 @@ impl Tensor {
     /// `x` `[.., in]`, `weight` `[out, in]` and `bias` `[out]`; the output is `[.., out]`. As in
     /// PyTorch's `addmm`, the bias is the initial value the product accumulates onto.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("linear");
         const OP: &str = "linear";
         self.check_same_device(OP, weight)?;
         let mismatch =

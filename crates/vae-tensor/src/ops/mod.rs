@@ -5,9 +5,11 @@ pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
+pub(crate) mod lanes;
 pub(crate) mod layout;
 pub(crate) mod linalg;
 pub(crate) mod norm;
+pub(crate) mod simd;
 pub(crate) mod video;
 
 use rayon::prelude::*;
@@ -15,12 +17,42 @@ use rayon::prelude::*;
 /// Below this many elements a parallel loop costs more than it saves.
 pub(crate) const PAR_MIN_ELEMS: usize = 1 << 15;
 
-/// `x · sigmoid(x)`, written as `x / (1 + e^(−x))`: for very negative `x` the exponential
-/// overflows to infinity and the quotient is a correctly signed zero, as in PyTorch. One
-/// definition for `silu` and the norms' fused SiLU, so fusing never changes a bit.
-#[inline]
-pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+simd::isa_kernel! {
+    /// SiLU of every element of `src` into `dst` ([`lanes::silu`]: one definition for `silu` and
+    /// the norms' fused SiLU, so fusing never changes a bit).
+    pub(crate) fn silu_into(src: &[f32], dst: &mut [f32]) = silu_kernel;
+}
+
+#[inline(always)]
+fn silu_kernel<S: lanes::Lanes>(src: &[f32], dst: &mut [f32]) {
+    lanes::map::<S, _>(src, dst, &lanes::Silu);
+}
+
+/// A buffer that parallel tasks write at disjoint positions (a strided set of rows each, which
+/// safe splitting cannot express). Borrows the buffer mutably for `'a`.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr<'a>(*mut f32, usize, std::marker::PhantomData<&'a mut [f32]>);
+
+// SAFETY: tasks write disjoint elements (each caller documents why), and the borrow keeps the
+// buffer alive and otherwise untouched meanwhile.
+unsafe impl Send for OutPtr<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr<'_> {}
+
+impl<'a> OutPtr<'a> {
+    pub(crate) fn new(out: &'a mut [f32]) -> Self {
+        Self(out.as_mut_ptr(), out.len(), std::marker::PhantomData)
+    }
+
+    /// The `len` elements from `start`.
+    ///
+    /// # Safety
+    /// No other task may access these elements while the slice lives.
+    pub(crate) unsafe fn slice(self, start: usize, len: usize) -> &'a mut [f32] {
+        assert!(start <= self.1 && len <= self.1 - start, "output range out of bounds");
+        // SAFETY: in bounds (checked); exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
 }
 
 /// Applies `f` to `data` in chunks, in parallel when the data is large enough to pay for it.

@@ -2,16 +2,17 @@
 //! the 3-D convolution under `WanCausalConv3d`, `WanRMS_norm`, Wan 2.2's `AvgDown3D` /
 //! `DupUp3D`, and the `patchify` / `unpatchify` pair.
 //!
-//! The 3-D convolution is a sum over temporal taps of 2-D convolutions of frames, each run by
-//! [`Tensor::conv2d`]'s shifted GEMM: for tap `dt` every output frame `t` reads input frame
-//! `t·st + dt − t_front`, so all `(n, t)` pairs whose frame exists form one batch of a single
-//! `conv2d` call with the weight slice `w[:, :, dt]`.
+//! The 3-D convolution runs on the same CPU kernels as [`Tensor::conv2d`] (see `ops::conv`):
+//! output frame `t` reads input frame `t·st + dt − t_front` with temporal tap `dt`, and the
+//! temporal taps are more reduction rows of one product. The causal cache in front is read in
+//! place, never concatenated.
 
 use rayon::prelude::*;
 
 use crate::memory::Buffer;
-use crate::ops::PAR_MIN_ELEMS;
-use crate::{Conv2dParams, Result, Shape, Tensor, TensorError};
+use crate::ops::OutPtr;
+use crate::ops::lanes::{self, Lanes, WideLanes};
+use crate::{Result, Shape, Tensor, TensorError};
 
 /// Stride and zero padding of a [`Tensor::conv3d`]. Dilation and groups are not supported
 /// (the Wan VAEs use neither).
@@ -22,26 +23,36 @@ pub struct Conv3dParams {
     pub stride: [usize; 3],
     /// Zero padding as `[t_front, t_back, top, bottom, left, right]`.
     pub padding: [usize; 6],
+    /// Where the input may be cut into spatial bands, as [`crate::Conv2dParams::band_aligned`] says;
+    /// 1 by default: anywhere.
+    pub band_align: usize,
 }
 
 impl Default for Conv3dParams {
     /// Stride 1, no padding.
     fn default() -> Self {
-        Self { stride: [1; 3], padding: [0; 6] }
+        Self::new([1; 3], [0; 6])
     }
 }
 
 impl Conv3dParams {
     /// The given `[t, h, w]` stride and `[t_front, t_back, top, bottom, left, right]` padding.
     pub const fn new(stride: [usize; 3], padding: [usize; 6]) -> Self {
-        Self { stride, padding }
+        Self { stride, padding, band_align: 1 }
+    }
+
+    /// The same convolution with [`crate::Conv2dParams::band_aligned`]'s promise for its spatial
+    /// bands.
+    pub const fn band_aligned(mut self, align: usize) -> Self {
+        self.band_align = if align == 0 { 1 } else { align };
+        self
     }
 
     /// diffusers' `WanCausalConv3d(padding=(pt, ph, pw), stride)` with no cache: `2·pt` zero
     /// frames in front and none behind, `ph` rows above and below, `pw` columns left and right.
     /// (With a cache of `c` frames prepended by the caller, the front padding is `2·pt − c`.)
     pub const fn causal(stride: [usize; 3], [pt, ph, pw]: [usize; 3]) -> Self {
-        Self { stride, padding: [2 * pt, 0, ph, ph, pw, pw] }
+        Self::new(stride, [2 * pt, 0, ph, ph, pw, pw])
     }
 
     /// The output extent `(To, Ho, Wo)` for a `t × h × w` input and a `kt × kh × kw` kernel, or
@@ -58,6 +69,74 @@ impl Conv3dParams {
             out[i] = (padded - k) / s + 1;
         }
         Some(out)
+    }
+}
+
+/// Positions per task of the RMS norm: their f64 sums of squares stay in L1.
+const RMS_RUN: usize = 2048;
+
+crate::ops::simd::isa_kernel! {
+    /// The RMS norm of positions `p0..p0 + len` of one item `x` (`[C, inner]`) into `rows` (one
+    /// per channel, `len` long).
+    fn rms_kernel(
+        x: &[f32],
+        inner: usize,
+        p0: usize,
+        rows: Vec<&mut [f32]>,
+        params: (&[f32], Option<&[f32]>),
+        eps: f64,
+        silu: bool,
+    ) = rms_norm_run;
+}
+
+/// Per position, the sum of squares over channels in f64 (channel by channel, one chain per
+/// position whatever the vector width), `1 / max(‖x‖, eps)`, then `x · r · √C·γ + β` in f64
+/// rounded once, then the optional SiLU in f32.
+#[inline(always)]
+fn rms_norm_run<S: Lanes>(
+    x: &[f32],
+    inner: usize,
+    p0: usize,
+    mut rows: Vec<&mut [f32]>,
+    (gamma, bias): (&[f32], Option<&[f32]>),
+    eps: f64,
+    silu: bool,
+) {
+    let len = rows.first().map_or(0, |r| r.len());
+    let c = rows.len();
+    // Sums of squares, padded to whole vectors (the padding sums zeros).
+    let padded = len.div_ceil(S::L) * S::L;
+    let mut inv = vec![0.0f64; padded];
+    let mut buf = vec![0.0f32; padded];
+    for ch in 0..c {
+        buf[..len].copy_from_slice(&x[ch * inner + p0..][..len]);
+        for i in (0..padded).step_by(S::L) {
+            // SAFETY: `i + L ≤ padded` for `buf` and `inv` (halves at i and i + L/2).
+            unsafe {
+                let [lo, hi] = S::load(buf.as_ptr().add(i)).widen();
+                let (a, b) = (inv.as_mut_ptr().add(i), inv.as_mut_ptr().add(i + S::L / 2));
+                S::Wide::fma(lo, lo, S::Wide::load(a)).store(a);
+                S::Wide::fma(hi, hi, S::Wide::load(b)).store(b);
+            }
+        }
+    }
+    inv.iter_mut().for_each(|s| *s = 1.0 / s.sqrt().max(eps));
+    let scale = (c as f64).sqrt();
+    for (ch, row) in rows.iter_mut().enumerate() {
+        let g = S::Wide::splat(gamma[ch] as f64 * scale);
+        let b = S::Wide::splat(bias.map_or(0.0, |b| b[ch] as f64));
+        buf[..len].copy_from_slice(&x[ch * inner + p0..][..len]);
+        for i in (0..padded).step_by(S::L) {
+            // SAFETY: as above.
+            unsafe {
+                let [lo, hi] = S::load(buf.as_ptr().add(i)).widen();
+                let (ra, rb) = (S::Wide::load(inv.as_ptr().add(i)), S::Wide::load(inv.as_ptr().add(i + S::L / 2)));
+                let y = S::narrow([lo.mul(ra).mul(g).add(b), hi.mul(rb).mul(g).add(b)]);
+                let y = if silu { lanes::silu(y) } else { y };
+                y.store(buf.as_mut_ptr().add(i));
+            }
+        }
+        row.copy_from_slice(&buf[..len]);
     }
 }
 
@@ -128,9 +207,7 @@ impl Tensor {
         match (ft, t) {
             (0, _) => self.conv3d(weight, bias, params),
             (_, 0) => front.conv3d(weight, bias, params),
-            #[cfg(feature = "cuda")]
-            _ if self.cuda().is_some() => self.conv3d_behind(Some(front), weight, bias, params),
-            _ => Tensor::cat(&[front, self], 2)?.conv3d(weight, bias, params),
+            _ => self.conv3d_behind(Some(front), weight, bias, params),
         }
     }
 
@@ -208,68 +285,28 @@ impl Tensor {
             };
             return Ok(Tensor::from_cuda(x.conv3d(front, wt, b, g)?, Shape::new([n, cout, to, ho, wo])));
         }
-        debug_assert!(front.is_none(), "the CPU convolves cat(front, x), never its parts");
-        let p2 = Conv2dParams::new(sh, [top, bottom, left, right]);
-
-        // Frames contiguous: [N, T, Cin, H, W].
-        let frames = self.permute(&[0, 2, 1, 3, 4])?;
-        let frames = frames.as_slice_f32()?;
-        let in_frame = cin * h * w;
-        let out_frame = cout * ho * wo;
-        // Output frame-major: [N, To, Cout, Ho, Wo].
-        let mut acc = Buffer::zeros(out_len);
-        let wsrc = weight.as_slice_f32()?;
-        let plane = kh * kw;
-        for dt in 0..kt {
-            // (batch, output frame, input frame) triples this tap reads.
-            let pairs: Vec<(usize, usize, usize)> = (0..n)
-                .flat_map(|b| (0..to).map(move |o| (b, o)))
-                .filter_map(|(b, o)| {
-                    let ti = (o * st + dt).checked_sub(t_front)?;
-                    (ti < t).then_some((b, o, ti))
-                })
-                .collect();
-            if pairs.is_empty() {
-                continue;
-            }
-            let mut batch = Buffer::zeros(pairs.len() * in_frame);
-            batch.as_mut_slice().par_chunks_mut(in_frame.max(1)).zip(pairs.par_iter()).for_each(
-                |(dst, &(b, _, ti))| {
-                    dst.copy_from_slice(&frames[(b * t + ti) * in_frame..][..in_frame]);
-                },
-            );
-            let batch = Tensor::from_buffer(batch, Shape::new([pairs.len(), cin, h, w]));
-            let mut wtap = Buffer::zeros(cout * cin * plane);
-            for (dst, src) in
-                wtap.as_mut_slice().chunks_exact_mut(plane.max(1)).zip(wsrc.chunks_exact((kt * plane).max(1)))
-            {
-                dst.copy_from_slice(&src[dt * plane..][..plane]);
-            }
-            let wtap = Tensor::from_buffer(wtap, Shape::new([cout, cin, kh, kw]));
-            let y = batch.conv2d(&wtap, None, &p2)?;
-            let y = y.as_slice_f32()?;
-            let acc = acc.as_mut_slice();
-            for (i, &(b, o, _)) in pairs.iter().enumerate() {
-                let dst = &mut acc[(b * to + o) * out_frame..][..out_frame];
-                dst.iter_mut().zip(&y[i * out_frame..][..out_frame]).for_each(|(d, s)| *d += s);
-            }
-        }
-        if let Some(bias) = bias {
-            let bias = bias.as_slice_f32()?;
-            let chan = ho * wo;
-            if chan > 0 {
-                let add = |(i, c): (usize, &mut [f32])| {
-                    let b = bias[i % cout];
-                    c.iter_mut().for_each(|v| *v += b);
-                };
-                if out_len < PAR_MIN_ELEMS {
-                    acc.as_mut_slice().chunks_mut(chan).enumerate().for_each(add);
-                } else {
-                    acc.as_mut_slice().par_chunks_mut(chan).enumerate().for_each(add);
-                }
-            }
-        }
-        Tensor::from_buffer(acc, Shape::new([n, to, cout, ho, wo])).permute(&[0, 2, 1, 3, 4])
+        let main_t = t - front_t;
+        let job = crate::ops::conv::ConvJob {
+            frames: crate::ops::conv::Frames {
+                parts: [front.map(|f| f.as_slice_f32()).transpose()?.unwrap_or(&[]), self.as_slice_f32()?],
+                part_t: [front_t, main_t],
+                n,
+                cin,
+                h,
+                w,
+            },
+            weight: weight.as_slice_f32()?,
+            bias: bias.map(|b| b.as_slice_f32()).transpose()?,
+            cout,
+            kernel: [kt, kh, kw],
+            stride: [st, sh],
+            pad_front: t_front,
+            padding: [top, bottom, left, right],
+            out: [to, ho, wo],
+            band_align: params.band_align,
+        };
+        let _ = out_len; // checked above; the job checks it again
+        Ok(Tensor::from_buffer(job.run(crate::ops::simd::isa())?, Shape::new([n, cout, to, ho, wo])))
     }
 
     /// diffusers' `WanRMS_norm`: `F.normalize(x, dim=channel_dim) · sqrt(C) · gamma + bias`,
@@ -288,6 +325,7 @@ impl Tensor {
         channel_dim: usize,
         eps: f32,
     ) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("rms_norm");
         self.rms_norm_channels_then(gamma, bias, channel_dim, eps, false)
     }
 
@@ -301,6 +339,7 @@ impl Tensor {
         channel_dim: usize,
         eps: f32,
     ) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("rms_norm");
         self.rms_norm_channels_then(gamma, bias, channel_dim, eps, true)
     }
 
@@ -339,27 +378,19 @@ impl Tensor {
         let bias = bias.map(|b| channel_param(OP, self, b, c)).transpose()?;
         let src = self.as_slice_f32()?;
         let mut out = Buffer::zeros(src.len());
-        let block = c * inner;
-        if block > 0 {
-            let scale = (c as f64).sqrt();
-            let eps = eps as f64;
-            out.as_mut_slice().par_chunks_mut(block).zip(src.par_chunks(block)).for_each(|(dst, x)| {
-                // 1 / max(‖x‖, eps) per position, channels walked row by row.
-                let mut inv = vec![0.0f64; inner];
-                for row in x.chunks_exact(inner) {
-                    inv.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64 * v as f64);
-                }
-                inv.iter_mut().for_each(|s| *s = 1.0 / s.sqrt().max(eps));
-                for (ch, (d, xr)) in dst.chunks_exact_mut(inner).zip(x.chunks_exact(inner)).enumerate() {
-                    let g = gamma[ch] as f64 * scale;
-                    let b = bias.map_or(0.0, |b| b[ch] as f64);
-                    let norm = |v: f32, r: f64| (v as f64 * r * g + b) as f32;
-                    if silu {
-                        d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = crate::ops::silu(norm(v, r)));
-                    } else {
-                        d.iter_mut().zip(xr).zip(&inv).for_each(|((d, &v), &r)| *d = norm(v, r));
-                    }
-                }
+        if let Some(batch) = src.len().checked_div(c * inner) {
+            let block = c * inner;
+            let isa = crate::ops::simd::isa();
+            let dst = OutPtr::new(out.as_mut_slice());
+            // Tasks own runs of positions (all channels of them): parallel even for one item.
+            let runs = (0..batch).flat_map(|b| (0..inner).step_by(RMS_RUN).map(move |p0| (b, p0)));
+            runs.collect::<Vec<_>>().into_par_iter().for_each(|(b, p0)| {
+                let len = RMS_RUN.min(inner - p0);
+                let x = &src[b * block..][..block];
+                // SAFETY: positions p0..p0 + len of every channel of item b belong to this task.
+                let rows: Vec<&mut [f32]> =
+                    (0..c).map(|ch| unsafe { dst.slice(b * block + ch * inner + p0, len) }).collect();
+                rms_kernel(isa, x, inner, p0, rows, (gamma, bias), eps as f64, silu);
             });
         }
         Ok(Tensor::from_buffer(out, self.shape().clone()))
@@ -372,6 +403,7 @@ impl Tensor {
     /// those channels are averaged. Output `[N, out_channels, ⌈T/ft⌉, H/fs, W/fs]`; `H` and `W`
     /// must be multiples of `factor_s`. Means are summed in f64 and rounded once.
     pub fn avg_down3d(&self, factor_t: usize, factor_s: usize, out_channels: usize) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("avg_down3d");
         const OP: &str = "avg_down3d";
         let [n, c, t, h, w] = video_dims(OP, self)?;
         if factor_t == 0 || factor_s == 0 || out_channels == 0 || c == 0 {
@@ -434,6 +466,7 @@ impl Tensor {
     /// `j = ((o·ft + dt)·fs + dh)·fs + dw`. With `first_chunk` the first `factor_t − 1` output
     /// frames are dropped.
     pub fn dup_up3d(&self, factor_t: usize, factor_s: usize, out_channels: usize, first_chunk: bool) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("dup_up3d");
         const OP: &str = "dup_up3d";
         let [n, c, t, h, w] = video_dims(OP, self)?;
         if factor_t == 0 || factor_s == 0 || out_channels == 0 || c == 0 {
@@ -486,6 +519,7 @@ impl Tensor {
     /// is the major one, from the Python's `permute(0, 1, 6, 4, 2, 3, 5)`). `p = 1` returns a
     /// copy of any input, as the Python returns its input before checking the rank.
     pub fn patchify(&self, p: usize) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("patchify");
         const OP: &str = "patchify";
         if p == 0 {
             return Err(invalid(OP, "patch size must be >= 1".into()));
@@ -511,6 +545,7 @@ impl Tensor {
     /// `[N, C·p², T, H, W]` to `[N, C, T, H·p, W·p]`. The channel count must be a multiple of
     /// `p²`. `p = 1` returns a copy of any input.
     pub fn unpatchify(&self, p: usize) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("patchify");
         const OP: &str = "unpatchify";
         if p == 0 {
             return Err(invalid(OP, "patch size must be >= 1".into()));

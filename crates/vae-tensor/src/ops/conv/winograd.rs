@@ -1,0 +1,746 @@
+//! 3×3 stride-1 convolutions by Winograd's minimal filtering F(4×4, 3×3) (Lavin & Gray, 2016;
+//! interpolation points 0, ±1, ±2, ∞): every 4×4 block of outputs is
+//! `Aᵀ [ (G g Gᵀ) ⊙ (Bᵀ d B) ] A` for the 6×6 input patch `d` under it, 36 products per input
+//! channel instead of 144. Over channels the 36 element-wise products become 36 GEMMs
+//! `M_p[co][tile] = Σ_ci U_p[co][ci] · V_p[ci][tile]`, run by the shared micro-kernel; temporal
+//! taps of a 3-D kernel are more reduction rows of the same GEMMs (in `(dt, ci)` order).
+//!
+//! Tiles start at output row and column 0 (the grid of the whole map when the caller's bands
+//! fall on multiples of 4, see [`super::Conv2dParams::band_aligned`]). The output is computed
+//! in bands of [`tiles_per_band`] consecutive tiles (row-major over the frame's tile grid): the
+//! band's input transform `V`, then the GEMMs into `M`, then the output transform, each phase
+//! in parallel on the current rayon pool, so scratch stays a few MiB whatever the map size.
+//! Weights are transformed (in f64, rounded once) per call for at most [`U_BUDGET`] bytes of
+//! output channels at a time.
+//!
+//! Precision: the transforms' rounding puts outputs within a few f32 ulps of the exact
+//! product sums times the magnitude of the inputs (measured against the direct kernel in the
+//! tests and against diffusers by the model fixtures).
+
+use rayon::prelude::*;
+
+use super::direct::{ScratchPool, aligned};
+use super::microkernel::{self, NR};
+use super::{ConvJob, Frames};
+use crate::Result;
+use crate::memory::Buffer;
+use crate::ops::OutPtr;
+use crate::ops::lanes::{Lanes, Portable};
+use crate::ops::simd::Isa;
+
+/// Output rows and columns per tile.
+const M: usize = 4;
+/// Input rows and columns per tile (`M + 3 − 1`).
+const A: usize = 6;
+/// Element-wise products per tile and channel.
+const P: usize = A * A;
+/// Bytes of transformed weights held at once.
+const U_BUDGET: usize = 64 << 20;
+/// Widest vector (lanes) of any instruction set: row buffers keep this much slack.
+const MAX_LANES: usize = 16;
+/// Elements (one cache line) added between the 36 planes of `V` and `M`.
+const SKEW: usize = 16;
+
+/// A row stride of at least `len` elements that is an odd number of cache lines, so that
+/// successive rows spread over every cache set.
+fn row_stride(len: usize) -> usize {
+    let lines = len.div_ceil(16);
+    16 * (lines | 1)
+}
+
+/// Whether `job` runs here: a 3×3 stride-1 spatial kernel whose bands fall on tile boundaries.
+pub(super) fn applies(job: &ConvJob<'_>) -> bool {
+    let [_, kh, kw] = job.kernel;
+    kh == 3 && kw == 3 && job.stride[1] == 1 && job.band_align.is_multiple_of(M)
+}
+
+/// Tiles per band: four micro-kernel panels (fewer for a small map). Larger bands read the
+/// transformed weights fewer times (once per band); smaller ones keep `V` and `M` smaller.
+fn tiles_per_band(tiles: usize) -> usize {
+    (4 * NR).min(tiles.div_ceil(NR) * NR)
+}
+
+/// `G · (g0, g1, g2)`: one column (or row) of a kernel through the filter transform.
+#[inline(always)]
+fn g3(g0: f64, g1: f64, g2: f64) -> [f64; A] {
+    // Products by the reciprocals, not divisions: f64 errors far below the f32 rounding.
+    const SIXTH: f64 = 1.0 / 6.0;
+    let even = g0 + g2;
+    let outer = g0 * (1.0 / 24.0) + g2 * SIXTH;
+    let mid = g1 * (1.0 / 12.0);
+    [g0 * 0.25, -(even + g1) * SIXTH, -(even - g1) * SIXTH, outer + mid, outer - mid, g2]
+}
+
+/// `G g Gᵀ` for one 3×3 kernel (row-major), in f64 and rounded once.
+fn transform_kernel(g: &[f32]) -> [f32; P] {
+    let g = |i: usize| g[i] as f64;
+    let cols = [g3(g(0), g(3), g(6)), g3(g(1), g(4), g(7)), g3(g(2), g(5), g(8))];
+    let mut u = [0.0f32; P];
+    for i in 0..A {
+        let row = g3(cols[0][i], cols[1][i], cols[2][i]);
+        for (j, v) in row.iter().enumerate() {
+            u[i * A + j] = *v as f32;
+        }
+    }
+    u
+}
+
+/// Transformed weights of output channels `co0..co0 + blocks·mr`, packed as the micro-kernel's
+/// lhs: `[p][block][dt][ci][mr]` (zeros past `Cout`). One task per block writes its run of
+/// `K·mr` values in each of the 36 planes, a chunk of the run at a time: the chunk's kernels
+/// are transformed into a small buffer, then copied plane by plane (the planes are far apart,
+/// and writing all 36 per kernel thrashes the caches).
+fn transform_weights(job: &ConvJob<'_>, co0: usize, blocks: usize, mr: usize, u: &mut [f32]) {
+    const CHUNK: usize = 256;
+    let (cin, cout, kt) = (job.frames.cin, job.cout, job.kernel[0]);
+    let run = kt * cin * mr;
+    let per_p = blocks * run;
+    let dst = OutPtr::new(u);
+    (0..blocks).into_par_iter().for_each(|cb| {
+        let mut local = [[0.0f32; P]; CHUNK];
+        for c0 in (0..run).step_by(CHUNK) {
+            let len = CHUNK.min(run - c0);
+            for (i, t) in local[..len].iter_mut().enumerate() {
+                let kk = c0 + i;
+                let (r, dt, ci) = (kk % mr, kk / mr / cin, kk / mr % cin);
+                let co = co0 + cb * mr + r;
+                *t = if co < cout {
+                    transform_kernel(&job.weight[((co * cin + ci) * kt + dt) * 9..][..9])
+                } else {
+                    [0.0; P]
+                };
+            }
+            for p in 0..P {
+                // SAFETY: block `cb` owns `[p·per_p + cb·run ..][..run]` of every plane `p`.
+                let plane = unsafe { dst.slice(p * per_p + cb * run + c0, len) };
+                for (d, t) in plane.iter_mut().zip(&local[..len]) {
+                    *d = t[p];
+                }
+            }
+        }
+    });
+}
+
+/// Bᵀ · d for six vectors (one column or row of patches), the same operations on every path.
+#[inline(always)]
+fn bt<S: Lanes>(d: &[S; 6]) -> [S; 6] {
+    let (four, minus4, minus5) = (S::splat(4.0), S::splat(-4.0), S::splat(-5.0));
+    let t0 = S::fma(minus4, d[2], d[4]);
+    let t1 = S::fma(minus4, d[1], d[3]);
+    let t2 = d[4].sub(d[2]);
+    let t3 = d[3].sub(d[1]);
+    let t3 = t3.add(t3); // 2·(d3 − d1), exact
+    [
+        S::fma(four, d[0], S::fma(minus5, d[2], d[4])),
+        t0.add(t1),
+        t0.sub(t1),
+        t2.add(t3),
+        t2.sub(t3),
+        S::fma(four, d[1], S::fma(minus5, d[3], d[5])),
+    ]
+}
+
+/// Aᵀ · m for six vectors.
+#[inline(always)]
+fn at<S: Lanes>(m: &[S; 6]) -> [S; 4] {
+    let s12 = m[1].add(m[2]);
+    let d12 = m[1].sub(m[2]);
+    let s34 = m[3].add(m[4]);
+    let d34 = m[3].sub(m[4]);
+    [
+        m[0].add(s12).add(s34),
+        S::fma(S::splat(2.0), d34, d12),
+        S::fma(S::splat(4.0), s34, s12),
+        S::fma(S::splat(8.0), d34, d12).add(m[5]),
+    ]
+}
+
+/// Geometry of one call, shared by the phases.
+struct Plan {
+    /// Tiles per row and column of a frame.
+    tw: usize,
+    th: usize,
+    /// Row-buffer width: the padded row plus slack for the last vector's over-read.
+    rw: usize,
+    /// Stride between `V` / `M` rows (a band's tiles, padded, plus slack for over-writes).
+    ld: usize,
+}
+
+/// The input transform of channel `ci` of input frame `ti` of batch item `b`, tiles `t0..t1`
+/// of the frame's grid, into `v`: element `(p, t)` at `v + p·p_stride + t − t0`.
+///
+/// # Safety
+/// `v` must be valid for writes at `p·p_stride + 0..ld` for every `p < 36`, and no other
+/// thread may access those elements meanwhile.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn input_transform<S: Lanes>(
+    job: &ConvJob<'_>,
+    plan: &Plan,
+    b: usize,
+    ti: usize,
+    ci: usize,
+    (t0, t1): (usize, usize),
+    rows: &mut [f32],
+    v: *mut f32,
+    p_stride: usize,
+) {
+    let f: &Frames<'_> = &job.frames;
+    let [top, _, left, _] = job.padding;
+    let plane = f.plane(b, ci, ti);
+    let rw = plan.rw;
+    for ty in t0 / plan.tw..=(t1 - 1) / plan.tw {
+        let tx0 = t0.saturating_sub(ty * plan.tw);
+        let tx1 = (t1 - ty * plan.tw).min(plan.tw);
+        // The six input rows under this tile row, zero outside the image.
+        for i in 0..A {
+            let dst = &mut rows[i * rw + left..][..f.w];
+            match (M * ty + i).checked_sub(top).filter(|&y| y < f.h) {
+                Some(y) => dst.copy_from_slice(&plane[y * f.w..][..f.w]),
+                None => dst.fill(0.0),
+            }
+        }
+        let mut tx = tx0;
+        while tx < tx1 {
+            let col = tx * M;
+            // Bᵀ along each row's windows, then along the rows.
+            let mut u = [[S::splat(0.0); A]; A]; // u[l][i]: phase l of row i
+            for i in 0..A {
+                // SAFETY: the row buffer holds `rw ≥ 4·(tw + L) + 2` values per row.
+                let d = unsafe { S::load_windows(rows.as_ptr().add(i * rw + col)) };
+                for (ul, rl) in u.iter_mut().zip(bt(&d)) {
+                    ul[i] = rl;
+                }
+            }
+            let idx = ty * plan.tw + tx - t0;
+            for (l, ul) in u.iter().enumerate() {
+                let r = bt(ul);
+                for (k, rk) in r.iter().enumerate() {
+                    debug_assert!(idx + S::L <= plan.ld);
+                    // SAFETY: the caller's contract; `idx + L ≤ ld` (a band plus slack).
+                    unsafe { rk.store(v.add((k * A + l) * p_stride + idx)) };
+                }
+            }
+            tx += S::L;
+        }
+    }
+}
+
+/// The output transform of output channel `co` for tiles `t0..t1` of output frame `(b, o)`,
+/// plus the bias, into the output: the channel's 36 rows of `M` are `m[p·m_stride..][..ld]`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn output_transform<S: Lanes>(
+    job: &ConvJob<'_>,
+    plan: &Plan,
+    (b, o): (usize, usize),
+    co: usize,
+    (t0, t1): (usize, usize),
+    m: &[f32],
+    m_stride: usize,
+    rows: &mut [f32],
+    out: OutPtr,
+) {
+    let [to, ho, wo] = job.out;
+    let bias = S::splat(job.bias.map_or(0.0, |bias| bias[co]));
+    let rw = plan.rw;
+    let base = ((b * job.cout + co) * to + o) * ho * wo;
+    for ty in t0 / plan.tw..=(t1 - 1) / plan.tw {
+        let tx0 = t0.saturating_sub(ty * plan.tw);
+        let tx1 = (t1 - ty * plan.tw).min(plan.tw);
+        let mut tx = tx0;
+        while tx < tx1 {
+            let idx = ty * plan.tw + tx - t0;
+            let mut w = [[S::splat(0.0); A]; M]; // w[a][l] = Σ_k Aᵀ[a][k] m[k][l]
+            for l in 0..A {
+                let mut col = [S::splat(0.0); A];
+                for (k, v) in col.iter_mut().enumerate() {
+                    let at = (k * A + l) * m_stride + idx;
+                    assert!(at + S::L <= m.len());
+                    // SAFETY: in bounds (checked).
+                    *v = unsafe { S::load(m.as_ptr().add(at)) };
+                }
+                for (wa, ra) in w.iter_mut().zip(at(&col)) {
+                    wa[l] = ra;
+                }
+            }
+            for (a, wa) in w.iter().enumerate() {
+                let r = at(wa);
+                let r = [r[0].add(bias), r[1].add(bias), r[2].add(bias), r[3].add(bias)];
+                // SAFETY: the row buffer holds `rw ≥ 4·(tw + L)` values per row.
+                unsafe { S::store_interleaved(rows.as_mut_ptr().add(a * rw + tx * M), r) };
+            }
+            tx += S::L;
+        }
+        let (x0, x1) = (tx0 * M, (tx1 * M).min(wo));
+        for a in 0..M {
+            let oy = ty * M + a;
+            if oy >= ho || x0 >= x1 {
+                continue;
+            }
+            // SAFETY: tile row `ty`, columns of tiles `tx0..tx1`, of this frame and channel
+            // belong to this band alone, and each output channel to one task.
+            let dst = unsafe { out.slice(base + oy * wo + x0, x1 - x0) };
+            dst.copy_from_slice(&rows[a * rw + x0..][..x1 - x0]);
+        }
+    }
+}
+
+/// The transforms instantiated for one instruction set inside a function with its features on.
+macro_rules! transforms {
+    ($name_in:ident, $name_out:ident, $lanes:ty, $features:literal) => {
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name_in(
+            job: &ConvJob<'_>,
+            plan: &Plan,
+            b: usize,
+            ti: usize,
+            ci: usize,
+            tiles: (usize, usize),
+            rows: &mut [f32],
+            v: *mut f32,
+            p_stride: usize,
+        ) {
+            // SAFETY: the caller's contract, as `input_transform`'s.
+            unsafe { input_transform::<$lanes>(job, plan, b, ti, ci, tiles, rows, v, p_stride) }
+        }
+
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name_out(
+            job: &ConvJob<'_>,
+            plan: &Plan,
+            frame: (usize, usize),
+            co: usize,
+            tiles: (usize, usize),
+            m: &[f32],
+            m_stride: usize,
+            rows: &mut [f32],
+            out: OutPtr,
+        ) {
+            output_transform::<$lanes>(job, plan, frame, co, tiles, m, m_stride, rows, out)
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+transforms!(input_avx512, output_avx512, crate::ops::lanes::Avx512, "avx512f");
+#[cfg(target_arch = "x86_64")]
+transforms!(input_avx2, output_avx2, crate::ops::lanes::Avx2, "avx2,fma");
+
+/// Runs `job` (checked by [`applies`]); the result is `[N, Cout, To, Ho, Wo]`.
+pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
+    let f = &job.frames;
+    let [kt, _, _] = job.kernel;
+    let [to, ho, wo] = job.out;
+    let (cin, cout) = (f.cin, job.cout);
+    let mut out = Buffer::zeros(out_len);
+    if out_len == 0 {
+        return Ok(out);
+    }
+    let (tw, th) = (wo.div_ceil(M), ho.div_ceil(M));
+    let tiles = tw * th;
+    let k = kt * cin;
+    let band = tiles_per_band(tiles);
+    let plan = Plan { tw, th, rw: M * (tw + MAX_LANES) + 4 + f.w, ld: row_stride(band + MAX_LANES) };
+    debug_assert!(plan.th > 0);
+    let mr = microkernel::mr(isa);
+    let blocks_total = cout.div_ceil(mr);
+    let blocks_per_chunk = (U_BUDGET / 4 / (P * k * mr)).clamp(1, blocks_total);
+    let chunk_rows = blocks_per_chunk * mr;
+    let mut u = Buffer::zeros(P * blocks_per_chunk * k * mr);
+    // V: [dt][p][ci][ld]; M: [p][co][ld] for one chunk of output channels.
+    // The 36 planes of V and M sit `SKEW` apart from the power-of-two multiples their sizes
+    // often are, so that the transforms' 36 streams do not all fall into one cache set.
+    let p_stride_v = cin * plan.ld + SKEW; // between the p planes of one dt's V
+    // M is [co][p][ld]: the output transform reads one channel's 36 rows as one block.
+    let co_stride = P * plan.ld + SKEW;
+    let v_len = kt * P * p_stride_v;
+    let m_len = chunk_rows * co_stride;
+    let mut v = Buffer::zeros(v_len + 16);
+    let mut mbuf = Buffer::zeros(m_len + 16);
+    // Input rows need zeros around the image and the output transform overwrites its rows
+    // whole, so the two phases keep separate row buffers.
+    let in_rows = ScratchPool::new(A * plan.rw, cin);
+    let out_rows = ScratchPool::new(M * plan.rw, cout);
+    let dst = OutPtr::new(out.as_mut_slice());
+
+    for co0 in (0..cout).step_by(chunk_rows) {
+        let blocks = (cout - co0).div_ceil(mr).min(blocks_per_chunk);
+        let u = &mut u.as_mut_slice()[..P * blocks * k * mr];
+        transform_weights(job, co0, blocks, mr, u);
+        let u = &*u;
+        for b in 0..f.n {
+            for o in 0..to {
+                let dts: Vec<(usize, usize)> =
+                    (0..kt).filter_map(|dt| job.input_frame(o, dt).map(|ti| (dt, ti))).collect();
+                for t0 in (0..tiles).step_by(band) {
+                    let t1 = (t0 + band).min(tiles);
+                    // 1. V for every temporal tap that reads a real frame, one task per
+                    //    (tap, input channel).
+                    let vs = aligned_slice(&mut v, v_len);
+                    let vptr = OutPtr::new(vs);
+                    dts.par_iter().flat_map_iter(|&(dt, ti)| (0..cin).map(move |ci| (dt, ti, ci))).for_each(
+                        |(dt, ti, ci)| {
+                            in_rows.with(|rows| {
+                                let at = dt * P * p_stride_v + ci * plan.ld;
+                                // SAFETY: task (dt, ci) writes rows `dt, p, ci` (36 rows of
+                                // `ld`, `p_stride_v` apart from `at`), inside `vs`, which no
+                                // other task of this phase touches.
+                                let base = unsafe { vptr.slice(at, P * p_stride_v - ci * plan.ld) }.as_mut_ptr();
+                                // SAFETY: as above.
+                                unsafe {
+                                    run_input(
+                                        isa,
+                                        job,
+                                        &plan,
+                                        b,
+                                        ti,
+                                        ci,
+                                        (t0, t1),
+                                        rows.as_mut_slice(),
+                                        base,
+                                        p_stride_v,
+                                    )
+                                };
+                            })
+                        },
+                    );
+                    // 2. M_p[co][t] = Σ_(dt, ci) U_p[co][dt, ci] · V[dt][p][ci][t], one task per
+                    //    (p, block of output channels).
+                    let panels = (t1 - t0).div_ceil(NR);
+                    let vs = &*aligned_slice(&mut v, v_len);
+                    let ms = aligned_slice(&mut mbuf, m_len);
+                    let mptr = OutPtr::new(ms);
+                    (0..P * blocks).into_par_iter().for_each(|task| {
+                        let (p, cb) = (task / blocks, task % blocks);
+                        let a_p = &u[(p * blocks + cb) * k * mr..][..k * mr];
+                        // SAFETY: task (p, cb) alone writes rows (co, p) of its `mr` channels:
+                        // `NR`-wide panels at `co·co_stride + p·ld`, inside `ms`.
+                        let c0 =
+                            unsafe { mptr.slice(cb * mr * co_stride + p * plan.ld, (mr - 1) * co_stride + plan.ld) }
+                                .as_mut_ptr();
+                        for panel in 0..panels {
+                            // SAFETY: as above; panel columns lie within the row's `ld`.
+                            let c = unsafe { c0.add(panel * NR) };
+                            if dts.is_empty() {
+                                // SAFETY: as above.
+                                unsafe { microkernel::block_raw(isa, 0, &[], &[], plan.ld, c, co_stride, false) };
+                            }
+                            for (seg, &(dt, _)) in dts.iter().enumerate() {
+                                let a = &a_p[dt * cin * mr..][..cin * mr];
+                                let bpan = &vs[dt * P * p_stride_v + p * p_stride_v + panel * NR..];
+                                // SAFETY: as above.
+                                unsafe { microkernel::block_raw(isa, cin, a, bpan, plan.ld, c, co_stride, seg > 0) };
+                            }
+                        }
+                    });
+                    // 3. The output transform, one task per output channel.
+                    let ms = &*ms;
+                    (0..(cout - co0).min(chunk_rows)).into_par_iter().for_each(|cl| {
+                        out_rows.with(|rows| {
+                            let m = &ms[cl * co_stride..][..P * plan.ld];
+                            run_output(
+                                isa,
+                                job,
+                                &plan,
+                                (b, o),
+                                co0 + cl,
+                                (t0, t1),
+                                m,
+                                plan.ld,
+                                rows.as_mut_slice(),
+                                dst,
+                            );
+                        })
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `len` elements of `buf` from a 64-byte boundary.
+fn aligned_slice(buf: &mut Buffer, len: usize) -> &mut [f32] {
+    &mut aligned(buf)[..len]
+}
+
+/// [`input_transform`] with `isa`'s instructions.
+///
+/// # Safety
+/// As [`input_transform`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_input(
+    isa: Isa,
+    job: &ConvJob<'_>,
+    plan: &Plan,
+    b: usize,
+    ti: usize,
+    ci: usize,
+    tiles: (usize, usize),
+    rows: &mut [f32],
+    v: *mut f32,
+    p_stride: usize,
+) {
+    // SAFETY (each arm): `isa` is supported by this CPU (`simd::isa` checked it), and `v`
+    // meets `input_transform`'s contract (the caller's).
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { input_avx512(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { input_avx2(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
+        _ => unsafe { input_transform::<Portable>(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
+    }
+}
+
+/// [`output_transform`] with `isa`'s instructions.
+#[allow(clippy::too_many_arguments)]
+fn run_output(
+    isa: Isa,
+    job: &ConvJob<'_>,
+    plan: &Plan,
+    frame: (usize, usize),
+    co: usize,
+    tiles: (usize, usize),
+    m: &[f32],
+    m_stride: usize,
+    rows: &mut [f32],
+    out: OutPtr,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` was checked to be supported by this CPU (`simd::isa`).
+        Isa::Avx512 => unsafe { output_avx512(job, plan, frame, co, tiles, m, m_stride, rows, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { output_avx2(job, plan, frame, co, tiles, m, m_stride, rows, out) },
+        _ => output_transform::<Portable>(job, plan, frame, co, tiles, m, m_stride, rows, out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::conv::{ConvJob, Frames};
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `[n, cin, t, h, w]` → job pieces for a 3×3(×kt) conv with the given padding.
+    struct Case {
+        n: usize,
+        cin: usize,
+        cout: usize,
+        t: usize,
+        kt: usize,
+        h: usize,
+        w: usize,
+        padding: [usize; 4],
+        pad_front: usize,
+    }
+
+    impl Case {
+        fn run(&self, isa: Isa, winograd: bool) -> Vec<f32> {
+            let x = values(self.n * self.cin * self.t * self.h * self.w, 1);
+            let wt = values(self.cout * self.cin * self.kt * 9, 2);
+            let wt: Vec<f32> = wt.iter().map(|v| v * 0.1).collect();
+            let bias = values(self.cout, 3);
+            let [top, bottom, left, right] = self.padding;
+            let job = ConvJob {
+                frames: Frames {
+                    parts: [&[], &x],
+                    part_t: [0, self.t],
+                    n: self.n,
+                    cin: self.cin,
+                    h: self.h,
+                    w: self.w,
+                },
+                weight: &wt,
+                bias: Some(&bias),
+                cout: self.cout,
+                kernel: [self.kt, 3, 3],
+                stride: [1, 1],
+                pad_front: self.pad_front,
+                padding: self.padding,
+                out: [self.t + self.pad_front + 1 - self.kt, self.h + top + bottom - 2, self.w + left + right - 2],
+                band_align: 4,
+            };
+            let len = job.out_len().unwrap();
+            let out = if winograd { run(&job, isa, len) } else { super::super::direct::run(&job, isa, len) };
+            out.unwrap().as_slice().to_vec()
+        }
+    }
+
+    const CASES: [Case; 4] = [
+        Case { n: 1, cin: 16, cout: 24, t: 1, kt: 1, h: 13, w: 19, padding: [1; 4], pad_front: 0 },
+        Case { n: 2, cin: 8, cout: 9, t: 1, kt: 1, h: 8, w: 70, padding: [0, 0, 1, 1], pad_front: 0 },
+        Case { n: 1, cin: 12, cout: 16, t: 3, kt: 3, h: 9, w: 11, padding: [1; 4], pad_front: 2 },
+        Case { n: 1, cin: 64, cout: 40, t: 1, kt: 1, h: 40, w: 45, padding: [1; 4], pad_front: 0 },
+    ];
+
+    impl Case {
+        /// The exact result (f64 sums) of the same convolution.
+        fn reference(&self) -> Vec<f64> {
+            let x = values(self.n * self.cin * self.t * self.h * self.w, 1);
+            let wt: Vec<f32> = values(self.cout * self.cin * self.kt * 9, 2).iter().map(|v| v * 0.1).collect();
+            let bias = values(self.cout, 3);
+            let [top, bottom, left, right] = self.padding;
+            let (to, ho, wo) =
+                (self.t + self.pad_front + 1 - self.kt, self.h + top + bottom - 2, self.w + left + right - 2);
+            let mut out = vec![0.0f64; self.n * self.cout * to * ho * wo];
+            for b in 0..self.n {
+                for co in 0..self.cout {
+                    for o in 0..to {
+                        for oy in 0..ho {
+                            for ox in 0..wo {
+                                let mut acc = bias[co] as f64;
+                                for ci in 0..self.cin {
+                                    for dt in 0..self.kt {
+                                        let Some(ti) = (o + dt).checked_sub(self.pad_front) else { continue };
+                                        for ky in 0..3 {
+                                            for kx in 0..3 {
+                                                let (y, xx) =
+                                                    ((oy + ky).wrapping_sub(top), (ox + kx).wrapping_sub(left));
+                                                if y >= self.h || xx >= self.w {
+                                                    continue;
+                                                }
+                                                let xv =
+                                                    x[(((b * self.cin + ci) * self.t + ti) * self.h + y) * self.w + xx];
+                                                let wv = wt[(((co * self.cin + ci) * self.kt + dt) * 3 + ky) * 3 + kx];
+                                                acc += xv as f64 * wv as f64;
+                                            }
+                                        }
+                                    }
+                                }
+                                out[(((b * self.cout + co) * to + o) * ho + oy) * wo + ox] = acc;
+                            }
+                        }
+                    }
+                }
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn winograd_and_direct_are_close_to_the_exact_result() {
+        let isa = crate::ops::simd::isa();
+        for (i, case) in CASES.iter().enumerate() {
+            let exact = case.reference();
+            let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for winograd in [false, true] {
+                let got = case.run(isa, winograd);
+                assert_eq!(got.len(), exact.len());
+                let err = got.iter().zip(&exact).fold(0.0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()));
+                // Measured: direct ≤ 9e-7, Winograd ≤ 6e-6 of the largest output (10× direct,
+                // as expected of F(4×4, 3×3) in f32).
+                let bound = if winograd { 2e-5 } else { 3e-6 };
+                assert!(
+                    err <= bound * scale,
+                    "case {i} winograd={winograd}: max error {err:e} (relative {:e})",
+                    err / scale
+                );
+            }
+        }
+    }
+
+    /// A band of output rows computed from its input rows plus one halo row on each side (the
+    /// spatial shard's way) equals those rows of the whole map's output bit for bit when the
+    /// band starts on a multiple of 4, in height and in width.
+    #[test]
+    fn bands_cut_on_multiples_of_four_are_bit_identical_to_the_whole_map() {
+        let isa = crate::ops::simd::isa();
+        let (cin, cout, h, w) = (8, 12, 21, 18);
+        let x = values(cin * h * w, 7);
+        let wt: Vec<f32> = values(cout * cin * 9, 8).iter().map(|v| v * 0.1).collect();
+        let conv = |x: &[f32], h: usize, w: usize, padding: [usize; 4]| {
+            let [top, bottom, left, right] = padding;
+            let job = ConvJob {
+                frames: Frames { parts: [&[], x], part_t: [0, 1], n: 1, cin, h, w },
+                weight: &wt,
+                bias: None,
+                cout,
+                kernel: [1, 3, 3],
+                stride: [1, 1],
+                pad_front: 0,
+                padding,
+                out: [1, h + top + bottom - 2, w + left + right - 2],
+                band_align: 4,
+            };
+            run(&job, isa, job.out_len().unwrap()).unwrap().as_slice().to_vec()
+        };
+        let whole = conv(&x, h, w, [1; 4]);
+        // Rows r0..r1 of the output from input rows r0 − 1 ..= r1 (zeros past the edges).
+        for (r0, r1) in [(0, 8), (8, 16), (16, 21), (4, 12)] {
+            let band_h = r1 - r0 + 2;
+            let mut band = vec![0.0f32; cin * band_h * w];
+            for c in 0..cin {
+                for (i, y) in (r0 as isize - 1..=r1 as isize).enumerate() {
+                    if (0..h as isize).contains(&y) {
+                        let src = &x[(c * h + y as usize) * w..][..w];
+                        band[(c * band_h + i) * w..][..w].copy_from_slice(src);
+                    }
+                }
+            }
+            let got = conv(&band, band_h, w, [0, 0, 1, 1]);
+            for c in 0..cout {
+                for oy in r0..r1 {
+                    let a = &whole[(c * h + oy) * w..][..w];
+                    let b = &got[(c * (r1 - r0) + oy - r0) * w..][..w];
+                    assert!(
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "rows {r0}..{r1}, channel {c}, row {oy}"
+                    );
+                }
+            }
+        }
+        // Columns c0..c1 likewise.
+        for (c0, c1) in [(0, 4), (4, 16), (16, 18)] {
+            let band_w = c1 - c0 + 2;
+            let mut band = vec![0.0f32; cin * h * band_w];
+            for c in 0..cin {
+                for y in 0..h {
+                    for (i, xx) in (c0 as isize - 1..=c1 as isize).enumerate() {
+                        if (0..w as isize).contains(&xx) {
+                            band[(c * h + y) * band_w + i] = x[(c * h + y) * w + xx as usize];
+                        }
+                    }
+                }
+            }
+            let got = conv(&band, h, band_w, [1, 1, 0, 0]);
+            for c in 0..cout {
+                for y in 0..h {
+                    let a = &whole[(c * h + y) * w + c0..][..c1 - c0];
+                    let b = &got[(c * h + y) * (c1 - c0)..][..c1 - c0];
+                    assert!(
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "cols {c0}..{c1}, channel {c}, row {y}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        let isas = Isa::all_supported();
+        for (i, case) in CASES.iter().enumerate() {
+            let first = case.run(isas[0], true);
+            for &isa in &isas[1..] {
+                let other = case.run(isa, true);
+                assert!(first.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits()), "case {i}: {isa:?}");
+            }
+        }
+    }
+}

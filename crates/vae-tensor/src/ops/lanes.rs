@@ -1,0 +1,859 @@
+//! Vectors of f32 (and f64) lanes with the operations the CPU kernels need, for each
+//! instruction set, and the math built on them once ([`exp`], [`silu`], [`Reduce16`]).
+//!
+//! Kernels are written once, generically over [`Lanes`], and instantiated inside a
+//! `#[target_feature]` function per instruction set (see [`crate::ops::simd`]), so every
+//! operation inlines to one instruction. Each lane sees the same operations in the same order on
+//! every path, fused multiply-adds included, so the paths agree bit for bit; reductions go
+//! through [`Reduce16`], whose order does not depend on the vector width.
+//!
+//! The x86 lane types are only ever built inside those `#[target_feature]` kernels, which run
+//! only where [`crate::ops::simd::Isa::supported`] confirmed the features: that is what makes
+//! their safe methods sound.
+
+/// `L` lanes of f32.
+pub(crate) trait Lanes: Copy {
+    /// Lanes per vector: 8 or 16.
+    const L: usize;
+    /// `L / 2` lanes of f64.
+    type Wide: WideLanes;
+
+    /// Loads `L` values.
+    ///
+    /// # Safety
+    /// `p..p + L` must be readable.
+    unsafe fn load(p: *const f32) -> Self;
+
+    /// Stores `L` values.
+    ///
+    /// # Safety
+    /// `p..p + L` must be writable.
+    unsafe fn store(self, p: *mut f32);
+
+    /// Every lane `v`.
+    fn splat(v: f32) -> Self;
+    /// `self + o`.
+    fn add(self, o: Self) -> Self;
+    /// `self − o`.
+    fn sub(self, o: Self) -> Self;
+    /// `self · o`.
+    fn mul(self, o: Self) -> Self;
+    /// `self / o`.
+    fn div(self, o: Self) -> Self;
+    /// `a · b + c`, rounded once.
+    fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// The smaller of each pair; `o` where either is NaN.
+    fn min(self, o: Self) -> Self;
+    /// The larger of each pair; `o` where either is NaN.
+    fn max(self, o: Self) -> Self;
+    /// Rounded to the nearest integer, ties to even.
+    fn round(self) -> Self;
+    /// `2^n` for lanes holding integers `n` in `-126..=127`.
+    fn pow2(self) -> Self;
+    /// Lanes of `if_true` where `self > o`, else of `if_false`.
+    fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self;
+    /// Lanes of `self` where `self` is NaN, else of `other`.
+    fn keep_nan(self, other: Self) -> Self;
+    /// The lanes as f64, the first half then the second.
+    fn widen(self) -> [Self::Wide; 2];
+    /// Two halves of f64 lanes rounded to f32.
+    fn narrow(halves: [Self::Wide; 2]) -> Self;
+
+    /// From `4·L + 2` consecutive values `x`, the six phases of `L` overlapping 6-wide windows
+    /// 4 apart: lane `j` of phase `m` is `x[4j + m]`.
+    ///
+    /// # Safety
+    /// `p..p + 4·L + 2` must be readable.
+    unsafe fn load_windows(p: *const f32) -> [Self; 6];
+
+    /// Stores four vectors interleaved: `p[4j + b] = v[b][j]`.
+    ///
+    /// # Safety
+    /// `p..p + 4·L` must be writable.
+    unsafe fn store_interleaved(p: *mut f32, v: [Self; 4]);
+}
+
+/// `L / 2` lanes of f64: the wide half of a [`Lanes`].
+pub(crate) trait WideLanes: Copy {
+    /// Loads as many values as the vector has lanes.
+    ///
+    /// # Safety
+    /// That many values from `p` must be readable.
+    unsafe fn load(p: *const f64) -> Self;
+    /// Stores the lanes.
+    ///
+    /// # Safety
+    /// As many values as the vector has lanes from `p` must be writable.
+    unsafe fn store(self, p: *mut f64);
+    /// Every lane `v`.
+    fn splat(v: f64) -> Self;
+    /// `self · o`.
+    fn mul(self, o: Self) -> Self;
+    /// `self + o`.
+    fn add(self, o: Self) -> Self;
+    /// `self − o`.
+    fn sub(self, o: Self) -> Self;
+    /// `a · b + c`, rounded once.
+    fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// Stores the lanes into `out` (which holds at least as many).
+    fn store_to(self, out: &mut [f64]);
+}
+
+/// `e^x` to within about one ulp (Cephes' `expf` polynomial on a Cody–Waite reduction), the same
+/// bits on every instruction set. `x > 88.72` gives +∞; `x < −86.6` gives 0 (the exact values
+/// there are below 2.4·10⁻³⁸); NaN stays NaN.
+#[inline(always)]
+pub(crate) fn exp<S: Lanes>(x: S) -> S {
+    const HI: f32 = 88.722_83;
+    const LO: f32 = -86.6;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let xc = x.max(S::splat(LO)).min(S::splat(HI));
+    let n = xc.mul(S::splat(LOG2E)).round();
+    let r = S::fma(n, S::splat(-LN2_HI), xc);
+    let r = S::fma(n, S::splat(-LN2_LO), r);
+    let mut p = S::splat(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = S::fma(p, r, S::splat(c));
+    }
+    let e = S::fma(p, r.mul(r), r).add(S::splat(1.0));
+    // e · 2^n as (e · 2^(n−1)) · 2, so that n = 128 (x near HI) still has a normal power.
+    let y = e.mul(n.sub(S::splat(1.0)).pow2()).mul(S::splat(2.0));
+    let y = x.select_gt(S::splat(HI), S::splat(f32::INFINITY), y);
+    let y = S::splat(LO).select_gt(x, S::splat(0.0), y);
+    x.keep_nan(y)
+}
+
+/// SiLU, `x / (1 + e^(−x))`: for very negative `x` the exponential is +∞ and the quotient a
+/// correctly signed zero, as in PyTorch.
+#[inline(always)]
+pub(crate) fn silu<S: Lanes>(x: S) -> S {
+    x.div(S::splat(1.0).add(exp(S::splat(0.0).sub(x))))
+}
+
+/// A function of lanes, for [`map`]. (A trait with an always-inlined method rather than a
+/// closure: closures are functions of their own that do not inherit the caller's target
+/// features, and once not inlined every lane operation in them becomes a call.)
+pub(crate) trait LaneMap<S: Lanes> {
+    /// The function.
+    fn apply(&self, x: S) -> S;
+}
+
+/// [`silu`] as a [`LaneMap`].
+pub(crate) struct Silu;
+
+impl<S: Lanes> LaneMap<S> for Silu {
+    #[inline(always)]
+    fn apply(&self, x: S) -> S {
+        silu(x)
+    }
+}
+
+/// `dst[i] = f(src[i])` lane by lane; the last partial vector goes through a zero-padded copy,
+/// so every element sees the same operations.
+#[inline(always)]
+pub(crate) fn map<S: Lanes, F: LaneMap<S>>(src: &[f32], dst: &mut [f32], f: &F) {
+    assert_eq!(src.len(), dst.len());
+    let full = src.len() / S::L * S::L;
+    let mut i = 0;
+    while i < full {
+        // SAFETY: `i + L ≤ full ≤ len` for both slices.
+        unsafe { f.apply(S::load(src.as_ptr().add(i))).store(dst.as_mut_ptr().add(i)) };
+        i += S::L;
+    }
+    if full < src.len() {
+        let mut buf = [0.0f32; 16];
+        let rest = src.len() - full;
+        buf[..rest].copy_from_slice(&src[full..]);
+        // SAFETY: `buf` holds 16 ≥ L values.
+        unsafe { f.apply(S::load(buf.as_ptr())).store(buf.as_mut_ptr()) };
+        dst[full..].copy_from_slice(&buf[..rest]);
+    }
+}
+
+/// A sum in f64 of f32 values whose order does not depend on the vector width: element `i` goes
+/// to partial sum `i mod 16`, and the 16 partials are added in order at the end.
+pub(crate) struct Reduce16<S: Lanes> {
+    acc: [S::Wide; 4],
+}
+
+impl<S: Lanes> Reduce16<S> {
+    /// Sums of 16 elements per step: `16 / L` vectors, two wide halves each.
+    const WIDES: usize = 32 / S::L;
+
+    #[inline(always)]
+    pub(crate) fn new() -> Self {
+        Self { acc: [S::Wide::splat(0.0); 4] }
+    }
+
+    /// `Σ x` over `xs`.
+    #[inline(always)]
+    pub(crate) fn sum(self, xs: &[f32]) -> f64 {
+        self.run(xs, None)
+    }
+
+    /// `Σ (x − mean)²` over `xs`, each square an f64 fused multiply-add.
+    #[inline(always)]
+    pub(crate) fn sum_sq_dev(self, xs: &[f32], mean: f64) -> f64 {
+        self.run(xs, Some(mean))
+    }
+
+    #[inline(always)]
+    fn run(mut self, xs: &[f32], mean: Option<f64>) -> f64 {
+        let m = S::Wide::splat(mean.unwrap_or(0.0));
+        let chunks = xs.len() / 16;
+        for c in 0..chunks {
+            let mut v = 0;
+            while v < 16 / S::L {
+                // SAFETY: 16 values from `16·c` are in `xs`.
+                let [lo, hi] = unsafe { S::load(xs.as_ptr().add(16 * c + v * S::L)) }.widen();
+                let (i, j) = (2 * v, 2 * v + 1);
+                if mean.is_some() {
+                    let (e, f) = (lo.sub(m), hi.sub(m));
+                    self.acc[i] = S::Wide::fma(e, e, self.acc[i]);
+                    self.acc[j] = S::Wide::fma(f, f, self.acc[j]);
+                } else {
+                    self.acc[i] = self.acc[i].add(lo);
+                    self.acc[j] = self.acc[j].add(hi);
+                }
+                v += 1;
+            }
+        }
+        let mut partial = [0.0f64; 16];
+        for i in 0..Self::WIDES {
+            self.acc[i].store_to(&mut partial[i * S::L / 2..]);
+        }
+        for (i, &x) in xs[16 * chunks..].iter().enumerate() {
+            let d = x as f64;
+            partial[i] = match mean {
+                Some(mean) => (d - mean).mul_add(d - mean, partial[i]),
+                None => partial[i] + d,
+            };
+        }
+        partial.iter().sum()
+    }
+}
+
+/// Eight lanes in plain Rust (the portable path), every product-sum through `mul_add`.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable([f32; 8]);
+
+/// Four f64 lanes in plain Rust.
+#[derive(Clone, Copy)]
+pub(crate) struct PortableWide([f64; 4]);
+
+impl WideLanes for PortableWide {
+    #[inline(always)]
+    unsafe fn load(p: *const f64) -> Self {
+        // SAFETY: the caller's contract.
+        Self(unsafe { std::ptr::read_unaligned(p.cast::<[f64; 4]>()) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f64) {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::write_unaligned(p.cast::<[f64; 4]>(), self.0) }
+    }
+    #[inline(always)]
+    fn splat(v: f64) -> Self {
+        Self([v; 4])
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] * o.0[i]))
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] + o.0[i]))
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] - o.0[i]))
+    }
+    #[inline(always)]
+    fn fma(a: Self, b: Self, c: Self) -> Self {
+        Self(std::array::from_fn(|i| a.0[i].mul_add(b.0[i], c.0[i])))
+    }
+    #[inline(always)]
+    fn store_to(self, out: &mut [f64]) {
+        out[..4].copy_from_slice(&self.0);
+    }
+}
+
+impl Portable {
+    #[inline(always)]
+    fn map(self, f: impl Fn(f32) -> f32) -> Self {
+        Self(self.0.map(f))
+    }
+
+    #[inline(always)]
+    fn zip(self, o: Self, f: impl Fn(f32, f32) -> f32) -> Self {
+        Self(std::array::from_fn(|i| f(self.0[i], o.0[i])))
+    }
+}
+
+impl Lanes for Portable {
+    const L: usize = 8;
+    type Wide = PortableWide;
+
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's contract.
+        Self(unsafe { std::ptr::read_unaligned(p.cast::<[f32; 8]>()) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::write_unaligned(p.cast::<[f32; 8]>(), self.0) }
+    }
+    #[inline(always)]
+    fn splat(v: f32) -> Self {
+        Self([v; 8])
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self.zip(o, |a, b| a + b)
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        self.zip(o, |a, b| a - b)
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        self.zip(o, |a, b| a * b)
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        self.zip(o, |a, b| a / b)
+    }
+    #[inline(always)]
+    fn fma(a: Self, b: Self, c: Self) -> Self {
+        Self(std::array::from_fn(|i| a.0[i].mul_add(b.0[i], c.0[i])))
+    }
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        // As x86's `minps`: the second operand unless the first is strictly smaller.
+        self.zip(o, |a, b| if a < b { a } else { b })
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        self.zip(o, |a, b| if a > b { a } else { b })
+    }
+    #[inline(always)]
+    fn round(self) -> Self {
+        self.map(f32::round_ties_even)
+    }
+    #[inline(always)]
+    fn pow2(self) -> Self {
+        self.map(|n| f32::from_bits(((n as i32 + 127) as u32) << 23))
+    }
+    #[inline(always)]
+    fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self {
+        Self(std::array::from_fn(|i| if self.0[i] > o.0[i] { if_true.0[i] } else { if_false.0[i] }))
+    }
+    #[inline(always)]
+    fn keep_nan(self, other: Self) -> Self {
+        self.zip(other, |a, b| if a.is_nan() { a } else { b })
+    }
+    #[inline(always)]
+    fn widen(self) -> [PortableWide; 2] {
+        [
+            PortableWide(std::array::from_fn(|i| self.0[i] as f64)),
+            PortableWide(std::array::from_fn(|i| self.0[4 + i] as f64)),
+        ]
+    }
+    #[inline(always)]
+    fn narrow([a, b]: [PortableWide; 2]) -> Self {
+        Self(std::array::from_fn(|i| if i < 4 { a.0[i] as f32 } else { b.0[i - 4] as f32 }))
+    }
+    #[inline(always)]
+    unsafe fn load_windows(p: *const f32) -> [Self; 6] {
+        // SAFETY: the caller's contract covers `p + 4·7 + 5`.
+        std::array::from_fn(|m| Self(std::array::from_fn(|j| unsafe { *p.add(4 * j + m) })))
+    }
+    #[inline(always)]
+    unsafe fn store_interleaved(p: *mut f32, v: [Self; 4]) {
+        for j in 0..8 {
+            for (b, vb) in v.iter().enumerate() {
+                // SAFETY: the caller's contract covers `p + 4·7 + 3`.
+                unsafe { *p.add(4 * j + b) = vb.0[j] };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Lanes, WideLanes};
+
+    /// Eight AVX2 lanes.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2(__m256);
+
+    /// Four AVX2 f64 lanes.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2Wide(__m256d);
+
+    // SAFETY (every `unsafe` block in these impls that is not a memory access): AVX2 and FMA
+    // are enabled where these inline (see the module docs).
+    impl WideLanes for Avx2Wide {
+        #[inline(always)]
+        unsafe fn load(p: *const f64) -> Self {
+            // SAFETY: the caller's contract.
+            Self(unsafe { _mm256_loadu_pd(p) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f64) {
+            // SAFETY: the caller's contract.
+            unsafe { _mm256_storeu_pd(p, self.0) }
+        }
+        #[inline(always)]
+        fn splat(v: f64) -> Self {
+            Self(unsafe { _mm256_set1_pd(v) })
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            Self(unsafe { _mm256_mul_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            Self(unsafe { _mm256_add_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            Self(unsafe { _mm256_sub_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn fma(a: Self, b: Self, c: Self) -> Self {
+            Self(unsafe { _mm256_fmadd_pd(a.0, b.0, c.0) })
+        }
+        #[inline(always)]
+        fn store_to(self, out: &mut [f64]) {
+            assert!(out.len() >= 4);
+            // SAFETY: four values fit (checked).
+            unsafe { _mm256_storeu_pd(out.as_mut_ptr(), self.0) }
+        }
+    }
+
+    impl Lanes for Avx2 {
+        const L: usize = 8;
+        type Wide = Avx2Wide;
+
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller's contract.
+            Self(unsafe { _mm256_loadu_ps(p) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller's contract.
+            unsafe { _mm256_storeu_ps(p, self.0) }
+        }
+        #[inline(always)]
+        fn splat(v: f32) -> Self {
+            Self(unsafe { _mm256_set1_ps(v) })
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            Self(unsafe { _mm256_add_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            Self(unsafe { _mm256_sub_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            Self(unsafe { _mm256_mul_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn div(self, o: Self) -> Self {
+            Self(unsafe { _mm256_div_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn fma(a: Self, b: Self, c: Self) -> Self {
+            Self(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })
+        }
+        #[inline(always)]
+        fn min(self, o: Self) -> Self {
+            Self(unsafe { _mm256_min_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn max(self, o: Self) -> Self {
+            Self(unsafe { _mm256_max_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn round(self) -> Self {
+            Self(unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
+        }
+        #[inline(always)]
+        fn pow2(self) -> Self {
+            unsafe {
+                let n = _mm256_cvtps_epi32(self.0);
+                Self(_mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127)))))
+            }
+        }
+        #[inline(always)]
+        fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self {
+            unsafe { Self(_mm256_blendv_ps(if_false.0, if_true.0, _mm256_cmp_ps::<_CMP_GT_OQ>(self.0, o.0))) }
+        }
+        #[inline(always)]
+        fn keep_nan(self, other: Self) -> Self {
+            unsafe { Self(_mm256_blendv_ps(other.0, self.0, _mm256_cmp_ps::<_CMP_UNORD_Q>(self.0, self.0))) }
+        }
+        #[inline(always)]
+        fn widen(self) -> [Avx2Wide; 2] {
+            unsafe {
+                [
+                    Avx2Wide(_mm256_cvtps_pd(_mm256_castps256_ps128(self.0))),
+                    Avx2Wide(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(self.0))),
+                ]
+            }
+        }
+        #[inline(always)]
+        fn narrow([a, b]: [Avx2Wide; 2]) -> Self {
+            unsafe { Self(_mm256_set_m128(_mm256_cvtpd_ps(b.0), _mm256_cvtpd_ps(a.0))) }
+        }
+        #[inline(always)]
+        unsafe fn load_windows(p: *const f32) -> [Self; 6] {
+            // SAFETY: the caller's contract covers `p..p + 34`.
+            unsafe {
+                let v0 = _mm256_loadu_ps(p);
+                let v1 = _mm256_loadu_ps(p.add(8));
+                let v2 = _mm256_loadu_ps(p.add(16));
+                let v3 = _mm256_loadu_ps(p.add(24));
+                // Windows (0 | 4), (1 | 5), (2 | 6), (3 | 7) in the two 128-bit halves.
+                let t0 = _mm256_permute2f128_ps::<0x20>(v0, v2);
+                let t1 = _mm256_permute2f128_ps::<0x31>(v0, v2);
+                let t2 = _mm256_permute2f128_ps::<0x20>(v1, v3);
+                let t3 = _mm256_permute2f128_ps::<0x31>(v1, v3);
+                // A 4×4 transpose within each half.
+                let u0 = _mm256_unpacklo_ps(t0, t1);
+                let u1 = _mm256_unpackhi_ps(t0, t1);
+                let u2 = _mm256_unpacklo_ps(t2, t3);
+                let u3 = _mm256_unpackhi_ps(t2, t3);
+                let p0 = _mm256_shuffle_ps::<0x44>(u0, u2);
+                let p1 = _mm256_shuffle_ps::<0xEE>(u0, u2);
+                let p2 = _mm256_shuffle_ps::<0x44>(u1, u3);
+                let p3 = _mm256_shuffle_ps::<0xEE>(u1, u3);
+                // The next window's first two values: rotate one lane, the last from x[32..34].
+                let rot = _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0);
+                let p4 = _mm256_blend_ps::<0x80>(_mm256_permutevar8x32_ps(p0, rot), _mm256_set1_ps(*p.add(32)));
+                let p5 = _mm256_blend_ps::<0x80>(_mm256_permutevar8x32_ps(p1, rot), _mm256_set1_ps(*p.add(33)));
+                [Self(p0), Self(p1), Self(p2), Self(p3), Self(p4), Self(p5)]
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_interleaved(p: *mut f32, v: [Self; 4]) {
+            // SAFETY: the caller's contract covers `p..p + 32`.
+            unsafe {
+                let u0 = _mm256_unpacklo_ps(v[0].0, v[1].0);
+                let u1 = _mm256_unpackhi_ps(v[0].0, v[1].0);
+                let u2 = _mm256_unpacklo_ps(v[2].0, v[3].0);
+                let u3 = _mm256_unpackhi_ps(v[2].0, v[3].0);
+                // Windows (0 | 4), (1 | 5), (2 | 6), (3 | 7).
+                let t0 = _mm256_shuffle_ps::<0x44>(u0, u2);
+                let t1 = _mm256_shuffle_ps::<0xEE>(u0, u2);
+                let t2 = _mm256_shuffle_ps::<0x44>(u1, u3);
+                let t3 = _mm256_shuffle_ps::<0xEE>(u1, u3);
+                _mm256_storeu_ps(p, _mm256_permute2f128_ps::<0x20>(t0, t1));
+                _mm256_storeu_ps(p.add(8), _mm256_permute2f128_ps::<0x20>(t2, t3));
+                _mm256_storeu_ps(p.add(16), _mm256_permute2f128_ps::<0x31>(t0, t1));
+                _mm256_storeu_ps(p.add(24), _mm256_permute2f128_ps::<0x31>(t2, t3));
+            }
+        }
+    }
+
+    /// Sixteen AVX-512 lanes.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512(__m512);
+
+    /// Eight AVX-512 f64 lanes.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512Wide(__m512d);
+
+    // SAFETY (every `unsafe` block in these impls that is not a memory access): AVX-512F is
+    // enabled where these inline (see the module docs).
+    impl WideLanes for Avx512Wide {
+        #[inline(always)]
+        unsafe fn load(p: *const f64) -> Self {
+            // SAFETY: the caller's contract.
+            Self(unsafe { _mm512_loadu_pd(p) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f64) {
+            // SAFETY: the caller's contract.
+            unsafe { _mm512_storeu_pd(p, self.0) }
+        }
+        #[inline(always)]
+        fn splat(v: f64) -> Self {
+            Self(unsafe { _mm512_set1_pd(v) })
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            Self(unsafe { _mm512_mul_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            Self(unsafe { _mm512_add_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            Self(unsafe { _mm512_sub_pd(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn fma(a: Self, b: Self, c: Self) -> Self {
+            Self(unsafe { _mm512_fmadd_pd(a.0, b.0, c.0) })
+        }
+        #[inline(always)]
+        fn store_to(self, out: &mut [f64]) {
+            assert!(out.len() >= 8);
+            // SAFETY: eight values fit (checked).
+            unsafe { _mm512_storeu_pd(out.as_mut_ptr(), self.0) }
+        }
+    }
+
+    impl Lanes for Avx512 {
+        const L: usize = 16;
+        type Wide = Avx512Wide;
+
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller's contract.
+            Self(unsafe { _mm512_loadu_ps(p) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller's contract.
+            unsafe { _mm512_storeu_ps(p, self.0) }
+        }
+        #[inline(always)]
+        fn splat(v: f32) -> Self {
+            Self(unsafe { _mm512_set1_ps(v) })
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            Self(unsafe { _mm512_add_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            Self(unsafe { _mm512_sub_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            Self(unsafe { _mm512_mul_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn div(self, o: Self) -> Self {
+            Self(unsafe { _mm512_div_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn fma(a: Self, b: Self, c: Self) -> Self {
+            Self(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })
+        }
+        #[inline(always)]
+        fn min(self, o: Self) -> Self {
+            Self(unsafe { _mm512_min_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn max(self, o: Self) -> Self {
+            Self(unsafe { _mm512_max_ps(self.0, o.0) })
+        }
+        #[inline(always)]
+        fn round(self) -> Self {
+            Self(unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
+        }
+        #[inline(always)]
+        fn pow2(self) -> Self {
+            unsafe {
+                let n = _mm512_cvtps_epi32(self.0);
+                Self(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127)))))
+            }
+        }
+        #[inline(always)]
+        fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self {
+            unsafe {
+                let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(self.0, o.0);
+                Self(_mm512_mask_blend_ps(m, if_false.0, if_true.0))
+            }
+        }
+        #[inline(always)]
+        fn keep_nan(self, other: Self) -> Self {
+            unsafe {
+                let m = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0);
+                Self(_mm512_mask_blend_ps(m, other.0, self.0))
+            }
+        }
+        #[inline(always)]
+        fn widen(self) -> [Avx512Wide; 2] {
+            unsafe {
+                [
+                    Avx512Wide(_mm512_cvtps_pd(_mm512_castps512_ps256(self.0))),
+                    Avx512Wide(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(
+                        self.0,
+                    ))))),
+                ]
+            }
+        }
+        #[inline(always)]
+        fn narrow([a, b]: [Avx512Wide; 2]) -> Self {
+            unsafe {
+                let lo = _mm512_castps256_ps512(_mm512_cvtpd_ps(a.0));
+                let hi = _mm512_cvtpd_ps(b.0);
+                Self(_mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(lo), _mm256_castps_pd(hi))))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_windows(p: *const f32) -> [Self; 6] {
+            // SAFETY: the caller's contract covers `p..p + 66`.
+            unsafe {
+                let v0 = _mm512_loadu_ps(p);
+                let v1 = _mm512_loadu_ps(p.add(16));
+                let v2 = _mm512_loadu_ps(p.add(32));
+                let v3 = _mm512_loadu_ps(p.add(48));
+                let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+                let a = _mm512_permutex2var_ps(v0, even, v1); // x0, x2, .., x30
+                let b = _mm512_permutex2var_ps(v0, odd, v1); // x1, x3, .., x31
+                let c = _mm512_permutex2var_ps(v2, even, v3); // x32, .., x62
+                let d = _mm512_permutex2var_ps(v2, odd, v3); // x33, .., x63
+                let p0 = _mm512_permutex2var_ps(a, even, c);
+                let p2 = _mm512_permutex2var_ps(a, odd, c);
+                let p1 = _mm512_permutex2var_ps(b, even, d);
+                let p3 = _mm512_permutex2var_ps(b, odd, d);
+                // The next window's first two values: shift one lane, the last from x[64..66].
+                let p4 = _mm512_castsi512_ps(_mm512_alignr_epi32::<1>(
+                    _mm512_castps_si512(_mm512_set1_ps(*p.add(64))),
+                    _mm512_castps_si512(p0),
+                ));
+                let p5 = _mm512_castsi512_ps(_mm512_alignr_epi32::<1>(
+                    _mm512_castps_si512(_mm512_set1_ps(*p.add(65))),
+                    _mm512_castps_si512(p1),
+                ));
+                [Self(p0), Self(p1), Self(p2), Self(p3), Self(p4), Self(p5)]
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_interleaved(p: *mut f32, v: [Self; 4]) {
+            // SAFETY: the caller's contract covers `p..p + 64`.
+            unsafe {
+                let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                let lo02 = _mm512_permutex2var_ps(v[0].0, lo, v[2].0);
+                let hi02 = _mm512_permutex2var_ps(v[0].0, hi, v[2].0);
+                let lo13 = _mm512_permutex2var_ps(v[1].0, lo, v[3].0);
+                let hi13 = _mm512_permutex2var_ps(v[1].0, hi, v[3].0);
+                _mm512_storeu_ps(p, _mm512_permutex2var_ps(lo02, lo, lo13));
+                _mm512_storeu_ps(p.add(16), _mm512_permutex2var_ps(lo02, hi, lo13));
+                _mm512_storeu_ps(p.add(32), _mm512_permutex2var_ps(hi02, lo, hi13));
+                _mm512_storeu_ps(p.add(48), _mm512_permutex2var_ps(hi02, hi, hi13));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::simd::Isa;
+
+    crate::ops::simd::isa_kernel! {
+        fn exp_into(src: &[f32], dst: &mut [f32]) = exp_kernel;
+    }
+
+    struct Exp;
+
+    impl<S: Lanes> LaneMap<S> for Exp {
+        #[inline(always)]
+        fn apply(&self, x: S) -> S {
+            exp(x)
+        }
+    }
+
+    #[inline(always)]
+    fn exp_kernel<S: Lanes>(src: &[f32], dst: &mut [f32]) {
+        map::<S, _>(src, dst, &Exp);
+    }
+
+    /// Every f32 from −104 to 90 in steps of about 1e-4, the edges, and the specials.
+    fn inputs() -> Vec<f32> {
+        let mut xs: Vec<f32> = (0..1_940_000).map(|i| -104.0 + i as f32 * 1e-4).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            88.72,
+            88.7228,
+            88.73,
+            -86.59,
+            -86.61,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-30,
+        ]);
+        xs
+    }
+
+    #[test]
+    fn exp_is_within_two_ulps_and_the_same_on_every_instruction_set() {
+        let xs = inputs();
+        let mut first: Option<Vec<f32>> = None;
+        for isa in Isa::all_supported() {
+            let mut got = vec![0.0f32; xs.len()];
+            exp_into(isa, &xs, &mut got);
+            for (&x, &y) in xs.iter().zip(&got) {
+                let want = (x as f64).exp();
+                if x.is_nan() {
+                    assert!(y.is_nan());
+                } else if x > 88.722_83 {
+                    assert_eq!(y, f32::INFINITY, "{x}");
+                } else if x < -86.6 {
+                    assert_eq!(y, 0.0, "{x}");
+                } else {
+                    let ulp = f32::from_bits((want as f32).to_bits() + 1) as f64 - want as f32 as f64;
+                    assert!(((y as f64) - want).abs() <= 2.0 * ulp, "{isa:?} exp({x}) = {y}, want {want}");
+                }
+            }
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert!(f.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn silu_keeps_pytorchs_limits() {
+        for isa in Isa::all_supported() {
+            let xs = [-1e4f32, -100.0, -88.8, 0.0, -0.0, 1.0, 100.0, 1e4, f32::NAN];
+            let mut got = [0.0f32; 9];
+            crate::ops::silu_into(isa, &xs, &mut got);
+            assert_eq!(got[0].to_bits(), (-0.0f32).to_bits(), "x / inf is a negative zero");
+            assert!(got[1] <= 0.0 && got[1] > -1e-30);
+            assert_eq!(got[3], 0.0);
+            assert_eq!(got[6], 100.0);
+            assert_eq!(got[7], 1e4);
+            assert!(got[8].is_nan());
+            assert!((got[5] - 0.731_058_6).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn reductions_do_not_depend_on_the_vector_width() {
+        let xs: Vec<f32> = (0..1001).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1.37e-3).collect();
+        crate::ops::simd::isa_kernel! {
+            fn sum_of(xs: &[f32]) -> f64 = sum_kernel;
+        }
+        #[inline(always)]
+        fn sum_kernel<S: Lanes>(xs: &[f32]) -> f64 {
+            Reduce16::<S>::new().sum(xs)
+        }
+        let sums: Vec<u64> = Isa::all_supported().into_iter().map(|isa| sum_of(isa, &xs).to_bits()).collect();
+        assert!(sums.windows(2).all(|w| w[0] == w[1]), "{sums:?}");
+        let exact: f64 = xs.iter().map(|&x| x as f64).sum();
+        assert!((f64::from_bits(sums[0]) - exact).abs() < 1e-12);
+    }
+}
