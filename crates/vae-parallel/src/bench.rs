@@ -1,6 +1,6 @@
 //! `vae-parallel bench`: transport throughput, failure-detection latency, single-rank decode
-//! latency / memory on a real model directory, shard vs tile side by side, and per-op rates
-//! (`kernel_bench`).
+//! and encode latency / memory on a real model directory, shard vs tile side by side, and
+//! per-op rates (`kernel_bench`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::model_cmds::ComputeType;
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use vae_parallel::engine::{Engine, Model, RequestOptions};
+use vae_parallel::engine::{EncodeOutput, Engine, Model, RequestOptions};
 use vae_parallel::group::TransportKind;
 use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
@@ -33,6 +33,9 @@ pub enum BenchCommand {
     /// Latency and peak memory of decoding one latent on one rank (local transport, parallel
     /// size 1, untiled), for comparison with diffusers (`scripts/bench_diffusers.py`).
     Decode(DecodeBenchArgs),
+    /// Latency and peak memory of encoding one image on one rank (local transport, parallel
+    /// size 1, untiled, the latent distribution's mean), measured as `bench decode` measures.
+    Encode(EncodeBenchArgs),
     /// One process, side by side: the direct decode on one rank, the spatial-shard decode and
     /// the tile-parallel decode on N local ranks (each rank with its own thread pool): latency,
     /// per-rank activation peak, bytes exchanged, halo bytes, and agreement with the direct
@@ -82,15 +85,37 @@ pub struct ShardBenchArgs {
 /// Options of `bench decode`.
 #[derive(Debug, Args)]
 pub struct DecodeBenchArgs {
+    /// The latent: `.npy` or `.safetensors`, f32 `[B, C, H, W]` (video VAEs `[B, C, T, H, W]`).
+    #[arg(long)]
+    latent: PathBuf,
+    #[command(flatten)]
+    common: OneRankBenchArgs,
+}
+
+/// Options of `bench encode`.
+#[derive(Debug, Args)]
+pub struct EncodeBenchArgs {
+    /// The image: `.npy` or `.safetensors`, f32 `[B, 3, H, W]` in [-1, 1] (video VAEs
+    /// `[B, 3, T, H, W]`).
+    #[arg(long)]
+    input: PathBuf,
+    #[command(flatten)]
+    common: OneRankBenchArgs,
+}
+
+/// What `bench decode` and `bench encode` share.
+#[derive(Debug, Args)]
+pub struct OneRankBenchArgs {
     /// A diffusers VAE directory (`config.json` + safetensors weights).
     #[arg(long)]
     model: PathBuf,
-    /// The latent: `.npy` or `.safetensors`, f32 `[B, C, H, W]`.
-    #[arg(long)]
-    latent: PathBuf,
-    /// Timed decodes (after one warm-up).
+    /// Timed runs (after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// Also time every tensor op of the timed runs (vae-tensor's per-op timers, CPU) and print
+    /// the split: calls and milliseconds per run, share of the run.
+    #[arg(long)]
+    profile: bool,
     /// Compute threads (rayon's global pool; default: all cores). The pool can be sized once
     /// per process, so compare thread counts in separate runs.
     #[arg(long)]
@@ -153,7 +178,8 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
     match which {
         BenchCommand::Transport(args) => transport(args),
         BenchCommand::Failover(args) => failover(args),
-        BenchCommand::Decode(args) => decode(args),
+        BenchCommand::Decode(args) => one_rank(Task::Decode, &args.latent, &args.common),
+        BenchCommand::Encode(args) => one_rank(Task::Encode, &args.input, &args.common),
         BenchCommand::Shard(args) => shard(args),
         BenchCommand::Kernels(args) => crate::kernel_bench::run(args),
     }
@@ -305,7 +331,27 @@ fn reset_rss_high_water() -> bool {
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-struct DecodeRun {
+/// What `bench decode` / `bench encode` time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Task {
+    /// `vae.decode(z)`.
+    Decode,
+    /// `vae.encode(x)`, the latent distribution's mean.
+    Encode,
+}
+
+impl Task {
+    /// The JSON `"kind"` and the verb of the table.
+    fn name(self) -> &'static str {
+        match self {
+            Task::Decode => "decode",
+            Task::Encode => "encode",
+        }
+    }
+}
+
+struct OneRankRun {
+    input: Vec<usize>,
     output: Vec<usize>,
     times: Vec<f64>,
     peak_tensor_bytes: usize,
@@ -314,47 +360,61 @@ struct DecodeRun {
     live_tensor_bytes: usize,
     hwm_reset: bool,
     baseline_kib: u64,
+    /// Per-op totals over the timed runs (empty without `--profile`).
+    profile: Vec<vae_parallel::tensor::profile::OpTime>,
 }
 
-/// Loads the engine once, decodes once to warm up, then times `iters` decodes. Memory is
+/// Loads the engine once, runs the task once to warm up, then times `iters` runs. Memory is
 /// measured as `scripts/bench_diffusers.py` does: the resident high-water mark is reset after
 /// the load, the baseline is the resident set then, and the peak is `VmHWM` at the end.
-fn decode_on_one_rank(
-    model: &Path,
-    latent: &Path,
-    iters: usize,
+fn run_on_one_rank(
+    task: Task,
+    input: &Path,
+    args: &OneRankBenchArgs,
     device: Device,
     compute: ComputeType,
     tiles: Option<ConvKernels>,
-) -> anyhow::Result<DecodeRun> {
+) -> anyhow::Result<OneRankRun> {
+    let (model, iters, profile) = (&args.model, args.iters, args.profile);
     let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
     let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
-        // One rank: the decode runs on this thread.
+        // One rank: the work runs on this thread.
         let _tiles = tiles.map(ConvTilesScope::only);
         let mut engine = Engine::load_on(model, None, None, device, compute.dtype)?;
         engine.set_tf32_convolutions(compute.tf32);
-        let latent = vae_parallel::io::read_tensor(latent)?;
+        let input = vae_parallel::io::read_tensor(input)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
-        // Weights and the latent: the high-water mark below counts them too.
+        let run = || match task {
+            Task::Decode => engine.decode(&executor, &input, &options),
+            Task::Encode => engine.encode(&executor, &input, &options, EncodeOutput::Mean),
+        };
+        // Weights and the input: the high-water mark below counts them too.
         let live_tensor_bytes = vae_parallel::tensor::memory::live_bytes();
         let hwm_reset = reset_rss_high_water();
         let baseline_kib = proc_status_kib(if hwm_reset { "VmRSS" } else { "VmHWM" })?;
 
-        let warm = engine.decode(&executor, &latent, &options)?;
+        let warm = run()?;
         let output = warm.tensor.context("rank 0 got no output")?.dims().to_vec();
         let mut peak_tensor_bytes = warm.report.peak_bytes;
         let mut peak_device_bytes = warm.report.device_peak_bytes;
         let mut times = Vec::with_capacity(iters);
+        let timers = vae_parallel::tensor::profile::set_enabled;
+        timers(profile);
+        let _ = vae_parallel::tensor::profile::take();
         for _ in 0..iters {
             let t = Instant::now();
-            let out = engine.decode(&executor, &latent, &options)?;
+            let out = run()?;
             times.push(t.elapsed().as_secs_f64());
             peak_tensor_bytes = peak_tensor_bytes.max(out.report.peak_bytes);
             peak_device_bytes = peak_device_bytes.max(out.report.device_peak_bytes);
             drop(out);
         }
-        Ok(DecodeRun {
+        timers(false);
+        let profile = vae_parallel::tensor::profile::take();
+        Ok(OneRankRun {
+            profile,
+            input: input.dims().to_vec(),
             output,
             times,
             peak_tensor_bytes,
@@ -370,7 +430,8 @@ fn decode_on_one_rank(
     }
 }
 
-fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
+/// `bench decode` and `bench encode`: one rank, untiled, one warm-up then `iters` timed runs.
+fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.iters >= 1, "--iters must be at least 1");
     if let Some(n) = args.threads {
         anyhow::ensure!(n >= 1, "--threads must be at least 1");
@@ -391,7 +452,7 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
              capability 9.0 only); the convolutions take the backend's mma.sync choice"
         );
     }
-    let run = decode_on_one_rank(&args.model, &args.latent, args.iters, device, dtype, tiles)?;
+    let run = run_on_one_rank(task, input, args, device, dtype, tiles)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
     let mut sorted = run.times.clone();
@@ -400,18 +461,25 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
     let (best, median) = (sorted[0], (sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0);
     let baseline_mib = run.baseline_kib as f64 / 1024.0;
     let peak_mib = peak_kib as f64 / 1024.0;
-    let decode_mib = peak_kib.saturating_sub(run.baseline_kib) as f64 / 1024.0;
+    let task_mib = peak_kib.saturating_sub(run.baseline_kib) as f64 / 1024.0;
     let tensor_mib = run.peak_tensor_bytes as f64 / MIB;
     let live_mib = run.live_tensor_bytes as f64 / MIB;
     let threads = rayon::current_num_threads();
+    // The image's width: the output's (decode) or the input's (encode).
+    let image = match task {
+        Task::Decode => &run.output,
+        Task::Encode => &run.input,
+    };
     if args.json {
+        // The field names of `scripts/bench_diffusers.py` (`decode_rss_mib` for encodes too).
         let value = serde_json::json!({
-            "kind": "decode",
+            "kind": task.name(),
             "impl": "vae-parallel",
             "device": device.to_string(),
             "dtype": dtype.to_string(),
             "conv_tiles": tiles.map_or("auto".to_string(), |w| w.to_string()),
-            "size": run.output.last().copied().unwrap_or(0),
+            "size": image.last().copied().unwrap_or(0),
+            "input_shape": run.input,
             "output_shape": run.output,
             "threads": threads,
             "iters": args.iters,
@@ -421,24 +489,36 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
             "hwm_reset": run.hwm_reset,
             "baseline_rss_mib": baseline_mib,
             "peak_rss_mib": peak_mib,
-            "decode_rss_mib": decode_mib,
+            "decode_rss_mib": task_mib,
             "peak_tensor_mib": tensor_mib,
             "peak_device_mib": run.peak_device_bytes as f64 / MIB,
             "live_tensor_mib_before": live_mib,
+            "cpu_isa": vae_parallel::tensor::cpu_isa_name(),
+            "profile": run.profile.iter().map(|op| serde_json::json!({
+                "op": op.name,
+                "calls_per_run": op.calls as f64 / args.iters as f64,
+                "ms_per_run": op.time.as_secs_f64() * 1e3 / args.iters as f64,
+            })).collect::<Vec<_>>(),
         });
         println!("{value}");
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "decode {} → {:?} on {device} in {dtype}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
-        args.latent.display(),
+        "{} {} {:?} → {:?} on {device} in {dtype}, 1 rank (local), untiled, {threads} thread(s), best / median of {}",
+        task.name(),
+        input.display(),
+        run.input,
         run.output,
         args.iters
     );
     println!("latency       best {:.1} ms, median {:.1} ms", best * 1e3, median * 1e3);
     println!(
         "tensors       peak {tensor_mib:.1} MiB alive at once (vae-tensor high-water mark), \
-         {live_mib:.1} MiB of it (weights, latent) alive before"
+         {live_mib:.1} MiB of it (weights, {}) alive before",
+        match task {
+            Task::Decode => "latent",
+            Task::Encode => "image",
+        }
     );
     if run.peak_device_bytes > 0 {
         println!(
@@ -447,10 +527,28 @@ fn decode(args: &DecodeBenchArgs) -> anyhow::Result<ExitCode> {
         );
     }
     println!(
-        "process RSS   peak {peak_mib:.1} MiB, {decode_mib:.1} MiB above the {baseline_mib:.1} MiB after loading{}",
+        "process RSS   peak {peak_mib:.1} MiB, {task_mib:.1} MiB above the {baseline_mib:.1} MiB after loading{}",
         if run.hwm_reset { "" } else { " (high-water mark not reset: includes the load)" }
     );
+    if args.profile {
+        print_profile(&run.profile, args.iters, median);
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The per-op split of the timed runs, per run, longest first, with the time outside ops.
+fn print_profile(ops: &[vae_parallel::tensor::profile::OpTime], iters: usize, run_s: f64) {
+    let per_run = |d: Duration| d.as_secs_f64() / iters as f64;
+    let in_ops: f64 = ops.iter().map(|op| per_run(op.time)).sum();
+    println!("per-op split (CPU kernels: {}), per run:", vae_parallel::tensor::cpu_isa_name());
+    println!("  {:<20} {:>8} {:>10} {:>7}", "op", "calls", "ms", "share");
+    for op in ops {
+        let ms = per_run(op.time) * 1e3;
+        let share = per_run(op.time) / run_s * 100.0;
+        println!("  {:<20} {:>8.0} {:>10.1} {:>6.1}%", op.name, op.calls as f64 / iters as f64, ms, share);
+    }
+    let rest = (run_s - in_ops).max(0.0);
+    println!("  {:<20} {:>8} {:>10.1} {:>6.1}%", "(outside ops)", "", rest * 1e3, rest / run_s * 100.0);
 }
 
 /// One run of `bench shard`.

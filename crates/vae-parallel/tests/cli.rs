@@ -177,3 +177,52 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     let (ok, text) = decode("64");
     assert!(!ok && text.contains("is not auto, 128, 256 or wgmma"), "{text}");
 }
+
+#[test]
+fn bench_encode_and_decode_report_the_same_fields() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let kl = fixtures.join("autoencoder_kl");
+    let (model, image, latent) =
+        (kl.join("flux1_like"), kl.join("flux1_like.encode.in.npy"), kl.join("flux1_like.decode.in.npy"));
+    let (model, image, latent) = (model.to_str().unwrap(), image.to_str().unwrap(), latent.to_str().unwrap());
+    let common = ["--model", model, "--iters", "2", "--threads", "1", "--json"];
+    let run = |task: &str, flag: &str, input: &str| {
+        let (ok, text) = cli(&[&["bench", task, flag, input][..], &common[..]].concat());
+        assert!(ok, "{text}");
+        json_line(&text)
+    };
+    let encode = run("encode", "--input", image);
+    assert_eq!(encode["kind"], "encode");
+    assert_eq!(encode["input_shape"], serde_json::json!([2, 3, 40, 56]));
+    assert_eq!(encode["output_shape"], serde_json::json!([2, 16, 10, 14]), "the mean, not the moments");
+    assert_eq!((encode["size"].as_u64(), encode["dtype"].as_str()), (Some(56), Some("f32")));
+    assert_eq!(encode["times_ms"].as_array().map(Vec::len), Some(2));
+    let decode = run("decode", "--latent", latent);
+    assert_eq!(decode["kind"], "decode");
+    assert_eq!(decode["output_shape"], serde_json::json!([1, 3, 24, 36]));
+    assert_eq!(decode["size"], 36);
+    let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&encode), keys(&decode));
+    for key in ["best_ms", "median_ms", "decode_rss_mib", "peak_rss_mib", "baseline_rss_mib", "peak_tensor_mib"] {
+        assert!(encode[key].as_f64().is_some_and(|v| v >= 0.0), "{key}: {encode}");
+    }
+    // A video VAE's clip.
+    let wan = fixtures.join("wan");
+    let (model, clip) = (wan.join("wan21_like"), wan.join("wan21_like.encode_f5.in.npy"));
+    let (ok, text) = cli(&[
+        "bench",
+        "encode",
+        "--model",
+        model.to_str().unwrap(),
+        "--input",
+        clip.to_str().unwrap(),
+        "--iters",
+        "1",
+        "--json",
+    ]);
+    assert!(ok, "{text}");
+    assert_eq!(json_line(&text)["output_shape"], serde_json::json!([1, 16, 2, 2, 3]));
+    // A dtype the CPU does not compute in is refused, not run as f32.
+    let (ok, text) = cli(&["bench", "encode", "--model", "no-model", "--input", "no.npy", "--dtype", "bf16"]);
+    assert!(!ok && text.contains("error: --dtype bf16"), "{text}");
+}
