@@ -125,7 +125,7 @@ impl ResnetBlock2d {
     /// `shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
+        let mut h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         // diffusers computes `(input + hidden) / output_scale_factor` with a factor of 1.0,
         // which changes nothing.
         match &self.conv_shortcut {
@@ -134,7 +134,11 @@ impl ResnetBlock2d {
                 out.add_assign(&h)?;
                 Ok(out)
             }
-            None => Ok(x.add(&h)?),
+            // `h + x` in place (addition commutes bit for bit): no third map.
+            None => {
+                h.add_assign(x)?;
+                Ok(h)
+            }
         }
     }
 }
@@ -211,8 +215,9 @@ impl SpatialAttention {
         let v = self.to_v.forward(&normed)?;
         drop(normed);
         let attended = Tensor::attention(&q, &k, &v)?;
-        let out = self.to_out.forward(&attended)?.transpose(1, 2)?.reshape(dims)?;
-        Ok(out.add(x)?)
+        let mut out = self.to_out.forward(&attended)?.transpose(1, 2)?.reshape(dims)?;
+        out.add_assign(x)?;
+        Ok(out)
     }
 }
 

@@ -27,12 +27,9 @@ impl Tensor {
     /// A new tensor of `f` applied to every element, in parallel for large tensors.
     fn map(&self, f: impl Fn(f32) -> f32 + Sync + Send) -> Result<Tensor> {
         let src = self.as_slice_f32()?;
-        let data: Vec<f32> = if src.len() < PAR_MIN_ELEMS {
-            src.iter().map(|&x| f(x)).collect()
-        } else {
-            src.par_iter().with_min_len(PAR_MIN_ELEMS / 4).map(|&x| f(x)).collect()
-        };
-        Ok(Tensor::from_buffer(Buffer::from_vec(data), self.shape().clone()))
+        let mut out = Buffer::zeros(src.len());
+        par_zip_apply(src, out.as_mut_slice(), |s, d| d.iter_mut().zip(s).for_each(|(d, &x)| *d = f(x)));
+        Ok(Tensor::from_buffer(out, self.shape().clone()))
     }
 
     /// Applies `f` to every element in place.
@@ -82,12 +79,17 @@ impl Tensor {
             return Ok(Tensor::from_cuda(a.add(b)?, self.shape().clone()));
         }
         let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
-        let data: Vec<f32> = if a.len() < PAR_MIN_ELEMS {
-            a.iter().zip(b).map(|(x, y)| x + y).collect()
-        } else {
-            a.par_iter().zip(b).with_min_len(PAR_MIN_ELEMS / 4).map(|(x, y)| x + y).collect()
+        let mut out = Buffer::zeros(a.len());
+        let sum = |(o, (x, y)): (&mut [f32], (&[f32], &[f32]))| {
+            o.iter_mut().zip(x.iter().zip(y)).for_each(|(o, (x, y))| *o = x + y);
         };
-        Ok(Tensor::from_buffer(Buffer::from_vec(data), self.shape().clone()))
+        if a.len() < PAR_MIN_ELEMS {
+            sum((out.as_mut_slice(), (a, b)));
+        } else {
+            let chunk = PAR_MIN_ELEMS / 2;
+            out.as_mut_slice().par_chunks_mut(chunk).zip(a.par_chunks(chunk).zip(b.par_chunks(chunk))).for_each(sum);
+        }
+        Ok(Tensor::from_buffer(out, self.shape().clone()))
     }
 
     /// `self += other` element-wise; shapes must be equal.

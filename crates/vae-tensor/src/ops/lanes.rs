@@ -71,6 +71,19 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `p..p + 4·L` must be writable.
     unsafe fn store_interleaved(p: *mut f32, v: [Self; 4]);
+
+    /// From `2·L + 2` consecutive values `x`, the four phases of `L` overlapping 4-wide windows
+    /// 2 apart: lane `j` of phase `m` is `x[2j + m]`.
+    ///
+    /// # Safety
+    /// `p..p + 2·L + 2` must be readable.
+    unsafe fn load_windows2(p: *const f32) -> [Self; 4];
+
+    /// Stores two vectors interleaved: `p[2j + b] = v[b][j]`.
+    ///
+    /// # Safety
+    /// `p..p + 2·L` must be writable.
+    unsafe fn store_interleaved2(p: *mut f32, v: [Self; 2]);
 }
 
 /// `L / 2` lanes of f64: the wide half of a [`Lanes`].
@@ -380,6 +393,20 @@ impl Lanes for Portable {
             }
         }
     }
+    #[inline(always)]
+    unsafe fn load_windows2(p: *const f32) -> [Self; 4] {
+        // SAFETY: the caller's contract covers `p + 2·7 + 3`.
+        std::array::from_fn(|m| Self(std::array::from_fn(|j| unsafe { *p.add(2 * j + m) })))
+    }
+    #[inline(always)]
+    unsafe fn store_interleaved2(p: *mut f32, v: [Self; 2]) {
+        for j in 0..8 {
+            for (b, vb) in v.iter().enumerate() {
+                // SAFETY: the caller's contract covers `p + 2·7 + 1`.
+                unsafe { *p.add(2 * j + b) = vb.0[j] };
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -564,6 +591,34 @@ mod x86 {
                 _mm256_storeu_ps(p.add(8), _mm256_permute2f128_ps::<0x20>(t2, t3));
                 _mm256_storeu_ps(p.add(16), _mm256_permute2f128_ps::<0x31>(t0, t1));
                 _mm256_storeu_ps(p.add(24), _mm256_permute2f128_ps::<0x31>(t2, t3));
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_windows2(p: *const f32) -> [Self; 4] {
+            // SAFETY: the caller's contract covers `p..p + 18`.
+            unsafe {
+                let v0 = _mm256_loadu_ps(p);
+                let v1 = _mm256_loadu_ps(p.add(8));
+                // x0 x2 x8 x10 | x4 x6 x12 x14, then the 64-bit pairs in order. (No closures
+                // in kernels: they do not inherit the target features.)
+                let e = _mm256_castps_pd(_mm256_shuffle_ps::<0x88>(v0, v1));
+                let o = _mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(v0, v1));
+                let p0 = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(e));
+                let p1 = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(o));
+                let rot = _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0);
+                let p2 = _mm256_blend_ps::<0x80>(_mm256_permutevar8x32_ps(p0, rot), _mm256_set1_ps(*p.add(16)));
+                let p3 = _mm256_blend_ps::<0x80>(_mm256_permutevar8x32_ps(p1, rot), _mm256_set1_ps(*p.add(17)));
+                [Self(p0), Self(p1), Self(p2), Self(p3)]
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_interleaved2(p: *mut f32, v: [Self; 2]) {
+            // SAFETY: the caller's contract covers `p..p + 16`.
+            unsafe {
+                let u0 = _mm256_unpacklo_ps(v[0].0, v[1].0);
+                let u1 = _mm256_unpackhi_ps(v[0].0, v[1].0);
+                _mm256_storeu_ps(p, _mm256_permute2f128_ps::<0x20>(u0, u1));
+                _mm256_storeu_ps(p.add(8), _mm256_permute2f128_ps::<0x31>(u0, u1));
             }
         }
     }
@@ -751,6 +806,37 @@ mod x86 {
                 _mm512_storeu_ps(p.add(16), _mm512_permutex2var_ps(lo02, hi, lo13));
                 _mm512_storeu_ps(p.add(32), _mm512_permutex2var_ps(hi02, lo, hi13));
                 _mm512_storeu_ps(p.add(48), _mm512_permutex2var_ps(hi02, hi, hi13));
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_windows2(p: *const f32) -> [Self; 4] {
+            // SAFETY: the caller's contract covers `p..p + 34`.
+            unsafe {
+                let v0 = _mm512_loadu_ps(p);
+                let v1 = _mm512_loadu_ps(p.add(16));
+                let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+                let p0 = _mm512_permutex2var_ps(v0, even, v1);
+                let p1 = _mm512_permutex2var_ps(v0, odd, v1);
+                let p2 = _mm512_castsi512_ps(_mm512_alignr_epi32::<1>(
+                    _mm512_castps_si512(_mm512_set1_ps(*p.add(32))),
+                    _mm512_castps_si512(p0),
+                ));
+                let p3 = _mm512_castsi512_ps(_mm512_alignr_epi32::<1>(
+                    _mm512_castps_si512(_mm512_set1_ps(*p.add(33))),
+                    _mm512_castps_si512(p1),
+                ));
+                [Self(p0), Self(p1), Self(p2), Self(p3)]
+            }
+        }
+        #[inline(always)]
+        unsafe fn store_interleaved2(p: *mut f32, v: [Self; 2]) {
+            // SAFETY: the caller's contract covers `p..p + 32`.
+            unsafe {
+                let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                _mm512_storeu_ps(p, _mm512_permutex2var_ps(v[0].0, lo, v[1].0));
+                _mm512_storeu_ps(p.add(16), _mm512_permutex2var_ps(v[0].0, hi, v[1].0));
             }
         }
     }
