@@ -75,6 +75,9 @@ pub struct Engine {
     /// f32 convolutions as one TF32 product each (`--dtype tf32`), on the threads that run
     /// requests.
     tf32_convolutions: bool,
+    /// A CPU model loaded for bf16: f32 weights and activations, convolutions with bf16
+    /// products ([`vae_tensor::CpuBf16Scope`]) on the threads that run requests.
+    cpu_bf16: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -103,9 +106,11 @@ impl Engine {
         Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu, vae_tensor::DType::F32)
     }
 
-    /// [`Self::load`] with the weights on `device` in `dtype` (f32 anywhere, bf16 on CUDA),
-    /// where every family then computes (inputs, outputs, tiles and bands stay on the host, in
-    /// f32).
+    /// [`Self::load`] with the weights on `device` in `dtype`, where every family then
+    /// computes (inputs, outputs, tiles and bands stay on the host, in f32). f32 anywhere; bf16
+    /// on CUDA (bf16 tensors) and on a CPU with AVX512-BF16 (f32 tensors, convolutions with bf16
+    /// products: see [`vae_tensor::CpuBf16Scope`]; elsewhere a typed error naming the missing
+    /// CPU feature).
     pub fn load_on(
         dir: &Path,
         tile_sample_min_size: Option<usize>,
@@ -114,6 +119,12 @@ impl Engine {
         dtype: vae_tensor::DType,
     ) -> Result<Self, EngineError> {
         let class = class_name(dir)?;
+        let cpu_bf16 = device.is_cpu() && dtype == vae_tensor::DType::BF16;
+        if cpu_bf16 {
+            // Refused here, before the weights load, where the CPU cannot do it.
+            drop(vae_tensor::CpuBf16Scope::enter().map_err(ModelError::from)?);
+        }
+        let dtype = if cpu_bf16 { vae_tensor::DType::F32 } else { dtype };
         let model = match class.as_str() {
             "AutoencoderKL" | "AutoencoderKLFlux2" => {
                 let mut m = AutoencoderKl::load_with(dir, device, dtype)?;
@@ -139,7 +150,7 @@ impl Engine {
                 });
             }
         };
-        Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false })
+        Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false, cpu_bf16 })
     }
 
     /// TF32 mode for the f32 convolutions of every request (see [`vae_tensor::Tf32Scope`]): what
@@ -151,6 +162,26 @@ impl Engine {
     /// The calling thread's TF32 mode for one request.
     fn tf32_scope(&self) -> Option<vae_tensor::Tf32Scope> {
         self.tf32_convolutions.then(vae_tensor::Tf32Scope::enter)
+    }
+
+    /// The calling thread's bf16 convolutions for one request of a CPU bf16 model.
+    fn cpu_bf16_scope(&self) -> Result<Option<vae_tensor::CpuBf16Scope>, EngineError> {
+        if !self.cpu_bf16 {
+            return Ok(None);
+        }
+        Ok(Some(vae_tensor::CpuBf16Scope::enter().map_err(ModelError::from)?))
+    }
+
+    /// The element type the model computes in (bf16 for a CPU bf16 model, whose tensors are
+    /// f32).
+    pub fn compute_dtype(&self) -> vae_tensor::DType {
+        if self.cpu_bf16 {
+            return vae_tensor::DType::BF16;
+        }
+        match &self.model {
+            Model::AutoencoderKl(m) => m.dtype(),
+            Model::Video(m) => m.dtype(),
+        }
     }
 
     /// Sets the tile geometry of a video VAE as diffusers' `enable_tiling(min_h, min_w,
@@ -215,6 +246,7 @@ impl Engine {
         options: &RequestOptions,
     ) -> Result<ExecOutput, EngineError> {
         let _tf32 = self.tf32_scope();
+        let _bf16 = self.cpu_bf16_scope()?;
         let use_tiling = options.use_tiling || executor.parallel_size() > 1;
         let placement = self.placement(Direction::Decode, options);
         let denormalized;
@@ -261,6 +293,7 @@ impl Engine {
         output: EncodeOutput,
     ) -> Result<ExecOutput, EngineError> {
         let _tf32 = self.tf32_scope();
+        let _bf16 = self.cpu_bf16_scope()?;
         if output == EncodeOutput::Moments && options.latents_normalized {
             return Err(ModelError::InvalidInput(
                 "normalised output is defined for the mean, not the raw moments (use --output mean)".into(),

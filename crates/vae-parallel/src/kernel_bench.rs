@@ -202,6 +202,9 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     let compute = crate::model_cmds::compute_type(&args.dtype, device)?;
     let dtype = compute.dtype;
     let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
+    // bf16 on the CPU: f32 tensors, convolutions with bf16 products.
+    let cpu_bf16 = device.is_cpu() && dtype == DType::BF16;
+    let _bf16 = cpu_bf16.then(vae_parallel::tensor::CpuBf16Scope::enter).transpose()?;
     let info = match device {
         Device::Cuda(ordinal) => Some(probe(ordinal).map_err(anyhow::Error::msg)?),
         Device::Cpu => None,
@@ -230,7 +233,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
             .zip(&case.typed)
             .map(|(t, &typed)| {
                 let t = t.to_device(&device)?;
-                if typed { t.to_dtype(dtype) } else { Ok(t) }
+                if typed && !cpu_bf16 { t.to_dtype(dtype) } else { Ok(t) }
             })
             .collect::<vae_parallel::tensor::Result<Vec<_>>>()
             .with_context(|| format!("{}: preparing the inputs", case.name))?;

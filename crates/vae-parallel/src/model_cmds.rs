@@ -73,10 +73,11 @@ pub struct ParallelArgs {
     /// build without kernels) the work runs on the CPU, and a warning says why.
     #[arg(long)]
     device: Option<String>,
-    /// Element type the model computes in: `f32` (default), `bf16` (CUDA only; inputs and
-    /// outputs stay f32, as `vae.to(torch.bfloat16)` with f32 latents cast on the way in) or
-    /// `tf32` (CUDA only: f32 with each convolution product from TF32 operands, PyTorch's default
-    /// for an f32 model on a GPU).
+    /// Element type the model computes in: `f32` (default), `bf16` (on CUDA bf16 tensors, as
+    /// `vae.to(torch.bfloat16)` with f32 latents cast on the way in; on a CPU with AVX512-BF16,
+    /// f32 tensors whose convolutions multiply in bf16; inputs and outputs stay f32) or `tf32`
+    /// (CUDA only: f32 with each convolution product from TF32 operands, PyTorch's default for
+    /// an f32 model on a GPU).
     #[arg(long)]
     dtype: Option<String>,
     /// TOML file with any of the settings above.
@@ -321,9 +322,18 @@ pub(crate) fn compute_type(flag: &str, device: vae_parallel::tensor::Device) -> 
         "tf32" => (DType::F32, true),
         other => bail!("--dtype {other:?} is not f32, bf16 or tf32"),
     };
+    if device.is_cpu() && dtype == DType::BF16 {
+        // bf16 convolutions on the CPU, where it has AVX512-BF16; refused naming what it lacks.
+        if let Err(err) = vae_parallel::tensor::CpuBf16Scope::enter() {
+            bail!("--dtype bf16 on the CPU: {err}; use --dtype f32 (or --device cuda)");
+        }
+        return Ok(ComputeType { dtype, tf32 });
+    }
     if !device.computes_in(dtype) || (tf32 && device.is_cpu()) {
         let asked = if tf32 { "tf32".to_string() } else { dtype.to_string() };
-        bail!("--dtype {asked} needs a CUDA device (the CPU computes in f32); use --device cuda or --dtype f32");
+        bail!(
+            "--dtype {asked} needs a CUDA device (the CPU computes in f32 or bf16); use --device cuda or --dtype f32"
+        );
     }
     Ok(ComputeType { dtype, tf32 })
 }

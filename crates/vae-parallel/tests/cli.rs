@@ -164,9 +164,14 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     assert_eq!(unit("conv2d"), "FLOP/s");
     assert_eq!(unit("attention"), "FLOP/s");
     assert_eq!(unit("group_norm"), "B/s");
-    // bf16 is refused on the CPU, not run as f32.
-    let (ok, text) = cli(&["bench", "kernels", "--dtype", "bf16", "--downscale", "8"]);
-    assert!(!ok && text.contains("needs a CUDA device"), "{text}");
+    // bf16 on the CPU: convolutions with bf16 products where the CPU has AVX512-BF16, else
+    // refused naming the feature (never run as f32).
+    let (ok, text) = cli(&["bench", "kernels", "--dtype", "bf16", "--downscale", "8", "--iters", "1"]);
+    if vae_parallel::tensor::CpuBf16Scope::supported() {
+        assert!(ok && text.contains("in bf16"), "{text}");
+    } else {
+        assert!(!ok && text.contains("AVX512-BF16"), "{text}");
+    }
     // So is a choice of tensor-core kernels (before anything is loaded), and a width we lack.
     let decode =
         |tiles: &str| cli(&["bench", "decode", "--model", "no-model", "--latent", "no.npy", "--conv-tiles", tiles]);
@@ -222,7 +227,21 @@ fn bench_encode_and_decode_report_the_same_fields() {
     ]);
     assert!(ok, "{text}");
     assert_eq!(json_line(&text)["output_shape"], serde_json::json!([1, 16, 2, 2, 3]));
-    // A dtype the CPU does not compute in is refused, not run as f32.
+    // A dtype the CPU does not compute in is refused, not run as f32 (bf16 needs AVX512-BF16).
+    let (ok, text) = cli(&["bench", "encode", "--model", "no-model", "--input", "no.npy", "--dtype", "tf32"]);
+    assert!(!ok && text.contains("error: --dtype tf32"), "{text}");
+    // With the kernels capped below AVX-512 the refusal names why, on any machine.
+    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
+        .args(["bench", "encode", "--model", "no-model", "--input", "no.npy", "--dtype", "bf16"])
+        .env("VAE_CPU_ISA", "avx2")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("--dtype bf16") && text.contains("AVX512-BF16"), "{text}");
     let (ok, text) = cli(&["bench", "encode", "--model", "no-model", "--input", "no.npy", "--dtype", "bf16"]);
-    assert!(!ok && text.contains("error: --dtype bf16"), "{text}");
+    if vae_parallel::tensor::CpuBf16Scope::supported() {
+        assert!(!ok && text.contains("no-model"), "refused for the missing model, not the dtype: {text}");
+    } else {
+        assert!(!ok && text.contains("error: --dtype bf16") && text.contains("AVX512-BF16"), "{text}");
+    }
 }

@@ -139,6 +139,62 @@ impl fmt::Debug for Tf32Scope {
     }
 }
 
+thread_local! {
+    /// Whether [`CpuBf16Scope`] is open on this thread.
+    static CPU_BF16: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread's CPU convolutions multiply in bf16 ([`CpuBf16Scope`]).
+pub(crate) fn cpu_bf16_active() -> bool {
+    CPU_BF16.with(|c| c.get())
+}
+
+/// While it lives, the calling thread's CPU convolutions multiply in bf16: their input and
+/// weights are rounded to bf16 (nearest, ties to even) and multiplied with AVX512-BF16's
+/// `vdpbf16ps`, twice the f32 rate, with f32 sums and f32 outputs. Where the caller allows
+/// Winograd ([`crate::Conv2dParams::band_aligned`]), F(2×2, 3×3) is used (its transformed
+/// operands stay close to bf16 precision; F(4×4)'s do not). Every other op stays f32. This is
+/// the CPU's `--dtype bf16`: PyTorch's bf16 convolution arithmetic, without PyTorch's rounding
+/// of every activation to bf16 in between. Scopes nest; the previous mode returns when one
+/// ends.
+#[must_use = "bf16 convolutions hold only while the scope lives"]
+pub struct CpuBf16Scope {
+    previous: bool,
+    /// A scope belongs to the thread that opened it.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl CpuBf16Scope {
+    /// Turns bf16 convolutions on for the calling thread, or says which CPU feature is missing.
+    pub fn enter() -> Result<Self, TensorError> {
+        if let Some(why) = crate::ops::simd::bf16_missing() {
+            return Err(TensorError::DeviceUnavailable {
+                device: Device::Cpu,
+                reason: format!("bf16 convolutions need AVX512-BF16: {why}"),
+            });
+        }
+        let previous = CPU_BF16.with(|c| c.replace(true));
+        Ok(Self { previous, _not_send: std::marker::PhantomData })
+    }
+
+    /// Whether this CPU can open the scope (else [`CpuBf16Scope::enter`]'s error says why).
+    pub fn supported() -> bool {
+        crate::ops::simd::bf16_supported()
+    }
+}
+
+impl Drop for CpuBf16Scope {
+    fn drop(&mut self) {
+        CPU_BF16.with(|c| c.set(self.previous));
+    }
+}
+
+impl fmt::Debug for CpuBf16Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CpuBf16Scope")
+    }
+}
+
 /// Element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DType {

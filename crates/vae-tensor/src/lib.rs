@@ -20,7 +20,7 @@ pub mod profile;
 mod shape;
 mod tensor;
 
-pub use device::{DType, Device, DeviceMemory, StreamScope, Tf32Scope};
+pub use device::{CpuBf16Scope, DType, Device, DeviceMemory, StreamScope, Tf32Scope};
 pub use error::{Result, TensorError};
 pub use ops::conv::Conv2dParams;
 pub use ops::simd::cpu_isa_name;

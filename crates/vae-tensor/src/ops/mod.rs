@@ -2,6 +2,7 @@
 //! [`crate::Tensor`]; the shared GEMM wrapper lives in `gemm`.
 
 pub(crate) mod attention;
+pub(crate) mod bf16;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;

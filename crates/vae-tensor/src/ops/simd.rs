@@ -88,6 +88,48 @@ pub(crate) fn isa() -> Isa {
     })
 }
 
+/// Whether the CPU convolutions can multiply in bf16 here: AVX512-BF16 (with AVX-512F/BW), and
+/// `VAE_CPU_ISA` not capping the kernels below AVX-512.
+pub(crate) fn bf16_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static SUPPORTED: OnceLock<bool> = OnceLock::new();
+        *SUPPORTED.get_or_init(|| {
+            isa() == Isa::Avx512
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Why bf16 CPU convolutions cannot run here (the missing CPU features, or the cap), or `None`
+/// where they can.
+pub(crate) fn bf16_missing() -> Option<String> {
+    if bf16_supported() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let missing: Vec<&str> = [
+            ("AVX-512F", std::is_x86_feature_detected!("avx512f")),
+            ("AVX-512BW", std::is_x86_feature_detected!("avx512bw")),
+            ("AVX512-BF16", std::is_x86_feature_detected!("avx512bf16")),
+        ]
+        .into_iter()
+        .filter(|(_, has)| !has)
+        .map(|(name, _)| name)
+        .collect();
+        if missing.is_empty() {
+            return Some(format!("VAE_CPU_ISA caps the CPU kernels at {}", isa().name()));
+        }
+        Some(format!("this CPU has no {}", missing.join(", ")))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    Some("bf16 CPU convolutions need x86-64 AVX512-BF16".into())
+}
+
 /// The instruction set the CPU kernels run with, by name (`avx512`, `avx2` or `portable`), for
 /// reports and benchmark tables.
 pub fn cpu_isa_name() -> &'static str {

@@ -60,30 +60,116 @@ impl ScratchPool {
     }
 }
 
+/// How a convolution's operands are stored for the micro-kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Operands {
+    /// f32, one reduction step per element, with this instruction set's kernel.
+    F32(Isa),
+    /// bf16 pairs, two reduction steps per `u32` element (AVX512-BF16).
+    Bf16,
+}
+
+impl Operands {
+    /// The operands of `job` on this machine.
+    pub(super) fn of(job: &ConvJob<'_>, isa: Isa) -> Self {
+        if job.bf16 { Operands::Bf16 } else { Operands::F32(isa) }
+    }
+
+    /// Rows of `C` per micro-kernel call (and of the packed lhs's blocks).
+    pub(super) fn mr(self) -> usize {
+        match self {
+            Operands::F32(isa) => microkernel::mr(isa),
+            Operands::Bf16 => microkernel::BF16_MR,
+        }
+    }
+
+    /// Reduction steps per packed element.
+    pub(super) fn steps(self) -> usize {
+        match self {
+            Operands::F32(_) => 1,
+            Operands::Bf16 => 2,
+        }
+    }
+
+    /// Packs `steps()` rows into one row of elements: the f32 row itself, or bf16 pairs.
+    fn pack_rows(self, rows: [&[f32]; 2], out: &mut [f32]) {
+        match self {
+            Operands::F32(_) => out.copy_from_slice(rows[0]),
+            Operands::Bf16 => crate::ops::bf16::pack_pairs(rows[0], rows[1], bytemuck::cast_slice_mut(out)),
+        }
+    }
+
+    /// One `mr × NR` block over `k` packed elements (see [`microkernel::block_raw`]).
+    ///
+    /// # Safety
+    /// As [`microkernel::block_raw`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        self,
+        k: usize,
+        a: &[f32],
+        b: &[f32],
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        match self {
+            // SAFETY: the caller's contract.
+            Operands::F32(isa) => unsafe { microkernel::block_raw(isa, k, a, b, ldb, c, ldc, accumulate) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller's contract; `Bf16` is only chosen where AVX512-BF16 exists
+            // (`CpuBf16Scope::enter` checks).
+            Operands::Bf16 => unsafe {
+                microkernel::block_bf16_raw(
+                    k,
+                    bytemuck::cast_slice(a),
+                    bytemuck::cast_slice(b),
+                    ldb,
+                    c,
+                    ldc,
+                    accumulate,
+                )
+            },
+            #[cfg(not(target_arch = "x86_64"))]
+            Operands::Bf16 => unreachable!("bf16 convolutions need AVX512-BF16"),
+        }
+    }
+}
+
 /// Packs the weights `[Cout, Cin, kt, kh, kw]` as the micro-kernel's lhs:
-/// `[Cout / mr][K][mr]` with `K` in (dt, ky, kx, ci) order, zero rows past `Cout`.
-pub(super) fn pack_weights(job: &ConvJob<'_>, mr: usize) -> Buffer {
+/// `[Cout / mr][dt][E][mr]`, where each temporal tap's `kh·kw·Cin` reduction rows (in
+/// `(ky, kx, ci)` order) make `E` elements of `steps` rows (the last padded with zeros); zero
+/// rows past `Cout`. Returns the buffer and `E`.
+pub(super) fn pack_weights(job: &ConvJob<'_>, ops: Operands) -> (Buffer, usize) {
     let [kt, kh, kw] = job.kernel;
     let (cin, cout) = (job.frames.cin, job.cout);
-    let taps = kt * kh * kw;
-    let k = taps * cin;
+    let (mr, steps) = (ops.mr(), ops.steps());
+    let (taps2, taps) = (kh * kw, kt * kh * kw);
+    let kseg = taps2 * cin;
+    let elems = kseg.div_ceil(steps);
     let blocks = cout.div_ceil(mr);
-    let mut packed = Buffer::zeros(blocks * k * mr);
-    packed.as_mut_slice().par_chunks_mut((k * mr).max(1)).enumerate().for_each(|(cb, dst)| {
-        for r in 0..mr {
+    let weight = |co: usize, dt: usize, k: usize| {
+        if co >= cout || k >= kseg {
+            return 0.0;
+        }
+        let (tap, ci) = (k / cin, k % cin);
+        job.weight[(co * cin + ci) * taps + dt * taps2 + tap]
+    };
+    let mut packed = Buffer::zeros(blocks * kt * elems * mr);
+    packed.as_mut_slice().par_chunks_mut((kt * elems * mr).max(1)).enumerate().for_each(|(cb, dst)| {
+        for (i, d) in dst.iter_mut().enumerate() {
+            let (r, e, dt) = (i % mr, i / mr % elems, i / mr / elems);
             let co = cb * mr + r;
-            if co >= cout {
-                break;
-            }
-            for ci in 0..cin {
-                let src = &job.weight[(co * cin + ci) * taps..][..taps];
-                for (tap, &v) in src.iter().enumerate() {
-                    dst[(tap * cin + ci) * mr + r] = v;
+            *d = match ops {
+                Operands::F32(_) => weight(co, dt, e),
+                Operands::Bf16 => {
+                    f32::from_bits(crate::ops::bf16::pair(weight(co, dt, 2 * e), weight(co, dt, 2 * e + 1)))
                 }
-            }
+            };
         }
     });
-    packed
+    (packed, elems)
 }
 
 /// One block of work: pixels `q0..q1` of output frame `o` of batch item `b`.
@@ -116,10 +202,11 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
     if out_len == 0 {
         return Ok(out);
     }
-    let mr = microkernel::mr(isa);
+    let ops = Operands::of(job, isa);
+    let mr = ops.mr();
     let taps2 = kh * kw;
-    let k_full = kt * taps2 * cin;
-    let packed = pack_weights(job, mr);
+    let kseg = taps2 * cin;
+    let (packed, elems) = pack_weights(job, ops);
     let blocks_of_c = cout.div_ceil(mr);
     let cout_pad = blocks_of_c * mr;
     let plane_out = ho * wo;
@@ -130,14 +217,15 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
         })
         .collect();
     let ldb = BLOCK_COLS;
-    let scratch = ScratchPool::new(K_CHUNK * ldb + cout_pad * ldb + 16, blocks.len());
+    // Per thread: the packed rows, the block of C, and two gathered input rows.
+    let scratch = ScratchPool::new(K_CHUNK * ldb + cout_pad * ldb + 2 * ldb + 16, blocks.len());
     let dst = OutPtr::new(out.as_mut_slice());
 
     blocks.par_iter().for_each(|blk| {
         // Temporal taps that read real frames form one contiguous range.
         let dts: Vec<(usize, usize)> = (0..kt).filter_map(|dt| job.input_frame(blk.o, dt).map(|ti| (dt, ti))).collect();
-        let k_lo = dts.first().map_or(0, |&(dt, _)| dt * taps2 * cin);
-        let k_len = dts.len() * taps2 * cin;
+        let e_lo = dts.first().map_or(0, |&(dt, _)| dt * elems);
+        let e_len = dts.len() * elems;
         let width = blk.q1 - blk.q0;
         let panels = width.div_ceil(NR);
         let runs: Vec<RowRun> = (blk.q0 / wo..=(blk.q1 - 1) / wo)
@@ -146,33 +234,49 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
                 RowRun { oy, x0, x1, at: oy * wo + x0 - blk.q0 }
             })
             .collect();
+        // Reduction row `k` of temporal tap index `dti`, gathered for the block's pixels.
+        let gather = |dti: usize, k: usize, row: &mut [f32]| {
+            if k >= kseg {
+                row.fill(0.0);
+                return;
+            }
+            let (tap, ci) = (k / cin, k % cin);
+            let (ky, kx) = (tap / kw, tap % kw);
+            let src = f.plane(blk.b, ci, dts[dti].1);
+            for run in &runs {
+                let dst = &mut row[run.at..][..run.x1 - run.x0];
+                match (run.oy * s + ky).checked_sub(top).filter(|&y| y < f.h) {
+                    Some(y) => gather_row(&src[y * f.w..][..f.w], run.x0 * s + kx, left, s, dst),
+                    None => dst.fill(0.0),
+                }
+            }
+        };
         scratch.with(|buf| {
-            let buf = &mut aligned(buf)[..K_CHUNK * ldb + cout_pad * ldb];
-            let (bpanel, cblock) = buf.split_at_mut(K_CHUNK * ldb);
-            for k0 in (0..k_len).step_by(K_CHUNK) {
-                let kc = K_CHUNK.min(k_len - k0);
-                for kk in 0..kc {
-                    let kg = k0 + kk; // within the valid taps
-                    let (dti, rest) = (kg / (taps2 * cin), kg % (taps2 * cin));
-                    let (tap, ci) = (rest / cin, rest % cin);
-                    let (ky, kx) = (tap / kw, tap % kw);
-                    let src = f.plane(blk.b, ci, dts[dti].1);
-                    let row = &mut bpanel[kk * ldb..][..width];
-                    for run in &runs {
-                        let dst = &mut row[run.at..][..run.x1 - run.x0];
-                        let y = (run.oy * s + ky).checked_sub(top).filter(|&y| y < f.h);
-                        let Some(y) = y else {
-                            dst.fill(0.0);
-                            continue;
-                        };
-                        gather_row(&src[y * f.w..][..f.w], run.x0 * s + kx, left, s, dst);
+            let buf = &mut aligned(buf)[..K_CHUNK * ldb + cout_pad * ldb + 2 * ldb];
+            let (bpanel, rest) = buf.split_at_mut(K_CHUNK * ldb);
+            let (cblock, rows) = rest.split_at_mut(cout_pad * ldb);
+            let (row0, row1) = rows.split_at_mut(ldb);
+            for e0 in (0..e_len).step_by(K_CHUNK) {
+                let kc = K_CHUNK.min(e_len - e0);
+                for ee in 0..kc {
+                    let (dti, e) = ((e0 + ee) / elems, (e0 + ee) % elems);
+                    let packed_row = &mut bpanel[ee * ldb..][..width];
+                    match ops {
+                        Operands::F32(_) => gather(dti, e, packed_row),
+                        Operands::Bf16 => {
+                            gather(dti, 2 * e, &mut row0[..width]);
+                            gather(dti, 2 * e + 1, &mut row1[..width]);
+                            ops.pack_rows([&row0[..width], &row1[..width]], packed_row);
+                        }
                     }
                 }
                 for cb in 0..blocks_of_c {
-                    let a = &packed.as_slice()[(cb * k_full + k_lo + k0) * mr..][..kc * mr];
+                    let a = &packed.as_slice()[(cb * kt * elems + e_lo + e0) * mr..][..kc * mr];
                     for p in 0..panels {
-                        let c = &mut cblock[cb * mr * ldb + p * NR..];
-                        microkernel::block(isa, kc, a, &bpanel[p * NR..], ldb, c, ldb, k0 > 0);
+                        let c = &mut cblock[cb * mr * ldb + p * NR..][..(mr - 1) * ldb + NR];
+                        // SAFETY: `c` is this thread's block of C, covering the micro-kernel's
+                        // `mr` rows of `NR` values `ldb` apart.
+                        unsafe { ops.block(kc, a, &bpanel[p * NR..], ldb, c.as_mut_ptr(), ldb, e0 > 0) };
                     }
                 }
             }
@@ -181,7 +285,7 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
                 let base = ((blk.b * cout + co) * to + blk.o) * plane_out;
                 // SAFETY: pixels `q0..q1` of this frame and channel belong to this block alone.
                 let out = unsafe { dst.slice(base + blk.q0, width) };
-                if k_len == 0 {
+                if e_len == 0 {
                     out.fill(bias);
                 } else {
                     let acc = &cblock[co * ldb..][..width];

@@ -31,6 +31,7 @@ pub(crate) const fn mr(isa: Isa) -> usize {
 /// # Panics
 /// If a slice is too short for `k`, `ldb` and `ldc` (callers size them; this is a bug check,
 /// made once per call against work of `k · mr · NR` multiply-adds).
+#[cfg(test)]
 #[inline]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block(isa: Isa, k: usize, a: &[f32], b: &[f32], ldb: usize, c: &mut [f32], ldc: usize, accumulate: bool) {
@@ -90,6 +91,37 @@ pub(crate) unsafe fn block_raw(
             portable_block(k, a, b, ldb, c, ldc, accumulate)
         }
     }
+}
+
+/// Rows of `C` one bf16 call computes.
+pub(crate) const BF16_MR: usize = 8;
+
+/// The bf16 block: `C[r][j] (+)= Σ_q a[q][r] · b[q][j]` over `kp` pairs of reduction steps,
+/// where each `u32` of `a` (`[kp][8]`) and `b` (`[kp][ldb]`) holds two bf16 values, step `2q`
+/// in the low half and `2q + 1` in the high half. Each pair is one AVX512-BF16 `vdpbf16ps`:
+/// both products exact in f32, added to the accumulator one after the other (the high half
+/// first), each sum rounded to nearest; denormals are flushed. `C` stays f32.
+///
+/// # Safety
+/// The CPU must have AVX512-BF16 ([`crate::ops::simd::bf16_supported`]); `c + r·ldc + j` for
+/// `r < 8`, `j < NR` must be valid for reads and writes, and no other thread may access those
+/// elements during the call.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn block_bf16_raw(
+    kp: usize,
+    a: &[u32],
+    b: &[u32],
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    assert!(a.len() >= kp * BF16_MR, "packed lhs too short");
+    assert!(kp == 0 || (ldb >= NR && b.len() >= (kp - 1) * ldb + NR), "rhs panel too short");
+    assert!(ldc >= NR, "output rows overlap");
+    // SAFETY: the caller's contract (features and `c`); the asserts bound `a` and `b`.
+    unsafe { x86::block_bf16_8x48(kp, a.as_ptr(), b.as_ptr(), ldb, c, ldc, accumulate) }
 }
 
 /// [`block`] in plain Rust (`mr = 4`), one `mul_add` chain per element as the vector kernels.
@@ -154,6 +186,54 @@ mod x86 {
                     row[0] = _mm512_fmadd_ps(av, b0, row[0]);
                     row[1] = _mm512_fmadd_ps(av, b1, row[1]);
                     row[2] = _mm512_fmadd_ps(av, b2, row[2]);
+                }
+                pa = pa.add(8);
+                pb = pb.add(ldb);
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (j, v) in row.iter().enumerate() {
+                    _mm512_storeu_ps(c.add(r * ldc + 16 * j), *v);
+                }
+            }
+        }
+    }
+
+    /// 8 rows × 48 columns of bf16 pairs: 24 accumulators, 3 panel loads and 8 pair
+    /// broadcasts per pair of steps.
+    ///
+    /// # Safety
+    /// AVX512-BF16 must be available; `a` holds `kp · 8` pairs, `b` rows `0..kp` of 48 pairs
+    /// `ldb` apart, `c` rows `0..8` of 48 values `ldc` apart.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn block_bf16_8x48(
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        // SAFETY (whole body): the caller's contract bounds every pointer offset below.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 3]; 8];
+            if accumulate {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (j, v) in row.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
+                    }
+                }
+            }
+            let (mut pa, mut pb) = (a, b);
+            for _ in 0..kp {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb.cast()));
+                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb.add(16).cast()));
+                let b2: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb.add(32).cast()));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*pa.add(r) as i32));
+                    row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+                    row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+                    row[2] = _mm512_dpbf16_ps(row[2], av, b2);
                 }
                 pa = pa.add(8);
                 pb = pb.add(ldb);
@@ -271,6 +351,37 @@ mod tests {
             block(isa, 37, &a, &b, NR, &mut split, NR, false);
             block(isa, k - 37, &a[37 * m..], &b[37 * NR..], NR, &mut split, NR, true);
             assert!(whole.iter().zip(&split).all(|(x, y)| x.to_bits() == y.to_bits()), "{isa:?}");
+        }
+    }
+
+    /// `vdpbf16ps` as documented: both products exact in f32, the high pair's added to the
+    /// accumulator first, each sum rounded to nearest. Checked here on this CPU, bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_bf16_kernel_adds_the_high_product_then_the_low_one() {
+        if !crate::ops::simd::bf16_supported() {
+            return; // no AVX512-BF16 here: bf16 convolutions are refused on this CPU
+        }
+        use crate::ops::bf16::{pair, value};
+        let kp = 37;
+        let (av, bv) = (values(kp * 2 * BF16_MR, 6), values(kp * 2 * NR, 7));
+        let a: Vec<u32> = (0..kp * BF16_MR).map(|i| pair(av[2 * i], av[2 * i + 1])).collect();
+        let b: Vec<u32> = (0..kp * NR).map(|i| pair(bv[2 * i], bv[2 * i + 1])).collect();
+        let init = values(BF16_MR * NR, 8);
+        let mut c = init.clone();
+        // SAFETY: `c` holds 8 rows of NR, ldc = NR.
+        unsafe { block_bf16_raw(kp, &a, &b, NR, c.as_mut_ptr(), NR, true) };
+        for r in 0..BF16_MR {
+            for j in 0..NR {
+                let mut want = init[r * NR + j];
+                for q in 0..kp {
+                    let (pa, pb) = (a[q * BF16_MR + r], b[q * NR + j]);
+                    let half = |x: u32, hi: bool| value(if hi { (x >> 16) as u16 } else { x as u16 });
+                    want += half(pa, true) * half(pb, true);
+                    want += half(pa, false) * half(pb, false);
+                }
+                assert_eq!(c[r * NR + j].to_bits(), want.to_bits(), "r={r} j={j}");
+            }
         }
     }
 }

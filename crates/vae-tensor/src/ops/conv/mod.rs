@@ -167,6 +167,7 @@ impl Tensor {
             padding: params.padding,
             out: [1, ho, wo],
             band_align: params.band_align,
+            bf16: crate::device::cpu_bf16_active(),
         };
         Ok(Tensor::from_buffer(job.run(simd::isa())?, Shape::new([n, cout, ho, wo])))
     }
@@ -217,6 +218,8 @@ pub(crate) struct ConvJob<'a> {
     /// `[To, Ho, Wo]`.
     pub out: [usize; 3],
     pub band_align: usize,
+    /// Products in bf16 ([`crate::CpuBf16Scope`]).
+    pub bf16: bool,
 }
 
 impl ConvJob<'_> {

@@ -20,7 +20,7 @@
 
 use rayon::prelude::*;
 
-use super::direct::{ScratchPool, aligned};
+use super::direct::{Operands, ScratchPool, aligned};
 use super::microkernel::{self, NR};
 use super::{ConvJob, Frames};
 use crate::Result;
@@ -413,8 +413,11 @@ transforms!(input_avx2, output_avx2, crate::ops::lanes::Avx2, "avx2,fma");
 
 /// Runs `job` (checked by [`applies`]) with the largest tile its band alignment allows; the
 /// result is `[N, Cout, To, Ho, Wo]`.
+///
+/// bf16 products take F(2×2) whatever the alignment: F(4×4)'s transformed operands rounded to
+/// bf16 lose about ten times more than the direct convolution's.
 pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
-    if job.band_align.is_multiple_of(F4::M) {
+    if job.band_align.is_multiple_of(F4::M) && !job.bf16 {
         run_tiles::<F4>(job, isa, out_len)
     } else {
         run_tiles::<F2>(job, isa, out_len)
@@ -437,7 +440,10 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
     let band = tiles_per_band(tiles);
     let plan = Plan { tw, th, rw: m_ * (tw + MAX_LANES) + 4 + f.w, ld: row_stride(band + MAX_LANES) };
     debug_assert!(plan.th > 0);
-    let mr = microkernel::mr(isa);
+    let ops = Operands::of(job, isa);
+    let mr = ops.mr();
+    // Packed elements per temporal tap: input channels, or pairs of them in bf16.
+    let cin_e = cin.div_ceil(ops.steps());
     let blocks_total = cout.div_ceil(mr);
     let blocks_per_chunk = (U_BUDGET / 4 / (p_ * k * mr)).clamp(1, blocks_total);
     let chunk_rows = blocks_per_chunk * mr;
@@ -450,8 +456,11 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
     let co_stride = p_ * plan.ld + SKEW;
     let v_len = kt * p_ * p_stride_v;
     let m_len = chunk_rows * co_stride;
-    let mut v = Buffer::zeros(v_len + 16);
-    let mut mbuf = Buffer::zeros(m_len + 16);
+    // bf16: V's rows of channel pairs (`[dt][p][ci / 2][ld]`) and U's (`[p][block][dt][ci / 2][mr]`).
+    let bf16 = ops == Operands::Bf16;
+    let p_stride_e = if bf16 { cin_e * plan.ld + SKEW } else { p_stride_v };
+    let pairs_len = if bf16 { kt * p_ * p_stride_e } else { 0 };
+    let mut u_pairs = Buffer::zeros(if bf16 { p_ * blocks_per_chunk * kt * cin_e * mr } else { 0 });
     // Input rows need zeros around the image and the output transform overwrites its rows
     // whole, so the two phases keep separate row buffers.
     let in_rows = ScratchPool::new(a_ * plan.rw, cin);
@@ -462,101 +471,173 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
         let blocks = (cout - co0).div_ceil(mr).min(blocks_per_chunk);
         let u = &mut u.as_mut_slice()[..p_ * blocks * k * mr];
         transform_weights::<T>(job, co0, blocks, mr, u);
-        let u = &*u;
-        for b in 0..f.n {
-            for o in 0..to {
+        let u: &[f32] = if bf16 {
+            let pairs = &mut u_pairs.as_mut_slice()[..p_ * blocks * kt * cin_e * mr];
+            pair_weights(u, pairs, cin, kt, mr);
+            pairs
+        } else {
+            u
+        };
+        // Bands of every output frame, in parallel when there are enough of them to share
+        // (each with its V and M); the phases of a band are parallel too, for small maps.
+        let frames = (0..f.n).flat_map(|b| (0..to).map(move |o| (b, o)));
+        let bands: Vec<(usize, usize, usize, usize)> = frames
+            .flat_map(|(b, o)| (0..tiles).step_by(band).map(move |t0| (b, o, t0, (t0 + band).min(tiles))))
+            .collect();
+        // Whole bands per thread only when there are enough to balance (a band's phases
+        // synchronise its threads three times; too few bands leave a thread idle).
+        let band_parallel = bands.len() >= 4 * rayon::current_num_threads();
+        let band_scratch =
+            ScratchPool::new(v_len + m_len + pairs_len + 48, if band_parallel { bands.len() } else { 1 });
+        let run_band = |&(b, o, t0, t1): &(usize, usize, usize, usize)| {
+            band_scratch.with(|buf| {
+                let buf = &mut aligned(buf)[..v_len + m_len + pairs_len + 32];
+                let (v, rest) = buf.split_at_mut(v_len + 16);
+                let (mbuf, v_pairs) = rest.split_at_mut(m_len + 16);
                 let dts: Vec<(usize, usize)> =
                     (0..kt).filter_map(|dt| job.input_frame(o, dt).map(|ti| (dt, ti))).collect();
-                for t0 in (0..tiles).step_by(band) {
-                    let t1 = (t0 + band).min(tiles);
-                    // 1. V for every temporal tap that reads a real frame, one task per
-                    //    (tap, input channel).
-                    let vs = aligned_slice(&mut v, v_len);
-                    let vptr = OutPtr::new(vs);
-                    dts.par_iter().flat_map_iter(|&(dt, ti)| (0..cin).map(move |ci| (dt, ti, ci))).for_each(
-                        |(dt, ti, ci)| {
-                            in_rows.with(|rows| {
-                                let at = dt * p_ * p_stride_v + ci * plan.ld;
-                                // SAFETY: task (dt, ci) writes rows `dt, p, ci` (36 rows of
-                                // `ld`, `p_stride_v` apart from `at`), inside `vs`, which no
-                                // other task of this phase touches.
-                                let base = unsafe { vptr.slice(at, p_ * p_stride_v - ci * plan.ld) }.as_mut_ptr();
-                                // SAFETY: as above.
-                                unsafe {
-                                    run_input::<T>(
-                                        isa,
-                                        job,
-                                        &plan,
-                                        b,
-                                        ti,
-                                        ci,
-                                        (t0, t1),
-                                        rows.as_mut_slice(),
-                                        base,
-                                        p_stride_v,
-                                    )
-                                };
-                            })
-                        },
-                    );
-                    // 2. M_p[co][t] = Σ_(dt, ci) U_p[co][dt, ci] · V[dt][p][ci][t], one task per
-                    //    (p, block of output channels).
-                    let panels = (t1 - t0).div_ceil(NR);
-                    let vs = &*aligned_slice(&mut v, v_len);
-                    let ms = aligned_slice(&mut mbuf, m_len);
-                    let mptr = OutPtr::new(ms);
-                    (0..p_ * blocks).into_par_iter().for_each(|task| {
-                        let (p, cb) = (task / blocks, task % blocks);
-                        let a_p = &u[(p * blocks + cb) * k * mr..][..k * mr];
-                        // SAFETY: task (p, cb) alone writes rows (co, p) of its `mr` channels:
-                        // `NR`-wide panels at `co·co_stride + p·ld`, inside `ms`.
-                        let c0 =
-                            unsafe { mptr.slice(cb * mr * co_stride + p * plan.ld, (mr - 1) * co_stride + plan.ld) }
-                                .as_mut_ptr();
-                        for panel in 0..panels {
-                            // SAFETY: as above; panel columns lie within the row's `ld`.
-                            let c = unsafe { c0.add(panel * NR) };
-                            if dts.is_empty() {
-                                // SAFETY: as above.
-                                unsafe { microkernel::block_raw(isa, 0, &[], &[], plan.ld, c, co_stride, false) };
-                            }
-                            for (seg, &(dt, _)) in dts.iter().enumerate() {
-                                let a = &a_p[dt * cin * mr..][..cin * mr];
-                                let bpan = &vs[dt * p_ * p_stride_v + p * p_stride_v + panel * NR..];
-                                // SAFETY: as above.
-                                unsafe { microkernel::block_raw(isa, cin, a, bpan, plan.ld, c, co_stride, seg > 0) };
-                            }
-                        }
-                    });
-                    // 3. The output transform, one task per output channel.
-                    let ms = &*ms;
-                    (0..(cout - co0).min(chunk_rows)).into_par_iter().for_each(|cl| {
-                        out_rows.with(|rows| {
-                            let m = &ms[cl * co_stride..][..p_ * plan.ld];
-                            run_output::<T>(
-                                isa,
-                                job,
-                                &plan,
-                                (b, o),
-                                co0 + cl,
-                                (t0, t1),
-                                m,
-                                plan.ld,
-                                rows.as_mut_slice(),
-                                dst,
-                            );
+                // 1. V for every temporal tap that reads a real frame, one task per
+                //    (tap, input channel).
+                let vs = &mut v[..v_len];
+                let vptr = OutPtr::new(vs);
+                dts.par_iter().flat_map_iter(|&(dt, ti)| (0..cin).map(move |ci| (dt, ti, ci))).for_each(
+                    |(dt, ti, ci)| {
+                        in_rows.with(|rows| {
+                            let at = dt * p_ * p_stride_v + ci * plan.ld;
+                            // SAFETY: task (dt, ci) writes rows `dt, p, ci` (36 rows of
+                            // `ld`, `p_stride_v` apart from `at`), inside `vs`, which no
+                            // other task of this phase touches.
+                            let base = unsafe { vptr.slice(at, p_ * p_stride_v - ci * plan.ld) }.as_mut_ptr();
+                            // SAFETY: as above.
+                            unsafe {
+                                run_input::<T>(
+                                    isa,
+                                    job,
+                                    &plan,
+                                    b,
+                                    ti,
+                                    ci,
+                                    (t0, t1),
+                                    rows.as_mut_slice(),
+                                    base,
+                                    p_stride_v,
+                                )
+                            };
                         })
-                    });
-                }
-            }
+                    },
+                );
+                let panels = (t1 - t0).div_ceil(NR);
+                let vs = &v[..v_len];
+                // bf16: the band's V in channel pairs.
+                let vs: &[f32] = if bf16 {
+                    let pairs = &mut v_pairs[..pairs_len];
+                    pair_rows(vs, pairs, [p_stride_v, p_stride_e], cin, panels * NR, plan.ld, &dts, p_);
+                    pairs
+                } else {
+                    vs
+                };
+                // 2. M_p[co][t] = Σ_(dt, ci) U_p[co][dt, ci] · V[dt][p][ci][t], one task per
+                //    (p, block of output channels).
+                let ms = &mut mbuf[..m_len];
+                let mptr = OutPtr::new(ms);
+                (0..p_ * blocks).into_par_iter().for_each(|task| {
+                    let (p, cb) = (task / blocks, task % blocks);
+                    let a_p = &u[(p * blocks + cb) * kt * cin_e * mr..][..kt * cin_e * mr];
+                    // SAFETY: task (p, cb) alone writes rows (co, p) of its `mr` channels:
+                    // `NR`-wide panels at `co·co_stride + p·ld`, inside `ms`.
+                    let c0 = unsafe { mptr.slice(cb * mr * co_stride + p * plan.ld, (mr - 1) * co_stride + plan.ld) }
+                        .as_mut_ptr();
+                    for panel in 0..panels {
+                        // SAFETY: as above; panel columns lie within the row's `ld`.
+                        let c = unsafe { c0.add(panel * NR) };
+                        if dts.is_empty() {
+                            // SAFETY: as above.
+                            unsafe { microkernel::block_raw(isa, 0, &[], &[], plan.ld, c, co_stride, false) };
+                        }
+                        for (seg, &(dt, _)) in dts.iter().enumerate() {
+                            let a = &a_p[dt * cin_e * mr..][..cin_e * mr];
+                            let bpan = &vs[dt * p_ * p_stride_e + p * p_stride_e + panel * NR..];
+                            // SAFETY: as above.
+                            unsafe { ops.block(cin_e, a, bpan, plan.ld, c, co_stride, seg > 0) };
+                        }
+                    }
+                });
+                // 3. The output transform, one task per output channel.
+                let ms = &*ms;
+                (0..(cout - co0).min(chunk_rows)).into_par_iter().for_each(|cl| {
+                    out_rows.with(|rows| {
+                        let m = &ms[cl * co_stride..][..p_ * plan.ld];
+                        run_output::<T>(
+                            isa,
+                            job,
+                            &plan,
+                            (b, o),
+                            co0 + cl,
+                            (t0, t1),
+                            m,
+                            plan.ld,
+                            rows.as_mut_slice(),
+                            dst,
+                        );
+                    })
+                });
+            })
+        };
+        if band_parallel {
+            bands.par_iter().for_each(run_band);
+        } else {
+            bands.iter().for_each(run_band);
         }
     }
     Ok(out)
 }
 
-/// `len` elements of `buf` from a 64-byte boundary.
-fn aligned_slice(buf: &mut Buffer, len: usize) -> &mut [f32] {
-    &mut aligned(buf)[..len]
+/// U's runs of `kt · cin` elements (`[p][block][dt·cin + ci][mr]`) as bf16 pairs of input
+/// channels (`[p][block][dt][ci / 2][mr]`, a zero channel after an odd last one).
+fn pair_weights(u: &[f32], pairs: &mut [f32], cin: usize, kt: usize, mr: usize) {
+    let cin_p = cin.div_ceil(2);
+    let runs = u.chunks_exact(kt * cin * mr).zip(pairs.chunks_exact_mut(kt * cin_p * mr));
+    runs.collect::<Vec<_>>().into_par_iter().for_each(|(src, dst)| {
+        let dst: &mut [u32] = bytemuck::cast_slice_mut(dst);
+        for dt in 0..kt {
+            for q in 0..cin_p {
+                for r in 0..mr {
+                    let at = |ci: usize| if ci < cin { src[(dt * cin + ci) * mr + r] } else { 0.0 };
+                    dst[(dt * cin_p + q) * mr + r] = crate::ops::bf16::pair(at(2 * q), at(2 * q + 1));
+                }
+            }
+        }
+    });
+}
+
+/// The band's V rows (`[dt][p][ci][..]`, planes `strides[0]` apart) as bf16 pairs of input
+/// channels (`[dt][p][ci / 2][..]`, planes `strides[1]` apart), the first `cols` columns, for
+/// the temporal taps that read real frames.
+#[allow(clippy::too_many_arguments)]
+fn pair_rows(
+    v: &[f32],
+    pairs: &mut [f32],
+    strides: [usize; 2],
+    cin: usize,
+    cols: usize,
+    ld: usize,
+    dts: &[(usize, usize)],
+    planes: usize,
+) {
+    let cin_p = cin.div_ceil(2);
+    let zeros = vec![0.0f32; cols];
+    let dst = OutPtr::new(pairs);
+    let tasks: Vec<(usize, usize)> = dts.iter().flat_map(|&(dt, _)| (0..planes).map(move |p| (dt, p))).collect();
+    tasks.into_par_iter().for_each(|(dt, p)| {
+        let src = &v[(dt * planes + p) * strides[0]..];
+        for q in 0..cin_p {
+            let lo = &src[2 * q * ld..][..cols];
+            let hi = if 2 * q + 1 < cin { &src[(2 * q + 1) * ld..][..cols] } else { &zeros[..] };
+            // SAFETY: task (dt, p) alone writes plane (dt, p) of the pairs.
+            let out = unsafe { dst.slice((dt * planes + p) * strides[1] + q * ld, cols) };
+            crate::ops::bf16::pack_pairs(lo, hi, bytemuck::cast_slice_mut(out));
+        }
+    });
 }
 
 /// [`input_transform`] with `isa`'s instructions.
@@ -646,6 +727,11 @@ mod tests {
         /// The convolution with `isa`'s kernels: Winograd with tiles of `align` (2 or 4), or
         /// the direct kernel for `align` 1.
         fn run(&self, isa: Isa, align: usize) -> Vec<f32> {
+            self.run_in(isa, align, false)
+        }
+
+        /// [`Case::run`], with bf16 products when `bf16`.
+        fn run_in(&self, isa: Isa, align: usize, bf16: bool) -> Vec<f32> {
             let x = values(self.n * self.cin * self.t * self.h * self.w, 1);
             let wt = values(self.cout * self.cin * self.kt * 9, 2);
             let wt: Vec<f32> = wt.iter().map(|v| v * 0.1).collect();
@@ -669,6 +755,7 @@ mod tests {
                 padding: self.padding,
                 out: [self.t + self.pad_front + 1 - self.kt, self.h + top + bottom - 2, self.w + left + right - 2],
                 band_align: align,
+                bf16,
             };
             let len = job.out_len().unwrap();
             let out = if align > 1 { run(&job, isa, len) } else { super::super::direct::run(&job, isa, len) };
@@ -686,8 +773,13 @@ mod tests {
     impl Case {
         /// The exact result (f64 sums) of the same convolution.
         fn reference(&self) -> Vec<f64> {
-            let x = values(self.n * self.cin * self.t * self.h * self.w, 1);
-            let wt: Vec<f32> = values(self.cout * self.cin * self.kt * 9, 2).iter().map(|v| v * 0.1).collect();
+            self.reference_of(|v| v)
+        }
+
+        /// The exact result with every input and weight passed through `round` first.
+        fn reference_of(&self, round: impl Fn(f32) -> f32) -> Vec<f64> {
+            let x: Vec<f32> = values(self.n * self.cin * self.t * self.h * self.w, 1).into_iter().map(&round).collect();
+            let wt: Vec<f32> = values(self.cout * self.cin * self.kt * 9, 2).iter().map(|v| round(v * 0.1)).collect();
             let bias = values(self.cout, 3);
             let [top, bottom, left, right] = self.padding;
             let (to, ho, wo) =
@@ -776,6 +868,7 @@ mod tests {
                 padding,
                 out: [1, h + top + bottom - 2, w + left + right - 2],
                 band_align: align,
+                bf16: false,
             };
             run(&job, isa, job.out_len().unwrap()).unwrap().as_slice().to_vec()
         };
@@ -827,6 +920,32 @@ mod tests {
                         "cols {c0}..{c1}, channel {c}, row {y}"
                     );
                 }
+            }
+        }
+    }
+
+    /// bf16 products: the direct kernel sums the bf16-rounded operands' exact products to f32
+    /// accuracy; against the f32 operands both it and F(2×2) stay within bf16's precision.
+    #[test]
+    fn bf16_products_are_within_bf16_precision() {
+        if !crate::ops::simd::bf16_supported() {
+            return; // no AVX512-BF16 here: bf16 convolutions are refused on this CPU
+        }
+        let isa = crate::ops::simd::isa();
+        let round = |v: f32| crate::ops::bf16::value(crate::ops::bf16::bits(v));
+        for (i, case) in CASES.iter().enumerate() {
+            let exact = case.reference();
+            let rounded = case.reference_of(round);
+            let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let max_err = |got: &[f32], want: &[f64]| {
+                got.iter().zip(want).fold(0.0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()))
+            };
+            let direct = case.run_in(isa, 1, true);
+            assert!(max_err(&direct, &rounded) <= 3e-6 * scale, "case {i}: direct bf16 vs its rounded operands");
+            for (align, bound) in [(1, 8e-3), (2, 1.2e-2), (4, 1.2e-2)] {
+                let err = max_err(&case.run_in(isa, align, true), &exact) / scale;
+                // Measured: direct ≤ 3e-3, F(2×2) ≤ 5e-3 (align 4 takes F(2×2) in bf16).
+                assert!(err <= bound, "case {i} align {align}: bf16 relative error {err:e}");
             }
         }
     }
