@@ -88,6 +88,8 @@ pub(crate) trait Lanes: Copy {
 
 /// `L / 2` lanes of f64: the wide half of a [`Lanes`].
 pub(crate) trait WideLanes: Copy {
+    /// Lanes per vector: 4 or 8.
+    const L: usize;
     /// Loads as many values as the vector has lanes.
     ///
     /// # Safety
@@ -257,6 +259,7 @@ pub(crate) struct Portable([f32; 8]);
 pub(crate) struct PortableWide([f64; 4]);
 
 impl WideLanes for PortableWide {
+    const L: usize = 4;
     #[inline(always)]
     unsafe fn load(p: *const f64) -> Self {
         // SAFETY: the caller's contract.
@@ -429,6 +432,7 @@ mod x86 {
     // SAFETY (every `unsafe` block in these impls that is not a memory access): AVX2 and FMA
     // are enabled where these inline (see the module docs).
     impl WideLanes for Avx2Wide {
+        const L: usize = 4;
         #[inline(always)]
         unsafe fn load(p: *const f64) -> Self {
             // SAFETY: the caller's contract.
@@ -634,6 +638,7 @@ mod x86 {
     // SAFETY (every `unsafe` block in these impls that is not a memory access): AVX-512F is
     // enabled where these inline (see the module docs).
     impl WideLanes for Avx512Wide {
+        const L: usize = 8;
         #[inline(always)]
         unsafe fn load(p: *const f64) -> Self {
             // SAFETY: the caller's contract.

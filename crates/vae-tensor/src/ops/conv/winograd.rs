@@ -26,7 +26,7 @@ use super::{ConvJob, Frames};
 use crate::Result;
 use crate::memory::Buffer;
 use crate::ops::OutPtr;
-use crate::ops::lanes::{Lanes, Portable};
+use crate::ops::lanes::{Lanes, Portable, WideLanes};
 use crate::ops::simd::Isa;
 
 /// Most element-wise products per tile and channel (F(4×4): 6 × 6).
@@ -68,8 +68,9 @@ trait Tile {
     /// Element-wise products per tile and channel.
     const P: usize = Self::A * Self::A;
 
-    /// `G · (g0, g1, g2)`: one column (or row) of a kernel through the filter transform, f64.
-    fn g3(g0: f64, g1: f64, g2: f64) -> [f64; 6];
+    /// `G · (g0, g1, g2)`: one column (or row) of kernels through the filter transform, in f64
+    /// lanes (one kernel per lane).
+    fn g3<W: WideLanes>(g0: W, g1: W, g2: W) -> [W; 6];
     /// `Bᵀ · d` for `A` vectors.
     fn bt<S: Lanes>(d: &[S; 6]) -> [S; 6];
     /// `Aᵀ · m`: `M` vectors from `A`.
@@ -94,13 +95,20 @@ impl Tile for F4 {
     const A: usize = 6;
 
     #[inline(always)]
-    fn g3(g0: f64, g1: f64, g2: f64) -> [f64; 6] {
+    fn g3<W: WideLanes>(g0: W, g1: W, g2: W) -> [W; 6] {
         // Products by the reciprocals, not divisions: f64 errors far below the f32 rounding.
         const SIXTH: f64 = 1.0 / 6.0;
-        let even = g0 + g2;
-        let outer = g0 * (1.0 / 24.0) + g2 * SIXTH;
-        let mid = g1 * (1.0 / 12.0);
-        [g0 * 0.25, -(even + g1) * SIXTH, -(even - g1) * SIXTH, outer + mid, outer - mid, g2]
+        let even = g0.add(g2);
+        let outer = g0.mul(W::splat(1.0 / 24.0)).add(g2.mul(W::splat(SIXTH)));
+        let mid = g1.mul(W::splat(1.0 / 12.0));
+        [
+            g0.mul(W::splat(0.25)),
+            even.add(g1).mul(W::splat(-SIXTH)),
+            even.sub(g1).mul(W::splat(-SIXTH)),
+            outer.add(mid),
+            outer.sub(mid),
+            g2,
+        ]
     }
 
     #[inline(always)]
@@ -156,9 +164,9 @@ impl Tile for F2 {
     const A: usize = 4;
 
     #[inline(always)]
-    fn g3(g0: f64, g1: f64, g2: f64) -> [f64; 6] {
-        let even = g0 + g2;
-        [g0, (even + g1) * 0.5, (even - g1) * 0.5, g2, 0.0, 0.0]
+    fn g3<W: WideLanes>(g0: W, g1: W, g2: W) -> [W; 6] {
+        let (even, half, zero) = (g0.add(g2), W::splat(0.5), W::splat(0.0));
+        [g0, even.add(g1).mul(half), even.sub(g1).mul(half), g2, zero, zero]
     }
 
     #[inline(always)]
@@ -187,54 +195,103 @@ impl Tile for F2 {
     }
 }
 
-/// `G g Gᵀ` for one 3×3 kernel (row-major), in f64 and rounded once, into the first `P`.
-fn transform_kernel<T: Tile>(g: &[f32]) -> [f32; P_MAX] {
-    let g = |i: usize| g[i] as f64;
-    let cols = [T::g3(g(0), g(3), g(6)), T::g3(g(1), g(4), g(7)), T::g3(g(2), g(5), g(8))];
-    let mut u = [0.0f32; P_MAX];
-    for i in 0..T::A {
-        let row = T::g3(cols[0][i], cols[1][i], cols[2][i]);
-        for (j, v) in row.iter().take(T::A).enumerate() {
-            u[i * T::A + j] = *v as f32;
+/// `G g Gᵀ` for eight 3×3 kernels at once, in f64 lanes, each value rounded once to f32:
+/// `g[i][j]` is weight `i` (row-major) of kernel `j`, and `out[j][p]` gets its transform.
+#[inline(always)]
+fn transform_kernels<T: Tile, W: WideLanes>(g: &[[f64; 8]; 9], out: &mut [[f32; P_MAX]; 8]) {
+    let mut half = 0;
+    while half < 8 {
+        let mut gv = [W::splat(0.0); 9];
+        for (v, row) in gv.iter_mut().zip(g) {
+            // SAFETY: `half + L ≤ 8` values of the row.
+            *v = unsafe { W::load(row.as_ptr().add(half)) };
         }
+        let cols = [T::g3(gv[0], gv[3], gv[6]), T::g3(gv[1], gv[4], gv[7]), T::g3(gv[2], gv[5], gv[8])];
+        let mut lanes = [0.0f64; 8];
+        for i in 0..T::A {
+            let row = T::g3(cols[0][i], cols[1][i], cols[2][i]);
+            for (jj, v) in row.iter().take(T::A).enumerate() {
+                v.store_to(&mut lanes);
+                for (lane, o) in out[half..half + W::L].iter_mut().enumerate() {
+                    o[i * T::A + jj] = lanes[lane] as f32;
+                }
+            }
+        }
+        half += W::L;
     }
-    u
 }
 
 /// Transformed weights of output channels `co0..co0 + blocks·mr`, packed as the micro-kernel's
-/// lhs: `[p][block][dt][ci][mr]` (zeros past `Cout`). One task per block writes its run of
-/// `K·mr` values in each of the `P` planes, a chunk of the run at a time: the chunk's kernels
-/// are transformed into a small buffer, then copied plane by plane (the planes are far apart,
-/// and writing all 36 per kernel thrashes the caches).
-fn transform_weights<T: Tile>(job: &ConvJob<'_>, co0: usize, blocks: usize, mr: usize, u: &mut [f32]) {
+/// lhs: `[p][block][dt][ci][mr]` (zeros past `Cout`), one task per block.
+fn transform_weights<T: Tile>(isa: Isa, job: &ConvJob<'_>, co0: usize, blocks: usize, mr: usize, u: &mut [f32]) {
+    let dst = OutPtr::new(u);
+    (0..blocks).into_par_iter().for_each(|cb| {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        fn avx512<T: Tile>(job: &ConvJob<'_>, at: (usize, usize, usize, usize), dst: OutPtr<'_>) {
+            transform_block::<T, crate::ops::lanes::Avx512>(job, at, dst)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2<T: Tile>(job: &ConvJob<'_>, at: (usize, usize, usize, usize), dst: OutPtr<'_>) {
+            transform_block::<T, crate::ops::lanes::Avx2>(job, at, dst)
+        }
+        let at = (co0, blocks, mr, cb);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is only ever an instruction set this CPU supports (`simd::isa`).
+            Isa::Avx512 => unsafe { avx512::<T>(job, at, dst) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { avx2::<T>(job, at, dst) },
+            _ => transform_block::<T, Portable>(job, at, dst),
+        }
+    });
+}
+
+/// Block `cb` of [`transform_weights`]: its run of `K·mr` values in each of the `P` planes, a
+/// chunk of the run at a time. The chunk's kernels are transformed eight at a time into a small
+/// buffer, then copied plane by plane (the planes are far apart, and writing all of them per
+/// kernel thrashes the caches).
+#[inline(always)]
+fn transform_block<T: Tile, S: Lanes>(
+    job: &ConvJob<'_>,
+    (co0, blocks, mr, cb): (usize, usize, usize, usize),
+    dst: OutPtr<'_>,
+) {
     const CHUNK: usize = 256;
     let (cin, cout, kt) = (job.frames.cin, job.cout, job.kernel[0]);
     let run = kt * cin * mr;
     let per_p = blocks * run;
-    let dst = OutPtr::new(u);
-    (0..blocks).into_par_iter().for_each(|cb| {
-        let mut local = [[0.0f32; P_MAX]; CHUNK];
-        for c0 in (0..run).step_by(CHUNK) {
-            let len = CHUNK.min(run - c0);
-            for (i, t) in local[..len].iter_mut().enumerate() {
-                let kk = c0 + i;
+    let mut local = [[0.0f32; P_MAX]; CHUNK];
+    for c0 in (0..run).step_by(CHUNK) {
+        let len = CHUNK.min(run - c0);
+        for e0 in (0..len).step_by(8) {
+            let n = 8.min(len - e0);
+            let mut g = [[0.0f64; 8]; 9];
+            for j in 0..n {
+                let kk = c0 + e0 + j;
                 let (r, dt, ci) = (kk % mr, kk / mr / cin, kk / mr % cin);
                 let co = co0 + cb * mr + r;
-                *t = if co < cout {
-                    transform_kernel::<T>(&job.weight[((co * cin + ci) * kt + dt) * 9..][..9])
-                } else {
-                    [0.0; P_MAX]
-                };
-            }
-            for p in 0..T::P {
-                // SAFETY: block `cb` owns `[p·per_p + cb·run ..][..run]` of every plane `p`.
-                let plane = unsafe { dst.slice(p * per_p + cb * run + c0, len) };
-                for (d, t) in plane.iter_mut().zip(&local[..len]) {
-                    *d = t[p];
+                if co < cout {
+                    let w = &job.weight[((co * cin + ci) * kt + dt) * 9..][..9];
+                    for (gi, &wv) in g.iter_mut().zip(w) {
+                        gi[j] = wv as f64;
+                    }
                 }
             }
+            let mut out = [[0.0f32; P_MAX]; 8];
+            transform_kernels::<T, S::Wide>(&g, &mut out);
+            local[e0..e0 + n].copy_from_slice(&out[..n]);
         }
-    });
+        for p in 0..T::P {
+            // SAFETY: block `cb` owns `[p·per_p + cb·run ..][..run]` of every plane `p`.
+            let plane = unsafe { dst.slice(p * per_p + cb * run + c0, len) };
+            for (d, t) in plane.iter_mut().zip(&local[..len]) {
+                *d = t[p];
+            }
+        }
+    }
 }
 
 /// Geometry of one call, shared by the phases.
@@ -470,7 +527,7 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
     for co0 in (0..cout).step_by(chunk_rows) {
         let blocks = (cout - co0).div_ceil(mr).min(blocks_per_chunk);
         let u = &mut u.as_mut_slice()[..p_ * blocks * k * mr];
-        transform_weights::<T>(job, co0, blocks, mr, u);
+        transform_weights::<T>(isa, job, co0, blocks, mr, u);
         let u: &[f32] = if bf16 {
             let pairs = &mut u_pairs.as_mut_slice()[..p_ * blocks * kt * cin_e * mr];
             pair_weights(u, pairs, cin, kt, mr);
@@ -478,17 +535,14 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
         } else {
             u
         };
-        // Bands of every output frame, in parallel when there are enough of them to share
-        // (each with its V and M); the phases of a band are parallel too, for small maps.
-        let frames = (0..f.n).flat_map(|b| (0..to).map(move |o| (b, o)));
-        let bands: Vec<(usize, usize, usize, usize)> = frames
+        // Bands of every output frame, one after the other, each phase of a band parallel. (Whole
+        // bands per thread synchronise less but need a V and M per thread, and the shard ranks'
+        // memory then no longer falls as 1/N.)
+        let bands: Vec<(usize, usize, usize, usize)> = (0..f.n)
+            .flat_map(|b| (0..to).map(move |o| (b, o)))
             .flat_map(|(b, o)| (0..tiles).step_by(band).map(move |t0| (b, o, t0, (t0 + band).min(tiles))))
             .collect();
-        // Whole bands per thread only when there are enough to balance (a band's phases
-        // synchronise its threads three times; too few bands leave a thread idle).
-        let band_parallel = bands.len() >= 4 * rayon::current_num_threads();
-        let band_scratch =
-            ScratchPool::new(v_len + m_len + pairs_len + 48, if band_parallel { bands.len() } else { 1 });
+        let band_scratch = ScratchPool::new(v_len + m_len + pairs_len + 48, 1);
         let run_band = |&(b, o, t0, t1): &(usize, usize, usize, usize)| {
             band_scratch.with(|buf| {
                 let buf = &mut aligned(buf)[..v_len + m_len + pairs_len + 32];
@@ -583,11 +637,7 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
                 });
             })
         };
-        if band_parallel {
-            bands.par_iter().for_each(run_band);
-        } else {
-            bands.iter().for_each(run_band);
-        }
+        bands.iter().for_each(run_band);
     }
     Ok(out)
 }
