@@ -33,23 +33,22 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// The CLI's tiled decode of the SD-like fixture on two local ranks into `out`.
+fn tiled_decode_on_two_ranks(out: &Path, extra: &[&str]) -> (bool, String) {
+    let f = fixtures();
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode_tiled.in.npy"));
+    let mut args = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(out)];
+    args.extend(["--vae-patch-parallel-size", "2", "--vae-use-tiling"]);
+    args.extend(extra);
+    cli(&args)
+}
+
 #[test]
 fn decode_matches_diffusers_through_the_cli_on_two_ranks() {
     let dir = scratch("decode");
     let out = dir.join("out.npy");
     let f = fixtures();
-    let (ok, text) = cli(&[
-        "decode",
-        "--model",
-        s(&f.join("sd_like")),
-        "--latent",
-        s(&f.join("sd_like.decode_tiled.in.npy")),
-        "--out",
-        s(&out),
-        "--vae-patch-parallel-size",
-        "2",
-        "--vae-use-tiling",
-    ]);
+    let (ok, text) = tiled_decode_on_two_ranks(&out, &[]);
     assert!(ok, "{text}");
     let got = read_npy_f32(&out);
     let expected = read_npy_f32(&f.join("sd_like.decode_tiled.out.npy"));
@@ -80,20 +79,7 @@ fn cpu_bf16_decode_runs_with_bf16_products() {
     let dir = scratch("decode-bf16");
     let out = dir.join("out.npy");
     let f = fixtures();
-    let (ok, text) = cli(&[
-        "decode",
-        "--model",
-        s(&f.join("sd_like")),
-        "--latent",
-        s(&f.join("sd_like.decode_tiled.in.npy")),
-        "--out",
-        s(&out),
-        "--vae-patch-parallel-size",
-        "2",
-        "--vae-use-tiling",
-        "--dtype",
-        "bf16",
-    ]);
+    let (ok, text) = tiled_decode_on_two_ranks(&out, &["--dtype", "bf16"]);
     assert!(ok, "{text}");
     let got = read_npy_f32(&out);
     let expected = read_npy_f32(&f.join("sd_like.decode_tiled.out.npy"));

@@ -152,11 +152,12 @@ pub(crate) fn cpu_bf16_active() -> bool {
 /// While it lives, the calling thread's CPU convolutions multiply in bf16: their input and
 /// weights are rounded to bf16 (nearest, ties to even) and multiplied with AVX512-BF16's
 /// `vdpbf16ps`, twice the f32 rate, with f32 sums and f32 outputs. Where the caller allows
-/// Winograd ([`crate::Conv2dParams::band_aligned`]), F(2×2, 3×3) is used (its transformed
-/// operands stay close to bf16 precision; F(4×4)'s do not). Every other op stays f32. This is
-/// the CPU's `--dtype bf16`: PyTorch's bf16 convolution arithmetic, without PyTorch's rounding
-/// of every activation to bf16 in between. Scopes nest; the previous mode returns when one
-/// ends.
+/// F(2×2, 3×3) Winograd ([`crate::Conv2dParams::band_aligned`]) its transformed operands are
+/// multiplied in bf16 (they stay close to bf16 precision); where it allows F(4×4, 3×3), that
+/// runs in f32 (its operands would not, and with a quarter of the products it is as fast in
+/// f32). Every other op stays f32. This is the CPU's `--dtype bf16`: at least PyTorch's bf16
+/// convolution accuracy, without PyTorch's rounding of every activation to bf16 in between.
+/// Scopes nest; the previous mode returns when one ends.
 #[must_use = "bf16 convolutions hold only while the scope lives"]
 pub struct CpuBf16Scope {
     previous: bool,

@@ -64,3 +64,17 @@ pub(crate) fn par_chunks_apply(data: &mut [f32], f: impl Fn(&mut [f32]) + Sync +
         data.par_chunks_mut(PAR_MIN_ELEMS / 2).for_each(f);
     }
 }
+
+/// Deterministic pseudo-random values in `[−1, 1)` for the kernels' unit tests (xorshift).
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}

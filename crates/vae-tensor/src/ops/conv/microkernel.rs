@@ -151,6 +151,40 @@ fn portable_block(k: usize, a: &[f32], b: &[f32], ldb: usize, c: &mut [f32], ldc
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// The 8 × 48 block of `C` at `c` (rows `ldc` apart) in 24 registers, or zeros.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; with `accumulate`, `c` rows `0..8` of 48 values are readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_block_8x48(c: *const f32, ldc: usize, accumulate: bool) -> [[__m512; 3]; 8] {
+        let mut acc = [[_mm512_setzero_ps(); 3]; 8];
+        if accumulate {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    // SAFETY: the caller's contract.
+                    *v = unsafe { _mm512_loadu_ps(c.add(r * ldc + 16 * j)) };
+                }
+            }
+        }
+        acc
+    }
+
+    /// Stores [`load_block_8x48`]'s block back.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `c` rows `0..8` of 48 values are writable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_block_8x48(acc: &[[__m512; 3]; 8], c: *mut f32, ldc: usize) {
+        for (r, row) in acc.iter().enumerate() {
+            for (j, v) in row.iter().enumerate() {
+                // SAFETY: the caller's contract.
+                unsafe { _mm512_storeu_ps(c.add(r * ldc + 16 * j), *v) };
+            }
+        }
+    }
+
     /// 8 rows × 48 columns: 24 accumulators, 3 panel loads and 8 broadcasts per step.
     ///
     /// # Safety
@@ -168,14 +202,7 @@ mod x86 {
     ) {
         // SAFETY (whole body): the caller's contract bounds every pointer offset below.
         unsafe {
-            let mut acc = [[_mm512_setzero_ps(); 3]; 8];
-            if accumulate {
-                for (r, row) in acc.iter_mut().enumerate() {
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
-                    }
-                }
-            }
+            let mut acc = load_block_8x48(c, ldc, accumulate);
             let (mut pa, mut pb) = (a, b);
             for _ in 0..k {
                 let b0 = _mm512_loadu_ps(pb);
@@ -190,11 +217,7 @@ mod x86 {
                 pa = pa.add(8);
                 pb = pb.add(ldb);
             }
-            for (r, row) in acc.iter().enumerate() {
-                for (j, v) in row.iter().enumerate() {
-                    _mm512_storeu_ps(c.add(r * ldc + 16 * j), *v);
-                }
-            }
+            store_block_8x48(&acc, c, ldc);
         }
     }
 
@@ -216,14 +239,7 @@ mod x86 {
     ) {
         // SAFETY (whole body): the caller's contract bounds every pointer offset below.
         unsafe {
-            let mut acc = [[_mm512_setzero_ps(); 3]; 8];
-            if accumulate {
-                for (r, row) in acc.iter_mut().enumerate() {
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
-                    }
-                }
-            }
+            let mut acc = load_block_8x48(c, ldc, accumulate);
             let (mut pa, mut pb) = (a, b);
             for _ in 0..kp {
                 let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(pb.cast()));
@@ -238,11 +254,7 @@ mod x86 {
                 pa = pa.add(8);
                 pb = pb.add(ldb);
             }
-            for (r, row) in acc.iter().enumerate() {
-                for (j, v) in row.iter().enumerate() {
-                    _mm512_storeu_ps(c.add(r * ldc + 16 * j), *v);
-                }
-            }
+            store_block_8x48(&acc, c, ldc);
         }
     }
 
@@ -296,16 +308,9 @@ mod x86 {
 mod tests {
     use super::*;
 
+    /// Values in [−0.5, 0.5).
     fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
+        crate::ops::test_values(n, seed).into_iter().map(|v| v * 0.5).collect()
     }
 
     #[test]

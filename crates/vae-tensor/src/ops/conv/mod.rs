@@ -12,6 +12,8 @@
 //!   direct decodes stay bit-identical.
 
 mod direct;
+#[cfg(test)]
+mod testing;
 mod microkernel;
 mod winograd;
 

@@ -305,25 +305,40 @@ struct Plan {
     ld: usize,
 }
 
-/// The input transform of channel `ci` of input frame `ti` of batch item `b`, tiles `t0..t1`
-/// of the frame's grid, into `v`: element `(p, t)` at `v + p·p_stride + t − t0`.
+/// One task of the input transform: channel `ci` of input frame `ti` of batch item `b`, for
+/// tiles `t0..t1` of the frame's grid.
+#[derive(Debug, Clone, Copy)]
+struct InputTask {
+    b: usize,
+    ti: usize,
+    ci: usize,
+    tiles: (usize, usize),
+}
+
+/// One task of the output transform: output channel `co` of output frame `(b, o)`, for tiles
+/// `t0..t1` of the frame's grid.
+#[derive(Debug, Clone, Copy)]
+struct OutputTask {
+    frame: (usize, usize),
+    co: usize,
+    tiles: (usize, usize),
+}
+
+/// The input transform of `task` into `v`: element `(p, t)` at `v + p·p_stride + t − t0`.
 ///
 /// # Safety
 /// `v` must be valid for writes at `p·p_stride + 0..ld` for every `p < P`, and no other
 /// thread may access those elements meanwhile.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn input_transform<T: Tile, S: Lanes>(
     job: &ConvJob<'_>,
     plan: &Plan,
-    b: usize,
-    ti: usize,
-    ci: usize,
-    (t0, t1): (usize, usize),
+    task: InputTask,
     rows: &mut [f32],
     v: *mut f32,
     p_stride: usize,
 ) {
+    let InputTask { b, ti, ci, tiles: (t0, t1) } = task;
     let f: &Frames<'_> = &job.frames;
     let [top, _, left, _] = job.padding;
     let plane = f.plane(b, ci, ti);
@@ -365,21 +380,19 @@ unsafe fn input_transform<T: Tile, S: Lanes>(
     }
 }
 
-/// The output transform of output channel `co` for tiles `t0..t1` of output frame `(b, o)`,
-/// plus the bias, into the output: the channel's `P` rows of `M` are `m[p·m_stride..][..ld]`.
+/// The output transform of `task`, plus the bias, into the output: the channel's `P` rows of
+/// `M` are `m[p·m_stride..][..ld]`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn output_transform<T: Tile, S: Lanes>(
     job: &ConvJob<'_>,
     plan: &Plan,
-    (b, o): (usize, usize),
-    co: usize,
-    (t0, t1): (usize, usize),
+    task: OutputTask,
     m: &[f32],
     m_stride: usize,
     rows: &mut [f32],
     out: OutPtr,
 ) {
+    let OutputTask { frame: (b, o), co, tiles: (t0, t1) } = task;
     let [to, ho, wo] = job.out;
     let bias = S::splat(job.bias.map_or(0.0, |bias| bias[co]));
     let rw = plan.rw;
@@ -429,36 +442,29 @@ fn output_transform<T: Tile, S: Lanes>(
 macro_rules! transforms {
     ($name_in:ident, $name_out:ident, $lanes:ty, $features:literal) => {
         #[target_feature(enable = $features)]
-        #[allow(clippy::too_many_arguments)]
         unsafe fn $name_in<T: Tile>(
             job: &ConvJob<'_>,
             plan: &Plan,
-            b: usize,
-            ti: usize,
-            ci: usize,
-            tiles: (usize, usize),
+            task: InputTask,
             rows: &mut [f32],
             v: *mut f32,
             p_stride: usize,
         ) {
             // SAFETY: the caller's contract, as `input_transform`'s.
-            unsafe { input_transform::<T, $lanes>(job, plan, b, ti, ci, tiles, rows, v, p_stride) }
+            unsafe { input_transform::<T, $lanes>(job, plan, task, rows, v, p_stride) }
         }
 
         #[target_feature(enable = $features)]
-        #[allow(clippy::too_many_arguments)]
         unsafe fn $name_out<T: Tile>(
             job: &ConvJob<'_>,
             plan: &Plan,
-            frame: (usize, usize),
-            co: usize,
-            tiles: (usize, usize),
+            task: OutputTask,
             m: &[f32],
             m_stride: usize,
             rows: &mut [f32],
             out: OutPtr,
         ) {
-            output_transform::<T, $lanes>(job, plan, frame, co, tiles, m, m_stride, rows, out)
+            output_transform::<T, $lanes>(job, plan, task, m, m_stride, rows, out)
         }
     };
 }
@@ -471,17 +477,19 @@ transforms!(input_avx2, output_avx2, crate::ops::lanes::Avx2, "avx2,fma");
 /// Runs `job` (checked by [`applies`]) with the largest tile its band alignment allows; the
 /// result is `[N, Cout, To, Ho, Wo]`.
 ///
-/// bf16 products take F(2×2) whatever the alignment: F(4×4)'s transformed operands rounded to
-/// bf16 lose about ten times more than the direct convolution's.
+/// F(4×4) always multiplies in f32: its transformed operands rounded to bf16 would err about
+/// ten times more than the direct convolution in bf16, and with a quarter of the products it
+/// runs as fast in f32 as F(2×2) in bf16. So a bf16 request gets F(4×4) in f32 where the
+/// alignment allows it, F(2×2) with bf16 products where it allows only that.
 pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
-    if job.band_align.is_multiple_of(F4::M) && !job.bf16 {
-        run_tiles::<F4>(job, isa, out_len)
+    if job.band_align.is_multiple_of(F4::M) {
+        run_tiles::<F4>(job, Operands::F32(isa), isa, out_len)
     } else {
-        run_tiles::<F2>(job, isa, out_len)
+        run_tiles::<F2>(job, Operands::of(job, isa), isa, out_len)
     }
 }
 
-fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
+fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out_len: usize) -> Result<Buffer> {
     let (m_, a_, p_) = (T::M, T::A, T::P);
     let f = &job.frames;
     let [kt, _, _] = job.kernel;
@@ -497,7 +505,6 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
     let band = tiles_per_band(tiles);
     let plan = Plan { tw, th, rw: m_ * (tw + MAX_LANES) + 4 + f.w, ld: row_stride(band + MAX_LANES) };
     debug_assert!(plan.th > 0);
-    let ops = Operands::of(job, isa);
     let mr = ops.mr();
     // Packed elements per temporal tap: input channels, or pairs of them in bf16.
     let cin_e = cin.div_ceil(ops.steps());
@@ -564,18 +571,8 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
                             let base = unsafe { vptr.slice(at, p_ * p_stride_v - ci * plan.ld) }.as_mut_ptr();
                             // SAFETY: as above.
                             unsafe {
-                                run_input::<T>(
-                                    isa,
-                                    job,
-                                    &plan,
-                                    b,
-                                    ti,
-                                    ci,
-                                    (t0, t1),
-                                    rows.as_mut_slice(),
-                                    base,
-                                    p_stride_v,
-                                )
+                                let task = InputTask { b, ti, ci, tiles: (t0, t1) };
+                                run_input::<T>(isa, job, &plan, task, rows.as_mut_slice(), base, p_stride_v)
                             };
                         })
                     },
@@ -621,18 +618,8 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buf
                 (0..(cout - co0).min(chunk_rows)).into_par_iter().for_each(|cl| {
                     out_rows.with(|rows| {
                         let m = &ms[cl * co_stride..][..p_ * plan.ld];
-                        run_output::<T>(
-                            isa,
-                            job,
-                            &plan,
-                            (b, o),
-                            co0 + cl,
-                            (t0, t1),
-                            m,
-                            plan.ld,
-                            rows.as_mut_slice(),
-                            dst,
-                        );
+                        let task = OutputTask { frame: (b, o), co: co0 + cl, tiles: (t0, t1) };
+                        run_output::<T>(isa, job, &plan, task, m, plan.ld, rows.as_mut_slice(), dst);
                     })
                 });
             })
@@ -694,15 +681,11 @@ fn pair_rows(
 ///
 /// # Safety
 /// As [`input_transform`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn run_input<T: Tile>(
     isa: Isa,
     job: &ConvJob<'_>,
     plan: &Plan,
-    b: usize,
-    ti: usize,
-    ci: usize,
-    tiles: (usize, usize),
+    task: InputTask,
     rows: &mut [f32],
     v: *mut f32,
     p_stride: usize,
@@ -711,10 +694,10 @@ unsafe fn run_input<T: Tile>(
     // meets `input_transform`'s contract (the caller's).
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { input_avx512::<T>(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
+        Isa::Avx512 => unsafe { input_avx512::<T>(job, plan, task, rows, v, p_stride) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { input_avx2::<T>(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
-        _ => unsafe { input_transform::<T, Portable>(job, plan, b, ti, ci, tiles, rows, v, p_stride) },
+        Isa::Avx2 => unsafe { input_avx2::<T>(job, plan, task, rows, v, p_stride) },
+        _ => unsafe { input_transform::<T, Portable>(job, plan, task, rows, v, p_stride) },
     }
 }
 
@@ -724,9 +707,7 @@ fn run_output<T: Tile>(
     isa: Isa,
     job: &ConvJob<'_>,
     plan: &Plan,
-    frame: (usize, usize),
-    co: usize,
-    tiles: (usize, usize),
+    task: OutputTask,
     m: &[f32],
     m_stride: usize,
     rows: &mut [f32],
@@ -735,150 +716,51 @@ fn run_output<T: Tile>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` was checked to be supported by this CPU (`simd::isa`).
-        Isa::Avx512 => unsafe { output_avx512::<T>(job, plan, frame, co, tiles, m, m_stride, rows, out) },
+        Isa::Avx512 => unsafe { output_avx512::<T>(job, plan, task, m, m_stride, rows, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { output_avx2::<T>(job, plan, frame, co, tiles, m, m_stride, rows, out) },
-        _ => output_transform::<T, Portable>(job, plan, frame, co, tiles, m, m_stride, rows, out),
+        Isa::Avx2 => unsafe { output_avx2::<T>(job, plan, task, m, m_stride, rows, out) },
+        _ => output_transform::<T, Portable>(job, plan, task, m, m_stride, rows, out),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{Case, max_err, scale};
     use super::*;
     use crate::ops::conv::{ConvJob, Frames};
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
+    use crate::ops::test_values as values;
+
+    /// The convolution of `case` with `isa`'s kernels: Winograd with tiles of `align` (2 or 4),
+    /// or the direct kernel for `align` 1; bf16 products when `bf16`.
+    fn run_in(case: &Case, isa: Isa, align: usize, bf16: bool) -> Vec<f32> {
+        let ops = case.operands();
+        let job = case.job(&ops, align, bf16);
+        let len = job.out_len().unwrap();
+        let out = if align > 1 { super::run(&job, isa, len) } else { super::super::direct::run(&job, isa, len) };
+        out.unwrap().as_slice().to_vec()
     }
 
-    /// `[n, cin, t, h, w]` → job pieces for a 3×3(×kt) conv with the given padding.
-    struct Case {
-        n: usize,
-        cin: usize,
-        cout: usize,
-        t: usize,
-        kt: usize,
-        h: usize,
-        w: usize,
-        padding: [usize; 4],
-        pad_front: usize,
-    }
-
-    impl Case {
-        /// The convolution with `isa`'s kernels: Winograd with tiles of `align` (2 or 4), or
-        /// the direct kernel for `align` 1.
-        fn run(&self, isa: Isa, align: usize) -> Vec<f32> {
-            self.run_in(isa, align, false)
-        }
-
-        /// [`Case::run`], with bf16 products when `bf16`.
-        fn run_in(&self, isa: Isa, align: usize, bf16: bool) -> Vec<f32> {
-            let x = values(self.n * self.cin * self.t * self.h * self.w, 1);
-            let wt = values(self.cout * self.cin * self.kt * 9, 2);
-            let wt: Vec<f32> = wt.iter().map(|v| v * 0.1).collect();
-            let bias = values(self.cout, 3);
-            let [top, bottom, left, right] = self.padding;
-            let job = ConvJob {
-                frames: Frames {
-                    parts: [&[], &x],
-                    part_t: [0, self.t],
-                    n: self.n,
-                    cin: self.cin,
-                    h: self.h,
-                    w: self.w,
-                },
-                weight: &wt,
-                bias: Some(&bias),
-                cout: self.cout,
-                kernel: [self.kt, 3, 3],
-                stride: [1, 1],
-                pad_front: self.pad_front,
-                padding: self.padding,
-                out: [self.t + self.pad_front + 1 - self.kt, self.h + top + bottom - 2, self.w + left + right - 2],
-                band_align: align,
-                bf16,
-            };
-            let len = job.out_len().unwrap();
-            let out = if align > 1 { run(&job, isa, len) } else { super::super::direct::run(&job, isa, len) };
-            out.unwrap().as_slice().to_vec()
-        }
+    fn run_case(case: &Case, isa: Isa, align: usize) -> Vec<f32> {
+        run_in(case, isa, align, false)
     }
 
     const CASES: [Case; 4] = [
-        Case { n: 1, cin: 16, cout: 24, t: 1, kt: 1, h: 13, w: 19, padding: [1; 4], pad_front: 0 },
-        Case { n: 2, cin: 8, cout: 9, t: 1, kt: 1, h: 8, w: 70, padding: [0, 0, 1, 1], pad_front: 0 },
-        Case { n: 1, cin: 12, cout: 16, t: 3, kt: 3, h: 9, w: 11, padding: [1; 4], pad_front: 2 },
-        Case { n: 1, cin: 64, cout: 40, t: 1, kt: 1, h: 40, w: 45, padding: [1; 4], pad_front: 0 },
+        Case { n: 1, cin: 16, cout: 24, t: 1, kt: 1, k: 3, h: 13, w: 19, padding: [1; 4], pad_front: 0 },
+        Case { n: 2, cin: 8, cout: 9, t: 1, kt: 1, k: 3, h: 8, w: 70, padding: [0, 0, 1, 1], pad_front: 0 },
+        Case { n: 1, cin: 12, cout: 16, t: 3, kt: 3, k: 3, h: 9, w: 11, padding: [1; 4], pad_front: 2 },
+        Case { n: 1, cin: 64, cout: 40, t: 1, kt: 1, k: 3, h: 40, w: 45, padding: [1; 4], pad_front: 0 },
     ];
-
-    impl Case {
-        /// The exact result (f64 sums) of the same convolution.
-        fn reference(&self) -> Vec<f64> {
-            self.reference_of(|v| v)
-        }
-
-        /// The exact result with every input and weight passed through `round` first.
-        fn reference_of(&self, round: impl Fn(f32) -> f32) -> Vec<f64> {
-            let x: Vec<f32> = values(self.n * self.cin * self.t * self.h * self.w, 1).into_iter().map(&round).collect();
-            let wt: Vec<f32> = values(self.cout * self.cin * self.kt * 9, 2).iter().map(|v| round(v * 0.1)).collect();
-            let bias = values(self.cout, 3);
-            let [top, bottom, left, right] = self.padding;
-            let (to, ho, wo) =
-                (self.t + self.pad_front + 1 - self.kt, self.h + top + bottom - 2, self.w + left + right - 2);
-            let mut out = vec![0.0f64; self.n * self.cout * to * ho * wo];
-            for b in 0..self.n {
-                for co in 0..self.cout {
-                    for o in 0..to {
-                        for oy in 0..ho {
-                            for ox in 0..wo {
-                                let mut acc = bias[co] as f64;
-                                for ci in 0..self.cin {
-                                    for dt in 0..self.kt {
-                                        let Some(ti) = (o + dt).checked_sub(self.pad_front) else { continue };
-                                        for ky in 0..3 {
-                                            for kx in 0..3 {
-                                                let (y, xx) =
-                                                    ((oy + ky).wrapping_sub(top), (ox + kx).wrapping_sub(left));
-                                                if y >= self.h || xx >= self.w {
-                                                    continue;
-                                                }
-                                                let xv =
-                                                    x[(((b * self.cin + ci) * self.t + ti) * self.h + y) * self.w + xx];
-                                                let wv = wt[(((co * self.cin + ci) * self.kt + dt) * 3 + ky) * 3 + kx];
-                                                acc += xv as f64 * wv as f64;
-                                            }
-                                        }
-                                    }
-                                }
-                                out[(((b * self.cout + co) * to + o) * ho + oy) * wo + ox] = acc;
-                            }
-                        }
-                    }
-                }
-            }
-            out
-        }
-    }
 
     #[test]
     fn winograd_and_direct_are_close_to_the_exact_result() {
         let isa = crate::ops::simd::isa();
         for (i, case) in CASES.iter().enumerate() {
             let exact = case.reference();
-            let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let scale = scale(&exact);
             for align in [1, 2, 4] {
-                let got = case.run(isa, align);
-                assert_eq!(got.len(), exact.len());
-                let err = got.iter().zip(&exact).fold(0.0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()));
+                let err = max_err(&run_case(case, isa, align), &exact);
                 // Measured: direct ≤ 9e-7, F(2×2) ≤ 3e-7 (its sums are 9× shorter), F(4×4) ≤
                 // 6e-6 of the largest output (10× direct, as expected of F(4×4, 3×3) in f32).
                 let bound = [3e-6, 2e-6, 2e-5][align / 2];
@@ -986,15 +868,12 @@ mod tests {
         for (i, case) in CASES.iter().enumerate() {
             let exact = case.reference();
             let rounded = case.reference_of(round);
-            let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-            let max_err = |got: &[f32], want: &[f64]| {
-                got.iter().zip(want).fold(0.0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()))
-            };
-            let direct = case.run_in(isa, 1, true);
+            let scale = scale(&exact);
+            let direct = run_in(case, isa, 1, true);
             assert!(max_err(&direct, &rounded) <= 3e-6 * scale, "case {i}: direct bf16 vs its rounded operands");
             for (align, bound) in [(1, 8e-3), (2, 1.2e-2), (4, 1.2e-2)] {
-                let err = max_err(&case.run_in(isa, align, true), &exact) / scale;
-                // Measured: direct ≤ 3e-3, F(2×2) ≤ 5e-3 (align 4 takes F(2×2) in bf16).
+                let err = max_err(&run_in(case, isa, align, true), &exact) / scale;
+                // Measured: direct ≤ 3e-3, F(2×2) ≤ 5e-3 (align 4 takes F(4×4) in f32).
                 assert!(err <= bound, "case {i} align {align}: bf16 relative error {err:e}");
             }
         }
@@ -1005,9 +884,9 @@ mod tests {
         let isas = Isa::all_supported();
         for (i, case) in CASES.iter().enumerate() {
             for align in [2, 4] {
-                let first = case.run(isas[0], align);
+                let first = run_case(case, isas[0], align);
                 for &isa in &isas[1..] {
-                    let other = case.run(isa, align);
+                    let other = run_case(case, isa, align);
                     assert!(first.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits()), "case {i}: {isa:?}");
                 }
             }
