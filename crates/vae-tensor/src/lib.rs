@@ -17,6 +17,7 @@ mod error;
 pub mod memory;
 mod ops;
 pub mod profile;
+pub mod recycle;
 mod shape;
 mod tensor;
 

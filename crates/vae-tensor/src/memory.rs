@@ -160,31 +160,52 @@ impl Drop for AccountGuard {
 
 /// An f32 buffer charged to the allocating thread's counters for as long as it lives.
 pub(crate) struct Buffer {
+    /// The allocation: at least `len` elements (a recycled one may be longer).
     data: Vec<f32>,
+    /// The elements in use.
+    len: usize,
     counters: Arc<Counters>,
 }
 
 impl Buffer {
     /// Takes ownership of `data` and charges it to the current thread.
     pub(crate) fn from_vec(data: Vec<f32>) -> Self {
+        crate::recycle::adopt(&data);
+        let len = data.len();
+        Self::counted(data, len)
+    }
+
+    /// Charges `data` (already counted by [`crate::recycle`]) to the current thread.
+    fn counted(data: Vec<f32>, len: usize) -> Self {
+        debug_assert!(len <= data.len());
         let counters = current();
-        counters.host.charge(byte_len(&data));
-        Self { data, counters }
+        counters.host.charge(byte_len(&data[..len]));
+        Self { data, len, counters }
     }
 
     /// A zero-filled buffer of `len` elements.
     pub(crate) fn zeros(len: usize) -> Self {
-        Self::from_vec(vec![0.0; len])
+        let (mut data, reused) = crate::recycle::take(len);
+        if reused {
+            data[..len].fill(0.0);
+        }
+        Self::counted(data, len)
+    }
+
+    /// A buffer of `len` elements whose contents are unspecified (zeros, or the values of an
+    /// earlier buffer): for ops that write every element before reading any.
+    pub(crate) fn for_overwrite(len: usize) -> Self {
+        Self::counted(crate::recycle::take(len).0, len)
     }
 
     /// The elements.
     pub(crate) fn as_slice(&self) -> &[f32] {
-        &self.data
+        &self.data[..self.len]
     }
 
     /// The elements, mutable. A slice, not the `Vec`, so the charged length cannot change.
     pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
+        &mut self.data[..self.len]
     }
 }
 
@@ -194,7 +215,8 @@ fn byte_len(data: &[f32]) -> usize {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.counters.host.release(byte_len(&self.data));
+        self.counters.host.release(byte_len(&self.data[..self.len]));
+        crate::recycle::give(std::mem::take(&mut self.data), self.len);
     }
 }
 
@@ -226,19 +248,19 @@ impl Drop for DeviceCharge {
 impl Clone for Buffer {
     /// A copy is a new allocation, charged to the thread that makes it.
     fn clone(&self) -> Self {
-        Self::from_vec(self.data.clone())
+        Self::from_vec(self.as_slice().to_vec())
     }
 }
 
 impl PartialEq for Buffer {
     fn eq(&self, other: &Self) -> bool {
-        self.data == other.data
+        self.as_slice() == other.as_slice()
     }
 }
 
 impl fmt::Debug for Buffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.data.fmt(f)
+        self.as_slice().fmt(f)
     }
 }
 

@@ -452,20 +452,20 @@ impl Tensor {
         }
         let src = self.as_slice_f32()?;
         let (oh, ow) = (h * factor, w * factor);
-        let mut out = vec![0.0f32; planes * oh * ow];
+        let mut out = Buffer::for_overwrite(planes * oh * ow);
         if planes > 0 && oh * ow > 0 {
             // One plane per task: the decoder's last upsample writes hundreds of MB.
             use rayon::prelude::*;
-            out.par_chunks_mut(oh * ow).zip(src.par_chunks(h * w)).for_each(|(dst, plane)| {
-                for (y, dst_row) in dst.chunks_exact_mut(ow).enumerate() {
-                    let src_row = &plane[(y / factor) * w..][..w];
-                    for (x, v) in dst_row.iter_mut().enumerate() {
-                        *v = src_row[x / factor];
-                    }
+            out.as_mut_slice().par_chunks_mut(oh * ow).zip(src.par_chunks(h * w)).for_each(|(dst, plane)| {
+                // Each source row becomes `factor` equal rows of `factor` copies of each value.
+                for (rows, src_row) in dst.chunks_exact_mut(factor * ow).zip(plane.chunks_exact(w)) {
+                    let (first, rest) = rows.split_at_mut(ow);
+                    first.chunks_exact_mut(factor).zip(src_row).for_each(|(d, &v)| d.fill(v));
+                    rest.chunks_exact_mut(ow).for_each(|row| row.copy_from_slice(first));
                 }
             });
         }
-        Self::from_vec(out, dims, &self.device())
+        Ok(Self::from_buffer(out, Shape::new(dims)))
     }
 
     /// diffusers' `blend_v` / `blend_h` along `dim`, in place: for `y` in `0..weights.len()`,

@@ -27,7 +27,7 @@ impl Tensor {
     /// A new tensor of `f` applied to every element, in parallel for large tensors.
     fn map(&self, f: impl Fn(f32) -> f32 + Sync + Send) -> Result<Tensor> {
         let src = self.as_slice_f32()?;
-        let mut out = Buffer::zeros(src.len());
+        let mut out = Buffer::for_overwrite(src.len());
         par_zip_apply(src, out.as_mut_slice(), |s, d| d.iter_mut().zip(s).for_each(|(d, &x)| *d = f(x)));
         Ok(Tensor::from_buffer(out, self.shape().clone()))
     }
@@ -46,7 +46,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(c.silu()?, self.shape().clone()));
         }
         let src = self.as_slice_f32()?;
-        let mut out = Buffer::zeros(src.len());
+        let mut out = Buffer::for_overwrite(src.len());
         par_zip_apply(src, out.as_mut_slice(), |s, d| silu_into(crate::ops::simd::isa(), s, d));
         Ok(Tensor::from_buffer(out, self.shape().clone()))
     }
@@ -79,7 +79,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(a.add(b)?, self.shape().clone()));
         }
         let (a, b) = (self.as_slice_f32()?, other.as_slice_f32()?);
-        let mut out = Buffer::zeros(a.len());
+        let mut out = Buffer::for_overwrite(a.len());
         let sum = |(o, (x, y)): (&mut [f32], (&[f32], &[f32]))| {
             o.iter_mut().zip(x.iter().zip(y)).for_each(|(o, (x, y))| *o = x + y);
         };

@@ -55,7 +55,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(out, out_shape));
         }
         let src = self.as_slice_f32()?;
-        let mut out = Buffer::zeros(src.len());
+        let mut out = Buffer::for_overwrite(src.len());
         if !src.is_empty() {
             if dims.iter().enumerate().all(|(i, &d)| i == d) {
                 out.as_mut_slice().copy_from_slice(src);

@@ -126,7 +126,7 @@ impl Tensor {
         let group_len = per_group * spatial;
         let (gamma, beta) = (weight.as_slice_f32()?, bias.as_slice_f32()?);
         let src = self.as_slice_f32()?;
-        let mut out = Buffer::zeros(src.len());
+        let mut out = Buffer::for_overwrite(src.len());
         if group_len > 0 {
             let isa = crate::ops::simd::isa();
             out.as_mut_slice().par_chunks_mut(group_len).zip(src.par_chunks(group_len)).enumerate().for_each(

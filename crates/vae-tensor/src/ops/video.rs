@@ -378,7 +378,7 @@ impl Tensor {
         let gamma = channel_param(OP, self, gamma, c)?;
         let bias = bias.map(|b| channel_param(OP, self, b, c)).transpose()?;
         let src = self.as_slice_f32()?;
-        let mut out = Buffer::zeros(src.len());
+        let mut out = Buffer::for_overwrite(src.len());
         if let Some(batch) = src.len().checked_div(c * inner) {
             let block = c * inner;
             let isa = crate::ops::simd::isa();

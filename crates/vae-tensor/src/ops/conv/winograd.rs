@@ -495,7 +495,7 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out_len: usize
     let [kt, _, _] = job.kernel;
     let [to, ho, wo] = job.out;
     let (cin, cout) = (f.cin, job.cout);
-    let mut out = Buffer::zeros(out_len);
+    let mut out = Buffer::for_overwrite(out_len);
     if out_len == 0 {
         return Ok(out);
     }

@@ -1,0 +1,221 @@
+//! Large host allocations kept for reuse instead of returned to the system.
+//!
+//! A decode allocates and frees the same sizes over and over (each layer's activations, its
+//! convolution's scratch). Returned to the system, every one of them comes back as fresh pages
+//! that fault in one by one on first touch: measured, a quarter of a CPU decode's time went to
+//! the kernel's page-fault handling. Freed [`crate::memory::Buffer`]s of at least
+//! [`MIN_BYTES`] therefore wait here, and a later allocation takes back the smallest one that
+//! holds it, if that is at most twice its size (a buffer may then be longer than the tensor
+//! it holds; the tensor's accounting counts the tensor's bytes, the pool the vector's).
+//!
+//! The pool holds only memory the process had already needed at once. It counts the bytes
+//! large buffers use and their high-water mark (what those buffers would have taken without
+//! the pool), and an allocation the pool cannot serve first frees pooled vectors (the oldest
+//! first) until pooled and live vectors fit under that mark. A recycled vector longer than its
+//! buffer can still put them above it, by its unused tail. [`trim`] empties
+//! the pool (an engine that goes idle may call it); [`pooled_bytes`] says what it holds;
+//! `VAE_RECYCLE=0` turns it off.
+
+use std::sync::Mutex;
+
+/// Smallest allocation kept, in bytes: below it the allocator reuses memory by itself.
+pub const MIN_BYTES: usize = 1 << 20;
+
+/// Freed vectors (oldest first) and the byte counts that bound them.
+#[derive(Default)]
+struct Pool {
+    free: Vec<Vec<f32>>,
+    /// Bytes of the vectors in `free`.
+    pooled: usize,
+    /// Bytes of the large vectors alive (taken or adopted, not yet given back).
+    live: usize,
+    /// Bytes of them in use: a recycled vector may be longer than its buffer.
+    used: usize,
+    /// The high-water mark of `used`: what the process would have held without the pool.
+    peak: usize,
+}
+
+impl Pool {
+    const fn new() -> Self {
+        Self { free: Vec::new(), pooled: 0, live: 0, used: 0, peak: 0 }
+    }
+
+    /// For a buffer of `len` elements: the smallest pooled vector of `len` to `2·len`
+    /// elements (the most recently freed of that size), now alive; or else `Err` with the
+    /// oldest pooled vectors that must be freed so that, with a new vector of `len`, pooled and
+    /// live vectors take no more than `used` ever reached.
+    fn take(&mut self, len: usize) -> Result<Vec<f32>, Vec<Vec<f32>>> {
+        let bytes = len * std::mem::size_of::<f32>();
+        let fits = |v: &Vec<f32>| v.len() >= len && v.len() / 2 <= len;
+        let best = (0..self.free.len()).rev().filter(|&i| fits(&self.free[i])).min_by_key(|&i| self.free[i].len());
+        if let Some(i) = best {
+            let v = self.free.remove(i);
+            self.pooled -= bytes_of(&v);
+            self.live += bytes_of(&v);
+            self.used += bytes;
+            self.peak = self.peak.max(self.used);
+            return Ok(v);
+        }
+        let peak = self.peak.max(self.used + bytes);
+        let mut n = 0;
+        while n < self.free.len() && self.live + self.pooled + bytes > peak {
+            self.pooled -= bytes_of(&self.free[n]);
+            n += 1;
+        }
+        Err(self.free.drain(..n).collect())
+    }
+
+    /// Counts a new vector alive, `used` bytes of it in use.
+    fn adopt(&mut self, bytes: usize, used: usize) {
+        self.live += bytes;
+        self.used += used;
+        self.peak = self.peak.max(self.used);
+    }
+
+    /// Takes back a vector counted alive with `used` bytes in use; keeps it if `keep`.
+    fn give(&mut self, v: Vec<f32>, used: usize, keep: bool) {
+        self.live = self.live.saturating_sub(bytes_of(&v));
+        self.used = self.used.saturating_sub(used);
+        if keep {
+            self.pooled += bytes_of(&v);
+            self.free.push(v);
+        }
+    }
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool::new());
+
+fn pool() -> std::sync::MutexGuard<'static, Pool> {
+    // The counts are only ever changed together under the lock; a panicking holder cannot
+    // leave them halfway.
+    POOL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn bytes_of(v: &Vec<f32>) -> usize {
+    v.capacity() * std::mem::size_of::<f32>()
+}
+
+/// Whether the pool is on: `VAE_RECYCLE=0` (or `off`, `false`, `no`) turns it off, for the
+/// smallest resident size at the cost of page faults. Read once.
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let off = std::env::var("VAE_RECYCLE")
+            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"));
+        !off
+    })
+}
+
+/// Whether vectors of this capacity are counted and pooled.
+fn large(capacity: usize) -> bool {
+    capacity * std::mem::size_of::<f32>() >= MIN_BYTES
+}
+
+/// A vector for a buffer of `len` elements, at least that long (at most `2·len`): a pooled
+/// one holding earlier values, or a new zeroed one of exactly `len`. The flag says whether it
+/// came from the pool. Either way it is counted alive until [`give`]n back.
+pub(crate) fn take(len: usize) -> (Vec<f32>, bool) {
+    if large(len) && enabled() {
+        let taken = pool().take(len);
+        match taken {
+            Ok(v) => return (v, true),
+            Err(evicted) => drop(evicted), // freed outside the lock
+        }
+    }
+    let v = vec![0.0; len];
+    adopt(&v);
+    (v, false)
+}
+
+/// Counts a vector allocated elsewhere alive (if large), all of it in use, for [`give`] to
+/// take back.
+pub(crate) fn adopt(v: &Vec<f32>) {
+    if large(v.capacity()) {
+        pool().adopt(bytes_of(v), v.len() * std::mem::size_of::<f32>());
+    }
+}
+
+/// Takes back a vector counted by [`take`] or [`adopt`] whose buffer used `len` elements of
+/// it, and keeps it for a later [`take`].
+pub(crate) fn give(v: Vec<f32>, len: usize) {
+    if large(v.capacity()) {
+        let keep = v.len() == v.capacity() && enabled();
+        pool().give(v, len * std::mem::size_of::<f32>(), keep);
+    }
+}
+
+/// Returns every pooled buffer to the system; the bytes released.
+pub fn trim() -> usize {
+    let free = {
+        let mut p = pool();
+        p.pooled = 0;
+        std::mem::take(&mut p.free)
+    };
+    free.iter().map(bytes_of).sum()
+}
+
+/// Bytes the pool holds now.
+pub fn pooled_bytes() -> usize {
+    pool().pooled
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = (1 << 20) / 4; // f32 elements
+
+    /// A buffer of `len` elements from the pool, or a new vector if it misses.
+    fn alloc(p: &mut Pool, len: usize) -> Vec<f32> {
+        p.take(len).unwrap_or_else(|evicted| {
+            drop(evicted);
+            let v = vec![0.0f32; len];
+            p.adopt(bytes_of(&v), bytes_of(&v));
+            v
+        })
+    }
+
+    #[test]
+    fn reuses_freed_vectors_and_stays_under_the_high_water_mark_of_use() {
+        let mut p = Pool::new();
+        // 1, 2 and 1 MiB in use at once: the mark is 4 MiB.
+        let mut bufs: Vec<Vec<f32>> = [MIB, 2 * MIB, MIB].into_iter().map(|len| alloc(&mut p, len)).collect();
+        bufs[2][0] = 7.0;
+        assert_eq!((p.live, p.used, p.peak), (4 << 20, 4 << 20, 4 << 20));
+        for v in bufs.drain(..) {
+            let len = v.len();
+            p.give(v, len * 4, true);
+        }
+        assert_eq!((p.live, p.used, p.pooled), (0, 0, 4 << 20));
+        // The smallest that holds it, the most recently freed of those, with its contents.
+        let v = p.take(MIB - 5).unwrap();
+        assert_eq!((v.len(), v[0]), (MIB, 7.0));
+        assert_eq!((p.live, p.used, p.pooled), (1 << 20, (1 << 20) - 20, 3 << 20));
+        // Twice the request at most: 2 MiB serves 1.5 MiB, not 0.9 MiB (the 1 MiB one does).
+        let w = p.take(MIB * 9 / 10).unwrap();
+        assert_eq!(w.len(), MIB);
+        p.give(w, MIB * 9 / 10 * 4, true);
+        let w = p.take(MIB * 3 / 2).unwrap();
+        assert_eq!(w.len(), 2 * MIB);
+        p.give(w, MIB * 3 / 2 * 4, true);
+        // 3 MiB more fits under the mark once the oldest pooled vectors (1, then 2 MiB) go.
+        let evicted = p.take(3 * MIB).unwrap_err();
+        assert_eq!(evicted.iter().map(Vec::len).collect::<Vec<_>>(), [MIB, 2 * MIB]);
+        assert_eq!(p.pooled, 0);
+        // Beyond the mark with nothing pooled: nothing to free, and the mark rises.
+        p.adopt(3 << 20, 3 << 20);
+        assert!(p.take(MIB).unwrap_err().is_empty());
+        p.adopt(1 << 20, 1 << 20);
+        assert_eq!(p.peak, (5 << 20) - 20);
+        p.give(v, (MIB - 5) * 4, true);
+        assert!(p.pooled + p.live <= p.peak + 20);
+    }
+
+    #[test]
+    fn only_large_vectors_are_counted() {
+        assert!(!large(16));
+        assert!(large(MIN_BYTES / 4));
+        let (v, reused) = take(100);
+        assert!(!reused && v.len() == 100);
+    }
+}
