@@ -3,7 +3,7 @@
 //! A decode allocates and frees the same sizes over and over (each layer's activations, its
 //! convolution's scratch). Returned to the system, every one of them comes back as fresh pages
 //! that fault in one by one on first touch: measured, a quarter of a CPU decode's time went to
-//! the kernel's page-fault handling. Freed [`crate::memory::Buffer`]s of at least
+//! the kernel's page-fault handling. Freed tensor buffers of at least
 //! [`MIN_BYTES`] therefore wait here, and a later allocation takes back the smallest one that
 //! holds it, if that is at most twice its size (a buffer may then be longer than the tensor
 //! it holds; the tensor's accounting counts the tensor's bytes, the pool the vector's).

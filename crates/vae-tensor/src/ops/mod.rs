@@ -54,6 +54,17 @@ impl<'a> OutPtr<'a> {
         // SAFETY: in bounds (checked); exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
+
+    /// A pointer to element `start`, for writes scattered over `start..start + span` (other
+    /// tasks may own elements in between, so no slice over the span is made).
+    ///
+    /// # Panics
+    /// If the span is out of bounds.
+    pub(crate) fn raw(self, start: usize, span: usize) -> *mut f32 {
+        assert!(start <= self.1 && span <= self.1 - start, "output range out of bounds");
+        // SAFETY: in bounds (checked); `add` makes no reference.
+        unsafe { self.0.add(start) }
+    }
 }
 
 /// Applies `f` to `data` in chunks, in parallel when the data is large enough to pay for it.

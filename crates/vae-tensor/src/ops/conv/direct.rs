@@ -7,12 +7,16 @@
 //! reads padding), copied as contiguous runs for stride 1. Every output-channel block of the
 //! packed weights is multiplied into them by [`microkernel::block`], accumulating in a
 //! per-thread block of `C` that is then written out with the bias. Reduction order: temporal
-//! tap, spatial tap, input channel; temporal taps that read padding frames are skipped.
+//! tap, spatial tap, input channel; temporal taps that read padding frames are skipped. For
+//! bf16 products the rows are packed in pairs, multiplied by AVX512-BF16's `vdpbf16ps` in the
+//! micro-kernel or, on a CPU with AMX, by [`amx::Session::gemm`] on the whole block at once.
 
 use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::amx;
 use super::microkernel::{self, NR};
 use super::{ConvJob, Frames};
 use crate::Result;
@@ -67,12 +71,26 @@ pub(super) enum Operands {
     F32(Isa),
     /// bf16 pairs, two reduction steps per `u32` element (AVX512-BF16).
     Bf16,
+    /// bf16 pairs multiplied on AMX tiles ([`amx::Session::gemm`]): the weights packed in 16 × 16 tiles,
+    /// the reduction padded to whole tiles.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
 impl Operands {
-    /// The operands of `job` on this machine.
+    /// The operands of `job` on this machine, for the micro-kernel.
     pub(super) fn of(job: &ConvJob<'_>, isa: Isa) -> Self {
         if job.bf16 { Operands::Bf16 } else { Operands::F32(isa) }
+    }
+
+    /// The operands of `job` on this machine for the direct convolution: AMX tiles for bf16
+    /// where the CPU has them.
+    fn for_direct(job: &ConvJob<'_>, isa: Isa) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if job.bf16 && amx::supported() {
+            return Operands::Amx;
+        }
+        Self::of(job, isa)
     }
 
     /// Rows of `C` per micro-kernel call (and of the packed lhs's blocks).
@@ -80,6 +98,8 @@ impl Operands {
         match self {
             Operands::F32(isa) => microkernel::mr(isa),
             Operands::Bf16 => microkernel::BF16_MR,
+            #[cfg(target_arch = "x86_64")]
+            Operands::Amx => amx::ROWS,
         }
     }
 
@@ -87,7 +107,17 @@ impl Operands {
     pub(super) fn steps(self) -> usize {
         match self {
             Operands::F32(_) => 1,
-            Operands::Bf16 => 2,
+            _ => 2,
+        }
+    }
+
+    /// Packed elements per temporal tap for `kseg` reduction steps: whole tiles for AMX.
+    fn elems(self, kseg: usize) -> usize {
+        let e = kseg.div_ceil(self.steps());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Operands::Amx => e.div_ceil(amx::COLS) * amx::COLS,
+            _ => e,
         }
     }
 
@@ -95,7 +125,7 @@ impl Operands {
     fn pack_rows(self, rows: [&[f32]; 2], out: &mut [f32]) {
         match self {
             Operands::F32(_) => out.copy_from_slice(rows[0]),
-            Operands::Bf16 => crate::ops::bf16::pack_pairs(rows[0], rows[1], bytemuck::cast_slice_mut(out)),
+            _ => crate::ops::bf16::pack_pairs(rows[0], rows[1], bytemuck::cast_slice_mut(out)),
         }
     }
 
@@ -133,43 +163,90 @@ impl Operands {
             },
             #[cfg(not(target_arch = "x86_64"))]
             Operands::Bf16 => unreachable!("bf16 convolutions need AVX512-BF16"),
+            #[cfg(target_arch = "x86_64")]
+            Operands::Amx => unreachable!("AMX operands go to amx::gemm, not the micro-kernel"),
         }
+    }
+}
+
+/// A convolution's packed weights, starting on a 64-byte boundary.
+pub(super) struct PackedWeights {
+    buf: Buffer,
+    at: usize,
+    len: usize,
+    /// Packed elements per temporal tap.
+    pub elems: usize,
+}
+
+impl PackedWeights {
+    /// The packed elements.
+    pub(super) fn as_slice(&self) -> &[f32] {
+        &self.buf.as_slice()[self.at..][..self.len]
     }
 }
 
 /// Packs the weights `[Cout, Cin, kt, kh, kw]` as the micro-kernel's lhs:
 /// `[Cout / mr][dt][E][mr]`, where each temporal tap's `kh·kw·Cin` reduction rows (in
 /// `(ky, kx, ci)` order) make `E` elements of `steps` rows (the last padded with zeros); zero
-/// rows past `Cout`. Returns the buffer and `E`.
-pub(super) fn pack_weights(job: &ConvJob<'_>, ops: Operands) -> (Buffer, usize) {
+/// rows past `Cout`. For AMX each block of 16 output channels is a row of 16 × 16 tiles
+/// instead, `[Cout / 16][dt·E / 16][16 channels][16 elements]`.
+pub(super) fn pack_weights(job: &ConvJob<'_>, ops: Operands) -> PackedWeights {
     let [kt, kh, kw] = job.kernel;
     let (cin, cout) = (job.frames.cin, job.cout);
-    let (mr, steps) = (ops.mr(), ops.steps());
+    let mr = ops.mr();
     let (taps2, taps) = (kh * kw, kt * kh * kw);
     let kseg = taps2 * cin;
-    let elems = kseg.div_ceil(steps);
+    let elems = ops.elems(kseg);
     let blocks = cout.div_ceil(mr);
-    let weight = |co: usize, dt: usize, k: usize| {
-        if co >= cout || k >= kseg {
-            return 0.0;
-        }
-        let (tap, ci) = (k / cin, k % cin);
-        job.weight[(co * cin + ci) * taps + dt * taps2 + tap]
-    };
-    let mut packed = Buffer::zeros(blocks * kt * elems * mr);
-    packed.as_mut_slice().par_chunks_mut((kt * elems * mr).max(1)).enumerate().for_each(|(cb, dst)| {
-        for (i, d) in dst.iter_mut().enumerate() {
-            let (r, e, dt) = (i % mr, i / mr % elems, i / mr / elems);
-            let co = cb * mr + r;
-            *d = match ops {
-                Operands::F32(_) => weight(co, dt, e),
-                Operands::Bf16 => {
-                    f32::from_bits(crate::ops::bf16::pair(weight(co, dt, 2 * e), weight(co, dt, 2 * e + 1)))
+    // Where reduction step k = (tap, ci) of temporal tap 0 sits in a `[Cin, kt, kh, kw]` row.
+    let offset: Vec<usize> = (0..kseg).map(|k| (k % cin) * taps + k / cin).collect();
+    let steps = ops.steps();
+    let len = blocks * kt * elems * mr;
+    let mut buf = Buffer::for_overwrite(len + 16);
+    let at = buf.as_slice().as_ptr().align_offset(64).min(16);
+    let chunk = (kt * elems * mr).max(1);
+    buf.as_mut_slice()[at..][..len].par_chunks_mut(chunk).enumerate().for_each(|(cb, dst)| {
+        // The `steps` f32 values of element `e` of temporal tap `dt` for output channel `co`.
+        let mut lo = [0.0f32; 16];
+        let mut hi = [0.0f32; 16];
+        let value = |co: usize, dt: usize, k: usize| {
+            if co < cout && k < kseg { job.weight[co * cin * taps + dt * taps2 + offset[k]] } else { 0.0 }
+        };
+        match ops {
+            Operands::F32(_) => {
+                for (i, run) in dst.chunks_exact_mut(mr).enumerate() {
+                    let (dt, e) = (i / elems, i % elems);
+                    for (r, d) in run.iter_mut().enumerate() {
+                        *d = value(cb * mr + r, dt, e);
+                    }
                 }
-            };
+            }
+            #[cfg(target_arch = "x86_64")]
+            Operands::Amx => {
+                // Rows of 16 elements: tile t (of temporal tap dt = 16t / E), channel row r.
+                for (i, run) in dst.chunks_exact_mut(amx::COLS).enumerate() {
+                    let (r, t) = (i % amx::ROWS, i / amx::ROWS);
+                    let (dt, e0) = (t * amx::COLS / elems, t * amx::COLS % elems);
+                    for c in 0..amx::COLS {
+                        lo[c] = value(cb * mr + r, dt, steps * (e0 + c));
+                        hi[c] = value(cb * mr + r, dt, steps * (e0 + c) + 1);
+                    }
+                    crate::ops::bf16::pack_pairs(&lo, &hi, bytemuck::cast_slice_mut(run));
+                }
+            }
+            _ => {
+                for (i, run) in dst.chunks_exact_mut(mr).enumerate() {
+                    let (dt, e) = (i / elems, i % elems);
+                    for r in 0..mr {
+                        lo[r] = value(cb * mr + r, dt, steps * e);
+                        hi[r] = value(cb * mr + r, dt, steps * e + 1);
+                    }
+                    crate::ops::bf16::pack_pairs(&lo[..mr], &hi[..mr], bytemuck::cast_slice_mut(run));
+                }
+            }
         }
     });
-    (packed, elems)
+    PackedWeights { buf, at, len, elems }
 }
 
 /// One block of work: pixels `q0..q1` of output frame `o` of batch item `b`.
@@ -198,15 +275,16 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
     let (cin, cout) = (f.cin, job.cout);
     let s = job.stride[1];
     let [top, _, left, _] = job.padding;
-    let mut out = Buffer::zeros(out_len);
+    let mut out = Buffer::for_overwrite(out_len);
     if out_len == 0 {
         return Ok(out);
     }
-    let ops = Operands::of(job, isa);
+    let ops = Operands::for_direct(job, isa);
     let mr = ops.mr();
     let taps2 = kh * kw;
     let kseg = taps2 * cin;
-    let (packed, elems) = pack_weights(job, ops);
+    let packed = pack_weights(job, ops);
+    let elems = packed.elems;
     let blocks_of_c = cout.div_ceil(mr);
     let cout_pad = blocks_of_c * mr;
     let plane_out = ho * wo;
@@ -263,12 +341,34 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
                     let packed_row = &mut bpanel[ee * ldb..][..width];
                     match ops {
                         Operands::F32(_) => gather(dti, e, packed_row),
-                        Operands::Bf16 => {
+                        _ => {
                             gather(dti, 2 * e, &mut row0[..width]);
                             gather(dti, 2 * e + 1, &mut row1[..width]);
                             ops.pack_rows([&row0[..width], &row1[..width]], packed_row);
                         }
                     }
+                }
+                #[cfg(target_arch = "x86_64")]
+                if ops == Operands::Amx {
+                    let a = &packed.as_slice()[(e_lo + e0) * mr..];
+                    let (mb, nb, kb) = (blocks_of_c, width.div_ceil(amx::COLS), kc / amx::COLS);
+                    // SAFETY: AMX was detected (`for_direct`); the packed weights hold `mb` rows
+                    // of tiles `kt·elems·16` apart, from `e_lo + e0` on `kb` tiles each (`elems`
+                    // and K_CHUNK are multiples of 16); the panel `kc` rows of `ldb ≥ 16·nb`;
+                    // `cblock` `cout_pad = 16·mb` rows of `ldb`, this thread's alone.
+                    unsafe {
+                        amx::Session::start().gemm(
+                            (mb, nb, kb),
+                            a.as_ptr().cast(),
+                            kt * elems * mr,
+                            bpanel.as_ptr().cast(),
+                            ldb,
+                            cblock.as_mut_ptr(),
+                            ldb,
+                            e0 > 0,
+                        )
+                    };
+                    continue;
                 }
                 for cb in 0..blocks_of_c {
                     let a = &packed.as_slice()[(cb * kt * elems + e_lo + e0) * mr..][..kc * mr];

@@ -1,20 +1,28 @@
 //! Convolutions on the CPU: the public 2-D op and the job both it and the 3-D op
 //! ([`crate::Conv3dParams`]) hand to the kernels.
 //!
-//! Two algorithms, both built on one register-blocked product ([`microkernel`]):
+//! Two algorithms on one register-blocked product ([`microkernel`]), and one on AMX tiles:
 //! - [`direct`]: an implicit GEMM over the kernel taps (no im2col matrix), for every
 //!   convolution. Each output is one chain of fused multiply-adds over (temporal tap, spatial
 //!   tap, input channel) in that order, so it depends on its receptive field alone.
-//! - [`winograd`]: F(4×4, 3×3) for 3×3 stride-1 convolutions, 4× fewer multiplications. Its
-//!   rounding couples the 16 outputs of a 4×4 tile, so it runs only where the caller declares
-//!   (with [`Conv2dParams::band_aligned`]) that band cuts fall on multiples of 4: a shard
-//!   rank's band then holds whole tiles laid out as the direct computation's, and shard and
-//!   direct decodes stay bit-identical.
+//! - [`winograd`]: F(4×4, 3×3) and F(2×2, 3×3) for 3×3 stride-1 convolutions, 4× (2.25×)
+//!   fewer multiplications. Its rounding couples the outputs of a tile, so it runs only where
+//!   the caller declares (with [`Conv2dParams::band_aligned`]) that band cuts fall on multiples
+//!   of the tile: a shard rank's band then holds whole tiles laid out as the direct
+//!   computation's, and shard and direct decodes stay bit-identical.
+//! - [`amx_direct`] (x86-64): bf16 convolutions ([`crate::CpuBf16Scope`]) on a CPU with AMX,
+//!   stride 1 and `Cin` a multiple of 32, reading the input through aligned tiles; each output
+//!   depends on its receptive field alone. The other bf16 convolutions take [`direct`] with
+//!   AMX ([`amx`]) or AVX512-BF16 products.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod amx_direct;
 mod direct;
+mod microkernel;
 #[cfg(test)]
 mod testing;
-mod microkernel;
 mod winograd;
 
 use crate::memory::Buffer;
@@ -245,6 +253,11 @@ impl ConvJob<'_> {
     /// alignment allows, the direct kernel otherwise.
     pub fn run(&self, isa: Isa) -> Result<Buffer> {
         let out_len = self.out_len()?;
+        #[cfg(target_arch = "x86_64")]
+        if amx_direct::applies(self) {
+            let _profile = crate::profile::Scope::new("conv.amx");
+            return amx_direct::run(self, out_len);
+        }
         if winograd::applies(self) {
             let _profile = crate::profile::Scope::new("conv.winograd");
             winograd::run(self, isa, out_len)
