@@ -44,18 +44,53 @@ pub(crate) fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
     unreachable!("bf16 convolutions run only where AVX512-BF16 was detected");
 }
 
+/// `out[c] = pair(src[first + 2c·stride], src[first + (2c + 1)·stride])` for `c < 16`: 32
+/// values `stride` apart as bf16 pairs, with AVX512-BF16 (the same bits as [`pair`]).
+///
+/// # Panics
+/// If `src` ends before the last value, or (a bug) the CPU lacks AVX512-BF16.
+pub(crate) fn gather_pairs(src: &[f32], first: usize, stride: usize, out: &mut [u32; 16]) {
+    let last = first + 31 * stride;
+    assert!(last < src.len() && i32::try_from(31 * stride).is_ok(), "gather past the end");
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::simd::bf16_supported() {
+        // SAFETY: the features were detected; the 32 indices lie in `src` (checked).
+        unsafe { x86::gather_pairs(&src[first..=last], stride, out) };
+        return;
+    }
+    unreachable!("bf16 convolutions run only where AVX512-BF16 was detected");
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// AVX-512F/BW and AVX512-BF16 must be available; the three slices are equally long.
+    /// AVX-512F/BW and AVX512-BF16 must be available; `src` holds `31·stride + 1` values and
+    /// `31·stride` fits an `i32`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
-        let n = out.len();
-        // Lane j of the result takes lane j of `lo` (word 2j) and of `hi` (word 2j + 1).
-        // Word 2j + 1 takes lane j + 16 (hi), word 2j lane j (lo): as 32-bit lanes, j | (j + 16) << 16.
-        let idx = _mm512_setr_epi32(
+    pub(super) unsafe fn gather_pairs(src: &[f32], stride: usize, out: &mut [u32; 16]) {
+        let s = stride as i32;
+        let even = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+            _mm512_set1_epi32(s),
+        );
+        let odd = _mm512_add_epi32(even, _mm512_set1_epi32(s));
+        // SAFETY: every index is at most 31·stride, inside `src` (the caller's contract).
+        unsafe {
+            let lo = _mm512_i32gather_ps::<4>(even, src.as_ptr().cast());
+            let hi = _mm512_i32gather_ps::<4>(odd, src.as_ptr().cast());
+            let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_permutexvar_epi16(pair_order(), words));
+        }
+    }
+
+    /// `vpermw` indices that interleave `cvtne2ps`'s two halves into pairs: word 2j takes word
+    /// j (the low operand's lane j), word 2j + 1 word j + 16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn pair_order() -> __m512i {
+        _mm512_setr_epi32(
             0x0010_0000,
             0x0011_0001,
             0x0012_0002,
@@ -72,7 +107,15 @@ mod x86 {
             0x001D_000D,
             0x001E_000E,
             0x001F_000F,
-        );
+        )
+    }
+
+    /// # Safety
+    /// AVX-512F/BW and AVX512-BF16 must be available; the three slices are equally long.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+        let n = out.len();
+        let idx = pair_order();
         // cvtne2ps: words 0..16 from its second operand, 16..32 from its first. (Written out
         // twice rather than in a closure, which would not share this function's features.)
         let full = n / 16 * 16;
@@ -142,6 +185,26 @@ mod tests {
             // Within half a bf16 ulp (8 significant bits) of x.
             let half_ulp = 2f32.powi(x.abs().log2().floor() as i32 - 8);
             assert!((r - x).abs() <= half_ulp, "{x} -> {r}");
+        }
+    }
+
+    #[test]
+    fn gathered_pairs_give_the_scalar_bits() {
+        if !crate::ops::simd::bf16_supported() {
+            return; // no AVX512-BF16 here: bf16 convolutions are refused on this CPU
+        }
+        let xs = samples();
+        for (first, stride) in [(0, 1), (3, 9), (100, 27), (xs.len() - 1 - 31 * 600, 600)] {
+            let mut out = [0u32; 16];
+            gather_pairs(&xs, first, stride, &mut out);
+            for (c, &o) in out.iter().enumerate() {
+                let want = pair(xs[first + 2 * c * stride], xs[first + (2 * c + 1) * stride]);
+                let same = |a: u16, b: u16| a == b || (value(a).is_nan() && value(b).is_nan());
+                assert!(
+                    same(o as u16, want as u16) && same((o >> 16) as u16, (want >> 16) as u16),
+                    "{first} {stride} {c}"
+                );
+            }
         }
     }
 

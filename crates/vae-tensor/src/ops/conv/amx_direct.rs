@@ -204,19 +204,22 @@ fn pack_weights(job: &ConvJob<'_>, dst: &mut [f32]) {
     let taps2 = kh * kw;
     let kb = cin / (2 * COLS);
     let per_pair = kt * kb * taps2 * 2 * A_TILE;
+    let per_channel = cin * kt * taps2;
     dst.par_chunks_mut(per_pair).enumerate().for_each(|(pb, dst)| {
-        let (mut lo, mut hi) = ([0.0f32; COLS], [0.0f32; COLS]);
+        let dst: &mut [u32] = bytemuck::cast_slice_mut(dst);
         for (i, row) in dst.chunks_exact_mut(COLS).enumerate() {
-            // Row `r` of half `h` of the tile pair of step (dt, j, tap).
+            // Row `r` of half `h` of the tile pair of step (dt, j, tap): input channels
+            // 32j..32j + 32 of output channel `co`, `kt·taps` apart in the weights.
             let (r, h, step) = (i % amx::ROWS, i / amx::ROWS % 2, i / amx::ROWS / 2);
             let (tap, j, dt) = (step % taps2, step / taps2 % kb, step / taps2 / kb);
             let co = (2 * pb + h) * amx::ROWS + r;
-            for c in 0..COLS {
-                let ci = 2 * (j * COLS + c);
-                let w = |ci: usize| if co < cout { job.weight[((co * cin + ci) * kt + dt) * taps2 + tap] } else { 0.0 };
-                (lo[c], hi[c]) = (w(ci), w(ci + 1));
+            let row: &mut [u32; COLS] = row.try_into().expect("16 elements");
+            if co < cout {
+                let w = &job.weight[co * per_channel..][..per_channel];
+                crate::ops::bf16::gather_pairs(w, 2 * COLS * j * kt * taps2 + dt * taps2 + tap, kt * taps2, row);
+            } else {
+                row.fill(0);
             }
-            crate::ops::bf16::pack_pairs(&lo, &hi, bytemuck::cast_slice_mut(row));
         }
     });
 }
