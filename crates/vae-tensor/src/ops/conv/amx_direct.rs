@@ -230,7 +230,7 @@ struct Aligned([f32; 32 * 32]);
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{Case, max_err, scale};
+    use super::super::testing::{Case, col_band, max_err, row_band, scale};
     use super::super::{ConvJob, Frames};
     use super::*;
 
@@ -295,16 +295,8 @@ mod tests {
         };
         // Rows r0..r1 from input rows r0 − 1 ..= r1 (zeros past the edges).
         for (r0, r1) in [(0, 3), (3, 10), (10, 13), (5, 6)] {
-            let bh = r1 - r0 + 2;
-            let mut band = vec![0.0f32; cin * bh * w];
-            for c in 0..cin {
-                for (i, y) in (r0 as isize - 1..=r1 as isize).enumerate() {
-                    if (0..h as isize).contains(&y) {
-                        band[(c * bh + i) * w..][..w].copy_from_slice(&ops.x[(c * h + y as usize) * w..][..w]);
-                    }
-                }
-            }
-            let got = band_conv(&band, bh, w, [0, 0, 1, 1]);
+            let band = row_band(&ops.x, [cin, h, w], (r0, r1));
+            let got = band_conv(&band, r1 - r0 + 2, w, [0, 0, 1, 1]);
             for c in 0..cout {
                 let a = &whole[(c * h + r0) * w..][..(r1 - r0) * w];
                 let b = &got[c * (r1 - r0) * w..][..(r1 - r0) * w];
@@ -313,18 +305,8 @@ mod tests {
         }
         // Columns c0..c1 likewise.
         for (c0, c1) in [(0, 5), (5, 33), (33, 37)] {
-            let bw = c1 - c0 + 2;
-            let mut band = vec![0.0f32; cin * h * bw];
-            for c in 0..cin {
-                for y in 0..h {
-                    for (i, xx) in (c0 as isize - 1..=c1 as isize).enumerate() {
-                        if (0..w as isize).contains(&xx) {
-                            band[(c * h + y) * bw + i] = ops.x[(c * h + y) * w + xx as usize];
-                        }
-                    }
-                }
-            }
-            let got = band_conv(&band, h, bw, [1, 1, 0, 0]);
+            let band = col_band(&ops.x, [cin, h, w], (c0, c1));
+            let got = band_conv(&band, h, c1 - c0 + 2, [1, 1, 0, 0]);
             for c in 0..cout {
                 for y in 0..h {
                     let a = &whole[(c * h + y) * w + c0..][..c1 - c0];

@@ -119,3 +119,34 @@ pub(super) fn max_err(got: &[f32], want: &[f64]) -> f64 {
 pub(super) fn scale(v: &[f64]) -> f64 {
     v.iter().fold(0.0f64, |m, x| m.max(x.abs()))
 }
+
+/// Rows `r0 − 1 ..= r1` of a `[cin, h, w]` map (zeros past its edges): what a spatial-shard
+/// band computing output rows `r0..r1` of a 3×3 convolution reads, halos included.
+pub(super) fn row_band(x: &[f32], [cin, h, w]: [usize; 3], (r0, r1): (usize, usize)) -> Vec<f32> {
+    let bh = r1 - r0 + 2;
+    let mut band = vec![0.0f32; cin * bh * w];
+    for c in 0..cin {
+        for (i, y) in (r0 as isize - 1..=r1 as isize).enumerate() {
+            if (0..h as isize).contains(&y) {
+                band[(c * bh + i) * w..][..w].copy_from_slice(&x[(c * h + y as usize) * w..][..w]);
+            }
+        }
+    }
+    band
+}
+
+/// Columns `c0 − 1 ..= c1` of a `[cin, h, w]` map (zeros past its edges), as [`row_band`].
+pub(super) fn col_band(x: &[f32], [cin, h, w]: [usize; 3], (c0, c1): (usize, usize)) -> Vec<f32> {
+    let bw = c1 - c0 + 2;
+    let mut band = vec![0.0f32; cin * h * bw];
+    for c in 0..cin {
+        for y in 0..h {
+            for (i, xx) in (c0 as isize - 1..=c1 as isize).enumerate() {
+                if (0..w as isize).contains(&xx) {
+                    band[(c * h + y) * bw + i] = x[(c * h + y) * w + xx as usize];
+                }
+            }
+        }
+    }
+    band
+}

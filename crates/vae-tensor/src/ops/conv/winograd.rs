@@ -726,7 +726,7 @@ fn run_output<T: Tile>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{Case, max_err, scale};
+    use super::super::testing::{Case, col_band, max_err, row_band, scale};
     use super::*;
     use crate::ops::conv::{ConvJob, Frames};
 
@@ -807,17 +807,7 @@ mod tests {
         let whole = conv(&x, h, w, [1; 4]);
         // Rows r0..r1 of the output from input rows r0 − 1 ..= r1 (zeros past the edges).
         for &(r0, r1) in row_bands {
-            let band_h = r1 - r0 + 2;
-            let mut band = vec![0.0f32; cin * band_h * w];
-            for c in 0..cin {
-                for (i, y) in (r0 as isize - 1..=r1 as isize).enumerate() {
-                    if (0..h as isize).contains(&y) {
-                        let src = &x[(c * h + y as usize) * w..][..w];
-                        band[(c * band_h + i) * w..][..w].copy_from_slice(src);
-                    }
-                }
-            }
-            let got = conv(&band, band_h, w, [0, 0, 1, 1]);
+            let got = conv(&row_band(&x, [cin, h, w], (r0, r1)), r1 - r0 + 2, w, [0, 0, 1, 1]);
             for c in 0..cout {
                 for oy in r0..r1 {
                     let a = &whole[(c * h + oy) * w..][..w];
@@ -831,18 +821,7 @@ mod tests {
         }
         // Columns c0..c1 likewise.
         for &(c0, c1) in col_bands {
-            let band_w = c1 - c0 + 2;
-            let mut band = vec![0.0f32; cin * h * band_w];
-            for c in 0..cin {
-                for y in 0..h {
-                    for (i, xx) in (c0 as isize - 1..=c1 as isize).enumerate() {
-                        if (0..w as isize).contains(&xx) {
-                            band[(c * h + y) * band_w + i] = x[(c * h + y) * w + xx as usize];
-                        }
-                    }
-                }
-            }
-            let got = conv(&band, h, band_w, [1, 1, 0, 0]);
+            let got = conv(&col_band(&x, [cin, h, w], (c0, c1)), h, c1 - c0 + 2, [1, 1, 0, 0]);
             for c in 0..cout {
                 for y in 0..h {
                     let a = &whole[(c * h + y) * w + c0..][..c1 - c0];
