@@ -45,7 +45,21 @@ enum Command {
     Devices,
 }
 
+/// Has glibc map every allocation of 1 MiB and more from the system and return it when freed,
+/// instead of its dynamic threshold, which serves some of them from its heap and keeps them once
+/// freed. vae-tensor's buffer pool (`vae_tensor::recycle`) keeps the large buffers' resident
+/// size under their high-water mark only if freed ones go back to the system.
+fn map_large_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocation policy; it runs first thing in `main`,
+    // before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, vae_tensor::recycle::MIN_BYTES as i32);
+    }
+}
+
 fn main() -> ExitCode {
+    map_large_allocations();
     let cli = Cli::parse();
     let default_level = match cli.verbose {
         0 => "warn",

@@ -175,7 +175,8 @@ impl Buffer {
         Self::counted(data, len)
     }
 
-    /// Charges `data` (already counted by [`crate::recycle`]) to the current thread.
+    /// Charges the first `len` elements of `data` (already counted by [`crate::recycle`]) to
+    /// the current thread.
     fn counted(data: Vec<f32>, len: usize) -> Self {
         debug_assert!(len <= data.len());
         let counters = current();
@@ -248,7 +249,9 @@ impl Drop for DeviceCharge {
 impl Clone for Buffer {
     /// A copy is a new allocation, charged to the thread that makes it.
     fn clone(&self) -> Self {
-        Self::from_vec(self.as_slice().to_vec())
+        let mut copy = Self::for_overwrite(self.len);
+        copy.as_mut_slice().copy_from_slice(self.as_slice());
+        copy
     }
 }
 
