@@ -74,8 +74,12 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
 #[test]
 fn the_engine_routes_normalised_latents_like_the_pipelines() {
     for case in fixture_cases("autoencoder_kl").iter().filter(|c| c.op.ends_with("normalized")) {
-        let engine =
-            Engine::load(&dir().join(&case.model), case.tile_sample_min_size, case.tile_overlap_factor).unwrap();
+        let tiling = vae_models::TileOverrides {
+            sample_min_size: case.tile_sample_min_size,
+            overlap_factor: case.tile_overlap_factor,
+            ..Default::default()
+        };
+        let engine = Engine::load(&dir().join(&case.model), &tiling).unwrap();
         let input = read_npy(&dir().join(&case.input)).unwrap();
         let expected = read_npy(&dir().join(&case.output)).unwrap();
         let options = RequestOptions { use_tiling: case.tiling, latents_normalized: true, ..RequestOptions::default() };

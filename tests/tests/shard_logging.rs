@@ -42,7 +42,7 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
         .with_writer(move || writer.clone())
         .init();
 
-    let wan = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), None, None).unwrap();
+    let wan = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), &Default::default()).unwrap();
     // Height 3 cannot feed 4 ranks: spatial_shard_height falls back to tile (never to width).
     let z = Tensor::zeros(vec![1, 16, 1, 3, 8], DType::F32, &Device::Cpu).unwrap();
     let reasons = run_local(4, TransportConfig::default(), |comm| {
@@ -72,7 +72,7 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
     assert_eq!(captured.take(), "", "auto's tile choice is not a warning");
 
     // A family without a shard path refuses the mode with a typed error naming it, on every rank.
-    let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), None, None).unwrap();
+    let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), &Default::default()).unwrap();
     assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_err());
     let latent = Tensor::zeros(vec![1, 4, 8, 8], DType::F32, &Device::Cpu).unwrap();
     let errors = run_local(2, TransportConfig::default(), |comm| {

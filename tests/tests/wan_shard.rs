@@ -189,8 +189,8 @@ fn per_rank_activation_peak_falls_as_one_over_n() {
 fn one_loaded_model_serves_mixed_requests_in_any_order() {
     use vae_parallel::engine::{Engine, RequestOptions};
 
-    let engine = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), None, None).unwrap();
-    let vae_parallel::engine::Model::Video(model) = engine.model() else { panic!("a video VAE") };
+    let engine = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), &Default::default()).unwrap();
+    let model: &WanVae = engine.model().as_any().downcast_ref().expect("a video VAE");
     let tiled = latent([1, 16, 2, 8, 12], 21);
     let small = latent([1, 16, 1, 2, 2], 22);
     let landscape = latent([1, 16, 2, 4, 12], 23);

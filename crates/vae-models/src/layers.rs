@@ -44,6 +44,22 @@ impl Conv2d {
         self.weight.dims()[0]
     }
 
+    /// The weight, `[cout, cin, k, k]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The stride, padding and band alignment it was loaded with.
+    pub fn params(&self) -> &Conv2dParams {
+        &self.params
+    }
+
+    /// The convolution with other parameters (an input that already carries halo rows along
+    /// one axis is not padded along it again).
+    pub fn forward_with(&self, x: &Tensor, params: &Conv2dParams) -> Result<Tensor> {
+        Ok(x.conv2d(&self.weight, Some(&self.bias), params)?)
+    }
+
     /// Applies the convolution to an NCHW tensor.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.conv2d(&self.weight, Some(&self.bias), &self.params)?)

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use crate::model_cmds::ComputeType;
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use vae_parallel::engine::{EncodeOutput, Engine, Model, RequestOptions};
+use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::group::TransportKind;
+use vae_parallel::models::TileOverrides;
 use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::DistributedVaeExecutor;
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
@@ -381,7 +382,7 @@ fn run_on_one_rank(
     let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
         // One rank: the work runs on this thread.
         let _tiles = tiles.map(ConvTilesScope::only);
-        let mut engine = Engine::load_on(model, None, None, device, compute.dtype)?;
+        let mut engine = Engine::load_on(model, &TileOverrides::default(), device, compute.dtype)?;
         engine.set_tf32_convolutions(compute.tf32);
         let input = vae_parallel::io::read_tensor(input)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
@@ -608,9 +609,13 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: --device {}: {why}", args.device);
     }
     let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
-    let mut engine = Engine::load_on(&args.model, None, None, device, dtype.dtype)?;
+    let mut engine = Engine::load_on(&args.model, &TileOverrides::default(), device, dtype.dtype)?;
     engine.set_tf32_convolutions(dtype.tf32);
-    anyhow::ensure!(matches!(engine.model(), Model::Video(_)), "bench shard needs a video VAE (Wan, Qwen-Image)");
+    anyhow::ensure!(
+        engine.check_mode(ParallelMode::SpatialShardHeight).is_ok(),
+        "bench shard needs a family with a spatial shard ({} has none)",
+        engine.model().class_name()
+    );
     let latent = match &args.latent {
         Some(path) => vae_parallel::io::read_tensor(path)?,
         None => {

@@ -1,15 +1,13 @@
-//! The engine: load a diffusers VAE directory, serve decode and encode requests over a group
-//! of ranks. Model policy (supported modes, tile geometry, output placement) comes from the
-//! family's adapter in `vae-models`; the engine only routes.
+//! The engine: load a diffusers VAE directory through the family registry, serve decode and
+//! encode requests over a group of ranks. Model policy (supported modes, strategy, tile
+//! geometry, output placement) comes from the family ([`LoadedVae`]); the engine holds the
+//! request-wide pieces every family shares: precision scopes, pipeline (de)normalisation,
+//! the owner's log of the chosen strategy, and the report's reason.
 
 use std::path::{Path, PathBuf};
 
-use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
-use vae_models::wan::{VideoVaeClass, WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanVae};
-use vae_models::{Direction, Family, ModelError};
-use vae_runtime::{
-    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
-};
+use vae_models::{Direction, Execution, LoadedVae, ModelError, TileOverrides};
+use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, StrategyChoice};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -17,18 +15,19 @@ use vae_tensor::Tensor;
 pub enum EngineError {
     /// The model could not be loaded or refused the request.
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(ModelError),
     /// The distributed run failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
-    /// The directory holds a VAE class vae-parallel does not implement (yet).
-    #[error("{path}: {message}")]
-    Unsupported {
-        /// The model directory.
-        path: PathBuf,
-        /// Why.
-        message: String,
-    },
+}
+
+impl From<ModelError> for EngineError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Runtime(e) => Self::Runtime(e),
+            e => Self::Model(e),
+        }
+    }
 }
 
 /// How one request runs.
@@ -60,17 +59,9 @@ pub enum EncodeOutput {
     Mean,
 }
 
-/// A loaded model.
-pub enum Model {
-    /// AutoencoderKL or AutoencoderKLFlux2.
-    AutoencoderKl(Box<AutoencoderKl>),
-    /// AutoencoderKLWan (Wan2.1-style) or AutoencoderKLQwenImage.
-    Video(Box<WanVae>),
-}
-
 /// A loaded VAE ready to serve requests.
 pub struct Engine {
-    model: Model,
+    model: Box<dyn LoadedVae>,
     dir: PathBuf,
     /// f32 convolutions as one TF32 product each (`--dtype tf32`), on the threads that run
     /// requests.
@@ -82,28 +73,15 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("dir", &self.dir).field("family", &self.family()).finish()
+        f.debug_struct("Engine").field("dir", &self.dir).field("class", &self.model.class_name()).finish()
     }
 }
 
-/// Reads `_class_name` from a model directory's `config.json`.
-pub fn class_name(dir: &Path) -> Result<String, EngineError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.clone(), message: e.to_string() })?;
-    Ok(value.get("_class_name").and_then(|v| v.as_str()).unwrap_or("AutoencoderKL").to_string())
-}
-
 impl Engine {
-    /// Loads a diffusers VAE directory, with optional tile overrides (`tile_sample_min_size`,
-    /// `tile_overlap_factor`).
-    pub fn load(
-        dir: &Path,
-        tile_sample_min_size: Option<usize>,
-        tile_overlap_factor: Option<f64>,
-    ) -> Result<Self, EngineError> {
-        Self::load_on(dir, tile_sample_min_size, tile_overlap_factor, vae_tensor::Device::Cpu, vae_tensor::DType::F32)
+    /// Loads a diffusers VAE directory onto the CPU in f32, with the family's tile geometry
+    /// changed as `tiling` says (see [`LoadedVae::enable_tiling`]).
+    pub fn load(dir: &Path, tiling: &TileOverrides) -> Result<Self, EngineError> {
+        Self::load_on(dir, tiling, vae_tensor::Device::Cpu, vae_tensor::DType::F32)
     }
 
     /// [`Self::load`] with the weights on `device` in `dtype`, where every family then
@@ -113,43 +91,18 @@ impl Engine {
     /// CPU feature).
     pub fn load_on(
         dir: &Path,
-        tile_sample_min_size: Option<usize>,
-        tile_overlap_factor: Option<f64>,
+        tiling: &TileOverrides,
         device: vae_tensor::Device,
         dtype: vae_tensor::DType,
     ) -> Result<Self, EngineError> {
-        let class = class_name(dir)?;
         let cpu_bf16 = device.is_cpu() && dtype == vae_tensor::DType::BF16;
         if cpu_bf16 {
             // Refused here, before the weights load, where the CPU cannot do it.
             drop(vae_tensor::CpuBf16Scope::enter().map_err(ModelError::from)?);
         }
         let dtype = if cpu_bf16 { vae_tensor::DType::F32 } else { dtype };
-        let model = match class.as_str() {
-            "AutoencoderKL" | "AutoencoderKLFlux2" => {
-                let mut m = AutoencoderKl::load_with(dir, device, dtype)?;
-                m.set_tiling(tile_sample_min_size, tile_overlap_factor)?;
-                Model::AutoencoderKl(Box::new(m))
-            }
-            "AutoencoderKLWan" | "AutoencoderKLQwenImage" => {
-                if tile_sample_min_size.is_some() || tile_overlap_factor.is_some() {
-                    return Err(EngineError::Unsupported {
-                        path: dir.to_path_buf(),
-                        message: format!(
-                            "{class} tiles with --tile-sample-min-height/-width and \
-                             --tile-sample-stride-height/-width, not --tile-sample-min-size / --tile-overlap-factor"
-                        ),
-                    });
-                }
-                Model::Video(Box::new(WanVae::load_with(dir, device, dtype)?))
-            }
-            other => {
-                return Err(EngineError::Unsupported {
-                    path: dir.to_path_buf(),
-                    message: format!("{other:?} is not a VAE class vae-parallel knows"),
-                });
-            }
-        };
+        let mut model = vae_models::family::load(dir, device, dtype)?;
+        model.enable_tiling(tiling)?;
         Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false, cpu_bf16 })
     }
 
@@ -175,25 +128,13 @@ impl Engine {
     /// The element type the model computes in (bf16 for a CPU bf16 model, whose tensors are
     /// f32).
     pub fn compute_dtype(&self) -> vae_tensor::DType {
-        if self.cpu_bf16 {
-            return vae_tensor::DType::BF16;
-        }
-        match &self.model {
-            Model::AutoencoderKl(m) => m.dtype(),
-            Model::Video(m) => m.dtype(),
-        }
+        if self.cpu_bf16 { vae_tensor::DType::BF16 } else { self.model.dtype() }
     }
 
-    /// Sets the tile geometry of a video VAE as diffusers' `enable_tiling(min_h, min_w,
-    /// stride_h, stride_w)` does (pixels); other families tile by size and overlap instead.
-    pub fn set_video_tiling(&mut self, min: [usize; 2], stride: [usize; 2]) -> Result<(), EngineError> {
-        match &mut self.model {
-            Model::Video(m) => Ok(m.set_tiling(min, stride)?),
-            Model::AutoencoderKl(_) => Err(EngineError::Unsupported {
-                path: self.dir.clone(),
-                message: "AutoencoderKL-family VAEs tile with --tile-sample-min-size / --tile-overlap-factor".into(),
-            }),
-        }
+    /// Changes the tile geometry as diffusers' `enable_tiling` would (see
+    /// [`LoadedVae::enable_tiling`]).
+    pub fn set_tiling(&mut self, tiling: &TileOverrides) -> Result<(), EngineError> {
+        Ok(self.model.enable_tiling(tiling)?)
     }
 
     /// The model directory.
@@ -202,22 +143,8 @@ impl Engine {
     }
 
     /// The loaded model.
-    pub fn model(&self) -> &Model {
-        &self.model
-    }
-
-    /// The family.
-    pub fn family(&self) -> Family {
-        match &self.model {
-            Model::AutoencoderKl(m) => match m.config().variant {
-                vae_models::autoencoder_kl::KlVariant::AutoencoderKl => Family::AutoencoderKl,
-                vae_models::autoencoder_kl::KlVariant::Flux2 => Family::Flux2,
-            },
-            Model::Video(m) => match m.class() {
-                VideoVaeClass::Wan => Family::Wan,
-                VideoVaeClass::QwenImage => Family::QwenImage,
-            },
-        }
+    pub fn model(&self) -> &dyn LoadedVae {
+        self.model.as_ref()
     }
 
     /// The modes this model accepts, for `inspect`.
@@ -225,17 +152,15 @@ impl Engine {
         ParallelMode::ALL.into_iter().filter(|m| self.check_mode(*m).is_ok()).collect()
     }
 
-    /// Refuses, with a typed error naming the family, a mode this model cannot run (call it
+    /// Refuses, with a typed error naming the class, a mode this model cannot run (call it
     /// when the mode is configured; every request checks it again).
     pub fn check_mode(&self, mode: ParallelMode) -> Result<(), EngineError> {
-        match &self.model {
-            Model::AutoencoderKl(k) => Ok(k.check_mode(mode)?),
-            Model::Video(v) => Ok(v.check_mode(mode)?),
-        }
+        Ok(self.model.check_mode(mode)?)
     }
 
-    fn placement(&self, direction: Direction, options: &RequestOptions) -> OutputPlacement {
-        options.placement.unwrap_or_else(|| self.family().default_placement(direction))
+    /// Who receives the output of a `direction` request with these options.
+    pub fn placement(&self, direction: Direction, options: &RequestOptions) -> OutputPlacement {
+        options.placement.unwrap_or_else(|| self.model.default_placement(direction))
     }
 
     /// Decodes a latent over the executor's ranks. Every rank calls it with the same latent.
@@ -247,41 +172,36 @@ impl Engine {
     ) -> Result<ExecOutput, EngineError> {
         let _tf32 = self.tf32_scope();
         let _bf16 = self.cpu_bf16_scope()?;
-        let use_tiling = options.use_tiling || executor.parallel_size() > 1;
-        let placement = self.placement(Direction::Decode, options);
+        self.model.check_mode(options.mode)?;
         let denormalized;
-        match &self.model {
-            Model::AutoencoderKl(model) => {
-                model.check_mode(options.mode)?;
-                let z = if options.latents_normalized {
-                    denormalized = model.denormalize_latents(latent)?;
-                    &denormalized
-                } else {
-                    latent
-                };
-                let choice = announce(executor, model.strategy(options.mode));
-                let out = executor.execute(z, &KlOperator::new(model, KlTask::Decode, use_tiling), placement)?;
-                Ok(with_reason(out, choice))
-            }
-            Model::Video(model) => {
-                model.check_mode(options.mode)?;
-                let z = if options.latents_normalized {
-                    denormalized = model.denormalize_latents(latent)?;
-                    &denormalized
-                } else {
-                    latent
-                };
-                let choice =
-                    announce(executor, model.decode_strategy(options.mode, z.dims(), executor.parallel_size()));
-                let out = match choice.strategy {
-                    Strategy::Tile => executor.execute(z, &WanDecodeOperator::new(model, use_tiling), placement)?,
-                    Strategy::Shard(axis) => {
-                        executor.execute_sharded(z, &WanShardDecodeOperator::new(model), axis, placement)?
-                    }
-                };
-                Ok(with_reason(out, choice))
-            }
-        }
+        let z = if options.latents_normalized {
+            denormalized = self.model.denormalize_latents(latent)?;
+            &denormalized
+        } else {
+            latent
+        };
+        self.run(executor, Direction::Decode, z, options)
+    }
+
+    /// One request, in the strategy the family chooses for it.
+    fn run(
+        &self,
+        executor: &DistributedVaeExecutor,
+        direction: Direction,
+        input: &Tensor,
+        options: &RequestOptions,
+    ) -> Result<ExecOutput, EngineError> {
+        let choice = self.model.strategy(direction, options.mode, input.dims(), executor.parallel_size());
+        let choice = announce(executor, choice);
+        let out = self.model.execute(Execution {
+            executor,
+            direction,
+            input,
+            strategy: choice.strategy,
+            use_tiling: options.use_tiling || executor.parallel_size() > 1,
+            placement: self.placement(direction, options),
+        })?;
+        Ok(with_reason(out, choice))
     }
 
     /// Encodes an image in [-1, 1] over the executor's ranks; every rank calls it.
@@ -300,41 +220,20 @@ impl Engine {
             )
             .into());
         }
-        let use_tiling = options.use_tiling || executor.parallel_size() > 1;
-        let placement = self.placement(Direction::Encode, options);
-        let mut out = match &self.model {
-            Model::AutoencoderKl(model) => {
-                model.check_mode(options.mode)?;
-                let choice = announce(executor, model.strategy(options.mode));
-                with_reason(
-                    executor.execute(image, &KlOperator::new(model, KlTask::Encode, use_tiling), placement)?,
-                    choice,
-                )
-            }
-            Model::Video(model) => {
-                model.check_mode(options.mode)?;
-                let choice = announce(executor, model.encode_strategy(options.mode));
-                with_reason(executor.execute(image, &WanEncodeOperator::new(model, use_tiling), placement)?, choice)
-            }
-        };
+        self.model.check_mode(options.mode)?;
+        let mut out = self.run(executor, Direction::Encode, image, options)?;
         if let Some(moments) = out.tensor.take() {
-            let shaped = match output {
+            out.tensor = Some(match output {
                 EncodeOutput::Moments => moments,
                 EncodeOutput::Mean => {
                     let mean = moments.diag_gaussian_mean().map_err(ModelError::from)?;
-                    match (&self.model, options.latents_normalized) {
-                        (_, false) => mean,
-                        (Model::AutoencoderKl(model), true) => model.normalize_latents(&mean)?,
-                        (Model::Video(model), true) => model.normalize_latents(&mean)?,
-                    }
+                    if options.latents_normalized { self.model.normalize_latents(&mean)? } else { mean }
                 }
-            };
-            out.tensor = Some(shaped);
+            });
         }
         Ok(out)
     }
 }
-
 /// Logs a family's decision once per request (on the owner, not once per rank): a forced mode
 /// that fell back to tile is a warning, any other choice a debug line.
 fn announce(executor: &DistributedVaeExecutor, choice: StrategyChoice) -> StrategyChoice {

@@ -8,8 +8,9 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use serde::Deserialize;
-use vae_parallel::engine::{EncodeOutput, Engine, Model, RequestOptions};
+use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io;
+use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
 use vae_parallel::transport::Communicator;
@@ -120,10 +121,8 @@ struct Resolved {
     parallel_size: usize,
     group: GroupArgs,
     options: RequestOptions,
-    tile_sample_min_size: Option<usize>,
-    tile_overlap_factor: Option<f64>,
-    /// Video tiling `[min_h, min_w]`, `[stride_h, stride_w]` when any was given.
-    video_tiling: Option<([usize; 2], [usize; 2])>,
+    /// The tile geometry given (each family takes the keywords its class has).
+    tiling: TileOverrides,
     report: Option<PathBuf>,
     /// The `--config` file, if any.
     config: Option<PathBuf>,
@@ -186,17 +185,13 @@ impl ParallelArgs {
                 latents_normalized: self.latents_normalized || file.latents_normalized.unwrap_or(false),
                 placement,
             },
-            tile_sample_min_size: self.tile_sample_min_size.or(file.tile_sample_min_size),
-            tile_overlap_factor: self.tile_overlap_factor.or(file.tile_overlap_factor),
-            video_tiling: {
-                let min_h = self.tile_sample_min_height.or(file.tile_sample_min_height);
-                let min_w = self.tile_sample_min_width.or(file.tile_sample_min_width);
-                let stride_h = self.tile_sample_stride_height.or(file.tile_sample_stride_height);
-                let stride_w = self.tile_sample_stride_width.or(file.tile_sample_stride_width);
-                (min_h.is_some() || min_w.is_some() || stride_h.is_some() || stride_w.is_some()).then(|| {
-                    // diffusers' defaults for whatever was not given.
-                    ([min_h.unwrap_or(256), min_w.unwrap_or(256)], [stride_h.unwrap_or(192), stride_w.unwrap_or(192)])
-                })
+            tiling: TileOverrides {
+                sample_min_size: self.tile_sample_min_size.or(file.tile_sample_min_size),
+                overlap_factor: self.tile_overlap_factor.or(file.tile_overlap_factor),
+                sample_min_height: self.tile_sample_min_height.or(file.tile_sample_min_height),
+                sample_min_width: self.tile_sample_min_width.or(file.tile_sample_min_width),
+                sample_stride_height: self.tile_sample_stride_height.or(file.tile_sample_stride_height),
+                sample_stride_width: self.tile_sample_stride_width.or(file.tile_sample_stride_width),
             },
             report: self.report.clone(),
             config: self.config.clone(),
@@ -224,17 +219,8 @@ impl Resolved {
     }
 
     fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
-        let mut engine = Engine::load_on(
-            &self.model,
-            self.tile_sample_min_size,
-            self.tile_overlap_factor,
-            device,
-            self.compute.dtype,
-        )?;
+        let mut engine = Engine::load_on(&self.model, &self.tiling, device, self.compute.dtype)?;
         engine.set_tf32_convolutions(self.compute.tf32);
-        if let Some((min, stride)) = self.video_tiling {
-            engine.set_video_tiling(min, stride)?;
-        }
         // A mode the family cannot run is refused now, before any request.
         engine.check_mode(self.options.mode)?;
         Ok(engine)
@@ -535,68 +521,19 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
 
 /// `vae-parallel inspect`.
 pub fn inspect(args: &InspectArgs) -> anyhow::Result<ExitCode> {
-    let engine = Engine::load(&args.model, None, None)?;
-    let model = match engine.model() {
-        Model::AutoencoderKl(model) => model,
-        Model::Video(v) => {
-            let c = v.config();
-            let t = v.tiling();
-            println!("model       {}", args.model.display());
-            println!("class       {:?} (family {:?})", v.class(), engine.family());
-            println!("channels    in {}, out {}, latent (z_dim) {}", c.in_channels, c.out_channels, c.z_dim);
-            println!(
-                "layout      base_dim {}, dim_mult {:?}, num_res_blocks {}, temporal downsample {:?}",
-                c.base_dim, c.dim_mult, c.num_res_blocks, c.temperal_downsample
-            );
-            println!(
-                "tiling      {}x{} px tiles every {}x{} px",
-                t.tile_sample_min_height,
-                t.tile_sample_min_width,
-                t.tile_sample_stride_height,
-                t.tile_sample_stride_width
-            );
-            let modes: Vec<String> = engine.supported_modes().iter().map(ToString::to_string).collect();
-            println!("modes       {}", modes.join(", "));
-            println!(
-                "placement   decode → {:?}, encode → {:?}",
-                engine.family().default_placement(vae_parallel::models::Direction::Decode),
-                engine.family().default_placement(vae_parallel::models::Direction::Encode)
-            );
-            return Ok(ExitCode::SUCCESS);
-        }
-    };
-    let c = model.config();
-    let t = model.tiling();
+    let engine = Engine::load(&args.model, &TileOverrides::default())?;
+    let model = engine.model();
     println!("model       {}", args.model.display());
-    println!("class       {} (family {:?})", c.variant.class_name(), engine.family());
-    println!("parameters  {}", model.parameter_count());
-    let stored: Vec<String> = model.stored_dtypes().iter().map(|(d, n)| format!("{n} {d}")).collect();
-    println!("weights     stored as {}; computed in f32", stored.join(", "));
-    println!("channels    in {}, out {}, latent {}", c.in_channels, c.out_channels, c.latent_channels);
-    println!("encoder     block_out_channels {:?}, layers_per_block {}", c.block_out_channels, c.layers_per_block);
-    println!(
-        "decoder     block_out_channels {:?}, layers_per_block {}",
-        c.decoder_block_out_channels,
-        c.layers_per_block + 1
-    );
-    println!("norm        GroupNorm, {} groups; mid-block attention {}", c.norm_num_groups, c.mid_block_add_attention);
-    println!("scale       {}x (latent pixel = {} px)", c.spatial_scale(), c.spatial_scale());
-    if let Some(s) = c.scaling_factor {
-        println!("latents     scaling_factor {s}, shift_factor {:?}", c.shift_factor);
+    println!("class       {} ({})", model.class_name(), model.models());
+    for (label, value) in model.describe() {
+        println!("{label:<11} {value}");
     }
-    if let Some(bn) = model.latent_batch_norm() {
-        println!("latents     batch-norm over {} patchified channels, eps {}", bn.mean.len(), bn.eps);
-    }
-    println!(
-        "tiling      {} px tiles ({} latent), overlap {}",
-        t.tile_sample_min_size, t.tile_latent_min_size, t.tile_overlap_factor
-    );
     let modes: Vec<String> = engine.supported_modes().iter().map(ToString::to_string).collect();
     println!("modes       {}", modes.join(", "));
     println!(
         "placement   decode → {:?}, encode → {:?}",
-        engine.family().default_placement(vae_parallel::models::Direction::Decode),
-        engine.family().default_placement(vae_parallel::models::Direction::Encode)
+        model.default_placement(Direction::Decode),
+        model.default_placement(Direction::Encode)
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -1,4 +1,4 @@
-//! Tensors and the ops vae-parallel needs, on a CPU backend now and shaped for a CUDA backend.
+//! Tensors and the ops vae-parallel needs, on the CPU and (feature `cuda`) on CUDA devices.
 //!
 //! Tensors are dense and row-major (NCHW for images, NCTHW for video, as diffusers). A
 //! [`Tensor`] owns its storage; ops return new tensors, except the few in-place ones that the

@@ -7,7 +7,9 @@
 //! Backends:
 //! - [`local`]: N ranks as threads of one process ([`local::run_local`]).
 //! - [`socket`]: N processes on one or more hosts over TCP or Unix sockets, with a rendezvous at
-//!   a master address (which will also hand out the NCCL unique id).
+//!   a master address.
+//! - `nccl` (feature `nccl`): one rank per GPU; across processes, the NCCL unique id travels
+//!   over an already-joined group such as a socket group.
 //!
 //! # Failure semantics
 //! Every blocking wait has a deadline, and every backend has an abort path: when a rank returns

@@ -6,7 +6,8 @@
 //! connects to the master and says hello (rank, world size, own address). When all have joined,
 //! rank 0 sends everyone the table of addresses; rank `i` then connects to ranks `1..i` and
 //! accepts ranks `i+1..`, so every pair has one connection (the master connection is the link
-//! between rank 0 and each rank). The same rendezvous will hand out the NCCL unique id.
+//! between rank 0 and each rank). An NCCL group of processes bootstraps over such a group: rank
+//! 0's NCCL unique id is broadcast on it.
 //!
 //! # Failure detection
 //! A reader thread per connection moves frames into the rank's inbox. A peer whose process dies

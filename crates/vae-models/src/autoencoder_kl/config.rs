@@ -21,7 +21,7 @@ pub enum KlVariant {
 
 impl KlVariant {
     /// The diffusers class name.
-    pub fn class_name(self) -> &'static str {
+    pub const fn class_name(self) -> &'static str {
         match self {
             Self::AutoencoderKl => "AutoencoderKL",
             Self::Flux2 => "AutoencoderKLFlux2",

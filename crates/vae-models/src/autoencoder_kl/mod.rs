@@ -2,14 +2,16 @@
 //! `AutoencoderKLFlux2` (FLUX.2): the same encoder and decoder; FLUX.2 adds a separate decoder
 //! width and a latent batch-norm that its pipeline uses for (de)normalisation.
 //!
-//! Policy of this family: the `tile` parallel mode only (shard modes need a distributed
-//! GroupNorm, a later addition); diffusers' tile geometry and routing; decoded pixels go to the
+//! Policy of this family: the `tile` parallel mode only (the shard modes need a distributed
+//! GroupNorm, which this family does not have); diffusers' tile geometry and routing; decoded pixels go to the
 //! owner for AutoencoderKL and to every rank for FLUX.2, encoded latents to every rank.
 
 mod config;
+mod family;
 mod model;
 mod operator;
 
 pub use config::{AutoencoderKlConfig, KlVariant};
+pub use family::FAMILY;
 pub use model::{AutoencoderKl, Decoder, Encoder, LatentBatchNorm, patchify2x2, unpatchify2x2};
 pub use operator::{KlOperator, KlTask};

@@ -1,8 +1,26 @@
-//! diffusers' `AutoencoderKLWan` (Wan2.1) and `AutoencoderKLQwenImage` (same decoder): causal 3-D decode, one latent frame per decoder call
-//! with a per-request feature cache, exactly as diffusers runs it. So far the plain (untiled)
-//! and tiled (tile-parallel through [`WanDecodeOperator`]) decode of Wan2.1-style models (no
-//! residual blocks, no patchify); Wan2.2, encode and Qwen-Image come next.
+//! diffusers' `AutoencoderKLWan` (Wan2.1, Wan2.2) and `AutoencoderKLQwenImage` (the Wan2.1
+//! architecture with its own policy): causal 3-D decode one latent frame per decoder call, and
+//! encode one chunk of frames per encoder call, with a per-request feature cache, exactly as
+//! diffusers runs them; plain, tiled (tile-parallel) and spatial-shard decode, plain and tiled
+//! encode.
+//!
+//! Policy of this family: every parallel mode (its RMS norms are per pixel, so a band needs
+//! no statistics from the others); `auto` shards the longer latent axis that gives every rank
+//! a band at least as wide as the widest halo; encode runs as tiles; decoded pixels go to the
+//! owner for Wan and to every rank for Qwen-Image, encoded latents to every rank.
 
+mod cache;
+mod config;
+mod decoder;
+mod encoder;
+mod family;
+mod layers;
 mod model;
+mod operators;
+mod policy;
+mod resample;
 
-pub use model::{VideoVaeClass, WanConfig, WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanVae};
+pub use config::WanConfig;
+pub use family::FAMILY;
+pub use model::{VideoVaeClass, WanVae};
+pub use operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator};

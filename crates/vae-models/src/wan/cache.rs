@@ -1,0 +1,98 @@
+//! One forward pass's state: the causal feature cache of the request and, on a spatial shard,
+//! this rank's band; and the conv that feeds through the cache.
+
+use vae_runtime::ShardContext;
+use vae_tensor::Tensor;
+
+use super::layers::CausalConv3d;
+use crate::Result;
+
+/// Frames of each causal conv's input that the next chunk needs (diffusers' `CACHE_T`).
+pub(super) const CACHE_T: usize = 2;
+
+/// One slot per causal conv (and per temporal upsample) in visit order; request-scoped.
+pub(super) enum Slot {
+    Empty,
+    /// The first chunk's marker of a temporal upsample (diffusers' `"Rep"`).
+    Rep,
+    Frames(Tensor),
+}
+
+/// What the layers of one request carry from chunk to chunk (the cache slots, visited in
+/// layer order) and, on a spatial shard, the rank's band for the halo exchanges.
+pub(super) struct Pass<'b, 'c> {
+    slots: Vec<Slot>,
+    next: usize,
+    /// This rank's band of a spatial-shard request, or `None` for the whole map.
+    pub(super) band: Option<&'b mut ShardContext<'c>>,
+}
+
+impl<'b, 'c> Pass<'b, 'c> {
+    /// A fresh cache, on the whole map or on `band`.
+    pub(super) fn new(band: Option<&'b mut ShardContext<'c>>) -> Self {
+        Self { slots: Vec::new(), next: 0, band }
+    }
+
+    /// Starts the next chunk (latent frame or group of frames): the layers visit their slots
+    /// from the first again.
+    pub(super) fn next_chunk(&mut self) {
+        self.next = 0;
+    }
+
+    /// The next layer's slot.
+    pub(super) fn slot(&mut self) -> &mut Slot {
+        if self.next == self.slots.len() {
+            self.slots.push(Slot::Empty);
+        }
+        self.next += 1;
+        &mut self.slots[self.next - 1]
+    }
+
+    /// A causal conv fed through the cache, as every 3×3×3 conv of the decoder is.
+    ///
+    /// On a band, the conv input first gets its halo rows from the neighbours; the cache then
+    /// holds frames with their halos, so only the new frames' rows travel (the cached frames'
+    /// halos arrived with them).
+    pub(super) fn cached_conv(&mut self, conv: &CausalConv3d, x: &Tensor) -> Result<Tensor> {
+        let haloed;
+        if self.next == self.slots.len() {
+            self.slots.push(Slot::Empty);
+        }
+        self.next += 1;
+        let slot = &mut self.slots[self.next - 1];
+        let previous = match slot {
+            Slot::Frames(t) => Some(&*t),
+            _ => None,
+        };
+        let (x, axis) = match self.band.as_deref_mut() {
+            Some(ctx) => {
+                let axis = ctx.axis();
+                haloed = ctx.with_halo(x, conv.halo(axis))?;
+                if let Some(cached) = previous {
+                    ctx.note_reused_halo(cached, conv.halo(axis));
+                }
+                (&haloed, Some(axis))
+            }
+            None => (x, None),
+        };
+        let to_cache = frames_to_cache(x, previous)?;
+        let out = conv.forward_haloed(x, previous, axis)?;
+        *slot = Slot::Frames(to_cache);
+        Ok(out)
+    }
+}
+
+/// The last `CACHE_T` frames of `x`, with the previous cache's last frame in front when `x`
+/// has fewer (diffusers' `cache_x` rule).
+fn frames_to_cache(x: &Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
+    let t = x.dims()[2];
+    let keep = t.min(CACHE_T);
+    let tail = x.narrow(2, t - keep, keep)?;
+    match previous {
+        Some(prev) if keep < CACHE_T => {
+            let last = prev.narrow(2, prev.dims()[2] - 1, 1)?;
+            Ok(Tensor::cat(&[&last, &tail], 2)?)
+        }
+        _ => Ok(tail),
+    }
+}

@@ -1,0 +1,154 @@
+//! The Wan family in the registry: its classes, and [`LoadedVae`] for [`WanVae`].
+
+use std::any::Any;
+use std::path::Path;
+
+use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_tensor::{DType, Device, Tensor};
+
+use super::model::{VideoVaeClass, WanVae};
+use super::operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator};
+use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::{ModelError, Result};
+
+/// `AutoencoderKLWan` and `AutoencoderKLQwenImage`.
+pub static FAMILY: FamilySpec = FamilySpec {
+    classes: &[VideoVaeClass::Wan.class_name(), VideoVaeClass::QwenImage.class_name()],
+    load: |dir: &Path, device: Device, dtype: DType| -> Result<Box<dyn LoadedVae>> {
+        Ok(Box::new(WanVae::load_with(dir, device, dtype)?))
+    },
+};
+
+impl LoadedVae for WanVae {
+    fn class_name(&self) -> &'static str {
+        self.class().class_name()
+    }
+
+    fn models(&self) -> &'static str {
+        match self.class() {
+            VideoVaeClass::Wan => "Wan2.1, Wan2.2",
+            VideoVaeClass::QwenImage => "Qwen-Image",
+        }
+    }
+
+    fn device(&self) -> Device {
+        WanVae::device(self)
+    }
+
+    fn dtype(&self) -> DType {
+        WanVae::dtype(self)
+    }
+
+    fn check_mode(&self, mode: ParallelMode) -> Result<()> {
+        WanVae::check_mode(self, mode)
+    }
+
+    fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice {
+        match direction {
+            Direction::Decode => self.decode_strategy(mode, input_dims, ranks),
+            Direction::Encode => self.encode_strategy(mode),
+        }
+    }
+
+    /// Decoded pixels go to the owner for Wan (the pipeline post-processes on rank 0) and to
+    /// every rank for Qwen-Image; encoded latents to every rank, which all condition the
+    /// diffusion model on them.
+    fn default_placement(&self, direction: Direction) -> OutputPlacement {
+        match (direction, self.class()) {
+            (Direction::Encode, _) | (Direction::Decode, VideoVaeClass::QwenImage) => OutputPlacement::AllRanks,
+            (Direction::Decode, VideoVaeClass::Wan) => OutputPlacement::OwnerOnly,
+        }
+    }
+
+    fn denormalize_latents(&self, z: &Tensor) -> Result<Tensor> {
+        WanVae::denormalize_latents(self, z)
+    }
+
+    fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor> {
+        WanVae::normalize_latents(self, mean)
+    }
+
+    /// Keywords not given keep the current geometry (diffusers' 256-pixel tiles every 192
+    /// pixels on a fresh model).
+    fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
+        if tiling.has_square() {
+            return Err(ModelError::Unsupported(format!(
+                "{} tiles by tile_sample_min_height / _width and tile_sample_stride_height / _width \
+                 (--tile-sample-min-height/-width, --tile-sample-stride-height/-width), not by \
+                 tile_sample_min_size / tile_overlap_factor",
+                self.class_name()
+            )));
+        }
+        if !tiling.has_rectangular() {
+            return Ok(());
+        }
+        let t = *self.tiling();
+        let min = [
+            tiling.sample_min_height.unwrap_or(t.tile_sample_min_height),
+            tiling.sample_min_width.unwrap_or(t.tile_sample_min_width),
+        ];
+        let stride = [
+            tiling.sample_stride_height.unwrap_or(t.tile_sample_stride_height),
+            tiling.sample_stride_width.unwrap_or(t.tile_sample_stride_width),
+        ];
+        self.set_tiling(min, stride)
+    }
+
+    fn execute(&self, run: Execution<'_>) -> Result<ExecOutput> {
+        let (executor, input, placement) = (run.executor, run.input, run.placement);
+        Ok(match (run.direction, run.strategy) {
+            (Direction::Decode, Strategy::Tile) => {
+                executor.execute(input, &WanDecodeOperator::new(self, run.use_tiling), placement)?
+            }
+            (Direction::Decode, Strategy::Shard(axis)) => {
+                executor.execute_sharded(input, &WanShardDecodeOperator::new(self), axis, placement)?
+            }
+            (Direction::Encode, Strategy::Tile) => {
+                executor.execute(input, &WanEncodeOperator::new(self, run.use_tiling), placement)?
+            }
+            (Direction::Encode, Strategy::Shard(axis)) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{} encodes with tiles; it has no {axis} spatial-shard encode",
+                    self.class_name()
+                )));
+            }
+        })
+    }
+
+    fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        WanVae::decode(self, z)
+    }
+
+    fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        WanVae::encode_moments(self, x)
+    }
+
+    fn describe(&self) -> Vec<(&'static str, String)> {
+        let c = self.config();
+        let t = self.tiling();
+        vec![
+            ("channels", format!("in {}, out {}, latent (z_dim) {}", c.in_channels, c.out_channels, c.z_dim)),
+            (
+                "layout",
+                format!(
+                    "base_dim {}, dim_mult {:?}, num_res_blocks {}, temporal downsample {:?}",
+                    c.base_dim, c.dim_mult, c.num_res_blocks, c.temperal_downsample
+                ),
+            ),
+            (
+                "tiling",
+                format!(
+                    "{}x{} px tiles every {}x{} px",
+                    t.tile_sample_min_height,
+                    t.tile_sample_min_width,
+                    t.tile_sample_stride_height,
+                    t.tile_sample_stride_width
+                ),
+            ),
+        ]
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

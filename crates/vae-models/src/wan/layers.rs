@@ -1,0 +1,197 @@
+//! The Wan blocks by diffusers' state-dict names: the causal 3-D conv, the RMS norm, the
+//! residual block and the mid-block attention (`diffusers.models.autoencoders.autoencoder_kl_wan`).
+
+use vae_planner::{ShardAxis, halo_width};
+use vae_tensor::{Conv3dParams, Tensor};
+
+use super::cache::Pass;
+use crate::Result;
+use crate::layers::Conv2d;
+use crate::weights::Weights;
+
+/// `F.normalize`'s epsilon in `WanRMS_norm`.
+const NORMALIZE_EPS: f32 = 1e-12;
+
+/// `WanCausalConv3d`: time padded only in front (`2·pt` frames, fewer when cached frames are
+/// prepended), space padded symmetrically.
+pub(super) struct CausalConv3d {
+    weight: Tensor,
+    bias: Tensor,
+    pad: [usize; 3],
+    /// 2 for the encoder's temporal downsampling, else 1.
+    pub(super) time_stride: usize,
+    /// Rows one latent row has become at this conv's resolution: band cuts of a spatial shard
+    /// fall on multiples of it (`Conv3dParams::band_aligned`).
+    band_align: usize,
+}
+
+impl CausalConv3d {
+    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: [usize; 3], pad: [usize; 3]) -> Result<Self> {
+        Ok(Self {
+            weight: w.get("weight", &[cout, cin, k[0], k[1], k[2]])?,
+            bias: w.get("bias", &[cout])?,
+            pad,
+            time_stride: 1,
+            band_align: 1,
+        })
+    }
+
+    /// The same conv at a resolution where one latent row has become `align` rows.
+    pub(super) fn band_aligned(mut self, align: usize) -> Self {
+        self.band_align = align;
+        self
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
+        self.forward_haloed(x, cache, None)
+    }
+
+    /// Rows each neighbour must supply along `axis` (the kernel's halo).
+    pub(super) fn halo(&self, axis: ShardAxis) -> usize {
+        kernel_halo(&self.weight, axis)
+    }
+
+    /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
+    /// `halo_axis`, so that axis is not padded again.
+    pub(super) fn forward_haloed(
+        &self,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        halo_axis: Option<ShardAxis>,
+    ) -> Result<Tensor> {
+        let mut front = 2 * self.pad[0];
+        let cached = match cache {
+            Some(c) if front > 0 => {
+                front = front.saturating_sub(c.dims()[2]);
+                Some(c)
+            }
+            _ => None,
+        };
+        let [_, mut ph, mut pw] = self.pad;
+        match halo_axis {
+            Some(ShardAxis::Height) => ph = 0,
+            Some(ShardAxis::Width) => pw = 0,
+            None => {}
+        }
+        let params =
+            Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]).band_aligned(self.band_align);
+        // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
+        // without the concatenation on CUDA.
+        Ok(match cached {
+            Some(c) => x.conv3d_after(c, &self.weight, Some(&self.bias), &params)?,
+            None => x.conv3d(&self.weight, Some(&self.bias), &params)?,
+        })
+    }
+}
+
+/// The halo of a conv weight (`[Cout, Cin, (kt,) kh, kw]`) along `axis`: the kernel's spatial
+/// extents are its last two dimensions, as H and W are a tensor's.
+pub(super) fn kernel_halo(weight: &Tensor, axis: ShardAxis) -> usize {
+    axis.dim_in(weight.rank()).map_or(0, |d| halo_width(weight.dims()[d]))
+}
+
+/// `WanRMS_norm`: `F.normalize` over channels · √C · γ.
+pub(super) struct RmsNorm {
+    gamma: Tensor,
+}
+
+impl RmsNorm {
+    pub(super) fn load(w: &mut Weights<'_>, dim: usize, images: bool) -> Result<Self> {
+        let shape: Vec<usize> = if images { vec![dim, 1, 1] } else { vec![dim, 1, 1, 1] };
+        Ok(Self { gamma: w.get("gamma", &shape)? })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
+
+    /// [`Self::forward`] then SiLU, in one pass (the same values).
+    pub(super) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
+}
+
+/// `WanResidualBlock`: RMS norm, SiLU, causal conv, twice, plus the (1×1×1 conv) shortcut.
+pub(super) struct ResidualBlock {
+    norm1: RmsNorm,
+    pub(super) conv1: CausalConv3d,
+    norm2: RmsNorm,
+    pub(super) conv2: CausalConv3d,
+    shortcut: Option<CausalConv3d>,
+}
+
+impl ResidualBlock {
+    /// A block at a resolution where one latent row has become `align` rows.
+    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, align: usize) -> Result<Self> {
+        Ok(Self {
+            norm1: RmsNorm::load(&mut w.pp("norm1"), cin, false)?,
+            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, [3, 3, 3], [1, 1, 1])?.band_aligned(align),
+            norm2: RmsNorm::load(&mut w.pp("norm2"), cout, false)?,
+            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, [3, 3, 3], [1, 1, 1])?.band_aligned(align),
+            shortcut: if cin != cout {
+                Some(CausalConv3d::load(&mut w.pp("conv_shortcut"), cin, cout, [1, 1, 1], [0, 0, 0])?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// RMS norms, SiLU, residual adds and the 1×1×1 shortcut are per pixel: on a band only
+    /// the two 3×3×3 convs communicate.
+    pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
+        let h = match &self.shortcut {
+            Some(s) => s.forward(x, None)?,
+            None => x.clone(),
+        };
+        let y = self.norm1.forward_silu(x)?;
+        let y = pass.cached_conv(&self.conv1, &y)?;
+        let y = self.norm2.forward_silu(&y)?;
+        let mut y = pass.cached_conv(&self.conv2, &y)?;
+        y.add_assign(&h)?;
+        Ok(y)
+    }
+}
+
+/// `WanAttentionBlock`: single-head attention over each frame's H·W positions.
+pub(super) struct AttentionBlock {
+    norm: RmsNorm,
+    to_qkv: Conv2d,
+    proj: Conv2d,
+}
+
+impl AttentionBlock {
+    pub(super) fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
+        Ok(Self {
+            norm: RmsNorm::load(&mut w.pp("norm"), dim, true)?,
+            to_qkv: Conv2d::load1x1(&mut w.pp("to_qkv"), dim, 3 * dim)?,
+            proj: Conv2d::load1x1(&mut w.pp("proj"), dim, dim)?,
+        })
+    }
+
+    /// On a band, attention needs every position of the frame: the whole map is gathered,
+    /// attended (the same computation on every rank) and this rank keeps its band.
+    pub(super) fn forward_on(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
+        match pass.band.as_deref_mut() {
+            None => self.forward(x),
+            Some(ctx) => {
+                let full = ctx.all_gather_map(x)?;
+                Ok(ctx.own_band(&self.forward(&full)?)?)
+            }
+        }
+    }
+
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dims().to_vec();
+        let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+        let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
+        let normed = self.norm.forward(&frames)?;
+        let qkv = self.to_qkv.forward(&normed)?;
+        let qkv = qkv.reshape(vec![b * t, 3 * c, h * w])?.transpose(1, 2)?;
+        let (q, k, v) = (qkv.narrow(2, 0, c)?, qkv.narrow(2, c, c)?, qkv.narrow(2, 2 * c, c)?);
+        let attended = Tensor::attention(&q, &k, &v)?.transpose(1, 2)?.reshape(vec![b * t, c, h, w])?;
+        let out = self.proj.forward(&attended)?;
+        let mut out = out.reshape(vec![b, t, c, h, w])?.permute(&[0, 2, 1, 3, 4])?;
+        out.add_assign(x)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,151 @@
+//! The Wan / Qwen-Image operators the distributed executor runs: tiled decode and encode,
+//! and the spatial-shard decode.
+
+use std::ops::Range;
+
+use vae_planner::{GridSpec, ShardAxis, TileTask};
+use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
+use vae_runtime::{OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan};
+use vae_tensor::{DType, Device, Tensor};
+
+use super::model::{VideoVaeClass, WanVae};
+
+/// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
+/// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
+/// the plain decode as one tile when the latent is not larger than a tile.
+pub struct WanDecodeOperator<'m> {
+    model: &'m WanVae,
+    use_tiling: bool,
+}
+
+impl<'m> WanDecodeOperator<'m> {
+    /// An operator that tiles as `enable_tiling()` does when `use_tiling`.
+    pub fn new(model: &'m WanVae, use_tiling: bool) -> Self {
+        Self { model, use_tiling }
+    }
+}
+
+impl TileOperator for WanDecodeOperator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, z: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_latent(z)?;
+        let (h, w) = (z.dims()[3], z.dims()[4]);
+        let tiling = self.model.tiling();
+        if !(self.use_tiling && tiling.needs_tiling_decode(h, w)?) {
+            return Ok(untiled_plan([3, 4], [h, w]));
+        }
+        Ok(tiled_plan([3, 4], &tiling.decode_layout(h, w)?))
+    }
+
+    fn exec(&self, z: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let tile = z.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
+        Ok(self.model.decode_frames(&tile)?)
+    }
+
+    fn merge(
+        &self,
+        tiles: TileMap,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        // diffusers' Qwen-Image tiled_decode does not clamp; Wan's and every plain decode do.
+        let clamp = grid.tile_spec.is_none() || self.model.class == VideoVaeClass::Wan;
+        let merged = merge_plan(tiles, grid)?;
+        Ok(self.model.finish_decode(merged, clamp)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}
+
+/// Wan / Qwen-Image encode for the executor: diffusers' `tiled_encode` cut into split / exec /
+/// merge (each pixel tile encoded chunk by chunk with its own cache, blended and cropped in
+/// latent H and W, cropped to the latent size), or the plain encode as one tile when the video
+/// is not larger than a tile. The output is the raw moments.
+pub struct WanEncodeOperator<'m> {
+    model: &'m WanVae,
+    use_tiling: bool,
+}
+
+impl<'m> WanEncodeOperator<'m> {
+    /// An operator that tiles as `enable_tiling()` does when `use_tiling`.
+    pub fn new(model: &'m WanVae, use_tiling: bool) -> Self {
+        Self { model, use_tiling }
+    }
+}
+
+impl TileOperator for WanEncodeOperator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_video(x)?;
+        // diffusers decides on the input size, then tiles the patchified tensor.
+        let p = self.model.patch();
+        let (h, w) = (x.dims()[3] / p, x.dims()[4] / p);
+        let tiling = self.model.tiling();
+        if !(self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4])) {
+            return Ok(untiled_plan([3, 4], [h, w]));
+        }
+        // Every stride-2 resample maps n to n / 2 (a final partial row is dropped).
+        let halvings = self.model.config.dim_mult.len().saturating_sub(1) as u32;
+        Ok(tiled_plan([3, 4], &tiling.encode_layout(h, w, |n| n >> halvings)?))
+    }
+
+    fn exec(&self, x: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        // Ranges are in patchified pixels: the same pixels of the RGB input, patchified.
+        let [rows, cols] = &task.payload;
+        let p = self.model.patch();
+        let tile = x.narrow(3, rows.start * p, rows.len() * p)?.narrow(4, cols.start * p, cols.len() * p)?;
+        Ok(self.model.encode_frames(&self.model.patchify_input(&tile)?)?)
+    }
+
+    fn merge(
+        &self,
+        tiles: TileMap,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}
+
+/// Wan / Qwen-Image decode sharded along one spatial axis: the plain (direct) decode, each
+/// rank running the decoder on its band of the latent with halo exchanges, assembled on the
+/// owner, then unpatchified (Wan2.2) and clamped as the plain decode is.
+pub struct WanShardDecodeOperator<'m> {
+    model: &'m WanVae,
+}
+
+impl<'m> WanShardDecodeOperator<'m> {
+    /// The sharded decode of `model`.
+    pub fn new(model: &'m WanVae) -> Self {
+        Self { model }
+    }
+}
+
+impl ShardOperator for WanShardDecodeOperator<'_> {
+    fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        self.model.check_latent(z)?;
+        Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis) })
+    }
+
+    fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
+        let band = ctx.local_input(z)?;
+        Ok(self.model.decode_frames_on(&band, Some(ctx))?)
+    }
+
+    fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
+        Ok(self.model.finish_decode(assembled, true)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}

@@ -1,0 +1,89 @@
+//! The family's parallel policy: which modes run, and which strategy a request gets.
+
+use vae_planner::{BandPartition, ShardAxis};
+use vae_runtime::{ParallelMode, Strategy, StrategyChoice};
+
+use super::model::WanVae;
+use crate::Result;
+
+impl WanVae {
+    /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
+    /// band needs no statistics from the others (encode runs as tiles in every mode).
+    pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
+        Ok(())
+    }
+
+    /// This family's decode policy for one request of a `latent_dims` latent over `ranks`
+    /// ranks. Deterministic and free of side effects, from global quantities only, so every
+    /// rank decides alike.
+    ///
+    /// - `tile`: tiles.
+    /// - `spatial_shard_height` / `_width`: that axis whenever every rank gets a band at
+    ///   least as wide as the decoder's widest halo (at any latent size: the shard decode is
+    ///   the exact direct decode); otherwise tile, flagged as a fallback. Never the other axis.
+    /// - `auto`: with two ranks or more, the longer latent axis that can give every rank a
+    ///   band (width on ties); tile when neither can.
+    pub fn decode_strategy(&self, mode: ParallelMode, latent_dims: &[usize], ranks: usize) -> StrategyChoice {
+        let extent = |axis: ShardAxis| axis.dim_in(latent_dims.len()).map(|d| latent_dims[d]).unwrap_or(0);
+        let fits = |axis: ShardAxis| {
+            latent_dims.len() == 5 && BandPartition::fits(extent(axis), ranks, self.decoder.widest_halo(axis))
+        };
+        let why_not = |axis: ShardAxis| {
+            format!(
+                "a latent {axis} of {} cannot give {ranks} rank(s) a band of at least {} row(s)",
+                extent(axis),
+                self.decoder.widest_halo(axis).max(1)
+            )
+        };
+        match mode {
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
+                if latent_dims.len() != 5 || fits(axis) {
+                    // A malformed latent goes to the shard path, whose input check names it.
+                    StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
+                } else {
+                    StrategyChoice::fallback_to_tile(format!("{mode}: {}; decoding with tiles", why_not(axis)))
+                }
+            }
+            ParallelMode::Auto => {
+                if ranks < 2 {
+                    return StrategyChoice::chosen(Strategy::Tile, "auto: one rank, nothing to shard");
+                }
+                if latent_dims.len() != 5 {
+                    return StrategyChoice::chosen(Strategy::Tile, "auto: not a video latent");
+                }
+                let (h, w) = (extent(ShardAxis::Height), extent(ShardAxis::Width));
+                let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
+                    (true, true) if h > w => ShardAxis::Height,
+                    (true, true) | (false, true) => ShardAxis::Width,
+                    (true, false) => ShardAxis::Height,
+                    (false, false) => {
+                        return StrategyChoice::chosen(
+                            Strategy::Tile,
+                            format!("auto: {} and {}; tiles", why_not(ShardAxis::Height), why_not(ShardAxis::Width)),
+                        );
+                    }
+                };
+                let why = if fits(ShardAxis::Height) && fits(ShardAxis::Width) {
+                    if h == w { "width on a tie".to_string() } else { format!("the longer axis of {h}x{w}") }
+                } else {
+                    format!("the only axis that fits {ranks} ranks")
+                };
+                StrategyChoice::chosen(Strategy::Shard(axis), format!("auto: {axis}, {why}"))
+            }
+        }
+    }
+
+    /// This family's encode policy: tiles in every mode (spatial shard is decode-only, as in
+    /// the reference); a forced shard mode is flagged as a fallback.
+    pub fn encode_strategy(&self, mode: ParallelMode) -> StrategyChoice {
+        match mode {
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Auto => StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles"),
+            shard => {
+                StrategyChoice::fallback_to_tile(format!("{shard}: spatial shard is decode-only; encoding with tiles"))
+            }
+        }
+    }
+}
