@@ -83,3 +83,9 @@ impl RuntimeError {
         matches!(self, Self::InputMismatch { .. } | Self::Operator { .. } | Self::Config(_) | Self::Inconsistent(_))
     }
 }
+
+impl From<vae_transport::wire::WireError> for RuntimeError {
+    fn from(e: vae_transport::wire::WireError) -> Self {
+        Self::Protocol(e.to_string())
+    }
+}

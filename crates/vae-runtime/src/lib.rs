@@ -9,13 +9,13 @@
 //! got to a progress bar. Model *policy* (which strategy, which tile sizes, who gets the output)
 //! lives in the model adapters, never here.
 
-mod codec;
 mod error;
 mod executor;
 mod mode;
 pub mod progress;
 pub mod shard;
 pub mod stitch;
+#[cfg(feature = "synthetic")]
 pub mod synthetic;
 
 pub use error::{RuntimeError, Stage};

@@ -1,5 +1,6 @@
 //! A synthetic tile operator: a stand-in for a VAE decoder that exercises the executor, the
-//! transports and the diffusers merge without a model (the CLI `demo` and the tests use it).
+//! transports and the diffusers merge without a model, for the CLI `demo` and the tests (feature
+//! `synthetic`; not compiled into the library otherwise).
 //!
 //! Each tile is upsampled by `scale` (nearest), doubled, and shifted by `tile_id ×
 //! tile_offset`, so overlapping tiles disagree and the blend visibly matters; tiles are merged

@@ -32,6 +32,7 @@ pub mod nccl;
 mod pool;
 pub mod socket;
 mod stats;
+pub mod wire;
 
 use std::fmt;
 

@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use crate::mesh::{Frame, Header, Inbox, MeshComm, OpKind, Wire, delegate_communicator};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::wire::{Reader, WireError, Writer};
 use crate::{Result, TransportConfig, TransportError};
 
 /// Environment variable: this process's rank.
@@ -381,55 +382,12 @@ fn read_control_frame(stream: &mut Stream) -> io::Result<RawFrame> {
     read_frame(stream, &Arc::default())
 }
 
-/// Little helper for the handshake payloads.
-#[derive(Default)]
-struct Encoder(Vec<u8>);
-
-impl Encoder {
-    fn u64(mut self, v: u64) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn str(self, s: &str) -> Self {
-        let mut me = self.u64(s.len() as u64);
-        me.0.extend_from_slice(s.as_bytes());
-        me
-    }
-}
-
-struct Decoder<'a>(&'a [u8]);
-
-impl Decoder<'_> {
-    fn u64(&mut self) -> io::Result<u64> {
-        if self.0.len() < 8 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated handshake"));
-        }
-        let (head, rest) = self.0.split_at(8);
-        self.0 = rest;
-        Ok(u64::from_le_bytes(head.try_into().expect("8 bytes")))
-    }
-    fn str(&mut self) -> io::Result<String> {
-        let len = self.u64()? as usize;
-        if self.0.len() < len {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated handshake"));
-        }
-        let (head, rest) = self.0.split_at(len);
-        self.0 = rest;
-        String::from_utf8(head.to_vec())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "handshake text is not UTF-8"))
-    }
-}
-
 /// Identity every connection starts with: protocol, byte order, group size, rank.
 fn hello_payload(rank: usize, world: usize, addr: &str) -> Vec<u8> {
     let little_endian = u64::from(cfg!(target_endian = "little"));
-    Encoder::default()
-        .u64(u64::from(PROTOCOL_VERSION))
-        .u64(little_endian)
-        .u64(world as u64)
-        .u64(rank as u64)
-        .str(addr)
-        .0
+    let mut hello = Writer::new();
+    hello.u64(u64::from(PROTOCOL_VERSION)).u64(little_endian).usize(world).usize(rank).str(addr);
+    hello.into_bytes()
 }
 
 struct Hello {
@@ -438,8 +396,8 @@ struct Hello {
 }
 
 fn parse_hello(payload: &[u8], world: usize) -> std::result::Result<Hello, String> {
-    let mut d = Decoder(payload);
-    let parsed = (|| -> io::Result<_> { Ok((d.u64()?, d.u64()?, d.u64()?, d.u64()?, d.str()?)) })();
+    let mut d = Reader::new(payload, "handshake");
+    let parsed = (|| -> std::result::Result<_, WireError> { Ok((d.u64()?, d.u64()?, d.u64()?, d.u64()?, d.str()?)) })();
     let (version, little, their_world, rank, addr) = parsed.map_err(|e| e.to_string())?;
     if version != u64::from(PROTOCOL_VERSION) {
         return Err(format!("protocol version {version}, expected {PROTOCOL_VERSION}"));
@@ -751,13 +709,14 @@ fn master_rendezvous(
             }
         }
     }
-    let mut table = Encoder::default().u64(world as u64);
+    let mut table = Writer::new();
+    table.usize(world);
     for addr in &addrs {
-        table = table.str(addr);
+        table.str(addr);
     }
     for (peer, stream) in links.iter_mut().enumerate() {
         if let Some(stream) = stream {
-            write_frame(stream, KIND_WELCOME, 0, 0, &table.0)
+            write_frame(stream, KIND_WELCOME, 0, 0, table.as_slice())
                 .map_err(|e| rendezvous_err(&format!("welcoming rank {peer}"), &e))?;
         }
     }
@@ -794,12 +753,10 @@ fn worker_rendezvous(options: &SocketOptions, deadline: Instant, links: &mut [Op
     master.set_read_timeout(None).map_err(|e| rendezvous_err("configuring the master link", &e))?;
     let addrs = match reply.kind {
         KIND_WELCOME => {
-            let mut d = Decoder(&reply.payload);
-            let n = d.u64().map_err(|e| rendezvous_err("reading the table", &e))? as usize;
-            (0..n)
-                .map(|_| d.str())
-                .collect::<io::Result<Vec<_>>>()
-                .map_err(|e| rendezvous_err("reading the table", &e))?
+            let mut d = Reader::new(&reply.payload, "table of ranks");
+            let table_err = |e: WireError| TransportError::Rendezvous(format!("reading the table: {e}"));
+            let n = d.usize().map_err(table_err)?;
+            (0..n).map(|_| d.str()).collect::<std::result::Result<Vec<_>, _>>().map_err(table_err)?
         }
         KIND_REJECT => {
             return Err(TransportError::Rendezvous(format!(

@@ -1,0 +1,387 @@
+//! The distributed executor: one request skeleton that every strategy shares, and the
+//! strategies that fill it in (tiles: split / exec / merge of a [`TileOperator`];
+//! spatial shard: bands of a [`ShardOperator`] with halo exchanges).
+//!
+//! Every request runs the same six phases on every rank: plan (from the input alone), agree
+//! (the same input and a plan that worked, on every rank), compute this rank's share, gather
+//! to the owner, merge there, and one broadcast of the outcome (and the output, for
+//! [`OutputPlacement::AllRanks`]). Errors found before the computation are agreed: every rank
+//! returns the same one and the group stays usable.
+
+mod report;
+mod sharded;
+mod tile;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Instant;
+
+use vae_planner::ShardAxis;
+use vae_tensor::{DType, Device, StreamScope, Tensor};
+use vae_transport::wire::{Reader, Writer};
+use vae_transport::{Communicator, CommunicatorExt};
+
+pub use report::{ExecOutput, OutputPlacement, PhaseTimings, RankReport, StrategyReport};
+use sharded::ShardStrategy;
+use tile::TileStrategy;
+pub use tile::{TileMap, TileOperator, TilePlan, execute_serial};
+
+use crate::shard::ShardOperator;
+use crate::{RuntimeError, Stage};
+
+/// Errors a model operator returns; carried to every rank as text.
+pub type OperatorError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The rank that merges and owns the output.
+const OWNER: usize = 0;
+
+/// Dimensions past this many in a shape another rank sends are a protocol error.
+const MAX_WIRE_RANK: usize = 16;
+
+/// What a strategy fills into the request skeleton ([`DistributedVaeExecutor::run_request`]).
+trait RequestStrategy {
+    /// The plan: identical on every rank, made from the input alone.
+    type Plan;
+    /// What this rank computed.
+    type Local;
+
+    /// Plans the request (errors as text: every rank learns them in the agreement).
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String>;
+    /// The number every rank's plan must agree on (tiles, or the extent cut into bands).
+    fn plan_size(plan: &Self::Plan) -> usize;
+    /// Why the ranks' plan sizes show a non-deterministic plan, if they do.
+    fn disagreement(sizes: &[usize]) -> Option<String>;
+    /// Computes this rank's share; sets [`PhaseTimings::exec`] (and `halo`).
+    fn compute(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        timings: &mut PhaseTimings,
+    ) -> Result<(Self::Local, RankWork), RuntimeError>;
+    /// Gathers to the owner and merges there: the owner's outcome, `None` on the other ranks.
+    /// Sets [`PhaseTimings::gather`] and `merge`.
+    fn collect(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        local: Self::Local,
+        timings: &mut PhaseTimings,
+    ) -> Result<Option<Result<Tensor, String>>, RuntimeError>;
+}
+
+/// What this rank computed, for its report.
+struct RankWork {
+    tile_count: usize,
+    tiles: Vec<usize>,
+    workload: u64,
+    strategy: StrategyReport,
+}
+
+/// Runs [`TileOperator`]s over the ranks of a communicator.
+///
+/// Every rank of the group calls [`execute`](Self::execute) with the same input and operator.
+/// Ranks beyond the parallel size (or without tiles) join every collective and get `None` or
+/// the broadcast output. The output is bit-identical to what one rank computes alone, for any
+/// number of ranks, because tiles are computed exactly as alone and merged by one rank in the
+/// operator's own order. Holds no per-request state.
+pub struct DistributedVaeExecutor {
+    comm: Arc<dyn Communicator>,
+    requested: usize,
+    parallel_size: usize,
+}
+
+impl std::fmt::Debug for DistributedVaeExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedVaeExecutor")
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.size())
+            .field("requested", &self.requested)
+            .field("parallel_size", &self.parallel_size)
+            .finish()
+    }
+}
+
+impl DistributedVaeExecutor {
+    /// An executor over `comm` that spreads tiles over `parallel_size` ranks. A size larger
+    /// than the group is clamped to the group, with one warning here rather than one per call.
+    pub fn new(comm: Arc<dyn Communicator>, parallel_size: usize) -> Result<Self, RuntimeError> {
+        if parallel_size == 0 {
+            return Err(RuntimeError::Config("parallel size must be at least 1".into()));
+        }
+        let world = comm.size();
+        let effective = parallel_size.min(world);
+        if effective < parallel_size && comm.rank() == OWNER {
+            tracing::warn!(
+                requested = parallel_size,
+                group = world,
+                "VAE parallel size {parallel_size} is larger than the group of {world} ranks; using {world}"
+            );
+        }
+        Ok(Self { comm, requested: parallel_size, parallel_size: effective })
+    }
+
+    /// The effective parallel size.
+    pub fn parallel_size(&self) -> usize {
+        self.parallel_size
+    }
+
+    /// The communicator.
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// Runs one request: split on every rank, check the ranks hold the same input, assign
+    /// tiles (LPT), execute, gather to the owner, merge there, and give the output to the
+    /// ranks `placement` names. An error on any rank becomes an error on every rank.
+    pub fn execute<O: TileOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        self.abort_unless_known(self.run_request(input, &TileStrategy { op }, op.device(), placement))
+    }
+
+    /// Agreed errors are known everywhere and transport errors have already been propagated;
+    /// any other error happened on this rank alone, and the others must not wait for it.
+    fn abort_unless_known<T>(&self, result: Result<T, RuntimeError>) -> Result<T, RuntimeError> {
+        if let Err(err) = &result
+            && !err.is_agreed()
+            && !matches!(err, RuntimeError::Transport(_))
+        {
+            self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
+        }
+        result
+    }
+
+    /// Runs one request of a [`ShardOperator`] split along `axis` over the first
+    /// `parallel_size` ranks: check that the ranks hold the same input and that it can be cut
+    /// into bands no narrower than the operator's widest halo, compute every band (with halo
+    /// exchanges between neighbours), gather the output bands to the owner, finish there, and
+    /// give the output to the ranks `placement` names. Ranks beyond the parallel size join the
+    /// agreement, the gather and the broadcast.
+    ///
+    /// Errors found before the computation (bad input, too few rows for the ranks) are agreed:
+    /// every rank returns the same error and the group stays usable. A failure during the
+    /// computation (a bug, since the input was validated) aborts the group, so that no
+    /// neighbour waits for a halo that never comes: the others get a transport error that
+    /// names this rank.
+    pub fn execute_sharded<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        axis: ShardAxis,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        self.abort_unless_known(self.run_request(input, &ShardStrategy { op, axis }, op.device(), placement))
+    }
+
+    /// The request skeleton: the six phases, the strategy filling in plan, compute and collect.
+    fn run_request<S: RequestStrategy>(
+        &self,
+        input: &Tensor,
+        strategy: &S,
+        device: Device,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let _stream = self.device_stream(device);
+        let comm = self.comm.as_ref();
+        let (rank, world) = (comm.rank(), comm.size());
+        let traffic_before = comm.stats();
+        vae_tensor::memory::reset_peak();
+        let mut timings = PhaseTimings::default();
+
+        // 1. Plan, on every rank.
+        let clock = Instant::now();
+        let plan = strategy.plan(self, input);
+        timings.split = clock.elapsed();
+
+        // 2. Agree: the same input everywhere, and the plan worked everywhere.
+        let clock = Instant::now();
+        let sizes = self.agree(input, plan.as_ref().map(S::plan_size).map_err(String::as_str))?;
+        timings.agree = clock.elapsed();
+        if let Some(message) = S::disagreement(&sizes) {
+            return Err(RuntimeError::Inconsistent(message));
+        }
+        let plan = plan.expect("plan errors returned above");
+
+        // 3. Compute this rank's share.
+        let (local, work) = strategy.compute(self, input, &plan, &mut timings)?;
+        let exec_peak_bytes = vae_tensor::memory::peak_bytes();
+
+        // 4, 5. Gather to the owner and merge there; whatever happens there is told to every
+        // rank in the broadcast.
+        let merged = strategy.collect(self, input, &plan, local, &mut timings)?;
+
+        // 6. One broadcast: the merge status, plus the output when every rank needs it.
+        let clock = Instant::now();
+        let tensor = self.publish(merged, placement)?;
+        timings.broadcast = clock.elapsed();
+
+        let report = RankReport {
+            rank,
+            world_size: world,
+            parallel_size: self.parallel_size,
+            tile_count: work.tile_count,
+            tiles: work.tiles,
+            workload: work.workload,
+            is_owner: rank == OWNER,
+            timings,
+            traffic: comm.stats().since(&traffic_before),
+            peak_bytes: vae_tensor::memory::peak_bytes(),
+            exec_peak_bytes,
+            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
+            strategy: work.strategy,
+            reason: None,
+        };
+        Ok(ExecOutput { tensor, report })
+    }
+
+    /// Where this rank's device work goes during a request on `device`. Ranks that are threads
+    /// of one process (the in-process transport) may share a GPU; each then queues its kernels
+    /// on a stream of its own, so that they run side by side instead of one after another on
+    /// the device's default stream. A rank alone in its process keeps the default stream (a
+    /// second stream would make every launch record and wait for events, for nothing).
+    fn device_stream(&self, device: Device) -> StreamScope {
+        if device.is_cpu() || self.comm.size() < 2 || self.comm.mailbox().is_none() {
+            return StreamScope::none();
+        }
+        StreamScope::own(&device).unwrap_or_else(|e| {
+            // The default stream is as correct, only serial; the request itself will report
+            // a device that cannot be used.
+            tracing::warn!(rank = self.comm.rank(), "no stream of its own on {device}: {e}");
+            StreamScope::none()
+        })
+    }
+
+    /// Checks that every rank holds the same input and that the plan worked everywhere (one
+    /// all_gather of the input hash and the plan status): a split error on any rank becomes the
+    /// same error on every rank. Returns each rank's plan size, for a determinism check.
+    fn agree(&self, input: &Tensor, plan: Result<usize, &str>) -> Result<Vec<usize>, RuntimeError> {
+        let comm = self.comm.as_ref();
+        let hash = input.content_hash()?;
+        let mut msg = Writer::new();
+        msg.u64(hash);
+        match plan {
+            Ok(size) => msg.u8(0).usize(size),
+            Err(message) => msg.u8(1).str(message),
+        };
+        let gathered = comm.all_gather(msg.as_slice())?;
+        let mut hashes = Vec::with_capacity(comm.size());
+        let mut sizes = Vec::with_capacity(comm.size());
+        let mut first_split_error = None;
+        for (r, part) in gathered.parts().enumerate() {
+            let mut rd = Reader::new(part, "input agreement");
+            hashes.push(rd.u64().map_err(inconsistent)?);
+            if rd.u8().map_err(inconsistent)? == 1 {
+                let message = rd.str().map_err(inconsistent)?;
+                first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
+            } else {
+                sizes.push(rd.usize().map_err(inconsistent)?);
+            }
+        }
+        if hashes.iter().any(|h| *h != hashes[0]) {
+            return Err(RuntimeError::InputMismatch { hashes });
+        }
+        match first_split_error {
+            Some(err) => Err(err),
+            None => Ok(sizes),
+        }
+    }
+
+    /// Broadcasts the owner's merge outcome (and the output, for [`OutputPlacement::AllRanks`]).
+    fn publish(
+        &self,
+        merged: Option<Result<Tensor, String>>,
+        placement: OutputPlacement,
+    ) -> Result<Option<Tensor>, RuntimeError> {
+        let comm = self.comm.as_ref();
+        let mut message = Writer::new();
+        if let Some(outcome) = &merged {
+            match outcome {
+                Err(reason) => {
+                    message.u8(1).str(reason);
+                }
+                Ok(out) => {
+                    message.u8(0);
+                    if placement == OutputPlacement::AllRanks {
+                        write_tensor_header(&mut message, out.dtype(), out.dims()).bytes(out.as_bytes()?);
+                    }
+                }
+            }
+        }
+        let mut bytes = message.into_bytes();
+        comm.broadcast(OWNER, &mut bytes)?;
+        match merged {
+            Some(Ok(out)) => Ok(Some(out)),
+            Some(Err(message)) => Err(RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message }),
+            None => {
+                let mut rd = Reader::new(&bytes, "merge status");
+                if rd.u8()? == 1 {
+                    return Err(RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message: rd.str()? });
+                }
+                if placement == OutputPlacement::OwnerOnly {
+                    return Ok(None);
+                }
+                let (dtype, dims) = read_tensor_header(&mut rd)?;
+                Ok(Some(Tensor::from_bytes(dtype, dims, rd.rest(), &Device::Cpu)?))
+            }
+        }
+    }
+}
+
+/// Writes a tensor's element type and shape (then its bytes follow, or not).
+fn write_tensor_header<'w>(w: &'w mut Writer, dtype: DType, dims: &[usize]) -> &'w mut Writer {
+    w.u8(dtype.code()).usize(dims.len());
+    for d in dims {
+        w.usize(*d);
+    }
+    w
+}
+
+/// Reads what [`write_tensor_header`] wrote.
+fn read_tensor_header(rd: &mut Reader<'_>) -> Result<(DType, Vec<usize>), RuntimeError> {
+    let code = rd.u8()?;
+    let dtype = DType::from_code(code).ok_or_else(|| RuntimeError::Protocol(format!("unknown dtype code {code}")))?;
+    let ndim = rd.usize()?;
+    if ndim > MAX_WIRE_RANK {
+        return Err(RuntimeError::Protocol(format!("a shape of {ndim} dimensions")));
+    }
+    let dims = (0..ndim).map(|_| rd.usize()).collect::<Result<Vec<_>, _>>()?;
+    Ok((dtype, dims))
+}
+
+/// Problems found in data that every rank gathered are found by every rank alike.
+fn inconsistent(err: impl Into<RuntimeError>) -> RuntimeError {
+    match err.into() {
+        RuntimeError::Protocol(msg) => RuntimeError::Inconsistent(msg),
+        other => other,
+    }
+}
+
+/// Runs operator code, turning errors and panics into text with the error's causes.
+fn guarded<T>(body: impl FnOnce() -> Result<T, OperatorError>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => {
+            let mut text = e.to_string();
+            let mut source = e.source();
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            Err(text)
+        }
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Err(format!("panicked: {what}"))
+        }
+    }
+}

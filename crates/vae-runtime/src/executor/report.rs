@@ -1,0 +1,119 @@
+//! What a request returns: the output on the ranks that receive it, and each rank's report
+//! (what it computed, time per phase, traffic, memory).
+
+use std::ops::Range;
+use std::time::Duration;
+
+use vae_planner::ShardAxis;
+use vae_tensor::Tensor;
+use vae_transport::CommStats;
+
+use crate::shard::ShardTraffic;
+
+/// Which ranks receive the merged output (a per-model contract: e.g. AutoencoderKL and Wan
+/// decode to the owner only, Qwen-Image and FLUX.2 decode to all ranks, encoders to all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputPlacement {
+    /// Only the owner (rank 0) gets the tensor; the others get `None`.
+    OwnerOnly,
+    /// The owner broadcasts the tensor to every rank.
+    AllRanks,
+}
+
+/// Time spent in each phase of one request on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimings {
+    /// Splitting the input.
+    pub split: Duration,
+    /// Agreeing on the input (hash exchange).
+    pub agree: Duration,
+    /// Computing: this rank's tiles, or its band of a shard computation (without the
+    /// communication inside it, which is [`Self::halo`]).
+    pub exec: Duration,
+    /// Shard mode: communication inside the computation (halo exchanges and full-map gathers).
+    pub halo: Duration,
+    /// Exchanging tile shapes and gathering tiles to the owner.
+    pub gather: Duration,
+    /// Merging (owner only).
+    pub merge: Duration,
+    /// Final status / output broadcast.
+    pub broadcast: Duration,
+}
+
+impl PhaseTimings {
+    /// Sum of all phases.
+    pub fn total(&self) -> Duration {
+        self.split + self.agree + self.exec + self.halo + self.gather + self.merge + self.broadcast
+    }
+}
+
+/// What one rank did for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankReport {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// Ranks that executed tiles (`min(requested, world)`).
+    pub parallel_size: usize,
+    /// Tiles in the plan.
+    pub tile_count: usize,
+    /// The tiles this rank executed, in execution order.
+    pub tiles: Vec<usize>,
+    /// Sum of their workloads.
+    pub workload: u64,
+    /// True on the rank that merged.
+    pub is_owner: bool,
+    /// Time per phase.
+    pub timings: PhaseTimings,
+    /// Traffic of this request.
+    pub traffic: CommStats,
+    /// High-water mark of this rank's tensor memory during the request, in bytes (the
+    /// allocation accounting of `vae_tensor::memory`; includes tensors alive before it).
+    pub peak_bytes: usize,
+    /// The same high-water mark at the end of the computation, before outputs are gathered
+    /// (the activation peak: it excludes the assembled output the owner holds afterwards).
+    pub exec_peak_bytes: usize,
+    /// High-water mark of this rank's device (CUDA) tensor memory during the request, in bytes
+    /// (0 when it computes on the CPU; includes weights and tensors alive before it).
+    pub device_peak_bytes: usize,
+    /// How the request was computed.
+    pub strategy: StrategyReport,
+    /// Why that strategy: the model policy's choice or fallback (set by the caller that chose).
+    pub reason: Option<String>,
+}
+
+/// How a request was computed, for the report.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StrategyReport {
+    /// Tile-parallel (a request below the tile size is one direct tile).
+    Tile,
+    /// Spatial shard.
+    Shard {
+        /// The split axis.
+        axis: ShardAxis,
+        /// This rank's rows of the input (`None` on ranks beyond the parallel size).
+        band: Option<Range<usize>>,
+        /// Communication inside the computation.
+        traffic: ShardTraffic,
+    },
+}
+
+impl StrategyReport {
+    /// "tile", "shard-height" or "shard-width".
+    pub fn label(&self) -> String {
+        match self {
+            Self::Tile => "tile".into(),
+            Self::Shard { axis, .. } => format!("shard-{axis}"),
+        }
+    }
+}
+
+/// A request's result on one rank.
+#[derive(Debug)]
+pub struct ExecOutput {
+    /// The merged output, on the ranks the placement gives it to.
+    pub tensor: Option<Tensor>,
+    /// What this rank did.
+    pub report: RankReport,
+}

@@ -1,0 +1,354 @@
+//! The tile strategy: a model's [`TileOperator`] split into tiles on every rank, the tiles
+//! dealt out by LPT, each executed by one rank exactly as it would be alone, gathered to the
+//! owner and merged there in the operator's own order, so the output is bit-identical for any
+//! number of ranks. Also [`execute_serial`], the same without a group.
+
+use std::collections::BTreeMap;
+
+use vae_planner::{GridCoord, GridSpec, TileTask, lpt_assign};
+use vae_tensor::{DType, Device, Shape, Tensor};
+use vae_transport::CommunicatorExt;
+use vae_transport::wire::{Reader, Writer};
+
+use super::report::{PhaseTimings, StrategyReport};
+use super::{
+    DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, guarded, inconsistent, read_tensor_header,
+    write_tensor_header,
+};
+use crate::progress::{self, Progress};
+use crate::{RuntimeError, Stage};
+
+/// What a split produces: the tasks, and how to merge their outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TilePlan<P, S> {
+    /// The tiles, with dense ids `0..n` in order.
+    pub tasks: Vec<TileTask<P>>,
+    /// The grid and the merge metadata.
+    pub grid: GridSpec<S, DType>,
+}
+
+/// A model's tiled computation, split into the three steps the executor distributes.
+///
+/// `split` runs on every rank and must be deterministic (every rank must produce the same
+/// plan from the same input); `exec` runs on the rank a tile is assigned to; `merge` runs on
+/// the owner with every tile's output, keyed by grid coordinate.
+pub trait TileOperator {
+    /// Per-tile input (typically the input ranges of the tile).
+    type Payload;
+    /// Merge metadata carried in the [`GridSpec`].
+    type TileSpec;
+
+    /// Cuts the input into tiles.
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError>;
+    /// Computes one tile. The output must have the input's rank.
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError>;
+    /// Assembles the output from every tile's output.
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError>;
+    /// The device the operator computes on (its model's), whatever the input's: in-process ranks
+    /// that share a GPU each get a stream of their own there for the request.
+    fn device(&self) -> Device;
+}
+
+/// Tile outputs by grid coordinate, handed to [`TileOperator::merge`].
+#[derive(Debug, Default)]
+pub struct TileMap {
+    tiles: BTreeMap<GridCoord, Tensor>,
+}
+
+impl TileMap {
+    /// An empty map.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Inserts a tile output; returns the previous one at that coordinate, if any.
+    pub fn insert(&mut self, coord: GridCoord, tile: Tensor) -> Option<Tensor> {
+        self.tiles.insert(coord, tile)
+    }
+
+    /// The tile output at `coord`.
+    pub fn get(&self, coord: &[usize]) -> Option<&Tensor> {
+        self.tiles.get(coord)
+    }
+
+    /// Removes and returns the tile output at `coord`.
+    pub fn take(&mut self, coord: &[usize]) -> Option<Tensor> {
+        self.tiles.remove(coord)
+    }
+
+    /// Number of tiles.
+    pub fn len(&self) -> usize {
+        self.tiles.len()
+    }
+
+    /// Whether there are no tiles.
+    pub fn is_empty(&self) -> bool {
+        self.tiles.is_empty()
+    }
+
+    /// Tiles in grid order.
+    pub fn iter(&self) -> impl Iterator<Item = (&GridCoord, &Tensor)> {
+        self.tiles.iter()
+    }
+}
+
+/// The tile strategy of one request.
+pub(super) struct TileStrategy<'o, O> {
+    pub(super) op: &'o O,
+}
+
+/// This rank's tiles: the outputs it computed, or the first tile that failed and why.
+pub(super) struct TileOutputs {
+    outputs: Vec<(usize, Tensor)>,
+    error: Option<(usize, String)>,
+}
+
+impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
+    type Plan = TilePlan<O::Payload, O::TileSpec>;
+    type Local = TileOutputs;
+
+    fn plan(&self, _: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String> {
+        guarded(|| self.op.split(input)).and_then(|plan| {
+            plan.grid.validate_tasks(&plan.tasks).map_err(|e| e.to_string())?;
+            Ok(plan)
+        })
+    }
+
+    fn plan_size(plan: &Self::Plan) -> usize {
+        plan.tasks.len()
+    }
+
+    fn disagreement(sizes: &[usize]) -> Option<String> {
+        let (r, n) = sizes.iter().enumerate().find(|(_, n)| **n != sizes[0])?;
+        Some(format!("the split is not deterministic: rank {r} made {n} tiles, rank 0 made {}", sizes[0]))
+    }
+
+    /// Assigns (identical on every rank, no communication) and executes this rank's tiles; a
+    /// failing tile stops the others and is told to every rank in [`Self::collect`].
+    fn compute(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        timings: &mut PhaseTimings,
+    ) -> Result<(TileOutputs, RankWork), RuntimeError> {
+        let clock = std::time::Instant::now();
+        let rank = exec.comm.rank();
+        let workloads: Vec<u64> = plan.tasks.iter().map(|t| t.workload).collect();
+        let assignment = lpt_assign(&workloads, exec.parallel_size)?;
+        let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
+        let mut local = TileOutputs { outputs: Vec::with_capacity(mine.len()), error: None };
+        progress::report(Progress::Tiles { done: 0, total: mine.len() });
+        for &tile_id in mine {
+            match guarded(|| self.op.exec(input, &plan.tasks[tile_id])) {
+                Ok(out) if out.rank() == input.rank() => {
+                    local.outputs.push((tile_id, out));
+                    progress::report(Progress::Tiles { done: local.outputs.len(), total: mine.len() });
+                }
+                Ok(out) => {
+                    let message = format!(
+                        "tile output has rank {} ({}), the input has rank {}",
+                        out.rank(),
+                        out.shape(),
+                        input.rank()
+                    );
+                    local.error = Some((tile_id, message));
+                    break;
+                }
+                Err(message) => {
+                    local.error = Some((tile_id, message));
+                    break;
+                }
+            }
+        }
+        timings.exec = clock.elapsed();
+        tracing::debug!(rank, tiles = ?mine, elapsed = ?timings.exec, "executed tiles");
+        let work = RankWork {
+            tile_count: plan.tasks.len(),
+            tiles: mine.to_vec(),
+            workload: assignment.loads.get(rank).copied().unwrap_or(0),
+            strategy: StrategyReport::Tile,
+        };
+        Ok((local, work))
+    }
+
+    /// Tells everyone what this rank produced (or why it failed), gathers the tiles to the
+    /// owner (which keeps its own as they are) and merges them there.
+    fn collect(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        local: TileOutputs,
+        timings: &mut PhaseTimings,
+    ) -> Result<Option<Result<Tensor, String>>, RuntimeError> {
+        let comm = exec.comm.as_ref();
+        let clock = std::time::Instant::now();
+        let mut summary = Writer::new();
+        match &local.error {
+            Some((tile_id, message)) => summary.u8(1).usize(*tile_id).str(message),
+            None => {
+                summary.u8(0).usize(local.outputs.len());
+                for (tile_id, out) in &local.outputs {
+                    write_tensor_header(summary.usize(*tile_id), out.dtype(), out.dims());
+                }
+                &mut summary
+            }
+        };
+        let summaries = comm.all_gather(summary.as_slice())?;
+        let mut produced: Vec<Vec<(usize, DType, Shape)>> = Vec::with_capacity(comm.size());
+        let mut first_exec_error = None;
+        for (r, part) in summaries.parts().enumerate() {
+            match decode_summary(r, part).map_err(inconsistent)? {
+                Err((tile_id, message)) => {
+                    first_exec_error.get_or_insert(RuntimeError::Operator {
+                        stage: Stage::Exec { tile_id },
+                        rank: r,
+                        message,
+                    });
+                    produced.push(Vec::new());
+                }
+                Ok(tiles) => produced.push(tiles),
+            }
+        }
+        if let Some(err) = first_exec_error {
+            return Err(err);
+        }
+        check_every_tile_once(&produced, plan.tasks.len())?;
+
+        let mut outputs = local.outputs;
+        let mut payload = Vec::new();
+        if comm.rank() != OWNER {
+            for (_, out) in &outputs {
+                payload.extend_from_slice(out.as_bytes()?);
+            }
+            outputs.clear();
+        }
+        let gathered = comm.gather(OWNER, &payload)?;
+        drop(payload);
+        timings.gather = clock.elapsed();
+
+        let clock = std::time::Instant::now();
+        let merged = gathered.map(|parts| {
+            assemble(plan, &produced, &parts.parts().collect::<Vec<_>>(), outputs, &input.device())
+                .and_then(|tiles| guarded(|| self.op.merge(tiles, &plan.grid)))
+                .and_then(|out| cast_output(out, plan.grid.output_dtype))
+        });
+        timings.merge = clock.elapsed();
+        Ok(merged)
+    }
+}
+
+/// A rank's tile summary: its tiles' ids, dtypes and shapes, or the exec error it hit.
+type Summary = Result<Vec<(usize, DType, Shape)>, (usize, String)>;
+
+fn decode_summary(rank: usize, bytes: &[u8]) -> Result<Summary, RuntimeError> {
+    let mut rd = Reader::new(bytes, "tile summary");
+    if rd.u8()? == 1 {
+        let tile_id = rd.usize()?;
+        return Ok(Err((tile_id, rd.str()?)));
+    }
+    let count = rd.usize()?;
+    let mut tiles = Vec::with_capacity(count.min(bytes.len()));
+    for _ in 0..count {
+        let tile_id = rd.usize()?;
+        let (dtype, dims) = read_tensor_header(&mut rd).map_err(|e| match e {
+            RuntimeError::Protocol(m) => RuntimeError::Protocol(format!("rank {rank}: {m}")),
+            other => other,
+        })?;
+        let shape = Shape::new(dims);
+        if shape.checked_elem_count().and_then(|n| n.checked_mul(dtype.size_in_bytes())).is_none() {
+            return Err(RuntimeError::Protocol(format!("rank {rank} reported an impossible tile shape {shape}")));
+        }
+        tiles.push((tile_id, dtype, shape));
+    }
+    Ok(Ok(tiles))
+}
+
+/// Runs an operator without a group: split, execute every tile in order, merge (the ops still
+/// use the rayon pool). The same result [`DistributedVaeExecutor::execute`] returns on any
+/// number of ranks, without a communicator (what a single-device caller, or a reference,
+/// needs).
+pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor, RuntimeError> {
+    let failed = |stage, message| RuntimeError::Operator { stage, rank: 0, message };
+    let plan = guarded(|| op.split(input)).map_err(|m| failed(Stage::Split, m))?;
+    plan.grid.validate_tasks(&plan.tasks)?;
+    let mut tiles = TileMap::new();
+    progress::report(Progress::Tiles { done: 0, total: plan.tasks.len() });
+    for task in &plan.tasks {
+        let stage = Stage::Exec { tile_id: task.tile_id };
+        let out = guarded(|| op.exec(input, task)).map_err(|m| failed(stage, m))?;
+        if out.rank() != input.rank() {
+            let message =
+                format!("tile output has rank {} ({}), the input has rank {}", out.rank(), out.shape(), input.rank());
+            return Err(failed(stage, message));
+        }
+        tiles.insert(task.grid_coord.clone(), out);
+        progress::report(Progress::Tiles { done: tiles.len(), total: plan.tasks.len() });
+    }
+    guarded(|| op.merge(tiles, &plan.grid))
+        .and_then(|out| cast_output(out, plan.grid.output_dtype))
+        .map_err(|m| failed(Stage::Merge, m))
+}
+
+/// Every planned tile must come back exactly once.
+fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) -> Result<(), RuntimeError> {
+    let mut seen = vec![false; count];
+    for (r, tiles) in produced.iter().enumerate() {
+        for (tile_id, _, _) in tiles {
+            match seen.get_mut(*tile_id) {
+                Some(s) if !*s => *s = true,
+                Some(_) => {
+                    return Err(RuntimeError::Inconsistent(format!("tile {tile_id} came back twice (rank {r})")));
+                }
+                None => return Err(RuntimeError::Inconsistent(format!("rank {r} returned unknown tile {tile_id}"))),
+            }
+        }
+    }
+    match seen.iter().position(|s| !s) {
+        Some(missing) => Err(RuntimeError::Inconsistent(format!("tile {missing} was not executed by any rank"))),
+        None => Ok(()),
+    }
+}
+
+/// Rebuilds the owner's map of tile outputs from its own tensors and the gathered bytes.
+fn assemble<P, S>(
+    plan: &TilePlan<P, S>,
+    produced: &[Vec<(usize, DType, Shape)>],
+    parts: &[&[u8]],
+    own: Vec<(usize, Tensor)>,
+    device: &Device,
+) -> Result<TileMap, String> {
+    let mut map = TileMap::new();
+    for (tile_id, out) in own {
+        map.insert(plan.tasks[tile_id].grid_coord.clone(), out);
+    }
+    for (r, tiles) in produced.iter().enumerate() {
+        if r == OWNER {
+            continue;
+        }
+        let mut at = 0usize;
+        for (tile_id, dtype, shape) in tiles {
+            // Shapes were checked for overflow when the summaries were decoded.
+            let len = shape.elem_count() * dtype.size_in_bytes();
+            let end = at.checked_add(len).ok_or_else(|| format!("rank {r}'s tiles overflow"))?;
+            let bytes = parts[r].get(at..end).ok_or_else(|| format!("rank {r} sent too few bytes"))?;
+            at = end;
+            let tensor = Tensor::from_bytes(*dtype, shape.clone(), bytes, device).map_err(|e| e.to_string())?;
+            map.insert(plan.tasks[*tile_id].grid_coord.clone(), tensor);
+        }
+        if at != parts[r].len() {
+            return Err(format!("rank {r} sent {} bytes, its tiles need {at}", parts[r].len()));
+        }
+    }
+    Ok(map)
+}
+
+fn cast_output(out: Tensor, dtype: Option<DType>) -> Result<Tensor, String> {
+    match dtype {
+        Some(d) if d != out.dtype() => {
+            Err(format!("merged output is {}, the plan asks for {d}; casting is not supported yet", out.dtype()))
+        }
+        _ => Ok(out),
+    }
+}
