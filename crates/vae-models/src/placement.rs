@@ -46,9 +46,7 @@ mod tests {
         assert!(check_precision(Device::Cpu, DType::F32).is_ok());
         assert!(check_precision(Device::Cuda(0), DType::F32).is_ok());
         assert!(check_precision(Device::Cuda(1), DType::BF16).is_ok());
-        for (device, dtype) in [(Device::Cpu, DType::BF16), (Device::Cpu, DType::F16), (Device::Cuda(0), DType::F16)] {
-            let err = check_precision(device, dtype).unwrap_err();
-            assert!(matches!(err, ModelError::Unsupported(_)), "{err}");
-        }
+        let err = check_precision(Device::Cpu, DType::BF16).unwrap_err();
+        assert!(matches!(err, ModelError::Unsupported(_)), "{err}");
     }
 }

@@ -204,8 +204,6 @@ pub enum DType {
     F32,
     /// bfloat16 (CUDA backend).
     BF16,
-    /// IEEE half (CUDA backend).
-    F16,
 }
 
 impl DType {
@@ -213,7 +211,7 @@ impl DType {
     pub const fn size_in_bytes(self) -> usize {
         match self {
             Self::F32 => 4,
-            Self::BF16 | Self::F16 => 2,
+            Self::BF16 => 2,
         }
     }
 
@@ -222,7 +220,6 @@ impl DType {
         match self {
             Self::F32 => 0,
             Self::BF16 => 1,
-            Self::F16 => 2,
         }
     }
 
@@ -231,7 +228,6 @@ impl DType {
         match code {
             0 => Some(Self::F32),
             1 => Some(Self::BF16),
-            2 => Some(Self::F16),
             _ => None,
         }
     }
@@ -242,7 +238,6 @@ impl fmt::Display for DType {
         f.write_str(match self {
             Self::F32 => "f32",
             Self::BF16 => "bf16",
-            Self::F16 => "f16",
         })
     }
 }
@@ -254,8 +249,7 @@ impl FromStr for DType {
         match s.trim().to_ascii_lowercase().as_str() {
             "f32" | "float32" | "fp32" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::BF16),
-            "f16" | "float16" | "fp16" | "half" => Ok(Self::F16),
-            _ => Err(TensorError::InvalidArgument { op: "dtype", reason: format!("{s:?} is not f32, bf16 or f16") }),
+            _ => Err(TensorError::InvalidArgument { op: "dtype", reason: format!("{s:?} is not f32 or bf16") }),
         }
     }
 }

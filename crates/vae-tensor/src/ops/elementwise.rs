@@ -115,12 +115,13 @@ impl Tensor {
         Ok(())
     }
 
-    /// Every element times `factor` (the same as [`Tensor::scale`]).
+    /// Every element times `factor`.
     pub fn mul_scalar(&self, factor: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("scalar");
         #[cfg(feature = "cuda")]
-        if self.cuda().is_some() {
-            return self.scale(factor);
+        if let Some(x) = self.cuda() {
+            // `x · factor + (-0)` is `x · factor` exactly, signed zeros included.
+            return Ok(Tensor::from_cuda(x.affine(factor, -0.0)?, self.shape().clone()));
         }
         self.map(|x| x * factor)
     }

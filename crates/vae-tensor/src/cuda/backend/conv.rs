@@ -1,0 +1,133 @@
+//! Launchers of `kernels-cu/conv.cu` and `conv_sm90a.cu`: the channels-last copies of input
+//! and weights, then the product on the kernel [`super::select`] chooses.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::super::abi::{ChannelsLast, ConvGeom};
+use super::select::{ConvKernel, TensorCoreMath, conv_kernel};
+use super::storage::{CudaStorage, NULL, elementwise};
+use crate::{DType, Result, TensorError};
+
+impl CudaStorage {
+    /// The convolution (2-D convs are one frame, one temporal tap) on tensor cores, in three
+    /// launches: the input into a zero-padded channels-last buffer `[N, Tp, Hp, Wp, Cp]`
+    /// (channels rounded up to a 16-byte chunk), the weights into `[Cout, kt, kh, kw, Cp]`, then
+    /// the implicit GEMM, whose K loop reads 64 contiguous bytes per pixel and tap with no bounds
+    /// checks (`conv3d_tc_*` in conv.cu). bf16 multiplies on bf16 tensor cores; f32 on TF32
+    /// tensor cores with each operand split in two TF32 parts (three products: f32 accuracy).
+    /// Accumulation is f32 and the bias is f32 in both; the tile height is chosen by
+    /// [`tensor_core_tile`].
+    ///
+    /// With `front = Some((f, ft))` the input is `f` (`ft` frames) followed by `self` along time,
+    /// `g.t` frames in all: the conv of their concatenation, whose frames the channels-last copy
+    /// reads from both (`conv_input_channels_last_split_*`) instead of a copy of the whole.
+    pub(crate) fn conv3d(
+        &self,
+        front: Option<(&Self, u64)>,
+        weight: &Self,
+        bias: Option<&Self>,
+        g: ConvGeom,
+    ) -> Result<Self> {
+        self.same_dtype("conv3d", &[weight])?;
+        if let Some((f, _)) = front {
+            self.same_dtype("conv3d", &[f])?;
+        }
+        if let Some(b) = bias {
+            Self::f32_param("conv3d", b)?;
+        }
+        let len = (g.n * g.cout * g.to * g.ho * g.wo) as usize;
+        if len == 0 {
+            return self.like(0);
+        }
+        let bf16 = self.dtype() == DType::BF16;
+        let ChannelsLast { t: tp, h: hp, w: wp, c: cp } = g.channels_last(if bf16 { 2 } else { 4 });
+        let taps = g.kt * g.kh * g.kw;
+        let cols = g.n * g.to * g.ho * g.wo;
+        let rows_padded = g.n * tp * hp;
+        // The K loop counts slices and places channels in 32-bit arithmetic; offsets are 64-bit.
+        if taps * cp + 64 > u32::MAX as u64 || [tp, hp, wp].iter().any(|&e| e >= i32::MAX as u64) {
+            return Err(TensorError::InvalidArgument {
+                op: "conv3d",
+                reason: format!(
+                    "{taps} taps of {cp} channels or extents {:?} exceed the kernels' 32-bit range",
+                    [tp, hp, wp]
+                ),
+            });
+        }
+        let math = TensorCoreMath::for_conv(self.dtype());
+        let elem = if bf16 { 2 } else { 4 };
+        let kernel = conv_kernel(math, g.cout, taps * cp, elem, cols, self.device.sms as u64, self.device.wgmma);
+        let row_tiles = match kernel {
+            ConvKernel::TensorCores(tile) => g.cout.div_ceil(tile.rows),
+            ConvKernel::Wgmma(tile) => g.cout.div_ceil(tile.channels),
+            ConvKernel::SmallCout => 1,
+        };
+        if rows_padded > i32::MAX as u64
+            || wp.div_ceil(64) > 65_535
+            || cp.div_ceil(32) > 65_535
+            || cols.div_ceil(128) > i32::MAX as u64
+            || row_tiles > 65_535
+        {
+            return Err(TensorError::InvalidArgument { op: "conv3d", reason: "too large for one launch".into() });
+        }
+        // The three kernels write every element of their outputs (the padding as zeros).
+        let mut padded = self.output((rows_padded * wp * cp) as usize)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows_padded as u32, wp.div_ceil(64) as u32, cp.div_ceil(32) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.device.stream();
+        match front {
+            None => {
+                let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
+                unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
+            }
+            Some((front, front_t)) => {
+                let f =
+                    self.kernel("conv", "conv_input_channels_last_split_f32", "conv_input_channels_last_split_bf16")?;
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&front.data).arg(&front_t).arg(&self.data).arg(&mut padded.data).arg(&g);
+                unsafe { launch.launch(cfg) }
+            }
+        }
+        .map_err(self.err("conv3d"))?;
+        let weight_len = (g.cout * taps * cp) as usize;
+        let mut reordered = self.output(weight_len)?;
+        let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
+        unsafe {
+            self.device
+                .stream()
+                .launch_builder(&f)
+                .arg(&weight.data)
+                .arg(&mut reordered.data)
+                .arg(&g)
+                .launch(elementwise(weight_len))
+        }
+        .map_err(self.err("conv3d"))?;
+
+        let mut out = self.output(len)?;
+        let (f, grid_dim, shared_mem_bytes) = match kernel {
+            ConvKernel::SmallCout => {
+                let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
+                (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1), 0)
+            }
+            ConvKernel::TensorCores(tile) => {
+                (self.device.tensor_core_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
+            }
+            ConvKernel::Wgmma(tile) => {
+                (self.device.wgmma_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
+            }
+        };
+        let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes };
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(&padded.data).arg(&reordered.data);
+        match bias {
+            Some(b) => launch.arg(&b.data),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&mut out.data).arg(&g);
+        unsafe { launch.launch(cfg) }.map_err(self.err("conv3d"))?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,107 @@
+//! Launchers of `kernels-cu/elementwise.cu`: casts, add, affine, SiLU, clamp.
+
+use cudarc::driver::PushKernelArg;
+
+use super::device::driver;
+use super::storage::CudaStorage;
+use crate::{DType, Result};
+
+impl CudaStorage {
+    /// A copy converted to `dtype` (f32 → bf16 rounds to nearest even; bf16 → f32 is exact).
+    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let mut out = self.output_typed(self.len, dtype)?;
+        let name = match dtype {
+            DType::BF16 => "cast_f32_bf16",
+            DType::F32 => "cast_bf16_f32",
+        };
+        let f = self.device.function("elementwise", name)?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream()
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .launch(self.device.streaming(self.len.div_ceil(4)))
+        }
+        .map_err(self.err("to_dtype"))?;
+        Ok(out)
+    }
+
+    /// `self + other`, element-wise.
+    pub(crate) fn add(&self, other: &Self) -> Result<Self> {
+        self.same_dtype("add", &[other])?;
+        let mut out = self.output(self.len)?;
+        let f = self.kernel("elementwise", "add_f32", "add_bf16")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream()
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&other.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .launch(self.packs())
+        }
+        .map_err(self.err("add"))?;
+        Ok(out)
+    }
+
+    /// `x * mul + add`, two roundings (`affine_f32`). With `add = -0.0` this is exactly `x * mul`,
+    /// signed zeros included.
+    pub(crate) fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+        let mut out = self.output(self.len)?;
+        let f = self.kernel("elementwise", "affine_f32", "affine_bf16")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device
+                .stream()
+                .launch_builder(&f)
+                .arg(&self.data)
+                .arg(&mut out.data)
+                .arg(&n)
+                .arg(&mul)
+                .arg(&add)
+                .launch(self.packs())
+        }
+        .map_err(self.err("affine"))?;
+        Ok(out)
+    }
+
+    /// SiLU in place.
+    pub(crate) fn silu_inplace(&mut self) -> Result<()> {
+        let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
+        let n = self.len as u64;
+        let (stream, cfg) = (self.device.stream(), self.packs());
+        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(cfg) }
+            .map_err(|e| driver(self.device.ordinal, "silu", e))?;
+        Ok(())
+    }
+
+    /// SiLU into a new tensor: one pass (read, write) instead of a copy and an in-place pass.
+    pub(crate) fn silu(&self) -> Result<Self> {
+        let mut out = self.output(self.len)?;
+        let f = self.kernel("elementwise", "silu_into_f32", "silu_into_bf16")?;
+        let n = self.len as u64;
+        unsafe {
+            self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
+        }
+        .map_err(self.err("silu"))?;
+        Ok(out)
+    }
+
+    /// Clamp to `[lo, hi]` in place.
+    pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
+        let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
+        let n = self.len as u64;
+        let (stream, cfg) = (self.device.stream(), self.packs());
+        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(cfg) }
+            .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
+        Ok(())
+    }
+}

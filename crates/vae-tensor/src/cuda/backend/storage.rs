@@ -1,0 +1,267 @@
+//! Device memory ([`CudaData`], f32 or bf16) and [`CudaStorage`], the tensor storage every op
+//! launcher works on: allocation (charged to the allocating thread), upload, download, and the
+//! argument checks and launch shapes the launchers share.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+
+use super::device::{CudaDevice, driver};
+use crate::memory::DeviceCharge;
+use crate::{DType, Result, TensorError};
+
+/// Elements per 16-byte access of the vectorised elementwise kernels (`map_unary` /
+/// `map_binary` in elementwise.cu), by storage type.
+pub(super) fn per_pack(dtype: DType) -> usize {
+    if dtype == DType::BF16 { 8 } else { 4 }
+}
+
+/// Device memory of one storage type (bf16 as its raw bits).
+#[derive(Clone)]
+pub(crate) enum CudaData {
+    /// f32 elements.
+    F32(CudaSlice<f32>),
+    /// bf16 elements as `u16` bits, the kernels' `unsigned short`.
+    Bf16(CudaSlice<u16>),
+}
+
+// A storage of either type is one device pointer to the kernels (which are instantiated per
+// type), so it is pushed as whichever slice it holds.
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b CudaData> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b CudaData) -> &mut Self {
+        match arg {
+            CudaData::F32(s) => self.arg(s),
+            CudaData::Bf16(s) => self.arg(s),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaData> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut CudaData) -> &mut Self {
+        match arg {
+            CudaData::F32(s) => self.arg(s),
+            CudaData::Bf16(s) => self.arg(s),
+        }
+    }
+}
+
+/// A storage from an element on, as a kernel argument (a batch's operand inside a batched
+/// tensor).
+pub(super) enum DataView<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, u16>),
+}
+
+pub(super) enum DataViewMut<'a> {
+    F32(CudaViewMut<'a, f32>),
+    Bf16(CudaViewMut<'a, u16>),
+}
+
+impl CudaData {
+    pub(super) fn view(&self, from: usize) -> DataView<'_> {
+        match self {
+            CudaData::F32(s) => DataView::F32(s.slice(from..)),
+            CudaData::Bf16(s) => DataView::Bf16(s.slice(from..)),
+        }
+    }
+
+    pub(super) fn view_mut(&mut self, from: usize) -> DataViewMut<'_> {
+        match self {
+            CudaData::F32(s) => DataViewMut::F32(s.slice_mut(from..)),
+            CudaData::Bf16(s) => DataViewMut::Bf16(s.slice_mut(from..)),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b DataView<'c>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DataView<'c>) -> &mut Self {
+        match arg {
+            DataView::F32(v) => self.arg(v),
+            DataView::Bf16(v) => self.arg(v),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b mut DataViewMut<'c>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DataViewMut<'c>) -> &mut Self {
+        match arg {
+            DataViewMut::F32(v) => self.arg(v),
+            DataViewMut::Bf16(v) => self.arg(v),
+        }
+    }
+}
+
+/// Elements on a CUDA device, charged to the allocating thread's device-memory account
+/// ([`crate::memory::device_peak_bytes`]) while they live.
+pub(crate) struct CudaStorage {
+    pub(crate) data: CudaData,
+    pub(crate) device: Arc<CudaDevice>,
+    pub(super) len: usize,
+    _charge: DeviceCharge,
+}
+
+impl Clone for CudaStorage {
+    /// A device copy: a new allocation, charged to the thread that makes it.
+    fn clone(&self) -> Self {
+        Self::new(self.data.clone(), Arc::clone(&self.device), self.len)
+    }
+}
+
+impl std::fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStorage(cuda:{}, {} {})", self.device.ordinal, self.len, self.dtype())
+    }
+}
+
+/// A null device pointer, for optional kernel arguments.
+pub(super) const NULL: u64 = 0;
+
+/// A 1-D grid-stride launch over `n` elements.
+pub(super) fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CudaStorage {
+    /// The one constructor: every allocation is charged here.
+    pub(super) fn new(data: CudaData, device: Arc<CudaDevice>, len: usize) -> Self {
+        let bytes = len * if matches!(data, CudaData::F32(_)) { 4 } else { 2 };
+        Self { data, device, len, _charge: DeviceCharge::new(bytes) }
+    }
+
+    /// Zeros of `dtype` on device `ordinal`.
+    pub(crate) fn zeros(ordinal: usize, len: usize, dtype: DType) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        Ok(Self::new(device.alloc(len, dtype)?, device, len))
+    }
+
+    /// A copy of host data on device `ordinal`, as f32.
+    pub(crate) fn upload(ordinal: usize, host: &[f32]) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        if host.is_empty() {
+            return Self::zeros(ordinal, 0, DType::F32);
+        }
+        let data = device.stream().clone_htod(host).map_err(|e| driver(ordinal, "upload", e))?;
+        Ok(Self::new(CudaData::F32(data), device, host.len()))
+    }
+
+    /// The elements, copied to the host as f32 (bf16 widens exactly).
+    pub(crate) fn download(&self) -> Result<Vec<f32>> {
+        let err = |e| driver(self.device.ordinal, "download", e);
+        let mut v = match &self.data {
+            CudaData::F32(d) => self.device.stream().clone_dtoh(d).map_err(err)?,
+            CudaData::Bf16(d) => {
+                let bits = self.device.stream().clone_dtoh(d).map_err(err)?;
+                bits.into_iter().map(|b| f32::from_bits(u32::from(b) << 16)).collect()
+            }
+        };
+        v.truncate(self.len);
+        Ok(v)
+    }
+
+    pub(crate) fn ordinal(&self) -> usize {
+        self.device.ordinal
+    }
+
+    /// The device address of the elements, once every write queued before (on any stream) has
+    /// finished. See [`crate::Tensor::device_memory`].
+    pub(crate) fn settled_address(&self) -> Result<u64> {
+        let stream = self.device.stream();
+        // The pointer call makes `stream` wait for the buffer's last writer on another stream;
+        // synchronising the stream then waits for all of it.
+        let address = match &self.data {
+            CudaData::F32(d) => d.device_ptr(&stream).0,
+            CudaData::Bf16(d) => d.device_ptr(&stream).0,
+        };
+        stream.synchronize().map_err(|e| driver(self.device.ordinal, "synchronize", e))?;
+        Ok(address)
+    }
+
+    /// As [`Self::settled_address`], for memory something else is about to write: once every
+    /// read and write queued before has finished.
+    pub(crate) fn settled_address_mut(&mut self) -> Result<u64> {
+        let stream = self.device.stream();
+        let address = match &mut self.data {
+            CudaData::F32(d) => d.device_ptr_mut(&stream).0,
+            CudaData::Bf16(d) => d.device_ptr_mut(&stream).0,
+        };
+        stream.synchronize().map_err(|e| driver(self.device.ordinal, "synchronize", e))?;
+        Ok(address)
+    }
+
+    /// The storage type.
+    pub(crate) fn dtype(&self) -> DType {
+        match self.data {
+            CudaData::F32(_) => DType::F32,
+            CudaData::Bf16(_) => DType::BF16,
+        }
+    }
+
+    /// `len` zeros of the same type on the same device.
+    pub(super) fn like(&self, len: usize) -> Result<Self> {
+        self.like_typed(len, self.dtype())
+    }
+
+    pub(super) fn like_typed(&self, len: usize, dtype: DType) -> Result<Self> {
+        Ok(Self::new(self.device.alloc(len, dtype)?, Arc::clone(&self.device), len))
+    }
+
+    /// `len` uncleared elements of `dtype` on the same device, for an output that the kernel
+    /// launched next writes in full (see [`CudaDevice::alloc_for_kernel`]).
+    pub(super) fn output_typed(&self, len: usize, dtype: DType) -> Result<Self> {
+        Ok(Self::new(self.device.alloc_for_kernel(len, dtype)?, Arc::clone(&self.device), len))
+    }
+
+    pub(super) fn output(&self, len: usize) -> Result<Self> {
+        self.output_typed(len, self.dtype())
+    }
+
+    /// An uncleared tensor of `len` elements of this type on the same device, for a caller that
+    /// writes every element (a permute's box copy over the whole output) before reading any.
+    pub(crate) fn uninit_like(&self, len: usize) -> Result<Self> {
+        self.output(len)
+    }
+
+    /// The kernel `f32` or `bf16` of `module`, by this storage's type.
+    pub(super) fn kernel(&self, module: &str, f32: &'static str, bf16: &'static str) -> Result<CudaFunction> {
+        self.device.function(module, if self.dtype() == DType::BF16 { bf16 } else { f32 })
+    }
+
+    /// An error unless every storage in `others` has this one's type (`op`'s operands).
+    pub(super) fn same_dtype(&self, op: &'static str, others: &[&Self]) -> Result<()> {
+        match others.iter().find(|o| o.dtype() != self.dtype()) {
+            None => Ok(()),
+            Some(o) => Err(TensorError::InvalidArgument {
+                op,
+                reason: format!("operands are {} and {}; convert one with to_dtype", self.dtype(), o.dtype()),
+            }),
+        }
+    }
+
+    /// An error unless `param` (a bias or a norm's scale) is f32: both variants of a kernel take
+    /// f32 parameters.
+    pub(super) fn f32_param(op: &'static str, param: &Self) -> Result<()> {
+        if param.dtype() != DType::F32 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!("per-channel parameters are f32 on CUDA, got {}", param.dtype()),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TensorError + '_ {
+        move |e| driver(self.device.ordinal, op, e)
+    }
+
+    /// A streaming launch with one thread per 16-byte pack of this tensor's elements.
+    pub(super) fn packs(&self) -> LaunchConfig {
+        self.device.streaming(self.len.div_ceil(per_pack(self.dtype())))
+    }
+}
