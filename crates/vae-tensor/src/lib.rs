@@ -10,6 +10,8 @@
 //! PyTorch's semantics in f32; every buffer is charged to the allocating thread's
 //! [`memory`] counters.
 
+pub mod abi;
+mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;

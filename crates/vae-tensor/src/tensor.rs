@@ -1,14 +1,16 @@
-//! The tensor type and its ops (CPU backend).
+//! The tensor type: a shape and a storage on the host or a device, and the ops that are not
+//! kernels (construction, transfers, views of the elements, narrow / cat, the tile blend).
 
+use crate::backend::{DeviceElementwise, DeviceLayout, DeviceStorage, DeviceStore};
 use crate::memory::Buffer;
 use crate::{DType, Device, DeviceMemory, Result, Shape, TensorError};
 
-/// Backend storage; the enum keeps the type above independent of any one backend.
+/// Backend storage, matched once per op: the host, or a device ([`DeviceStorage`], which
+/// cannot exist in a build without the `cuda` feature).
 #[derive(Debug, Clone)]
 enum Storage {
     Cpu(CpuStorage),
-    #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::backend::CudaStorage),
+    Cuda(DeviceStorage),
 }
 
 impl PartialEq for Storage {
@@ -16,11 +18,9 @@ impl PartialEq for Storage {
         match (self, other) {
             (Self::Cpu(a), Self::Cpu(b)) => a == b,
             // Equal contents on the same device (a download each: for tests, not hot paths).
-            #[cfg(feature = "cuda")]
             (Self::Cuda(a), Self::Cuda(b)) => {
                 a.ordinal() == b.ordinal() && matches!((a.download(), b.download()), (Ok(x), Ok(y)) if x == y)
             }
-            #[cfg(feature = "cuda")]
             _ => false,
         }
     }
@@ -39,22 +39,11 @@ pub struct Tensor {
     storage: Storage,
 }
 
-#[cfg(not(feature = "cuda"))]
-pub(crate) fn check_device(op: &'static str, device: &Device) -> Result<()> {
-    match device {
-        Device::Cpu => Ok(()),
-        Device::Cuda(_) => Err(TensorError::DeviceUnavailable {
-            device: *device,
-            reason: format!("{op}: this build has no CUDA backend (the `cuda` feature is off)"),
-        }),
-    }
-}
-
-#[cfg(feature = "cuda")]
+/// A host-only op given device memory.
 fn not_on_host(ordinal: usize) -> TensorError {
     TensorError::DeviceUnavailable {
         device: Device::Cuda(ordinal),
-        reason: "this op reads host memory and has no CUDA path yet; copy the tensor with to_device(Cpu)".into(),
+        reason: "this op reads host memory and has no CUDA path; copy the tensor with to_device(Cpu)".into(),
     }
 }
 
@@ -62,13 +51,10 @@ impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Self> {
         let shape = shape.into();
-        #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
-            let storage = crate::cuda::backend::CudaStorage::zeros(*ordinal, shape.elem_count(), dtype)?;
+            let storage = DeviceStorage::zeros(*ordinal, shape.elem_count(), dtype)?;
             return Ok(Self::from_cuda(storage, shape));
         }
-        #[cfg(not(feature = "cuda"))]
-        check_device("zeros", device)?;
         match dtype {
             DType::F32 => Ok(Self::from_buffer(Buffer::zeros(shape.elem_count()), shape)),
             other => Err(TensorError::UnsupportedDType { op: "zeros", dtype: other, device: *device }),
@@ -77,8 +63,6 @@ impl Tensor {
 
     /// A tensor owning `data` (row-major) with the given shape.
     pub fn from_vec(data: Vec<f32>, shape: impl Into<Shape>, device: &Device) -> Result<Self> {
-        #[cfg(not(feature = "cuda"))]
-        check_device("from_vec", device)?;
         let shape = shape.into();
         if data.len() != shape.elem_count() {
             return Err(TensorError::ElementCount {
@@ -88,32 +72,28 @@ impl Tensor {
                 shape,
             });
         }
-        #[cfg(feature = "cuda")]
         if let Device::Cuda(ordinal) = device {
-            let storage = crate::cuda::backend::CudaStorage::upload(*ordinal, &data)?;
+            let storage = DeviceStorage::upload(*ordinal, &data)?;
             return Ok(Self::from_cuda(storage, shape));
         }
         Ok(Self::from_buffer(Buffer::from_vec(data), shape))
     }
 
-    /// A CUDA tensor over `storage` (its length the shape's element count).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn from_cuda(storage: crate::cuda::backend::CudaStorage, shape: Shape) -> Self {
+    /// A device tensor over `storage` (its length the shape's element count).
+    pub(crate) fn from_cuda(storage: DeviceStorage, shape: Shape) -> Self {
         Self { shape, storage: Storage::Cuda(storage) }
     }
 
-    /// The CUDA storage, for a tensor on a CUDA device.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda(&self) -> Option<&crate::cuda::backend::CudaStorage> {
+    /// The device storage, for a tensor on a CUDA device.
+    pub(crate) fn cuda(&self) -> Option<&DeviceStorage> {
         match &self.storage {
             Storage::Cuda(c) => Some(c),
             Storage::Cpu(_) => None,
         }
     }
 
-    /// The CUDA storage, mutable.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda_mut(&mut self) -> Option<&mut crate::cuda::backend::CudaStorage> {
+    /// The device storage, mutable.
+    pub(crate) fn cuda_mut(&mut self) -> Option<&mut DeviceStorage> {
         match &mut self.storage {
             Storage::Cuda(c) => Some(c),
             Storage::Cpu(_) => None,
@@ -128,7 +108,6 @@ impl Tensor {
     pub fn device_memory(&self) -> Result<Option<DeviceMemory>> {
         match &self.storage {
             Storage::Cpu(_) => Ok(None),
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => {
                 let address = c.settled_address()?;
                 Ok(Some(DeviceMemory { ordinal: c.ordinal(), address, len: self.size_in_bytes() }))
@@ -140,11 +119,9 @@ impl Tensor {
     /// buffer): returns once every read and write queued to this tensor so far has finished.
     /// The caller must write only within it, and finish before the tensor is used again.
     pub fn device_memory_mut(&mut self) -> Result<Option<DeviceMemory>> {
-        #[cfg(feature = "cuda")]
         let bytes = self.size_in_bytes();
         match &mut self.storage {
             Storage::Cpu(_) => Ok(None),
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => {
                 let address = c.settled_address_mut()?;
                 Ok(Some(DeviceMemory { ordinal: c.ordinal(), address, len: bytes }))
@@ -172,7 +149,6 @@ impl Tensor {
         if self.dtype() == dtype {
             return Ok(self.clone());
         }
-        #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda() {
             return Ok(Self::from_cuda(c.to_dtype(dtype)?, self.shape.clone()));
         }
@@ -205,8 +181,6 @@ impl Tensor {
 
     /// A tensor from raw native-endian element bytes, as [`Tensor::as_bytes`] produces.
     pub fn from_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8], device: &Device) -> Result<Self> {
-        #[cfg(not(feature = "cuda"))]
-        check_device("from_bytes", device)?;
         let shape = shape.into();
         let expected = shape.checked_elem_count().and_then(|n| n.checked_mul(dtype.size_in_bytes()));
         let Some(expected) = expected else {
@@ -251,7 +225,6 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(_)) => DType::F32,
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.dtype(),
         }
     }
@@ -260,7 +233,6 @@ impl Tensor {
     pub fn device(&self) -> Device {
         match &self.storage {
             Storage::Cpu(_) => Device::Cpu,
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => Device::Cuda(c.ordinal()),
         }
     }
@@ -275,7 +247,6 @@ impl Tensor {
     pub fn as_slice_f32(&self) -> Result<&[f32]> {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_slice()),
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => Err(not_on_host(c.ordinal())),
         }
     }
@@ -284,7 +255,6 @@ impl Tensor {
     pub(crate) fn as_mut_slice_f32(&mut self) -> Result<&mut [f32]> {
         match &mut self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_mut_slice()),
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => Err(not_on_host(c.ordinal())),
         }
     }
@@ -293,7 +263,6 @@ impl Tensor {
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v.as_slice().to_vec()),
-            #[cfg(feature = "cuda")]
             Storage::Cuda(c) => c.download(),
         }
     }
@@ -407,7 +376,6 @@ impl Tensor {
     /// `x * mul + add` element-wise, rounded after each operation (as two PyTorch ops).
     pub fn affine(&self, mul: f32, add: f32) -> Result<Self> {
         let _profile = crate::profile::Scope::new("scalar");
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             return Ok(Self::from_cuda(x.affine(mul, add)?, self.shape.clone()));
         }
@@ -435,7 +403,6 @@ impl Tensor {
         let mut dims = self.dims().to_vec();
         dims[n - 2] = h * factor;
         dims[n - 1] = w * factor;
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             return Ok(Self::from_cuda(x.upsample_nearest2d(planes, h, w, factor)?, Shape::new(dims)));
         }
@@ -555,7 +522,6 @@ fn copy_box(src: &Tensor, src_off: &[usize], dst: &mut Tensor, dst_off: &[usize]
     if extent.contains(&0) {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
     if src.cuda().is_some() || dst.cuda().is_some() {
         let (src_strides, dst_strides) = (src.shape.strides(), dst.shape.strides());
         let linear = |off: &[usize], strides: &[usize]| off.iter().zip(strides).map(|(o, s)| o * s).sum::<usize>();

@@ -14,7 +14,7 @@ use cudarc::driver::{
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
-use vae_tensor::cuda::abi::{Box8, ConvGeom};
+use vae_tensor::abi::{Box8, ConvGeom};
 use vae_tensor::cuda::{embedded_modules, embedded_sm90a_modules, probe};
 use vae_tensor::{Conv2dParams, Conv3dParams, Device, Tensor};
 

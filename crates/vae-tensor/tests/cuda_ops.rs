@@ -80,6 +80,22 @@ fn elementwise_ops_match() {
     });
     same_on_both("silu", std::slice::from_ref(&a), 1e-6, |t| t[0].silu().unwrap());
     same_on_both("clamp", &[a.affine(3.0, 0.0).unwrap()], 0.0, |t| t[0].clamp(-1.0, 1.0).unwrap());
+    same_on_both("mul_scalar", std::slice::from_ref(&a), 0.0, |t| t[0].mul_scalar(-1.7).unwrap());
+    same_on_both("mul_scalar_inplace", std::slice::from_ref(&a), 0.0, |t| {
+        let mut x = t[0].clone();
+        x.mul_scalar_inplace(0.3).unwrap();
+        x
+    });
+    same_on_both("add_scalar", std::slice::from_ref(&a), 0.0, |t| t[0].add_scalar(0.125).unwrap());
+    // Ops the CUDA backend declares it does not run: a typed error naming the device.
+    let on_gpu = gpu_of(&a);
+    for err in [
+        on_gpu.div_scalar(2.0).unwrap_err(),
+        on_gpu.channel_affine(&[1.0; 3], &[0.0; 3]).unwrap_err(),
+        on_gpu.channel_normalize(&[0.0; 3], &[1.0; 3]).unwrap_err(),
+    ] {
+        assert!(matches!(err, TensorError::DeviceUnavailable { device: Device::Cuda(0), .. }), "{err}");
+    }
 }
 
 #[test]

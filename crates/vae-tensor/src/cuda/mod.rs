@@ -15,7 +15,6 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-pub mod abi;
 pub(crate) mod backend;
 
 use crate::Device;

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::{DeviceAttention, DeviceStorage};
 use crate::memory::Buffer;
 use crate::ops::PAR_MIN_ELEMS;
 use crate::ops::gemm::{MatMut, MatRef, matmul_into};
@@ -84,9 +85,8 @@ impl Tensor {
             return Err(TensorError::InvalidArgument { op: OP, reason: "head dimension is 0".into() });
         }
         let scale = (1.0 / (d as f64).sqrt()) as f32;
-        #[cfg(feature = "cuda")]
         if let (Some(qc), Some(kc), Some(vc)) = (q.cuda(), k.cuda(), v.cuda()) {
-            let out = crate::cuda::backend::CudaStorage::attention(qc, kc, vc, [b, n, m, d, dv], scale)?;
+            let out = DeviceStorage::attention(qc, kc, vc, [b, n, m, d, dv], scale)?;
             return Ok(Tensor::from_cuda(out, Shape::new([b, n, dv])));
         }
         let rows = (SCORE_BLOCK_ELEMS / m.max(1)).clamp(MIN_BLOCK_ROWS, MAX_BLOCK_ROWS).min(n.max(1));

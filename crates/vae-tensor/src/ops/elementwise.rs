@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::DeviceElementwise;
 use crate::memory::Buffer;
 use crate::ops::{PAR_MIN_ELEMS, par_chunks_apply, silu_into};
 use crate::{Result, Shape, Tensor, TensorError};
@@ -41,7 +42,6 @@ impl Tensor {
     /// SiLU (swish), `x · sigmoid(x)`, element-wise.
     pub fn silu(&self) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("silu");
-        #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda() {
             return Ok(Tensor::from_cuda(c.silu()?, self.shape().clone()));
         }
@@ -54,7 +54,6 @@ impl Tensor {
     /// [`Tensor::silu`] in place.
     pub fn silu_inplace(&mut self) -> Result<()> {
         let _profile = crate::profile::Scope::new("silu");
-        #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda_mut() {
             return c.silu_inplace();
         }
@@ -74,7 +73,6 @@ impl Tensor {
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("add");
         self.check_same_shape("add", other)?;
-        #[cfg(feature = "cuda")]
         if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
             return Ok(Tensor::from_cuda(a.add(b)?, self.shape().clone()));
         }
@@ -96,7 +94,6 @@ impl Tensor {
     pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
         let _profile = crate::profile::Scope::new("add");
         self.check_same_shape("add_assign", other)?;
-        #[cfg(feature = "cuda")]
         if let (Some(a), Some(b)) = (self.cuda(), other.cuda()) {
             // The kernel writes a third buffer: `self` cannot be both operand and output.
             let sum = a.add(b)?;
@@ -118,7 +115,6 @@ impl Tensor {
     /// Every element times `factor`.
     pub fn mul_scalar(&self, factor: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("scalar");
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             // `x · factor + (-0)` is `x · factor` exactly, signed zeros included.
             return Ok(Tensor::from_cuda(x.affine(factor, -0.0)?, self.shape().clone()));
@@ -129,6 +125,9 @@ impl Tensor {
     /// [`Tensor::mul_scalar`] in place.
     pub fn mul_scalar_inplace(&mut self, factor: f32) -> Result<()> {
         let _profile = crate::profile::Scope::new("scalar");
+        if let Some(c) = self.cuda_mut() {
+            return c.mul_scalar_inplace(factor);
+        }
         self.map_inplace(|x| x * factor)
     }
 
@@ -136,12 +135,18 @@ impl Tensor {
     /// differ in the last bit from multiplying by `1 / s`).
     pub fn div_scalar(&self, divisor: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("scalar");
+        if let Some(c) = self.cuda() {
+            return Ok(Tensor::from_cuda(c.div_scalar(divisor)?, self.shape().clone()));
+        }
         self.map(|x| x / divisor)
     }
 
     /// `value` added to every element.
     pub fn add_scalar(&self, value: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("scalar");
+        if let Some(c) = self.cuda() {
+            return Ok(Tensor::from_cuda(c.add_scalar(value)?, self.shape().clone()));
+        }
         self.map(|x| x + value)
     }
 
@@ -149,24 +154,26 @@ impl Tensor {
     /// product and after the sum as PyTorch's `x * scale + shift` with broadcast vectors.
     pub fn channel_affine(&self, scale: &[f32], shift: &[f32]) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("channel_affine");
-        self.per_channel("channel_affine", scale, shift, |x, s, t| (x * s) + t)
+        let dims = self.check_per_channel("channel_affine", scale, shift)?;
+        if let Some(c) = self.cuda() {
+            return Ok(Tensor::from_cuda(c.channel_affine(scale, shift, dims)?, self.shape().clone()));
+        }
+        self.per_channel(scale, shift, |x, s, t| (x * s) + t)
     }
 
     /// `(x − mean[c]) / std[c]` per channel (dimension 1 of `[N, C, *]`), as PyTorch's
     /// `(x - mean) / std` with broadcast vectors.
     pub fn channel_normalize(&self, mean: &[f32], std: &[f32]) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("channel_affine");
-        self.per_channel("channel_normalize", mean, std, |x, m, s| (x - m) / s)
+        let dims = self.check_per_channel("channel_normalize", mean, std)?;
+        if let Some(c) = self.cuda() {
+            return Ok(Tensor::from_cuda(c.channel_normalize(mean, std, dims)?, self.shape().clone()));
+        }
+        self.per_channel(mean, std, |x, m, s| (x - m) / s)
     }
 
-    /// Applies `f(x, a[c], b[c])` to every element of channel `c` of `[N, C, *]`.
-    fn per_channel(
-        &self,
-        op: &'static str,
-        a: &[f32],
-        b: &[f32],
-        f: impl Fn(f32, f32, f32) -> f32 + Sync + Send,
-    ) -> Result<Tensor> {
+    /// Checks `[N, C, *]` against per-channel vectors `a` and `b`; returns `[N, C, inner]`.
+    fn check_per_channel(&self, op: &'static str, a: &[f32], b: &[f32]) -> Result<[usize; 3]> {
         if self.rank() < 2 {
             return Err(TensorError::InvalidArgument { op, reason: format!("needs [N, C, *], got {}", self.shape()) });
         }
@@ -176,6 +183,13 @@ impl Tensor {
                 return Err(TensorError::ShapeMismatch { op, lhs: self.shape().clone(), rhs: Shape::new([v.len()]) });
             }
         }
+        Ok([self.dims()[0], c, self.dims()[2..].iter().product()])
+    }
+
+    /// Applies `f(x, a[c], b[c])` to every element of channel `c` of a host `[N, C, *]` that
+    /// [`Self::check_per_channel`] accepted.
+    fn per_channel(&self, a: &[f32], b: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync + Send) -> Result<Tensor> {
+        let c = self.dims()[1];
         let spatial: usize = self.dims()[2..].iter().product();
         let mut out = self.clone();
         if spatial > 0 {
@@ -192,7 +206,6 @@ impl Tensor {
     pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("clamp");
         check_bounds(min, max)?;
-        #[cfg(feature = "cuda")]
         if self.cuda().is_some() {
             let mut out = self.clone();
             out.clamp_inplace(min, max)?;
@@ -205,7 +218,6 @@ impl Tensor {
     pub fn clamp_inplace(&mut self, min: f32, max: f32) -> Result<()> {
         let _profile = crate::profile::Scope::new("clamp");
         check_bounds(min, max)?;
-        #[cfg(feature = "cuda")]
         if let Some(c) = self.cuda_mut() {
             return c.clamp_inplace(min, max);
         }

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::{DeviceLayout, DeviceStore};
 use crate::memory::Buffer;
 use crate::ops::PAR_MIN_ELEMS;
 use crate::{Result, Shape, Tensor, TensorError};
@@ -43,7 +44,6 @@ impl Tensor {
         }
         let src_dims = self.dims();
         let out_dims: Vec<usize> = dims.iter().map(|&d| src_dims[d]).collect();
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             // Walk the output in row-major order, reading the input through permuted strides.
             let in_strides = self.shape().strides();

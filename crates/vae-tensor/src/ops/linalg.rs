@@ -1,5 +1,6 @@
 //! Matrix products: batched matmul and `nn.Linear`.
 
+use crate::backend::DeviceLinalg;
 use crate::memory::Buffer;
 use crate::ops::gemm::{MatMut, MatRef, matmul_into};
 use crate::{Result, Shape, Tensor, TensorError};
@@ -24,7 +25,6 @@ impl Tensor {
         let batch: usize = self.dims()[..r - 2].iter().product();
         let mut dims = self.dims().to_vec();
         dims[r - 1] = n;
-        #[cfg(feature = "cuda")]
         if let (Some(a), Some(b)) = (self.cuda(), rhs.cuda()) {
             return Ok(Tensor::from_cuda(a.matmul(b, [batch, m, n, k])?, Shape::new(dims)));
         }
@@ -65,7 +65,6 @@ impl Tensor {
         let rows: usize = self.dims()[..self.rank() - 1].iter().product();
         let mut dims = self.dims().to_vec();
         *dims.last_mut().expect("rank >= 1 checked above") = n;
-        #[cfg(feature = "cuda")]
         if let (Some(x), Some(w)) = (self.cuda(), weight.cuda()) {
             let b = bias
                 .map(|b| {

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::DeviceNorm;
 use crate::memory::Buffer;
 use crate::ops::lanes::{self, LaneMap, Lanes, Reduce16, WideLanes};
 use crate::{Result, Tensor, TensorError};
@@ -117,7 +118,6 @@ impl Tensor {
             }
         }
         let spatial: usize = self.dims()[2..].iter().product();
-        #[cfg(feature = "cuda")]
         if let (Some(x), Some(g), Some(b)) = (self.cuda(), weight.cuda(), bias.cuda()) {
             let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps, silu)?;
             return Ok(Tensor::from_cuda(out, self.shape().clone()));

@@ -9,6 +9,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::{DeviceConv, DeviceLayout, DeviceNorm, DeviceStorage};
 use crate::memory::Buffer;
 use crate::ops::OutPtr;
 use crate::ops::lanes::{self, Lanes, WideLanes};
@@ -253,10 +254,9 @@ impl Tensor {
         };
         let out_len = checked_len(OP, &[n, cout, to, ho, wo])?;
         let [t_front, _, top, bottom, left, right] = params.padding;
-        #[cfg(feature = "cuda")]
         if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
             let b = bias.map(|b| b.cuda().ok_or_else(|| invalid(OP, "bias not on the device".into()))).transpose()?;
-            let g = crate::cuda::abi::ConvGeom {
+            let g = crate::abi::ConvGeom {
                 n: n as u64,
                 cin: cin as u64,
                 t: t as u64,
@@ -359,9 +359,8 @@ impl Tensor {
         }
         let c = self.dims()[channel_dim];
         let inner: usize = self.dims()[channel_dim + 1..].iter().product();
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
-            fn check<'p>(x: &Tensor, p: &'p Tensor, c: usize) -> Result<&'p crate::cuda::backend::CudaStorage> {
+            fn check<'p>(x: &Tensor, p: &'p Tensor, c: usize) -> Result<&'p DeviceStorage> {
                 x.check_same_device(OP, p)?;
                 let ok = p.dims().first() == Some(&c) && p.dims()[1..].iter().all(|&d| d == 1);
                 if !ok {
@@ -427,7 +426,6 @@ impl Tensor {
         let group = folded / out_channels;
         let pad_t = (factor_t - t % factor_t) % factor_t;
         let tp = t + pad_t;
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             let (t2, h2, w2) = (tp / factor_t, h / factor_s, w / factor_s);
             let out_len = checked_len(OP, &[n, out_channels, t2, h2, w2])?;
@@ -488,7 +486,6 @@ impl Tensor {
         }
         let repeats = unfolded / c;
         checked_len(OP, &[n, unfolded, t, h, w])?;
-        #[cfg(feature = "cuda")]
         if let Some(x) = self.cuda() {
             let drop = if first_chunk && factor_t > 1 { (factor_t - 1).min(t * factor_t) } else { 0 };
             let dims = [n, out_channels, t * factor_t - drop, h * factor_s, w * factor_s];

@@ -3,22 +3,17 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::super::abi::ConvGeom;
 use super::select::{TensorCoreMath, TensorCoreTile, tensor_core_tile};
 use super::storage::{CudaStorage, NULL};
+use crate::abi::ConvGeom;
+use crate::backend::{DeviceAttention, DeviceLayout, DeviceStore};
 use crate::{DType, Result};
 
-impl CudaStorage {
+impl DeviceAttention for CudaStorage {
     /// Single-head attention `softmax(q kᵀ · scale) v` for `[batch, n, d]`, `[batch, m, d]`,
     /// `[batch, m, dv]`: two products around the row softmax, on the tensor cores where the rows
     /// allow it ([`Self::attention_on_tensor_cores`]), else the CUDA-core batched GEMM.
-    pub(crate) fn attention(
-        q: &Self,
-        k: &Self,
-        v: &Self,
-        [batch, n, m, d, dv]: [usize; 5],
-        scale: f32,
-    ) -> Result<Self> {
+    fn attention(q: &Self, k: &Self, v: &Self, [batch, n, m, d, dv]: [usize; 5], scale: f32) -> Result<Self> {
         q.same_dtype("attention", &[k, v])?;
         // The tensor cores take rows of whole 16-byte chunks: d (Q and K rows) and m (rows of P
         // and of Vᵀ) in multiples of 8 bf16 or 4 f32 (Wan's mid block: d 384, m 60 x 104).
@@ -37,7 +32,9 @@ impl CudaStorage {
         scores.gemm_batched(v, &mut out, [batch, n, dv, m], [n * m, m, 1], [m * dv, dv, 1], 1.0, 0.0)?;
         Ok(out)
     }
+}
 
+impl CudaStorage {
     /// `softmax(scores * scale)` row by row: in place (`probabilities` none), or into bf16
     /// probabilities.
     pub(super) fn softmax_rows(

@@ -3,12 +3,13 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::super::abi::{ChannelsLast, ConvGeom};
 use super::select::{ConvKernel, TensorCoreMath, conv_kernel};
 use super::storage::{CudaStorage, NULL, elementwise};
+use crate::abi::{ChannelsLast, ConvGeom};
+use crate::backend::{DeviceConv, DeviceStore};
 use crate::{DType, Result, TensorError};
 
-impl CudaStorage {
+impl DeviceConv for CudaStorage {
     /// The convolution (2-D convs are one frame, one temporal tap) on tensor cores, in three
     /// launches: the input into a zero-padded channels-last buffer `[N, Tp, Hp, Wp, Cp]`
     /// (channels rounded up to a 16-byte chunk), the weights into `[Cout, kt, kh, kw, Cp]`, then
@@ -21,13 +22,7 @@ impl CudaStorage {
     /// With `front = Some((f, ft))` the input is `f` (`ft` frames) followed by `self` along time,
     /// `g.t` frames in all: the conv of their concatenation, whose frames the channels-last copy
     /// reads from both (`conv_input_channels_last_split_*`) instead of a copy of the whole.
-    pub(crate) fn conv3d(
-        &self,
-        front: Option<(&Self, u64)>,
-        weight: &Self,
-        bias: Option<&Self>,
-        g: ConvGeom,
-    ) -> Result<Self> {
+    fn conv3d(&self, front: Option<(&Self, u64)>, weight: &Self, bias: Option<&Self>, g: ConvGeom) -> Result<Self> {
         self.same_dtype("conv3d", &[weight])?;
         if let Some((f, _)) = front {
             self.same_dtype("conv3d", &[f])?;

@@ -4,11 +4,38 @@ use cudarc::driver::PushKernelArg;
 
 use super::device::driver;
 use super::storage::CudaStorage;
+use crate::backend::{DeviceElementwise, DeviceStore, no_device_path};
 use crate::{DType, Result};
 
-impl CudaStorage {
+impl DeviceElementwise for CudaStorage {
+    /// `x · factor + (−0)` is `x · factor` exactly, signed zeros included.
+    fn mul_scalar_inplace(&mut self, factor: f32) -> Result<()> {
+        *self = self.affine(factor, -0.0)?;
+        Ok(())
+    }
+
+    /// No kernel divides: `x · (1 / s)` can differ from `x / s` in the last bit.
+    fn div_scalar(&self, _: f32) -> Result<Self> {
+        Err(no_device_path("div_scalar", self.ordinal()))
+    }
+
+    /// `x · 1 + value` is `x + value` exactly.
+    fn add_scalar(&self, value: f32) -> Result<Self> {
+        self.affine(1.0, value)
+    }
+
+    /// The pipelines' per-channel (de)normalisation runs on host tensors, outside the model.
+    fn channel_affine(&self, _: &[f32], _: &[f32], _: [usize; 3]) -> Result<Self> {
+        Err(no_device_path("channel_affine", self.ordinal()))
+    }
+
+    /// As [`Self::channel_affine`].
+    fn channel_normalize(&self, _: &[f32], _: &[f32], _: [usize; 3]) -> Result<Self> {
+        Err(no_device_path("channel_normalize", self.ordinal()))
+    }
+
     /// A copy converted to `dtype` (f32 → bf16 rounds to nearest even; bf16 → f32 is exact).
-    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
@@ -33,7 +60,7 @@ impl CudaStorage {
     }
 
     /// `self + other`, element-wise.
-    pub(crate) fn add(&self, other: &Self) -> Result<Self> {
+    fn add(&self, other: &Self) -> Result<Self> {
         self.same_dtype("add", &[other])?;
         let mut out = self.output(self.len)?;
         let f = self.kernel("elementwise", "add_f32", "add_bf16")?;
@@ -54,7 +81,7 @@ impl CudaStorage {
 
     /// `x * mul + add`, two roundings (`affine_f32`). With `add = -0.0` this is exactly `x * mul`,
     /// signed zeros included.
-    pub(crate) fn affine(&self, mul: f32, add: f32) -> Result<Self> {
+    fn affine(&self, mul: f32, add: f32) -> Result<Self> {
         let mut out = self.output(self.len)?;
         let f = self.kernel("elementwise", "affine_f32", "affine_bf16")?;
         let n = self.len as u64;
@@ -74,7 +101,7 @@ impl CudaStorage {
     }
 
     /// SiLU in place.
-    pub(crate) fn silu_inplace(&mut self) -> Result<()> {
+    fn silu_inplace(&mut self) -> Result<()> {
         let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
         let n = self.len as u64;
         let (stream, cfg) = (self.device.stream(), self.packs());
@@ -84,7 +111,7 @@ impl CudaStorage {
     }
 
     /// SiLU into a new tensor: one pass (read, write) instead of a copy and an in-place pass.
-    pub(crate) fn silu(&self) -> Result<Self> {
+    fn silu(&self) -> Result<Self> {
         let mut out = self.output(self.len)?;
         let f = self.kernel("elementwise", "silu_into_f32", "silu_into_bf16")?;
         let n = self.len as u64;
@@ -96,7 +123,7 @@ impl CudaStorage {
     }
 
     /// Clamp to `[lo, hi]` in place.
-    pub(crate) fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
+    fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
         let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
         let n = self.len as u64;
         let (stream, cfg) = (self.device.stream(), self.packs());

@@ -3,7 +3,40 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::storage::CudaStorage;
+use crate::backend::{DeviceElementwise, DeviceLayout, DeviceLinalg, DeviceStore};
 use crate::{DType, Result, TensorError};
+
+impl DeviceLinalg for CudaStorage {
+    /// Batched matrix product `[batch, m, k] · [batch, k, n]`, both dense and of one type. bf16
+    /// accumulates into f32 and rounds once at the end.
+    fn matmul(&self, rhs: &Self, [batch, m, n, k]: [usize; 4]) -> Result<Self> {
+        self.same_dtype("matmul", &[rhs])?;
+        let mut out = self.like_typed(batch * m * n, DType::F32)?;
+        self.gemm_batched(rhs, &mut out, [batch, m, n, k], [m * k, k, 1], [k * n, n, 1], 1.0, 0.0)?;
+        out.to_dtype(self.dtype())
+    }
+
+    /// `F.linear` over `rows` rows: `x [rows, k] · weightᵀ [k, n] + bias` (x and weight of one
+    /// type, the bias f32). As on the CPU (and in PyTorch's `addmm`), the bias is the value the
+    /// product is added onto: an f32 output starts as the bias broadcast over the rows (a box
+    /// copy with row stride 0), the GEMM adds to it with `beta = 1`, and bf16 rounds once at
+    /// the end.
+    fn linear(&self, weight: &Self, bias: Option<&Self>, [rows, n, k]: [usize; 3]) -> Result<Self> {
+        self.same_dtype("linear", &[weight])?;
+        let mut out = self.like_typed(rows * n, DType::F32)?;
+        let beta = match bias {
+            Some(b) => {
+                Self::f32_param("linear", b)?;
+                b.copy_box_into(&[0, 1], 0, &mut out, &[n, 1], 0, &[rows, n])?;
+                1.0
+            }
+            None => 0.0,
+        };
+        // Element (kk, j) of weightᵀ is weight[j, kk]: row stride 1, column stride k.
+        self.gemm_batched(weight, &mut out, [1, rows, n, k], [0, k, 1], [0, 1, k], 1.0, beta)?;
+        out.to_dtype(self.dtype())
+    }
+}
 
 impl CudaStorage {
     /// `c[b] = alpha · a[b] · b[b] + beta · c[b]` for every batch `b` (`gemm_batched_f32`; `c`
@@ -61,35 +94,5 @@ impl CudaStorage {
         launch.arg(&alpha).arg(&beta);
         unsafe { launch.launch(cfg) }.map_err(self.err("gemm"))?;
         Ok(())
-    }
-
-    /// Batched matrix product `[batch, m, k] · [batch, k, n]`, both dense and of one type. bf16
-    /// accumulates into f32 and rounds once at the end.
-    pub(crate) fn matmul(&self, rhs: &Self, [batch, m, n, k]: [usize; 4]) -> Result<Self> {
-        self.same_dtype("matmul", &[rhs])?;
-        let mut out = self.like_typed(batch * m * n, DType::F32)?;
-        self.gemm_batched(rhs, &mut out, [batch, m, n, k], [m * k, k, 1], [k * n, n, 1], 1.0, 0.0)?;
-        out.to_dtype(self.dtype())
-    }
-
-    /// `F.linear` over `rows` rows: `x [rows, k] · weightᵀ [k, n] + bias` (x and weight of one
-    /// type, the bias f32). As on the CPU (and in PyTorch's `addmm`), the bias is the value the
-    /// product is added onto: an f32 output starts as the bias broadcast over the rows (a box
-    /// copy with row stride 0), the GEMM adds to it with `beta = 1`, and bf16 rounds once at
-    /// the end.
-    pub(crate) fn linear(&self, weight: &Self, bias: Option<&Self>, [rows, n, k]: [usize; 3]) -> Result<Self> {
-        self.same_dtype("linear", &[weight])?;
-        let mut out = self.like_typed(rows * n, DType::F32)?;
-        let beta = match bias {
-            Some(b) => {
-                Self::f32_param("linear", b)?;
-                b.copy_box_into(&[0, 1], 0, &mut out, &[n, 1], 0, &[rows, n])?;
-                1.0
-            }
-            None => 0.0,
-        };
-        // Element (kk, j) of weightᵀ is weight[j, kk]: row stride 1, column stride k.
-        self.gemm_batched(weight, &mut out, [1, rows, n, k], [0, k, 1], [0, 1, k], 1.0, beta)?;
-        out.to_dtype(self.dtype())
     }
 }

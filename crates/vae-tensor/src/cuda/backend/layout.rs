@@ -3,8 +3,9 @@
 
 use cudarc::driver::PushKernelArg;
 
-use super::super::abi::Box8;
 use super::storage::{CudaData, CudaStorage, elementwise};
+use crate::abi::Box8;
+use crate::backend::{DeviceLayout, DeviceStore};
 use crate::{DType, Result, TensorError};
 
 /// The same box copy with fewer dimensions (`copy_box` in layout.cu walks rows of the last one):
@@ -39,9 +40,9 @@ pub(super) fn merged_box(extent: &[usize], src: &[usize], dst: &[usize]) -> (Vec
 /// `COPY_SEGMENT` of layout.cu: the longest piece of a row one group of 32 lanes copies.
 pub(super) const COPY_SEGMENT: usize = 2048;
 
-impl CudaStorage {
+impl DeviceLayout for CudaStorage {
     /// Nearest upsampling of the last two dimensions of `planes` planes of `h × w`.
-    pub(crate) fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
+    fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
         let len = planes * h * w * factor * factor;
         let mut out = self.output(len)?;
         let f = self.kernel("layout", "upsample_nearest2d_f32", "upsample_nearest2d_bf16")?;
@@ -65,7 +66,7 @@ impl CudaStorage {
 
     /// Copies a box of `extent` at `src_offset` (row-major `src_dims`) into `dst` at
     /// `dst_offset` (row-major `dst_dims`): narrow, cat, permute (with permuted strides).
-    pub(crate) fn copy_box_into(
+    fn copy_box_into(
         &self,
         src_strides: &[usize],
         src_offset: usize,
@@ -108,18 +109,20 @@ impl CudaStorage {
 
     /// Wan2.2's `DupUp3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, repeats, drop]`.
-    pub(crate) fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
+    fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
         let name = if self.dtype() == DType::BF16 { "dup_up3d_bf16" } else { "dup_up3d_f32" };
         self.layout_kernel(name, dims, params, out_len)
     }
 
     /// Wan2.2's `AvgDown3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, group, pad_t]`.
-    pub(crate) fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
+    fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
         let name = if self.dtype() == DType::BF16 { "avg_down3d_bf16" } else { "avg_down3d_f32" };
         self.layout_kernel(name, dims, params, out_len)
     }
+}
 
+impl CudaStorage {
     /// A `layout.cu` kernel taking `(x, out, five dims, five parameters)` as u64s.
     pub(super) fn layout_kernel(
         &self,

@@ -4,11 +4,12 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::storage::{CudaStorage, NULL, per_pack};
+use crate::backend::{DeviceNorm, DeviceStore};
 use crate::{DType, Result, TensorError};
 
-impl CudaStorage {
+impl DeviceNorm for CudaStorage {
     /// Wan's channel RMS norm over `[batch, channels, inner]`, optionally followed by SiLU.
-    pub(crate) fn rms_norm_channels(
+    fn rms_norm_channels(
         &self,
         gamma: &Self,
         bias: Option<&Self>,
@@ -58,7 +59,7 @@ impl CudaStorage {
     }
 
     /// `nn.GroupNorm` over `[batch, channels, spatial]`, optionally followed by SiLU.
-    pub(crate) fn group_norm(
+    fn group_norm(
         &self,
         gamma: &Self,
         beta: &Self,

@@ -9,6 +9,7 @@ use cudarc::driver::{
 };
 
 use super::device::{CudaDevice, driver};
+use crate::backend::DeviceStore;
 use crate::memory::DeviceCharge;
 use crate::{DType, Result, TensorError};
 
@@ -128,21 +129,15 @@ pub(super) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
-impl CudaStorage {
-    /// The one constructor: every allocation is charged here.
-    pub(super) fn new(data: CudaData, device: Arc<CudaDevice>, len: usize) -> Self {
-        let bytes = len * if matches!(data, CudaData::F32(_)) { 4 } else { 2 };
-        Self { data, device, len, _charge: DeviceCharge::new(bytes) }
-    }
-
+impl DeviceStore for CudaStorage {
     /// Zeros of `dtype` on device `ordinal`.
-    pub(crate) fn zeros(ordinal: usize, len: usize, dtype: DType) -> Result<Self> {
+    fn zeros(ordinal: usize, len: usize, dtype: DType) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
         Ok(Self::new(device.alloc(len, dtype)?, device, len))
     }
 
     /// A copy of host data on device `ordinal`, as f32.
-    pub(crate) fn upload(ordinal: usize, host: &[f32]) -> Result<Self> {
+    fn upload(ordinal: usize, host: &[f32]) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
         if host.is_empty() {
             return Self::zeros(ordinal, 0, DType::F32);
@@ -152,7 +147,7 @@ impl CudaStorage {
     }
 
     /// The elements, copied to the host as f32 (bf16 widens exactly).
-    pub(crate) fn download(&self) -> Result<Vec<f32>> {
+    fn download(&self) -> Result<Vec<f32>> {
         let err = |e| driver(self.device.ordinal, "download", e);
         let mut v = match &self.data {
             CudaData::F32(d) => self.device.stream().clone_dtoh(d).map_err(err)?,
@@ -165,13 +160,13 @@ impl CudaStorage {
         Ok(v)
     }
 
-    pub(crate) fn ordinal(&self) -> usize {
+    fn ordinal(&self) -> usize {
         self.device.ordinal
     }
 
     /// The device address of the elements, once every write queued before (on any stream) has
     /// finished. See [`crate::Tensor::device_memory`].
-    pub(crate) fn settled_address(&self) -> Result<u64> {
+    fn settled_address(&self) -> Result<u64> {
         let stream = self.device.stream();
         // The pointer call makes `stream` wait for the buffer's last writer on another stream;
         // synchronising the stream then waits for all of it.
@@ -185,7 +180,7 @@ impl CudaStorage {
 
     /// As [`Self::settled_address`], for memory something else is about to write: once every
     /// read and write queued before has finished.
-    pub(crate) fn settled_address_mut(&mut self) -> Result<u64> {
+    fn settled_address_mut(&mut self) -> Result<u64> {
         let stream = self.device.stream();
         let address = match &mut self.data {
             CudaData::F32(d) => d.device_ptr_mut(&stream).0,
@@ -196,11 +191,25 @@ impl CudaStorage {
     }
 
     /// The storage type.
-    pub(crate) fn dtype(&self) -> DType {
+    fn dtype(&self) -> DType {
         match self.data {
             CudaData::F32(_) => DType::F32,
             CudaData::Bf16(_) => DType::BF16,
         }
+    }
+
+    /// An uncleared tensor of `len` elements of this type on the same device, for a caller that
+    /// writes every element (a permute's box copy over the whole output) before reading any.
+    fn uninit_like(&self, len: usize) -> Result<Self> {
+        self.output(len)
+    }
+}
+
+impl CudaStorage {
+    /// The one constructor: every allocation is charged here.
+    pub(super) fn new(data: CudaData, device: Arc<CudaDevice>, len: usize) -> Self {
+        let bytes = len * if matches!(data, CudaData::F32(_)) { 4 } else { 2 };
+        Self { data, device, len, _charge: DeviceCharge::new(bytes) }
     }
 
     /// `len` zeros of the same type on the same device.
@@ -220,12 +229,6 @@ impl CudaStorage {
 
     pub(super) fn output(&self, len: usize) -> Result<Self> {
         self.output_typed(len, self.dtype())
-    }
-
-    /// An uncleared tensor of `len` elements of this type on the same device, for a caller that
-    /// writes every element (a permute's box copy over the whole output) before reading any.
-    pub(crate) fn uninit_like(&self, len: usize) -> Result<Self> {
-        self.output(len)
     }
 
     /// The kernel `f32` or `bf16` of `module`, by this storage's type.

@@ -25,6 +25,7 @@ mod microkernel;
 mod testing;
 mod winograd;
 
+use crate::backend::DeviceConv;
 use crate::memory::Buffer;
 use crate::ops::simd::{self, Isa};
 use crate::{Result, Shape, Tensor, TensorError};
@@ -135,7 +136,6 @@ impl Tensor {
         };
         let s = params.stride;
         let [top, bottom, left, right] = params.padding;
-        #[cfg(feature = "cuda")]
         if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
             // One frame through the 3-D kernel: NCHW is NCTHW with T = 1 in memory.
             let b = bias
@@ -144,7 +144,7 @@ impl Tensor {
                         .ok_or_else(|| TensorError::InvalidArgument { op: OP, reason: "bias not on the device".into() })
                 })
                 .transpose()?;
-            let g = crate::cuda::abi::ConvGeom {
+            let g = crate::abi::ConvGeom {
                 n: n as u64,
                 cin: cin as u64,
                 t: 1,

@@ -2,8 +2,6 @@
 //! definition for the backend and for anyone launching the embedded kernels directly (the
 //! kernel-level GPU tests).
 
-use cudarc::driver::DeviceRepr;
-
 /// `ConvGeom` of `conv.cu`: the input `[n, cin, t, h, w]`, the kernel `[cout, cin, kt, kh, kw]`,
 /// the output extents, strides, and the front / top / left padding (back, bottom and right
 /// padding follow from the output extents).
@@ -31,7 +29,8 @@ pub struct ConvGeom {
 }
 
 // SAFETY: plain integers in C layout, as `conv.cu` declares the struct.
-unsafe impl DeviceRepr for ConvGeom {}
+#[cfg(feature = "cuda")]
+unsafe impl cudarc::driver::DeviceRepr for ConvGeom {}
 
 impl ConvGeom {
     /// The 1x1 convolution of one row of `pixels` pixels of `channels` channels into `outs`
@@ -99,7 +98,8 @@ pub struct Box8 {
 }
 
 // SAFETY: as above.
-unsafe impl DeviceRepr for Box8 {}
+#[cfg(feature = "cuda")]
+unsafe impl cudarc::driver::DeviceRepr for Box8 {}
 
 impl Box8 {
     /// A box of `extent` (at most 8 dimensions) with the given strides.
