@@ -5,7 +5,7 @@
 // They are bound by memory traffic alone, so each moves 16 bytes per load and store (4 f32 or
 // 8 bf16: the widest access, fewest instructions per byte) through `map_unary` / `map_binary`,
 // with no index arithmetic beyond a 64-bit grid-stride counter. The backend launches a few waves
-// of blocks per SM over the packs (`streaming()` in backend.rs); any launch is correct. Whole
+// of blocks per SM over the packs (`streaming()` in cuda/backend/device.rs); any launch is correct. Whole
 // tensors are 16-byte aligned (allocations are 256-byte aligned); pointers that are not take the
 // element-by-element loop, which also covers the tail shorter than a pack. Every element gets the
 // same f32 operation either way, so the results are bit-identical to the scalar kernels'.

@@ -119,7 +119,7 @@ std::vector<double> values(const std::vector<T>& v) {
     return out;
 }
 
-// The 1-D grid-stride launch of the Rust backend (`elementwise()` in cuda/backend.rs): 256
+// The 1-D grid-stride launch of the Rust backend (`elementwise()` in cuda/backend/storage.rs): 256
 // threads, one per element, between 1 and 2^20 blocks.
 dim3 elementwise_grid(std::uint64_t n);
 
@@ -134,7 +134,7 @@ struct LaunchShape {
 std::vector<LaunchShape> grid_stride_shapes(std::uint64_t n);
 
 // The backend's launch of the memory-bound kernels over `units` work items (`streaming()` in
-// cuda/backend.rs, on the fake driver's 132 SMs): blocks of 256, at most 32 per SM.
+// cuda/backend/device.rs, on the fake driver's 132 SMs): blocks of 256, at most 32 per SM.
 dim3 streaming_grid(std::uint64_t units);
 
 // `grid_stride_shapes` with the backend's streaming launch over `units` first.

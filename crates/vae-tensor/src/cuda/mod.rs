@@ -16,6 +16,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub(crate) mod backend;
+mod kernels;
 
 use crate::Device;
 

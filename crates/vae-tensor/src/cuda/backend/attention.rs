@@ -3,6 +3,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::super::kernels;
 use super::select::{TensorCoreMath, TensorCoreTile, tensor_core_tile};
 use super::storage::{CudaStorage, NULL};
 use crate::abi::ConvGeom;
@@ -51,11 +52,11 @@ impl CudaStorage {
         let stream = self.device.stream();
         let launched = match probabilities {
             None => {
-                let f = self.device.function("attention", "softmax_rows_f32")?;
+                let f = self.device.function(kernels::SOFTMAX_ROWS)?;
                 unsafe { stream.launch_builder(&f).arg(&mut scores.data).arg(&rows).arg(&cols).arg(&scale).launch(cfg) }
             }
             Some(p) => {
-                let f = self.device.function("attention", "softmax_rows_to_bf16")?;
+                let f = self.device.function(kernels::SOFTMAX_ROWS_TO_BF16)?;
                 unsafe {
                     stream
                         .launch_builder(&f)

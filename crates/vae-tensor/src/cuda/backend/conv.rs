@@ -3,6 +3,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::super::kernels;
 use super::select::{ConvKernel, TensorCoreMath, conv_kernel};
 use super::storage::{CudaStorage, NULL, elementwise};
 use crate::abi::{ChannelsLast, ConvGeom};
@@ -75,12 +76,11 @@ impl DeviceConv for CudaStorage {
         let stream = self.device.stream();
         match front {
             None => {
-                let f = self.kernel("conv", "conv_input_channels_last_f32", "conv_input_channels_last_bf16")?;
+                let f = self.kernel(kernels::CONV_INPUT)?;
                 unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
             }
             Some((front, front_t)) => {
-                let f =
-                    self.kernel("conv", "conv_input_channels_last_split_f32", "conv_input_channels_last_split_bf16")?;
+                let f = self.kernel(kernels::CONV_INPUT_SPLIT)?;
                 let mut launch = stream.launch_builder(&f);
                 launch.arg(&front.data).arg(&front_t).arg(&self.data).arg(&mut padded.data).arg(&g);
                 unsafe { launch.launch(cfg) }
@@ -89,7 +89,7 @@ impl DeviceConv for CudaStorage {
         .map_err(self.err("conv3d"))?;
         let weight_len = (g.cout * taps * cp) as usize;
         let mut reordered = self.output(weight_len)?;
-        let f = self.kernel("conv", "conv_weight_channels_last_f32", "conv_weight_channels_last_bf16")?;
+        let f = self.kernel(kernels::CONV_WEIGHT)?;
         unsafe {
             self.device
                 .stream()
@@ -104,7 +104,7 @@ impl DeviceConv for CudaStorage {
         let mut out = self.output(len)?;
         let (f, grid_dim, shared_mem_bytes) = match kernel {
             ConvKernel::SmallCout => {
-                let f = self.kernel("conv", "conv3d_small_cout_f32_c4", "conv3d_small_cout_bf16_c4")?;
+                let f = self.kernel(kernels::CONV_SMALL_COUT)?;
                 (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1), 0)
             }
             ConvKernel::TensorCores(tile) => {

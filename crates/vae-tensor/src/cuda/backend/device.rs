@@ -10,6 +10,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::super::kernels::Kernel;
 use super::super::{embedded_modules, embedded_sm90a_modules};
 use super::select::{TensorCoreTile, WGMMA_MODULE, WgmmaTile};
 use super::storage::CudaData;
@@ -103,8 +104,8 @@ impl CudaDevice {
         self.wgmma
     }
 
-    pub(super) fn function(&self, module: &str, name: &'static str) -> Result<CudaFunction> {
-        self.function_with_dynamic_shared(module, name, 0)
+    pub(super) fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+        self.function_with_dynamic_shared(kernel.module, kernel.name, 0)
     }
 
     /// The tensor-core convolution kernel of `tile`, allowed its dynamic shared memory.

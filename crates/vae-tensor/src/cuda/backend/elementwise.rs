@@ -2,6 +2,7 @@
 
 use cudarc::driver::PushKernelArg;
 
+use super::super::kernels;
 use super::device::driver;
 use super::storage::CudaStorage;
 use crate::backend::{DeviceElementwise, DeviceStore, no_device_path};
@@ -40,11 +41,11 @@ impl DeviceElementwise for CudaStorage {
             return Ok(self.clone());
         }
         let mut out = self.output_typed(self.len, dtype)?;
-        let name = match dtype {
-            DType::BF16 => "cast_f32_bf16",
-            DType::F32 => "cast_bf16_f32",
+        let cast = match dtype {
+            DType::BF16 => kernels::CAST_F32_BF16,
+            DType::F32 => kernels::CAST_BF16_F32,
         };
-        let f = self.device.function("elementwise", name)?;
+        let f = self.device.function(cast)?;
         let n = self.len as u64;
         unsafe {
             self.device
@@ -63,7 +64,7 @@ impl DeviceElementwise for CudaStorage {
     fn add(&self, other: &Self) -> Result<Self> {
         self.same_dtype("add", &[other])?;
         let mut out = self.output(self.len)?;
-        let f = self.kernel("elementwise", "add_f32", "add_bf16")?;
+        let f = self.kernel(kernels::ADD)?;
         let n = self.len as u64;
         unsafe {
             self.device
@@ -83,7 +84,7 @@ impl DeviceElementwise for CudaStorage {
     /// signed zeros included.
     fn affine(&self, mul: f32, add: f32) -> Result<Self> {
         let mut out = self.output(self.len)?;
-        let f = self.kernel("elementwise", "affine_f32", "affine_bf16")?;
+        let f = self.kernel(kernels::AFFINE)?;
         let n = self.len as u64;
         unsafe {
             self.device
@@ -102,7 +103,7 @@ impl DeviceElementwise for CudaStorage {
 
     /// SiLU in place.
     fn silu_inplace(&mut self) -> Result<()> {
-        let f = self.kernel("elementwise", "silu_f32", "silu_bf16")?;
+        let f = self.kernel(kernels::SILU)?;
         let n = self.len as u64;
         let (stream, cfg) = (self.device.stream(), self.packs());
         unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(cfg) }
@@ -113,7 +114,7 @@ impl DeviceElementwise for CudaStorage {
     /// SiLU into a new tensor: one pass (read, write) instead of a copy and an in-place pass.
     fn silu(&self) -> Result<Self> {
         let mut out = self.output(self.len)?;
-        let f = self.kernel("elementwise", "silu_into_f32", "silu_into_bf16")?;
+        let f = self.kernel(kernels::SILU_INTO)?;
         let n = self.len as u64;
         unsafe {
             self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
@@ -124,7 +125,7 @@ impl DeviceElementwise for CudaStorage {
 
     /// Clamp to `[lo, hi]` in place.
     fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
-        let f = self.kernel("elementwise", "clamp_f32", "clamp_bf16")?;
+        let f = self.kernel(kernels::CLAMP)?;
         let n = self.len as u64;
         let (stream, cfg) = (self.device.stream(), self.packs());
         unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(cfg) }

@@ -2,6 +2,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::super::kernels;
 use super::storage::CudaStorage;
 use crate::backend::{DeviceElementwise, DeviceLayout, DeviceLinalg, DeviceStore};
 use crate::{DType, Result, TensorError};
@@ -54,9 +55,9 @@ impl CudaStorage {
         beta: f32,
     ) -> Result<()> {
         let name = match (self.dtype(), b.dtype(), c.dtype()) {
-            (DType::F32, DType::F32, DType::F32) => "gemm_batched_f32",
-            (DType::BF16, DType::BF16, DType::F32) => "gemm_batched_bf16_bf16_f32",
-            (DType::F32, DType::BF16, DType::BF16) => "gemm_batched_f32_bf16_bf16",
+            (DType::F32, DType::F32, DType::F32) => kernels::GEMM_F32,
+            (DType::BF16, DType::BF16, DType::F32) => kernels::GEMM_BF16_BF16_F32,
+            (DType::F32, DType::BF16, DType::BF16) => kernels::GEMM_F32_BF16_BF16,
             (x, y, z) => {
                 return Err(TensorError::InvalidArgument {
                     op: "gemm",
@@ -64,7 +65,7 @@ impl CudaStorage {
                 });
             }
         };
-        let f = self.device.function("gemm", name)?;
+        let f = self.device.function(name)?;
         // One block per 64x64 tile of one batch entry: rows in grid y and batches in grid z,
         // both limited to 65535 by the hardware.
         if m.div_ceil(64) > 65_535 || batch > 65_535 {

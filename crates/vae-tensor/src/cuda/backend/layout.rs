@@ -3,10 +3,11 @@
 
 use cudarc::driver::PushKernelArg;
 
+use super::super::kernels::{self, Typed};
 use super::storage::{CudaData, CudaStorage, elementwise};
 use crate::abi::Box8;
 use crate::backend::{DeviceLayout, DeviceStore};
-use crate::{DType, Result, TensorError};
+use crate::{Result, TensorError};
 
 /// The same box copy with fewer dimensions (`copy_box` in layout.cu walks rows of the last one):
 /// dimensions of extent 1 dropped, and each dimension merged into the next where both source and
@@ -45,7 +46,7 @@ impl DeviceLayout for CudaStorage {
     fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
         let len = planes * h * w * factor * factor;
         let mut out = self.output(len)?;
-        let f = self.kernel("layout", "upsample_nearest2d_f32", "upsample_nearest2d_bf16")?;
+        let f = self.kernel(kernels::UPSAMPLE_NEAREST)?;
         let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
         unsafe {
             self.device
@@ -89,7 +90,7 @@ impl DeviceLayout for CudaStorage {
         let last = extent[extent.len() - 1];
         let cfg = self.device.streaming(n / last * last.div_ceil(COPY_SEGMENT) * if last >= 32 { 32 } else { 1 });
         self.same_dtype("copy_box", &[dst])?;
-        let f = self.kernel("layout", "copy_box_f32", "copy_box_u16")?;
+        let f = self.kernel(kernels::COPY_BOX)?;
         let total = n as u64;
         let stream = &self.device.stream();
         let launched = match (&self.data, &mut dst.data) {
@@ -110,15 +111,13 @@ impl DeviceLayout for CudaStorage {
     /// Wan2.2's `DupUp3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, repeats, drop]`.
     fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        let name = if self.dtype() == DType::BF16 { "dup_up3d_bf16" } else { "dup_up3d_f32" };
-        self.layout_kernel(name, dims, params, out_len)
+        self.layout_kernel(kernels::DUP_UP3D, dims, params, out_len)
     }
 
     /// Wan2.2's `AvgDown3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, group, pad_t]`.
     fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        let name = if self.dtype() == DType::BF16 { "avg_down3d_bf16" } else { "avg_down3d_f32" };
-        self.layout_kernel(name, dims, params, out_len)
+        self.layout_kernel(kernels::AVG_DOWN3D, dims, params, out_len)
     }
 }
 
@@ -126,13 +125,14 @@ impl CudaStorage {
     /// A `layout.cu` kernel taking `(x, out, five dims, five parameters)` as u64s.
     pub(super) fn layout_kernel(
         &self,
-        name: &'static str,
+        kernel: Typed,
         dims: [usize; 5],
         params: [usize; 5],
         out_len: usize,
     ) -> Result<Self> {
         let mut out = self.like(out_len)?;
-        let f = self.device.function("layout", name)?;
+        let kernel = kernel.of(self.dtype());
+        let f = self.device.function(kernel)?;
         let args: Vec<u64> = dims.iter().chain(&params).map(|&v| v as u64).collect();
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
@@ -140,7 +140,7 @@ impl CudaStorage {
         for a in &args {
             launch.arg(a);
         }
-        unsafe { launch.launch(elementwise(out_len)) }.map_err(self.err(name))?;
+        unsafe { launch.launch(elementwise(out_len)) }.map_err(self.err(kernel.name))?;
         Ok(out)
     }
 }

@@ -3,6 +3,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::super::kernels;
 use super::storage::{CudaStorage, NULL, per_pack};
 use crate::backend::{DeviceNorm, DeviceStore};
 use crate::{DType, Result, TensorError};
@@ -27,11 +28,7 @@ impl DeviceNorm for CudaStorage {
         }
         // bf16 takes four pixels per lane (one 8-byte access) where the pixel count allows it.
         let four = self.dtype() == DType::BF16 && inner % 4 == 0;
-        let f = if four {
-            self.device.function("norm", "rms_norm_channels_x4_bf16")?
-        } else {
-            self.kernel("norm", "rms_norm_channels_f32", "rms_norm_channels_bf16")?
-        };
+        let f = if four { self.device.function(kernels::RMS_NORM_X4_BF16)? } else { self.kernel(kernels::RMS_NORM)? };
         let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
         let stream = self.device.stream();
         let mut launch = stream.launch_builder(&f);
@@ -100,10 +97,10 @@ impl DeviceNorm for CudaStorage {
             shared_mem_bytes: 0,
         };
         let (gl, cl, ch, gt) = (group_len as u64, chunk_len as u64, chunks as u64, groups_total as u64);
-        let f = self.kernel("norm", "group_norm_partials_f32", "group_norm_partials_bf16")?;
+        let f = self.kernel(kernels::GROUP_NORM_PARTIALS)?;
         unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut partials).arg(&gl).arg(&cl).launch(per_chunk) }
             .map_err(self.err("group_norm"))?;
-        let f = self.device.function("norm", "group_norm_stats")?;
+        let f = self.device.function(kernels::GROUP_NORM_STATS)?;
         let per_group = LaunchConfig {
             grid_dim: (groups_total.clamp(1, 65_535) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -125,7 +122,7 @@ impl DeviceNorm for CudaStorage {
         // Rows of `spatial` elements (one per sample and channel) in grid y, pieces of a row in
         // grid x: enough blocks for a few waves over the whole tensor, each thread about one
         // 16-byte pack per row it visits.
-        let f = self.kernel("norm", "group_norm_apply_f32", "group_norm_apply_bf16")?;
+        let f = self.kernel(kernels::GROUP_NORM_APPLY)?;
         let grid_y = rows.clamp(1, 65_535);
         let per_row = spatial.div_ceil(per_pack(self.dtype()) * 256).max(1);
         let grid_x = per_row.min((self.device.sms * 32).div_ceil(grid_y)).max(1);

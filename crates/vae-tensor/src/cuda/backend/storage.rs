@@ -8,6 +8,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
+use super::super::kernels::Typed;
 use super::device::{CudaDevice, driver};
 use crate::backend::DeviceStore;
 use crate::memory::DeviceCharge;
@@ -232,8 +233,8 @@ impl CudaStorage {
     }
 
     /// The kernel `f32` or `bf16` of `module`, by this storage's type.
-    pub(super) fn kernel(&self, module: &str, f32: &'static str, bf16: &'static str) -> Result<CudaFunction> {
-        self.device.function(module, if self.dtype() == DType::BF16 { bf16 } else { f32 })
+    pub(super) fn kernel(&self, kernel: Typed) -> Result<CudaFunction> {
+        self.device.function(kernel.of(self.dtype()))
     }
 
     /// An error unless every storage in `others` has this one's type (`op`'s operands).
