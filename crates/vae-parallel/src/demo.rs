@@ -222,7 +222,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         GroupOutcome::AllRanks(mut results) => {
             for (rank, r) in results.iter().enumerate().skip(1) {
                 if let Err(e) = r {
-                    anyhow::bail!("rank {rank}: {e:#}");
+                    anyhow::bail!("rank {rank}: {}", crate::error_text(e));
                 }
             }
             results.swap_remove(0)?

@@ -6,7 +6,6 @@
 //! on this host, with a fresh Unix-socket rendezvous, and waits for all of them.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
@@ -70,6 +69,9 @@ pub enum GroupError {
         #[source]
         source: std::io::Error,
     },
+    /// The private directory of the rendezvous sockets could not be made.
+    #[error("making the rendezvous directory: {0}")]
+    Rendezvous(#[source] std::io::Error),
 }
 
 /// True when this process was started as one rank of a socket group (its environment names a
@@ -106,7 +108,10 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
         return Err(GroupError::Config("a group needs at least one rank".into()));
     }
     let exe = std::env::current_exe().map_err(|source| GroupError::Spawn { rank: 0, source })?;
-    let master = rendezvous_path();
+    // The rendezvous sockets live in a fresh directory only this user can enter (0700), under a
+    // random name: no other user can reach or replace them.
+    let private = tempfile::Builder::new().prefix("vae-parallel-").tempdir().map_err(GroupError::Rendezvous)?;
+    let master = private.path().join("master.sock");
     let mut children: Vec<Child> = Vec::with_capacity(ranks);
     for rank in 0..ranks {
         let spawned = Command::new(&exe)
@@ -128,7 +133,7 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
     }
     tracing::debug!(ranks, master = %master.display(), "launched rank processes");
     let statuses = supervise(children, grace);
-    let _ = std::fs::remove_file(&master);
+    drop(private);
     Ok(GroupExit { statuses })
 }
 
@@ -161,9 +166,4 @@ fn supervise(mut children: Vec<Child>, grace: Duration) -> Vec<Option<ExitStatus
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-fn rendezvous_path() -> PathBuf {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    std::env::temp_dir().join(format!("vae-parallel-{}-{nanos:x}.sock", std::process::id()))
 }

@@ -2,7 +2,7 @@
 //! `.safetensors` (read: a file holding one tensor), and PNG images with diffusers' pre- and
 //! post-processing. Outputs are written atomically: a temporary sibling, then a rename.
 
-use std::io::Write;
+use crate::output::Staged;
 use std::path::{Path, PathBuf};
 
 use vae_tensor::{Device, Tensor};
@@ -152,25 +152,7 @@ pub fn npy_bytes(t: &Tensor) -> Result<Vec<u8>, IoError> {
     Ok(out)
 }
 
-/// Writes `bytes` to `path` through a temporary sibling and a rename, so a reader never sees a
-/// partial file and an error leaves nothing behind (a process killed mid-write can leave the
-/// hidden `.name.tmpPID` sibling, never a truncated `name`).
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| format_err(path, "no file name"))?;
-    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(source) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(IoError::Os { path: path.to_path_buf(), source });
-    }
-    Ok(())
-}
+pub use crate::output::write_atomically;
 
 /// diffusers' image post-processing of one decoded image `[3, H, W]` (or `[1, H, W]`):
 /// `(x / 2 + 0.5).clamp(0, 1)`, `× 255`, rounded half to even (numpy) — as 8-bit pixels.
@@ -210,29 +192,57 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 /// Writes every image of a decoded batch `[B, C, H, W]` as PNG: `out.png` for one image,
-/// `out_0000.png`, `out_0001.png`, … for several. Returns the paths written.
+/// `out_0000.png`, `out_0001.png`, … for several; a video `[B, C, T, H, W]` as one PNG per
+/// frame (`out_0000.png`, …, with the batch index first, `out_1_0000.png`, when there are
+/// several videos). All or nothing. Returns the paths written.
 pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoError> {
-    let d = batch.dims();
-    if d.len() == 5 {
-        return write_png_video(path, batch);
-    }
-    if d.len() != 4 {
-        return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images")));
-    }
-    // Encode every image first, so that a bad tensor fails before any file is written.
-    let mut encoded_all = Vec::with_capacity(d[0]);
-    for b in 0..d[0] {
-        let one = batch
-            .narrow(0, b, 1)
-            .and_then(|t| t.reshape(d[1..].to_vec()))
+    let mut staged = Staged::new();
+    stage_png_batch(&mut staged, path, batch)?;
+    staged.commit()
+}
+
+/// [`write_png_batch`] into `staged`: every image encoded and staged next to its target, in
+/// place only when `staged` is committed.
+pub fn stage_png_batch(staged: &mut Staged, path: &Path, batch: &Tensor) -> Result<(), IoError> {
+    let d = batch.dims().to_vec();
+    let (images, named): (Tensor, Box<dyn Fn(usize) -> PathBuf>) = match d.len() {
+        4 => {
+            let count = d[0];
+            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image").to_string();
+            let single = path.to_path_buf();
+            let name = move |b: usize| {
+                if count == 1 { single.clone() } else { single.with_file_name(format!("{stem}_{b:04}.png")) }
+            };
+            (batch.clone(), Box::new(name))
+        }
+        5 => {
+            // [B, C, T, H, W] → [B·T, C, H, W], frames in order.
+            let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
+            let frames = batch
+                .permute(&[0, 2, 1, 3, 4])
+                .and_then(|x| x.reshape(vec![b * t, c, h, w]))
+                .map_err(|e| IoError::Unsupported(e.to_string()))?;
+            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video").to_string();
+            let base = path.to_path_buf();
+            let name = move |i: usize| {
+                base.with_file_name(if b == 1 {
+                    format!("{stem}_{i:04}.png")
+                } else {
+                    format!("{stem}_{}_{:04}.png", i / t, i % t)
+                })
+            };
+            (frames, Box::new(name))
+        }
+        _ => return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images"))),
+    };
+    let n = images.dims()[0];
+    let per_image = images.dims()[1..].to_vec();
+    for i in 0..n {
+        let one = images
+            .narrow(0, i, 1)
+            .and_then(|t| t.reshape(per_image.clone()))
             .map_err(|e| IoError::Unsupported(e.to_string()))?;
         let (c, h, w, pixels) = postprocess_image(&one)?;
-        let target = if d[0] == 1 {
-            path.to_path_buf()
-        } else {
-            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
-            path.with_file_name(format!("{stem}_{b:04}.png"))
-        };
         let mut encoded = Vec::new();
         {
             let mut encoder = png::Encoder::new(&mut encoded, w as u32, h as u32);
@@ -241,53 +251,9 @@ pub fn write_png_batch(path: &Path, batch: &Tensor) -> Result<Vec<PathBuf>, IoEr
             let mut writer = encoder.write_header().map_err(|e| IoError::Unsupported(e.to_string()))?;
             writer.write_image_data(&pixels).map_err(|e| IoError::Unsupported(e.to_string()))?;
         }
-        encoded_all.push((target, encoded));
+        staged.add(&named(i), &encoded)?;
     }
-    // Then write them; if one fails, remove the ones already written: all or nothing.
-    let mut written = Vec::with_capacity(encoded_all.len());
-    for (target, encoded) in encoded_all {
-        if let Err(e) = write_atomically(&target, &encoded) {
-            for done in &written {
-                let _ = std::fs::remove_file(done);
-            }
-            return Err(e);
-        }
-        written.push(target);
-    }
-    Ok(written)
-}
-
-/// Writes a decoded video `[B, C, T, H, W]` as one PNG per frame: `out_0000.png`, … (with the
-/// batch index first, `out_1_0000.png`, when there are several videos). All or nothing.
-fn write_png_video(path: &Path, video: &Tensor) -> Result<Vec<PathBuf>, IoError> {
-    let d = video.dims().to_vec();
-    let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
-    // [B, C, T, H, W] → [B·T, C, H, W], frames in order, then the image writer.
-    let frames = video
-        .permute(&[0, 2, 1, 3, 4])
-        .and_then(|x| x.reshape(vec![b * t, c, h, w]))
-        .map_err(|e| IoError::Unsupported(e.to_string()))?;
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video");
-    let name = |i: usize| {
-        if b == 1 { format!("{stem}_{i:04}.png") } else { format!("{stem}_{}_{:04}.png", i / t, i % t) }
-    };
-    let staged = std::env::temp_dir().join(format!("vae-frames-{}.png", std::process::id()));
-    let written = write_png_batch(&staged, &frames)?;
-    let mut renamed = Vec::with_capacity(written.len());
-    for (i, tmp) in written.iter().enumerate() {
-        let target = path.with_file_name(name(i));
-        // The staged files may be on another file system: copy through an atomic write.
-        let bytes = std::fs::read(tmp).map_err(os_err(tmp))?;
-        let _ = std::fs::remove_file(tmp);
-        if let Err(e) = write_atomically(&target, &bytes) {
-            for leftover in renamed.iter().chain(&written[i + 1..]) {
-                let _ = std::fs::remove_file(leftover);
-            }
-            return Err(e);
-        }
-        renamed.push(target);
-    }
-    Ok(renamed)
+    Ok(())
 }
 
 /// Reads an 8-bit RGB(A) or gray PNG as `[1, 3, H, W]` in [-1, 1] (diffusers' `x / 255 · 2 − 1`;

@@ -12,6 +12,7 @@
 pub mod engine;
 pub mod group;
 pub mod io;
+pub mod output;
 pub mod report;
 
 pub use vae_models as models;

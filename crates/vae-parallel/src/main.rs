@@ -80,7 +80,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             ExitCode::FAILURE
         }
     }
@@ -135,4 +135,36 @@ fn devices() -> anyhow::Result<ExitCode> {
     let (device, why) = resolve_device(Device::Cuda(0));
     println!("--device cuda runs on {device}{}", why.map(|w| format!(": {w}")).unwrap_or_default());
     Ok(ExitCode::SUCCESS)
+}
+
+/// An error and its causes on one line, as `{:#}` prints them but without a cause whose text the
+/// line already holds (an error that prints its source as well as returning it would otherwise
+/// say it twice: "x: No such file (os error 2): No such file (os error 2)").
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.is_empty() {
+            text = part;
+        } else if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[test]
+    fn a_cause_the_message_already_holds_is_said_once() {
+        let os = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let err = anyhow::Error::new(vae_parallel::io::IoError::Os { path: "z.npy".into(), source: os })
+            .context("reading the latent");
+        assert_eq!(error_text(&err), "reading the latent: z.npy: No such file or directory (os error 2)");
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_text(&plain), "outer: inner");
+    }
 }

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io;
 use vae_parallel::models::{Direction, TileOverrides};
+use vae_parallel::output::{self, Staged};
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
 use vae_parallel::transport::Communicator;
@@ -201,12 +202,18 @@ impl ParallelArgs {
 
 impl Resolved {
     /// [`refuse_overwriting`] for a command reading `input` and writing `out` (and the report).
+    /// Before any work: no output names an input ([`refuse_overwriting`]), and a file can be
+    /// created where each output goes.
     fn refuse_overwriting(&self, out: &Path, input: (&str, &Path)) -> anyhow::Result<()> {
         let mut outputs = vec![("--out", out)];
         outputs.extend(self.report.as_deref().map(|r| ("--report", r)));
         let mut inputs = vec![input];
         inputs.extend(self.config.as_deref().map(|c| ("--config", c)));
-        refuse_overwriting(&outputs, &inputs, &self.model)
+        refuse_overwriting(&outputs, &inputs, &self.model)?;
+        for (flag, path) in &outputs {
+            output::check_writable(path).with_context(|| format!("{flag} {}", path.display()))?;
+        }
+        Ok(())
     }
 
     /// Local ranks are threads of this process: they share one loaded model (weights in memory
@@ -365,7 +372,8 @@ fn refuse_overwriting(outputs: &[(&str, &Path)], inputs: &[(&str, &Path)], model
 
 struct Done {
     report: RequestReport,
-    written: Vec<PathBuf>,
+    /// The outputs, staged beside their targets: in place once the report is staged too.
+    staged: Staged,
     seconds: f64,
 }
 
@@ -373,14 +381,16 @@ fn finish_rank(
     comm: &Arc<dyn Communicator>,
     executor: &DistributedVaeExecutor,
     out: vae_parallel::runtime::ExecOutput,
-    write: impl FnOnce(&vae_parallel::tensor::Tensor) -> anyhow::Result<Vec<PathBuf>>,
+    stage: impl FnOnce(&vae_parallel::tensor::Tensor, &mut Staged) -> anyhow::Result<()>,
     mode: ParallelMode,
     started: Instant,
 ) -> anyhow::Result<Option<Done>> {
-    let written = match (&out.tensor, comm.rank()) {
-        (Some(t), 0) => write(t)?,
-        _ => Vec::new(),
-    };
+    // The owner stages its outputs before the last collective, and puts them in place only
+    // after it (in `print_done`), so a failure anywhere leaves no output behind.
+    let mut staged = Staged::new();
+    if let (Some(t), 0) = (&out.tensor, comm.rank()) {
+        stage(t, &mut staged)?;
+    }
     let seconds = started.elapsed().as_secs_f64();
     let Some(ranks) = gather_summaries(comm.as_ref(), 0, &out.report)? else { return Ok(None) };
     Ok(Some(Done {
@@ -394,13 +404,17 @@ fn finish_rank(
             tile_count: out.report.tile_count,
             ranks,
         },
-        written,
+        staged,
         seconds,
     }))
 }
 
 fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let Some(done) = done else { return Ok(ExitCode::SUCCESS) };
+    let Some(mut done) = done else { return Ok(ExitCode::SUCCESS) };
+    if let Some(path) = report_path {
+        done.staged.add(path, &done.report.file_bytes(path)?)?;
+    }
+    let written = std::mem::take(&mut done.staged).commit()?;
     println!(
         "{what}: {} (mode {}: {}), {} rank(s) ({} transport), parallel size {}: {:.3} s",
         done.report.what_ran(),
@@ -412,11 +426,10 @@ fn print_done(what: &str, done: Option<Done>, report_path: Option<&Path>) -> any
         done.seconds
     );
     print!("{}", done.report.to_table());
-    for path in &done.written {
+    for path in written.iter().filter(|p| Some(p.as_path()) != report_path) {
         println!("wrote {}", path.display());
     }
     if let Some(path) = report_path {
-        io::write_atomically(path, &done.report.file_bytes(path)?)?;
         println!("report written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
@@ -430,7 +443,7 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
             if results.first().is_some_and(|r| r.is_ok())
                 && let Some((rank, Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err())
             {
-                bail!("rank {rank}: {e:#}");
+                bail!("rank {rank}: {}", crate::error_text(e));
             }
             Ok(Some(results.swap_remove(0)?))
         }
@@ -467,13 +480,13 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
             &comm,
             &executor,
             out,
-            |t| {
+            |t, staged| {
                 if png {
-                    Ok(io::write_png_batch(&args.out, t)?)
+                    io::stage_png_batch(staged, &args.out, t)?;
                 } else {
-                    io::write_atomically(&args.out, &io::npy_bytes(t)?)?;
-                    Ok(vec![args.out.clone()])
+                    staged.add(&args.out, &io::npy_bytes(t)?)?;
                 }
+                Ok(())
             },
             r.options.mode,
             started,
@@ -508,10 +521,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
             &comm,
             &executor,
             out,
-            |t| {
-                io::write_atomically(&args.out, &io::npy_bytes(t)?)?;
-                Ok(vec![args.out.clone()])
-            },
+            |t, staged| Ok(staged.add(&args.out, &io::npy_bytes(t)?)?),
             r.options.mode,
             started,
         )

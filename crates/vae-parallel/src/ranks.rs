@@ -90,7 +90,7 @@ fn run_rank<R>(
 ) -> anyhow::Result<R> {
     let result = body(Arc::clone(&comm));
     if let Err(err) = &result {
-        comm.abort(&format!("{err:#}"));
+        comm.abort(&crate::error_text(err));
     }
     result
 }

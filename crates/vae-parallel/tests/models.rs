@@ -532,3 +532,39 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     );
     assert!(!dir.join("never.npy").exists());
 }
+
+/// Outputs go in place only when the whole request succeeded, never through a planted link, and
+/// a bad `--report` place is found before any work.
+#[test]
+fn outputs_are_safe_against_links_and_partial_failures() {
+    let dir = scratch("safe-outputs");
+    let f = fixtures();
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode.in.npy"));
+
+    // A symbolic link planted at --out is replaced, its target untouched.
+    let victim = dir.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let out = dir.join("out.npy");
+    std::os::unix::fs::symlink(&victim, &out).unwrap();
+    let (ok, text) = cli(&decode_args(s(&model), s(&latent), s(&out), &[]));
+    assert!(ok, "{text}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert!(!std::fs::symlink_metadata(&out).unwrap().file_type().is_symlink());
+    assert_eq!(read_npy_f32(&out).len(), read_npy_f32(&f.join("sd_like.decode.out.npy")).len());
+
+    // A --report that cannot be written fails up front: --out is not written either.
+    let out2 = dir.join("out2.npy");
+    let report = dir.join("no-such-dir").join("report.json");
+    assert_clean_failure(
+        "report place",
+        &decode_args(s(&model), s(&latent), s(&out2), &["--report", s(&report)]),
+        "--report",
+    );
+    assert!(!out2.exists());
+
+    // Nothing but the outputs is left in the directory: no temporary files.
+    let mut left: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["out.npy", "victim"]);
+}
