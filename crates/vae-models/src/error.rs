@@ -65,6 +65,16 @@ pub enum ModelError {
         /// The stored type.
         dtype: String,
     },
+    /// A weight holds NaN or infinite values.
+    #[error("weight {key:?} has {count} non-finite value(s) (the first is {first}): the checkpoint is corrupt")]
+    NonFiniteWeight {
+        /// The state-dict key.
+        key: String,
+        /// How many.
+        count: usize,
+        /// The first one.
+        first: f32,
+    },
     /// The input does not fit the model (channels, rank, non-finite values, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -8,6 +8,7 @@
 //! Wan2.2 and Qwen-Image). Both load onto the CPU or a CUDA device.
 
 pub mod autoencoder_kl;
+mod checks;
 mod error;
 pub mod family;
 pub mod layers;

@@ -292,6 +292,11 @@ impl WeightStore {
                 });
             }
         };
+        // A NaN or infinity in a weight would silently poison every output: refused at load.
+        if let Some(first) = data.iter().position(|v| !v.is_finite()) {
+            let count = data.iter().filter(|v| !v.is_finite()).count();
+            return Err(ModelError::NonFiniteWeight { key: key.to_string(), count, first: data[first] });
+        }
         self.taken.insert(key.to_string());
         Ok(Tensor::from_vec(data, expected.to_vec(), &Device::Cpu)?)
     }

@@ -104,9 +104,7 @@ impl GroupExit {
 /// Unix-socket master address, and waits for them. Once one rank has failed, the others get
 /// `grace` to report the failure themselves before they are killed.
 pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Result<GroupExit, GroupError> {
-    if ranks == 0 {
-        return Err(GroupError::Config("a group needs at least one rank".into()));
-    }
+    vae_transport::check_world_size(ranks).map_err(|e| GroupError::Config(e.to_string()))?;
     let exe = std::env::current_exe().map_err(|source| GroupError::Spawn { rank: 0, source })?;
     // The rendezvous sockets live in a fresh directory only this user can enter (0700), under a
     // random name: no other user can reach or replace them.

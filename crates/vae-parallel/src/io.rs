@@ -256,13 +256,25 @@ pub fn stage_png_batch(staged: &mut Staged, path: &Path, batch: &Tensor) -> Resu
     Ok(())
 }
 
+/// The most pixels an input image may have (8192 × 8192): checked from the header, before
+/// anything the size of the image is allocated.
+pub const MAX_IMAGE_PIXELS: u64 = 1 << 26;
+
 /// Reads an 8-bit RGB(A) or gray PNG as `[1, 3, H, W]` in [-1, 1] (diffusers' `x / 255 · 2 − 1`;
-/// no resizing: the size must already suit the model).
+/// no resizing: the size must already suit the model). An image of more than
+/// [`MAX_IMAGE_PIXELS`] is an error.
 pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
     let file = std::fs::File::open(path).map_err(os_err(path))?;
     let mut decoder = png::Decoder::new(std::io::BufReader::new(file));
     decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut reader = decoder.read_info().map_err(|e| format_err(path, e.to_string()))?;
+    let (width, height) = (reader.info().width, reader.info().height);
+    if u64::from(width) * u64::from(height) > MAX_IMAGE_PIXELS {
+        return Err(format_err(
+            path,
+            format!("an image of {width}x{height} pixels is larger than the limit of {MAX_IMAGE_PIXELS} pixels"),
+        ));
+    }
     let size = reader.output_buffer_size().ok_or_else(|| format_err(path, "image too large"))?;
     let mut buf = vec![0u8; size];
     let info = reader.next_frame(&mut buf).map_err(|e| format_err(path, e.to_string()))?;
@@ -288,6 +300,51 @@ pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A PNG whose header says `width` × `height` and whose data holds one byte.
+    fn png_header_only(width: u32, height: u32) -> Vec<u8> {
+        fn crc32(bytes: &[u8]) -> u32 {
+            let mut crc = 0xffff_ffffu32;
+            for &b in bytes {
+                crc ^= u32::from(b);
+                for _ in 0..8 {
+                    crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+                }
+            }
+            !crc
+        }
+        let mut ihdr = b"IHDR".to_vec();
+        ihdr.extend_from_slice(&width.to_be_bytes());
+        ihdr.extend_from_slice(&height.to_be_bytes());
+        ihdr.extend_from_slice(&[8, 2, 0, 0, 0]); // 8-bit RGB
+        let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+        png.extend_from_slice(&13u32.to_be_bytes());
+        png.extend_from_slice(&ihdr);
+        png.extend_from_slice(&crc32(&ihdr).to_be_bytes());
+        // One short IDAT (a zlib stream of one zero byte): the header is read up to here.
+        let mut idat = b"IDAT".to_vec();
+        idat.extend_from_slice(&[0x78, 0x9c, 0x63, 0x00, 0x00, 0x00, 0x01, 0x00, 0x01]);
+        png.extend_from_slice(&9u32.to_be_bytes());
+        png.extend_from_slice(&idat);
+        png.extend_from_slice(&crc32(&idat).to_be_bytes());
+        png
+    }
+
+    #[test]
+    fn a_png_whose_header_claims_a_huge_image_is_refused_before_allocation() {
+        let dir = std::env::temp_dir().join(format!("vae-io-png-bomb-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bomb = dir.join("bomb.png");
+        std::fs::write(&bomb, png_header_only(100_000, 100_000)).unwrap();
+        assert!(std::fs::metadata(&bomb).unwrap().len() < 100);
+        let err = read_png(&bomb).unwrap_err();
+        assert!(err.to_string().contains("larger than the limit"), "{err}");
+        // At the limit the header is accepted and the missing data is the error.
+        std::fs::write(&bomb, png_header_only(8192, 8192)).unwrap();
+        let err = read_png(&bomb).unwrap_err();
+        assert!(!err.to_string().contains("larger than the limit"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn same_file_sees_through_spellings_and_links() {

@@ -568,3 +568,67 @@ fn outputs_are_safe_against_links_and_partial_failures() {
     left.sort();
     assert_eq!(left, ["out.npy", "victim"]);
 }
+
+/// Group and parallel sizes past the limit are one typed error, at once (they allocated a mesh
+/// of millions of queues, or ran for minutes).
+#[test]
+fn oversized_groups_are_refused_at_once() {
+    let f = fixtures();
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode.in.npy"));
+    let out = scratch("oversized").join("never.npy");
+    for extra in [vec!["--ranks", "5000"], vec!["--ranks", "5000", "--transport", "socket"]] {
+        let mut args = decode_on("10000", s(&model), s(&latent), s(&out), &[]);
+        args.extend(extra);
+        let started = std::time::Instant::now();
+        assert_clean_failure("oversized", &args, "larger than the limit of 4096");
+        assert!(started.elapsed().as_secs() < 10, "refused in {:?}", started.elapsed());
+        assert!(!out.exists());
+    }
+}
+
+/// NaN weights are refused at load for every family, and NaN latents for the video families
+/// as for the image ones: one typed error naming the tensor, no output.
+#[test]
+fn non_finite_weights_and_latents_are_refused_for_every_family() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let dir = scratch("non-finite");
+    let out = dir.join("never.npy");
+    for (family, model, latent) in [
+        ("autoencoder_kl", "sd_like", "sd_like.decode.in.npy"),
+        ("autoencoder_kl", "flux2_like", "flux2_like.decode.in.npy"),
+        ("wan", "wan21_like", "wan21_like.decode_t1.in.npy"),
+        ("qwen_image", "qwen_image_like", "qwen_image_like.decode_t1.in.npy"),
+    ] {
+        let copy = dir.join(model);
+        std::fs::create_dir_all(&copy).unwrap();
+        for file in ["config.json", "diffusion_pytorch_model.safetensors"] {
+            std::fs::copy(root.join(family).join(model).join(file), copy.join(file)).unwrap();
+        }
+        rewrite_weights(&copy, |t| {
+            let bias = t.iter_mut().find(|(n, ..)| n == "decoder.conv_in.bias").unwrap();
+            assert_eq!(bias.1, safetensors::Dtype::F32, "{model}");
+            bias.3[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+        });
+        let latent = root.join(family).join(latent);
+        assert_clean_failure(
+            model,
+            &decode_args(s(&copy), s(&latent), s(&out), &[]),
+            "weight \"decoder.conv_in.bias\" has 1 non-finite value(s)",
+        );
+
+        // The intact model, a latent with one NaN.
+        let mut z = read_npy_f32(&latent);
+        z[3] = f32::NAN;
+        let shape = vae_parallel::io::read_tensor(&latent).unwrap().dims().to_vec();
+        let nan_latent = dir.join(format!("{model}.nan.npy"));
+        let t = vae_parallel::tensor::Tensor::from_vec(z, shape, &vae_parallel::tensor::Device::Cpu).unwrap();
+        std::fs::write(&nan_latent, vae_parallel::io::npy_bytes(&t).unwrap()).unwrap();
+        let intact = root.join(family).join(model);
+        assert_clean_failure(
+            &format!("{model} NaN latent"),
+            &decode_args(s(&intact), s(&nan_latent), s(&out), &[]),
+            "latent has 1 non-finite value(s)",
+        );
+    }
+    assert!(!out.exists());
+}

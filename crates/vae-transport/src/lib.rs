@@ -37,6 +37,24 @@ pub mod wire;
 use std::fmt;
 
 pub use config::{ENV_COLLECTIVE_TIMEOUT, ENV_CONNECT_TIMEOUT, ENV_FAILURE_TIMEOUT, TransportConfig};
+
+/// The most ranks a group may have. Far beyond any VAE decode (a rank needs at least a band of
+/// latent rows or a tile), and small enough that a mistyped size is a clear error instead of a
+/// process that allocates a mesh of billions of queues.
+pub const MAX_WORLD_SIZE: usize = 4096;
+
+/// An error unless `size` ranks can form a group: at least one, at most [`MAX_WORLD_SIZE`].
+pub fn check_world_size(size: usize) -> Result<()> {
+    if size == 0 {
+        return Err(TransportError::InvalidArgument("a group needs at least one rank".into()));
+    }
+    if size > MAX_WORLD_SIZE {
+        return Err(TransportError::InvalidArgument(format!(
+            "a group of {size} ranks is larger than the limit of {MAX_WORLD_SIZE}"
+        )));
+    }
+    Ok(())
+}
 pub use error::{Result, TransportError};
 pub use local::{LocalComm, local_group, run_local};
 pub use mailbox::{Mailbox, Parcel};
@@ -469,3 +487,17 @@ pub trait CommunicatorExt: Communicator {
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+#[cfg(test)]
+mod world_size_tests {
+    use super::*;
+
+    #[test]
+    fn groups_are_between_one_and_the_limit() {
+        assert!(check_world_size(1).is_ok() && check_world_size(MAX_WORLD_SIZE).is_ok());
+        for size in [0, MAX_WORLD_SIZE + 1, 100_000_000_000] {
+            assert!(matches!(check_world_size(size), Err(TransportError::InvalidArgument(_))), "{size}");
+        }
+        assert!(local_group(MAX_WORLD_SIZE + 1, TransportConfig::default()).is_err());
+    }
+}

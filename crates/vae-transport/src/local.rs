@@ -74,9 +74,7 @@ delegate_communicator!(LocalComm);
 /// Creates the `size` communicators of one in-process group, one per rank, to be moved into
 /// one thread each.
 pub fn local_group(size: usize, config: TransportConfig) -> Result<Vec<LocalComm>> {
-    if size == 0 {
-        return Err(TransportError::InvalidArgument("a group needs at least one rank".into()));
-    }
+    crate::check_world_size(size)?;
     config.validate()?;
     let world = Arc::new(LocalWorld {
         inboxes: (0..size).map(|_| Arc::new(Inbox::new(size))).collect(),

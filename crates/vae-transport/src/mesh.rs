@@ -111,6 +111,34 @@ struct InboxState {
     /// The first failure of any rank this rank has heard of, and when it heard.
     group_failure: Option<(usize, String)>,
     failure_seen: Option<Instant>,
+    /// The wait in progress: the peer it waits on and its `stale_below`. A delivery wakes the
+    /// waiter only when it is that peer's frame or a stale one, not for every frame of an
+    /// all_gather (N wake-ups of N ranks).
+    waiting: Option<(usize, u64)>,
+    /// Every queue front was checked for staleness against this `stale_below`...
+    checked_below: u64,
+    /// ...except the fronts of these queues, which changed since.
+    unchecked: Vec<usize>,
+}
+
+impl InboxState {
+    /// The first queue (lowest rank) whose front is a collective frame older than
+    /// `stale_below`. Checks only the fronts that changed since the last check against the same
+    /// `stale_below`, so a rank waiting on N peers in turn does O(N) checks, not O(N²).
+    fn stale_front(&mut self, stale_below: u64) -> Option<usize> {
+        let is_stale = |q: &VecDeque<Frame>| {
+            q.front().is_some_and(|f| f.header.kind != OpKind::Exchange && f.header.seq < stale_below)
+        };
+        if self.checked_below != stale_below {
+            self.checked_below = stale_below;
+            self.unchecked.clear();
+            return self.queues.iter().position(is_stale);
+        }
+        let queues = &self.queues;
+        let found = self.unchecked.iter().copied().filter(|&q| is_stale(&queues[q])).min();
+        self.unchecked.clear();
+        found
+    }
 }
 
 /// The receiving side of one rank.
@@ -128,6 +156,9 @@ impl Inbox {
                 status: vec![PeerStatus::Alive; size],
                 group_failure: None,
                 failure_seen: None,
+                waiting: None,
+                checked_below: u64::MAX,
+                unchecked: Vec::new(),
             }),
             arrived: Condvar::new(),
         }
@@ -141,8 +172,23 @@ impl Inbox {
 
     /// A frame from `from` arrived.
     pub(crate) fn deliver(&self, from: usize, frame: Frame) {
-        self.lock().queues[from].push_back(frame);
-        self.arrived.notify_all();
+        let mut state = self.lock();
+        let wake = match state.waiting {
+            Some((peer, stale_below)) => {
+                peer == from || (frame.header.kind != OpKind::Exchange && frame.header.seq < stale_below)
+            }
+            None => false,
+        };
+        let queue = &mut state.queues[from];
+        let new_front = queue.is_empty();
+        queue.push_back(frame);
+        if new_front {
+            state.unchecked.push(from);
+        }
+        drop(state);
+        if wake {
+            self.arrived.notify_all();
+        }
     }
 
     /// `from` reports that `failed_rank` failed (itself, or a rank whose failure made it give
@@ -206,17 +252,19 @@ impl Inbox {
     fn wait(&self, me: usize, from: usize, expected: Header, stale_below: u64, clock: &OpClock) -> Result<Frame> {
         let OpClock { op, started, deadline, failure_grace } = *clock;
         let mut state = self.lock();
-        loop {
+        state.waiting = Some((from, stale_below));
+        let result = loop {
             // Frames that already arrived are still good: the peer did its part of this
             // collective before anything failed. Only a wait that cannot be satisfied fails.
             if let Some(frame) = state.queues[from].pop_front() {
-                return Ok(frame);
+                if !state.queues[from].is_empty() {
+                    state.unchecked.push(from);
+                }
+                break Ok(frame);
             }
-            let stale = state.queues.iter().enumerate().find_map(|(peer, q)| {
-                q.front().filter(|f| f.header.kind != OpKind::Exchange && f.header.seq < stale_below).map(|f| (peer, f))
-            });
-            if let Some((peer, frame)) = stale {
-                return Err(TransportError::CollectiveMismatch {
+            if let Some(peer) = state.stale_front(stale_below) {
+                let frame = state.queues[peer].front().expect("a stale front");
+                break Err(TransportError::CollectiveMismatch {
                     local_rank: me,
                     rank: peer,
                     local: expected.describe(),
@@ -225,10 +273,10 @@ impl Inbox {
             }
             if state.status[from] == PeerStatus::Failed || state.status[me] == PeerStatus::Failed {
                 let (rank, reason) = state.group_failure.clone().unwrap_or((from, "failed".into()));
-                return Err(TransportError::PeerFailed { rank, reason });
+                break Err(TransportError::PeerFailed { rank, reason });
             }
             if state.status[from] == PeerStatus::Left {
-                return Err(TransportError::PeerLeft { rank: from, waiting: me, op });
+                break Err(TransportError::PeerLeft { rank: from, waiting: me, op });
             }
             let now = Instant::now();
             // Once the group has failed, a live peer gets a short grace for frames in flight;
@@ -236,15 +284,17 @@ impl Inbox {
             let mut until = deadline;
             if let (Some((rank, reason)), Some(seen)) = (&state.group_failure, state.failure_seen) {
                 if now >= seen + failure_grace {
-                    return Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
+                    break Err(TransportError::PeerFailed { rank: *rank, reason: reason.clone() });
                 }
                 until = until.min(seen + failure_grace);
             }
             if now >= deadline {
-                return Err(TransportError::Timeout { rank: from, waiting: me, op, waited: now - started });
+                break Err(TransportError::Timeout { rank: from, waiting: me, op, waited: now - started });
             }
             state = self.arrived.wait_timeout(state, until - now).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        };
+        state.waiting = None;
+        result
     }
 
     /// The first failure this rank has heard of, if any.

@@ -140,9 +140,7 @@ impl SocketOptions {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.world_size == 0 {
-            return Err(TransportError::InvalidArgument("world size must be at least 1".into()));
-        }
+        crate::check_world_size(self.world_size)?;
         if self.rank >= self.world_size {
             return Err(TransportError::InvalidArgument(format!(
                 "rank {} is out of range for world size {}",

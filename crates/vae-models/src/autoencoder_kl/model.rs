@@ -531,15 +531,5 @@ fn check_nchw(t: &Tensor, channels: usize, what: &str) -> Result<()> {
     if d.contains(&0) {
         return Err(ModelError::InvalidInput(format!("{what} of shape {:?} is empty", d)));
     }
-    let values = t.as_slice_f32()?;
-    if let Some(first) = values.iter().position(|v| !v.is_finite()) {
-        let count = values.iter().filter(|v| !v.is_finite()).count();
-        let strides = t.shape().strides();
-        let index: Vec<usize> = strides.iter().zip(d).map(|(s, n)| (first / s) % n).collect();
-        return Err(ModelError::InvalidInput(format!(
-            "{what} has {count} non-finite value(s); the first is {} at index {index:?}",
-            values[first]
-        )));
-    }
-    Ok(())
+    crate::checks::check_finite(t, what)
 }

@@ -208,6 +208,7 @@ impl WanVae {
         if d.len() != 5 || d[1] != channels || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!("video must be [B, {channels}, T, H, W], got {:?}", d)));
         }
+        crate::checks::check_finite(x, "video")?;
         // diffusers encodes frame 0, then chunks of 4, and silently drops a partial chunk;
         // refusing is kinder than losing frames.
         if !(d[2] - 1).is_multiple_of(4) {
@@ -289,7 +290,7 @@ impl WanVae {
                 self.config.z_dim, d
             )));
         }
-        Ok(())
+        crate::checks::check_finite(z, "latent")
     }
 
     /// The per-frame causal decode with a fresh cache, unclamped (a tile of `tiled_decode`).

@@ -110,6 +110,12 @@ impl DistributedVaeExecutor {
         if parallel_size == 0 {
             return Err(RuntimeError::Config("parallel size must be at least 1".into()));
         }
+        if parallel_size > vae_transport::MAX_WORLD_SIZE {
+            return Err(RuntimeError::Config(format!(
+                "parallel size {parallel_size} is larger than the limit of {} ranks",
+                vae_transport::MAX_WORLD_SIZE
+            )));
+        }
         let world = comm.size();
         let effective = parallel_size.min(world);
         if effective < parallel_size && comm.rank() == OWNER {
