@@ -110,6 +110,9 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
     // random name: no other user can reach or replace them.
     let private = tempfile::Builder::new().prefix("vae-parallel-").tempdir().map_err(GroupError::Rendezvous)?;
     let master = private.path().join("master.sock");
+    // Every group this launches authenticates its links with a fresh secret, handed to the
+    // ranks in their environment (never on a command line, where other users can read it).
+    let secret = vae_transport::GroupSecret::generate().map_err(|e| GroupError::Config(e.to_string()))?;
     let mut children: Vec<Child> = Vec::with_capacity(ranks);
     for rank in 0..ranks {
         let spawned = Command::new(&exe)
@@ -117,6 +120,8 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
             .env(ENV_RANK, rank.to_string())
             .env(ENV_WORLD_SIZE, ranks.to_string())
             .env(ENV_MASTER_ADDR, format!("unix:{}", master.display()))
+            .env(vae_transport::auth::ENV_GROUP_SECRET, secret.to_hex())
+            .env_remove(vae_transport::auth::ENV_GROUP_SECRET_FILE)
             .spawn();
         match spawned {
             Ok(child) => children.push(child),

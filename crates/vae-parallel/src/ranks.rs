@@ -59,9 +59,13 @@ pub fn run_group<R: Send>(
         }
         kind @ (TransportKind::Socket | TransportKind::Nccl) if args.rank.is_some() || is_rank_process() => {
             let options = match (args.rank, &args.master_addr) {
-                (Some(rank), Some(master)) => {
-                    SocketOptions { rank, world_size: args.ranks, master: master.parse()?, config }
-                }
+                (Some(rank), Some(master)) => SocketOptions {
+                    rank,
+                    world_size: args.ranks,
+                    master: master.parse()?,
+                    config,
+                    secret: vae_parallel::transport::GroupSecret::from_env()?,
+                },
                 _ => SocketOptions::from_env()?,
             };
             let comm = SocketComm::connect(&options).context("joining the socket group")?;

@@ -22,6 +22,7 @@
 //! `all_reduce` reduces in rank order on every rank, so floating-point sums are bit-identical
 //! across ranks.
 
+pub mod auth;
 mod config;
 mod error;
 pub mod local;
@@ -55,6 +56,7 @@ pub fn check_world_size(size: usize) -> Result<()> {
     }
     Ok(())
 }
+pub use auth::GroupSecret;
 pub use error::{Result, TransportError};
 pub use local::{LocalComm, local_group, run_local};
 pub use mailbox::{Mailbox, Parcel};

@@ -102,11 +102,17 @@ struct Rank {
     reader: std::thread::JoinHandle<()>,
 }
 
+/// The secret of the TCP groups these tests start (a Unix group may go without one).
+const TEST_SECRET: &str = "5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1ed5ea1";
+
 fn spawn(scenario: &str, world: usize, master: &str, env: &[(&str, String)], worlds: Option<&[usize]>) -> Vec<Rank> {
     (0..worlds.map_or(world, <[usize]>::len))
         .map(|rank| {
             let claimed_world = worlds.map_or(world, |w| w[rank]);
             let mut cmd = common::rank_process("child_process_entry", SCENARIO, scenario, rank, claimed_world, master);
+            if !master.starts_with("unix:") {
+                cmd.env("VAE_GROUP_SECRET", TEST_SECRET);
+            }
             for (k, v) in env {
                 cmd.env(k, v);
             }
@@ -277,9 +283,94 @@ fn a_unix_master_path_that_is_a_regular_file_is_refused_not_deleted() {
         world_size: 2,
         master: format!("unix:{}", path.display()).parse().unwrap(),
         config: vae_transport::TransportConfig { connect_timeout: Duration::from_secs(1), ..Default::default() },
+        secret: None,
     };
     let err = SocketComm::connect(&options).unwrap_err();
     assert!(matches!(err, TransportError::Rendezvous(_)), "{err}");
     assert_eq!(std::fs::read(&path).unwrap(), b"precious");
     std::fs::remove_file(&path).unwrap();
+}
+
+/// A hello frame claiming `rank` of a group of `world`, as a process without the secret would
+/// send it (the handshake's first frame would be a challenge).
+fn forged_hello(rank: u64, world: u64) -> Vec<u8> {
+    let mut payload = Vec::new();
+    for word in [1u64, 1, world, rank] {
+        payload.extend_from_slice(&word.to_le_bytes());
+    }
+    payload.extend_from_slice(&0u64.to_le_bytes()); // an empty address
+    let mut frame = vec![0u8; 32];
+    frame[0..4].copy_from_slice(b"VAEF");
+    frame[4] = 32; // hello
+    frame[24..32].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    frame
+}
+
+/// Strangers reach rank 0 before the real ranks: one claims rank 1 with a well-formed hello
+/// and no proof, one trickles a byte every half second, one holds another secret. None gets
+/// in, none fails or holds up the group, which computes its collectives as usual.
+#[test]
+fn strangers_without_the_secret_never_join_and_never_break_the_group() {
+    use std::io::{Read, Write};
+    let master = tcp_master();
+    let env = [("VAE_TEST_JOIN_DELAY_MS", "2500".to_string())];
+    let ranks = spawn("collectives", 3, &master, &env, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut forged = loop {
+        if let Ok(s) = std::net::TcpStream::connect(&master) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the master never listened");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    forged.write_all(&forged_hello(1, 3)).unwrap();
+    let trickle = std::thread::spawn({
+        let master = master.clone();
+        move || {
+            let mut s = std::net::TcpStream::connect(&master).unwrap();
+            for b in b"VAEF\x24" {
+                if s.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    });
+    // A process with another secret, as rank 2: refused by the check of rank 0's answer.
+    let mut impostor = common::rank_process("child_process_entry", SCENARIO, "rendezvous_rejected", 2, 3, &master);
+    impostor.env("VAE_GROUP_SECRET", "00".repeat(32));
+    let impostor = impostor.spawn().unwrap();
+    let started = Instant::now();
+    let outcomes: Vec<(bool, String)> = ranks.into_iter().enumerate().map(|(rank, r)| finish(rank, r)).collect();
+    for (ok, text) in &outcomes {
+        assert!(*ok && text.contains("1 passed"), "{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(25), "the group took {:?}", started.elapsed());
+    // The forged hello was never answered with the group's table: rank 0 closed the link.
+    let mut rest = Vec::new();
+    let _ = forged.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = forged.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "rank 0 answered a stranger: {rest:?}");
+    let output = impostor.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && text.contains("does not hold this group's secret"), "{text}");
+    trickle.join().unwrap();
+}
+
+#[test]
+fn a_tcp_group_without_a_secret_refuses_to_start() {
+    let options = vae_transport::SocketOptions {
+        rank: 1,
+        world_size: 2,
+        master: tcp_master().parse().unwrap(),
+        config: vae_transport::TransportConfig::default(),
+        secret: None,
+    };
+    if std::env::var("VAE_INSECURE_NO_AUTH").is_ok() {
+        return; // the environment opts out; nothing to check
+    }
+    let err = SocketComm::connect(&options).unwrap_err();
+    assert!(matches!(err, TransportError::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("VAE_GROUP_SECRET"), "{err}");
 }

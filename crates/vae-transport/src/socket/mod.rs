@@ -32,6 +32,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod handshake;
+
+use handshake::Opening;
+
+use crate::auth::{ENV_INSECURE_NO_AUTH, GroupSecret};
 use crate::mesh::{Frame, Header, Inbox, MeshComm, OpKind, Wire, delegate_communicator};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::wire::{Reader, WireError, Writer};
@@ -62,6 +67,8 @@ const KIND_HELLO: u8 = 32;
 const KIND_WELCOME: u8 = 33;
 const KIND_REJECT: u8 = 34;
 const KIND_PEER_HELLO: u8 = 35;
+const KIND_AUTH_CHALLENGE: u8 = 36;
+const KIND_AUTH_RESPONSE: u8 = 37;
 
 /// Where a socket listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,6 +122,9 @@ pub struct SocketOptions {
     pub master: Endpoint,
     /// Timeouts.
     pub config: TransportConfig,
+    /// The group's secret: every link proves both ends hold it before any frame is accepted
+    /// (see [`crate::auth`]). Required on TCP unless [`ENV_INSECURE_NO_AUTH`] is `1`.
+    pub secret: Option<GroupSecret>,
 }
 
 impl SocketOptions {
@@ -136,11 +146,22 @@ impl SocketOptions {
             world_size: number(ENV_WORLD_SIZE)?,
             master: var(ENV_MASTER_ADDR)?.parse()?,
             config: TransportConfig::from_env()?,
+            secret: GroupSecret::from_env()?,
         })
     }
 
     fn validate(&self) -> Result<()> {
         crate::check_world_size(self.world_size)?;
+        let insecure = std::env::var(ENV_INSECURE_NO_AUTH).is_ok_and(|v| v.trim() == "1");
+        if matches!(self.master, Endpoint::Tcp(_)) && self.secret.is_none() && !insecure && self.world_size > 1 {
+            return Err(TransportError::InvalidArgument(format!(
+                "a TCP group needs a group secret, or any process that reaches its ports can join it: \
+                 give every rank the same 64 hex digits in {} (or a file of them in {}), or set {ENV_INSECURE_NO_AUTH}=1 \
+                 to run without one",
+                crate::auth::ENV_GROUP_SECRET,
+                crate::auth::ENV_GROUP_SECRET_FILE
+            )));
+        }
         if self.rank >= self.world_size {
             return Err(TransportError::InvalidArgument(format!(
                 "rank {} is out of range for world size {}",
@@ -357,7 +378,7 @@ struct RawFrame {
     payload: PooledBuf,
 }
 
-fn read_frame(stream: &mut Stream, buffers: &Arc<BufferPool>) -> io::Result<RawFrame> {
+fn read_frame(stream: &mut impl Read, buffers: &Arc<BufferPool>) -> io::Result<RawFrame> {
     let mut header = [0u8; HEADER_LEN];
     stream.read_exact(&mut header)?;
     if header[0..4] != MAGIC {
@@ -376,7 +397,7 @@ fn read_frame(stream: &mut Stream, buffers: &Arc<BufferPool>) -> io::Result<RawF
 }
 
 /// A handshake frame (small; not worth a pooled buffer).
-fn read_control_frame(stream: &mut Stream) -> io::Result<RawFrame> {
+fn read_control_frame(stream: &mut impl Read) -> io::Result<RawFrame> {
     read_frame(stream, &Arc::default())
 }
 
@@ -503,7 +524,7 @@ impl SocketComm {
                 let listener = Listener::bind(&options.master).map_err(|e| {
                     rendezvous_err(&format!("rank 0 binding the master address {}", options.master), &e)
                 })?;
-                master_rendezvous(&listener, world, deadline, options.config.failure_timeout, &mut links)?;
+                master_rendezvous(&listener, world, deadline, options.secret.as_ref(), &mut links)?;
             } else {
                 worker_rendezvous(options, deadline, &mut links)?;
             }
@@ -662,7 +683,7 @@ fn master_rendezvous(
     listener: &Listener,
     world: usize,
     deadline: Instant,
-    hello_timeout: Duration,
+    secret: Option<&GroupSecret>,
     links: &mut [Option<Stream>],
 ) -> Result<()> {
     let mut addrs = vec![String::new(); world];
@@ -678,16 +699,21 @@ fn master_rendezvous(
             reject_all(links, &msg);
             rendezvous_err(&msg, &e)
         })?;
-        // A rank says hello as soon as it connects; a connection that stays silent is not a
-        // rank and must not hold up the others.
-        let left = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), hello_timeout);
-        stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a joining rank", &e))?;
-        let frame = match read_control_frame(&mut stream) {
-            Ok(f) if f.kind == KIND_HELLO => f,
-            // Not a vae-parallel peer (a port scanner, a stale client): ignore it.
-            _ => continue,
+        // A rank says who it is as soon as it connects; a connection that does not, in time, or
+        // cannot prove it holds the group secret is not a rank and must not hold up the others.
+        let hello_deadline = deadline.min(Instant::now() + handshake::HELLO_DEADLINE);
+        let payload = match handshake::accept(&mut stream, secret, 0, world, hello_deadline)? {
+            Opening::Hello { kind: KIND_HELLO, payload } => payload,
+            Opening::Hello { kind, .. } => {
+                tracing::warn!(kind, "rank 0 dropped a connection that opened with a frame that is not a hello");
+                continue;
+            }
+            Opening::Dropped(why) => {
+                tracing::warn!("rank 0 dropped a connection that is not a member of the group: {why}");
+                continue;
+            }
         };
-        let problem = match parse_hello(&frame.payload, world) {
+        let problem = match parse_hello(&payload, world) {
             Ok(hello) if hello.rank == 0 => Err("a second process claims rank 0".to_string()),
             Ok(hello) if links[hello.rank].is_some() => Err(format!("two processes claim rank {}", hello.rank)),
             Ok(hello) => Ok(hello),
@@ -742,8 +768,8 @@ fn worker_rendezvous(options: &SocketOptions, deadline: Instant, links: &mut [Op
     let listener = listener.map_err(|e| rendezvous_err(&format!("rank {rank} binding its listener"), &e))?;
     let advertised = listener.advertised(host).map_err(|e| rendezvous_err("reading the listener address", &e))?;
 
-    write_frame(&mut master, KIND_HELLO, 0, 0, &hello_payload(rank, world, &advertised))
-        .map_err(|e| rendezvous_err("sending hello to the master", &e))?;
+    let secret = options.secret.as_ref();
+    handshake::connect(&mut master, secret, 0, world, KIND_HELLO, &hello_payload(rank, world, &advertised), deadline)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
     master.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring the master link", &e))?;
     let reply = read_control_frame(&mut master)
@@ -773,27 +799,39 @@ fn worker_rendezvous(options: &SocketOptions, deadline: Instant, links: &mut [Op
         let endpoint: Endpoint = addr.parse()?;
         let mut stream = connect(&endpoint, deadline)
             .map_err(|e| rendezvous_err(&format!("rank {rank} connecting to rank {peer}"), &e))?;
-        write_frame(&mut stream, KIND_PEER_HELLO, 0, 0, &hello_payload(rank, world, ""))
-            .map_err(|e| rendezvous_err(&format!("greeting rank {peer}"), &e))?;
+        handshake::connect(
+            &mut stream,
+            secret,
+            peer,
+            world,
+            KIND_PEER_HELLO,
+            &hello_payload(rank, world, ""),
+            deadline,
+        )?;
         links[peer] = Some(stream);
     }
-    for _ in rank + 1..world {
+    // The higher ranks connect here. Anything else that does (a port scanner, a stranger
+    // without the secret, a duplicate) is dropped and logged; the group goes on.
+    let mut expected = world - 1 - rank;
+    while expected > 0 {
         let mut stream = listener
             .accept(deadline)
-            .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for higher ranks"), &e))?;
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-        stream.set_read_timeout(Some(left)).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
-        let frame = read_control_frame(&mut stream).map_err(|e| rendezvous_err("reading a peer's hello", &e))?;
-        stream.set_read_timeout(None).map_err(|e| rendezvous_err("configuring a peer link", &e))?;
-        let hello = if frame.kind == KIND_PEER_HELLO {
-            parse_hello(&frame.payload, world).map_err(TransportError::Rendezvous)?
-        } else {
-            return Err(TransportError::Rendezvous(format!("unexpected frame kind {} from a peer", frame.kind)));
+            .map_err(|e| rendezvous_err(&format!("rank {rank} waiting for {expected} higher rank(s)"), &e))?;
+        let hello_deadline = deadline.min(Instant::now() + handshake::HELLO_DEADLINE);
+        let why = match handshake::accept(&mut stream, secret, rank, world, hello_deadline)? {
+            Opening::Hello { kind: KIND_PEER_HELLO, payload } => match parse_hello(&payload, world) {
+                Ok(hello) if hello.rank > rank && links[hello.rank].is_none() => {
+                    links[hello.rank] = Some(stream);
+                    expected -= 1;
+                    continue;
+                }
+                Ok(hello) => format!("a second or unexpected connection claiming rank {}", hello.rank),
+                Err(reason) => reason,
+            },
+            Opening::Hello { kind, .. } => format!("opened with a frame of kind {kind}, not a peer's hello"),
+            Opening::Dropped(why) => why,
         };
-        if hello.rank <= rank || links[hello.rank].is_some() {
-            return Err(TransportError::Rendezvous(format!("unexpected connection from rank {}", hello.rank)));
-        }
-        links[hello.rank] = Some(stream);
+        tracing::warn!(rank, "dropped a connection that is not one of the group's ranks: {why}");
     }
     Ok(())
 }
