@@ -20,6 +20,10 @@
 //!   `kernels_emu.rs`).
 //! - `gpu-emu`: builds a fake `libcuda.so` on the same emulation layer and runs the CUDA
 //!   backend's GPU tests against it, with no GPU (see `gpu_emu.rs`).
+//! - `fuzz [--cases N]`: every parser of user and peer input (`.npy`, PNG, `config.json`,
+//!   safetensors, the wire messages, socket frames and hellos, tile summaries) fed random and
+//!   mutated input, N cases per target (default 200,000: over 10⁶ in all), in release mode;
+//!   CI runs the same targets with proptest's 256 cases as part of the test suite.
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
 //!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
 //!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
@@ -39,7 +43,7 @@ mod kernels_emu;
 
 const USAGE: &str = "usage: cargo xtask <ci | kernels | kernels-emu | gpu-emu | bench [--decode-only | --no-decode] [--cases A,B] \
                      [--threads 1,2] [--iters N] [--dtypes f32,bf16] [--layouts nchw,channels_last] [--python PATH] \
-                     | bench --tabulate FILE.jsonl | fixtures [--python PATH] [--out DIR]>";
+                     | bench --tabulate FILE.jsonl | fuzz [--cases N] | fixtures [--python PATH] [--out DIR]>";
 
 /// The pinned Python packages of the fixture generator, relative to the repository root.
 const FIXTURE_REQUIREMENTS: &str = "scripts/requirements-fixtures.txt";
@@ -59,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Some("kernels-emu") => kernels_emu::kernels_emu(&repo_root()),
         Some("gpu-emu") => gpu_emu::gpu_emu(&repo_root()),
         Some("fixtures") => fixtures(std::env::args().skip(2)),
+        Some("fuzz") => fuzz(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -87,6 +92,39 @@ fn ci() -> anyhow::Result<()> {
     cargo(&["fmt", "--all", "--", "--check"])?;
     cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
     cargo(&["test", "--workspace"])
+}
+
+/// The fuzz targets (`fuzz_*` property tests) with many cases each, in release mode.
+fn fuzz(mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    let mut cases: u64 = 200_000;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--cases" => cases = args.next().context("--cases needs a number")?.parse().context("--cases")?,
+            other => bail!("unknown argument {other:?} to fuzz\n{USAGE}"),
+        }
+    }
+    let started = std::time::Instant::now();
+    let runs: [&[&str]; 3] = [
+        &["test", "--release", "-p", "vae-integration-tests", "--test", "fuzz"],
+        &["test", "--release", "-p", "vae-transport", "--lib", "fuzz_"],
+        &["test", "--release", "-p", "vae-runtime", "--lib", "fuzz_"],
+    ];
+    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for args in runs {
+        eprintln!("$ PROPTEST_CASES={cases} cargo {}", args.join(" "));
+        let status = Command::new(&program)
+            .args(args)
+            .env("PROPTEST_CASES", cases.to_string())
+            .status()
+            .with_context(|| format!("starting {program}"))?;
+        if !status.success() {
+            bail!("fuzz targets failed: cargo {}", args.join(" "));
+        }
+    }
+    // Seven targets: npy, PNG, config.json, safetensors, wire reader (integration tests),
+    // socket frames and hellos (vae-transport), tile summaries (vae-runtime).
+    println!("fuzz: 7 targets x {cases} cases, no failure, {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
 }
 
 /// The repository root (the parent of this crate's directory).

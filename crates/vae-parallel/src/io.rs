@@ -30,6 +30,9 @@ pub enum IoError {
     /// A tensor that cannot be written in the requested format.
     #[error("{0}")]
     Unsupported(String),
+    /// Bytes (not from a file) that are not a valid file of their format.
+    #[error("{0}")]
+    Malformed(String),
 }
 
 fn format_err(path: &Path, message: impl Into<String>) -> IoError {
@@ -57,6 +60,11 @@ fn extension(path: &Path) -> String {
 pub fn read_npy(path: &Path) -> Result<Tensor, IoError> {
     let bytes = std::fs::read(path).map_err(os_err(path))?;
     parse_npy(&bytes).map_err(|m| format_err(path, m))
+}
+
+/// [`read_npy`] of a file's bytes in memory.
+pub fn npy_from_bytes(bytes: &[u8]) -> Result<Tensor, IoError> {
+    parse_npy(bytes).map_err(IoError::Malformed)
 }
 
 fn parse_npy(bytes: &[u8]) -> Result<Tensor, String> {
@@ -265,26 +273,34 @@ pub const MAX_IMAGE_PIXELS: u64 = 1 << 26;
 /// [`MAX_IMAGE_PIXELS`] is an error.
 pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
     let file = std::fs::File::open(path).map_err(os_err(path))?;
-    let mut decoder = png::Decoder::new(std::io::BufReader::new(file));
+    decode_png(std::io::BufReader::new(file)).map_err(|m| format_err(path, m))
+}
+
+/// [`read_png`] of a file's bytes in memory.
+pub fn png_from_bytes(bytes: &[u8]) -> Result<Tensor, IoError> {
+    decode_png(std::io::Cursor::new(bytes)).map_err(IoError::Malformed)
+}
+
+fn decode_png(source: impl std::io::BufRead + std::io::Seek) -> Result<Tensor, String> {
+    let mut decoder = png::Decoder::new(source);
     decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
-    let mut reader = decoder.read_info().map_err(|e| format_err(path, e.to_string()))?;
+    let mut reader = decoder.read_info().map_err(|e| e.to_string())?;
     let (width, height) = (reader.info().width, reader.info().height);
     if u64::from(width) * u64::from(height) > MAX_IMAGE_PIXELS {
-        return Err(format_err(
-            path,
-            format!("an image of {width}x{height} pixels is larger than the limit of {MAX_IMAGE_PIXELS} pixels"),
+        return Err(format!(
+            "an image of {width}x{height} pixels is larger than the limit of {MAX_IMAGE_PIXELS} pixels"
         ));
     }
-    let size = reader.output_buffer_size().ok_or_else(|| format_err(path, "image too large"))?;
+    let size = reader.output_buffer_size().ok_or("image too large")?;
     let mut buf = vec![0u8; size];
-    let info = reader.next_frame(&mut buf).map_err(|e| format_err(path, e.to_string()))?;
+    let info = reader.next_frame(&mut buf).map_err(|e| e.to_string())?;
     let (w, h) = (info.width as usize, info.height as usize);
     let channels = match info.color_type {
         png::ColorType::Rgb => 3,
         png::ColorType::Rgba => 4,
         png::ColorType::Grayscale => 1,
         png::ColorType::GrayscaleAlpha => 2,
-        png::ColorType::Indexed => return Err(format_err(path, "indexed PNG after expansion")),
+        png::ColorType::Indexed => return Err("indexed PNG after expansion".into()),
     };
     let mut data = vec![0f32; 3 * h * w];
     for i in 0..h * w {
@@ -294,7 +310,7 @@ pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
             data[ch * h * w + i] = byte / 255.0 * 2.0 - 1.0;
         }
     }
-    Tensor::from_vec(data, vec![1, 3, h, w], &Device::Cpu).map_err(|e| format_err(path, e.to_string()))
+    Tensor::from_vec(data, vec![1, 3, h, w], &Device::Cpu).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

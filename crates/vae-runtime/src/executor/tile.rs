@@ -352,3 +352,22 @@ fn cast_output(out: Tensor, dtype: Option<DType>) -> Result<Tensor, String> {
         _ => Ok(out),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::decode_summary;
+
+    proptest! {
+        /// A tile summary from another rank is decoded or refused, never trusted into a panic or
+        /// an allocation its bytes do not back.
+        #[test]
+        fn fuzz_tile_summaries(bytes in prop::collection::vec(any::<u8>(), 0..200), rank in 0usize..4) {
+            let _ = decode_summary(rank, &bytes);
+            let mut headed = vec![0u8];
+            headed.extend_from_slice(&bytes);
+            let _ = decode_summary(rank, &headed);
+        }
+    }
+}

@@ -856,3 +856,26 @@ impl Drop for SocketComm {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Whatever arrives on a socket, a frame is read or refused with an error: no panic, and
+        /// no allocation beyond what arrived (a header announcing a terabyte over a short stream
+        /// fails when the stream ends).
+        #[test]
+        fn fuzz_frames_and_hellos(bytes in prop::collection::vec(any::<u8>(), 0..160), world in 1usize..8) {
+            let mut stream: &[u8] = &bytes;
+            let _ = read_control_frame(&mut stream);
+            let mut headed = b"VAEF".to_vec();
+            headed.extend_from_slice(&bytes);
+            let mut stream: &[u8] = &headed;
+            let _ = read_frame(&mut stream, &Arc::default());
+            let _ = parse_hello(&bytes, world);
+        }
+    }
+}
