@@ -236,7 +236,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
             if exit.success() {
                 return Ok(ExitCode::SUCCESS);
             }
-            anyhow::bail!("rank process(es) {:?} failed", exit.failed_ranks());
+            return Err(crate::ranks::supervised_failure(&exit));
         }
     };
     let Some(o) = rank0 else { anyhow::bail!("rank 0 produced no outcome") };

@@ -8,6 +8,8 @@
 use std::ffi::OsString;
 use std::process::{Child, Command, ExitStatus};
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use vae_transport::socket::{ENV_MASTER_ADDR, ENV_RANK, ENV_WORLD_SIZE};
@@ -74,6 +76,16 @@ pub enum GroupError {
     Rendezvous(#[source] std::io::Error),
 }
 
+/// Set in the environment of the rank processes [`launch_processes`] starts: such a rank other
+/// than 0 leaves the error line to rank 0 (which names the rank that failed first), so a failure
+/// is said once, not once per process.
+pub const ENV_SUPERVISED: &str = "VAE_SUPERVISED";
+
+/// True when this process is a rank other than 0 of a group [`launch_processes`] started.
+pub fn is_supervised_non_owner() -> bool {
+    std::env::var_os(ENV_SUPERVISED).is_some() && std::env::var(ENV_RANK).is_ok_and(|r| r.trim() != "0")
+}
+
 /// True when this process was started as one rank of a socket group (its environment names a
 /// rank), as opposed to being the program a user ran directly.
 pub fn is_rank_process() -> bool {
@@ -86,12 +98,19 @@ pub struct GroupExit {
     /// Exit status per rank, in rank order (`None`: killed by the supervisor after the grace
     /// period).
     pub statuses: Vec<Option<ExitStatus>>,
+    /// The supervisor was interrupted (SIGINT or SIGTERM) and stopped the ranks.
+    pub interrupted: bool,
 }
 
 impl GroupExit {
     /// True when every rank exited successfully.
     pub fn success(&self) -> bool {
         self.statuses.iter().all(|s| s.is_some_and(|s| s.success()))
+    }
+
+    /// Whether rank 0 exited by itself with a failure, having said why (its error line).
+    pub fn owner_reported(&self) -> bool {
+        self.statuses.first().is_some_and(|s| s.is_some_and(|s| s.code() == Some(1)))
     }
 
     /// Ranks that failed or had to be killed.
@@ -122,6 +141,8 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
             .env(ENV_MASTER_ADDR, format!("unix:{}", master.display()))
             .env(vae_transport::auth::ENV_GROUP_SECRET, secret.to_hex())
             .env_remove(vae_transport::auth::ENV_GROUP_SECRET_FILE)
+            .env(ENV_SUPERVISED, "1")
+            .die_with_parent()
             .spawn();
         match spawned {
             Ok(child) => children.push(child),
@@ -135,15 +156,66 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
         }
     }
     tracing::debug!(ranks, master = %master.display(), "launched rank processes");
-    let statuses = supervise(children, grace);
+    let (statuses, interrupted) = supervise(children, grace);
     drop(private);
-    Ok(GroupExit { statuses })
+    Ok(GroupExit { statuses, interrupted })
 }
 
-fn supervise(mut children: Vec<Child>, grace: Duration) -> Vec<Option<ExitStatus>> {
+/// A rank process ends with the supervisor: killed by the kernel when the supervisor dies,
+/// however it dies (Linux's parent-death signal).
+trait DieWithParent {
+    fn die_with_parent(&mut self) -> &mut Self;
+}
+
+impl DieWithParent for Command {
+    #[cfg(target_os = "linux")]
+    fn die_with_parent(&mut self) -> &mut Self {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id();
+        // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls are
+        // allowed: `prctl` and `getppid` are system calls that take and return plain integers and
+        // touch no memory of the parent.
+        unsafe {
+            self.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The supervisor may have died before the call: then nobody will signal us.
+                if libc::getppid() as u32 != parent {
+                    return Err(std::io::Error::other("the supervisor exited before the rank started"));
+                }
+                Ok(())
+            })
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn die_with_parent(&mut self) -> &mut Self {
+        self
+    }
+}
+
+fn supervise(mut children: Vec<Child>, grace: Duration) -> (Vec<Option<ExitStatus>>, bool) {
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut failure_seen: Option<Instant> = None;
+    // SIGINT and SIGTERM to the supervisor go to every rank; the ranks then exit (an
+    // interrupted request writes nothing) and the supervisor reports their statuses.
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register(signal, Arc::clone(&stop));
+    }
+    let mut forwarded = false;
     loop {
+        if stop.load(Ordering::Relaxed) && !forwarded {
+            forwarded = true;
+            failure_seen.get_or_insert_with(Instant::now);
+            for (rank, child) in children.iter().enumerate() {
+                if statuses[rank].is_none() {
+                    // SAFETY: `kill` takes plain integers; the pid is our own live child's.
+                    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                }
+            }
+        }
         for (rank, child) in children.iter_mut().enumerate() {
             if statuses[rank].is_none()
                 && let Ok(Some(status)) = child.try_wait()
@@ -155,7 +227,7 @@ fn supervise(mut children: Vec<Child>, grace: Duration) -> Vec<Option<ExitStatus
             }
         }
         if statuses.iter().all(Option::is_some) {
-            return statuses;
+            return (statuses, forwarded);
         }
         if failure_seen.is_some_and(|t| t.elapsed() > grace) {
             for (rank, child) in children.iter_mut().enumerate() {
@@ -165,7 +237,7 @@ fn supervise(mut children: Vec<Child>, grace: Duration) -> Vec<Option<ExitStatus
                     let _ = child.wait();
                 }
             }
-            return statuses;
+            return (statuses, forwarded);
         }
         std::thread::sleep(Duration::from_millis(10));
     }

@@ -80,7 +80,13 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {}", error_text(&err));
+            // Said once per failure: a supervisor whose rank 0 reported it, and the other ranks
+            // of a supervised group (rank 0 names the rank that failed first), stay quiet.
+            if err.is::<ranks::AlreadyReported>() || vae_parallel::group::is_supervised_non_owner() {
+                tracing::debug!("{}", error_text(&err));
+            } else {
+                eprintln!("error: {}", error_text(&err));
+            }
             ExitCode::FAILURE
         }
     }

@@ -455,7 +455,7 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
             if exit.success() {
                 Ok(None)
             } else {
-                bail!("rank process(es) {:?} failed", exit.failed_ranks())
+                Err(crate::ranks::supervised_failure(&exit))
             }
         }
     }

@@ -28,6 +28,31 @@ pub struct GroupArgs {
     pub master_addr: Option<String>,
 }
 
+/// The error of a supervisor whose rank 0 already said what failed: the process exits with a
+/// failure and prints nothing more.
+#[derive(Debug)]
+pub struct AlreadyReported;
+
+impl std::fmt::Display for AlreadyReported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the rank processes failed (rank 0 said why)")
+    }
+}
+
+impl std::error::Error for AlreadyReported {}
+
+/// The error of a supervised group that failed: quiet when rank 0 reported it, else naming the
+/// ranks (one killed by a signal, say, says nothing itself).
+pub fn supervised_failure(exit: &vae_parallel::group::GroupExit) -> anyhow::Error {
+    if exit.interrupted {
+        anyhow::anyhow!("interrupted: the rank processes were stopped; nothing was written")
+    } else if exit.owner_reported() {
+        AlreadyReported.into()
+    } else {
+        anyhow::anyhow!("rank process(es) {:?} failed", exit.failed_ranks())
+    }
+}
+
 /// What this process saw of a group run.
 pub enum GroupOutcome<R> {
     /// Every rank ran here (local transport): results in rank order.

@@ -245,3 +245,50 @@ fn bench_encode_and_decode_report_the_same_fields() {
         assert!(!ok && text.contains("error: --dtype bf16") && text.contains("AVX512-BF16"), "{text}");
     }
 }
+
+/// SIGTERM to the supervisor of a socket group stops every rank within 2 s; nothing is written
+/// and the failure is said once.
+#[test]
+fn a_terminated_supervisor_takes_its_ranks_with_it() {
+    let dir = std::env::temp_dir().join(format!("vae-cli-sigterm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("demo.png");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
+        .args(["demo", "--transport", "socket", "--ranks", "2", "--height", "240", "--width", "240", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let supervisor = child.id();
+    // Wait until both ranks run (the supervisor's children).
+    let ranks = || -> Vec<String> {
+        let text =
+            std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children")).unwrap_or_default();
+        text.split_whitespace().map(str::to_string).collect()
+    };
+    let started = std::time::Instant::now();
+    while ranks().len() < 2 {
+        assert!(started.elapsed().as_secs() < 30, "the ranks never started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pids = ranks();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(std::process::Command::new("kill").args(["-TERM", &supervisor.to_string()]).status().unwrap().success());
+    let hit = std::time::Instant::now();
+    let output = child.wait_with_output().unwrap();
+    assert!(!output.status.success());
+    let alive = |pid: &String| {
+        std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+    };
+    while pids.iter().any(alive) {
+        assert!(hit.elapsed().as_secs_f64() < 2.0, "a rank outlived its supervisor by 2 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error:")).count(), 1, "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(!out.exists(), "an interrupted run wrote its output");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -632,3 +632,16 @@ fn non_finite_weights_and_latents_are_refused_for_every_family() {
     }
     assert!(!out.exists());
 }
+
+/// A bad input in a launched socket group is said once (by rank 0), not once per process.
+#[test]
+fn a_socket_group_says_a_failure_once() {
+    let f = fixtures();
+    let out = scratch("socket-once").join("never.npy");
+    let missing = scratch("socket-once-in").join("missing.npy");
+    let model = f.join("sd_like");
+    let mut args = decode_on("3", s(&model), s(&missing), s(&out), &[]);
+    args.extend(["--transport", "socket", "--ranks", "3"]);
+    assert_clean_failure("socket input error", &args, "missing.npy");
+    assert!(!out.exists());
+}

@@ -9,6 +9,7 @@
 //! got to a progress bar. Model *policy* (which strategy, which tile sizes, who gets the output)
 //! lives in the model adapters, never here.
 
+pub mod cancel;
 mod error;
 mod executor;
 mod mode;

@@ -439,3 +439,72 @@ fn a_non_deterministic_split_is_the_same_error_everywhere_and_the_group_survives
         second.unwrap();
     }
 }
+
+/// Counts the tiles each rank executes and, on one rank, announces a failure of the group as
+/// that rank's first tile runs (as a rank whose process died would be seen).
+struct Dying {
+    inner: SyntheticDecoder,
+    comm: Vec<Arc<dyn Communicator>>,
+    executed: Vec<std::sync::atomic::AtomicUsize>,
+}
+
+impl TileOperator for Dying {
+    type Payload = <SyntheticDecoder as TileOperator>::Payload;
+    type TileSpec = StitchSpec;
+
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+        self.inner.split(input)
+    }
+
+    fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
+        let rank = RANK.with(|r| r.get());
+        self.executed[rank].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if rank == 1 {
+            self.comm[1].abort("rank 1 lost its GPU");
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        self.inner.exec(input, task)
+    }
+
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+        self.inner.merge(tiles, grid)
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+}
+
+thread_local! {
+    static RANK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Once the group has failed, a rank stops between tiles: it does not compute the rest of its
+/// share first and only then learn it at the gather.
+#[test]
+fn a_rank_stops_between_tiles_once_its_group_failed() {
+    let x = input(&[1, 1, 62, 62], 9);
+    // 100 ms per tile, 100 tiles: rank 0's half would take 5 s.
+    let inner = SyntheticDecoder { work_per_tile: Duration::from_millis(100), ..small_op() };
+    let comms: Vec<vae_transport::LocalComm> = vae_transport::local_group(2, config()).unwrap();
+    let comms: Vec<Arc<dyn Communicator>> = comms.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+    let dying = Dying { inner, comm: comms.clone(), executed: (0..2).map(|_| Default::default()).collect() };
+    let errors: Vec<RuntimeError> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (comm, dying, x) = (Arc::clone(comm), &dying, &x);
+                s.spawn(move || {
+                    RANK.with(|r| r.set(rank));
+                    let exec = DistributedVaeExecutor::new(comm, 2).unwrap();
+                    exec.execute(x, dying, OutputPlacement::OwnerOnly).unwrap_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let rank0 = dying.executed[0].load(std::sync::atomic::Ordering::SeqCst);
+    assert!(rank0 <= 3, "rank 0 executed {rank0} tiles after the group failed");
+    assert!(errors[0].to_string().contains("rank 1 lost its GPU"), "{}", errors[0]);
+}

@@ -283,6 +283,14 @@ pub trait Communicator: Send + Sync {
     /// Traffic counters of this rank since creation.
     fn stats(&self) -> CommStats;
 
+    /// The failure this rank already knows of (its own, or one a peer announced or its
+    /// connection revealed), without waiting: a long computation polls it between steps to stop
+    /// early instead of at its next collective. `None` (the default) when there is none, or the
+    /// backend cannot tell without communicating.
+    fn failure(&self) -> Option<TransportError> {
+        None
+    }
+
     /// For groups whose ranks are threads of one process: the mailbox through which they hand
     /// each other values without serialising them (see [`mailbox`]). `None` (the default) for
     /// groups across processes or devices.

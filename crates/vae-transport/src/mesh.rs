@@ -394,6 +394,15 @@ impl<W: Wire> MeshComm<W> {
         self.backend
     }
 
+    /// The failure this rank knows of, without waiting: its own first error, or the first
+    /// failure a peer reported.
+    pub(crate) fn failure(&self) -> Option<TransportError> {
+        if let Some(first) = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Some(first);
+        }
+        self.inbox.group_failure().map(|(rank, reason)| TransportError::PeerFailed { rank, reason })
+    }
+
     pub(crate) fn stats(&self) -> CommStats {
         self.stats.snapshot()
     }
@@ -823,6 +832,9 @@ macro_rules! delegate_communicator {
             }
             fn mailbox(&self) -> Option<&$crate::Mailbox> {
                 self.inner.mailbox()
+            }
+            fn failure(&self) -> Option<$crate::TransportError> {
+                self.inner.failure()
             }
         }
     };

@@ -238,6 +238,7 @@ impl WanVae {
         let mut pass = Pass::new(None);
         let mut outs = Vec::with_capacity(chunks);
         for i in 0..chunks {
+            vae_runtime::cancel::check()?;
             pass.next_chunk();
             let (start, len) = if i == 0 { (0, 1) } else { (1 + 4 * (i - 1), 4) };
             outs.push(encoder.forward(&x.narrow(2, start, len)?, &mut pass)?);
@@ -309,6 +310,7 @@ impl WanVae {
         let mut pass = Pass::new(band);
         let mut frames = Vec::with_capacity(d[2]);
         for i in 0..d[2] {
+            vae_runtime::cancel::check()?;
             pass.next_chunk();
             frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?);
             progress::report(Progress::Steps { done: i + 1, total: d[2] });

@@ -193,6 +193,7 @@ impl DistributedVaeExecutor {
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
         let _stream = self.device_stream(device);
+        let _cancel = crate::cancel::CancelScope::enter(Arc::clone(&self.comm));
         let comm = self.comm.as_ref();
         let (rank, world) = (comm.rank(), comm.size());
         let traffic_before = comm.stats();

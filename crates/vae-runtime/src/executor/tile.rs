@@ -140,6 +140,8 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let mut local = TileOutputs { outputs: Vec::with_capacity(mine.len()), error: None };
         progress::report(Progress::Tiles { done: 0, total: mine.len() });
         for &tile_id in mine {
+            // A failed group stops this rank between tiles, not after its last.
+            crate::cancel::check()?;
             match guarded(|| self.op.exec(input, &plan.tasks[tile_id])) {
                 Ok(out) if out.rank() == input.rank() => {
                     local.outputs.push((tile_id, out));
