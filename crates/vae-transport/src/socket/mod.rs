@@ -434,6 +434,12 @@ fn parse_hello(payload: &[u8], world: usize) -> std::result::Result<Hello, Strin
 }
 
 fn rendezvous_err(context: &str, e: &io::Error) -> TransportError {
+    // A read timeout surfaces as EAGAIN ("Resource temporarily unavailable"): say what it means.
+    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+        return TransportError::Rendezvous(format!(
+            "{context}: timed out (VAE_CONNECT_TIMEOUT_S sets how long the rendezvous waits)"
+        ));
+    }
     TransportError::Rendezvous(format!("{context}: {e}"))
 }
 
@@ -862,6 +868,13 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_timed_out_rendezvous_says_so() {
+        let e = io::Error::from(io::ErrorKind::WouldBlock);
+        let text = rendezvous_err("rank 1 waiting for the master's table of ranks", &e).to_string();
+        assert!(text.contains("timed out") && !text.contains("temporarily unavailable"), "{text}");
+    }
 
     proptest! {
         /// Whatever arrives on a socket, a frame is read or refused with an error: no panic, and
