@@ -645,3 +645,29 @@ fn a_socket_group_says_a_failure_once() {
     assert_clean_failure("socket input error", &args, "missing.npy");
     assert!(!out.exists());
 }
+
+/// A request that cannot fit in the memory the machine has (here capped by VAE_MEMORY_LIMIT)
+/// is refused before any work with both figures, and the advice that helps: tiles shrink the
+/// largest feature map; nothing but a smaller request shrinks the output.
+#[test]
+fn a_request_that_cannot_fit_is_refused_before_any_work() {
+    let f = fixtures();
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode.in.npy"));
+    let out = scratch("memory").join("out.npy");
+    let run = |limit: &str, extra: &[&str]| {
+        support::cli_with_env(&decode_on("1", s(&model), s(&latent), s(&out), extra), &[("VAE_MEMORY_LIMIT", limit)])
+    };
+    // The direct decode's floor is above 100 KiB, the tiled one's below.
+    let (ok, text) = run("100K", &[]);
+    assert!(!ok && text.contains("needs at least") && text.contains("100.0 KiB available"), "{text}");
+    assert!(text.contains("with tiles (--vae-use-tiling)"), "{text}");
+    assert!(!out.exists());
+    let (ok, text) = run("100K", &["--vae-use-tiling", "--tile-sample-min-size", "32"]);
+    assert!(ok, "{text}");
+    // Below the output itself, tiles cannot help and the error says so.
+    std::fs::remove_file(&out).unwrap();
+    let (ok, text) = run("16K", &["--vae-use-tiling", "--tile-sample-min-size", "32"]);
+    assert!(!ok && text.contains("the whole output is assembled on one rank"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.starts_with("error:")).count(), 1, "{text}");
+    assert!(!out.exists());
+}

@@ -44,6 +44,34 @@ impl<'m> KlOperator<'m> {
             }
     }
 
+    /// Refuses a request whose output plus largest feature map (at full resolution: the
+    /// first encoder or last decoder level, over the whole image or one tile) cannot fit.
+    fn check_memory(&self, input: &Tensor, tiled: bool) -> Result<(), ModelError> {
+        let c = self.model.config();
+        let d = input.dims();
+        let (b, h, w) = (d[0] as u64, d[2] as u64, d[3] as u64);
+        let scale = c.spatial_scale() as u64;
+        let pixels = match self.task {
+            KlTask::Decode => h * scale * w * scale,
+            KlTask::Encode => h * w,
+        };
+        let tile = self.model.tiling().tile_sample_min_size as u64;
+        let map_pixels = if tiled { pixels.min(tile * tile) } else { pixels };
+        let (output, widest, advice) = match self.task {
+            KlTask::Decode => (
+                b * c.out_channels as u64 * pixels * 4,
+                *c.decoder_block_out_channels.first().unwrap_or(&0) as u64,
+                "decode with tiles (--vae-use-tiling)",
+            ),
+            KlTask::Encode => (
+                b * 2 * c.latent_channels as u64 * (pixels / (scale * scale)) * 4,
+                *c.block_out_channels.first().unwrap_or(&0) as u64,
+                "encode with tiles (--vae-use-tiling)",
+            ),
+        };
+        crate::checks::ensure_fits(output, b * widest * map_pixels * 4, advice)
+    }
+
     fn layout(&self, h: usize, w: usize) -> Result<TileLayout2d, ModelError> {
         let tiling = self.model.tiling();
         let levels = self.model.config().levels() as u32;
@@ -66,7 +94,9 @@ impl TileOperator for KlOperator<'_> {
             KlTask::Encode => self.model.check_image(input)?,
         }
         let (h, w) = (input.dims()[2], input.dims()[3]);
-        if !self.tiled(input) {
+        let tiled = self.tiled(input);
+        self.check_memory(input, tiled)?;
+        if !tiled {
             return Ok(untiled_plan([2, 3], [h, w]));
         }
         Ok(tiled_plan([2, 3], &self.layout(h, w)?))

@@ -17,6 +17,17 @@ use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
+/// Over what a request's largest feature map extends, for [`WanVae::check_memory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MapExtent {
+    /// The whole frame.
+    Whole,
+    /// One tile.
+    Tile,
+    /// Bands of a spatial shard, over however many ranks: the output alone is counted.
+    Banded,
+}
+
 /// The two diffusers classes this module loads; they share the decoder and differ in policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VideoVaeClass {
@@ -292,6 +303,48 @@ impl WanVae {
             )));
         }
         crate::checks::check_finite(z, "latent")
+    }
+
+    /// Refuses a request whose output plus largest feature map cannot fit (see
+    /// [`crate::checks::ensure_fits`]): decode produces `1 + (T - 1)·2^k` frames at full
+    /// resolution, its last level holding `decoder_base_dim · dim_mult[0]` channels over the
+    /// whole frame or one tile (a shard's bands are not counted); encode's first level holds `base_dim`
+    /// channels over the frame or tile.
+    pub(super) fn check_memory(&self, decode: bool, dims: &[usize], map: MapExtent) -> Result<()> {
+        if dims.len() != 5 {
+            return Ok(()); // the shape check names the problem
+        }
+        let c = &self.config;
+        let (b, t, h, w) = (dims[0] as u64, dims[2] as u64, dims[3] as u64, dims[4] as u64);
+        let scale = c.scale_factor_spatial.unwrap_or(8) as u64;
+        let p = self.patch() as u64;
+        let first = *c.dim_mult.first().unwrap_or(&1) as u64;
+        let (output, map_bytes, advice) = if decode {
+            let ups = c.temperal_downsample.iter().filter(|&&x| x).count() as u32;
+            let frames = 1 + t.saturating_sub(1) * (1u64 << ups);
+            let full = h * scale * w * scale;
+            let output = b * c.out_channels as u64 / (p * p).max(1) * frames * full * 4;
+            let pixels = match map {
+                MapExtent::Whole => full,
+                MapExtent::Tile => {
+                    full.min((self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64)
+                }
+                MapExtent::Banded => 0,
+            } / (p * p);
+            let channels = c.decoder_base_dim.unwrap_or(c.base_dim) as u64 * first;
+            (output, b * channels * pixels * 4, "decode with tiles or a spatial shard")
+        } else {
+            let pixels = match map {
+                MapExtent::Tile => {
+                    (h * w).min((self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64)
+                }
+                _ => h * w,
+            } / (p * p);
+            let latent_frames = 1 + t.saturating_sub(1) / 4;
+            let output = b * 2 * c.z_dim as u64 * latent_frames * (h / scale) * (w / scale) * 4;
+            (output, b * c.base_dim as u64 * pixels * 4, "encode with tiles")
+        };
+        crate::checks::ensure_fits(output, map_bytes, advice)
     }
 
     /// The per-frame causal decode with a fresh cache, unclamped (a tile of `tiled_decode`).

@@ -8,7 +8,7 @@ use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan};
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{VideoVaeClass, WanVae};
+use super::model::{MapExtent, VideoVaeClass, WanVae};
 
 /// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
 /// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
@@ -33,7 +33,9 @@ impl TileOperator for WanDecodeOperator<'_> {
         self.model.check_latent(z)?;
         let (h, w) = (z.dims()[3], z.dims()[4]);
         let tiling = self.model.tiling();
-        if !(self.use_tiling && tiling.needs_tiling_decode(h, w)?) {
+        let tiled = self.use_tiling && tiling.needs_tiling_decode(h, w)?;
+        self.model.check_memory(true, z.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })?;
+        if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
         }
         Ok(tiled_plan([3, 4], &tiling.decode_layout(h, w)?))
@@ -87,7 +89,9 @@ impl TileOperator for WanEncodeOperator<'_> {
         let p = self.model.patch();
         let (h, w) = (x.dims()[3] / p, x.dims()[4] / p);
         let tiling = self.model.tiling();
-        if !(self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4])) {
+        let tiled = self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4]);
+        self.model.check_memory(false, x.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })?;
+        if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
         }
         // Every stride-2 resample maps n to n / 2 (a final partial row is dropped).
@@ -133,6 +137,7 @@ impl<'m> WanShardDecodeOperator<'m> {
 impl ShardOperator for WanShardDecodeOperator<'_> {
     fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
         self.model.check_latent(z)?;
+        self.model.check_memory(true, z.dims(), MapExtent::Banded)?;
         Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis) })
     }
 

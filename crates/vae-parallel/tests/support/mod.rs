@@ -8,7 +8,16 @@ use std::process::Command;
 
 /// Runs `vae-parallel` with `args`: whether it succeeded, and its stdout then stderr.
 pub fn cli(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel")).args(args).output().expect("run vae-parallel");
+    cli_with_env(args, &[])
+}
+
+/// [`cli`] with extra environment variables.
+pub fn cli_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run vae-parallel");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
 }
