@@ -67,6 +67,12 @@ pub(super) fn accept(
     deadline: Instant,
 ) -> Result<Opening> {
     let Some(secret) = secret else {
+        // Without a secret, a Unix socket admits only processes of this rank's own user.
+        if let (Some(peer), Some(own)) = (stream.peer_uid(), Stream::own_uid())
+            && peer != own
+        {
+            return Ok(Opening::Dropped(format!("a process of user {peer}, not of this group's user {own}")));
+        }
         return Ok(match read_frame_by(stream, deadline) {
             Ok(frame) => Opening::Hello { kind: frame.kind, payload: frame.payload.to_vec() },
             Err(e) => Opening::Dropped(e.to_string()),

@@ -180,6 +180,41 @@ enum Stream {
 }
 
 impl Stream {
+    /// The user id of the process at the other end of a Unix socket (Linux `SO_PEERCRED`);
+    /// `None` for TCP or where the system cannot tell.
+    fn peer_uid(&self) -> Option<u32> {
+        #[cfg(target_os = "linux")]
+        if let Self::Unix(s) = self {
+            use std::os::fd::AsRawFd;
+            let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+            let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+            // SAFETY: `cred` and `len` are valid for writes of the size `len` says, and the
+            // descriptor is this open socket's.
+            let rc = unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_PEERCRED,
+                    (&mut cred as *mut libc::ucred).cast(),
+                    &mut len,
+                )
+            };
+            return (rc == 0).then_some(cred.uid);
+        }
+        None
+    }
+
+    /// This process's effective user id (Linux); `None` elsewhere.
+    fn own_uid() -> Option<u32> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: `geteuid` takes nothing and cannot fail.
+            return Some(unsafe { libc::geteuid() });
+        }
+        #[allow(unreachable_code)]
+        None
+    }
+
     fn try_clone(&self) -> io::Result<Self> {
         Ok(match self {
             Self::Tcp(s) => Self::Tcp(s.try_clone()?),
@@ -868,6 +903,19 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_unix_peer_is_known_by_its_user() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let stream = Stream::Unix(a);
+        if cfg!(target_os = "linux") {
+            assert!(stream.peer_uid().is_some());
+            assert_eq!(stream.peer_uid(), Stream::own_uid());
+        }
+        let tcp = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = Stream::Tcp(TcpStream::connect(tcp.local_addr().unwrap()).unwrap());
+        assert_eq!(client.peer_uid(), None, "TCP carries no user");
+    }
 
     #[test]
     fn a_timed_out_rendezvous_says_so() {
