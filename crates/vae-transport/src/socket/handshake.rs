@@ -9,10 +9,8 @@
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
 
-use super::{
-    KIND_AUTH_CHALLENGE, KIND_AUTH_RESPONSE, KIND_REJECT, PROTOCOL_VERSION, RawFrame, Stream, read_control_frame,
-    write_frame,
-};
+use super::stream::{RawFrame, Stream, read_control_frame, write_frame};
+use super::{KIND_AUTH_CHALLENGE, KIND_AUTH_RESPONSE, KIND_REJECT, PROTOCOL_VERSION};
 use crate::auth::{self, GroupSecret, LEN};
 use crate::{Result, TransportError};
 
