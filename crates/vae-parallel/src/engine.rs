@@ -131,12 +131,6 @@ impl Engine {
         if self.cpu_bf16 { vae_tensor::DType::BF16 } else { self.model.dtype() }
     }
 
-    /// Changes the tile geometry as diffusers' `enable_tiling` would (see
-    /// [`LoadedVae::enable_tiling`]).
-    pub fn set_tiling(&mut self, tiling: &TileOverrides) -> Result<(), EngineError> {
-        Ok(self.model.enable_tiling(tiling)?)
-    }
-
     /// The model directory.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -134,7 +134,8 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
     let secret = vae_transport::GroupSecret::generate().map_err(|e| GroupError::Config(e.to_string()))?;
     let mut children: Vec<Child> = Vec::with_capacity(ranks);
     for rank in 0..ranks {
-        let spawned = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        let spawned = die_with_parent(&mut command)
             .args(args)
             .env(ENV_RANK, rank.to_string())
             .env(ENV_WORLD_SIZE, ranks.to_string())
@@ -142,7 +143,6 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
             .env(vae_transport::auth::ENV_GROUP_SECRET, secret.to_hex())
             .env_remove(vae_transport::auth::ENV_GROUP_SECRET_FILE)
             .env(ENV_SUPERVISED, "1")
-            .die_with_parent()
             .spawn();
         match spawned {
             Ok(child) => children.push(child),
@@ -161,38 +161,30 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
     Ok(GroupExit { statuses, interrupted })
 }
 
-/// A rank process ends with the supervisor: killed by the kernel when the supervisor dies,
-/// however it dies (Linux's parent-death signal).
-trait DieWithParent {
-    fn die_with_parent(&mut self) -> &mut Self;
-}
-
-impl DieWithParent for Command {
+/// Makes the process `cmd` starts end with the supervisor: killed by the kernel when the
+/// supervisor dies, however it dies (Linux's parent-death signal; elsewhere nothing).
+fn die_with_parent(cmd: &mut Command) -> &mut Command {
     #[cfg(target_os = "linux")]
-    fn die_with_parent(&mut self) -> &mut Self {
+    {
         use std::os::unix::process::CommandExt;
         let parent = std::process::id();
-        // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls are
-        // allowed: `prctl` and `getppid` are system calls that take and return plain integers and
-        // touch no memory of the parent.
+        // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls
+        // are allowed: `prctl` and `getppid` are system calls on plain integers, and neither
+        // error below allocates.
         unsafe {
-            self.pre_exec(move || {
+            cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                // The supervisor may have died before the call: then nobody will signal us.
+                // The supervisor may have died before the call: then nobody would signal us.
                 if libc::getppid() as u32 != parent {
-                    return Err(std::io::Error::other("the supervisor exited before the rank started"));
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
                 }
                 Ok(())
-            })
+            });
         }
     }
-
-    #[cfg(not(target_os = "linux"))]
-    fn die_with_parent(&mut self) -> &mut Self {
-        self
-    }
+    cmd
 }
 
 fn supervise(mut children: Vec<Child>, grace: Duration) -> (Vec<Option<ExitStatus>>, bool) {

@@ -71,16 +71,6 @@ impl Staged {
         Ok(())
     }
 
-    /// The targets staged so far.
-    pub fn targets(&self) -> impl Iterator<Item = &Path> {
-        self.files.iter().map(|(_, t)| t.as_path())
-    }
-
-    /// Whether nothing is staged.
-    pub fn is_empty(&self) -> bool {
-        self.files.is_empty()
-    }
-
     /// Puts every staged file in place. On an error the targets are as they were before the
     /// call (replaced ones restored, new ones removed) and the error names the target that
     /// failed.

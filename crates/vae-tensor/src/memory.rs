@@ -267,9 +267,57 @@ impl fmt::Debug for Buffer {
     }
 }
 
+/// Caps the memory a request may plan for on this machine (bytes, or with a `K`, `M`, `G` or
+/// `T` suffix, powers of 1024): the lower of it and the memory the system has available.
+pub const ENV_MEMORY_LIMIT: &str = "VAE_MEMORY_LIMIT";
+
+/// Host bytes a request may plan for: the system's available memory (Linux `MemAvailable`) or
+/// [`ENV_MEMORY_LIMIT`], whichever is lower; `None` when neither is known.
+pub fn available_host_bytes() -> Option<u64> {
+    let system = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    let limit = std::env::var(ENV_MEMORY_LIMIT).ok().and_then(|v| parse_bytes(&v));
+    match (system, limit) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `123`, `64K`, `8G`, `1.5T` (powers of 1024).
+fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (number, unit) = match text.char_indices().last()? {
+        (i, c) if c.is_ascii_alphabetic() => (&text[..i], c.to_ascii_uppercase()),
+        _ => (text, 'B'),
+    };
+    let scale: f64 = match unit {
+        'B' => 1.0,
+        'K' => 1024.0,
+        'M' => 1024.0 * 1024.0,
+        'G' => 1024.0 * 1024.0 * 1024.0,
+        'T' => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    let value: f64 = number.trim().parse().ok()?;
+    (value.is_finite() && value >= 0.0).then_some((value * scale) as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_bytes("123"), Some(123));
+        assert_eq!(parse_bytes("64k"), Some(64 << 10));
+        assert_eq!(parse_bytes("8G"), Some(8 << 30));
+        assert_eq!(parse_bytes(" 1.5T "), Some(3 << 39));
+        for bad in ["", "G", "-1G", "12X", "one"] {
+            assert_eq!(parse_bytes(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn charges_and_releases_on_the_allocating_thread() {

@@ -82,24 +82,25 @@ impl GroupSecret {
         }
     }
 
-    /// HMAC-SHA256 of `parts` (each length-prefixed, so no two splits of the same bytes agree).
-    pub(crate) fn tag(&self, parts: &[&[u8]]) -> [u8; LEN] {
+    /// The HMAC-SHA256 state after `parts`, each length-prefixed (so no two splits of the same
+    /// bytes agree).
+    fn mac(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
         for part in parts {
             mac.update(&(part.len() as u64).to_le_bytes());
             mac.update(part);
         }
-        mac.finalize().into_bytes().into()
+        mac
+    }
+
+    /// The tag of `parts`.
+    pub(crate) fn tag(&self, parts: &[&[u8]]) -> [u8; LEN] {
+        self.mac(parts).finalize().into_bytes().into()
     }
 
     /// Whether `tag` is the tag of `parts` (in constant time).
     pub(crate) fn verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        for part in parts {
-            mac.update(&(part.len() as u64).to_le_bytes());
-            mac.update(part);
-        }
-        mac.verify_slice(tag).is_ok()
+        self.mac(parts).verify_slice(tag).is_ok()
     }
 }
 

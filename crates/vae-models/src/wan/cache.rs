@@ -41,11 +41,17 @@ impl<'b, 'c> Pass<'b, 'c> {
 
     /// The next layer's slot.
     pub(super) fn slot(&mut self) -> &mut Slot {
+        let at = self.advance();
+        &mut self.slots[at]
+    }
+
+    /// Moves to the next layer's slot (made on the first chunk) and returns its index.
+    fn advance(&mut self) -> usize {
         if self.next == self.slots.len() {
             self.slots.push(Slot::Empty);
         }
         self.next += 1;
-        &mut self.slots[self.next - 1]
+        self.next - 1
     }
 
     /// A causal conv fed through the cache, as every 3×3×3 conv of the decoder is.
@@ -55,11 +61,8 @@ impl<'b, 'c> Pass<'b, 'c> {
     /// halos arrived with them).
     pub(super) fn cached_conv(&mut self, conv: &CausalConv3d, x: &Tensor) -> Result<Tensor> {
         let haloed;
-        if self.next == self.slots.len() {
-            self.slots.push(Slot::Empty);
-        }
-        self.next += 1;
-        let slot = &mut self.slots[self.next - 1];
+        let at = self.advance();
+        let slot = &mut self.slots[at];
         let previous = match slot {
             Slot::Frames(t) => Some(&*t),
             _ => None,

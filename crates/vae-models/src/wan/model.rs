@@ -319,6 +319,7 @@ impl WanVae {
         let scale = c.scale_factor_spatial.unwrap_or(8) as u64;
         let p = self.patch() as u64;
         let first = *c.dim_mult.first().unwrap_or(&1) as u64;
+        let tile = (self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64;
         let (output, map_bytes, advice) = if decode {
             let ups = c.temperal_downsample.iter().filter(|&&x| x).count() as u32;
             let frames = 1 + t.saturating_sub(1) * (1u64 << ups);
@@ -326,18 +327,14 @@ impl WanVae {
             let output = b * c.out_channels as u64 / (p * p).max(1) * frames * full * 4;
             let pixels = match map {
                 MapExtent::Whole => full,
-                MapExtent::Tile => {
-                    full.min((self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64)
-                }
+                MapExtent::Tile => full.min(tile),
                 MapExtent::Banded => 0,
             } / (p * p);
             let channels = c.decoder_base_dim.unwrap_or(c.base_dim) as u64 * first;
             (output, b * channels * pixels * 4, "decode with tiles or a spatial shard")
         } else {
             let pixels = match map {
-                MapExtent::Tile => {
-                    (h * w).min((self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64)
-                }
+                MapExtent::Tile => (h * w).min(tile),
                 _ => h * w,
             } / (p * p);
             let latent_frames = 1 + t.saturating_sub(1) / 4;
