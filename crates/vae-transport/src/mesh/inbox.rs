@@ -1,7 +1,7 @@
 //! A rank's receiving side: one FIFO per peer, the peers' status, the group's first failure, and
 //! the waits on them with their deadlines and stale-frame checks.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,9 @@ pub(super) enum PeerStatus {
 pub(super) struct InboxState {
     /// One FIFO per peer: two ranks that run the same program do the operations that involve
     /// both of them in the same order, so the next frame from a peer must be the one expected.
-    queues: Vec<VecDeque<Frame>>,
+    /// Made on a peer's first frame: most ranks only ever hear from the owner and their
+    /// neighbours, and N ranks of one process must not hold N² queues.
+    queues: HashMap<usize, VecDeque<Frame>>,
     status: Vec<PeerStatus>,
     /// The first failure of any rank this rank has heard of, and when it heard.
     group_failure: Option<(usize, String)>,
@@ -36,6 +38,11 @@ pub(super) struct InboxState {
 }
 
 impl InboxState {
+    /// Whether the wait in progress (if any) is on `peer`.
+    fn is_waiting_on(&self, peer: usize) -> bool {
+        self.waiting.is_some_and(|(p, _)| p == peer)
+    }
+
     /// The first queue (lowest rank) whose front is a collective frame older than
     /// `stale_below`. Checks only the fronts that changed since the last check against the same
     /// `stale_below`, so a rank waiting on N peers in turn does O(N) checks, not O(N²).
@@ -46,10 +53,10 @@ impl InboxState {
         if self.checked_below != stale_below {
             self.checked_below = stale_below;
             self.unchecked.clear();
-            return self.queues.iter().position(is_stale);
+            return self.queues.iter().filter(|(_, q)| is_stale(q)).map(|(peer, _)| *peer).min();
         }
         let queues = &self.queues;
-        let found = self.unchecked.iter().copied().filter(|&q| is_stale(&queues[q])).min();
+        let found = self.unchecked.iter().copied().filter(|q| queues.get(q).is_some_and(is_stale)).min();
         self.unchecked.clear();
         found
     }
@@ -66,7 +73,7 @@ impl Inbox {
     pub(crate) fn new(size: usize) -> Self {
         Self {
             state: Mutex::new(InboxState {
-                queues: (0..size).map(|_| VecDeque::new()).collect(),
+                queues: HashMap::new(),
                 status: vec![PeerStatus::Alive; size],
                 group_failure: None,
                 failure_seen: None,
@@ -93,7 +100,7 @@ impl Inbox {
             }
             None => false,
         };
-        let queue = &mut state.queues[from];
+        let queue = state.queues.entry(from).or_default();
         let new_front = queue.is_empty();
         queue.push_back(frame);
         if new_front {
@@ -110,10 +117,23 @@ impl Inbox {
     /// consumed. Waits on ranks still alive go on — they either send, or give up and say so —
     /// which keeps a collective that every rank did complete from failing on some ranks.
     pub(crate) fn peer_failed(&self, from: usize, failed_rank: usize, reason: String) {
+        self.mark_failed(from, failed_rank, reason, false);
+    }
+
+    /// This rank (`me`) gives up: its own wait, whatever peer it is on, ends now.
+    pub(super) fn own_failure(&self, me: usize, reason: String) {
+        self.mark_failed(me, me, reason, true);
+    }
+
+    fn mark_failed(&self, from: usize, failed_rank: usize, reason: String, always_wake: bool) {
         let mut state = self.lock();
+        // The waiter cares about its own peer, and about the first failure (which starts its
+        // grace); later reports wake nobody, so N ranks giving up cost O(N) wake-ups, not N².
+        let mut wake = always_wake || state.is_waiting_on(from);
         if state.group_failure.is_none() {
             state.group_failure = Some((failed_rank, reason));
             state.failure_seen = Some(Instant::now());
+            wake = true;
         }
         // Only the reporter is known to send nothing more: everything it sent before the report
         // is already queued (one ordered link per peer). The rank it names may be alive with
@@ -123,7 +143,9 @@ impl Inbox {
             *status = PeerStatus::Failed;
         }
         drop(state);
-        self.arrived.notify_all();
+        if wake {
+            self.arrived.notify_all();
+        }
     }
 
     /// Why a send to `peer` failed, if this rank learns it within `grace`: a write error to a
@@ -138,21 +160,25 @@ impl Inbox {
     ) -> Option<TransportError> {
         let deadline = Instant::now() + grace;
         let mut state = self.lock();
-        loop {
+        // Woken by news of `peer` only (a stale_below of 0 makes no frame stale).
+        state.waiting = Some((peer, 0));
+        let found = loop {
             match state.status[peer] {
                 PeerStatus::Failed => {
                     let (rank, reason) = state.group_failure.clone().unwrap_or((peer, "failed".into()));
-                    return Some(TransportError::PeerFailed { rank, reason });
+                    break Some(TransportError::PeerFailed { rank, reason });
                 }
-                PeerStatus::Left => return Some(TransportError::PeerLeft { rank: peer, waiting: me, op }),
+                PeerStatus::Left => break Some(TransportError::PeerLeft { rank: peer, waiting: me, op }),
                 PeerStatus::Alive => {}
             }
             let now = Instant::now();
             if now >= deadline {
-                return None;
+                break None;
             }
             state = self.arrived.wait_timeout(state, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        };
+        state.waiting = None;
+        found
     }
 
     /// `rank` left cleanly: waits on it fail once its queued frames are consumed.
@@ -161,8 +187,13 @@ impl Inbox {
         if state.status[rank] == PeerStatus::Alive {
             state.status[rank] = PeerStatus::Left;
         }
+        // Only a wait on that rank can end by it (every rank leaving at the end of a run must
+        // not wake every waiter N times).
+        let wake = state.is_waiting_on(rank);
         drop(state);
-        self.arrived.notify_all();
+        if wake {
+            self.arrived.notify_all();
+        }
     }
 
     /// Waits for the next frame from `from`. `stale_below` is the first collective sequence
@@ -183,14 +214,15 @@ impl Inbox {
         let result = loop {
             // Frames that already arrived are still good: the peer did its part of this
             // collective before anything failed. Only a wait that cannot be satisfied fails.
-            if let Some(frame) = state.queues[from].pop_front() {
-                if !state.queues[from].is_empty() {
+            let queue = state.queues.get_mut(&from);
+            if let Some(frame) = queue.and_then(VecDeque::pop_front) {
+                if state.queues.get(&from).is_some_and(|q| !q.is_empty()) {
                     state.unchecked.push(from);
                 }
                 break Ok(frame);
             }
             if let Some(peer) = state.stale_front(stale_below) {
-                let frame = state.queues[peer].front().expect("a stale front");
+                let frame = state.queues.get(&peer).and_then(VecDeque::front).expect("a stale front");
                 break Err(TransportError::CollectiveMismatch {
                     local_rank: me,
                     rank: peer,

@@ -5,6 +5,7 @@
 //! reader thread per connection) and report peers that fail or leave; the collectives, the
 //! sequence checks, the deadlines and the poisoning live here, once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -126,8 +127,9 @@ pub(crate) trait Wire: Send + Sync {
 #[derive(Debug)]
 struct Sequence {
     collective: u64,
-    exchange_sent: Vec<u64>,
-    exchange_received: Vec<u64>,
+    /// Per-peer exchange counters, made on first use (exchanges are between neighbours).
+    exchange_sent: HashMap<usize, u64>,
+    exchange_received: HashMap<usize, u64>,
 }
 
 /// A communicator over any [`Wire`].
@@ -163,8 +165,8 @@ impl<W: Wire> MeshComm<W> {
             config,
             sequence: Mutex::new(Sequence {
                 collective: 0,
-                exchange_sent: vec![0; size],
-                exchange_received: vec![0; size],
+                exchange_sent: HashMap::new(),
+                exchange_received: HashMap::new(),
             }),
             poisoned: Mutex::new(None),
             left: AtomicBool::new(false),
@@ -262,7 +264,7 @@ impl<W: Wire> MeshComm<W> {
         drop(slot);
         tracing::debug!(rank = self.rank, reason, "aborting the group");
         // Wake this rank's own waits too (abort may come from another thread).
-        self.inbox.peer_failed(self.rank, self.rank, reason.to_string());
+        self.inbox.own_failure(self.rank, reason.to_string());
         self.wire.announce_failure(self.rank, reason);
     }
 
@@ -473,13 +475,18 @@ impl<W: Wire> MeshComm<W> {
             let tag = Header::tag_for(dtype, 0, None);
             let mut sent = 0;
             for leg in legs.iter() {
-                let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_sent[leg.peer]), tag };
+                let header =
+                    Header { kind: OpKind::Exchange, seq: next(seq.exchange_sent.entry(leg.peer).or_default()), tag };
                 self.send_to(&[leg.peer], header, leg.send)?;
                 sent += leg.send.len();
             }
             let mut received = 0;
             for leg in legs.iter_mut() {
-                let header = Header { kind: OpKind::Exchange, seq: next(&mut seq.exchange_received[leg.peer]), tag };
+                let header = Header {
+                    kind: OpKind::Exchange,
+                    seq: next(seq.exchange_received.entry(leg.peer).or_default()),
+                    tag,
+                };
                 let frame = self.recv_from(leg.peer, header, seq.collective, clock)?;
                 leg.recv.assign_concat(&[&frame.payload[..]])?;
                 received += frame.payload.len();
