@@ -5,12 +5,18 @@
 //! Every request runs the same six phases on every rank: plan (from the input alone), agree
 //! (the same input and a plan that worked, on every rank), compute this rank's share, gather
 //! to the owner, merge there, and one broadcast of the outcome (and the output, for
-//! [`OutputPlacement::AllRanks`]). Errors found before the computation are agreed: every rank
-//! returns the same one and the group stays usable.
+//! [`OutputPlacement::AllRanks`]). Errors found before the computation, and a tile that failed
+//! on any rank, are agreed: every rank returns the same one and the group stays usable.
+//!
+//! Coordination is four collectives, each rooted at the owner (a gather and a broadcast to
+//! agree, a gather of the results, a broadcast of the outcome): the owner judges and tells
+//! the others its verdict ([`verdict`]), so a request costs O(N) messages on N ranks, never
+//! the N² of every rank judging an all_gather for itself.
 
 mod report;
 mod sharded;
 mod tile;
+mod verdict;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -68,7 +74,7 @@ trait RequestStrategy {
         plan: &Self::Plan,
         local: Self::Local,
         timings: &mut PhaseTimings,
-    ) -> Result<Option<Result<Tensor, String>>, RuntimeError>;
+    ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError>;
 }
 
 /// What this rank computed, for its report.
@@ -207,12 +213,10 @@ impl DistributedVaeExecutor {
 
         // 2. Agree: the same input everywhere, and the plan worked everywhere.
         let clock = Instant::now();
-        let sizes = self.agree(input, plan.as_ref().map(S::plan_size).map_err(String::as_str))?;
+        self.agree(input, plan.as_ref().map(S::plan_size).map_err(String::as_str), S::disagreement)?;
         timings.agree = clock.elapsed();
-        if let Some(message) = S::disagreement(&sizes) {
-            return Err(RuntimeError::Inconsistent(message));
-        }
-        let plan = plan.expect("plan errors returned above");
+        // The owner's verdict already failed the request on every rank if any plan failed.
+        let plan = plan.map_err(|message| RuntimeError::Operator { stage: Stage::Split, rank, message })?;
 
         // 3. Compute this rank's share.
         let (local, work) = strategy.compute(self, input, &plan, &mut timings)?;
@@ -263,79 +267,115 @@ impl DistributedVaeExecutor {
         })
     }
 
-    /// Checks that every rank holds the same input and that the plan worked everywhere (one
-    /// all_gather of the input hash and the plan status): a split error on any rank becomes the
-    /// same error on every rank. Returns each rank's plan size, for a determinism check.
-    fn agree(&self, input: &Tensor, plan: Result<usize, &str>) -> Result<Vec<usize>, RuntimeError> {
+    /// Checks that every rank holds the same input and that the plan worked everywhere, and that
+    /// every plan has the same size (`disagreement` says when sizes show a non-deterministic
+    /// plan): each rank sends its input hash and plan status to the owner, which judges and
+    /// tells every rank, so a split error on any rank becomes the same error on every rank.
+    fn agree(
+        &self,
+        input: &Tensor,
+        plan: Result<usize, &str>,
+        disagreement: fn(&[usize]) -> Option<String>,
+    ) -> Result<(), RuntimeError> {
         let comm = self.comm.as_ref();
-        let hash = input.content_hash()?;
         let mut msg = Writer::new();
-        msg.u64(hash);
+        msg.u64(input.content_hash()?);
         match plan {
             Ok(size) => msg.u8(0).usize(size),
             Err(message) => msg.u8(1).str(message),
         };
-        let gathered = comm.all_gather(msg.as_slice())?;
-        let mut hashes = Vec::with_capacity(comm.size());
-        let mut sizes = Vec::with_capacity(comm.size());
-        let mut first_split_error = None;
-        for (r, part) in gathered.parts().enumerate() {
-            let mut rd = Reader::new(part, "input agreement");
-            hashes.push(rd.u64().map_err(inconsistent)?);
-            if rd.u8().map_err(inconsistent)? == 1 {
-                let message = rd.str().map_err(inconsistent)?;
-                first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
-            } else {
-                sizes.push(rd.usize().map_err(inconsistent)?);
-            }
-        }
-        if hashes.iter().any(|h| *h != hashes[0]) {
-            return Err(RuntimeError::InputMismatch { hashes });
-        }
-        match first_split_error {
-            Some(err) => Err(err),
-            None => Ok(sizes),
+        let gathered = comm.gather(OWNER, msg.as_slice())?;
+        let verdict = gathered.map(|parts| judge_agreement(parts.parts(), disagreement));
+        self.announce(verdict.as_ref().map(|v| v.as_ref().map(|()| &[][..])))?;
+        match verdict {
+            Some(Err(err)) => Err(err),
+            _ => Ok(()),
         }
     }
 
     /// Broadcasts the owner's merge outcome (and the output, for [`OutputPlacement::AllRanks`]).
     fn publish(
         &self,
-        merged: Option<Result<Tensor, String>>,
+        merged: Option<Result<Tensor, RuntimeError>>,
         placement: OutputPlacement,
     ) -> Result<Option<Tensor>, RuntimeError> {
-        let comm = self.comm.as_ref();
-        let mut message = Writer::new();
-        if let Some(outcome) = &merged {
-            match outcome {
-                Err(reason) => {
-                    message.u8(1).str(reason);
-                }
-                Ok(out) => {
-                    message.u8(0);
-                    if placement == OutputPlacement::AllRanks {
-                        write_tensor_header(&mut message, out.dtype(), out.dims()).bytes(out.as_bytes()?);
-                    }
-                }
-            }
+        let mut payload = Writer::new();
+        if let Some(Ok(out)) = &merged
+            && placement == OutputPlacement::AllRanks
+        {
+            write_tensor_header(&mut payload, out.dtype(), out.dims()).bytes(out.as_bytes()?);
         }
-        let mut bytes = message.into_bytes();
-        comm.broadcast(OWNER, &mut bytes)?;
+        let announced = self.announce(merged.as_ref().map(|m| m.as_ref().map(|_| payload.as_slice())))?;
+        drop(payload);
         match merged {
-            Some(Ok(out)) => Ok(Some(out)),
-            Some(Err(message)) => Err(RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message }),
+            Some(outcome) => outcome.map(Some),
+            None if placement == OutputPlacement::OwnerOnly => Ok(None),
             None => {
-                let mut rd = Reader::new(&bytes, "merge status");
-                if rd.u8()? == 1 {
-                    return Err(RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message: rd.str()? });
-                }
-                if placement == OutputPlacement::OwnerOnly {
-                    return Ok(None);
-                }
+                let mut rd = Reader::new(announced.payload(), "output");
                 let (dtype, dims) = read_tensor_header(&mut rd)?;
                 Ok(Some(Tensor::from_bytes(dtype, dims, rd.rest(), &Device::Cpu)?))
             }
         }
+    }
+
+    /// Tells every rank the owner's verdict with one broadcast: the owner passes `Some` (`Ok`
+    /// with a payload, or the agreed error every rank is to return), the others `None` and get
+    /// the payload, or the error. The owner gets nothing back: it has its verdict.
+    fn announce(&self, verdict: Option<Result<&[u8], &RuntimeError>>) -> Result<Announced, RuntimeError> {
+        let mut message = Writer::new();
+        if let Some(v) = verdict {
+            verdict::write(&mut message, v, OWNER);
+        }
+        let mut message = message.into_bytes();
+        self.comm.broadcast(OWNER, &mut message)?;
+        if verdict.is_some() {
+            return Ok(Announced { message: Vec::new() });
+        }
+        verdict::read(&message)??;
+        Ok(Announced { message })
+    }
+}
+
+/// A verdict's message as a rank other than the owner received it.
+struct Announced {
+    message: Vec<u8>,
+}
+
+impl Announced {
+    /// What came after the `Ok`.
+    fn payload(&self) -> &[u8] {
+        self.message.get(1..).unwrap_or(&[])
+    }
+}
+
+/// The owner's judgement of every rank's input hash and plan status (rank order): different
+/// inputs first, then the first rank whose plan failed, then plans of different sizes.
+fn judge_agreement<'a>(
+    parts: impl Iterator<Item = &'a [u8]>,
+    disagreement: fn(&[usize]) -> Option<String>,
+) -> Result<(), RuntimeError> {
+    let mut hashes = Vec::new();
+    let mut sizes = Vec::new();
+    let mut first_split_error = None;
+    for (r, part) in parts.enumerate() {
+        let mut rd = Reader::new(part, "input agreement");
+        hashes.push(rd.u64().map_err(inconsistent)?);
+        if rd.u8().map_err(inconsistent)? == 1 {
+            let message = rd.str().map_err(inconsistent)?;
+            first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
+        } else {
+            sizes.push(rd.usize().map_err(inconsistent)?);
+        }
+    }
+    if hashes.windows(2).any(|pair| pair[0] != pair[1]) {
+        return Err(RuntimeError::InputMismatch { hashes });
+    }
+    if let Some(err) = first_split_error {
+        return Err(err);
+    }
+    match disagreement(&sizes) {
+        Some(message) => Err(RuntimeError::Inconsistent(message)),
+        None => Ok(()),
     }
 }
 

@@ -99,7 +99,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         bands: &BandPartition,
         local: Option<Tensor>,
         timings: &mut PhaseTimings,
-    ) -> Result<Option<Result<Tensor, String>>, RuntimeError> {
+    ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
         let comm = exec.comm.as_ref();
         let clock = Instant::now();
         let mut message = Writer::new();
@@ -118,9 +118,11 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         let clock = Instant::now();
         // The owner's band moves into the assembly (no copy); other ranks drop theirs here.
         let merged = gathered.map(|parts| {
-            let own = local.ok_or_else(|| "the owner computed no band".to_string())?;
-            assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, bands)
+            local
+                .ok_or_else(|| "the owner computed no band".to_string())
+                .and_then(|own| assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, bands))
                 .and_then(|full| guarded(|| self.op.finish(full)))
+                .map_err(|message| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message })
         });
         timings.merge = clock.elapsed();
         Ok(merged)

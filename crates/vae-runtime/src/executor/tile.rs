@@ -174,8 +174,9 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         Ok((local, work))
     }
 
-    /// Tells everyone what this rank produced (or why it failed), gathers the tiles to the
-    /// owner (which keeps its own as they are) and merges them there.
+    /// Sends the owner what this rank produced (or why it failed) and its tiles' bytes, in one
+    /// gather; the owner checks that every tile came back once and merges. Its outcome, an
+    /// exec failure on any rank included, reaches every rank in the request's broadcast.
     fn collect(
         &self,
         exec: &DistributedVaeExecutor,
@@ -183,72 +184,90 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         plan: &Self::Plan,
         local: TileOutputs,
         timings: &mut PhaseTimings,
-    ) -> Result<Option<Result<Tensor, String>>, RuntimeError> {
+    ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
         let comm = exec.comm.as_ref();
         let clock = std::time::Instant::now();
-        let mut summary = Writer::new();
+        let mut message = Writer::new();
         match &local.error {
-            Some((tile_id, message)) => summary.u8(1).usize(*tile_id).str(message),
+            Some((tile_id, text)) => {
+                message.u8(1).usize(*tile_id).str(text);
+            }
             None => {
-                summary.u8(0).usize(local.outputs.len());
+                message.u8(0).usize(local.outputs.len());
                 for (tile_id, out) in &local.outputs {
-                    write_tensor_header(summary.usize(*tile_id), out.dtype(), out.dims());
+                    write_tensor_header(message.usize(*tile_id), out.dtype(), out.dims());
                 }
-                &mut summary
-            }
-        };
-        let summaries = comm.all_gather(summary.as_slice())?;
-        let mut produced: Vec<Vec<(usize, DType, Shape)>> = Vec::with_capacity(comm.size());
-        let mut first_exec_error = None;
-        for (r, part) in summaries.parts().enumerate() {
-            match decode_summary(r, part).map_err(inconsistent)? {
-                Err((tile_id, message)) => {
-                    first_exec_error.get_or_insert(RuntimeError::Operator {
-                        stage: Stage::Exec { tile_id },
-                        rank: r,
-                        message,
-                    });
-                    produced.push(Vec::new());
+                // The owner keeps its own tiles as they are; the others send their bytes.
+                if comm.rank() != OWNER {
+                    for (_, out) in &local.outputs {
+                        message.bytes(out.as_bytes()?);
+                    }
                 }
-                Ok(tiles) => produced.push(tiles),
             }
         }
-        if let Some(err) = first_exec_error {
-            return Err(err);
-        }
-        check_every_tile_once(&produced, plan.tasks.len())?;
-
         let mut outputs = local.outputs;
-        let mut payload = Vec::new();
         if comm.rank() != OWNER {
-            for (_, out) in &outputs {
-                payload.extend_from_slice(out.as_bytes()?);
-            }
             outputs.clear();
         }
-        let gathered = comm.gather(OWNER, &payload)?;
-        drop(payload);
+        let gathered = comm.gather(OWNER, message.as_slice())?;
+        drop(message);
         timings.gather = clock.elapsed();
 
         let clock = std::time::Instant::now();
         let merged = gathered.map(|parts| {
-            assemble(plan, &produced, &parts.parts().collect::<Vec<_>>(), outputs, &input.device())
+            let (produced, payloads) = read_summaries(parts.parts())?;
+            check_every_tile_once(&produced, plan.tasks.len())?;
+            let failed = |message| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message };
+            assemble(plan, &produced, &payloads, outputs, &input.device())
                 .and_then(|tiles| guarded(|| self.op.merge(tiles, &plan.grid)))
                 .and_then(|out| cast_output(out, plan.grid.output_dtype))
+                .map_err(failed)
         });
         timings.merge = clock.elapsed();
         Ok(merged)
     }
 }
 
-/// A rank's tile summary: its tiles' ids, dtypes and shapes, or the exec error it hit.
-type Summary = Result<Vec<(usize, DType, Shape)>, (usize, String)>;
+/// Every rank's tile summary (the owner's included) and the tile bytes that follow it, in rank
+/// order; the first rank that failed a tile makes the request fail with its error.
+fn read_summaries<'a>(parts: impl Iterator<Item = &'a [u8]>) -> Result<(Vec<Produced>, Vec<&'a [u8]>), RuntimeError> {
+    let mut produced = Vec::new();
+    let mut payloads = Vec::new();
+    let mut first_exec_error = None;
+    for (r, part) in parts.enumerate() {
+        let (summary, payload) = decode_summary(r, part).map_err(inconsistent)?;
+        match summary {
+            Err((tile_id, message)) => {
+                first_exec_error.get_or_insert(RuntimeError::Operator {
+                    stage: Stage::Exec { tile_id },
+                    rank: r,
+                    message,
+                });
+                produced.push(Vec::new());
+            }
+            Ok(tiles) => produced.push(tiles),
+        }
+        payloads.push(payload);
+    }
+    match first_exec_error {
+        Some(err) => Err(err),
+        None => Ok((produced, payloads)),
+    }
+}
 
-fn decode_summary(rank: usize, bytes: &[u8]) -> Result<Summary, RuntimeError> {
+/// The tiles a rank produced: their ids, dtypes and shapes.
+type Produced = Vec<(usize, DType, Shape)>;
+
+/// A rank's tile summary: the tiles it produced, or the exec error it hit.
+type Summary = Result<Produced, (usize, String)>;
+
+/// Reads a rank's summary; returns it with the bytes after it (its tiles' bytes).
+fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8]), RuntimeError> {
     let mut rd = Reader::new(bytes, "tile summary");
     if rd.u8()? == 1 {
         let tile_id = rd.usize()?;
-        return Ok(Err((tile_id, rd.str()?)));
+        let message = rd.str()?;
+        return Ok((Err((tile_id, message)), rd.rest()));
     }
     let count = rd.usize()?;
     let mut tiles = Vec::with_capacity(count.min(bytes.len()));
@@ -264,7 +283,7 @@ fn decode_summary(rank: usize, bytes: &[u8]) -> Result<Summary, RuntimeError> {
         }
         tiles.push((tile_id, dtype, shape));
     }
-    Ok(Ok(tiles))
+    Ok((Ok(tiles), rd.rest()))
 }
 
 /// Runs an operator without a group: split, execute every tile in order, merge (the ops still
@@ -294,7 +313,7 @@ pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor,
 }
 
 /// Every planned tile must come back exactly once.
-fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) -> Result<(), RuntimeError> {
+fn check_every_tile_once(produced: &[Produced], count: usize) -> Result<(), RuntimeError> {
     let mut seen = vec![false; count];
     for (r, tiles) in produced.iter().enumerate() {
         for (tile_id, _, _) in tiles {
@@ -316,7 +335,7 @@ fn check_every_tile_once(produced: &[Vec<(usize, DType, Shape)>], count: usize) 
 /// Rebuilds the owner's map of tile outputs from its own tensors and the gathered bytes.
 fn assemble<P, S>(
     plan: &TilePlan<P, S>,
-    produced: &[Vec<(usize, DType, Shape)>],
+    produced: &[Produced],
     parts: &[&[u8]],
     own: Vec<(usize, Tensor)>,
     device: &Device,
