@@ -216,6 +216,15 @@ impl Wire for SocketWire {
     }
 }
 
+/// A rank's links once their reader threads run.
+struct StartedLinks {
+    inbox: Arc<Inbox>,
+    wire: SocketWire,
+    readers: Vec<JoinHandle<()>>,
+    shutdown_handles: Vec<Stream>,
+    closing: Arc<AtomicBool>,
+}
+
 /// Stops the heartbeat threads.
 #[derive(Default)]
 struct Stop {
@@ -265,6 +274,40 @@ impl SocketComm {
             }
         }
 
+        // A link-by-link setup failure here (the host out of threads, say) is this rank's
+        // own: told to every peer with its reason, or they would see a rank leave and blame it
+        // without saying why.
+        let mut announce: Vec<Stream> = links.iter().flatten().filter_map(|s| s.try_clone().ok()).collect();
+        let told = move |err: TransportError| {
+            let mut payload = (rank as u64).to_le_bytes().to_vec();
+            payload.extend_from_slice(format!("could not join: {err}").as_bytes());
+            for stream in &mut announce {
+                let _ = write_frame(stream, KIND_ABORT, 0, 0, &payload);
+            }
+            err
+        };
+        let started = Self::start_links(options, links).map_err(told)?;
+        let inner = MeshComm::new(rank, world, "socket", started.wire, started.inbox, options.config);
+        let mut comm = Self {
+            inner,
+            closing: started.closing,
+            stop: Arc::new(Stop::default()),
+            readers: started.readers,
+            heartbeats: Vec::new(),
+            shutdown_handles: started.shutdown_handles,
+        };
+        if let Err(err) = comm.start_heartbeats(options.config.failure_timeout / 4) {
+            comm.inner.abort(&format!("could not join: {err}"));
+            return Err(err);
+        }
+        comm.inner.barrier()?;
+        tracing::debug!(rank, world, master = %options.master, "socket group connected");
+        Ok(comm)
+    }
+
+    /// Starts a reader thread per link and wraps each link's writing half.
+    fn start_links(options: &SocketOptions, links: Vec<Option<Stream>>) -> Result<StartedLinks> {
+        let (rank, world) = (options.rank, options.world_size);
         let inbox = Arc::new(Inbox::new(world));
         let buffers = Arc::new(BufferPool::default());
         let closing = Arc::new(AtomicBool::new(false));
@@ -295,18 +338,11 @@ impl SocketComm {
             let handle = std::thread::Builder::new()
                 .name(format!("vae-rank{rank}-from{peer}"))
                 .spawn(move || read_loop(&mut reader, &cx))
-                .map_err(|e| TransportError::io(Some(peer), "spawning a reader thread", &e))?;
+                .map_err(|e| thread_err("a reader thread", world, &e))?;
             readers.push(handle);
         }
-
         let wire = SocketWire { rank, writers: Arc::new(writers) };
-        let inner = MeshComm::new(rank, world, "socket", wire, inbox, options.config);
-        let stop = Arc::new(Stop::default());
-        let mut comm = Self { inner, closing, stop, readers, heartbeats: Vec::new(), shutdown_handles };
-        comm.start_heartbeats(options.config.failure_timeout / 4)?;
-        comm.inner.barrier()?;
-        tracing::debug!(rank, world, master = %options.master, "socket group connected");
-        Ok(comm)
+        Ok(StartedLinks { inbox, wire, readers, shutdown_handles, closing })
     }
 
     /// One heartbeat thread per link, so that a peer whose socket stops draining (hung) can
@@ -319,11 +355,24 @@ impl SocketComm {
             let handle = std::thread::Builder::new()
                 .name(format!("vae-rank{}-beat{peer}", self.inner.rank()))
                 .spawn(move || heartbeat_loop(&writers, peer, &stop, interval))
-                .map_err(|e| TransportError::io(None, "spawning a heartbeat thread", &e))?;
+                .map_err(|e| thread_err("a heartbeat thread", self.inner.size(), &e))?;
             self.heartbeats.push(handle);
         }
         Ok(())
     }
+}
+
+/// A thread that could not start: most often the host's limit on threads, which a socket group
+/// of N ranks on one host meets at 2·N·(N − 1) threads (a reader and a heartbeat per link).
+fn thread_err(what: &str, world: usize, err: &io::Error) -> TransportError {
+    let mut message = err.to_string();
+    if err.kind() == io::ErrorKind::WouldBlock {
+        let threads = 2 * world.saturating_sub(1);
+        message.push_str(&format!(
+            "; the host's limit on threads? each rank of a socket group runs two per peer, {threads} here"
+        ));
+    }
+    TransportError::Io { rank: None, context: format!("starting {what}"), message }
 }
 
 fn heartbeat_loop(writers: &Writers, peer: usize, stop: &Stop, interval: Duration) {
