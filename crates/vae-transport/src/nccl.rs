@@ -5,8 +5,8 @@
 //!
 //! The trait moves host bytes, so every collective stages its buffer through device memory:
 //! variable-length contributions travel as a length exchange then an equal-length (padded)
-//! collective; `gather` is an all_gather whose non-roots drop the result (NCCL has no gather);
-//! paired exchanges are grouped `ncclSend`/`ncclRecv` calls, lengths first. Device buffers skip
+//! collective; `gather` (NCCL has none) and paired exchanges are grouped `ncclSend`/`ncclRecv`
+//! calls, lengths first, so only the root of a gather receives the gathered set. Device buffers skip
 //! the staging: [`Communicator::exchange_device`] sends and receives them where they are (the
 //! shard context's halos and maps). NCCL refuses two ranks on one GPU: several ranks on one GPU
 //! use the `local` backend instead.
@@ -257,7 +257,48 @@ impl NcclComm {
         self.stream.clone_dtoh(&recv).map_err(|e| nccl_err("download", e))
     }
 
-    /// The padded all_gather behind `all_gather_bytes` and `gather_bytes`: each rank's bytes.
+    /// Paired host-buffer sends and receives (lengths first, then the payloads, grouped):
+    /// the exchanges, and the gather. Returns the bytes sent and received.
+    fn send_recv(&self, legs: &mut [PeerExchange<'_>]) -> Result<(usize, usize)> {
+        if let Some(bad) = legs.iter().find(|l| l.peer >= self.size || l.peer == self.rank) {
+            return Err(TransportError::InvalidArgument(format!(
+                "exchange with rank {} from rank {}",
+                bad.peer, self.rank
+            )));
+        }
+        let lens: Vec<usize> = self
+            .swap_words(legs.iter().map(|l| (l.peer, vec![l.send.len() as u64])).collect())?
+            .into_iter()
+            .map(|words| words[0] as usize)
+            .collect();
+        let sends: Vec<CudaSlice<u8>> =
+            legs.iter().map(|l| self.upload(l.send, l.send.len())).collect::<Result<_>>()?;
+        let mut recvs: Vec<CudaSlice<u8>> = lens
+            .iter()
+            .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
+            .collect::<Result<_>>()?;
+        self.grouped(|comm| {
+            for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
+                if !leg.send.is_empty() {
+                    comm.send(&s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
+                }
+                if n > 0 {
+                    comm.recv(&mut r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
+                }
+            }
+            Ok(())
+        })?;
+        let (mut sent, mut received) = (0, 0);
+        for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
+            let bytes = self.download(r)?;
+            leg.recv.assign_concat(&[&bytes[..n]])?;
+            sent += leg.send.len();
+            received += n;
+        }
+        Ok((sent, received))
+    }
+
+    /// The padded all_gather behind `all_gather_bytes` and `all_reduce_bytes`: each rank's bytes.
     fn gather_all(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
         let lens = self.all_gather_u64(send.len() as u64)?;
         let max = lens.iter().copied().max().unwrap_or(0) as usize;
@@ -304,12 +345,25 @@ impl Communicator for NcclComm {
             if root >= self.size {
                 return Err(TransportError::InvalidArgument(format!("gather root {root} in a group of {}", self.size)));
             }
-            let parts = self.gather_all(send)?;
+            // Point to point: each rank sends the root its bytes and the root receives N − 1
+            // parts, so nobody but the root holds (or moves) the gathered set.
             if self.rank != root {
+                let mut nothing = Vec::<u8>::new();
+                self.send_recv(&mut [PeerExchange { peer: root, send, recv: &mut nothing }])?;
                 self.stats.gather.record(send.len(), 0);
                 return Ok(None);
             }
-            self.stats.gather.record(0, parts.iter().map(Vec::len).sum::<usize>().saturating_sub(send.len()));
+            let mut parts: Vec<Vec<u8>> = vec![Vec::new(); self.size];
+            let mut legs: Vec<PeerExchange<'_>> = parts
+                .iter_mut()
+                .enumerate()
+                .filter(|(peer, _)| *peer != root)
+                .map(|(peer, part)| PeerExchange { peer, send: &[], recv: part })
+                .collect();
+            let (_, received) = self.send_recv(&mut legs)?;
+            drop(legs);
+            parts[root] = send.to_vec();
+            self.stats.gather.record(0, received);
             let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
             recv.assign_concat(&refs)?;
             Ok(Some(parts.iter().map(Vec::len).collect()))
@@ -368,42 +422,7 @@ impl Communicator for NcclComm {
 
     fn exchange_bytes(&self, _dtype: DataType, legs: &mut [PeerExchange<'_>]) -> Result<()> {
         self.run(|| {
-            if let Some(bad) = legs.iter().find(|l| l.peer >= self.size || l.peer == self.rank) {
-                return Err(TransportError::InvalidArgument(format!(
-                    "exchange with rank {} from rank {}",
-                    bad.peer, self.rank
-                )));
-            }
-            // Lengths first, then the payloads.
-            let lens: Vec<usize> = self
-                .swap_words(legs.iter().map(|l| (l.peer, vec![l.send.len() as u64])).collect())?
-                .into_iter()
-                .map(|words| words[0] as usize)
-                .collect();
-            let sends: Vec<CudaSlice<u8>> =
-                legs.iter().map(|l| self.upload(l.send, l.send.len())).collect::<Result<_>>()?;
-            let mut recvs: Vec<CudaSlice<u8>> = lens
-                .iter()
-                .map(|&n| self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| nccl_err("alloc", e)))
-                .collect::<Result<_>>()?;
-            self.grouped(|comm| {
-                for (((leg, s), r), &n) in legs.iter().zip(&sends).zip(recvs.iter_mut()).zip(&lens) {
-                    if !leg.send.is_empty() {
-                        comm.send(&s.slice(..leg.send.len()), leg.peer as i32).map_err(|e| nccl_err("send", e))?;
-                    }
-                    if n > 0 {
-                        comm.recv(&mut r.slice_mut(..n), leg.peer as i32).map_err(|e| nccl_err("recv", e))?;
-                    }
-                }
-                Ok(())
-            })?;
-            let (mut sent, mut received) = (0, 0);
-            for ((leg, r), &n) in legs.iter_mut().zip(&recvs).zip(&lens) {
-                let bytes = self.download(r)?;
-                leg.recv.assign_concat(&[&bytes[..n]])?;
-                sent += leg.send.len();
-                received += n;
-            }
+            let (sent, received) = self.send_recv(legs)?;
             self.stats.exchange.record(sent, received);
             Ok(())
         })
