@@ -221,7 +221,13 @@ fn parse_options(mut args: impl Iterator<Item = String>) -> anyhow::Result<Optio
 /// `cargo xtask bench`: the transport and failover benchmarks and the demo, then the
 /// comparison with diffusers, in release mode (or `--tabulate FILE`: that file's table).
 pub(crate) fn bench(args: impl Iterator<Item = String>) -> anyhow::Result<()> {
-    let o = parse_options(args)?;
+    let args: Vec<String> = args.collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        let names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
+        println!("{USAGE}\ncases: {}", names.join(", "));
+        return Ok(());
+    }
+    let o = parse_options(args.into_iter())?;
     let root = crate::repo_root();
     std::env::set_current_dir(&root).with_context(|| format!("entering {}", root.display()))?;
     if let Some(file) = &o.tabulate {
