@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vae_planner::{BandPartition, ShardAxis};
-use vae_tensor::{DType, Device, DeviceMemory, Shape, Tensor};
+use vae_tensor::{DType, Device, DeviceMemory, GroupExtrema, GroupMoments, GroupPartial, Shape, Tensor};
 use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
 
 use crate::RuntimeError;
@@ -67,12 +67,18 @@ pub struct ShardTraffic {
     pub map_bytes_sent: u64,
     /// Time spent in full-map gathers (assembly included).
     pub map_time: Duration,
+    /// Exchanges of GroupNorm statistics (two or three per norm).
+    pub norm_exchanges: u64,
+    /// Bytes this rank sent as GroupNorm statistics.
+    pub norm_bytes_sent: u64,
+    /// Time spent exchanging GroupNorm statistics.
+    pub norm_time: Duration,
 }
 
 impl ShardTraffic {
     /// Time spent communicating inside the computation.
     pub fn comm_time(&self) -> Duration {
-        self.halo_time + self.map_time
+        self.halo_time + self.map_time + self.norm_time
     }
 }
 
@@ -253,6 +259,71 @@ impl<'c> ShardContext<'c> {
         Ok(full)
     }
 
+    /// GroupNorm (then SiLU, if `silu`) of the whole map of which `x` is this rank's band, on
+    /// this band: the statistics are the whole map's, exchanged between the ranks taking part
+    /// ([`GroupMoments::compute`]: fixed-point sums, so the result is bit-identical to
+    /// [`Tensor::group_norm`] of the whole map, whatever the bands). CPU tensors only.
+    ///
+    /// Every rank taking part must call it at the same point with the same parameters.
+    pub fn group_norm(
+        &mut self,
+        x: &Tensor,
+        num_groups: usize,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+        silu: bool,
+    ) -> Result<Tensor, RuntimeError> {
+        let dim = self.dim(x)?;
+        let scale = self.scale_of(x)?;
+        let local = x.group_len(num_groups)?;
+        let count = if x.dims()[dim] == 0 { 0 } else { local / x.dims()[dim] * self.bands.extent() * scale };
+        let moments = GroupMoments::compute(x, num_groups, eps, count as u64, |own| self.merge_partials(own))?;
+        Ok(x.group_norm_with(num_groups, weight, bias, &moments, silu)?)
+    }
+
+    /// Sends this rank's partial statistics to every other rank taking part and merges
+    /// everyone's (exact, so the order does not matter; rank order is kept anyway).
+    fn merge_partials(&mut self, own: Vec<GroupPartial>) -> Result<Vec<GroupPartial>, RuntimeError> {
+        let clock = Instant::now();
+        let mut message = Vec::with_capacity(own.len() * 24);
+        for p in &own {
+            message.extend_from_slice(&p.extrema.min.to_le_bytes());
+            message.extend_from_slice(&p.extrema.max.to_le_bytes());
+            message.extend_from_slice(&p.sum.to_le_bytes());
+        }
+        let peers: Vec<usize> = (0..self.ranks()).filter(|&r| r != self.rank).collect();
+        let mut received: Vec<Vec<u8>> = vec![Vec::new(); peers.len()];
+        {
+            let mut legs: Vec<PeerExchange<'_>> = peers
+                .iter()
+                .zip(received.iter_mut())
+                .map(|(&peer, recv)| PeerExchange { peer, send: &message, recv })
+                .collect();
+            self.comm.exchange_bytes(vae_transport::DataType::U8, &mut legs)?;
+        }
+        let mut merged = own;
+        for (peer, bytes) in peers.iter().zip(&received) {
+            if bytes.len() != message.len() {
+                return Err(RuntimeError::Protocol(format!(
+                    "rank {}: {} bytes of GroupNorm statistics from rank {peer}, expected {}",
+                    self.rank,
+                    bytes.len(),
+                    message.len()
+                )));
+            }
+            for (m, chunk) in merged.iter_mut().zip(bytes.chunks_exact(24)) {
+                let f = |at: usize| f32::from_le_bytes(chunk[at..at + 4].try_into().expect("4 bytes"));
+                let sum = i128::from_le_bytes(chunk[8..24].try_into().expect("16 bytes"));
+                *m = m.merge(GroupPartial { extrema: GroupExtrema { min: f(0), max: f(4) }, sum });
+            }
+        }
+        self.traffic.norm_exchanges += 1;
+        self.traffic.norm_bytes_sent += (message.len() * peers.len()) as u64;
+        self.traffic.norm_time += clock.elapsed();
+        Ok(merged)
+    }
+
     /// This rank's band of a whole map (the inverse of [`Self::all_gather_map`]).
     pub fn own_band(&self, full: &Tensor) -> Result<Tensor, RuntimeError> {
         let dim = self.dim(full)?;
@@ -398,6 +469,43 @@ mod tests {
         let map = ctx.all_gather_map(&band).unwrap();
         assert!(map.bit_eq(&global), "rank {rank}: the gathered map is the global one");
         (padded, map, ctx.traffic())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// The distributed GroupNorm of bands, on any number of ranks and along either axis,
+        /// is the whole map's GroupNorm bit for bit.
+        #[test]
+        fn a_banded_group_norm_is_the_whole_maps(
+            ranks in 1usize..5, groups in 1usize..4, per_group in 1usize..3, n in 1usize..3,
+            h in 4usize..14, w in 4usize..14, seed in 0u64..1000, width in proptest::prelude::any::<bool>(),
+            big in proptest::prelude::any::<bool>(),
+        ) {
+            let c = groups * per_group;
+            let (lo, hi) = if big { (-4e4, 1e5) } else { (-1.0, 3.0) };
+            let map = Tensor::seeded_uniform(vec![n, c, h, w], seed, lo, hi, &Device::Cpu).unwrap();
+            let gamma = Tensor::seeded_uniform(vec![c], seed + 1, 0.5, 1.5, &Device::Cpu).unwrap();
+            let beta = Tensor::seeded_uniform(vec![c], seed + 2, -0.5, 0.5, &Device::Cpu).unwrap();
+            let whole = map.group_norm_silu(groups, &gamma, &beta, 1e-6).unwrap();
+            let (axis, extent, dim) = if width { (ShardAxis::Width, w, 3) } else { (ShardAxis::Height, h, 2) };
+            let ranks = ranks.min(extent);
+            let bands = BandPartition::new(extent, ranks, 1).unwrap();
+            let results = run_local(ranks, TransportConfig::default(), |comm| {
+                let rank = comm.rank();
+                let mut ctx = ShardContext::new(&comm, axis, bands.clone(), rank);
+                let band = ctx.local_input(&map).unwrap();
+                (ctx.group_norm(&band, groups, &gamma, &beta, 1e-6, true).unwrap(), ctx.traffic())
+            })
+            .unwrap();
+            for (rank, result) in results.into_iter().enumerate() {
+                let (got, traffic) = result.unwrap();
+                let range = bands.bands()[rank].clone();
+                let want = whole.narrow(dim, range.start, range.len()).unwrap();
+                proptest::prop_assert!(got.bit_eq(&want), "rank {} of {}", rank, ranks);
+                // Sums, squares, and the sums again where values pass the fixed range.
+                proptest::prop_assert_eq!(traffic.norm_exchanges, if big { 3 } else { 2 });
+            }
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub(crate) mod bf16;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
+pub(crate) mod group_stats;
 pub(crate) mod lanes;
 pub(crate) mod layout;
 pub(crate) mod linalg;

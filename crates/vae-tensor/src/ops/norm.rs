@@ -4,7 +4,8 @@ use rayon::prelude::*;
 
 use crate::backend::DeviceNorm;
 use crate::memory::Buffer;
-use crate::ops::lanes::{self, LaneMap, Lanes, Reduce16, WideLanes};
+use crate::ops::group_stats::GroupMoments;
+use crate::ops::lanes::{self, LaneMap, Lanes, WideLanes};
 use crate::{Result, Tensor, TensorError};
 
 crate::ops::simd::isa_kernel! {
@@ -14,27 +15,22 @@ crate::ops::simd::isa_kernel! {
         dst: &mut [f32],
         params: (&[f32], &[f32]),
         spatial: usize,
-        eps: f32,
+        moments: GroupMoments,
         silu: bool,
     ) = normalize_group;
 }
 
-/// The group's mean, then its biased variance around it (two passes, f64 sums in an order
-/// that does not depend on the vector width), then `(x − mean) · (γ / √(var + eps)) + β`
-/// evaluated in f64 and rounded once per element, then the optional SiLU in f32.
+/// `(x − mean) · (γ · rstd) + β` evaluated in f64 and rounded once per element, then the
+/// optional SiLU in f32.
 #[inline(always)]
 fn normalize_group<S: Lanes>(
     x: &[f32],
     dst: &mut [f32],
     (gamma, beta): (&[f32], &[f32]),
     spatial: usize,
-    eps: f32,
+    GroupMoments { mean, rstd }: GroupMoments,
     silu: bool,
 ) {
-    let n = x.len() as f64;
-    let mean = Reduce16::<S>::new().sum(x) / n;
-    let squares = Reduce16::<S>::new().sum_sq_dev(x, mean);
-    let rstd = 1.0 / (squares / n + eps as f64).sqrt();
     for (j, (dst, x)) in dst.chunks_exact_mut(spatial).zip(x.chunks_exact(spatial)).enumerate() {
         let op = Normalize::<S> {
             mean: S::Wide::splat(mean),
@@ -71,11 +67,14 @@ impl Tensor {
     /// biased variance over the group's channels and positions, then
     /// `y = (x − mean) / sqrt(var + eps) · weight[c] + bias[c]`.
     ///
-    /// Statistics are two-pass sums in f64, so they do not lose precision on large groups (a
-    /// 512-channel 1024x1024 VAE activation has 16 M elements per group), and each output is
-    /// evaluated in f64 and rounded once, which keeps it within about one f32 ulp of the exact
-    /// result. Vectorised, with the same bits on every instruction set. (PyTorch's kernels compute `x · a + (beta − mean · a)` in f32, whose error grows
-    /// with `|mean| / std`; this implementation is never further from exact than they are.)
+    /// Statistics are exact two-pass sums in fixed point ([`GroupMoments`]), so they do not
+    /// lose precision on large groups (a 512-channel 1024x1024 VAE activation has 16 M
+    /// elements per group) and do not depend on how the group is split (a sharded decode
+    /// computes the same ones from its bands); each output is evaluated in f64 and rounded
+    /// once, which keeps it within about one f32 ulp of the exact result. Vectorised, with the
+    /// same bits on every instruction set. (PyTorch's kernels compute
+    /// `x · a + (beta − mean · a)` in f32, whose error grows with `|mean| / std`; this
+    /// implementation is never further from exact than they are.)
     pub fn group_norm(&self, num_groups: usize, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
         let _profile = crate::profile::Scope::new("group_norm");
         self.group_norm_then(num_groups, weight, bias, eps, false)
@@ -97,31 +96,62 @@ impl Tensor {
         eps: f32,
         silu: bool,
     ) -> Result<Tensor> {
+        self.check_group_norm(num_groups, weight, bias)?;
+        let (c, spatial) = (self.dims()[1], self.dims()[2..].iter().product());
+        if let (Some(x), Some(g), Some(b)) = (self.cuda(), weight.cuda(), bias.cuda()) {
+            let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps, silu)?;
+            return Ok(Tensor::from_cuda(out, self.shape().clone()));
+        }
+        let moments = GroupMoments::local(self, num_groups, eps)?;
+        self.normalize_groups(num_groups, weight, bias, &moments, silu)
+    }
+
+    /// GroupNorm (then SiLU, if `silu`) with given statistics, one [`GroupMoments`] per
+    /// (sample, group), sample-major: the last step of [`Tensor::group_norm`], for a caller that
+    /// computed the statistics over more than this tensor (a band of a sharded map). CPU only.
+    pub fn group_norm_with(
+        &self,
+        num_groups: usize,
+        weight: &Tensor,
+        bias: &Tensor,
+        moments: &[GroupMoments],
+        silu: bool,
+    ) -> Result<Tensor> {
+        let _profile = crate::profile::Scope::new("group_norm");
+        self.check_group_norm(num_groups, weight, bias)?;
+        let want = self.dims()[0] * num_groups;
+        if moments.len() != want {
+            return Err(TensorError::InvalidArgument {
+                op: "group_norm",
+                reason: format!("{} statistics for {want} (sample, group) pairs", moments.len()),
+            });
+        }
+        self.normalize_groups(num_groups, weight, bias, moments, silu)
+    }
+
+    /// `[N, C, *]` with `C` a multiple of `num_groups`, and per-channel parameters on its device.
+    fn check_group_norm(&self, num_groups: usize, weight: &Tensor, bias: &Tensor) -> Result<()> {
         const OP: &str = "group_norm";
-        if self.rank() < 2 {
-            return Err(TensorError::InvalidArgument {
-                op: OP,
-                reason: format!("needs [N, C, *], got {}", self.shape()),
-            });
-        }
-        let c = self.dims()[1];
-        if num_groups == 0 || !c.is_multiple_of(num_groups) {
-            return Err(TensorError::InvalidArgument {
-                op: OP,
-                reason: format!("{c} channels do not divide into {num_groups} groups"),
-            });
-        }
+        let c = self.group_geometry(OP, num_groups).map(|_| self.dims()[1])?;
         for p in [weight, bias] {
             self.check_same_device(OP, p)?;
             if p.dims() != [c] {
                 return Err(TensorError::ShapeMismatch { op: OP, lhs: self.shape().clone(), rhs: p.shape().clone() });
             }
         }
+        Ok(())
+    }
+
+    fn normalize_groups(
+        &self,
+        num_groups: usize,
+        weight: &Tensor,
+        bias: &Tensor,
+        moments: &[GroupMoments],
+        silu: bool,
+    ) -> Result<Tensor> {
+        let c = self.dims()[1];
         let spatial: usize = self.dims()[2..].iter().product();
-        if let (Some(x), Some(g), Some(b)) = (self.cuda(), weight.cuda(), bias.cuda()) {
-            let out = x.group_norm(g, b, [self.dims()[0], c, spatial], num_groups, eps, silu)?;
-            return Ok(Tensor::from_cuda(out, self.shape().clone()));
-        }
         let per_group = c / num_groups;
         let group_len = per_group * spatial;
         let (gamma, beta) = (weight.as_slice_f32()?, bias.as_slice_f32()?);
@@ -133,7 +163,7 @@ impl Tensor {
                 |(i, (dst, x))| {
                     let c0 = (i % num_groups) * per_group;
                     let params = (&gamma[c0..c0 + per_group], &beta[c0..c0 + per_group]);
-                    group_kernel(isa, x, dst, params, spatial, eps, silu);
+                    group_kernel(isa, x, dst, params, spatial, moments[i], silu);
                 },
             );
         }

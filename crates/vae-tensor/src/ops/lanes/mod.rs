@@ -1,11 +1,12 @@
 //! Vectors of f32 (and f64) lanes with the operations the CPU kernels need, for each
-//! instruction set, and the math built on them once ([`exp`], [`silu`], [`Reduce16`]).
+//! instruction set, and the math built on them once ([`exp`], [`silu`]).
 //!
 //! Kernels are written once, generically over [`Lanes`], and instantiated inside a
 //! `#[target_feature]` function per instruction set (see [`crate::ops::simd`]), so every
 //! operation inlines to one instruction. Each lane sees the same operations in the same order on
-//! every path, fused multiply-adds included, so the paths agree bit for bit; reductions go
-//! through [`Reduce16`], whose order does not depend on the vector width.
+//! every path, fused multiply-adds included, so the paths agree bit for bit. (Reductions that
+//! must not depend on the vector width, or on how a map is split, are exact: see
+//! `ops::group_stats`.)
 //!
 //! The x86 lane types are only ever built inside those `#[target_feature]` kernels, which run
 //! only where [`crate::ops::simd::Isa::supported`] confirmed the features: that is what makes
@@ -184,69 +185,6 @@ pub(crate) fn map<S: Lanes, F: LaneMap<S>>(src: &[f32], dst: &mut [f32], f: &F) 
         // SAFETY: `buf` holds 16 ≥ L values.
         unsafe { f.apply(S::load(buf.as_ptr())).store(buf.as_mut_ptr()) };
         dst[full..].copy_from_slice(&buf[..rest]);
-    }
-}
-
-/// A sum in f64 of f32 values whose order does not depend on the vector width: element `i` goes
-/// to partial sum `i mod 16`, and the 16 partials are added in order at the end.
-pub(crate) struct Reduce16<S: Lanes> {
-    acc: [S::Wide; 4],
-}
-
-impl<S: Lanes> Reduce16<S> {
-    /// Sums of 16 elements per step: `16 / L` vectors, two wide halves each.
-    const WIDES: usize = 32 / S::L;
-
-    #[inline(always)]
-    pub(crate) fn new() -> Self {
-        Self { acc: [S::Wide::splat(0.0); 4] }
-    }
-
-    /// `Σ x` over `xs`.
-    #[inline(always)]
-    pub(crate) fn sum(self, xs: &[f32]) -> f64 {
-        self.run(xs, None)
-    }
-
-    /// `Σ (x − mean)²` over `xs`, each square an f64 fused multiply-add.
-    #[inline(always)]
-    pub(crate) fn sum_sq_dev(self, xs: &[f32], mean: f64) -> f64 {
-        self.run(xs, Some(mean))
-    }
-
-    #[inline(always)]
-    fn run(mut self, xs: &[f32], mean: Option<f64>) -> f64 {
-        let m = S::Wide::splat(mean.unwrap_or(0.0));
-        let chunks = xs.len() / 16;
-        for c in 0..chunks {
-            let mut v = 0;
-            while v < 16 / S::L {
-                // SAFETY: 16 values from `16·c` are in `xs`.
-                let [lo, hi] = unsafe { S::load(xs.as_ptr().add(16 * c + v * S::L)) }.widen();
-                let (i, j) = (2 * v, 2 * v + 1);
-                if mean.is_some() {
-                    let (e, f) = (lo.sub(m), hi.sub(m));
-                    self.acc[i] = S::Wide::fma(e, e, self.acc[i]);
-                    self.acc[j] = S::Wide::fma(f, f, self.acc[j]);
-                } else {
-                    self.acc[i] = self.acc[i].add(lo);
-                    self.acc[j] = self.acc[j].add(hi);
-                }
-                v += 1;
-            }
-        }
-        let mut partial = [0.0f64; 16];
-        for i in 0..Self::WIDES {
-            self.acc[i].store_to(&mut partial[i * S::L / 2..]);
-        }
-        for (i, &x) in xs[16 * chunks..].iter().enumerate() {
-            let d = x as f64;
-            partial[i] = match mean {
-                Some(mean) => (d - mean).mul_add(d - mean, partial[i]),
-                None => partial[i] + d,
-            };
-        }
-        partial.iter().sum()
     }
 }
 
@@ -501,21 +439,5 @@ mod tests {
             assert!(got[8].is_nan());
             assert!((got[5] - 0.731_058_6).abs() < 1e-6);
         }
-    }
-
-    #[test]
-    fn reductions_do_not_depend_on_the_vector_width() {
-        let xs: Vec<f32> = (0..1001).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1.37e-3).collect();
-        crate::ops::simd::isa_kernel! {
-            fn sum_of(xs: &[f32]) -> f64 = sum_kernel;
-        }
-        #[inline(always)]
-        fn sum_kernel<S: Lanes>(xs: &[f32]) -> f64 {
-            Reduce16::<S>::new().sum(xs)
-        }
-        let sums: Vec<u64> = Isa::all_supported().into_iter().map(|isa| sum_of(isa, &xs).to_bits()).collect();
-        assert!(sums.windows(2).all(|w| w[0] == w[1]), "{sums:?}");
-        let exact: f64 = xs.iter().map(|&x| x as f64).sum();
-        assert!((f64::from_bits(sums[0]) - exact).abs() < 1e-12);
     }
 }
