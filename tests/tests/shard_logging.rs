@@ -71,18 +71,19 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
     .unwrap();
     assert_eq!(captured.take(), "", "auto's tile choice is not a warning");
 
-    // A family without a shard path refuses the mode with a typed error naming it, on every rank.
+    // A family whose encode is not sharded encodes a forced shard mode with tiles, with one
+    // warning for the request.
     let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), &Default::default()).unwrap();
-    assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_err());
-    let latent = Tensor::zeros(vec![1, 4, 8, 8], DType::F32, &Device::Cpu).unwrap();
-    let errors = run_local(2, TransportConfig::default(), |comm| {
+    assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_ok());
+    let image = Tensor::zeros(vec![1, 3, 16, 16], DType::F32, &Device::Cpu).unwrap();
+    run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
         let options = RequestOptions { mode: ParallelMode::SpatialShardWidth, ..RequestOptions::default() };
-        kl.decode(&exec, &latent, &options).unwrap_err().to_string()
+        kl.encode(&exec, &image, &options, vae_parallel::engine::EncodeOutput::Mean).unwrap();
     })
     .unwrap();
-    for e in errors {
-        let e = e.unwrap();
-        assert!(e.contains("AutoencoderKL does not support the spatial_shard_width parallel mode"), "{e}");
-    }
+    let log = captured.take();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning for the request:\n{log}");
+    assert!(warnings[0].contains("encodes with tiles"), "{log}");
 }

@@ -2,10 +2,17 @@
 //! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), loaded by
 //! their state-dict names.
 
+use vae_planner::ShardAxis;
+use vae_runtime::ShardContext;
 use vae_tensor::{Conv2dParams, Tensor};
 
 use crate::Result;
 use crate::weights::Weights;
+
+/// Where a layer runs: on a whole map (`None`), or on this rank's band of a map sharded along
+/// one axis, with the request's [`ShardContext`] for halos, statistics and gathers. A band's
+/// result is the same band of the whole map's result, bit for bit.
+pub type Band<'a, 'c> = Option<&'a mut ShardContext<'c>>;
 
 /// `nn.Conv2d` with bias.
 #[derive(Debug, Clone)]
@@ -64,6 +71,26 @@ impl Conv2d {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.conv2d(&self.weight, Some(&self.bias), &self.params)?)
     }
+
+    /// [`Self::forward`] on a map or a band of one: a band takes its neighbours' rows (the
+    /// halo: the padding along the axis), and the convolution pads only the other axis.
+    /// Stride 1 only (every decoder convolution).
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
+        let [top, bottom, left, right] = self.params.padding;
+        if self.params.stride != 1 || top != bottom || left != right {
+            return Err(crate::ModelError::Unsupported(format!(
+                "a banded convolution needs stride 1 and symmetric padding, not {:?}",
+                self.params
+            )));
+        }
+        let (halo, padding) = match ctx.axis() {
+            ShardAxis::Height => (top, [0, 0, left, right]),
+            ShardAxis::Width => (left, [top, bottom, 0, 0]),
+        };
+        let x = ctx.with_halo(x, halo)?;
+        self.forward_with(&x, &Conv2dParams { padding, ..self.params })
+    }
 }
 
 /// `nn.GroupNorm` with affine parameters.
@@ -89,6 +116,17 @@ impl GroupNorm {
     /// [`Self::forward`] then SiLU, in one pass (the same values).
     pub fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.group_norm_silu(self.groups, &self.weight, &self.bias, self.eps)?)
+    }
+
+    /// [`Self::forward_silu`] (or, without `silu`, [`Self::forward`]) on a map or a band of
+    /// one: a band is normalised with the whole map's statistics
+    /// ([`ShardContext::group_norm`]).
+    pub fn forward_on(&self, x: &Tensor, silu: bool, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        match band.as_deref_mut() {
+            Some(ctx) => Ok(ctx.group_norm(x, self.groups, &self.weight, &self.bias, self.eps, silu)?),
+            None if silu => self.forward_silu(x),
+            None => self.forward(x),
+        }
     }
 }
 
@@ -140,8 +178,13 @@ impl ResnetBlock2d {
 
     /// `shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        let mut h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
+        self.forward_on(x, &mut None)
+    }
+
+    /// [`Self::forward`] on a map or a band of one (the shortcut is 1×1: local).
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let h = self.conv1.forward_on(&self.norm1.forward_on(x, true, band)?, band)?;
+        let mut h = self.conv2.forward_on(&self.norm2.forward_on(&h, true, band)?, band)?;
         // diffusers computes `(input + hidden) / output_scale_factor` with a factor of 1.0,
         // which changes nothing.
         match &self.conv_shortcut {
@@ -195,6 +238,12 @@ impl Upsample2d {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.conv.forward(&x.upsample_nearest2d(2)?)
     }
+
+    /// [`Self::forward`] on a map or a band of one (nearest upsampling is local: a band
+    /// doubles).
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        self.conv.forward_on(&x.upsample_nearest2d(2)?, band)
+    }
 }
 
 /// The VAE mid-block attention: diffusers `Attention(heads=1, dim_head=C, residual_connection,
@@ -235,6 +284,14 @@ impl SpatialAttention {
         out.add_assign(x)?;
         Ok(out)
     }
+
+    /// [`Self::forward`] on a map or a band of one: every position attends to all the others,
+    /// so a band gathers the whole map, computes it as one device would, and keeps its band.
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
+        let full = ctx.all_gather_map(x)?;
+        Ok(ctx.own_band(&self.forward(&full)?)?)
+    }
 }
 
 /// diffusers `UNetMidBlock2D` as the VAEs use it: resnet, (attention), resnet.
@@ -263,10 +320,15 @@ impl MidBlock2d {
 
     /// Runs the block.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = self.first.forward(x)?;
+        self.forward_on(x, &mut None)
+    }
+
+    /// [`Self::forward`] on a map or a band of one.
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let mut h = self.first.forward_on(x, band)?;
         if let Some(attention) = &self.attention {
-            h = attention.forward(&h)?;
+            h = attention.forward_on(&h, band)?;
         }
-        self.second.forward(&h)
+        self.second.forward_on(&h, band)
     }
 }

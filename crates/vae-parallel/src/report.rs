@@ -57,6 +57,12 @@ pub struct RankSummary {
     /// Shard mode: bytes sent to assemble full maps (attention).
     #[serde(default)]
     pub map_bytes_sent: u64,
+    /// Shard mode: bytes of GroupNorm statistics sent.
+    #[serde(default)]
+    pub norm_bytes_sent: u64,
+    /// Shard mode: exchanges of GroupNorm statistics.
+    #[serde(default)]
+    pub norm_exchanges: u64,
 }
 
 /// Milliseconds per phase.
@@ -134,6 +140,8 @@ impl From<&RankReport> for RankSummary {
             halo_bytes_sent: shard_traffic(r).map_or(0, |t| t.halo_bytes_sent),
             halo_exchanges: shard_traffic(r).map_or(0, |t| t.halo_exchanges),
             map_bytes_sent: shard_traffic(r).map_or(0, |t| t.map_bytes_sent),
+            norm_bytes_sent: shard_traffic(r).map_or(0, |t| t.norm_bytes_sent),
+            norm_exchanges: shard_traffic(r).map_or(0, |t| t.norm_exchanges),
         }
     }
 }

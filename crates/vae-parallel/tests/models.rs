@@ -143,10 +143,13 @@ fn a_toml_config_is_read_and_flags_win() {
     };
     let from_file = args(None);
     let (ok, text) = cli(&from_file.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(!ok && text.contains("spatial_shard_width"), "the file's mode applies: {text}");
+    assert!(ok && text.contains("shard-width (mode spatial_shard_width"), "the file's mode applies: {text}");
     let overridden = args(Some("tile"));
     let (ok, text) = cli(&overridden.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(ok && text.contains("3 rank(s)"), "the flag wins, the file's size stays: {text}");
+    assert!(
+        ok && text.contains("3 rank(s)") && !text.contains("shard-width"),
+        "the flag wins, the file's size stays: {text}"
+    );
 }
 
 /// Runs a decode that must fail, and checks the failure is clean.
@@ -516,21 +519,19 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     assert_eq!(bars, 3, "one bar per rank: {svg}");
     assert!(svg.contains("cannot give 3 rank(s)"), "the plot names the fallback: {svg}");
 
-    // inspect lists every mode for the video family; AutoencoderKL refuses shard modes up front.
+    // inspect lists every mode for the video family; AutoencoderKL shards its decode too, over
+    // processes as over threads: the direct decode's bytes.
     let (ok, text) = cli(&["inspect", "--model", s(&model)]);
     assert!(ok && text.contains("tile, auto, spatial_shard_height, spatial_shard_width"), "{text}");
     let f = fixtures();
-    assert_clean_failure(
-        "akl-shard",
-        &decode_args(
-            s(&f.join("sd_like")),
-            s(&f.join("sd_like.decode.in.npy")),
-            s(&dir.join("never.npy")),
-            &["--vae-parallel-mode", "spatial_shard_width"],
-        ),
-        "AutoencoderKL does not support the spatial_shard_width parallel mode",
-    );
-    assert!(!dir.join("never.npy").exists());
+    let (direct, sharded) = (dir.join("akl-direct.npy"), dir.join("akl-shard.npy"));
+    let (model, latent) = (f.join("sd_like"), f.join("sd_like.decode.in.npy"));
+    let (ok, text) = cli(&decode_on("1", s(&model), s(&latent), s(&direct), &[]));
+    assert!(ok, "{text}");
+    let shard = ["--vae-parallel-mode", "spatial_shard_width", "--transport", "socket"];
+    let (ok, text) = cli(&decode_on("3", s(&model), s(&latent), s(&sharded), &shard));
+    assert!(ok, "{text}");
+    assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&sharded).unwrap(), "shard = direct, byte for byte");
 }
 
 /// Outputs go in place only when the whole request succeeded, never through a planted link, and

@@ -9,7 +9,7 @@ use vae_tensor::{DType, Device, Tensor};
 
 use super::config::KlVariant;
 use super::model::AutoencoderKl;
-use super::operator::{KlOperator, KlTask};
+use super::operator::{KlOperator, KlShardDecodeOperator, KlTask};
 use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
@@ -46,8 +46,8 @@ impl LoadedVae for AutoencoderKl {
         AutoencoderKl::check_mode(self, mode)
     }
 
-    fn strategy(&self, _: Direction, mode: ParallelMode, _: &[usize], _: usize) -> StrategyChoice {
-        AutoencoderKl::strategy(self, mode)
+    fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice {
+        AutoencoderKl::strategy(self, direction, mode, input_dims, ranks)
     }
 
     /// Decoded pixels go to the owner for AutoencoderKL (the pipeline post-processes on rank
@@ -88,8 +88,12 @@ impl LoadedVae for AutoencoderKl {
             Strategy::Tile => {
                 Ok(run.executor.execute(run.input, &KlOperator::new(self, task, run.use_tiling), run.placement)?)
             }
+            Strategy::Shard(axis) if task == KlTask::Decode => {
+                let op = KlShardDecodeOperator::new(self, run.executor.parallel_size());
+                Ok(run.executor.execute_sharded(run.input, &op, axis, run.placement)?)
+            }
             Strategy::Shard(axis) => Err(ModelError::Unsupported(format!(
-                "{} has no {axis} spatial shard (its GroupNorms need distributed statistics)",
+                "{} has no {axis} spatial shard for encoding (its policy encodes with tiles)",
                 self.class_name()
             ))),
         }

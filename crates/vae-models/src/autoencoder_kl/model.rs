@@ -3,12 +3,13 @@
 
 use std::path::Path;
 
-use vae_planner::AutoencoderKlTiling;
-use vae_runtime::ParallelMode;
+use vae_planner::{AutoencoderKlTiling, BandPartition, ShardAxis};
+use vae_runtime::{ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::{AutoencoderKlConfig, KlVariant};
-use crate::layers::{Conv2d, Downsample2d, GroupNorm, MidBlock2d, ResnetBlock2d, Upsample2d};
+use crate::family::Direction;
+use crate::layers::{Band, Conv2d, Downsample2d, GroupNorm, MidBlock2d, ResnetBlock2d, Upsample2d};
 use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
@@ -135,17 +136,24 @@ impl Decoder {
 
     /// Runs the decoder on an NCHW latent (after `post_quant_conv`).
     pub fn forward(&self, z: &Tensor) -> Result<Tensor> {
-        let h = self.conv_in.forward(z)?;
-        let mut h = self.mid_block.forward(&h)?;
+        self.forward_on(z, &mut None)
+    }
+
+    /// [`Self::forward`] on a latent or this rank's band of one: the band of the whole
+    /// decoded image, bit for bit.
+    pub fn forward_on(&self, z: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let h = self.conv_in.forward_on(z, band)?;
+        let mut h = self.mid_block.forward_on(&h, band)?;
         for block in &self.up_blocks {
             for resnet in &block.resnets {
-                h = resnet.forward(&h)?;
+                vae_runtime::cancel::check()?;
+                h = resnet.forward_on(&h, band)?;
             }
             if let Some(up) = &block.upsample {
-                h = up.forward(&h)?;
+                h = up.forward_on(&h, band)?;
             }
         }
-        self.conv_out.forward(&self.conv_norm_out.forward_silu(&h)?)
+        self.conv_out.forward_on(&self.conv_norm_out.forward_on(&h, true, band)?, band)
     }
 }
 
@@ -343,26 +351,56 @@ impl AutoencoderKl {
         Ok(())
     }
 
-    /// Whether this family can run a parallel mode: `tile` and `auto` (which chooses tile
-    /// here) run; the spatial-shard modes need a distributed GroupNorm this family does not
-    /// have yet, and are refused with a typed error rather than silently run as tiles.
-    pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
-        match mode {
-            ParallelMode::Tile | ParallelMode::Auto => Ok(()),
-            shard => Err(ModelError::Unsupported(format!(
-                "{} does not support the {shard} parallel mode yet (its GroupNorms need distributed statistics); use tile",
-                self.config.variant.class_name()
-            ))),
-        }
+    /// Every parallel mode runs: the decode shards exactly (the GroupNorms take the whole
+    /// map's statistics from the other ranks); the encode runs as tiles.
+    pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
+        Ok(())
     }
 
-    /// This family's policy for a mode [`Self::check_mode`] accepted: tiles.
-    pub fn strategy(&self, mode: ParallelMode) -> vae_runtime::StrategyChoice {
-        let reason = match mode {
-            ParallelMode::Auto => format!("auto: {} has no spatial shard yet; tiles", self.config.variant.class_name()),
-            _ => "tile mode".into(),
+    /// This family's policy for one request of an `input_dims` input over `ranks` ranks, from
+    /// global quantities only, so every rank decides alike.
+    ///
+    /// - decode, `spatial_shard_height` / `_width`: that axis whenever every rank gets at
+    ///   least one latent row (or column); otherwise tiles, flagged as a fallback.
+    /// - decode, `auto`, and `tile`: tiles (the shard decode runs when asked for).
+    /// - encode: tiles in every mode; a forced shard mode is flagged as a fallback.
+    pub fn strategy(
+        &self,
+        direction: Direction,
+        mode: ParallelMode,
+        input_dims: &[usize],
+        ranks: usize,
+    ) -> StrategyChoice {
+        let shard_axis = match mode {
+            ParallelMode::SpatialShardHeight => Some(ShardAxis::Height),
+            ParallelMode::SpatialShardWidth => Some(ShardAxis::Width),
+            _ => None,
         };
-        vae_runtime::StrategyChoice::chosen(vae_runtime::Strategy::Tile, reason)
+        match (direction, mode, shard_axis) {
+            (_, ParallelMode::Tile, _) => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            (Direction::Encode, ParallelMode::Auto, _) => {
+                StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles")
+            }
+            (Direction::Decode, ParallelMode::Auto, _) => {
+                StrategyChoice::chosen(Strategy::Tile, "auto: tiles (this family's shard decode runs when asked for)")
+            }
+            (Direction::Encode, shard, _) => StrategyChoice::fallback_to_tile(format!(
+                "{shard}: {} encodes with tiles (its encode is not sharded yet)",
+                self.config.variant.class_name()
+            )),
+            (Direction::Decode, shard, Some(axis)) => {
+                let extent = axis.dim_in(input_dims.len()).map(|d| input_dims[d]).unwrap_or(0);
+                if input_dims.len() != 4 || BandPartition::fits(extent, ranks, 1) {
+                    // A malformed latent goes to the shard path, whose input check names it.
+                    StrategyChoice::chosen(Strategy::Shard(axis), format!("{shard} requested"))
+                } else {
+                    StrategyChoice::fallback_to_tile(format!(
+                        "{shard}: a latent {axis} of {extent} cannot give {ranks} rank(s) a row each; decoding with tiles"
+                    ))
+                }
+            }
+            (Direction::Decode, _, None) => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+        }
     }
 
     /// Checks a latent: `[B, latent_channels, H, W]`, finite.
@@ -391,11 +429,16 @@ impl AutoencoderKl {
     }
 
     pub(crate) fn decode_unchecked(&self, z: &Tensor) -> Result<Tensor> {
+        self.decode_on(z, &mut None)
+    }
+
+    /// The decode of a latent, or of this rank's band of one (`post_quant_conv` is 1×1: local).
+    pub(crate) fn decode_on(&self, z: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let mut uploaded = None;
         let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
         let image = match &self.post_quant_conv {
-            Some(conv) => self.decoder.forward(&conv.forward(z)?)?,
-            None => self.decoder.forward(z)?,
+            Some(conv) => self.decoder.forward_on(&conv.forward(z)?, band)?,
+            None => self.decoder.forward_on(z, band)?,
         };
         to_host(image)
     }

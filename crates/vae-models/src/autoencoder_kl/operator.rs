@@ -1,12 +1,15 @@
-//! Tile operators of the AutoencoderKL family for the distributed executor: diffusers'
-//! `tiled_decode` and `_tiled_encode` cut into split / exec / merge, and the untiled paths as a
-//! single tile (so small inputs are computed once, by one rank, instead of on every rank).
+//! Operators of the AutoencoderKL family for the distributed executor: diffusers'
+//! `tiled_decode` and `_tiled_encode` cut into split / exec / merge, the untiled paths as a
+//! single tile (so small inputs are computed once, by one rank, instead of on every rank), and
+//! the spatial-shard decode (each rank decodes a band of the latent: halo rows for every
+//! convolution, the whole map's GroupNorm statistics, the mid-block attention on the gathered
+//! map), whose output is the direct decode's bit for bit.
 
 use std::ops::Range;
 
-use vae_planner::{GridSpec, TileLayout2d, TileTask};
+use vae_planner::{GridSpec, ShardAxis, TileLayout2d, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
-use vae_runtime::{OperatorError, TileMap, TileOperator, TilePlan};
+use vae_runtime::{OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::AutoencoderKl;
@@ -47,29 +50,7 @@ impl<'m> KlOperator<'m> {
     /// Refuses a request whose output plus largest feature map (at full resolution: the
     /// first encoder or last decoder level, over the whole image or one tile) cannot fit.
     fn check_memory(&self, input: &Tensor, tiled: bool) -> Result<(), ModelError> {
-        let c = self.model.config();
-        let d = input.dims();
-        let (b, h, w) = (d[0] as u64, d[2] as u64, d[3] as u64);
-        let scale = c.spatial_scale() as u64;
-        let pixels = match self.task {
-            KlTask::Decode => h * scale * w * scale,
-            KlTask::Encode => h * w,
-        };
-        let tile = self.model.tiling().tile_sample_min_size as u64;
-        let map_pixels = if tiled { pixels.min(tile * tile) } else { pixels };
-        let (output, widest, advice) = match self.task {
-            KlTask::Decode => (
-                b * c.out_channels as u64 * pixels * 4,
-                *c.decoder_block_out_channels.first().unwrap_or(&0) as u64,
-                "decode with tiles (--vae-use-tiling)",
-            ),
-            KlTask::Encode => (
-                b * 2 * c.latent_channels as u64 * (pixels / (scale * scale)) * 4,
-                *c.block_out_channels.first().unwrap_or(&0) as u64,
-                "encode with tiles (--vae-use-tiling)",
-            ),
-        };
-        crate::checks::ensure_fits(output, b * widest * map_pixels * 4, advice)
+        check_memory(self.model, self.task, input, if tiled { MapExtent::Tile } else { MapExtent::Whole })
     }
 
     fn layout(&self, h: usize, w: usize) -> Result<TileLayout2d, ModelError> {
@@ -120,6 +101,83 @@ impl TileOperator for KlOperator<'_> {
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}
+
+/// How much of the full-resolution map one rank holds at once.
+#[derive(Debug, Clone, Copy)]
+enum MapExtent {
+    Whole,
+    Tile,
+    /// A band of the map, one of this many.
+    Band(usize),
+}
+
+/// Refuses a request whose output plus largest feature map (at full resolution: the first
+/// encoder or last decoder level; over the whole image, one tile or one band) cannot fit.
+fn check_memory(model: &AutoencoderKl, task: KlTask, input: &Tensor, extent: MapExtent) -> Result<(), ModelError> {
+    let c = model.config();
+    let d = input.dims();
+    let (b, h, w) = (d[0] as u64, d[2] as u64, d[3] as u64);
+    let scale = c.spatial_scale() as u64;
+    let pixels = match task {
+        KlTask::Decode => h * scale * w * scale,
+        KlTask::Encode => h * w,
+    };
+    let tile = model.tiling().tile_sample_min_size as u64;
+    let map_pixels = match extent {
+        MapExtent::Whole => pixels,
+        MapExtent::Tile => pixels.min(tile * tile),
+        MapExtent::Band(ranks) => pixels.div_ceil(ranks.max(1) as u64),
+    };
+    let (output, widest, advice) = match task {
+        KlTask::Decode => (
+            b * c.out_channels as u64 * pixels * 4,
+            *c.decoder_block_out_channels.first().unwrap_or(&0) as u64,
+            "decode with tiles (--vae-use-tiling)",
+        ),
+        KlTask::Encode => (
+            b * 2 * c.latent_channels as u64 * (pixels / (scale * scale)) * 4,
+            *c.block_out_channels.first().unwrap_or(&0) as u64,
+            "encode with tiles (--vae-use-tiling)",
+        ),
+    };
+    crate::checks::ensure_fits(output, b * widest * map_pixels * 4, advice)
+}
+
+/// The spatial-shard decode: each rank decodes its band of the latent's rows (or columns).
+pub struct KlShardDecodeOperator<'m> {
+    model: &'m AutoencoderKl,
+    ranks: usize,
+}
+
+impl<'m> KlShardDecodeOperator<'m> {
+    /// An operator over `ranks` bands.
+    pub fn new(model: &'m AutoencoderKl, ranks: usize) -> Self {
+        Self { model, ranks }
+    }
+}
+
+impl ShardOperator for KlShardDecodeOperator<'_> {
+    /// Every convolution is 3×3 (halo 1) or 1×1 at its level's resolution, where a latent row
+    /// has become at least one row: a band of one latent row is enough.
+    fn geometry(&self, z: &Tensor, _: ShardAxis) -> Result<ShardGeometry, OperatorError> {
+        self.model.check_latent(z)?;
+        check_memory(self.model, KlTask::Decode, z, MapExtent::Band(self.ranks))?;
+        Ok(ShardGeometry { min_band: 1 })
+    }
+
+    fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> Result<Tensor, OperatorError> {
+        let band = ctx.local_input(z)?;
+        Ok(self.model.decode_on(&band, &mut Some(ctx))?)
+    }
+
+    fn finish(&self, assembled: Tensor) -> Result<Tensor, OperatorError> {
+        Ok(assembled)
     }
 
     fn device(&self) -> Device {

@@ -214,6 +214,8 @@ mod tests {
             halo_bytes_sent: 0,
             halo_exchanges: 0,
             map_bytes_sent: 0,
+            norm_bytes_sent: 0,
+            norm_exchanges: 0,
         }
     }
 
