@@ -105,3 +105,27 @@ fn requests_of_every_kind_leave_no_state_behind() {
         assert!(t.bit_eq(&direct));
     }
 }
+
+/// `auto` shards where tiles would otherwise be used, along the longer latent axis that gives
+/// every rank a row (width on ties), and keeps tiles elsewhere; forced modes fall back only
+/// when the axis is too short; encode always tiles.
+#[test]
+fn the_policy_shards_where_tiles_would_be_used() {
+    use vae_models::family::Direction;
+    use vae_runtime::{ParallelMode, Strategy};
+    let model = load("sd_like");
+    let t = model.tiling().tile_latent_min_size;
+    let decode = |mode, dims: &[usize], ranks| model.strategy(Direction::Decode, mode, dims, ranks);
+    let auto = |dims: &[usize], ranks| decode(ParallelMode::Auto, dims, ranks).strategy;
+    assert_eq!(auto(&[1, 4, t + 3, t + 1], 2), Strategy::Shard(ShardAxis::Height));
+    assert_eq!(auto(&[1, 4, t + 1, t + 1], 2), Strategy::Shard(ShardAxis::Width));
+    assert_eq!(auto(&[1, 4, 2, t + 9], 3), Strategy::Shard(ShardAxis::Width));
+    assert_eq!(auto(&[1, 4, t, t], 2), Strategy::Tile, "one tile: decoded whole");
+    assert_eq!(auto(&[1, 4, t + 3, t + 1], 1), Strategy::Tile, "one rank");
+    let forced = decode(ParallelMode::SpatialShardHeight, &[1, 4, 2, 9], 3);
+    assert!(forced.strategy == Strategy::Tile && forced.fallback, "2 rows cannot go to 3 ranks");
+    let forced = decode(ParallelMode::SpatialShardHeight, &[1, 4, 3, 9], 3);
+    assert_eq!(forced.strategy, Strategy::Shard(ShardAxis::Height));
+    let encode = model.strategy(Direction::Encode, ParallelMode::SpatialShardWidth, &[1, 3, 64, 64], 2);
+    assert!(encode.strategy == Strategy::Tile && encode.fallback);
+}

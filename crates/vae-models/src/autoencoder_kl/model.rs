@@ -362,7 +362,10 @@ impl AutoencoderKl {
     ///
     /// - decode, `spatial_shard_height` / `_width`: that axis whenever every rank gets at
     ///   least one latent row (or column); otherwise tiles, flagged as a fallback.
-    /// - decode, `auto`, and `tile`: tiles (the shard decode runs when asked for).
+    /// - decode, `auto`: where tiling would otherwise be used (two ranks or more, a latent larger
+    ///   than a tile, on the CPU), the shard along the longer latent axis (width on ties): the
+    ///   exact direct decode, without seams; otherwise tiles.
+    /// - `tile`: tiles.
     /// - encode: tiles in every mode; a forced shard mode is flagged as a fallback.
     pub fn strategy(
         &self,
@@ -381,9 +384,7 @@ impl AutoencoderKl {
             (Direction::Encode, ParallelMode::Auto, _) => {
                 StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles")
             }
-            (Direction::Decode, ParallelMode::Auto, _) => {
-                StrategyChoice::chosen(Strategy::Tile, "auto: tiles (this family's shard decode runs when asked for)")
-            }
+            (Direction::Decode, ParallelMode::Auto, _) => self.auto_decode(input_dims, ranks),
             (Direction::Encode, shard, _) => StrategyChoice::fallback_to_tile(format!(
                 "{shard}: {} encodes with tiles (its encode is not sharded yet)",
                 self.config.variant.class_name()
@@ -401,6 +402,30 @@ impl AutoencoderKl {
             }
             (Direction::Decode, _, None) => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
         }
+    }
+
+    fn auto_decode(&self, dims: &[usize], ranks: usize) -> StrategyChoice {
+        let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
+        if ranks < 2 {
+            return tile("one rank".into());
+        }
+        let &[_, _, h, w] = dims else { return tile("not an image latent".into()) };
+        if !self.device.is_cpu() {
+            return tile(format!("this family's shard decode runs on the CPU, not {}", self.device));
+        }
+        if !self.tiling.needs_tiling_decode(h, w) {
+            return tile(format!("a {h}x{w} latent fits one tile"));
+        }
+        let axis = match (BandPartition::fits(h, ranks, 1), BandPartition::fits(w, ranks, 1)) {
+            (true, true) if h > w => ShardAxis::Height,
+            (_, true) => ShardAxis::Width,
+            (true, false) => ShardAxis::Height,
+            (false, false) => return tile(format!("a {h}x{w} latent cannot give {ranks} ranks a row each")),
+        };
+        StrategyChoice::chosen(
+            Strategy::Shard(axis),
+            format!("auto: {axis} of a {h}x{w} latent, the exact direct decode"),
+        )
     }
 
     /// Checks a latent: `[B, latent_channels, H, W]`, finite.

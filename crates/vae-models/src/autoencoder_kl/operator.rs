@@ -167,6 +167,15 @@ impl ShardOperator for KlShardDecodeOperator<'_> {
     /// has become at least one row: a band of one latent row is enough.
     fn geometry(&self, z: &Tensor, _: ShardAxis) -> Result<ShardGeometry, OperatorError> {
         self.model.check_latent(z)?;
+        if !self.model.device().is_cpu() {
+            return Err(ModelError::Unsupported(format!(
+                "the {} shard decode runs on the CPU for now (its GroupNorm statistics are computed on the host); \
+                 use tile on {}",
+                self.model.config().variant.class_name(),
+                self.model.device()
+            ))
+            .into());
+        }
         check_memory(self.model, KlTask::Decode, z, MapExtent::Band(self.ranks))?;
         Ok(ShardGeometry { min_band: 1 })
     }
