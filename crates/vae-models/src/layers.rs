@@ -77,6 +77,21 @@ impl Conv2d {
     /// Stride 1 only (every decoder convolution).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
+        let (x, params) = self.with_halo(x, ctx)?;
+        self.forward_with(&x, &params)
+    }
+
+    /// [`Self::forward_on`] of a map the caller no longer needs: a band's map is dropped as soon
+    /// as its halo'd copy exists, so the two do not both live through the convolution.
+    pub fn forward_owned(&self, x: Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let Some(ctx) = band.as_deref_mut() else { return self.forward(&x) };
+        let (padded, params) = self.with_halo(&x, ctx)?;
+        drop(x);
+        self.forward_with(&padded, &params)
+    }
+
+    /// `x` with its neighbours' rows, and the parameters that pad only the other axis.
+    fn with_halo(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> Result<(Tensor, Conv2dParams)> {
         let [top, bottom, left, right] = self.params.padding;
         if self.params.stride != 1 || top != bottom || left != right {
             return Err(crate::ModelError::Unsupported(format!(
@@ -88,8 +103,7 @@ impl Conv2d {
             ShardAxis::Height => (top, [0, 0, left, right]),
             ShardAxis::Width => (left, [top, bottom, 0, 0]),
         };
-        let x = ctx.with_halo(x, halo)?;
-        self.forward_with(&x, &Conv2dParams { padding, ..self.params })
+        Ok((ctx.with_halo(x, halo)?, Conv2dParams { padding, ..self.params }))
     }
 }
 
@@ -182,9 +196,13 @@ impl ResnetBlock2d {
     }
 
     /// [`Self::forward`] on a map or a band of one (the shortcut is 1×1: local).
+    /// Each intermediate map is dropped as soon as the next exists (at most the input, one
+    /// normalised map, its halo'd copy on a band, and the convolution's output live at once).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
-        let h = self.conv1.forward_on(&self.norm1.forward_on(x, true, band)?, band)?;
-        let mut h = self.conv2.forward_on(&self.norm2.forward_on(&h, true, band)?, band)?;
+        let h = self.conv1.forward_owned(self.norm1.forward_on(x, true, band)?, band)?;
+        let normed = self.norm2.forward_on(&h, true, band)?;
+        drop(h);
+        let mut h = self.conv2.forward_owned(normed, band)?;
         // diffusers computes `(input + hidden) / output_scale_factor` with a factor of 1.0,
         // which changes nothing.
         match &self.conv_shortcut {
@@ -242,7 +260,7 @@ impl Upsample2d {
     /// [`Self::forward`] on a map or a band of one (nearest upsampling is local: a band
     /// doubles).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
-        self.conv.forward_on(&x.upsample_nearest2d(2)?, band)
+        self.conv.forward_owned(x.upsample_nearest2d(2)?, band)
     }
 }
 

@@ -153,7 +153,9 @@ impl Decoder {
                 h = up.forward_on(&h, band)?;
             }
         }
-        self.conv_out.forward_on(&self.conv_norm_out.forward_on(&h, true, band)?, band)
+        let normed = self.conv_norm_out.forward_on(&h, true, band)?;
+        drop(h);
+        self.conv_out.forward_owned(normed, band)
     }
 }
 
