@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use vae_integration_tests::fixtures_dir;
-use vae_models::autoencoder_kl::{AutoencoderKl, KlShardDecodeOperator};
+use vae_models::autoencoder_kl::{AutoencoderKl, KlShardOperator, KlTask};
 use vae_parallel::io::read_npy;
 use vae_runtime::{DistributedVaeExecutor, OutputPlacement, RankReport, ShardAxis, StrategyReport};
 use vae_tensor::Tensor;
@@ -20,10 +20,21 @@ fn load(name: &str) -> AutoencoderKl {
 
 /// Shard-decodes `z` on `world` local ranks; returns the owner's output and every report.
 fn shard_decode(model: &AutoencoderKl, z: &Tensor, axis: ShardAxis, world: usize) -> (Tensor, Vec<RankReport>) {
-    let op = KlShardDecodeOperator::new(model, world);
+    shard(model, KlTask::Decode, z, axis, world)
+}
+
+/// Shards `task` of `input` on `world` local ranks.
+fn shard(
+    model: &AutoencoderKl,
+    task: KlTask,
+    input: &Tensor,
+    axis: ShardAxis,
+    world: usize,
+) -> (Tensor, Vec<RankReport>) {
+    let op = KlShardOperator::new(model, task, world);
     let results = run_local(world, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-        exec.execute_sharded(z, &op, axis, OutputPlacement::OwnerOnly).unwrap()
+        exec.execute_sharded(input, &op, axis, OutputPlacement::OwnerOnly).unwrap()
     })
     .unwrap();
     let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
@@ -126,6 +137,57 @@ fn the_policy_shards_where_tiles_would_be_used() {
     assert!(forced.strategy == Strategy::Tile && forced.fallback, "2 rows cannot go to 3 ranks");
     let forced = decode(ParallelMode::SpatialShardHeight, &[1, 4, 3, 9], 3);
     assert_eq!(forced.strategy, Strategy::Shard(ShardAxis::Height));
-    let encode = model.strategy(Direction::Encode, ParallelMode::SpatialShardWidth, &[1, 3, 64, 64], 2);
-    assert!(encode.strategy == Strategy::Tile && encode.fallback);
+    // An encode cuts between whole latent rows: the image extent must be a multiple of 8.
+    let encode = |mode, dims: &[usize], ranks| model.strategy(Direction::Encode, mode, dims, ranks);
+    assert_eq!(encode(ParallelMode::SpatialShardWidth, &[1, 3, 64, 64], 2).strategy, Strategy::Shard(ShardAxis::Width));
+    let odd = encode(ParallelMode::SpatialShardWidth, &[1, 3, 64, 60], 2);
+    assert!(odd.strategy == Strategy::Tile && odd.fallback && odd.reason.contains("multiple of 8"), "{}", odd.reason);
+    let s = 8 * t;
+    assert_eq!(encode(ParallelMode::Auto, &[1, 3, s + 24, s + 8], 2).strategy, Strategy::Shard(ShardAxis::Height));
+    assert_eq!(encode(ParallelMode::Auto, &[1, 3, s, s], 2).strategy, Strategy::Tile, "one tile");
+}
+
+#[test]
+fn shard_encode_equals_the_direct_encode_bit_for_bit_on_one_to_four_ranks() {
+    let mut cases = 0;
+    for name in MODELS {
+        let model = load(name);
+        let c = model.config().in_channels;
+        // Batch 2; 7 and 10 latent rows and columns of 8 pixels (a multiple of no rank count).
+        let x = vae_integration_tests::random_tensor(&[2, c, 56, 80], 9);
+        let direct = model.encode_moments(&x).unwrap();
+        for axis in [ShardAxis::Height, ShardAxis::Width] {
+            for world in 1..=4 {
+                let (got, reports) = shard(&model, KlTask::Encode, &x, axis, world);
+                assert_eq!(got.dims(), direct.dims(), "{name} {axis} {world}");
+                assert!(
+                    got.bit_eq(&direct),
+                    "{name} shard encode {axis} on {world} ranks: max |shard - direct| = {}",
+                    got.max_abs_diff(&direct).unwrap()
+                );
+                for r in &reports {
+                    let StrategyReport::Shard { band: Some(band), traffic, .. } = &r.strategy else {
+                        panic!("rank {} ran {:?}", r.rank, r.strategy);
+                    };
+                    assert!(!band.is_empty() && traffic.norm_exchanges > 0, "{name} rank {}", r.rank);
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 2 * 4);
+}
+
+/// Within 1e-4 of diffusers' untiled encode (the fixture).
+#[test]
+fn shard_encode_matches_the_diffusers_fixture() {
+    for name in MODELS {
+        let model = load(name);
+        let dir = fixtures_dir().join("autoencoder_kl");
+        let x = read_npy(&dir.join(format!("{name}.encode.in.npy"))).unwrap();
+        let want = read_npy(&dir.join(format!("{name}.encode_moments.out.npy"))).unwrap();
+        let (got, _) = shard(&model, KlTask::Encode, &x, ShardAxis::Width, 2);
+        let diff = got.max_abs_diff(&want).unwrap();
+        assert!(diff <= 1e-4, "{name}: max |shard - diffusers| = {diff}");
+    }
 }

@@ -71,11 +71,11 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
     .unwrap();
     assert_eq!(captured.take(), "", "auto's tile choice is not a warning");
 
-    // A family whose encode is not sharded encodes a forced shard mode with tiles, with one
-    // warning for the request.
+    // An image that cannot be cut between whole latent columns encodes a forced shard mode
+    // with tiles, with one warning for the request.
     let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), &Default::default()).unwrap();
     assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_ok());
-    let image = Tensor::zeros(vec![1, 3, 16, 16], DType::F32, &Device::Cpu).unwrap();
+    let image = Tensor::zeros(vec![1, 3, 16, 20], DType::F32, &Device::Cpu).unwrap();
     run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
         let options = RequestOptions { mode: ParallelMode::SpatialShardWidth, ..RequestOptions::default() };
@@ -85,5 +85,5 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
     let log = captured.take();
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
     assert_eq!(warnings.len(), 1, "one warning for the request:\n{log}");
-    assert!(warnings[0].contains("encodes with tiles"), "{log}");
+    assert!(warnings[0].contains("not a multiple of 8") && warnings[0].contains("encoding with tiles"), "{log}");
 }

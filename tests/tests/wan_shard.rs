@@ -268,7 +268,7 @@ struct FailsMidway;
 
 impl vae_runtime::ShardOperator for FailsMidway {
     fn geometry(&self, _: &Tensor, _: ShardAxis) -> Result<vae_runtime::ShardGeometry, vae_runtime::OperatorError> {
-        Ok(vae_runtime::ShardGeometry { min_band: 1 })
+        Ok(vae_runtime::ShardGeometry { min_band: 1, unit: 1 })
     }
 
     fn exec(

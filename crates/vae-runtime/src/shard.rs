@@ -27,6 +27,10 @@ pub struct ShardGeometry {
     /// The widest halo (rows from each neighbour) any op of the network needs at the input's
     /// resolution: every band must be at least this wide.
     pub min_band: usize,
+    /// Input rows per band row: 1 for a decode; `2^k` for an encoder that halves the map `k`
+    /// times, so that bands are cut only between whole output rows and every strided
+    /// convolution sees band edges on its stride grid. The input's extent must be a multiple.
+    pub unit: usize,
 }
 
 /// A model's computation, sharded along one spatial axis.
@@ -90,6 +94,8 @@ pub struct ShardContext<'c> {
     comm: &'c dyn Communicator,
     axis: ShardAxis,
     bands: BandPartition,
+    /// Input rows per band row ([`ShardGeometry::unit`]).
+    unit: usize,
     rank: usize,
     traffic: ShardTraffic,
 }
@@ -112,7 +118,12 @@ impl<'c> ShardContext<'c> {
     /// A context for `rank` of the ranks `0..bands.len()` of `comm`, splitting `axis` as
     /// `bands` (at the input's resolution) says.
     pub(crate) fn new(comm: &'c dyn Communicator, axis: ShardAxis, bands: BandPartition, rank: usize) -> Self {
-        Self { comm, axis, bands, rank, traffic: ShardTraffic::default() }
+        Self { comm, axis, bands, unit: 1, rank, traffic: ShardTraffic::default() }
+    }
+
+    /// The same context over an input of `unit` rows per band row ([`ShardGeometry::unit`]).
+    pub(crate) fn with_unit(self, unit: usize) -> Self {
+        Self { unit: unit.max(1), ..self }
     }
 
     /// This rank.
@@ -167,14 +178,14 @@ impl<'c> ShardContext<'c> {
     pub fn local_input(&self, input: &Tensor) -> Result<Tensor, RuntimeError> {
         let dim = self.dim(input)?;
         let band = self.band();
-        if input.dims()[dim] != self.bands.extent() {
+        if input.dims()[dim] != self.bands.extent() * self.unit {
             return Err(invalid(format!(
                 "input {} does not have the planned extent {}",
                 input.shape(),
-                self.bands.extent()
+                self.bands.extent() * self.unit
             )));
         }
-        Ok(input.narrow(dim, band.start, band.len())?)
+        Ok(input.narrow(dim, band.start * self.unit, band.len() * self.unit)?)
     }
 
     /// `x` (this rank's band) with `halo` rows of each neighbour on either side along the axis,

@@ -9,7 +9,7 @@ use vae_tensor::{DType, Device, Tensor};
 
 use super::config::KlVariant;
 use super::model::AutoencoderKl;
-use super::operator::{KlOperator, KlShardDecodeOperator, KlTask};
+use super::operator::{KlOperator, KlShardOperator, KlTask};
 use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
@@ -88,14 +88,10 @@ impl LoadedVae for AutoencoderKl {
             Strategy::Tile => {
                 Ok(run.executor.execute(run.input, &KlOperator::new(self, task, run.use_tiling), run.placement)?)
             }
-            Strategy::Shard(axis) if task == KlTask::Decode => {
-                let op = KlShardDecodeOperator::new(self, run.executor.parallel_size());
+            Strategy::Shard(axis) => {
+                let op = KlShardOperator::new(self, task, run.executor.parallel_size());
                 Ok(run.executor.execute_sharded(run.input, &op, axis, run.placement)?)
             }
-            Strategy::Shard(axis) => Err(ModelError::Unsupported(format!(
-                "{} has no {axis} spatial shard for encoding (its policy encodes with tiles)",
-                self.class_name()
-            ))),
         }
     }
 

@@ -14,4 +14,4 @@ mod operator;
 pub use config::{AutoencoderKlConfig, KlVariant};
 pub use family::FAMILY;
 pub use model::{AutoencoderKl, Decoder, Encoder, LatentBatchNorm, patchify2x2, unpatchify2x2};
-pub use operator::{KlOperator, KlShardDecodeOperator, KlTask};
+pub use operator::{KlOperator, KlShardOperator, KlTask};

@@ -68,17 +68,26 @@ impl Encoder {
 
     /// Runs the encoder on an NCHW image.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = self.conv_in.forward(x)?;
+        self.forward_on(x, &mut None)
+    }
+
+    /// [`Self::forward`] on an image or this rank's band of one (cut between whole latent
+    /// rows): the band of the whole image's moments, bit for bit.
+    pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let mut h = self.conv_in.forward_on(x, band)?;
         for block in &self.down_blocks {
             for resnet in &block.resnets {
-                h = resnet.forward(&h)?;
+                vae_runtime::cancel::check()?;
+                h = resnet.forward_on(&h, band)?;
             }
             if let Some(down) = &block.downsample {
-                h = down.forward(&h)?;
+                h = down.forward_on(&h, band)?;
             }
         }
-        h = self.mid_block.forward(&h)?;
-        self.conv_out.forward(&self.conv_norm_out.forward_silu(&h)?)
+        h = self.mid_block.forward_on(&h, band)?;
+        let normed = self.conv_norm_out.forward_on(&h, true, band)?;
+        drop(h);
+        self.conv_out.forward_owned(normed, band)
     }
 }
 
@@ -353,8 +362,8 @@ impl AutoencoderKl {
         Ok(())
     }
 
-    /// Every parallel mode runs: the decode shards exactly (the GroupNorms take the whole
-    /// map's statistics from the other ranks); the encode runs as tiles.
+    /// Every parallel mode runs: decode and encode shard exactly (the GroupNorms take the whole
+    /// map's statistics from the other ranks).
     pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
         Ok(())
     }
@@ -362,13 +371,13 @@ impl AutoencoderKl {
     /// This family's policy for one request of an `input_dims` input over `ranks` ranks, from
     /// global quantities only, so every rank decides alike.
     ///
-    /// - decode, `spatial_shard_height` / `_width`: that axis whenever every rank gets at
-    ///   least one latent row (or column); otherwise tiles, flagged as a fallback.
-    /// - decode, `auto`: where tiling would otherwise be used (two ranks or more, a latent larger
-    ///   than a tile, on the CPU), the shard along the longer latent axis (width on ties): the
-    ///   exact direct decode, without seams; otherwise tiles.
+    /// - `spatial_shard_height` / `_width`: that axis whenever every rank gets at least one
+    ///   latent row (or column), of whole latent rows for an encode (an image whose extent is a
+    ///   multiple of the VAE's scale); otherwise tiles, flagged as a fallback.
+    /// - `auto`: where tiling would otherwise be used (two ranks or more, an input larger than a
+    ///   tile, on the CPU), the shard along the longer axis that fits (width on ties): the exact
+    ///   untiled result, without seams; otherwise tiles.
     /// - `tile`: tiles.
-    /// - encode: tiles in every mode; a forced shard mode is flagged as a fallback.
     pub fn strategy(
         &self,
         direction: Direction,
@@ -376,57 +385,76 @@ impl AutoencoderKl {
         input_dims: &[usize],
         ranks: usize,
     ) -> StrategyChoice {
-        let shard_axis = match mode {
-            ParallelMode::SpatialShardHeight => Some(ShardAxis::Height),
-            ParallelMode::SpatialShardWidth => Some(ShardAxis::Width),
-            _ => None,
+        let verb = match direction {
+            Direction::Decode => "decoding",
+            Direction::Encode => "encoding",
         };
-        match (direction, mode, shard_axis) {
-            (_, ParallelMode::Tile, _) => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
-            (Direction::Encode, ParallelMode::Auto, _) => {
-                StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles")
-            }
-            (Direction::Decode, ParallelMode::Auto, _) => self.auto_decode(input_dims, ranks),
-            (Direction::Encode, shard, _) => StrategyChoice::fallback_to_tile(format!(
-                "{shard}: {} encodes with tiles (its encode is not sharded yet)",
-                self.config.variant.class_name()
-            )),
-            (Direction::Decode, shard, Some(axis)) => {
-                let extent = axis.dim_in(input_dims.len()).map(|d| input_dims[d]).unwrap_or(0);
-                if input_dims.len() != 4 || BandPartition::fits(extent, ranks, 1) {
-                    // A malformed latent goes to the shard path, whose input check names it.
-                    StrategyChoice::chosen(Strategy::Shard(axis), format!("{shard} requested"))
-                } else {
-                    StrategyChoice::fallback_to_tile(format!(
-                        "{shard}: a latent {axis} of {extent} cannot give {ranks} rank(s) a row each; decoding with tiles"
-                    ))
+        match mode {
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Auto => self.auto(direction, input_dims, ranks),
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
+                match self.shard_fits(direction, input_dims, axis, ranks) {
+                    // A malformed input goes to the shard path, whose input check names it.
+                    Ok(()) => StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested")),
+                    Err(_) if input_dims.len() != 4 => {
+                        StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
+                    }
+                    Err(why) => StrategyChoice::fallback_to_tile(format!("{mode}: {why}; {verb} with tiles")),
                 }
             }
-            (Direction::Decode, _, None) => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
         }
     }
 
-    fn auto_decode(&self, dims: &[usize], ranks: usize) -> StrategyChoice {
+    /// Why `axis` of an `dims` input cannot be cut into `ranks` bands, if it cannot: a band is
+    /// at least one latent row (for an encode, the image rows of one, whole).
+    fn shard_fits(
+        &self,
+        direction: Direction,
+        dims: &[usize],
+        axis: ShardAxis,
+        ranks: usize,
+    ) -> std::result::Result<(), String> {
+        let extent = axis.dim_in(dims.len()).filter(|_| dims.len() == 4).map(|d| dims[d]).ok_or("not an NCHW input")?;
+        let (unit, what) = match direction {
+            Direction::Decode => (1, "latent"),
+            Direction::Encode => (self.config.spatial_scale(), "image"),
+        };
+        if !extent.is_multiple_of(unit) {
+            return Err(format!("an {what} {axis} of {extent} is not a multiple of {unit} (whole latent rows)"));
+        }
+        if !BandPartition::fits(extent / unit, ranks, 1) {
+            return Err(format!("a {what} {axis} of {extent} cannot give {ranks} rank(s) a latent row each"));
+        }
+        Ok(())
+    }
+
+    fn auto(&self, direction: Direction, dims: &[usize], ranks: usize) -> StrategyChoice {
         let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
         if ranks < 2 {
             return tile("one rank".into());
         }
-        let &[_, _, h, w] = dims else { return tile("not an image latent".into()) };
+        let &[_, _, h, w] = dims else { return tile("not an NCHW input".into()) };
         if !self.device.is_cpu() {
-            return tile(format!("this family's shard decode runs on the CPU, not {}", self.device));
+            return tile(format!("this family's shard runs on the CPU, not {}", self.device));
         }
-        if !self.tiling.needs_tiling_decode(h, w) {
-            return tile(format!("a {h}x{w} latent fits one tile"));
+        let tiled = match direction {
+            Direction::Decode => self.tiling.needs_tiling_decode(h, w),
+            Direction::Encode => self.tiling.needs_tiling_encode(h, w),
+        };
+        if !tiled {
+            return tile(format!("a {h}x{w} input fits one tile"));
         }
-        let axis = match (BandPartition::fits(h, ranks, 1), BandPartition::fits(w, ranks, 1)) {
-            (true, true) if h > w => ShardAxis::Height,
-            (_, true) => ShardAxis::Width,
-            (true, false) => ShardAxis::Height,
-            (false, false) => return tile(format!("a {h}x{w} latent cannot give {ranks} ranks a row each")),
+        let fits = |axis| self.shard_fits(direction, dims, axis, ranks);
+        let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
+            (Ok(()), Ok(())) if h > w => ShardAxis::Height,
+            (_, Ok(())) => ShardAxis::Width,
+            (Ok(()), Err(_)) => ShardAxis::Height,
+            (Err(why), Err(_)) => return tile(why),
         };
         StrategyChoice::chosen(
             Strategy::Shard(axis),
-            format!("auto: {axis} of a {h}x{w} latent, the exact direct decode"),
+            format!("auto: {axis} of a {h}x{w} input, the exact untiled result"),
         )
     }
 
@@ -478,9 +506,14 @@ impl AutoencoderKl {
     }
 
     pub(crate) fn encode_unchecked(&self, x: &Tensor) -> Result<Tensor> {
+        self.encode_on(x, &mut None)
+    }
+
+    /// The moments of an image, or of this rank's band of one (`quant_conv` is 1×1: local).
+    pub(crate) fn encode_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let mut uploaded = None;
         let x = on_device(x, self.device, self.dtype, &mut uploaded)?;
-        let moments = self.encoder.forward(x)?;
+        let moments = self.encoder.forward_on(x, band)?;
         to_host(match &self.quant_conv {
             Some(conv) => conv.forward(&moments)?,
             None => moments,

@@ -1,9 +1,10 @@
 //! Operators of the AutoencoderKL family for the distributed executor: diffusers'
 //! `tiled_decode` and `_tiled_encode` cut into split / exec / merge, the untiled paths as a
 //! single tile (so small inputs are computed once, by one rank, instead of on every rank), and
-//! the spatial-shard decode (each rank decodes a band of the latent: halo rows for every
-//! convolution, the whole map's GroupNorm statistics, the mid-block attention on the gathered
-//! map), whose output is the direct decode's bit for bit.
+//! the spatial shard (each rank decodes a band of the latent, or encodes a band of the image:
+//! halo rows for every convolution, the whole map's GroupNorm statistics, the mid-block
+//! attention with its own queries against the gathered map), whose output is the direct
+//! computation's bit for bit.
 
 use std::ops::Range;
 
@@ -149,40 +150,54 @@ fn check_memory(model: &AutoencoderKl, task: KlTask, input: &Tensor, extent: Map
     crate::checks::ensure_fits(output, b * widest * map_pixels * 4, advice)
 }
 
-/// The spatial-shard decode: each rank decodes its band of the latent's rows (or columns).
-pub struct KlShardDecodeOperator<'m> {
+/// The spatial shard: each rank decodes its band of the latent's rows (or columns), or encodes
+/// its band of the image's (cut between whole latent rows, so every strided convolution sees
+/// band edges on its stride grid).
+pub struct KlShardOperator<'m> {
     model: &'m AutoencoderKl,
+    task: KlTask,
     ranks: usize,
 }
 
-impl<'m> KlShardDecodeOperator<'m> {
-    /// An operator over `ranks` bands.
-    pub fn new(model: &'m AutoencoderKl, ranks: usize) -> Self {
-        Self { model, ranks }
+impl<'m> KlShardOperator<'m> {
+    /// An operator for `task` over `ranks` bands.
+    pub fn new(model: &'m AutoencoderKl, task: KlTask, ranks: usize) -> Self {
+        Self { model, task, ranks }
     }
 }
 
-impl ShardOperator for KlShardDecodeOperator<'_> {
-    /// Every convolution is 3×3 (halo 1) or 1×1 at its level's resolution, where a latent row
-    /// has become at least one row: a band of one latent row is enough.
-    fn geometry(&self, z: &Tensor, _: ShardAxis) -> Result<ShardGeometry, OperatorError> {
-        self.model.check_latent(z)?;
+impl ShardOperator for KlShardOperator<'_> {
+    /// Every convolution is 3×3 (halo 1), 1×1, or (encoding) 3×3 with stride 2 on a band of
+    /// even rows: a band of one latent row is enough. An encode's band unit is the image rows
+    /// of one latent row.
+    fn geometry(&self, input: &Tensor, _: ShardAxis) -> Result<ShardGeometry, OperatorError> {
+        match self.task {
+            KlTask::Decode => self.model.check_latent(input)?,
+            KlTask::Encode => self.model.check_image(input)?,
+        }
         if !self.model.device().is_cpu() {
             return Err(ModelError::Unsupported(format!(
-                "the {} shard decode runs on the CPU for now (its GroupNorm statistics are computed on the host); \
+                "the {} shard runs on the CPU for now (its GroupNorm statistics are computed on the host); \
                  use tile on {}",
                 self.model.config().variant.class_name(),
                 self.model.device()
             ))
             .into());
         }
-        check_memory(self.model, KlTask::Decode, z, MapExtent::Band(self.ranks))?;
-        Ok(ShardGeometry { min_band: 1 })
+        check_memory(self.model, self.task, input, MapExtent::Band(self.ranks))?;
+        let unit = match self.task {
+            KlTask::Decode => 1,
+            KlTask::Encode => self.model.config().spatial_scale(),
+        };
+        Ok(ShardGeometry { min_band: 1, unit })
     }
 
-    fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> Result<Tensor, OperatorError> {
-        let band = ctx.local_input(z)?;
-        Ok(self.model.decode_on(&band, &mut Some(ctx))?)
+    fn exec(&self, input: &Tensor, ctx: &mut ShardContext<'_>) -> Result<Tensor, OperatorError> {
+        let band = ctx.local_input(input)?;
+        Ok(match self.task {
+            KlTask::Decode => self.model.decode_on(&band, &mut Some(ctx))?,
+            KlTask::Encode => self.model.encode_on(&band, &mut Some(ctx))?,
+        })
     }
 
     fn finish(&self, assembled: Tensor) -> Result<Tensor, OperatorError> {

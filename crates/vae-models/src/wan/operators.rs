@@ -138,7 +138,7 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
     fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
         self.model.check_latent(z)?;
         self.model.check_memory(true, z.dims(), MapExtent::Banded)?;
-        Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis) })
+        Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis), unit: 1 })
     }
 
     fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {

@@ -22,24 +22,38 @@ pub(super) struct ShardStrategy<'o, O> {
     pub(super) axis: ShardAxis,
 }
 
+/// The bands of a request, in units of `unit` input rows.
+#[derive(Debug, Clone)]
+pub(super) struct BandPlan {
+    bands: BandPartition,
+    unit: usize,
+}
+
 impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
-    type Plan = BandPartition;
+    type Plan = BandPlan;
     /// This rank's output band (`None` beyond the parallel size).
     type Local = Option<Tensor>;
 
-    /// Bands from the input alone: no narrower than the operator's widest halo.
-    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<BandPartition, String> {
+    /// Bands from the input alone: no narrower than the operator's widest halo, cut between
+    /// whole units.
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<BandPlan, String> {
         let axis = self.axis;
         guarded(|| self.op.geometry(input, axis)).and_then(|geometry| {
             let dim = axis
                 .dim_in(input.rank())
                 .ok_or_else(|| format!("cannot shard the {axis} of an input of shape {}", input.shape()))?;
-            BandPartition::new(input.dims()[dim], exec.parallel_size, geometry.min_band).map_err(|e| e.to_string())
+            let (extent, unit) = (input.dims()[dim], geometry.unit.max(1));
+            if !extent.is_multiple_of(unit) {
+                return Err(format!("an input {axis} of {extent} is not a whole number of bands of {unit}"));
+            }
+            let bands =
+                BandPartition::new(extent / unit, exec.parallel_size, geometry.min_band).map_err(|e| e.to_string())?;
+            Ok(BandPlan { bands, unit })
         })
     }
 
-    fn plan_size(bands: &BandPartition) -> usize {
-        bands.extent()
+    fn plan_size(plan: &BandPlan) -> usize {
+        plan.bands.extent() * plan.unit
     }
 
     fn disagreement(extents: &[usize]) -> Option<String> {
@@ -55,17 +69,18 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         &self,
         exec: &DistributedVaeExecutor,
         input: &Tensor,
-        bands: &BandPartition,
+        plan: &BandPlan,
         timings: &mut PhaseTimings,
     ) -> Result<(Option<Tensor>, RankWork), RuntimeError> {
         let clock = Instant::now();
         let rank = exec.comm.rank();
-        let band = bands.band(rank);
+        let band = plan.bands.band(rank);
         let mut traffic = ShardTraffic::default();
         let local = match band {
             None => None,
             Some(_) => {
-                let mut ctx = ShardContext::new(exec.comm.as_ref(), self.axis, bands.clone(), rank);
+                let mut ctx =
+                    ShardContext::new(exec.comm.as_ref(), self.axis, plan.bands.clone(), rank).with_unit(plan.unit);
                 let out = guarded(|| self.op.exec(input, &mut ctx));
                 traffic = ctx.traffic();
                 match out {
@@ -96,7 +111,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         &self,
         exec: &DistributedVaeExecutor,
         _: &Tensor,
-        bands: &BandPartition,
+        plan: &BandPlan,
         local: Option<Tensor>,
         timings: &mut PhaseTimings,
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
@@ -120,7 +135,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         let merged = gathered.map(|parts| {
             local
                 .ok_or_else(|| "the owner computed no band".to_string())
-                .and_then(|own| assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, bands))
+                .and_then(|own| assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.bands))
                 .and_then(|full| guarded(|| self.op.finish(full)))
                 .map_err(|message| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message })
         });
