@@ -167,3 +167,23 @@ pub fn kl_case_output(
         other => panic!("unknown op {other:?}"),
     }
 }
+
+/// Runs `op` as a spatial shard of `input` along `axis` on `world` local ranks (owner-only
+/// output); returns the owner's output and every rank's report.
+pub fn shard_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
+    op: &O,
+    input: &vae_tensor::Tensor,
+    axis: vae_runtime::ShardAxis,
+    world: usize,
+) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
+    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
+    let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
+        exec.execute_sharded(input, op, axis, OutputPlacement::OwnerOnly).unwrap()
+    })
+    .unwrap();
+    let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    let tensor = outs[0].tensor.take().expect("rank 0 owns the output");
+    assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
+    (tensor, outs.into_iter().map(|o| o.report).collect())
+}

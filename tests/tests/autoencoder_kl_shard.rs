@@ -2,14 +2,11 @@
 //! FLUX.2) on local and socket ranks against the single-rank direct decode: bit for bit, on
 //! every rank count and along either axis, with the whole map's GroupNorm statistics exchanged.
 
-use std::sync::Arc;
-
 use vae_integration_tests::fixtures_dir;
 use vae_models::autoencoder_kl::{AutoencoderKl, KlShardOperator, KlTask};
 use vae_parallel::io::read_npy;
-use vae_runtime::{DistributedVaeExecutor, OutputPlacement, RankReport, ShardAxis, StrategyReport};
+use vae_runtime::{RankReport, ShardAxis, StrategyReport};
 use vae_tensor::Tensor;
-use vae_transport::{TransportConfig, run_local};
 
 /// The GroupNorm families of the fixtures.
 const MODELS: [&str; 3] = ["sd_like", "flux1_like", "flux2_like"];
@@ -31,16 +28,7 @@ fn shard(
     axis: ShardAxis,
     world: usize,
 ) -> (Tensor, Vec<RankReport>) {
-    let op = KlShardOperator::new(model, task, world);
-    let results = run_local(world, TransportConfig::default(), |comm| {
-        let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-        exec.execute_sharded(input, &op, axis, OutputPlacement::OwnerOnly).unwrap()
-    })
-    .unwrap();
-    let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    let tensor = outs[0].tensor.take().expect("rank 0 owns the output");
-    assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
-    (tensor, outs.into_iter().map(|o| o.report).collect())
+    vae_integration_tests::shard_on_local_ranks(&KlShardOperator::new(model, task, world), input, axis, world)
 }
 
 #[test]

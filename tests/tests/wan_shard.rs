@@ -24,16 +24,7 @@ fn latent(dims: [usize; 5], seed: u64) -> Tensor {
 
 /// Shard-decodes `z` on `world` local ranks; returns the owner's output and every report.
 fn shard_decode(model: &WanVae, z: &Tensor, axis: ShardAxis, world: usize) -> (Tensor, Vec<RankReport>) {
-    let op = WanShardDecodeOperator::new(model);
-    let results = run_local(world, TransportConfig::default(), |comm| {
-        let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-        exec.execute_sharded(z, &op, axis, OutputPlacement::OwnerOnly).unwrap()
-    })
-    .unwrap();
-    let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    let tensor = outs[0].tensor.take().expect("rank 0 owns the output");
-    assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
-    (tensor, outs.into_iter().map(|o| o.report).collect())
+    vae_integration_tests::shard_on_local_ranks(&WanShardDecodeOperator::new(model), z, axis, world)
 }
 
 #[test]
