@@ -326,24 +326,13 @@ impl SpatialAttention {
     }
 
     /// [`Self::forward`] on a map or a band of one: every position attends to all the others,
-    /// so a band gathers the whole map for the keys and values, and attends with its own
-    /// positions' queries only (the attention's work and score blocks split by the ranks).
+    /// so a band gathers the whole map, computes it as one device would, and keeps its band.
+    /// (Attending with the band's queries alone would split the work, but the GEMMs' results
+    /// for a row depend on how many rows they multiply at once, which breaks bit-identity.)
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
-        // [B, C, H, W] → [B, H·W, C], positions in row-major order.
-        let tokens = |t: &Tensor| -> Result<Tensor> {
-            let d = t.dims();
-            Ok(t.reshape(vec![d[0], d[1], d[2..].iter().product()])?.transpose(1, 2)?)
-        };
-        let normed = self.group_norm.forward(&ctx.all_gather_map(x)?)?;
-        let k = self.to_k.forward(&tokens(&normed)?)?;
-        let v = self.to_v.forward(&tokens(&normed)?)?;
-        let q = self.to_q.forward(&tokens(&ctx.own_band(&normed)?)?)?;
-        drop(normed);
-        let attended = Tensor::attention(&q, &k, &v)?;
-        let mut out = self.to_out.forward(&attended)?.transpose(1, 2)?.reshape(x.dims().to_vec())?;
-        out.add_assign(x)?;
-        Ok(out)
+        let full = ctx.all_gather_map(x)?;
+        Ok(ctx.own_band(&self.forward(&full)?)?)
     }
 }
 

@@ -532,6 +532,20 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     let (ok, text) = cli(&decode_on("3", s(&model), s(&latent), s(&sharded), &shard));
     assert!(ok, "{text}");
     assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&sharded).unwrap(), "shard = direct, byte for byte");
+    // The encode too (bands of whole latent rows).
+    let (direct, sharded) = (dir.join("akl-enc-direct.npy"), dir.join("akl-enc-shard.npy"));
+    let image = f.join("sd_like.encode.in.npy");
+    let encode = |ranks: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec!["encode", "--model", s(&model), "--input", s(&image), "--out", s(out)];
+        args.extend(["--output", "moments", "--vae-patch-parallel-size", ranks]);
+        args.extend(extra);
+        cli(&args)
+    };
+    let (ok, text) = encode("1", &direct, &[]);
+    assert!(ok, "{text}");
+    let (ok, text) = encode("2", &sharded, &["--vae-parallel-mode", "spatial_shard_height", "--transport", "socket"]);
+    assert!(ok && text.contains("shard-height"), "{text}");
+    assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&sharded).unwrap(), "shard encode = direct");
 }
 
 /// Outputs go in place only when the whole request succeeded, never through a planted link, and

@@ -3,8 +3,7 @@
 //! single tile (so small inputs are computed once, by one rank, instead of on every rank), and
 //! the spatial shard (each rank decodes a band of the latent, or encodes a band of the image:
 //! halo rows for every convolution, the whole map's GroupNorm statistics, the mid-block
-//! attention with its own queries against the gathered map), whose output is the direct
-//! computation's bit for bit.
+//! attention on the gathered map), whose output is the direct computation's bit for bit.
 
 use std::ops::Range;
 

@@ -168,33 +168,18 @@ impl AttentionBlock {
         })
     }
 
-    /// On a band, attention needs every position of the frame: the whole map is gathered for
-    /// the keys and values, and the band's own positions' queries attend to them (the
-    /// attention's work splits by the ranks; each query's result is the direct one's).
+    /// On a band, attention needs every position of the frame: the whole map is gathered,
+    /// attended (the same computation on every rank) and this rank keeps its band. (Attending
+    /// with the band's queries alone would split the work, but the GEMMs' results for a row
+    /// depend on how many rows they multiply at once, which breaks bit-identity.)
     pub(super) fn forward_on(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
-        let Some(ctx) = pass.band.as_deref_mut() else { return self.forward(x) };
-        let full = ctx.all_gather_map(x)?;
-        let d = full.dims().to_vec();
-        let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
-        let frames = full.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
-        drop(full);
-        let qkv = self.to_qkv.forward(&self.norm.forward(&frames)?)?;
-        drop(frames);
-        // [B·T, C, h, w] → [B·T, h·w, C]: positions in row-major order.
-        let tokens = |m: &Tensor| -> Result<Tensor> {
-            let md = m.dims();
-            Ok(m.reshape(vec![md[0], md[1], md[2] * md[3]])?.transpose(1, 2)?)
-        };
-        let q = ctx.own_band(&qkv.narrow(1, 0, c)?)?;
-        let (bh, bw) = (q.dims()[2], q.dims()[3]);
-        let attended =
-            Tensor::attention(&tokens(&q)?, &tokens(&qkv.narrow(1, c, c)?)?, &tokens(&qkv.narrow(1, 2 * c, c)?)?)?;
-        drop(qkv);
-        let attended = attended.transpose(1, 2)?.reshape(vec![b * t, c, bh, bw])?;
-        let out = self.proj.forward(&attended)?;
-        let mut out = out.reshape(vec![b, t, c, bh, bw])?.permute(&[0, 2, 1, 3, 4])?;
-        out.add_assign(x)?;
-        Ok(out)
+        match pass.band.as_deref_mut() {
+            None => self.forward(x),
+            Some(ctx) => {
+                let full = ctx.all_gather_map(x)?;
+                Ok(ctx.own_band(&self.forward(&full)?)?)
+            }
+        }
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
