@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use vae_integration_tests::fixtures_dir;
-use vae_models::wan::{WanShardDecodeOperator, WanVae};
+use vae_models::wan::{WanShardDecodeOperator, WanShardEncodeOperator, WanVae};
 use vae_runtime::{
     DistributedVaeExecutor, OutputPlacement, ParallelMode, RankReport, ShardAxis, Strategy, StrategyReport,
 };
@@ -65,6 +65,43 @@ fn shard_decode_equals_the_direct_decode_on_two_to_four_ranks_for_every_family()
     {
         println!("max |shard - direct| = {worst:e}; bit-identical: {} of 18: {bit_identical:?}", bit_identical.len());
     }
+}
+
+/// The encode shards too, cut between whole latent rows (8 pixel rows; 16 for Wan2.2's
+/// patchified input): bit-identical to the direct encode on 1–4 ranks, along either axis.
+#[test]
+fn shard_encode_equals_the_direct_encode_bit_for_bit_for_every_family() {
+    let mut cases = 0;
+    for (family, name) in MODELS {
+        let model = load(family, name);
+        let unit = 8 * model.config().patch_size.filter(|p| *p > 1).unwrap_or(1);
+        // Five frames (two chunks), latent extents of 5 x 7 (a multiple of no rank count).
+        let x = vae_integration_tests::random_tensor(&[1, 3, 5, 5 * unit, 7 * unit], 4);
+        let direct = model.encode_moments(&x).unwrap();
+        for axis in [ShardAxis::Height, ShardAxis::Width] {
+            for world in 1..=4 {
+                let op = WanShardEncodeOperator::new(&model);
+                let (got, reports) = vae_integration_tests::shard_on_local_ranks(&op, &x, axis, world);
+                assert_eq!(got.dims(), direct.dims(), "{name} {axis} {world}");
+                assert!(
+                    got.bit_eq(&direct),
+                    "{name} shard encode {axis} on {world} ranks: max |shard - direct| = {}",
+                    got.max_abs_diff(&direct).unwrap()
+                );
+                for r in &reports {
+                    let StrategyReport::Shard { band: Some(band), traffic, .. } = &r.strategy else {
+                        panic!("rank {} ran {:?}", r.rank, r.strategy);
+                    };
+                    assert!(!band.is_empty(), "{name} rank {}", r.rank);
+                    if world > 1 {
+                        assert!(traffic.halo_bytes_sent > 0, "{name} rank {}", r.rank);
+                    }
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 2 * 4);
 }
 
 #[test]
@@ -134,9 +171,18 @@ fn forced_axes_fall_back_to_tile_with_a_reason_and_are_never_swapped() {
     // A shard request applies at any size that fits, below the tiling threshold too.
     let small = model.decode_strategy(ParallelMode::SpatialShardHeight, &[1, 16, 1, 2, 2], 2);
     assert_eq!(small.strategy, Strategy::Shard(ShardAxis::Height));
-    // Encode runs as tiles in every mode; a forced shard mode says so.
-    assert!(model.encode_strategy(ParallelMode::SpatialShardWidth).fallback);
-    assert!(!model.encode_strategy(ParallelMode::Auto).fallback);
+    // An encode shards in whole latent rows (8 pixels here): a width of 60 cannot.
+    let enc = |mode, dims: &[usize], ranks| model.encode_strategy(mode, dims, ranks);
+    let forced = enc(ParallelMode::SpatialShardWidth, &[1, 3, 5, 40, 64], 2);
+    assert_eq!(forced.strategy, Strategy::Shard(ShardAxis::Width));
+    let odd = enc(ParallelMode::SpatialShardWidth, &[1, 3, 5, 40, 60], 2);
+    assert!(odd.fallback && odd.reason.contains("not a multiple of 8"), "{}", odd.reason);
+    let small = enc(ParallelMode::Auto, &[1, 3, 5, 40, 64], 2);
+    assert!(small.strategy == Strategy::Tile && !small.fallback, "frames within one tile: {}", small.reason);
+    let t = model.tiling();
+    let (th, tw) = (t.tile_sample_min_height, t.tile_sample_min_width);
+    let big = enc(ParallelMode::Auto, &[1, 3, 5, th + 8, tw + 40], 2);
+    assert_eq!(big.strategy, Strategy::Shard(ShardAxis::Width), "{}", big.reason);
 }
 
 /// The allocator high-water mark of a plain decode on a fresh thread, above what was live.

@@ -238,27 +238,32 @@ impl Downsample2d {
         self.conv.forward(x)
     }
 
-    /// [`Self::forward`] on a map or a band of one whose edges lie on the stride grid (even
-    /// start and length): output row `i` reads input rows `2i..2i + 3`, so a band takes one
-    /// row of the next band (a zero row past the map's bottom, diffusers' padding) and none of
-    /// the previous.
+    /// [`Self::forward`] on a map or a band of one ([`downsample_on`]).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
-        let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
-        let (dim, padding) = match ctx.axis() {
-            ShardAxis::Height => (2, [0, 0, 0, 1]),
-            ShardAxis::Width => (3, [0, 1, 0, 0]),
-        };
-        let len = x.dims()[dim];
-        if !len.is_multiple_of(2) {
-            return Err(crate::ModelError::InvalidInput(format!(
-                "a band of {len} rows is not on the stride grid of a downsampling convolution"
-            )));
-        }
-        let halo = ctx.with_halo(x, 1)?;
-        let below = halo.narrow(dim, 1, len + 1)?;
-        drop(halo);
-        self.conv.forward_with(&below, &Conv2dParams { padding, ..*self.conv.params() })
+        downsample_on(&self.conv, x, band)
     }
+}
+
+/// A diffusers downsampling convolution (pad right and bottom by one, 3×3, stride 2) on a map or
+/// a band of one whose edges lie on the stride grid (even start and length): output row `i`
+/// reads input rows `2i..2i + 3`, so a band takes one row of the next band (a zero row past the
+/// map's bottom, diffusers' padding) and none of the previous.
+pub(crate) fn downsample_on(conv: &Conv2d, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+    let Some(ctx) = band.as_deref_mut() else { return conv.forward(x) };
+    let (dim, padding) = match ctx.axis() {
+        ShardAxis::Height => (2, [0, 0, 0, 1]),
+        ShardAxis::Width => (3, [0, 1, 0, 0]),
+    };
+    let len = x.dims()[dim];
+    if !len.is_multiple_of(2) {
+        return Err(crate::ModelError::InvalidInput(format!(
+            "a band of {len} rows is not on the stride grid of a downsampling convolution"
+        )));
+    }
+    let halo = ctx.with_halo(x, 1)?;
+    let below = halo.narrow(dim, 1, len + 1)?;
+    drop(halo);
+    conv.forward_with(&below, &Conv2dParams { padding, ..*conv.params() })
 }
 
 /// diffusers `Upsample2D(use_conv=True)`: nearest 2× upsampling, then a 3×3 convolution.

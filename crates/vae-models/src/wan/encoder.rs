@@ -114,7 +114,9 @@ impl Encoder {
         })
     }
 
-    /// One chunk of frames through the encoder (on the whole map: encode does not shard).
+    /// One chunk of frames through the encoder, on the whole map or on the pass's band (of whole
+    /// latent rows): convs take halos through the cache, the downsampling convs one row of the
+    /// next band, the attention the gathered map; norms and the AvgDown3D shortcut are local.
     pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
         let mut x = pass.cached_conv(&self.conv_in, x)?;
         for layer in &self.layers {
@@ -125,7 +127,7 @@ impl Encoder {
             };
         }
         let x = self.mid_resnets[0].forward(&x, pass)?;
-        let x = self.mid_attention.forward(&x)?;
+        let x = self.mid_attention.forward_on(&x, pass)?;
         let x = self.mid_resnets[1].forward(&x, pass)?;
         let x = self.norm_out.forward_silu(&x)?;
         pass.cached_conv(&self.conv_out, &x)

@@ -7,7 +7,7 @@ use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyC
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::{VideoVaeClass, WanVae};
-use super::operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator};
+use super::operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanShardEncodeOperator};
 use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
@@ -46,7 +46,7 @@ impl LoadedVae for WanVae {
     fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice {
         match direction {
             Direction::Decode => self.decode_strategy(mode, input_dims, ranks),
-            Direction::Encode => self.encode_strategy(mode),
+            Direction::Encode => self.encode_strategy(mode, input_dims, ranks),
         }
     }
 
@@ -107,10 +107,7 @@ impl LoadedVae for WanVae {
                 executor.execute(input, &WanEncodeOperator::new(self, run.use_tiling), placement)?
             }
             (Direction::Encode, Strategy::Shard(axis)) => {
-                return Err(ModelError::Unsupported(format!(
-                    "{} encodes with tiles; it has no {axis} spatial-shard encode",
-                    self.class_name()
-                )));
+                executor.execute_sharded(input, &WanShardEncodeOperator::new(self), axis, placement)?
             }
         })
     }

@@ -23,4 +23,4 @@ mod resample;
 pub use config::WanConfig;
 pub use family::FAMILY;
 pub use model::{VideoVaeClass, WanVae};
-pub use operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator};
+pub use operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanShardEncodeOperator};

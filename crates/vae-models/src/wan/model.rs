@@ -207,6 +207,11 @@ impl WanVae {
         }
     }
 
+    /// Pixel rows of one latent row: the encoder's spatial halvings times the patch size.
+    pub(super) fn encode_band_unit(&self) -> usize {
+        (1usize << self.config.dim_mult.len().saturating_sub(1)) * self.patch()
+    }
+
     pub(super) fn patch(&self) -> usize {
         self.config.patch_size.filter(|p| *p > 1).unwrap_or(1)
     }
@@ -241,12 +246,17 @@ impl WanVae {
 
     /// The chunked causal encode of one (tile of a) video with a fresh cache, then `quant_conv`.
     pub(super) fn encode_frames(&self, x: &Tensor) -> Result<Tensor> {
+        self.encode_frames_on(x, None)
+    }
+
+    /// [`Self::encode_frames`] of a video, or of this rank's band of one (whole latent rows).
+    pub(super) fn encode_frames_on(&self, x: &Tensor, band: Option<&mut ShardContext<'_>>) -> Result<Tensor> {
         let mut uploaded = None;
         let x = on_device(x, self.device, self.dtype, &mut uploaded)?;
         let encoder = &self.encoder;
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
-        let mut pass = Pass::new(None);
+        let mut pass = Pass::new(band);
         let mut outs = Vec::with_capacity(chunks);
         for i in 0..chunks {
             vae_runtime::cancel::check()?;

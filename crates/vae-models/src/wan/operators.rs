@@ -154,3 +154,38 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
         self.model.device()
     }
 }
+
+/// Wan / Qwen-Image encode sharded along one spatial axis: the plain encode, each rank running
+/// the encoder on its band of the video, cut between whole latent rows (the pixel rows of one,
+/// patchified for Wan2.2), with halo exchanges; the moments' bands assembled on the owner.
+pub struct WanShardEncodeOperator<'m> {
+    model: &'m WanVae,
+}
+
+impl<'m> WanShardEncodeOperator<'m> {
+    /// The sharded encode of `model`.
+    pub fn new(model: &'m WanVae) -> Self {
+        Self { model }
+    }
+}
+
+impl ShardOperator for WanShardEncodeOperator<'_> {
+    fn geometry(&self, x: &Tensor, _: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        self.model.check_video(x)?;
+        self.model.check_memory(false, x.dims(), MapExtent::Banded)?;
+        Ok(ShardGeometry { min_band: 1, unit: self.model.encode_band_unit() })
+    }
+
+    fn exec(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
+        let band = ctx.local_input(x)?;
+        Ok(self.model.encode_frames_on(&self.model.patchify_input(&band)?, Some(ctx))?)
+    }
+
+    fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
+        Ok(assembled)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}

@@ -75,14 +75,58 @@ impl WanVae {
         }
     }
 
-    /// This family's encode policy: tiles in every mode (spatial shard is decode-only, as in
-    /// the reference); a forced shard mode is flagged as a fallback.
-    pub fn encode_strategy(&self, mode: ParallelMode) -> StrategyChoice {
+    /// This family's encode policy, from global quantities only:
+    ///
+    /// - `spatial_shard_height` / `_width`: that axis whenever the video's extent is a whole
+    ///   number of latent rows ([`WanVae::encode_band_unit`] pixels) and every rank gets one;
+    ///   otherwise tiles, flagged as a fallback.
+    /// - `auto`: where tiling would otherwise be used (two ranks or more, frames larger than a
+    ///   tile), the shard along the longer axis that fits (width on ties); otherwise tiles.
+    /// - `tile`: tiles.
+    pub fn encode_strategy(&self, mode: ParallelMode, dims: &[usize], ranks: usize) -> StrategyChoice {
+        let unit = self.encode_band_unit();
+        let fits = |axis: ShardAxis| -> std::result::Result<(), String> {
+            let extent = axis.dim_in(dims.len()).filter(|_| dims.len() == 5).map(|d| dims[d]).ok_or("not a video")?;
+            if !extent.is_multiple_of(unit) {
+                return Err(format!("a video {axis} of {extent} is not a multiple of {unit} (whole latent rows)"));
+            }
+            if !BandPartition::fits(extent / unit, ranks, 1) {
+                return Err(format!("a video {axis} of {extent} cannot give {ranks} rank(s) a latent row each"));
+            }
+            Ok(())
+        };
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
-            ParallelMode::Auto => StrategyChoice::chosen(Strategy::Tile, "auto: encode runs as tiles"),
-            shard => {
-                StrategyChoice::fallback_to_tile(format!("{shard}: spatial shard is decode-only; encoding with tiles"))
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
+                match fits(axis) {
+                    Ok(()) => StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested")),
+                    // A malformed video goes to the shard path, whose input check names it.
+                    Err(_) if dims.len() != 5 => {
+                        StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
+                    }
+                    Err(why) => StrategyChoice::fallback_to_tile(format!("{mode}: {why}; encoding with tiles")),
+                }
+            }
+            ParallelMode::Auto => {
+                let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
+                if ranks < 2 {
+                    return tile("one rank".into());
+                }
+                let &[_, _, _, h, w] = dims else { return tile("not a video".into()) };
+                if !self.tiling().needs_tiling_encode(h, w) {
+                    return tile(format!("{h}x{w} frames fit one tile"));
+                }
+                let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
+                    (Ok(()), Ok(())) if h > w => ShardAxis::Height,
+                    (_, Ok(())) => ShardAxis::Width,
+                    (Ok(()), Err(_)) => ShardAxis::Height,
+                    (Err(why), Err(_)) => return tile(why),
+                };
+                StrategyChoice::chosen(
+                    Strategy::Shard(axis),
+                    format!("auto: {axis} of {h}x{w} frames, the exact untiled encode"),
+                )
             }
         }
     }

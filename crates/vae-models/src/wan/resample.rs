@@ -127,7 +127,8 @@ impl Downsample {
         let d = x.dims().to_vec();
         let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
         let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
-        let down = self.conv.forward(&frames)?;
+        // On a band (of whole latent rows: even), one halo row of the next band.
+        let down = crate::layers::downsample_on(&self.conv, &frames, &mut pass.band)?;
         let (co, ho, wo) = (down.dims()[1], down.dims()[2], down.dims()[3]);
         let x = down.reshape(vec![b, t, co, ho, wo])?.permute(&[0, 2, 1, 3, 4])?;
         let Some(time_conv) = &self.time_conv else { return Ok(x) };
