@@ -12,6 +12,9 @@ reused while its ``bench_seed.txt`` (seed and config) matches:
 - ``flux1``: ``AutoencoderKL`` in the FLUX.1 / Z-Image geometry (same blocks, latent_channels
   16, no quant_conv / post_quant_conv, scaling_factor 0.3611, shift_factor 0.1159). Latents
   ``[1, 16, size/8, size/8]``.
+- ``flux2``: ``AutoencoderKLFlux2`` in its default (FLUX.2) geometry (same blocks,
+  latent_channels 32, quant convs, BatchNorm statistics of the patchified latents). Latents
+  ``[1, 32, size/8, size/8]``.
 - ``wan21``: ``AutoencoderKLWan`` with Wan2.1's geometry (base_dim 96, z_dim 16, dim_mult 1, 2,
   4, 4, num_res_blocks 2). Latents ``[1, 16, 3, size/8, size/8]`` (9 output frames).
 
@@ -52,7 +55,7 @@ A configuration that fails prints a line with an ``"error"`` field (the exceptio
 or the exit status) instead of numbers, and the others still run.
 
 Usage:
-    python scripts/bench_diffusers.py [--family sd|flux1|wan21] [--task decode|encode] [--out DIR]
+    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21] [--task decode|encode] [--out DIR]
         [--iters N] [--sizes 256,512] [--threads 1,2] [--dtypes f32,bf16] [--layouts nchw,channels_last]
     python scripts/bench_diffusers.py --prepare-only [--family F] [--task T] [--sizes S]   # model and inputs only
 """
@@ -69,7 +72,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("sd", "flux1", "wan21")
+FAMILIES = ("sd", "flux1", "flux2", "wan21")
 LAYOUTS = ("nchw", "channels_last")
 DTYPES = ("f32", "bf16")
 FAMILY = "sd"  # set from --family before anything runs
@@ -86,6 +89,9 @@ def default_out(family: str) -> Path:
 
 
 def model_config() -> dict:
+    if FAMILY == "flux2":
+        # AutoencoderKLFlux2's defaults are FLUX.2's geometry (32 latent channels, quant convs).
+        return dict(block_out_channels=(128, 256, 512, 512), latent_channels=32, sample_size=1024)
     if FAMILY == "wan21":
         return dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
     common = dict(
@@ -129,9 +135,9 @@ def model_config() -> dict:
 
 
 def model_class():
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLWan
 
-    return AutoencoderKLWan if FAMILY == "wan21" else AutoencoderKL
+    return {"wan21": AutoencoderKLWan, "flux2": AutoencoderKLFlux2}.get(FAMILY, AutoencoderKL)
 
 
 def seed_tag() -> str:
@@ -146,7 +152,7 @@ def input_shape(task: str, size: int) -> tuple[int, ...]:
     latent = size // SCALE
     if FAMILY == "wan21":
         return (1, 16, WAN_LATENT_FRAMES, latent, latent)
-    return (1, 16 if FAMILY == "flux1" else 4, latent, latent)
+    return (1, {"flux1": 16, "flux2": 32}.get(FAMILY, 4), latent, latent)
 
 
 def input_path(out: Path, task: str, size: int) -> Path:
