@@ -83,4 +83,23 @@ impl StrategyChoice {
     pub fn fallback_to_tile(reason: impl Into<String>) -> Self {
         Self { strategy: Strategy::Tile, reason: reason.into(), fallback: true }
     }
+
+    /// `auto`'s choice of axis for an `h × w` input: the longer axis of those `fits` accepts
+    /// (width on ties), or tiles with the reason the height does not fit when neither does.
+    /// `what` names the input in the reason ("a 60x104 latent").
+    pub fn auto_axis(
+        h: usize,
+        w: usize,
+        what: &str,
+        fits: impl Fn(vae_planner::ShardAxis) -> Result<(), String>,
+    ) -> Self {
+        use vae_planner::ShardAxis::{Height, Width};
+        let axis = match (fits(Height), fits(Width)) {
+            (Ok(()), Ok(())) if h > w => Height,
+            (_, Ok(())) => Width,
+            (Ok(()), Err(_)) => Height,
+            (Err(why), Err(_)) => return Self::chosen(Strategy::Tile, format!("auto: {why}; tiles")),
+        };
+        Self::chosen(Strategy::Shard(axis), format!("auto: {axis} of {what}, the exact untiled result"))
+    }
 }

@@ -445,17 +445,9 @@ impl AutoencoderKl {
         if !tiled {
             return tile(format!("a {h}x{w} input fits one tile"));
         }
-        let fits = |axis| self.shard_fits(direction, dims, axis, ranks);
-        let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
-            (Ok(()), Ok(())) if h > w => ShardAxis::Height,
-            (_, Ok(())) => ShardAxis::Width,
-            (Ok(()), Err(_)) => ShardAxis::Height,
-            (Err(why), Err(_)) => return tile(why),
-        };
-        StrategyChoice::chosen(
-            Strategy::Shard(axis),
-            format!("auto: {axis} of a {h}x{w} input, the exact untiled result"),
-        )
+        StrategyChoice::auto_axis(h, w, &format!("a {h}x{w} input"), |axis| {
+            self.shard_fits(direction, dims, axis, ranks)
+        })
     }
 
     /// Checks a latent: `[B, latent_channels, H, W]`, finite.

@@ -117,16 +117,7 @@ impl WanVae {
                 if !self.tiling().needs_tiling_encode(h, w) {
                     return tile(format!("{h}x{w} frames fit one tile"));
                 }
-                let axis = match (fits(ShardAxis::Height), fits(ShardAxis::Width)) {
-                    (Ok(()), Ok(())) if h > w => ShardAxis::Height,
-                    (_, Ok(())) => ShardAxis::Width,
-                    (Ok(()), Err(_)) => ShardAxis::Height,
-                    (Err(why), Err(_)) => return tile(why),
-                };
-                StrategyChoice::chosen(
-                    Strategy::Shard(axis),
-                    format!("auto: {axis} of {h}x{w} frames, the exact untiled encode"),
-                )
+                StrategyChoice::auto_axis(h, w, &format!("{h}x{w} frames"), fits)
             }
         }
     }
