@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use vae_planner::{BandPartition, ShardAxis};
 use vae_tensor::{DType, Device, DeviceMemory, GroupExtrema, GroupMoments, GroupPartial, Shape, Tensor};
+use vae_transport::wire::{Reader, Writer};
 use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
 
 use crate::RuntimeError;
@@ -71,7 +72,8 @@ pub struct ShardTraffic {
     pub map_bytes_sent: u64,
     /// Time spent in full-map gathers (assembly included).
     pub map_time: Duration,
-    /// Exchanges of GroupNorm statistics (two or three per norm).
+    /// Exchanges of GroupNorm statistics (two or three per norm, 32 bytes per sample and group
+    /// to each peer).
     pub norm_exchanges: u64,
     /// Bytes this rank sent as GroupNorm statistics.
     pub norm_bytes_sent: u64,
@@ -297,12 +299,13 @@ impl<'c> ShardContext<'c> {
     /// everyone's (exact, so the order does not matter; rank order is kept anyway).
     fn merge_partials(&mut self, own: Vec<GroupPartial>) -> Result<Vec<GroupPartial>, RuntimeError> {
         let clock = Instant::now();
-        let mut message = Vec::with_capacity(own.len() * 24);
+        let mut message = Writer::new();
         for p in &own {
-            message.extend_from_slice(&p.extrema.min.to_le_bytes());
-            message.extend_from_slice(&p.extrema.max.to_le_bytes());
-            message.extend_from_slice(&p.sum.to_le_bytes());
+            let sum = p.sum as u128;
+            message.u64(u64::from(p.extrema.min.to_bits())).u64(u64::from(p.extrema.max.to_bits()));
+            message.u64(sum as u64).u64((sum >> 64) as u64);
         }
+        let message = message.into_bytes();
         let peers: Vec<usize> = (0..self.ranks()).filter(|&r| r != self.rank).collect();
         let mut received: Vec<Vec<u8>> = vec![Vec::new(); peers.len()];
         {
@@ -314,19 +317,19 @@ impl<'c> ShardContext<'c> {
             self.comm.exchange_bytes(vae_transport::DataType::U8, &mut legs)?;
         }
         let mut merged = own;
-        for (peer, bytes) in peers.iter().zip(&received) {
-            if bytes.len() != message.len() {
-                return Err(RuntimeError::Protocol(format!(
-                    "rank {}: {} bytes of GroupNorm statistics from rank {peer}, expected {}",
-                    self.rank,
-                    bytes.len(),
-                    message.len()
-                )));
+        for bytes in &received {
+            let mut rd = Reader::new(bytes, "GroupNorm statistics");
+            for m in merged.iter_mut() {
+                let bits = |v: u64| f32::from_bits(v as u32);
+                let extrema = GroupExtrema { min: bits(rd.u64()?), max: bits(rd.u64()?) };
+                let sum = (u128::from(rd.u64()?) | (u128::from(rd.u64()?) << 64)) as i128;
+                *m = m.merge(GroupPartial { extrema, sum });
             }
-            for (m, chunk) in merged.iter_mut().zip(bytes.chunks_exact(24)) {
-                let f = |at: usize| f32::from_le_bytes(chunk[at..at + 4].try_into().expect("4 bytes"));
-                let sum = i128::from_le_bytes(chunk[8..24].try_into().expect("16 bytes"));
-                *m = m.merge(GroupPartial { extrema: GroupExtrema { min: f(0), max: f(4) }, sum });
+            if !rd.rest().is_empty() {
+                return Err(RuntimeError::Protocol(format!(
+                    "rank {}: GroupNorm statistics of another size",
+                    self.rank
+                )));
             }
         }
         self.traffic.norm_exchanges += 1;
