@@ -439,18 +439,9 @@ mod tests {
     use super::*;
     use crate::Device;
 
+    /// Values in `[-0.3, 0.7) · spread + offset`.
     fn tensor(dims: &[usize], seed: u64, spread: f32, offset: f32) -> Tensor {
-        let n: usize = dims.iter().product();
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let data = (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.3) * spread + offset
-            })
-            .collect();
-        Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap()
+        Tensor::seeded_uniform(dims.to_vec(), seed, offset - 0.3 * spread, offset + 0.7 * spread, &Device::Cpu).unwrap()
     }
 
     #[test]
