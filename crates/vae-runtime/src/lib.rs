@@ -24,7 +24,7 @@ pub use executor::{
     DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, StrategyReport,
     TileMap, TileOperator, TilePlan, execute_serial,
 };
-pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode};
+pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands};
 pub use progress::{Progress, ProgressScope, ProgressSink};
 pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic};
 pub use stitch::StitchSpec;

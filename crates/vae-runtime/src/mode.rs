@@ -84,6 +84,23 @@ impl StrategyChoice {
         Self { strategy: Strategy::Tile, reason: reason.into(), fallback: true }
     }
 
+    /// A forced shard mode's choice along `axis`: the shard when `fit` is `Ok` (or the input is
+    /// malformed, `well_formed` false: the shard path's input check then names the problem),
+    /// tiles flagged as a fallback with the reason otherwise. `verb` says what the tiles do
+    /// ("decoding").
+    pub fn forced_shard(
+        mode: ParallelMode,
+        axis: vae_planner::ShardAxis,
+        fit: Result<(), String>,
+        well_formed: bool,
+        verb: &str,
+    ) -> Self {
+        match fit {
+            Err(why) if well_formed => Self::fallback_to_tile(format!("{mode}: {why}; {verb} with tiles")),
+            _ => Self::chosen(Strategy::Shard(axis), format!("{mode} requested")),
+        }
+    }
+
     /// `auto`'s choice of axis for an `h × w` input: the longer axis of those `fits` accepts
     /// (width on ties), or tiles with the reason the height does not fit when neither does.
     /// `what` names the input in the reason ("a 60x104 latent").
@@ -102,4 +119,23 @@ impl StrategyChoice {
         };
         Self::chosen(Strategy::Shard(axis), format!("auto: {axis} of {what}, the exact untiled result"))
     }
+}
+
+/// Whether an `axis` extent of `extent` rows cuts into `ranks` bands of whole units of `unit`
+/// rows, one unit at least each; why not, naming the input as `what` ("an image"), when not.
+pub fn whole_bands(
+    what: &str,
+    axis: vae_planner::ShardAxis,
+    extent: usize,
+    unit: usize,
+    ranks: usize,
+) -> Result<(), String> {
+    let unit = unit.max(1);
+    if !extent.is_multiple_of(unit) {
+        return Err(format!("{what} {axis} of {extent} is not a multiple of {unit} (whole latent rows)"));
+    }
+    if !vae_planner::BandPartition::fits(extent / unit, ranks, 1) {
+        return Err(format!("{what} {axis} of {extent} cannot give {ranks} rank(s) a latent row each"));
+    }
+    Ok(())
 }

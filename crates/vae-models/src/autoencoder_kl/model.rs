@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use vae_planner::{AutoencoderKlTiling, BandPartition, ShardAxis};
+use vae_planner::{AutoencoderKlTiling, ShardAxis};
 use vae_runtime::{ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
@@ -394,14 +394,8 @@ impl AutoencoderKl {
             ParallelMode::Auto => self.auto(direction, input_dims, ranks),
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
-                match self.shard_fits(direction, input_dims, axis, ranks) {
-                    // A malformed input goes to the shard path, whose input check names it.
-                    Ok(()) => StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested")),
-                    Err(_) if input_dims.len() != 4 => {
-                        StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
-                    }
-                    Err(why) => StrategyChoice::fallback_to_tile(format!("{mode}: {why}; {verb} with tiles")),
-                }
+                let fit = self.shard_fits(direction, input_dims, axis, ranks);
+                StrategyChoice::forced_shard(mode, axis, fit, input_dims.len() == 4, verb)
             }
         }
     }
@@ -416,17 +410,10 @@ impl AutoencoderKl {
         ranks: usize,
     ) -> std::result::Result<(), String> {
         let extent = axis.dim_in(dims.len()).filter(|_| dims.len() == 4).map(|d| dims[d]).ok_or("not an NCHW input")?;
-        let (unit, what) = match direction {
-            Direction::Decode => (1, "latent"),
-            Direction::Encode => (self.config.spatial_scale(), "image"),
-        };
-        if !extent.is_multiple_of(unit) {
-            return Err(format!("an {what} {axis} of {extent} is not a multiple of {unit} (whole latent rows)"));
+        match direction {
+            Direction::Decode => vae_runtime::whole_bands("a latent", axis, extent, 1, ranks),
+            Direction::Encode => vae_runtime::whole_bands("an image", axis, extent, self.config.spatial_scale(), ranks),
         }
-        if !BandPartition::fits(extent / unit, ranks, 1) {
-            return Err(format!("a {what} {axis} of {extent} cannot give {ranks} rank(s) a latent row each"));
-        }
-        Ok(())
     }
 
     fn auto(&self, direction: Direction, dims: &[usize], ranks: usize) -> StrategyChoice {

@@ -87,26 +87,13 @@ impl WanVae {
         let unit = self.encode_band_unit();
         let fits = |axis: ShardAxis| -> std::result::Result<(), String> {
             let extent = axis.dim_in(dims.len()).filter(|_| dims.len() == 5).map(|d| dims[d]).ok_or("not a video")?;
-            if !extent.is_multiple_of(unit) {
-                return Err(format!("a video {axis} of {extent} is not a multiple of {unit} (whole latent rows)"));
-            }
-            if !BandPartition::fits(extent / unit, ranks, 1) {
-                return Err(format!("a video {axis} of {extent} cannot give {ranks} rank(s) a latent row each"));
-            }
-            Ok(())
+            vae_runtime::whole_bands("a video", axis, extent, unit, ranks)
         };
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
-                match fits(axis) {
-                    Ok(()) => StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested")),
-                    // A malformed video goes to the shard path, whose input check names it.
-                    Err(_) if dims.len() != 5 => {
-                        StrategyChoice::chosen(Strategy::Shard(axis), format!("{mode} requested"))
-                    }
-                    Err(why) => StrategyChoice::fallback_to_tile(format!("{mode}: {why}; encoding with tiles")),
-                }
+                StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, "encoding")
             }
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
