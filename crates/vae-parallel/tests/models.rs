@@ -535,17 +535,33 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     // The encode too (bands of whole latent rows).
     let (direct, sharded) = (dir.join("akl-enc-direct.npy"), dir.join("akl-enc-shard.npy"));
     let image = f.join("sd_like.encode.in.npy");
-    let encode = |ranks: &str, out: &Path, extra: &[&str]| {
-        let mut args = vec!["encode", "--model", s(&model), "--input", s(&image), "--out", s(out)];
+    let encode = |model: &Path, input: &Path, ranks: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec!["encode", "--model", s(model), "--input", s(input), "--out", s(out)];
         args.extend(["--output", "moments", "--vae-patch-parallel-size", ranks]);
         args.extend(extra);
         cli(&args)
     };
-    let (ok, text) = encode("1", &direct, &[]);
+    let (ok, text) = encode(&model, &image, "1", &direct, &[]);
     assert!(ok, "{text}");
-    let (ok, text) = encode("2", &sharded, &["--vae-parallel-mode", "spatial_shard_height", "--transport", "socket"]);
+    let socket = ["--transport", "socket"];
+    let (ok, text) =
+        encode(&model, &image, "2", &sharded, &["--vae-parallel-mode", "spatial_shard_height", socket[0], socket[1]]);
     assert!(ok && text.contains("shard-height"), "{text}");
     assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&sharded).unwrap(), "shard encode = direct");
+    // A video encode over socket processes (5 frames, 5 × 7 latent rows and columns of 8 pixels:
+    // the fixtures' videos are too narrow to cut into whole latent columns).
+    use vae_parallel::tensor::{Device, Tensor};
+    let video = dir.join("video.npy");
+    let x = Tensor::seeded_uniform(vec![1, 3, 5, 40, 56], 1, -1.0, 1.0, &Device::Cpu).unwrap();
+    std::fs::write(&video, vae_parallel::io::npy_bytes(&x).unwrap()).unwrap();
+    let wan21 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan/wan21_like");
+    let (direct, sharded) = (dir.join("wan-enc-direct.npy"), dir.join("wan-enc-shard.npy"));
+    let (ok, text) = encode(&wan21, &video, "1", &direct, &[]);
+    assert!(ok, "{text}");
+    let (ok, text) =
+        encode(&wan21, &video, "2", &sharded, &["--vae-parallel-mode", "spatial_shard_width", socket[0], socket[1]]);
+    assert!(ok && text.contains("shard-width"), "{text}");
+    assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&sharded).unwrap(), "video shard encode = direct");
 }
 
 /// Outputs go in place only when the whole request succeeded, never through a planted link, and
