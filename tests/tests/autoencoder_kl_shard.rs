@@ -31,52 +31,74 @@ fn shard(
     vae_integration_tests::shard_on_local_ranks(&KlShardOperator::new(model, task, world), input, axis, world)
 }
 
+/// `task` of `input` sharded along both axes on 1–4 ranks, each bit-identical to `direct`;
+/// `check` sees every run's reports. Returns the number of runs.
+fn each_shard_is_direct(
+    model: &AutoencoderKl,
+    task: KlTask,
+    input: &Tensor,
+    direct: &Tensor,
+    mut check: impl FnMut(ShardAxis, usize, &RankReport, &vae_runtime::ShardTraffic),
+) -> usize {
+    let mut runs = 0;
+    for axis in [ShardAxis::Height, ShardAxis::Width] {
+        for world in 1..=4 {
+            let (got, reports) = shard(model, task, input, axis, world);
+            assert_eq!(got.dims(), direct.dims(), "{task:?} {axis} {world}");
+            let diff = got.max_abs_diff(direct).unwrap();
+            assert!(got.bit_eq(direct), "{task:?} shard {axis} on {world} ranks: max |shard - direct| = {diff}");
+            for r in &reports {
+                let StrategyReport::Shard { axis: a, band: Some(band), traffic } = &r.strategy else {
+                    panic!("rank {} ran {:?}", r.rank, r.strategy);
+                };
+                assert_eq!(*a, axis);
+                assert!(!band.is_empty());
+                check(axis, world, r, traffic);
+            }
+            runs += 1;
+        }
+    }
+    runs
+}
+
+/// The fixture case `input` → `output` of every model, `task` sharded along `axis` on `world`
+/// ranks: within 1e-4 of diffusers, as the direct computation is.
+fn near_the_fixtures(task: KlTask, input: &str, output: &str, axis: ShardAxis, world: usize) {
+    for name in MODELS {
+        let model = load(name);
+        let dir = fixtures_dir().join("autoencoder_kl");
+        let x = read_npy(&dir.join(format!("{name}.{input}.npy"))).unwrap();
+        let want = read_npy(&dir.join(format!("{name}.{output}.npy"))).unwrap();
+        let (got, _) = shard(&model, task, &x, axis, world);
+        let diff = got.max_abs_diff(&want).unwrap();
+        assert!(diff <= 1e-4, "{name} {task:?}: max |shard - diffusers| = {diff}");
+    }
+}
+
 #[test]
 fn shard_decode_equals_the_direct_decode_bit_for_bit_on_one_to_four_ranks() {
     let mut cases = 0;
     for name in MODELS {
         let model = load(name);
-        let c = model.config().latent_channels;
+        let cfg = model.config();
+        // Banded GroupNorms: four in the mid-block's resnets, two per resnet of each up block,
+        // and the output norm (the attention's runs on the gathered map); two exchanges each
+        // (the sum, the squared deviations).
+        let norms = 4 + cfg.decoder_block_out_channels.len() * (cfg.layers_per_block + 1) * 2 + 1;
         // Batch 2, extents that do not divide by 2, 3 or 4 (5×7 once made the attention's
         // GEMMs differ when a band attended with its own queries only).
         for (h, w) in [(7, 10), (5, 7)] {
-            let z = vae_integration_tests::random_tensor(&[2, c, h, w], 5);
+            let z = vae_integration_tests::random_tensor(&[2, cfg.latent_channels, h, w], 5);
             let direct = model.decode(&z).unwrap();
-            // Banded GroupNorms: four in the mid-block's resnets, two per resnet of each up block,
-            // and the output norm (the attention's runs on the gathered map); two exchanges each
-            // (the sum, the squared deviations).
-            let cfg = model.config();
-            let norms = 4 + cfg.decoder_block_out_channels.len() * (cfg.layers_per_block + 1) * 2 + 1;
-            for axis in [ShardAxis::Height, ShardAxis::Width] {
-                for world in 1..=4 {
-                    let (got, reports) = shard_decode(&model, &z, axis, world);
-                    assert_eq!(got.dims(), direct.dims(), "{name} {axis} {world}");
-                    assert!(
-                        got.bit_eq(&direct),
-                        "{name} shard {axis} on {world} ranks: max |shard - direct| = {}",
-                        got.max_abs_diff(&direct).unwrap()
-                    );
-                    cases += 1;
-                    for r in &reports {
-                        let StrategyReport::Shard { axis: a, band: Some(band), traffic } = &r.strategy else {
-                            panic!("rank {} ran {:?}", r.rank, r.strategy);
-                        };
-                        assert_eq!(*a, axis);
-                        assert!(!band.is_empty());
-                        // Every GroupNorm exchanged its statistics; the mid-block attention gathered
-                        // the map once; halos crossed between neighbours.
-                        assert_eq!(traffic.norm_exchanges, 2 * norms as u64, "{name} rank {}: {traffic:?}", r.rank);
-                        assert_eq!(traffic.map_gathers, 1, "{name} rank {}", r.rank);
-                        if world > 1 {
-                            assert!(
-                                traffic.halo_bytes_sent > 0 && traffic.norm_bytes_sent > 0,
-                                "{name} rank {}",
-                                r.rank
-                            );
-                        }
-                    }
+            cases += each_shard_is_direct(&model, KlTask::Decode, &z, &direct, |_, world, r, traffic| {
+                // Every GroupNorm exchanged its statistics; the mid-block attention gathered the
+                // map once; halos crossed between neighbours.
+                assert_eq!(traffic.norm_exchanges, 2 * norms as u64, "{name} rank {}: {traffic:?}", r.rank);
+                assert_eq!(traffic.map_gathers, 1, "{name} rank {}", r.rank);
+                if world > 1 {
+                    assert!(traffic.halo_bytes_sent > 0 && traffic.norm_bytes_sent > 0, "{name} rank {}", r.rank);
                 }
-            }
+            });
         }
     }
     assert_eq!(cases, 3 * 2 * 2 * 4);
@@ -85,15 +107,7 @@ fn shard_decode_equals_the_direct_decode_bit_for_bit_on_one_to_four_ranks() {
 /// Within 1e-4 of diffusers' untiled decode (the fixture), as the direct decode is.
 #[test]
 fn shard_decode_matches_the_diffusers_fixture() {
-    for name in MODELS {
-        let model = load(name);
-        let dir = fixtures_dir().join("autoencoder_kl");
-        let z = read_npy(&dir.join(format!("{name}.decode.in.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.decode.out.npy"))).unwrap();
-        let (got, _) = shard_decode(&model, &z, ShardAxis::Height, 3);
-        let diff = got.max_abs_diff(&want).unwrap();
-        assert!(diff <= 1e-4, "{name}: max |shard - diffusers| = {diff}");
-    }
+    near_the_fixtures(KlTask::Decode, "decode.in", "decode.out", ShardAxis::Height, 3);
 }
 
 /// One loaded model serves shard, tile, direct and encode requests in any order, each as on a
@@ -155,30 +169,14 @@ fn shard_encode_equals_the_direct_encode_bit_for_bit_on_one_to_four_ranks() {
     let mut cases = 0;
     for name in MODELS {
         let model = load(name);
-        let c = model.config().in_channels;
+        let (c, scale) = (model.config().in_channels, model.config().spatial_scale());
         // Batch 2; latent extents of 7 × 10 and 5 × 7 (a multiple of no rank count).
-        let scale = model.config().spatial_scale();
         for (h, w) in [(7, 10), (5, 7)] {
             let x = vae_integration_tests::random_tensor(&[2, c, h * scale, w * scale], 9);
             let direct = model.encode_moments(&x).unwrap();
-            for axis in [ShardAxis::Height, ShardAxis::Width] {
-                for world in 1..=4 {
-                    let (got, reports) = shard(&model, KlTask::Encode, &x, axis, world);
-                    assert_eq!(got.dims(), direct.dims(), "{name} {axis} {world}");
-                    assert!(
-                        got.bit_eq(&direct),
-                        "{name} shard encode {axis} on {world} ranks: max |shard - direct| = {}",
-                        got.max_abs_diff(&direct).unwrap()
-                    );
-                    for r in &reports {
-                        let StrategyReport::Shard { band: Some(band), traffic, .. } = &r.strategy else {
-                            panic!("rank {} ran {:?}", r.rank, r.strategy);
-                        };
-                        assert!(!band.is_empty() && traffic.norm_exchanges > 0, "{name} rank {}", r.rank);
-                    }
-                    cases += 1;
-                }
-            }
+            cases += each_shard_is_direct(&model, KlTask::Encode, &x, &direct, |_, _, r, traffic| {
+                assert!(traffic.norm_exchanges > 0, "{name} rank {}", r.rank);
+            });
         }
     }
     assert_eq!(cases, 3 * 2 * 2 * 4);
@@ -187,13 +185,5 @@ fn shard_encode_equals_the_direct_encode_bit_for_bit_on_one_to_four_ranks() {
 /// Within 1e-4 of diffusers' untiled encode (the fixture).
 #[test]
 fn shard_encode_matches_the_diffusers_fixture() {
-    for name in MODELS {
-        let model = load(name);
-        let dir = fixtures_dir().join("autoencoder_kl");
-        let x = read_npy(&dir.join(format!("{name}.encode.in.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.encode_moments.out.npy"))).unwrap();
-        let (got, _) = shard(&model, KlTask::Encode, &x, ShardAxis::Width, 2);
-        let diff = got.max_abs_diff(&want).unwrap();
-        assert!(diff <= 1e-4, "{name}: max |shard - diffusers| = {diff}");
-    }
+    near_the_fixtures(KlTask::Encode, "encode.in", "encode_moments.out", ShardAxis::Width, 2);
 }
