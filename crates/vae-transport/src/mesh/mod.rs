@@ -665,6 +665,12 @@ mod tests {
         assert_eq!(h.describe(), "all_reduce#0(i64, max)");
     }
 
+    /// The clock of an operation `op` starting now, with `timeout` and a 1 s failure grace.
+    fn test_clock(op: &'static str, timeout: Duration) -> OpClock {
+        let started = Instant::now();
+        OpClock { op, started, deadline: started + timeout, failure_grace: Duration::from_secs(1) }
+    }
+
     #[test]
     fn a_stale_collective_frame_is_a_mismatch_not_a_hang() {
         // Rank 2 sent a gather to this rank that this rank did not expect (it thought another
@@ -672,14 +678,9 @@ mod tests {
         let inbox = Inbox::new(3);
         let stale = Header { kind: OpKind::Gather, seq: 0, tag: Header::tag_for(DataType::U8, 1, None) };
         inbox.deliver(2, Frame { header: stale, payload: Payload::default() });
-        let start = Instant::now();
         let expected = Header { kind: OpKind::Broadcast, seq: 1, tag: 0 };
-        let clock = OpClock {
-            op: "broadcast",
-            started: start,
-            deadline: start + Duration::from_secs(30),
-            failure_grace: Duration::from_secs(1),
-        };
+        let clock = test_clock("broadcast", Duration::from_secs(30));
+        let start = clock.started;
         let err = inbox.wait(1, 0, expected, 1, &clock).unwrap_err();
         assert!(matches!(err, TransportError::CollectiveMismatch { rank: 2, .. }), "{err}");
         assert!(start.elapsed() < Duration::from_secs(1));
@@ -688,14 +689,8 @@ mod tests {
     #[test]
     fn inbox_times_out_and_names_the_peer() {
         let inbox = Inbox::new(2);
-        let start = Instant::now();
         let expected = Header { kind: OpKind::Barrier, seq: 0, tag: 0 };
-        let clock = OpClock {
-            op: "barrier",
-            started: start,
-            deadline: start + Duration::from_millis(20),
-            failure_grace: Duration::from_secs(1),
-        };
+        let clock = test_clock("barrier", Duration::from_millis(20));
         let err = inbox.wait(0, 1, expected, 0, &clock).unwrap_err();
         assert!(matches!(err, TransportError::Timeout { rank: 1, waiting: 0, op: "barrier", .. }), "{err}");
     }
