@@ -5,7 +5,7 @@
 //! that fault in one by one on first touch: measured, a quarter of a CPU decode's time went to
 //! the kernel's page-fault handling. Freed tensor buffers of at least [`MIN_BYTES`] therefore
 //! wait here, and a later allocation takes back the smallest that holds it, if that is at most
-//! [`SLACK`] longer (a buffer may then be shorter than its vector).
+//! an eighth (`SLACK`) longer (a buffer may then be shorter than its vector).
 //!
 //! The pool holds only memory the process had already needed at once. It counts the bytes the
 //! large buffers use and their high-water mark (what they take without the pool), and before an

@@ -405,7 +405,7 @@ impl Tensor {
 
     /// The first pass of the exact GroupNorm statistics over this tensor (one part of a map):
     /// each (sample, group)'s extrema and sum at the fixed scale, sample-major. CPU only.
-    pub fn group_partials(&self, num_groups: usize) -> Result<Vec<GroupPartial>> {
+    pub(crate) fn group_partials(&self, num_groups: usize) -> Result<Vec<GroupPartial>> {
         let isa = crate::ops::simd::isa();
         Ok(self.groups("group_norm", num_groups)?.map(|g| first_pass(isa, g)).collect())
     }
