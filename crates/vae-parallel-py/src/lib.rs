@@ -1,0 +1,293 @@
+//! `vae_parallel`, the Python package: load a diffusers VAE directory once, then decode and
+//! encode numpy arrays on one or several ranks (threads of this process, the local transport),
+//! with the bits the CLI writes for the same model, input and options.
+//!
+//! Inputs are anything `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float
+//! type and layout, lists, CPU torch tensors); results are new float32 numpy arrays. The GIL is
+//! released while a model loads and while a request runs. Errors are Python exceptions under
+//! `VaeParallelError`, with the CLI's one-line messages.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
+use vae_parallel::models::{Direction, ModelError as VaeModelError, TileOverrides};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode, RuntimeError};
+use vae_parallel::tensor::{DType, Device, Tensor};
+use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+
+create_exception!(vae_parallel, VaeParallelError, PyException, "Every error this package raises.");
+create_exception!(vae_parallel, InputError, VaeParallelError, "The input array does not fit the model.");
+create_exception!(vae_parallel, ModelError, VaeParallelError, "The model directory cannot be loaded.");
+create_exception!(vae_parallel, ConfigError, VaeParallelError, "An option is invalid or unsupported here.");
+create_exception!(vae_parallel, ExecutionError, VaeParallelError, "A request failed while running.");
+create_exception!(vae_parallel, GroupError, VaeParallelError, "The group of ranks could not be started.");
+
+/// An error's message and its causes on one line, each cause once (as the CLI prints it).
+fn one_line(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        let part = c.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// The Python exception for an engine error.
+fn engine_error(err: &EngineError) -> PyErr {
+    let text = one_line(err);
+    match err {
+        EngineError::Model(VaeModelError::InvalidInput(_) | VaeModelError::Tensor(_)) => InputError::new_err(text),
+        EngineError::Model(VaeModelError::Unsupported(_)) => ConfigError::new_err(text),
+        EngineError::Model(_) => ModelError::new_err(text),
+        EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
+        EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),
+        // A model's refusal inside the executor reaches every rank as its message only (the
+        // agreed-error codec carries text): `ModelError::InvalidInput` is the one that says so.
+        EngineError::Runtime(RuntimeError::Operator { message, .. }) if message.starts_with("invalid input: ") => {
+            InputError::new_err(text)
+        }
+        EngineError::Runtime(_) => ExecutionError::new_err(text),
+    }
+}
+
+fn config_error(err: impl std::fmt::Display) -> PyErr {
+    ConfigError::new_err(err.to_string())
+}
+
+/// A loaded VAE and how its requests run: returned by [`load`].
+#[pyclass(module = "vae_parallel", frozen)]
+struct Vae {
+    engine: Engine,
+    ranks: usize,
+    mode: ParallelMode,
+    transport: TransportConfig,
+    /// The owner's report of the last request that succeeded.
+    last_report: Mutex<Option<String>>,
+}
+
+/// Loads the diffusers VAE directory `model`.
+///
+/// - `device`: `"cpu"`, `"cuda"` or `"cuda:N"`; `dtype`: `"f32"` or `"bf16"` (on the CPU, bf16
+///   needs AVX512-BF16).
+/// - `ranks`: local ranks (threads of this process) every request is spread over; `mode`: the
+///   CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`, `spatial_shard_width`).
+/// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
+///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
+///   `tile_sample_stride_width` (video VAEs): the diffusers tiling keywords.
+#[pyfunction]
+#[pyo3(signature = (
+    model, *, device = "cpu", dtype = "f32", ranks = 1, mode = "tile",
+    tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
+    tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
+))]
+#[allow(clippy::too_many_arguments)]
+fn load(
+    py: Python<'_>,
+    model: PathBuf,
+    device: &str,
+    dtype: &str,
+    ranks: usize,
+    mode: &str,
+    tile_sample_min_size: Option<usize>,
+    tile_overlap_factor: Option<f64>,
+    tile_sample_min_height: Option<usize>,
+    tile_sample_min_width: Option<usize>,
+    tile_sample_stride_height: Option<usize>,
+    tile_sample_stride_width: Option<usize>,
+) -> PyResult<Vae> {
+    if ranks == 0 {
+        return Err(ConfigError::new_err("ranks must be at least 1"));
+    }
+    let device: Device = device.parse().map_err(config_error)?;
+    let dtype: DType = dtype.parse().map_err(config_error)?;
+    let mode: ParallelMode = mode.parse().map_err(config_error)?;
+    let tiling = TileOverrides {
+        sample_min_size: tile_sample_min_size,
+        overlap_factor: tile_overlap_factor,
+        sample_min_height: tile_sample_min_height,
+        sample_min_width: tile_sample_min_width,
+        sample_stride_height: tile_sample_stride_height,
+        sample_stride_width: tile_sample_stride_width,
+    };
+    let transport = TransportConfig::from_env().map_err(config_error)?;
+    let engine = py.detach(|| -> Result<Engine, EngineError> {
+        let engine = Engine::load_on(&model, &tiling, device, dtype)?;
+        engine.check_mode(mode)?;
+        Ok(engine)
+    });
+    let engine = engine.map_err(|e| engine_error(&e))?;
+    Ok(Vae { engine, ranks, mode, transport, last_report: Mutex::new(None) })
+}
+
+/// `numpy.asarray(x, dtype=float32)` as a tensor on the host.
+fn host_tensor(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let np = x.py().import("numpy")?;
+    let kwargs = PyDict::new(x.py());
+    kwargs.set_item("dtype", "float32")?;
+    let array = np.call_method("asarray", (x,), Some(&kwargs))?;
+    let array = array.cast_into::<PyArrayDyn<f32>>().map_err(PyErr::from)?;
+    let readonly = array.readonly();
+    let shape = readonly.shape().to_vec();
+    let data: Vec<f32> = readonly.as_array().iter().copied().collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))
+}
+
+impl Vae {
+    fn options(&self, use_tiling: bool, latents_normalized: bool) -> RequestOptions {
+        RequestOptions { mode: self.mode, use_tiling, latents_normalized, placement: None }
+    }
+
+    /// Runs `body` on every rank with the same input; the owner's (rank 0's) output. A failure
+    /// on any rank aborts the others and is raised once, as the CLI reports it.
+    fn on_ranks(
+        &self,
+        body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
+    ) -> PyResult<Tensor> {
+        let results = run_local(self.ranks, self.transport, |comm| {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let result = DistributedVaeExecutor::new(Arc::clone(&comm), self.ranks)
+                .map_err(EngineError::from)
+                .and_then(|executor| body(&self.engine, &executor));
+            if let Err(e) = &result {
+                comm.abort(&one_line(e));
+            }
+            result
+        })
+        .map_err(|e| GroupError::new_err(one_line(&e)))?;
+        let mut owner = None;
+        let mut failure = None;
+        for (rank, result) in results.into_iter().enumerate() {
+            match result {
+                Err(panic) => {
+                    failure = failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
+                }
+                Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
+                Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
+                Ok(Ok(out)) if rank == 0 => owner = Some(out),
+                Ok(Ok(_)) => {}
+            }
+        }
+        if let Some(err) = failure {
+            return Err(err);
+        }
+        let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
+        *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{:?}", out.report));
+        out.tensor.ok_or_else(|| ExecutionError::new_err("the owner received no output"))
+    }
+}
+
+/// A host tensor as a new float32 numpy array of its shape.
+fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    let data = t.to_vec_f32().map_err(|e| ExecutionError::new_err(one_line(&e)))?;
+    let flat = data.into_pyarray(py);
+    flat.reshape(t.dims().to_vec())
+}
+
+#[pymethods]
+impl Vae {
+    /// Decodes a latent `[B, C, H, W]` (images) or `[B, C, T, H, W]` (video) into pixels in
+    /// [-1, 1] (as diffusers' `vae.decode(z).sample`). `use_tiling`: diffusers' tiled decode
+    /// (on by itself with several ranks); `latents_normalized`: `z` is as the pipeline produced
+    /// it, and the family's scaling and shift are undone first.
+    #[pyo3(signature = (z, *, use_tiling = false, latents_normalized = false))]
+    fn decode<'py>(
+        &self,
+        py: Python<'py>,
+        z: &Bound<'py, PyAny>,
+        use_tiling: bool,
+        latents_normalized: bool,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let latent = host_tensor(z)?;
+        let options = self.options(use_tiling, latents_normalized);
+        let out = py.detach(|| self.on_ranks(|engine, executor| engine.decode(executor, &latent, &options)))?;
+        to_numpy(py, &out)
+    }
+
+    /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
+    /// the latent distribution's mean (normalised with `latents_normalized`), `"moments"` the
+    /// raw mean and log-variance.
+    #[pyo3(signature = (x, *, output = "mean", use_tiling = false, latents_normalized = false))]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        output: &str,
+        use_tiling: bool,
+        latents_normalized: bool,
+    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let output = match output {
+            "mean" => EncodeOutput::Mean,
+            "moments" => EncodeOutput::Moments,
+            other => {
+                return Err(ConfigError::new_err(format!("output must be \"mean\" or \"moments\", not {other:?}")));
+            }
+        };
+        let image = host_tensor(x)?;
+        let options = self.options(use_tiling, latents_normalized);
+        let out = py.detach(|| self.on_ranks(|engine, executor| engine.encode(executor, &image, &options, output)))?;
+        to_numpy(py, &out)
+    }
+
+    /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its
+    /// configuration, the modes it accepts and who receives outputs.
+    fn inspect<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let model = self.engine.model();
+        let d = PyDict::new(py);
+        d.set_item("model", self.engine.dir())?;
+        d.set_item("class", model.class_name())?;
+        d.set_item("models", model.models())?;
+        for (label, value) in model.describe() {
+            d.set_item(label, value)?;
+        }
+        let modes: Vec<String> = self.engine.supported_modes().iter().map(ToString::to_string).collect();
+        d.set_item("modes", modes)?;
+        d.set_item("decode_placement", format!("{:?}", model.default_placement(Direction::Decode)))?;
+        d.set_item("encode_placement", format!("{:?}", model.default_placement(Direction::Encode)))?;
+        d.set_item("ranks", self.ranks)?;
+        d.set_item("mode", self.mode.to_string())?;
+        Ok(d)
+    }
+
+    /// The owner's report of the last request that succeeded (strategy, reason, phases,
+    /// memory), as text; `None` before the first.
+    fn last_report(&self) -> Option<String> {
+        self.last_report.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Vae({:?}, class={}, ranks={}, mode={})",
+            self.engine.dir(),
+            self.engine.model().class_name(),
+            self.ranks,
+            self.mode
+        )
+    }
+}
+
+/// The module.
+#[pymodule(name = "vae_parallel")]
+fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_class::<Vae>()?;
+    m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
+    m.add("InputError", py.get_type::<InputError>())?;
+    m.add("ModelError", py.get_type::<ModelError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("ExecutionError", py.get_type::<ExecutionError>())?;
+    m.add("GroupError", py.get_type::<GroupError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,166 @@
+"""The Python package against the CLI and the diffusers fixtures.
+
+Every decode and encode through the package must equal, bit for bit, what the CLI writes for the
+same model, input and options (on 1 and 3 local ranks), and stay within the fixtures' tolerance of
+diffusers. The CLI is `$VAE_PARALLEL_CLI`, else the workspace's debug or release build.
+"""
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vae_parallel as vp
+
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURES = ROOT / "fixtures"
+
+# One per family: model directory, decode case and its tiling keywords, encode input and its
+# tiling keywords (the fixtures' own: their manifests name them).
+WAN_DECODE = {"tile_sample_min_height": 16, "tile_sample_min_width": 24,
+              "tile_sample_stride_height": 8, "tile_sample_stride_width": 16}
+WAN_ENCODE = {"tile_sample_min_height": 24, "tile_sample_min_width": 32,
+              "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}
+FAMILIES = [
+    ("autoencoder_kl/sd_like", "sd_like.decode_tiled", {}, "sd_like.encode_tiled", {}),
+    ("autoencoder_kl/flux1_like", "flux1_like.decode_tiled", {}, "flux1_like.encode_tiled", {}),
+    ("autoencoder_kl/flux2_like", "flux2_like.decode_tiled", {}, "flux2_like.encode_tiled", {}),
+    ("wan/wan21_like", "wan21_like.decode_tiled", WAN_DECODE, "wan21_like.encode_tiled_f5", WAN_ENCODE),
+    ("qwen_image/qwen_image_like", "qwen_image_like.decode_tiled", WAN_DECODE,
+     "qwen_image_like.encode_tiled_f5", WAN_ENCODE),
+]
+
+
+def flags(tiling: dict) -> list:
+    """The CLI's flags for the package's tiling keywords."""
+    return [f for key, value in tiling.items() for f in ("--" + key.replace("_", "-"), str(value))]
+
+
+def cli() -> Path:
+    named = os.environ.get("VAE_PARALLEL_CLI")
+    if named:
+        return Path(named)
+    for profile in ("debug", "release"):
+        path = ROOT / "target" / profile / "vae-parallel"
+        if path.exists():
+            return path
+    pytest.fail("no vae-parallel binary: build it (cargo build -p vae-parallel) or set VAE_PARALLEL_CLI")
+
+
+def run_cli(tmp_path: Path, command: str, model: Path, source: Path, flag: str, ranks: int, *extra: str) -> np.ndarray:
+    out = tmp_path / f"{command}-{ranks}.npy"
+    args = [str(cli()), command, "--model", str(model), flag, str(source), "--out", str(out)]
+    args += ["--vae-patch-parallel-size", str(ranks), "--vae-use-tiling", *extra]
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return np.load(out)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f[0].split("/")[1])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_decode_and_encode_match_the_cli_bit_for_bit(tmp_path, family, ranks):
+    model, decode_case, decode_tiling, encode_case, encode_tiling = family
+    group = model.split("/")[0]
+    model = FIXTURES / model
+    z_path = FIXTURES / group / f"{decode_case}.in.npy"
+    x_path = FIXTURES / group / f"{encode_case}.in.npy"
+
+    vae = vp.load(model, ranks=ranks, **decode_tiling)
+    pixels = vae.decode(np.load(z_path), use_tiling=True)
+    assert pixels.dtype == np.float32
+    cli_pixels = run_cli(tmp_path, "decode", model, z_path, "--latent", ranks, *flags(decode_tiling))
+    assert same_bits(pixels, cli_pixels)
+    want = np.load(FIXTURES / group / f"{decode_case}.out.npy")
+    assert np.abs(pixels - want).max() <= 1e-4
+
+    vae = vp.load(model, ranks=ranks, **encode_tiling)
+    x = np.load(x_path)
+    for output in ("mean", "moments"):
+        got = vae.encode(x, output=output, use_tiling=True)
+        cli_out = run_cli(tmp_path, "encode", model, x_path, "--input", ranks, "--output", output, *flags(encode_tiling))
+        assert same_bits(got, cli_out), output
+
+
+def test_inputs_of_other_float_types_and_layouts_are_converted():
+    model = FIXTURES / "autoencoder_kl/flux1_like"
+    z = np.load(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy")
+    vae = vp.load(model)
+    want = vae.decode(z)
+    assert same_bits(vae.decode(z.astype(np.float64)), want)
+    # A Fortran-ordered copy: the same values in another memory layout.
+    assert same_bits(vae.decode(np.asfortranarray(z)), want)
+    assert same_bits(vae.decode(z.tolist()), want)
+
+
+def test_errors_are_typed_exceptions_with_the_clis_messages(tmp_path):
+    model = FIXTURES / "autoencoder_kl/flux1_like"
+    with pytest.raises(vp.ModelError):
+        vp.load(tmp_path / "missing")
+    with pytest.raises(vp.ConfigError, match="ranks must be at least 1"):
+        vp.load(model, ranks=0)
+    with pytest.raises(vp.ConfigError):
+        vp.load(model, mode="diagonal")
+    with pytest.raises(vp.ConfigError):
+        vp.load(model, dtype="f64")
+    vae = vp.load(model, ranks=2)
+    bad = np.zeros((1, 3, 4, 4), dtype=np.float32)  # 3 channels: the model's latent has 16
+    with pytest.raises(vp.InputError) as raised:
+        vae.decode(bad)
+    assert isinstance(raised.value, vp.VaeParallelError)
+    # The CLI's one line for the same input.
+    path = tmp_path / "bad.npy"
+    np.save(path, bad)
+    done = subprocess.run(
+        [str(cli()), "decode", "--model", str(model), "--latent", str(path), "--out", str(tmp_path / "o.npy"),
+         "--vae-patch-parallel-size", "2"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode != 0
+    assert str(raised.value) in done.stderr
+    with pytest.raises(vp.ConfigError):
+        vae.encode(np.zeros((1, 3, 16, 16), dtype=np.float32), output="median")
+
+
+def test_the_gil_is_released_while_a_request_runs():
+    model = FIXTURES / "wan/wan21_like"
+    vae = vp.load(model)
+    z = np.load(FIXTURES / "wan/wan21_like.decode_tiled.in.npy")
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        started = time.perf_counter()
+        vae.decode(z, use_tiling=True)
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+    # The other thread kept running during the decode.
+    during = [t for t in ticks if started < t < ended]
+    assert len(during) >= 3, f"{len(during)} ticks in a {ended - started:.3f} s decode"
+
+
+def test_inspect_and_report():
+    vae = vp.load(FIXTURES / "autoencoder_kl/sd_like", ranks=2, mode="auto")
+    info = vae.inspect()
+    assert info["class"] == "AutoencoderKL"
+    assert "tile" in info["modes"] and info["ranks"] == 2 and info["mode"] == "auto"
+    assert vae.last_report() is None
+    vae.decode(np.load(FIXTURES / "autoencoder_kl/sd_like.decode.in.npy"))
+    assert vae.last_report()
+    assert "AutoencoderKL" in repr(vae)
