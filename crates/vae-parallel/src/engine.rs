@@ -21,6 +21,17 @@ pub enum EngineError {
     Runtime(#[from] RuntimeError),
 }
 
+impl EngineError {
+    /// True when every rank of the group already knows of this error: an agreed error (each
+    /// rank returns it for the same request) or a transport error (it came from the group).
+    /// Any other error happened on one rank alone, and that rank must abort the group so that
+    /// the others stop waiting for it; aborting on a known one would race the other ranks'
+    /// own report of it.
+    pub fn known_to_all_ranks(&self) -> bool {
+        matches!(self, Self::Runtime(r) if r.is_agreed() || matches!(r, RuntimeError::Transport(_)))
+    }
+}
+
 impl From<ModelError> for EngineError {
     fn from(e: ModelError) -> Self {
         match e {

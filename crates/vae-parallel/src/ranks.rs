@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use vae_parallel::engine::EngineError;
 use vae_parallel::group::{GroupExit, TransportKind, is_rank_process, launch_processes};
 use vae_parallel::transport::{Communicator, NcclComm, SocketComm, SocketOptions, TransportConfig, run_local};
 
@@ -118,7 +119,9 @@ fn run_rank<R>(
     body: &(impl Fn(Arc<dyn Communicator>) -> anyhow::Result<R> + Sync),
 ) -> anyhow::Result<R> {
     let result = body(Arc::clone(&comm));
-    if let Err(err) = &result {
+    if let Err(err) = &result
+        && !err.downcast_ref::<EngineError>().is_some_and(EngineError::known_to_all_ranks)
+    {
         comm.abort(&crate::error_text(err));
     }
     result

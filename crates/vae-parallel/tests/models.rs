@@ -272,6 +272,30 @@ fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
     assert!(!out.exists(), "no output file after failures");
 }
 
+/// An error every rank agreed on is reported as the owner found it, every time: no rank's
+/// abort after it races the owner's own report ("rank 1 failed: ..." in some runs).
+#[test]
+fn an_agreed_error_is_reported_the_same_way_every_time() {
+    let f = fixtures();
+    let dir = scratch("agreed");
+    let out = dir.join("out.npy");
+    let (model, latent) = (f.join("sd_like"), f.join("flux2_like.decode.in.npy"));
+    let args = decode_on("3", s(&model), s(&latent), s(&out), &[]);
+    let lines: std::collections::BTreeSet<String> = (0..20)
+        .map(|_| {
+            let (ok, text) = cli(&args);
+            assert!(!ok, "{text}");
+            text.lines()
+                .find(|l| l.starts_with("error:"))
+                .unwrap_or_else(|| panic!("no error line:\n{text}"))
+                .to_string()
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    let line = lines.first().unwrap();
+    assert!(line.starts_with("error: split failed on rank 0: invalid input:"), "{line}");
+}
+
 /// A .npy file of f32.
 fn npy(shape: &[usize], values: &[f32]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
