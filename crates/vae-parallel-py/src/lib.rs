@@ -2,8 +2,10 @@
 //! encode numpy arrays on one or several ranks (threads of this process, the local transport),
 //! with the bits the CLI writes for the same model, input and options.
 //!
-//! Inputs are anything `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float
-//! type and layout, lists, CPU torch tensors); results are new float32 numpy arrays. The GIL is
+//! Inputs are torch tensors (any device and float type: copied to the host in float32) or
+//! anything `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and
+//! layout, lists); results are new float32 arrays of the same kind (torch: on the input's
+//! device). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the CLI's one-line messages.
 
@@ -130,17 +132,41 @@ fn load(
     Ok(Vae { engine, ranks, mode, transport, last_report: Mutex::new(None) })
 }
 
-/// `numpy.asarray(x, dtype=float32)` as a tensor on the host.
-fn host_tensor(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    let np = x.py().import("numpy")?;
-    let kwargs = PyDict::new(x.py());
+/// A request's input on the host, and where its output goes back to: a torch tensor's device,
+/// or `None` for numpy.
+struct Input<'py> {
+    tensor: Tensor,
+    torch_device: Option<Bound<'py, PyAny>>,
+}
+
+/// Whether `x` is a torch tensor (checked by its type, without importing torch).
+fn is_torch_tensor(x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let ty = x.get_type();
+    Ok(ty.module()?.to_cow()?.starts_with("torch") && ty.name()?.to_cow()? == "Tensor")
+}
+
+/// `x` as a host tensor: a torch tensor is detached and copied to the CPU in float32 first;
+/// anything else goes through `numpy.asarray(x, dtype=float32)`.
+fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
+    let py = x.py();
+    let (array, torch_device) = if is_torch_tensor(x)? {
+        let torch = py.import("torch")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("dtype", torch.getattr("float32")?)?;
+        let host = x.call_method0("detach")?.call_method1("cpu", ())?.call_method("to", (), Some(&kwargs))?;
+        (host.call_method0("numpy")?, Some(x.getattr("device")?))
+    } else {
+        (x.clone(), None)
+    };
+    let kwargs = PyDict::new(py);
     kwargs.set_item("dtype", "float32")?;
-    let array = np.call_method("asarray", (x,), Some(&kwargs))?;
+    let array = py.import("numpy")?.call_method("asarray", (array,), Some(&kwargs))?;
     let array = array.cast_into::<PyArrayDyn<f32>>().map_err(PyErr::from)?;
     let readonly = array.readonly();
     let shape = readonly.shape().to_vec();
     let data: Vec<f32> = readonly.as_array().iter().copied().collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))
+    let tensor = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))?;
+    Ok(Input { tensor, torch_device })
 }
 
 impl Vae {
@@ -159,7 +185,9 @@ impl Vae {
             let result = DistributedVaeExecutor::new(Arc::clone(&comm), self.ranks)
                 .map_err(EngineError::from)
                 .and_then(|executor| body(&self.engine, &executor));
-            if let Err(e) = &result {
+            if let Err(e) = &result
+                && !e.known_to_all_ranks()
+            {
                 comm.abort(&one_line(e));
             }
             result
@@ -187,11 +215,19 @@ impl Vae {
     }
 }
 
-/// A host tensor as a new float32 numpy array of its shape.
-fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+/// A host tensor as a new float32 numpy array of its shape, or (for a torch input) a float32
+/// torch tensor on the input's device.
+fn to_python<'py>(
+    py: Python<'py>,
+    t: &Tensor,
+    torch_device: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
     let data = t.to_vec_f32().map_err(|e| ExecutionError::new_err(one_line(&e)))?;
-    let flat = data.into_pyarray(py);
-    flat.reshape(t.dims().to_vec())
+    let array = data.into_pyarray(py).reshape(t.dims().to_vec())?.into_any();
+    match torch_device {
+        None => Ok(array),
+        Some(device) => py.import("torch")?.call_method1("from_numpy", (array,))?.call_method1("to", (device,)),
+    }
 }
 
 #[pymethods]
@@ -207,11 +243,12 @@ impl Vae {
         z: &Bound<'py, PyAny>,
         use_tiling: bool,
         latents_normalized: bool,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let latent = host_tensor(z)?;
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let latent = input(z)?;
         let options = self.options(use_tiling, latents_normalized);
-        let out = py.detach(|| self.on_ranks(|engine, executor| engine.decode(executor, &latent, &options)))?;
-        to_numpy(py, &out)
+        let z = &latent.tensor;
+        let out = py.detach(|| self.on_ranks(|engine, executor| engine.decode(executor, z, &options)))?;
+        to_python(py, &out, latent.torch_device.as_ref())
     }
 
     /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
@@ -225,18 +262,19 @@ impl Vae {
         output: &str,
         use_tiling: bool,
         latents_normalized: bool,
-    ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let output = match output {
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kind = match output {
             "mean" => EncodeOutput::Mean,
             "moments" => EncodeOutput::Moments,
             other => {
                 return Err(ConfigError::new_err(format!("output must be \"mean\" or \"moments\", not {other:?}")));
             }
         };
-        let image = host_tensor(x)?;
+        let image = input(x)?;
         let options = self.options(use_tiling, latents_normalized);
-        let out = py.detach(|| self.on_ranks(|engine, executor| engine.encode(executor, &image, &options, output)))?;
-        to_numpy(py, &out)
+        let x = &image.tensor;
+        let out = py.detach(|| self.on_ranks(|engine, executor| engine.encode(executor, x, &options, kind)))?;
+        to_python(py, &out, image.torch_device.as_ref())
     }
 
     /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its
@@ -277,7 +315,7 @@ impl Vae {
 }
 
 /// The module.
-#[pymodule(name = "vae_parallel")]
+#[pymodule(name = "_native")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(load, m)?)?;

@@ -1,0 +1,30 @@
+"""Decode and encode diffusion latents over ranks, bit-identical to one device.
+
+``vae = vae_parallel.load(dir, ranks=4)`` loads a diffusers VAE directory; ``vae.decode(z)`` and
+``vae.encode(x)`` take numpy arrays or torch tensors and return the same kind. The diffusers
+drop-in is :mod:`vae_parallel.diffusers` (imports torch and diffusers only when used).
+"""
+
+from ._native import (
+    ConfigError,
+    ExecutionError,
+    GroupError,
+    InputError,
+    ModelError,
+    Vae,
+    VaeParallelError,
+    __version__,
+    load,
+)
+
+__all__ = [
+    "ConfigError",
+    "ExecutionError",
+    "GroupError",
+    "InputError",
+    "ModelError",
+    "Vae",
+    "VaeParallelError",
+    "__version__",
+    "load",
+]

@@ -1,0 +1,132 @@
+"""A diffusers-compatible VAE computed by vae_parallel.
+
+``DistributedVae.from_pretrained(path, subfolder="vae", ranks=4)`` stands where a diffusers
+pipeline expects ``pipe.vae``: ``decode(z, return_dict=...)`` gives a ``DecoderOutput`` (or a
+tuple) whose ``.sample`` is diffusers' own within the fixtures' tolerance, ``encode(x)`` an
+``AutoencoderKLOutput`` whose ``.latent_dist`` is diffusers' ``DiagonalGaussianDistribution``
+(``.mean``, ``.sample(generator)``, ``.mode()``), and ``.config``, ``.dtype``, ``.device``,
+``.parameters()``, ``enable_tiling()`` / ``disable_tiling()`` behave as a pipeline uses them.
+
+The model computes where ``device`` and ``dtype`` said when it was loaded; tensors come back
+on the device and in the dtype they were given. ``.to(...)`` changes nothing. Importing this
+module imports torch and diffusers; ``import vae_parallel`` alone does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
+from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+from . import load
+
+# diffusers' tiling keywords, as vae_parallel.load takes them.
+TILING_KEYWORDS = (
+    "tile_sample_min_size",
+    "tile_overlap_factor",
+    "tile_sample_min_height",
+    "tile_sample_min_width",
+    "tile_sample_stride_height",
+    "tile_sample_stride_width",
+)
+
+
+class DistributedVae:
+    """A diffusers VAE directory served by vae_parallel over ``ranks`` local ranks.
+
+    ``mode`` is the CLI's ``--vae-parallel-mode``: ``"tile"`` (the default) gives diffusers'
+    own results, tiled where tiling is enabled; ``"auto"`` may instead shard a large map over
+    the ranks, which gives the untiled decode's pixels (exact, no tile seams).
+    """
+
+    def __init__(self, directory, *, ranks=1, mode="tile", device="cpu", dtype="f32", **tiling):
+        self._directory = Path(directory)
+        self._options = {"ranks": ranks, "mode": mode, "device": device, "dtype": dtype}
+        self._tiling = {}
+        self.config = FrozenDict(json.loads((self._directory / "config.json").read_text()))
+        self.use_tiling = False
+        self.use_slicing = False
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.device = torch.device(device if device != "cuda" else "cuda:0")
+        self._vae = self._load(tiling)
+
+    @classmethod
+    def from_pretrained(cls, path, subfolder=None, **kwargs):
+        """Loads ``path`` (or ``path/subfolder``, as a pipeline's ``vae`` folder)."""
+        directory = Path(path) / subfolder if subfolder else Path(path)
+        return cls(directory, **kwargs)
+
+    def _load(self, tiling):
+        unknown = sorted(set(tiling) - set(TILING_KEYWORDS))
+        if unknown:
+            raise TypeError(f"unknown tiling keyword(s) {unknown}; known: {list(TILING_KEYWORDS)}")
+        self._tiling = {**self._tiling, **tiling}
+        return load(self._directory, **self._options, **self._tiling)
+
+    def enable_tiling(self, **tiling):
+        """Tiled decode and encode from now on, with diffusers' tiling keywords if given."""
+        if tiling:
+            self._vae = self._load(tiling)
+        self.use_tiling = True
+
+    def disable_tiling(self):
+        """Untiled decode and encode (several ranks still tile: the work is split by tiles)."""
+        self.use_tiling = False
+
+    def enable_slicing(self):
+        """Accepted for compatibility: a batch is one request here either way."""
+        self.use_slicing = True
+
+    def disable_slicing(self):
+        """Accepted for compatibility."""
+        self.use_slicing = False
+
+    def decode(self, z, return_dict=True, generator=None):
+        """Pixels in [-1, 1] for the latent ``z``, as ``AutoencoderKL.decode``."""
+        sample = self._vae.decode(z, use_tiling=self.use_tiling).to(z.dtype)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def encode(self, x, return_dict=True):
+        """The latent distribution of the pixels ``x``, as ``AutoencoderKL.encode``."""
+        moments = self._vae.encode(x, output="moments", use_tiling=self.use_tiling).to(x.dtype)
+        posterior = DiagonalGaussianDistribution(moments)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def forward(self, sample, sample_posterior=False, return_dict=True, generator=None):
+        """Encode then decode, as ``AutoencoderKL.forward``."""
+        posterior = self.encode(sample).latent_dist
+        z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
+        return self.decode(z, return_dict=return_dict)
+
+    __call__ = forward
+
+    def parameters(self):
+        """One empty tensor of the model's dtype and device (pipelines read them off it)."""
+        yield torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def to(self, *args, **kwargs):
+        """Returns self: the model stays where it was loaded."""
+        return self
+
+    def eval(self):
+        """Returns self (the model only infers)."""
+        return self
+
+    def requires_grad_(self, requires_grad=True):
+        """Returns self (no gradients here)."""
+        return self
+
+    def inspect(self):
+        """What ``vae-parallel inspect`` prints, as a dict."""
+        return self._vae.inspect()
+
+    def last_report(self):
+        """The report of the last request, as text."""
+        return self._vae.last_report()
+
+    def __repr__(self):
+        return f"DistributedVae({str(self._directory)!r}, {self._options})"

@@ -1,0 +1,132 @@
+"""The diffusers drop-in against diffusers itself, on the fixture models.
+
+Runs where torch and diffusers are installed (the fixtures' pinned venv:
+scripts/requirements-fixtures.txt); skipped elsewhere, as the CI venv has neither.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+import vae_parallel as vp  # noqa: E402
+from vae_parallel.diffusers import DistributedVae  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
+
+
+def tensor(path: Path) -> "torch.Tensor":
+    return torch.from_numpy(np.load(path))
+
+
+def close(a, b, tol=1e-4) -> bool:
+    return a.shape == b.shape and float((a - b).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_autoencoder_kl_decode_encode_and_config_match_diffusers(ranks):
+    model = FIXTURES / "autoencoder_kl/flux1_like"
+    ours = DistributedVae.from_pretrained(model.parent, subfolder=model.name, ranks=ranks)
+    ref = diffusers.AutoencoderKL.from_pretrained(model).eval()
+    if ranks > 1:
+        ref.enable_tiling()  # several ranks split the work by tiles, as the reference does
+    assert ours.config.scaling_factor == ref.config.scaling_factor
+    assert ours.config["block_out_channels"] == list(ref.config.block_out_channels)
+    assert next(ours.parameters()).dtype == torch.float32
+
+    z = tensor(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy")
+    with torch.inference_mode():
+        want = ref.decode(z).sample
+        got = ours.decode(z).sample
+        assert isinstance(got, torch.Tensor) and got.dtype == z.dtype
+        assert close(got, want)
+        # The tensor is the package's own result, bit for bit.
+        assert np.array_equal(got.numpy(), vp.load(model, ranks=ranks).decode(z.numpy()))
+        (again,) = ours.decode(z, return_dict=False)
+        assert torch.equal(again, got)
+
+        x = tensor(FIXTURES / "autoencoder_kl/flux1_like.encode.in.npy")
+        want_dist = ref.encode(x).latent_dist
+        got_dist = ours.encode(x).latent_dist
+        assert close(got_dist.mean, want_dist.mean)
+        assert close(got_dist.std, want_dist.std)
+        # The same generator gives the same sample.
+        a = got_dist.sample(generator=torch.Generator().manual_seed(7))
+        b = want_dist.sample(generator=torch.Generator().manual_seed(7))
+        assert close(a, b)
+
+
+def test_tiling_follows_enable_tiling():
+    model = FIXTURES / "autoencoder_kl/sd_like"
+    ours = DistributedVae.from_pretrained(model, ranks=3)
+    ref = diffusers.AutoencoderKL.from_pretrained(model).eval()
+    z = tensor(FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy")
+    ours.enable_tiling()
+    ref.enable_tiling()
+    with torch.inference_mode():
+        assert close(ours.decode(z).sample, ref.decode(z).sample)
+    with pytest.raises(TypeError):
+        ours.enable_tiling(tile_size=3)
+    # `auto` shards this map over the ranks instead of tiling it: diffusers' untiled pixels.
+    sharded = DistributedVae.from_pretrained(model, ranks=2, mode="auto")
+    sharded.enable_tiling()
+    ref.disable_tiling()
+    with torch.inference_mode():
+        assert close(sharded.decode(z).sample, ref.decode(z).sample)
+
+
+def test_wan_decode_matches_diffusers():
+    model = FIXTURES / "wan/wan21_like"
+    ours = DistributedVae.from_pretrained(model, ranks=2)
+    ref = diffusers.AutoencoderKLWan.from_pretrained(model).eval()
+    z = tensor(FIXTURES / "wan/wan21_like.decode_t3.in.npy")
+    with torch.inference_mode():
+        assert close(ours.decode(z).sample, ref.decode(z).sample)
+        x = tensor(FIXTURES / "wan/wan21_like.encode_f5.in.npy")
+        assert close(ours.encode(x).latent_dist.mean, ref.encode(x).latent_dist.mean)
+
+
+def test_torch_inputs_come_back_as_torch_on_their_device_and_dtype():
+    model = FIXTURES / "autoencoder_kl/flux1_like"
+    vae = vp.load(model)
+    z = np.load(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy")
+    want = vae.decode(z)
+    got = vae.decode(torch.from_numpy(z))
+    assert isinstance(got, torch.Tensor) and got.device.type == "cpu" and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), want)
+    # Other float types are converted to float32 on the way in, as numpy inputs are.
+    got16 = vae.decode(torch.from_numpy(z).to(torch.float64))
+    assert np.array_equal(got16.numpy(), want)
+
+
+def test_a_pipeline_takes_it_as_its_vae():
+    """A DiffusionPipeline's last step as FluxPipeline writes it (unscale, shift, decode,
+    postprocess), with the drop-in assigned as `pipe.vae` or given at construction."""
+    from diffusers import DiffusionPipeline
+    from diffusers.image_processor import VaeImageProcessor
+
+    class LatentsToImage(DiffusionPipeline):
+        def __init__(self, vae):
+            super().__init__()
+            self.register_modules(vae=vae)
+            self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+            self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
+
+        @torch.no_grad()
+        def __call__(self, latents, output_type="np"):
+            latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0)
+            image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+            return self.image_processor.postprocess(image, output_type=output_type)
+
+    model = FIXTURES / "autoencoder_kl/flux1_like"
+    z = tensor(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy")
+    want = LatentsToImage(diffusers.AutoencoderKL.from_pretrained(model))(z)
+    pipe = LatentsToImage(diffusers.AutoencoderKL.from_pretrained(model))
+    pipe.vae = DistributedVae.from_pretrained(model, ranks=2)
+    pipe.to("cpu")
+    assert pipe.config["vae"] == ("vae_parallel.diffusers", "DistributedVae")
+    assert np.abs(pipe(z) - want).max() <= 1e-4
+    assert np.abs(LatentsToImage(DistributedVae.from_pretrained(model))(z) - want).max() <= 1e-4
