@@ -1,6 +1,7 @@
-//! `vae_parallel`, the Python package: load a diffusers VAE directory once, then decode and
-//! encode numpy arrays on one or several ranks (threads of this process, the local transport),
-//! with the bits the CLI writes for the same model, input and options.
+//! `vae_parallel`'s native module (`vae_parallel._native`): load a diffusers VAE directory
+//! once, then decode and encode arrays on one or several ranks (threads of this process, or
+//! processes joined over sockets, torchrun's way included), with the bits the CLI writes for the
+//! same model, input and options.
 //!
 //! Inputs are torch tensors (any device and float type: copied to the host in float32) or
 //! anything `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and
@@ -21,7 +22,7 @@ use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
 use vae_parallel::models::{Direction, ModelError as VaeModelError, TileOverrides};
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode, RuntimeError};
 use vae_parallel::tensor::{DType, Device, Tensor};
-use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
 
 create_exception!(vae_parallel, VaeParallelError, PyException, "Every error this package raises.");
 create_exception!(vae_parallel, InputError, VaeParallelError, "The input array does not fit the model.");
@@ -67,29 +68,59 @@ fn config_error(err: impl std::fmt::Display) -> PyErr {
     ConfigError::new_err(err.to_string())
 }
 
+/// The ranks a request runs on.
+enum Group {
+    /// This many threads of this process, over a local group made for each request.
+    Local(usize, TransportConfig),
+    /// This process is one rank of a socket group it joined when the model loaded: every rank
+    /// calls each request with the same input.
+    Socket(Arc<dyn Communicator>),
+}
+
+impl Group {
+    fn size(&self) -> usize {
+        match self {
+            Self::Local(n, _) => *n,
+            Self::Socket(comm) => comm.size(),
+        }
+    }
+
+    fn rank(&self) -> usize {
+        match self {
+            Self::Local(..) => 0,
+            Self::Socket(comm) => comm.rank(),
+        }
+    }
+}
+
 /// A loaded VAE and how its requests run: returned by [`load`].
 #[pyclass(module = "vae_parallel", frozen)]
 struct Vae {
     engine: Engine,
-    ranks: usize,
+    group: Group,
     mode: ParallelMode,
-    transport: TransportConfig,
     /// The owner's report of the last request that succeeded.
     last_report: Mutex<Option<String>>,
 }
 
 /// Loads the diffusers VAE directory `model`.
 ///
-/// - `device`: `"cpu"`, `"cuda"` or `"cuda:N"`; `dtype`: `"f32"` or `"bf16"` (on the CPU, bf16
-///   needs AVX512-BF16).
-/// - `ranks`: local ranks (threads of this process) every request is spread over; `mode`: the
-///   CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`, `spatial_shard_width`).
+/// - `device`: `"cpu"`, `"cuda"` or `"cuda:N"` (`"cuda"` is `cuda:LOCAL_RANK` under torchrun);
+///   `dtype`: `"f32"` or `"bf16"` (on the CPU, bf16 needs AVX512-BF16).
+/// - `transport`: `"local"`, `ranks` threads of this process (default 1), or `"socket"`: this
+///   process joins a group of processes now, from `VAE_RANK`, `VAE_WORLD_SIZE` and
+///   `VAE_MASTER_ADDR` or torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (the
+///   group listens one port above it), with `VAE_GROUP_SECRET` on TCP; every rank then calls each
+///   request with the same input, and the results go to rank 0 (`None` elsewhere). `ranks`, if
+///   given, must equal the world size.
+/// - `mode`: the CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`,
+///   `spatial_shard_width`).
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
 ///   `tile_sample_stride_width` (video VAEs): the diffusers tiling keywords.
 #[pyfunction]
 #[pyo3(signature = (
-    model, *, device = "cpu", dtype = "f32", ranks = 1, mode = "tile",
+    model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
     tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
 ))]
@@ -99,7 +130,8 @@ fn load(
     model: PathBuf,
     device: &str,
     dtype: &str,
-    ranks: usize,
+    ranks: Option<usize>,
+    transport: &str,
     mode: &str,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
@@ -108,10 +140,14 @@ fn load(
     tile_sample_stride_height: Option<usize>,
     tile_sample_stride_width: Option<usize>,
 ) -> PyResult<Vae> {
-    if ranks == 0 {
+    if ranks == Some(0) {
         return Err(ConfigError::new_err("ranks must be at least 1"));
     }
-    let device: Device = device.parse().map_err(config_error)?;
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok());
+    let device: Device = match (device.trim(), local_rank) {
+        ("cuda", Some(gpu)) if transport == "socket" => Device::Cuda(gpu),
+        (name, _) => name.parse().map_err(config_error)?,
+    };
     let dtype: DType = dtype.parse().map_err(config_error)?;
     let mode: ParallelMode = mode.parse().map_err(config_error)?;
     let tiling = TileOverrides {
@@ -122,14 +158,29 @@ fn load(
         sample_stride_height: tile_sample_stride_height,
         sample_stride_width: tile_sample_stride_width,
     };
-    let transport = TransportConfig::from_env().map_err(config_error)?;
+    let config = TransportConfig::from_env().map_err(config_error)?;
+    let group = match transport {
+        "local" => Group::Local(ranks.unwrap_or(1), config),
+        "socket" => {
+            let options = SocketOptions::from_env().map_err(config_error)?;
+            if let Some(n) = ranks.filter(|&n| n != options.world_size) {
+                return Err(ConfigError::new_err(format!(
+                    "ranks={n} but the socket group's world size is {}",
+                    options.world_size
+                )));
+            }
+            let comm = py.detach(|| SocketComm::connect(&options));
+            Group::Socket(Arc::new(comm.map_err(|e| GroupError::new_err(format!("joining the socket group: {e}")))?))
+        }
+        other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
+    };
     let engine = py.detach(|| -> Result<Engine, EngineError> {
         let engine = Engine::load_on(&model, &tiling, device, dtype)?;
         engine.check_mode(mode)?;
         Ok(engine)
     });
     let engine = engine.map_err(|e| engine_error(&e))?;
-    Ok(Vae { engine, ranks, mode, transport, last_report: Mutex::new(None) })
+    Ok(Vae { engine, group, mode, last_report: Mutex::new(None) })
 }
 
 /// A request's input on the host, and where its output goes back to: a torch tensor's device,
@@ -174,15 +225,15 @@ impl Vae {
         RequestOptions { mode: self.mode, use_tiling, latents_normalized, placement: None }
     }
 
-    /// Runs `body` on every rank with the same input; the owner's (rank 0's) output. A failure
-    /// on any rank aborts the others and is raised once, as the CLI reports it.
+    /// Runs `body` on every rank of the group with the same input: this process's output
+    /// (rank 0's for a local group; `None` on a socket rank the output does not go to). A
+    /// failure on any rank aborts the others and is raised once, as the CLI reports it.
     fn on_ranks(
         &self,
         body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
-    ) -> PyResult<Tensor> {
-        let results = run_local(self.ranks, self.transport, |comm| {
-            let comm: Arc<dyn Communicator> = Arc::new(comm);
-            let result = DistributedVaeExecutor::new(Arc::clone(&comm), self.ranks)
+    ) -> PyResult<Option<Tensor>> {
+        let one_rank = |comm: Arc<dyn Communicator>| {
+            let result = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size())
                 .map_err(EngineError::from)
                 .and_then(|executor| body(&self.engine, &executor));
             if let Err(e) = &result
@@ -191,27 +242,38 @@ impl Vae {
                 comm.abort(&one_line(e));
             }
             result
-        })
-        .map_err(|e| GroupError::new_err(one_line(&e)))?;
-        let mut owner = None;
-        let mut failure = None;
-        for (rank, result) in results.into_iter().enumerate() {
-            match result {
-                Err(panic) => {
-                    failure = failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
+        };
+        let out = match &self.group {
+            Group::Socket(comm) => one_rank(Arc::clone(comm)).map_err(|e| engine_error(&e))?,
+            Group::Local(ranks, config) => {
+                let results = run_local(*ranks, *config, |comm| one_rank(Arc::new(comm)))
+                    .map_err(|e| GroupError::new_err(one_line(&e)))?;
+                let mut owner = None;
+                let mut failure = None;
+                for (rank, result) in results.into_iter().enumerate() {
+                    match result {
+                        Err(panic) => {
+                            failure =
+                                failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
+                        }
+                        Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
+                        Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
+                        Ok(Ok(out)) if rank == 0 => owner = Some(out),
+                        Ok(Ok(_)) => {}
+                    }
                 }
-                Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
-                Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
-                Ok(Ok(out)) if rank == 0 => owner = Some(out),
-                Ok(Ok(_)) => {}
+                if let Some(err) = failure {
+                    return Err(err);
+                }
+                let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
+                if out.tensor.is_none() {
+                    return Err(ExecutionError::new_err("the owner received no output"));
+                }
+                out
             }
-        }
-        if let Some(err) = failure {
-            return Err(err);
-        }
-        let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
+        };
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{:?}", out.report));
-        out.tensor.ok_or_else(|| ExecutionError::new_err("the owner received no output"))
+        Ok(out.tensor)
     }
 }
 
@@ -243,12 +305,12 @@ impl Vae {
         z: &Bound<'py, PyAny>,
         use_tiling: bool,
         latents_normalized: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let latent = input(z)?;
         let options = self.options(use_tiling, latents_normalized);
         let z = &latent.tensor;
         let out = py.detach(|| self.on_ranks(|engine, executor| engine.decode(executor, z, &options)))?;
-        to_python(py, &out, latent.torch_device.as_ref())
+        out.map(|t| to_python(py, &t, latent.torch_device.as_ref())).transpose()
     }
 
     /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
@@ -262,7 +324,7 @@ impl Vae {
         output: &str,
         use_tiling: bool,
         latents_normalized: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let kind = match output {
             "mean" => EncodeOutput::Mean,
             "moments" => EncodeOutput::Moments,
@@ -274,7 +336,7 @@ impl Vae {
         let options = self.options(use_tiling, latents_normalized);
         let x = &image.tensor;
         let out = py.detach(|| self.on_ranks(|engine, executor| engine.encode(executor, x, &options, kind)))?;
-        to_python(py, &out, image.torch_device.as_ref())
+        out.map(|t| to_python(py, &t, image.torch_device.as_ref())).transpose()
     }
 
     /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its
@@ -292,12 +354,26 @@ impl Vae {
         d.set_item("modes", modes)?;
         d.set_item("decode_placement", format!("{:?}", model.default_placement(Direction::Decode)))?;
         d.set_item("encode_placement", format!("{:?}", model.default_placement(Direction::Encode)))?;
-        d.set_item("ranks", self.ranks)?;
+        d.set_item("ranks", self.group.size())?;
+        d.set_item("rank", self.group.rank())?;
+        d.set_item("transport", if matches!(self.group, Group::Socket(_)) { "socket" } else { "local" })?;
         d.set_item("mode", self.mode.to_string())?;
         Ok(d)
     }
 
-    /// The owner's report of the last request that succeeded (strategy, reason, phases,
+    /// This process's rank in the group (0 for a local group, whose ranks are its threads).
+    #[getter]
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Ranks every request runs on.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's report of the last request that succeeded (strategy, reason, phases,
     /// memory), as text; `None` before the first.
     fn last_report(&self) -> Option<String> {
         self.last_report.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -308,7 +384,7 @@ impl Vae {
             "Vae({:?}, class={}, ranks={}, mode={})",
             self.engine.dir(),
             self.engine.model().class_name(),
-            self.ranks,
+            self.group.size(),
             self.mode
         )
     }

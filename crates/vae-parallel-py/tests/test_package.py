@@ -164,3 +164,82 @@ def test_inspect_and_report():
     vae.decode(np.load(FIXTURES / "autoencoder_kl/sd_like.decode.in.npy"))
     assert vae.last_report()
     assert "AutoencoderKL" in repr(vae)
+
+
+RANK_SCRIPT = """
+import sys
+import numpy as np
+import vae_parallel as vp
+
+model, latent, out = sys.argv[1:4]
+vae = vp.load(model, transport="socket")
+assert vae.world_size == 2, vae.world_size
+got = vae.decode(np.load(latent), use_tiling=True)
+# The output goes to rank 0 only.
+assert (got is None) == (vae.rank != 0), (vae.rank, got is None)
+if got is not None:
+    np.save(out, got)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_socket_group(tmp_path: Path, env_of_rank) -> np.ndarray:
+    import sys
+
+    model = FIXTURES / "autoencoder_kl/sd_like"
+    latent = FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy"
+    out = tmp_path / "rank0.npy"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(model), str(latent), str(out)],
+            env={**os.environ, **env_of_rank(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    return np.load(out)
+
+
+@pytest.mark.parametrize("naming", ["torchrun", "vae"])
+def test_processes_join_a_socket_group_from_the_environment(tmp_path, naming):
+    port = free_port()
+    secret = "ab" * 32
+    if naming == "torchrun":
+        # torchrun's names; the group listens one port above MASTER_PORT (torchrun's store).
+        def env_of_rank(rank):
+            return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port - 1), "VAE_GROUP_SECRET": secret}
+    else:
+        sock = tmp_path / "group.sock"
+
+        def env_of_rank(rank):
+            return {"VAE_RANK": str(rank), "VAE_WORLD_SIZE": "2", "VAE_MASTER_ADDR": f"unix:{sock}"}
+    got = run_socket_group(tmp_path, env_of_rank)
+    model = FIXTURES / "autoencoder_kl/sd_like"
+    latent = FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy"
+    assert same_bits(got, run_cli(tmp_path, "decode", model, latent, "--latent", 2))
+
+
+def test_a_socket_group_needs_its_environment_and_a_matching_size():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = "import vae_parallel as vp, sys\ntry:\n vp.load(sys.argv[1], transport='socket')\nexcept vp.ConfigError as e:\n print(e)"
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "autoencoder_kl/sd_like")],
+                          env={k: v for k, v in env.items() if not k.startswith("VAE_")},
+                          capture_output=True, text=True, timeout=60)
+    assert "VAE_RANK (or RANK)" in done.stdout or "VAE_MASTER_ADDR" in done.stdout, done.stdout + done.stderr
+    with pytest.raises(vp.ConfigError):
+        vp.load(FIXTURES / "autoencoder_kl/sd_like", transport="carrier-pigeon")

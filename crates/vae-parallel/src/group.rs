@@ -87,9 +87,15 @@ pub fn is_supervised_non_owner() -> bool {
 }
 
 /// True when this process was started as one rank of a socket group (its environment names a
-/// rank), as opposed to being the program a user ran directly.
+/// rank: `VAE_RANK`, or torchrun's `RANK` and `WORLD_SIZE`), as opposed to being the program a
+/// user ran directly.
 pub fn is_rank_process() -> bool {
-    std::env::var_os(ENV_RANK).is_some()
+    vae_transport::socket::rank_in_env()
+}
+
+/// The GPU of this rank on its host where a launcher named it (torchrun's `LOCAL_RANK`).
+pub fn local_rank() -> Option<usize> {
+    std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok())
 }
 
 /// How the rank processes of a launched group ended.

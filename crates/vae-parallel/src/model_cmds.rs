@@ -234,7 +234,8 @@ impl Resolved {
     }
 
     /// The shared engine, or one loaded into `slot` for this rank's process: on the rank's own
-    /// GPU (cuda:r) for NCCL groups, else on the resolved device.
+    /// GPU for NCCL groups (cuda:`LOCAL_RANK` under torchrun, else cuda:r), else on the
+    /// resolved device.
     fn engine_for_rank<'a>(
         &self,
         rank: usize,
@@ -243,7 +244,9 @@ impl Resolved {
     ) -> anyhow::Result<&'a Engine> {
         use vae_parallel::tensor::Device;
         let device = match (self.group.transport, self.device) {
-            (vae_parallel::group::TransportKind::Nccl, _) => Device::Cuda(rank),
+            (vae_parallel::group::TransportKind::Nccl, _) => {
+                Device::Cuda(vae_parallel::group::local_rank().unwrap_or(rank))
+            }
             (_, device) => device,
         };
         match shared {

@@ -97,9 +97,11 @@ pub fn run_group<R: Send>(
             let comm = SocketComm::connect(&options).context("joining the socket group")?;
             let rank = comm.rank();
             if kind == TransportKind::Nccl {
-                // Rank r on cuda:r. Every rank gets the same verdict from the bootstrap, so all
-                // fail together (and none waits inside NCCL) when one cannot open its GPU.
-                let nccl = NcclComm::from_bootstrap(&comm, rank).context("joining the NCCL group")?;
+                // Rank r on cuda:r (cuda:LOCAL_RANK under torchrun, whose ranks span hosts).
+                // Every rank gets the same verdict from the bootstrap, so all fail together (and
+                // none waits inside NCCL) when one cannot open its GPU.
+                let gpu = vae_parallel::group::local_rank().unwrap_or(rank);
+                let nccl = NcclComm::from_bootstrap(&comm, gpu).context("joining the NCCL group")?;
                 return Ok(GroupOutcome::OneRank(rank, run_rank(Arc::new(nccl), &body)));
             }
             Ok(GroupOutcome::OneRank(rank, run_rank(Arc::new(comm), &body)))

@@ -123,6 +123,30 @@ fn ranks_can_be_started_by_hand_with_flags() {
     assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
 }
 
+/// `torchrun --nproc-per-node 2 --no-python vae-parallel ... --transport socket` gives each
+/// process `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`: that is enough to join (the
+/// group listens one port above torchrun's store).
+#[test]
+fn ranks_join_from_torchruns_environment() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let exe = env!("CARGO_BIN_EXE_vae-parallel");
+    let args = |rank: &str| {
+        let mut cmd = Command::new(exe);
+        cmd.args(["demo", "--operator", "synthetic", "--transport", "socket", "--ranks", "2"]);
+        cmd.args(["--height", "20", "--width", "20"]).env("VAE_CONNECT_TIMEOUT_S", "30");
+        cmd.env_remove("VAE_RANK").env_remove("VAE_WORLD_SIZE").env_remove("VAE_MASTER_ADDR");
+        cmd.envs([("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank), ("MASTER_ADDR", "127.0.0.1")]);
+        cmd.env("MASTER_PORT", (port - 1).to_string()).env("VAE_GROUP_SECRET", "cd".repeat(32));
+        cmd
+    };
+    let other = args("1").stdout(std::process::Stdio::null()).spawn().unwrap();
+    let first = args("0").output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&first.stdout);
+    assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
+    assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
+}
+
 #[test]
 fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     let (ok, text) = cli(&["bench", "kernels", "--downscale", "8", "--iters", "1", "--json"]);

@@ -49,6 +49,22 @@ pub const ENV_WORLD_SIZE: &str = "VAE_WORLD_SIZE";
 /// Environment variable: the master address (`host:port`, `tcp://host:port` or `unix:/path`).
 pub const ENV_MASTER_ADDR: &str = "VAE_MASTER_ADDR";
 
+/// torchrun's (and `torch.distributed`'s) names, read where the `VAE_*` ones are absent, so that
+/// `torchrun --nproc-per-node N` starts a group: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+/// `MASTER_PORT`.
+pub const TORCHRUN_ENV: [&str; 4] = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"];
+
+/// Under torchrun the group's master listens this many ports above `MASTER_PORT`: torchrun's
+/// own store (which `torch.distributed` joins) holds `MASTER_PORT` itself.
+pub const TORCHRUN_PORT_OFFSET: u16 = 1;
+
+/// Whether this process's environment names its rank: `VAE_RANK`, or torchrun's `RANK` with
+/// its `WORLD_SIZE`.
+pub fn rank_in_env() -> bool {
+    std::env::var_os(ENV_RANK).is_some()
+        || (std::env::var_os(TORCHRUN_ENV[0]).is_some() && std::env::var_os(TORCHRUN_ENV[1]).is_some())
+}
+
 const MAGIC: [u8; 4] = *b"VAEF";
 const PROTOCOL_VERSION: u32 = 1;
 const HEADER_LEN: usize = 32;
@@ -129,22 +145,48 @@ pub struct SocketOptions {
 
 impl SocketOptions {
     /// Reads `VAE_RANK`, `VAE_WORLD_SIZE`, `VAE_MASTER_ADDR` and the timeouts
-    /// ([`TransportConfig::from_env`]).
+    /// ([`TransportConfig::from_env`]); where a `VAE_*` name is absent, torchrun's: `RANK`,
+    /// `WORLD_SIZE`, and `MASTER_ADDR` with `MASTER_PORT` (the group then listens on
+    /// `MASTER_PORT + 1`, see [`TORCHRUN_PORT_OFFSET`]).
     pub fn from_env() -> Result<Self> {
-        let var = |name: &str| {
-            std::env::var(name)
-                .map_err(|_| TransportError::InvalidArgument(format!("environment variable {name} is not set")))
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Self::from_env`] over any source of variables.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let missing = |names: &str| TransportError::InvalidArgument(format!("environment variable {names} is not set"));
+        let first = |ours: &str, torch: &str| {
+            var(ours).map(|v| (ours.to_string(), v)).or_else(|| var(torch).map(|v| (torch.to_string(), v)))
         };
-        let number = |name: &str| -> Result<usize> {
-            let text = var(name)?;
+        let number = |ours: &str, torch: &str| -> Result<usize> {
+            let (name, text) = first(ours, torch).ok_or_else(|| missing(&format!("{ours} (or {torch})")))?;
             text.trim()
                 .parse()
                 .map_err(|_| TransportError::InvalidArgument(format!("{name}={text:?} is not a non-negative integer")))
         };
+        let [rank, world, addr, port] = TORCHRUN_ENV;
+        let master = match var(ENV_MASTER_ADDR) {
+            Some(text) => text.parse()?,
+            None => {
+                let host = var(addr).ok_or_else(|| missing(&format!("{ENV_MASTER_ADDR} (or {addr} and {port})")))?;
+                let text = var(port).ok_or_else(|| missing(&format!("{port} (with {addr}={host})")))?;
+                let base: u16 = text
+                    .trim()
+                    .parse()
+                    .map_err(|_| TransportError::InvalidArgument(format!("{port}={text:?} is not a port number")))?;
+                let ours = base.checked_add(TORCHRUN_PORT_OFFSET).ok_or_else(|| {
+                    TransportError::InvalidArgument(format!("{port}={base} leaves no port above it for the group"))
+                })?;
+                let host = host.trim();
+                // An IPv6 address is bracketed before a port is put after it.
+                let host = if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.into() };
+                format!("{host}:{ours}").parse()?
+            }
+        };
         Ok(Self {
-            rank: number(ENV_RANK)?,
-            world_size: number(ENV_WORLD_SIZE)?,
-            master: var(ENV_MASTER_ADDR)?.parse()?,
+            rank: number(ENV_RANK, rank)?,
+            world_size: number(ENV_WORLD_SIZE, world)?,
+            master,
             config: TransportConfig::from_env()?,
             secret: GroupSecret::from_env()?,
         })
@@ -494,6 +536,38 @@ mod tests {
     use super::rendezvous::parse_hello;
     use super::stream::read_control_frame;
     use super::*;
+
+    fn options_from(vars: &[(&str, &str)]) -> Result<SocketOptions> {
+        let vars: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        SocketOptions::from_vars(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn torchruns_names_stand_in_for_absent_vae_ones() {
+        let torchrun = [("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.7"), ("MASTER_PORT", "29500")];
+        let o = options_from(&torchrun).unwrap();
+        assert_eq!((o.rank, o.world_size), (1, 4));
+        assert_eq!(o.master, Endpoint::Tcp("10.0.0.7:29501".into()), "one port above torchrun's store");
+        // The VAE_* names win, each on its own.
+        let mixed = [&torchrun[..], &[("VAE_RANK", "3"), ("VAE_MASTER_ADDR", "unix:/tmp/g.sock")][..]].concat();
+        let o = options_from(&mixed).unwrap();
+        assert_eq!((o.rank, o.world_size), (3, 4));
+        assert_eq!(o.master, Endpoint::Unix("/tmp/g.sock".into()));
+        let v6 = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "::1"), ("MASTER_PORT", "7000")];
+        assert_eq!(options_from(&v6).unwrap().master, Endpoint::Tcp("[::1]:7001".into()));
+        // Missing or bad pieces are named.
+        let no_port = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
+        assert!(options_from(&no_port).unwrap_err().to_string().contains("MASTER_PORT"));
+        let top = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")];
+        assert!(options_from(&top).unwrap_err().to_string().contains("no port above"));
+        let bad = [("RANK", "x"), ("WORLD_SIZE", "2"), ("VAE_MASTER_ADDR", "h:1")];
+        assert!(options_from(&bad).unwrap_err().to_string().contains("RANK=\"x\""));
+        let none: [(&str, &str); 0] = [];
+        assert!(
+            options_from(&none).unwrap_err().to_string().contains("VAE_MASTER_ADDR (or MASTER_ADDR and MASTER_PORT)")
+        );
+    }
 
     #[test]
     fn a_unix_peer_is_known_by_its_user() {
