@@ -390,11 +390,38 @@ impl Vae {
     }
 }
 
+/// Writes decoded pixels (`[B, 3, H, W]` or `[B, 3, T, H, W]` in [-1, 1], as `Vae.decode`
+/// returns them) to `path` as the CLI's `--out` would: `.npy` (the values), `.png` (one image
+/// per batch item or frame), `.mp4` (H.264 through ffmpeg: on PATH or named by `VAE_FFMPEG`) or
+/// `.gif` (a video per batch item, `fps` frames a second). Files appear only once all are
+/// written. Returns the paths written.
+#[pyfunction]
+#[pyo3(signature = (path, pixels, *, fps = vae_parallel::video::DEFAULT_FPS))]
+fn save(py: Python<'_>, path: PathBuf, pixels: &Bound<'_, PyAny>, fps: u32) -> PyResult<Vec<PathBuf>> {
+    use vae_parallel::io;
+    let pixels = input(pixels)?.tensor;
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    let io_error = |e: io::IoError| InputError::new_err(one_line(&e));
+    py.detach(|| {
+        let mut staged = vae_parallel::output::Staged::new();
+        match ext.as_str() {
+            "npy" => staged.add(&path, &io::npy_bytes(&pixels).map_err(io_error)?).map_err(io_error)?,
+            "png" => io::stage_png_batch(&mut staged, &path, &pixels).map_err(io_error)?,
+            "mp4" | "gif" => {
+                vae_parallel::video::stage_video_batch(&mut staged, &path, &pixels, fps).map_err(io_error)?
+            }
+            _ => return Err(ConfigError::new_err(format!("{} must end in .npy, .png, .mp4 or .gif", path.display()))),
+        }
+        staged.commit().map_err(io_error)
+    })
+}
+
 /// The module.
 #[pymodule(name = "_native")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_class::<Vae>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
     m.add("InputError", py.get_type::<InputError>())?;

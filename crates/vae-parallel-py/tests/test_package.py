@@ -243,3 +243,39 @@ def test_a_socket_group_needs_its_environment_and_a_matching_size():
     assert "VAE_RANK (or RANK)" in done.stdout or "VAE_MASTER_ADDR" in done.stdout, done.stdout + done.stderr
     with pytest.raises(vp.ConfigError):
         vp.load(FIXTURES / "autoencoder_kl/sd_like", transport="carrier-pigeon")
+
+
+def test_save_writes_what_the_cli_writes(tmp_path):
+    import shutil
+
+    model = FIXTURES / "wan/wan21_like"
+    latent = FIXTURES / "wan/wan21_like.decode_t3.in.npy"
+    pixels = vp.load(model).decode(np.load(latent))
+    frames = pixels.shape[2]
+    [npy] = vp.save(tmp_path / "clip.npy", pixels)
+    assert same_bits(np.load(npy), pixels)
+    [gif] = vp.save(tmp_path / "clip.gif", pixels, fps=8)
+    cli_gif = tmp_path / "cli.gif"
+    done = subprocess.run([str(cli()), "decode", "--model", str(model), "--latent", str(latent), "--out",
+                           str(cli_gif), "--fps", "8"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Path(gif).read_bytes() == cli_gif.read_bytes()
+    pngs = vp.save(tmp_path / "frame.png", pixels)
+    assert len(pngs) == frames and all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    if shutil.which("ffmpeg") and shutil.which("ffprobe"):
+        [mp4] = vp.save(tmp_path / "clip.mp4", pixels, fps=16)
+        probe = subprocess.run(["ffprobe", "-v", "error", "-count_frames", "-select_streams", "v:0", "-show_entries",
+                                "stream=nb_read_frames,r_frame_rate", "-of", "default=nw=1", str(mp4)],
+                               capture_output=True, text=True)
+        assert f"nb_read_frames={frames}" in probe.stdout and "r_frame_rate=16/1" in probe.stdout, probe.stdout
+    with pytest.raises(vp.ConfigError):
+        vp.save(tmp_path / "clip.avi", pixels)
+    with pytest.raises(vp.InputError):
+        vp.save(tmp_path / "flat.gif", np.zeros((4, 4), dtype=np.float32))
+    with pytest.raises(vp.InputError, match="MP4 output needs ffmpeg"):
+        os.environ["VAE_FFMPEG"] = "/nonexistent/ffmpeg"
+        try:
+            vp.save(tmp_path / "none.mp4", pixels)
+        finally:
+            del os.environ["VAE_FFMPEG"]
+    assert not (tmp_path / "none.mp4").exists()

@@ -265,9 +265,13 @@ pub struct DecodeArgs {
     #[arg(long)]
     latent: PathBuf,
     /// `.npy`: the raw decoder output (`vae.decode(z).sample`); `.png`: diffusers' image
-    /// post-processing, one file per batch item.
+    /// post-processing, one file per batch item (per frame of a video); `.mp4` (H.264 through
+    /// ffmpeg: on PATH or named by VAE_FFMPEG) or `.gif`: a video, one file per batch item.
     #[arg(long)]
     out: PathBuf,
+    /// Frames per second of an `.mp4` or `.gif` output.
+    #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
+    fps: u32,
 }
 
 /// Options of `encode`.
@@ -467,9 +471,12 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
 /// `vae-parallel decode`.
 pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
-    check_output_path(&args.out, &["npy", "png"])?;
+    check_output_path(&args.out, &["npy", "png", "mp4", "gif"])?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
-    let png = args.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    if args.fps == 0 {
+        bail!("--fps must be at least 1");
+    }
+    let ext = args.out.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
         let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
@@ -484,10 +491,10 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
             &executor,
             out,
             |t, staged| {
-                if png {
-                    io::stage_png_batch(staged, &args.out, t)?;
-                } else {
-                    staged.add(&args.out, &io::npy_bytes(t)?)?;
+                match ext.as_str() {
+                    "png" => io::stage_png_batch(staged, &args.out, t)?,
+                    "mp4" | "gif" => vae_parallel::video::stage_video_batch(staged, &args.out, t, args.fps)?,
+                    _ => staged.add(&args.out, &io::npy_bytes(t)?)?,
                 }
                 Ok(())
             },

@@ -71,6 +71,20 @@ impl Staged {
         Ok(())
     }
 
+    /// Stages the file `write` makes at the path it is given (an external program's output: a
+    /// new empty file next to `target`, which it may truncate and rewrite but not replace).
+    pub fn add_written_by(
+        &mut self,
+        target: &Path,
+        write: impl FnOnce(&Path) -> Result<(), IoError>,
+    ) -> Result<(), IoError> {
+        let file = temp_for(target)?;
+        write(file.path())?;
+        file.as_file().sync_all().map_err(os(target))?;
+        self.files.push((file, target.to_path_buf()));
+        Ok(())
+    }
+
     /// Puts every staged file in place. On an error the targets are as they were before the
     /// call (replaced ones restored, new ones removed) and the error names the target that
     /// failed.

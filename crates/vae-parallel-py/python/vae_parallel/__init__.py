@@ -15,6 +15,7 @@ from ._native import (
     VaeParallelError,
     __version__,
     load,
+    save,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "VaeParallelError",
     "__version__",
     "load",
+    "save",
 ]

@@ -1,0 +1,133 @@
+//! Decoded videos written as `.gif` and `.mp4` by the CLI, read back by a decoder of their own
+//! (the gif crate's, ffprobe): frame count, size and rate; and a clear error, with nothing
+//! written, where MP4 output has no ffmpeg to run.
+#![allow(clippy::print_stderr)] // a test skipped for want of ffmpeg says so
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::{cli, cli_with_env, read_npy_f32, wan21_fixture};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vae-video-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The Wan2.1 fixture's decode as `.npy`: `(frames, height, width)` and the values.
+fn reference_decode(dir: &Path) -> ((usize, usize, usize), Vec<f32>) {
+    let (model, latent) = wan21_fixture();
+    let out = dir.join("ref.npy");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out)]);
+    assert!(ok, "{text}");
+    let bytes = std::fs::read(&out).unwrap();
+    let header =
+        String::from_utf8_lossy(&bytes[10..10 + u16::from_le_bytes([bytes[8], bytes[9]]) as usize]).to_string();
+    let shape: Vec<usize> = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap()
+        .split(',')
+        .filter_map(|d| d.trim().parse().ok())
+        .collect();
+    assert_eq!(shape.len(), 5, "{header}");
+    ((shape[2], shape[3], shape[4]), read_npy_f32(&out))
+}
+
+#[test]
+fn a_video_decodes_to_a_gif_of_every_frame() {
+    let dir = scratch("gif");
+    let ((t, h, w), values) = reference_decode(&dir);
+    let (model, latent) = wan21_fixture();
+    let out = dir.join("clip.gif");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--fps", "8"]);
+    assert!(ok, "{text}");
+
+    let mut options = gif::DecodeOptions::new();
+    options.set_color_output(gif::ColorOutput::RGBA);
+    let mut decoder = options.read_info(std::fs::File::open(&out).unwrap()).unwrap();
+    assert_eq!((decoder.width() as usize, decoder.height() as usize), (w, h));
+    let mut frames = 0;
+    while let Some(frame) = decoder.read_next_frame().unwrap() {
+        assert_eq!(frame.delay, 13, "8 frames per second: 12.5 hundredths, rounded");
+        // Each pixel is the decoded value's 8-bit rendering, up to the 256-colour palette.
+        let plane = h * w;
+        let mut err = 0.0f64;
+        for i in 0..plane {
+            for c in 0..3 {
+                let v = values[(c * t + frames) * plane + i];
+                let want = ((v / 2.0 + 0.5).clamp(0.0, 1.0) * 255.0).round();
+                err += (f64::from(frame.buffer[4 * i + c]) - f64::from(want)).abs();
+            }
+        }
+        let mean = err / (3 * plane) as f64;
+        assert!(mean < 12.0, "frame {frames}: mean error {mean} levels");
+        frames += 1;
+    }
+    assert_eq!(frames, t, "one GIF frame per decoded frame");
+}
+
+/// ffmpeg and ffprobe, if this machine has them (CI installs them).
+fn ffmpeg_tools() -> bool {
+    let runs = |p: &str| Command::new(p).arg("-version").output().is_ok_and(|o| o.status.success());
+    runs("ffmpeg") && runs("ffprobe")
+}
+
+#[test]
+fn a_video_decodes_to_an_mp4_that_ffprobe_reads_back() {
+    if !ffmpeg_tools() {
+        eprintln!("skipped: no ffmpeg/ffprobe on this machine (CI installs them)");
+        return;
+    }
+    let dir = scratch("mp4");
+    let ((t, h, w), _) = reference_decode(&dir);
+    let (model, latent) = wan21_fixture();
+    let out = dir.join("clip.mp4");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out)]);
+    assert!(ok, "{text}");
+    let probe = Command::new("ffprobe")
+        .args(["-v", "error", "-select_streams", "v:0", "-count_frames", "-show_entries"])
+        .args(["stream=codec_name,pix_fmt,width,height,r_frame_rate,nb_read_frames", "-of", "default=nw=1"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&probe.stdout);
+    assert!(probe.status.success(), "{said}{}", String::from_utf8_lossy(&probe.stderr));
+    // An odd size is padded to even for yuv420p.
+    let (pw, ph) = (w.next_multiple_of(2), h.next_multiple_of(2));
+    for want in [
+        "codec_name=h264".to_string(),
+        "pix_fmt=yuv420p".into(),
+        format!("width={pw}"),
+        format!("height={ph}"),
+        "r_frame_rate=16/1".into(),
+        format!("nb_read_frames={t}"),
+    ] {
+        assert!(said.lines().any(|l| l == want), "{want} in:\n{said}");
+    }
+}
+
+#[test]
+fn mp4_without_ffmpeg_is_a_clear_error_and_writes_nothing() {
+    let dir = scratch("noffmpeg");
+    let (model, latent) = wan21_fixture();
+    let out = dir.join("clip.mp4");
+    let (ok, text) = cli_with_env(
+        &["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--vae-patch-parallel-size", "2"],
+        &[("VAE_FFMPEG", "/nonexistent/ffmpeg")],
+    );
+    assert!(!ok, "{text}");
+    assert!(text.contains("MP4 output needs ffmpeg") && text.contains("VAE_FFMPEG"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.starts_with("error:")).count(), 1, "{text}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing written, no temporary left");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--fps", "0"]);
+    assert!(!ok && text.contains("--fps must be at least 1"), "{text}");
+}
