@@ -10,88 +10,26 @@
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the CLI's one-line messages.
 
+mod errors;
+mod ranks;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
-use vae_parallel::models::{Direction, ModelError as VaeModelError, TileOverrides};
-use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode, RuntimeError};
+use vae_parallel::models::{Direction, TileOverrides};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::{DType, Device, Tensor};
-use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
+use vae_parallel::transport::{SocketComm, SocketOptions, TransportConfig};
 
-create_exception!(vae_parallel, VaeParallelError, PyException, "Every error this package raises.");
-create_exception!(vae_parallel, InputError, VaeParallelError, "The input array does not fit the model.");
-create_exception!(vae_parallel, ModelError, VaeParallelError, "The model directory cannot be loaded.");
-create_exception!(vae_parallel, ConfigError, VaeParallelError, "An option is invalid or unsupported here.");
-create_exception!(vae_parallel, ExecutionError, VaeParallelError, "A request failed while running.");
-create_exception!(vae_parallel, GroupError, VaeParallelError, "The group of ranks could not be started.");
-
-/// An error's message and its causes on one line, each cause once (as the CLI prints it).
-fn one_line(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(c) = cause {
-        let part = c.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        cause = c.source();
-    }
-    text
-}
-
-/// The Python exception for an engine error.
-fn engine_error(err: &EngineError) -> PyErr {
-    let text = one_line(err);
-    match err {
-        EngineError::Model(VaeModelError::InvalidInput(_) | VaeModelError::Tensor(_)) => InputError::new_err(text),
-        EngineError::Model(VaeModelError::Unsupported(_)) => ConfigError::new_err(text),
-        EngineError::Model(_) => ModelError::new_err(text),
-        EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
-        EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),
-        // A model's refusal inside the executor reaches every rank as its message only (the
-        // agreed-error codec carries text): `ModelError::InvalidInput` is the one that says so.
-        EngineError::Runtime(RuntimeError::Operator { message, .. }) if message.starts_with("invalid input: ") => {
-            InputError::new_err(text)
-        }
-        EngineError::Runtime(_) => ExecutionError::new_err(text),
-    }
-}
-
-fn config_error(err: impl std::fmt::Display) -> PyErr {
-    ConfigError::new_err(err.to_string())
-}
-
-/// The ranks a request runs on.
-enum Group {
-    /// This many threads of this process, over a local group made for each request.
-    Local(usize, TransportConfig),
-    /// This process is one rank of a socket group it joined when the model loaded: every rank
-    /// calls each request with the same input.
-    Socket(Arc<dyn Communicator>),
-}
-
-impl Group {
-    fn size(&self) -> usize {
-        match self {
-            Self::Local(n, _) => *n,
-            Self::Socket(comm) => comm.size(),
-        }
-    }
-
-    fn rank(&self) -> usize {
-        match self {
-            Self::Local(..) => 0,
-            Self::Socket(comm) => comm.rank(),
-        }
-    }
-}
+use crate::errors::{
+    ConfigError, ExecutionError, GroupError, InputError, ModelError, VaeParallelError, config_error, engine_error,
+    one_line,
+};
+use crate::ranks::Group;
 
 /// A loaded VAE and how its requests run: returned by [`load`].
 #[pyclass(module = "vae_parallel", frozen)]
@@ -225,53 +163,14 @@ impl Vae {
         RequestOptions { mode: self.mode, use_tiling, latents_normalized, placement: None }
     }
 
-    /// Runs `body` on every rank of the group with the same input: this process's output
-    /// (rank 0's for a local group; `None` on a socket rank the output does not go to). A
-    /// failure on any rank aborts the others and is raised once, as the CLI reports it.
-    fn on_ranks(
+    /// Runs a request on the group: this process's output (`None` on a socket rank the output
+    /// does not go to), and its report kept for [`Vae::last_report`].
+    fn request(
         &self,
+        py: Python<'_>,
         body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
     ) -> PyResult<Option<Tensor>> {
-        let one_rank = |comm: Arc<dyn Communicator>| {
-            let result = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size())
-                .map_err(EngineError::from)
-                .and_then(|executor| body(&self.engine, &executor));
-            if let Err(e) = &result
-                && !e.known_to_all_ranks()
-            {
-                comm.abort(&one_line(e));
-            }
-            result
-        };
-        let out = match &self.group {
-            Group::Socket(comm) => one_rank(Arc::clone(comm)).map_err(|e| engine_error(&e))?,
-            Group::Local(ranks, config) => {
-                let results = run_local(*ranks, *config, |comm| one_rank(Arc::new(comm)))
-                    .map_err(|e| GroupError::new_err(one_line(&e)))?;
-                let mut owner = None;
-                let mut failure = None;
-                for (rank, result) in results.into_iter().enumerate() {
-                    match result {
-                        Err(panic) => {
-                            failure =
-                                failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
-                        }
-                        Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
-                        Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
-                        Ok(Ok(out)) if rank == 0 => owner = Some(out),
-                        Ok(Ok(_)) => {}
-                    }
-                }
-                if let Some(err) = failure {
-                    return Err(err);
-                }
-                let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
-                if out.tensor.is_none() {
-                    return Err(ExecutionError::new_err("the owner received no output"));
-                }
-                out
-            }
-        };
+        let out = self.group.run(py, &self.engine, body)?;
         *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{:?}", out.report));
         Ok(out.tensor)
     }
@@ -309,7 +208,7 @@ impl Vae {
         let latent = input(z)?;
         let options = self.options(use_tiling, latents_normalized);
         let z = &latent.tensor;
-        let out = py.detach(|| self.on_ranks(|engine, executor| engine.decode(executor, z, &options)))?;
+        let out = self.request(py, |engine, executor| engine.decode(executor, z, &options))?;
         out.map(|t| to_python(py, &t, latent.torch_device.as_ref())).transpose()
     }
 
@@ -335,7 +234,7 @@ impl Vae {
         let image = input(x)?;
         let options = self.options(use_tiling, latents_normalized);
         let x = &image.tensor;
-        let out = py.detach(|| self.on_ranks(|engine, executor| engine.encode(executor, x, &options, kind)))?;
+        let out = self.request(py, |engine, executor| engine.encode(executor, x, &options, kind))?;
         out.map(|t| to_python(py, &t, image.torch_device.as_ref())).transpose()
     }
 

@@ -279,3 +279,40 @@ def test_save_writes_what_the_cli_writes(tmp_path):
         finally:
             del os.environ["VAE_FFMPEG"]
     assert not (tmp_path / "none.mp4").exists()
+
+
+INTERRUPT_SCRIPT = """
+import os, signal, sys, threading, time
+import numpy as np
+import vae_parallel as vp
+
+vae = vp.load(sys.argv[1], ranks=2, tile_sample_min_size=32)
+z = np.random.default_rng(0).standard_normal((1, 16, 96, 96), dtype=np.float32)  # ~100 tiles
+started = time.perf_counter()
+vae.decode(z, use_tiling=True)
+full = time.perf_counter() - started
+threading.Timer(0.2 * full, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+started = time.perf_counter()
+try:
+    vae.decode(z, use_tiling=True)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print(f"interrupted after {time.perf_counter() - started:.3f} s of {full:.3f} s")
+small = vae.decode(z[:, :, :8, :8])  # the model still serves requests
+print("served", small.shape)
+"""
+
+
+def test_ctrl_c_stops_a_request_and_the_model_serves_the_next():
+    import re
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_SCRIPT, str(FIXTURES / "autoencoder_kl/flux1_like")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.search(r"interrupted after ([0-9.]+) s of ([0-9.]+) s", done.stdout)
+    assert found, done.stdout + done.stderr
+    after, full = float(found.group(1)), float(found.group(2))
+    # Sent at a fifth of the full decode's time; stopped well before its end.
+    assert after < 0.6 * full, done.stdout
+    assert "served (1, 3, 32, 32)" in done.stdout, done.stdout

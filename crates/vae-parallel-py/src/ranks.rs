@@ -1,0 +1,182 @@
+//! The ranks a request runs on, and running it there: the calling thread waits without the GIL
+//! while the ranks work on threads of their own, and checks for signals as it waits, so that
+//! Ctrl-C stops a request (every rank aborts at its next tile, frame or collective) and is
+//! raised as `KeyboardInterrupt`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use vae_parallel::engine::{Engine, EngineError};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput};
+use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+
+use crate::errors::{ExecutionError, GroupError, engine_error, one_line};
+
+/// How often a waiting request looks for a pending signal.
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// What an interrupted rank tells the others.
+const INTERRUPTED: &str = "interrupted (KeyboardInterrupt)";
+
+/// The ranks a request runs on.
+pub(crate) enum Group {
+    /// This many threads of this process, over a local group made for each request.
+    Local(usize, TransportConfig),
+    /// This process is one rank of a socket group it joined when the model loaded: every rank
+    /// calls each request with the same input.
+    Socket(Arc<dyn Communicator>),
+}
+
+/// The communicators of the request in flight, so that an interrupt can abort them.
+#[derive(Default)]
+struct InFlight {
+    comms: Mutex<Vec<Arc<dyn Communicator>>>,
+    interrupted: AtomicBool,
+}
+
+impl InFlight {
+    /// A rank's communicator, aborted at once if the request was interrupted already.
+    fn enlist(&self, comm: &Arc<dyn Communicator>) {
+        self.comms.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(comm));
+        if self.interrupted.load(Ordering::SeqCst) {
+            comm.abort(INTERRUPTED);
+        }
+    }
+
+    fn interrupt(&self) {
+        self.interrupted.store(true, Ordering::SeqCst);
+        for comm in self.comms.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            comm.abort(INTERRUPTED);
+        }
+    }
+}
+
+/// Set when the ranks' thread is done, however it ends.
+#[derive(Default)]
+struct Done {
+    flag: Mutex<bool>,
+    signal: Condvar,
+}
+
+impl Done {
+    fn set(&self) {
+        *self.flag.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.signal.notify_all();
+    }
+
+    /// Whether it is done, waiting up to `timeout` for it.
+    fn wait(&self, timeout: Duration) -> bool {
+        let flag = self.flag.lock().unwrap_or_else(|e| e.into_inner());
+        *self.signal.wait_timeout_while(flag, timeout, |done| !*done).unwrap_or_else(|e| e.into_inner()).0
+    }
+}
+
+/// Sets [`Done`] when dropped: on return and on unwinding alike.
+struct SetOnDrop<'a>(&'a Done);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.set();
+    }
+}
+
+impl Group {
+    /// Ranks every request runs on.
+    pub(crate) fn size(&self) -> usize {
+        match self {
+            Self::Local(n, _) => *n,
+            Self::Socket(comm) => comm.size(),
+        }
+    }
+
+    /// This process's rank (0 for a local group, whose ranks are its threads).
+    pub(crate) fn rank(&self) -> usize {
+        match self {
+            Self::Local(..) => 0,
+            Self::Socket(comm) => comm.rank(),
+        }
+    }
+
+    /// Runs `body` on every rank of the group with the same input and returns this process's
+    /// result (rank 0's for a local group). A failure on any rank aborts the others and is
+    /// raised once, as the CLI reports it; a signal while it runs (Ctrl-C) stops every rank
+    /// and is raised.
+    pub(crate) fn run(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
+    ) -> PyResult<ExecOutput> {
+        let in_flight = InFlight::default();
+        let done = Done::default();
+        std::thread::scope(|scope| {
+            let ranks = scope.spawn(|| {
+                let _done = SetOnDrop(&done);
+                self.run_ranks(engine, &body, &in_flight)
+            });
+            loop {
+                if py.detach(|| done.wait(SIGNAL_POLL)) {
+                    break;
+                }
+                if let Err(signal) = py.check_signals() {
+                    in_flight.interrupt();
+                    // The ranks stop at their next tile, frame or collective.
+                    let _ = py.detach(|| ranks.join());
+                    return Err(signal);
+                }
+            }
+            py.detach(|| ranks.join()).unwrap_or_else(|_| Err(ExecutionError::new_err("the ranks' thread panicked")))
+        })
+    }
+
+    fn run_ranks(
+        &self,
+        engine: &Engine,
+        body: &(impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync),
+        in_flight: &InFlight,
+    ) -> PyResult<ExecOutput> {
+        let one_rank = |comm: Arc<dyn Communicator>| {
+            in_flight.enlist(&comm);
+            let result = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size())
+                .map_err(EngineError::from)
+                .and_then(|executor| body(engine, &executor));
+            if let Err(e) = &result
+                && !e.known_to_all_ranks()
+            {
+                comm.abort(&one_line(e));
+            }
+            result
+        };
+        match self {
+            Self::Socket(comm) => one_rank(Arc::clone(comm)).map_err(|e| engine_error(&e)),
+            Self::Local(ranks, config) => {
+                let results = run_local(*ranks, *config, |comm| one_rank(Arc::new(comm)))
+                    .map_err(|e| GroupError::new_err(one_line(&e)))?;
+                let mut owner = None;
+                let mut failure = None;
+                for (rank, result) in results.into_iter().enumerate() {
+                    match result {
+                        Err(panic) => {
+                            failure =
+                                failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
+                        }
+                        Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
+                        Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
+                        Ok(Ok(out)) if rank == 0 => owner = Some(out),
+                        Ok(Ok(_)) => {}
+                    }
+                }
+                if let Some(err) = failure {
+                    return Err(err);
+                }
+                let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
+                if out.tensor.is_none() {
+                    return Err(ExecutionError::new_err("the owner received no output"));
+                }
+                Ok(out)
+            }
+        }
+    }
+}
