@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
 use vae_parallel::models::{Direction, TileOverrides};
+use vae_parallel::report::RequestReport;
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::{DType, Device, Tensor};
 use vae_parallel::transport::{SocketComm, SocketOptions, TransportConfig};
@@ -37,8 +38,8 @@ struct Vae {
     engine: Engine,
     group: Group,
     mode: ParallelMode,
-    /// The owner's report of the last request that succeeded.
-    last_report: Mutex<Option<String>>,
+    /// The report of the last request that succeeded (rank 0's view of every rank).
+    last_report: Mutex<Option<RequestReport>>,
 }
 
 /// Loads the diffusers VAE directory `model`.
@@ -159,8 +160,13 @@ fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
 }
 
 impl Vae {
-    fn options(&self, use_tiling: bool, latents_normalized: bool) -> RequestOptions {
-        RequestOptions { mode: self.mode, use_tiling, latents_normalized, placement: None }
+    /// A request's options: the model's mode unless `mode` names another.
+    fn options(&self, mode: Option<&str>, use_tiling: bool, latents_normalized: bool) -> PyResult<RequestOptions> {
+        let mode = match mode {
+            Some(name) => name.parse().map_err(config_error)?,
+            None => self.mode,
+        };
+        Ok(RequestOptions { mode, use_tiling, latents_normalized, placement: None })
     }
 
     /// Runs a request on the group: this process's output (`None` on a socket rank the output
@@ -168,10 +174,13 @@ impl Vae {
     fn request(
         &self,
         py: Python<'_>,
+        options: &RequestOptions,
         body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
     ) -> PyResult<Option<Tensor>> {
-        let out = self.group.run(py, &self.engine, body)?;
-        *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{:?}", out.report));
+        let out = self.group.run(py, &self.engine, options.mode, body)?;
+        if out.report.is_some() {
+            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = out.report;
+        }
         Ok(out.tensor)
     }
 }
@@ -194,33 +203,36 @@ fn to_python<'py>(
 #[pymethods]
 impl Vae {
     /// Decodes a latent `[B, C, H, W]` (images) or `[B, C, T, H, W]` (video) into pixels in
-    /// [-1, 1] (as diffusers' `vae.decode(z).sample`). `use_tiling`: diffusers' tiled decode
-    /// (on by itself with several ranks); `latents_normalized`: `z` is as the pipeline produced
-    /// it, and the family's scaling and shift are undone first.
-    #[pyo3(signature = (z, *, use_tiling = false, latents_normalized = false))]
+    /// [-1, 1] (as diffusers' `vae.decode(z).sample`). `mode`: this request's parallel mode
+    /// (default: the model's); `use_tiling`: diffusers' tiled decode (on by itself with several
+    /// ranks); `latents_normalized`: `z` is as the pipeline produced it, and the family's
+    /// scaling and shift are undone first.
+    #[pyo3(signature = (z, *, mode = None, use_tiling = false, latents_normalized = false))]
     fn decode<'py>(
         &self,
         py: Python<'py>,
         z: &Bound<'py, PyAny>,
+        mode: Option<&str>,
         use_tiling: bool,
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let latent = input(z)?;
-        let options = self.options(use_tiling, latents_normalized);
+        let options = self.options(mode, use_tiling, latents_normalized)?;
         let z = &latent.tensor;
-        let out = self.request(py, |engine, executor| engine.decode(executor, z, &options))?;
+        let out = self.request(py, &options, |engine, executor| engine.decode(executor, z, &options))?;
         out.map(|t| to_python(py, &t, latent.torch_device.as_ref())).transpose()
     }
 
     /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
     /// the latent distribution's mean (normalised with `latents_normalized`), `"moments"` the
-    /// raw mean and log-variance.
-    #[pyo3(signature = (x, *, output = "mean", use_tiling = false, latents_normalized = false))]
+    /// raw mean and log-variance; `mode` and `use_tiling` as for [`Vae::decode`].
+    #[pyo3(signature = (x, *, output = "mean", mode = None, use_tiling = false, latents_normalized = false))]
     fn encode<'py>(
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         output: &str,
+        mode: Option<&str>,
         use_tiling: bool,
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -232,9 +244,9 @@ impl Vae {
             }
         };
         let image = input(x)?;
-        let options = self.options(use_tiling, latents_normalized);
+        let options = self.options(mode, use_tiling, latents_normalized)?;
         let x = &image.tensor;
-        let out = self.request(py, |engine, executor| engine.encode(executor, x, &options, kind))?;
+        let out = self.request(py, &options, |engine, executor| engine.encode(executor, x, &options, kind))?;
         out.map(|t| to_python(py, &t, image.torch_device.as_ref())).transpose()
     }
 
@@ -272,10 +284,14 @@ impl Vae {
         self.group.size()
     }
 
-    /// This rank's report of the last request that succeeded (strategy, reason, phases,
-    /// memory), as text; `None` before the first.
-    fn last_report(&self) -> Option<String> {
-        self.last_report.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The report of the last request that succeeded, as the CLI's `--report FILE.json` holds
+    /// it (mode, strategy and why, backend, sizes, and per rank its phases, memory and bytes),
+    /// as a dict; `None` before the first, and on socket ranks other than 0.
+    fn last_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let report = self.last_report.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(report) = report else { return Ok(None) };
+        let text = serde_json::to_string(&report).map_err(|e| ExecutionError::new_err(e.to_string()))?;
+        Ok(Some(py.import("json")?.call_method1("loads", (text,))?))
     }
 
     fn __repr__(&self) -> String {

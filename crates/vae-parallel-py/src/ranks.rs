@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use vae_parallel::engine::{Engine, EngineError};
-use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput};
+use vae_parallel::report::{RequestReport, gather_summaries};
+use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
+use vae_parallel::tensor::Tensor;
 use vae_parallel::transport::{Communicator, TransportConfig, run_local};
 
 use crate::errors::{ExecutionError, GroupError, engine_error, one_line};
@@ -51,6 +53,13 @@ impl InFlight {
             comm.abort(INTERRUPTED);
         }
     }
+}
+
+/// What a request gives this process: its output (`None` on a socket rank the output does not
+/// go to) and, on rank 0, the request's report from every rank.
+pub(crate) struct Finished {
+    pub tensor: Option<Tensor>,
+    pub report: Option<RequestReport>,
 }
 
 /// Set when the ranks' thread is done, however it ends.
@@ -99,22 +108,23 @@ impl Group {
         }
     }
 
-    /// Runs `body` on every rank of the group with the same input and returns this process's
-    /// result (rank 0's for a local group). A failure on any rank aborts the others and is
-    /// raised once, as the CLI reports it; a signal while it runs (Ctrl-C) stops every rank
-    /// and is raised.
+    /// Runs `body` (a request in `mode`) on every rank of the group with the same input and
+    /// returns this process's result (rank 0's for a local group). A failure on any rank aborts
+    /// the others and is raised once, as the CLI reports it; a signal while it runs (Ctrl-C)
+    /// stops every rank and is raised.
     pub(crate) fn run(
         &self,
         py: Python<'_>,
         engine: &Engine,
+        mode: ParallelMode,
         body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
-    ) -> PyResult<ExecOutput> {
+    ) -> PyResult<Finished> {
         let in_flight = InFlight::default();
         let done = Done::default();
         std::thread::scope(|scope| {
             let ranks = scope.spawn(|| {
                 let _done = SetOnDrop(&done);
-                self.run_ranks(engine, &body, &in_flight)
+                self.run_ranks(engine, mode, &body, &in_flight)
             });
             loop {
                 if py.detach(|| done.wait(SIGNAL_POLL)) {
@@ -134,23 +144,40 @@ impl Group {
     fn run_ranks(
         &self,
         engine: &Engine,
+        mode: ParallelMode,
         body: &(impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync),
         in_flight: &InFlight,
-    ) -> PyResult<ExecOutput> {
-        let one_rank = |comm: Arc<dyn Communicator>| {
+    ) -> PyResult<Finished> {
+        let one_rank = |comm: Arc<dyn Communicator>| -> PyResult<Finished> {
             in_flight.enlist(&comm);
-            let result = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size())
-                .map_err(EngineError::from)
-                .and_then(|executor| body(engine, &executor));
-            if let Err(e) = &result
-                && !e.known_to_all_ranks()
-            {
-                comm.abort(&one_line(e));
-            }
-            result
+            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), comm.size()).map_err(EngineError::from);
+            let result = executor.and_then(|executor| Ok((body(engine, &executor)?, executor.parallel_size())));
+            let (out, parallel_size) = match result {
+                Ok(done) => done,
+                Err(e) => {
+                    if !e.known_to_all_ranks() {
+                        comm.abort(&one_line(&e));
+                    }
+                    return Err(engine_error(&e));
+                }
+            };
+            // Every rank's summary to rank 0, as the CLI's report.
+            let ranks = gather_summaries(comm.as_ref(), 0, &out.report)
+                .map_err(|e| ExecutionError::new_err(format!("gathering the report: {}", one_line(&e))))?;
+            let report = ranks.map(|ranks| RequestReport {
+                mode: mode.to_string(),
+                strategy: out.report.strategy.label(),
+                reason: out.report.reason.clone().unwrap_or_default(),
+                backend: comm.backend().to_string(),
+                world_size: comm.size(),
+                parallel_size,
+                tile_count: out.report.tile_count,
+                ranks,
+            });
+            Ok(Finished { tensor: out.tensor, report })
         };
         match self {
-            Self::Socket(comm) => one_rank(Arc::clone(comm)).map_err(|e| engine_error(&e)),
+            Self::Socket(comm) => one_rank(Arc::clone(comm)),
             Self::Local(ranks, config) => {
                 let results = run_local(*ranks, *config, |comm| one_rank(Arc::new(comm)))
                     .map_err(|e| GroupError::new_err(one_line(&e)))?;
@@ -162,8 +189,8 @@ impl Group {
                             failure =
                                 failure.or(Some(ExecutionError::new_err(format!("rank {rank} panicked: {panic}"))))
                         }
-                        Ok(Err(e)) if rank == 0 => return Err(engine_error(&e)),
-                        Ok(Err(e)) => failure = failure.or(Some(engine_error(&e))),
+                        Ok(Err(e)) if rank == 0 => return Err(e),
+                        Ok(Err(e)) => failure = failure.or(Some(e)),
                         Ok(Ok(out)) if rank == 0 => owner = Some(out),
                         Ok(Ok(_)) => {}
                     }

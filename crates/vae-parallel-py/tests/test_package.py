@@ -156,13 +156,24 @@ def test_the_gil_is_released_while_a_request_runs():
 
 
 def test_inspect_and_report():
-    vae = vp.load(FIXTURES / "autoencoder_kl/sd_like", ranks=2, mode="auto")
+    vae = vp.load(FIXTURES / "autoencoder_kl/sd_like", ranks=2)
     info = vae.inspect()
     assert info["class"] == "AutoencoderKL"
-    assert "tile" in info["modes"] and info["ranks"] == 2 and info["mode"] == "auto"
+    assert "tile" in info["modes"] and info["ranks"] == 2 and info["mode"] == "tile"
     assert vae.last_report() is None
-    vae.decode(np.load(FIXTURES / "autoencoder_kl/sd_like.decode.in.npy"))
-    assert vae.last_report()
+    z = np.load(FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy")
+    tiled = vae.decode(z)
+    report = vae.last_report()
+    assert report["mode"] == "tile" and report["strategy"] == "tile" and report["world_size"] == 2
+    assert len(report["ranks"]) == 2 and report["tile_count"] > 1
+    # A request in another mode: `auto` shards this map, the untiled decode's pixels.
+    sharded = vae.decode(z, mode="auto")
+    report = vae.last_report()
+    assert report["mode"] == "auto" and report["strategy"].startswith("shard"), report
+    assert same_bits(sharded, vp.load(FIXTURES / "autoencoder_kl/sd_like").decode(z))
+    assert not same_bits(sharded, tiled)
+    with pytest.raises(vp.ConfigError):
+        vae.decode(z, mode="diagonal")
     assert "AutoencoderKL" in repr(vae)
 
 
