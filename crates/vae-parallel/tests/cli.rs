@@ -103,6 +103,17 @@ fn the_transport_bench_runs_over_sockets() {
     assert!(text.contains("all_gather") && text.contains("busbw"), "{text}");
 }
 
+/// Starts rank 1 and then rank 0 of a two-process synthetic demo made by `args`, and checks that
+/// both succeed and rank 0 found the result bit-identical.
+fn two_synthetic_demo_ranks(args: impl Fn(&str) -> Command) {
+    let other = args("1").stdout(std::process::Stdio::null()).spawn().unwrap();
+    let first = args("0").output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&first.stdout);
+    assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
+    assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
+}
+
 #[test]
 fn ranks_can_be_started_by_hand_with_flags() {
     let master =
@@ -115,12 +126,7 @@ fn ranks_can_be_started_by_hand_with_flags() {
         cmd.args(["--height", "20", "--width", "20"]).env("VAE_CONNECT_TIMEOUT_S", "30");
         cmd
     };
-    let other = args("1").stdout(std::process::Stdio::null()).spawn().unwrap();
-    let first = args("0").output().unwrap();
-    let other = other.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&first.stdout);
-    assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
-    assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
+    two_synthetic_demo_ranks(args);
 }
 
 /// `torchrun --nproc-per-node 2 --no-python vae-parallel ... --transport socket` gives each
@@ -139,12 +145,7 @@ fn ranks_join_from_torchruns_environment() {
         cmd.env("MASTER_PORT", (port - 1).to_string()).env("VAE_GROUP_SECRET", "cd".repeat(32));
         cmd
     };
-    let other = args("1").stdout(std::process::Stdio::null()).spawn().unwrap();
-    let first = args("0").output().unwrap();
-    let other = other.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&first.stdout);
-    assert!(first.status.success() && other.status.success(), "{text}{}", String::from_utf8_lossy(&first.stderr));
-    assert!(text.contains("transport socket, 2 rank(s)") && text.contains("bit-identical"), "{text}");
+    two_synthetic_demo_ranks(args);
 }
 
 #[test]
