@@ -14,7 +14,7 @@ mod errors;
 mod ranks;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -24,7 +24,7 @@ use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::report::RequestReport;
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::{DType, Device, Tensor};
-use vae_parallel::transport::{SocketComm, SocketOptions, TransportConfig};
+use vae_parallel::transport::TransportConfig;
 
 use crate::errors::{
     ConfigError, ExecutionError, GroupError, InputError, ModelError, VaeParallelError, config_error, engine_error,
@@ -47,7 +47,8 @@ struct Vae {
 /// - `device`: `"cpu"`, `"cuda"` or `"cuda:N"` (`"cuda"` is `cuda:LOCAL_RANK` under torchrun);
 ///   `dtype`: `"f32"` or `"bf16"` (on the CPU, bf16 needs AVX512-BF16).
 /// - `transport`: `"local"`, `ranks` threads of this process (default 1), or `"socket"`: this
-///   process joins a group of processes now, from `VAE_RANK`, `VAE_WORLD_SIZE` and
+///   process is one rank of a group of processes, which it joins on its first such load (every
+///   model it loads later shares the group), from `VAE_RANK`, `VAE_WORLD_SIZE` and
 ///   `VAE_MASTER_ADDR` or torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (the
 ///   group listens one port above it), with `VAE_GROUP_SECRET` on TCP; every rank then calls each
 ///   request with the same input, and the results go to rank 0 (`None` elsewhere). `ranks`, if
@@ -101,15 +102,14 @@ fn load(
     let group = match transport {
         "local" => Group::Local(ranks.unwrap_or(1), config),
         "socket" => {
-            let options = SocketOptions::from_env().map_err(config_error)?;
-            if let Some(n) = ranks.filter(|&n| n != options.world_size) {
+            let comm = ranks::socket_group(py)?;
+            if let Some(n) = ranks.filter(|&n| n != comm.size()) {
                 return Err(ConfigError::new_err(format!(
                     "ranks={n} but the socket group's world size is {}",
-                    options.world_size
+                    comm.size()
                 )));
             }
-            let comm = py.detach(|| SocketComm::connect(&options));
-            Group::Socket(Arc::new(comm.map_err(|e| GroupError::new_err(format!("joining the socket group: {e}")))?))
+            Group::Socket(comm)
         }
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };

@@ -12,9 +12,9 @@ use vae_parallel::engine::{Engine, EngineError};
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::Tensor;
-use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
 
-use crate::errors::{ExecutionError, GroupError, engine_error, one_line};
+use crate::errors::{ExecutionError, GroupError, config_error, engine_error, one_line};
 
 /// How often a waiting request looks for a pending signal.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
@@ -29,6 +29,26 @@ pub(crate) enum Group {
     /// This process is one rank of a socket group it joined when the model loaded: every rank
     /// calls each request with the same input.
     Socket(Arc<dyn Communicator>),
+}
+
+/// The socket group of this process: joined once, on the first model loaded with
+/// `transport="socket"`, and shared by every such model after it (a process is one rank of one
+/// group; joining again would need every other rank to join again too).
+pub(crate) fn socket_group(py: Python<'_>) -> PyResult<Arc<dyn Communicator>> {
+    static GROUP: Mutex<Option<Arc<dyn Communicator>>> = Mutex::new(None);
+    // Locked without the GIL: a second thread loading meanwhile waits here, not holding it.
+    py.detach(|| {
+        let mut group = GROUP.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(comm) = group.as_ref() {
+            return Ok(Arc::clone(comm));
+        }
+        let options = SocketOptions::from_env().map_err(config_error)?;
+        let comm = SocketComm::connect(&options)
+            .map_err(|e| GroupError::new_err(format!("joining the socket group: {}", one_line(&e))))?;
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        *group = Some(Arc::clone(&comm));
+        Ok(comm)
+    })
 }
 
 /// The communicators of the request in flight, so that an interrupt can abort them.

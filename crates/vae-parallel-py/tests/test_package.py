@@ -178,18 +178,22 @@ def test_inspect_and_report():
 
 
 RANK_SCRIPT = """
-import sys
+import json, sys
 import numpy as np
 import vae_parallel as vp
 
-model, latent, out = sys.argv[1:4]
-vae = vp.load(model, transport="socket")
-assert vae.world_size == 2, vae.world_size
-got = vae.decode(np.load(latent), use_tiling=True)
-# The output goes to rank 0 only.
-assert (got is None) == (vae.rank != 0), (vae.rank, got is None)
-if got is not None:
-    np.save(out, got)
+cases, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+for i, (model, latent, image, decode_tiling, encode_tiling) in enumerate(cases):
+    for what, path, tiling in (("decode", latent, decode_tiling), ("encode", image, encode_tiling)):
+        vae = vp.load(model, transport="socket", **tiling)
+        assert vae.world_size == 2, vae.world_size
+        x = np.load(path)
+        got = vae.decode(x, use_tiling=True) if what == "decode" else vae.encode(x, use_tiling=True)
+        # The output goes to rank 0, and to the others where the family's placement says so.
+        placement = vae.inspect()[f"{what}_placement"]
+        assert (got is None) == (vae.rank != 0 and placement == "OwnerOnly"), (vae.rank, placement, got is None)
+        if vae.rank == 0:
+            np.save(f"{out_dir}/{what}-{i}.npy", got)
 """
 
 
@@ -201,15 +205,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_socket_group(tmp_path: Path, env_of_rank) -> np.ndarray:
+def family_cases():
+    """Per family: model, decode input, encode input and their tiling keywords."""
+    for model, decode_case, decode_tiling, encode_case, encode_tiling in FAMILIES:
+        group = model.split("/")[0]
+        yield (str(FIXTURES / model), str(FIXTURES / group / f"{decode_case}.in.npy"),
+               str(FIXTURES / group / f"{encode_case}.in.npy"), decode_tiling, encode_tiling)
+
+
+def run_socket_group(tmp_path: Path, env_of_rank) -> None:
+    import json
     import sys
 
-    model = FIXTURES / "autoencoder_kl/sd_like"
-    latent = FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy"
-    out = tmp_path / "rank0.npy"
+    cases = json.dumps(list(family_cases()))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(model), str(latent), str(out)],
+            [sys.executable, "-c", RANK_SCRIPT, cases, str(tmp_path)],
             env={**os.environ, **env_of_rank(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -218,9 +229,8 @@ def run_socket_group(tmp_path: Path, env_of_rank) -> np.ndarray:
         for rank in range(2)
     ]
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    return np.load(out)
 
 
 @pytest.mark.parametrize("naming", ["torchrun", "vae"])
@@ -237,10 +247,14 @@ def test_processes_join_a_socket_group_from_the_environment(tmp_path, naming):
 
         def env_of_rank(rank):
             return {"VAE_RANK": str(rank), "VAE_WORLD_SIZE": "2", "VAE_MASTER_ADDR": f"unix:{sock}"}
-    got = run_socket_group(tmp_path, env_of_rank)
-    model = FIXTURES / "autoencoder_kl/sd_like"
-    latent = FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy"
-    assert same_bits(got, run_cli(tmp_path, "decode", model, latent, "--latent", 2))
+    run_socket_group(tmp_path, env_of_rank)
+    # Every family's decode and encode: the CLI's bits on two local ranks.
+    for i, (model, latent, image, decode_tiling, encode_tiling) in enumerate(family_cases()):
+        want = run_cli(tmp_path, "decode", Path(model), Path(latent), "--latent", 2, *flags(decode_tiling))
+        assert same_bits(np.load(tmp_path / f"decode-{i}.npy"), want), model
+        want = run_cli(tmp_path, "encode", Path(model), Path(image), "--input", 2, "--output", "mean",
+                       *flags(encode_tiling))
+        assert same_bits(np.load(tmp_path / f"encode-{i}.npy"), want), model
 
 
 def test_a_socket_group_needs_its_environment_and_a_matching_size():
