@@ -83,8 +83,7 @@ fn load(
     if ranks == Some(0) {
         return Err(ConfigError::new_err("ranks must be at least 1"));
     }
-    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok());
-    let device: Device = match (device.trim(), local_rank) {
+    let device: Device = match (device.trim(), vae_parallel::group::local_rank()) {
         ("cuda", Some(gpu)) if transport == "socket" => Device::Cuda(gpu),
         (name, _) => name.parse().map_err(config_error)?,
     };
@@ -314,19 +313,15 @@ impl Vae {
 #[pyo3(signature = (path, pixels, *, fps = vae_parallel::video::DEFAULT_FPS))]
 fn save(py: Python<'_>, path: PathBuf, pixels: &Bound<'_, PyAny>, fps: u32) -> PyResult<Vec<PathBuf>> {
     use vae_parallel::io;
-    let pixels = input(pixels)?.tensor;
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if !io::DECODED_EXTENSIONS.contains(&ext.as_str()) {
+        return Err(ConfigError::new_err(format!("{} must end in .npy, .png, .mp4 or .gif", path.display())));
+    }
+    let pixels = input(pixels)?.tensor;
     let io_error = |e: io::IoError| InputError::new_err(one_line(&e));
     py.detach(|| {
         let mut staged = vae_parallel::output::Staged::new();
-        match ext.as_str() {
-            "npy" => staged.add(&path, &io::npy_bytes(&pixels).map_err(io_error)?).map_err(io_error)?,
-            "png" => io::stage_png_batch(&mut staged, &path, &pixels).map_err(io_error)?,
-            "mp4" | "gif" => {
-                vae_parallel::video::stage_video_batch(&mut staged, &path, &pixels, fps).map_err(io_error)?
-            }
-            _ => return Err(ConfigError::new_err(format!("{} must end in .npy, .png, .mp4 or .gif", path.display()))),
-        }
+        io::stage_decoded(&mut staged, &path, &pixels, fps).map_err(io_error)?;
         staged.commit().map_err(io_error)
     })
 }

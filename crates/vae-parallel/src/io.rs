@@ -264,6 +264,23 @@ pub fn stage_png_batch(staged: &mut Staged, path: &Path, batch: &Tensor) -> Resu
     Ok(())
 }
 
+/// The file types decoded pixels can be written as ([`stage_decoded`]), by extension.
+pub const DECODED_EXTENSIONS: [&str; 4] = ["npy", "png", "mp4", "gif"];
+
+/// Stages decoded pixels (`[B, 3, H, W]` or `[B, 3, T, H, W]` in [-1, 1]) at `path` as its
+/// extension says: `.npy` the values, `.png` one image per batch item or frame
+/// ([`stage_png_batch`]), `.mp4` or `.gif` one video per batch item at `fps`
+/// ([`crate::video::stage_video_batch`]).
+pub fn stage_decoded(staged: &mut Staged, path: &Path, pixels: &Tensor, fps: u32) -> Result<(), IoError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    match ext.as_str() {
+        "npy" => staged.add(path, &npy_bytes(pixels)?),
+        "png" => stage_png_batch(staged, path, pixels),
+        "mp4" | "gif" => crate::video::stage_video_batch(staged, path, pixels, fps),
+        _ => Err(IoError::Unsupported(format!("{} must end in .npy, .png, .mp4 or .gif", path.display()))),
+    }
+}
+
 /// The most pixels an input image may have (8192 × 8192): checked from the header, before
 /// anything the size of the image is allocated.
 pub const MAX_IMAGE_PIXELS: u64 = 1 << 26;

@@ -471,12 +471,11 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
 /// `vae-parallel decode`.
 pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
-    check_output_path(&args.out, &["npy", "png", "mp4", "gif"])?;
+    check_output_path(&args.out, &io::DECODED_EXTENSIONS)?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
     if args.fps == 0 {
         bail!("--fps must be at least 1");
     }
-    let ext = args.out.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
         let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
@@ -490,14 +489,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
             &comm,
             &executor,
             out,
-            |t, staged| {
-                match ext.as_str() {
-                    "png" => io::stage_png_batch(staged, &args.out, t)?,
-                    "mp4" | "gif" => vae_parallel::video::stage_video_batch(staged, &args.out, t, args.fps)?,
-                    _ => staged.add(&args.out, &io::npy_bytes(t)?)?,
-                }
-                Ok(())
-            },
+            |t, staged| Ok(io::stage_decoded(staged, &args.out, t, args.fps)?),
             r.options.mode,
             started,
         )
