@@ -153,7 +153,12 @@ fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
     let array = array.cast_into::<PyArrayDyn<f32>>().map_err(PyErr::from)?;
     let readonly = array.readonly();
     let shape = readonly.shape().to_vec();
-    let data: Vec<f32> = readonly.as_array().iter().copied().collect();
+    // The one copy of the input: the engine owns its tensors (it hashes, broadcasts and slices
+    // them on its own threads, the GIL released), so it cannot borrow numpy's memory.
+    let data: Vec<f32> = match readonly.as_slice() {
+        Ok(row_major) if readonly.is_c_contiguous() => row_major.to_vec(),
+        _ => readonly.as_array().iter().copied().collect(),
+    };
     let tensor = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))?;
     Ok(Input { tensor, torch_device })
 }
@@ -184,15 +189,13 @@ impl Vae {
     }
 }
 
-/// A host tensor as a new float32 numpy array of its shape, or (for a torch input) a float32
-/// torch tensor on the input's device.
-fn to_python<'py>(
-    py: Python<'py>,
-    t: &Tensor,
-    torch_device: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let data = t.to_vec_f32().map_err(|e| ExecutionError::new_err(one_line(&e)))?;
-    let array = data.into_pyarray(py).reshape(t.dims().to_vec())?.into_any();
+/// A host tensor as a float32 numpy array of its shape that owns the tensor's memory (no
+/// copy), or (for a torch input) a float32 torch tensor on the input's device (sharing that
+/// memory on the CPU).
+fn to_python<'py>(py: Python<'py>, t: Tensor, torch_device: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    let dims = t.dims().to_vec();
+    let data = t.into_vec_f32().map_err(|e| ExecutionError::new_err(one_line(&e)))?;
+    let array = data.into_pyarray(py).reshape(dims)?.into_any();
     match torch_device {
         None => Ok(array),
         Some(device) => py.import("torch")?.call_method1("from_numpy", (array,))?.call_method1("to", (device,)),
@@ -219,7 +222,7 @@ impl Vae {
         let options = self.options(mode, use_tiling, latents_normalized)?;
         let z = &latent.tensor;
         let out = self.request(py, &options, |engine, executor| engine.decode(executor, z, &options))?;
-        out.map(|t| to_python(py, &t, latent.torch_device.as_ref())).transpose()
+        out.map(|t| to_python(py, t, latent.torch_device.as_ref())).transpose()
     }
 
     /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
@@ -246,7 +249,7 @@ impl Vae {
         let options = self.options(mode, use_tiling, latents_normalized)?;
         let x = &image.tensor;
         let out = self.request(py, &options, |engine, executor| engine.encode(executor, x, &options, kind))?;
-        out.map(|t| to_python(py, &t, image.torch_device.as_ref())).transpose()
+        out.map(|t| to_python(py, t, image.torch_device.as_ref())).transpose()
     }
 
     /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its

@@ -204,6 +204,18 @@ impl Buffer {
         &self.data[..self.len]
     }
 
+    /// The elements as a vector of their own, without a copy: the memory leaves the account and
+    /// the recycle pool (the vector may have spare capacity, from a reused allocation).
+    pub(crate) fn into_vec(mut self) -> Vec<f32> {
+        let mut data = std::mem::take(&mut self.data);
+        self.counters.host.release(byte_len(&data[..self.len]));
+        crate::recycle::disown(&data, self.len);
+        data.truncate(self.len);
+        // Nothing left for `drop` to release or give back.
+        self.len = 0;
+        data
+    }
+
     /// The elements, mutable. A slice, not the `Vec`, so the charged length cannot change.
     pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
         &mut self.data[..self.len]

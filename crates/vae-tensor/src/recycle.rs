@@ -96,6 +96,12 @@ impl Pool {
         self.free.drain(..n).collect()
     }
 
+    /// Stops counting a vector of `bytes` alive whose buffer used `used` bytes.
+    fn forget(&mut self, bytes: usize, used: usize) {
+        self.live = self.live.saturating_sub(bytes);
+        self.used = self.used.saturating_sub(used);
+    }
+
     /// Takes back a vector counted alive whose buffer used `used` bytes; keeps it if `keep`.
     fn give(&mut self, v: Vec<f32>, used: usize, keep: bool) {
         self.live = self.live.saturating_sub(bytes_of(&v));
@@ -195,6 +201,14 @@ pub(crate) fn give(v: Vec<f32>, len: usize) {
     if large(v.capacity()) {
         let keep = v.len() == v.capacity() && enabled();
         pool().give(v, len * std::mem::size_of::<f32>(), keep);
+    }
+}
+
+/// Stops counting a vector counted by [`take`] or [`adopt`] (whose buffer used `len` elements
+/// of it) that leaves the tensors for good: it is neither alive here any more nor pooled.
+pub(crate) fn disown(v: &Vec<f32>, len: usize) {
+    if large(v.capacity()) {
+        pool().forget(bytes_of(v), len * std::mem::size_of::<f32>());
     }
 }
 

@@ -267,6 +267,15 @@ impl Tensor {
         }
     }
 
+    /// The elements as a vector, consuming the tensor: host memory is handed over without a
+    /// copy; device memory is downloaded.
+    pub fn into_vec_f32(self) -> Result<Vec<f32>> {
+        match self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v.into_vec()),
+            Storage::Cuda(c) => c.download(),
+        }
+    }
+
     /// The raw element bytes (native endian), for transport.
     pub fn as_bytes(&self) -> Result<&[u8]> {
         Ok(bytemuck::cast_slice(self.as_slice_f32()?))

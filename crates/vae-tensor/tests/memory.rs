@@ -93,3 +93,20 @@ fn entering_an_account_redirects_charges_until_the_guard_drops() {
         assert_eq!(account.peak_bytes(), 0);
     });
 }
+
+#[test]
+fn into_vec_hands_the_memory_over_without_a_copy() {
+    on_fresh_thread(|| {
+        // Large enough (4 MiB) for the recycle pool to count it.
+        let t = Tensor::from_vec(vec![1.5; 1 << 20], [1 << 20], &Device::Cpu).unwrap();
+        let at = t.as_bytes().unwrap().as_ptr() as *const f32;
+        assert_eq!(memory::live_bytes(), 4 << 20);
+        let v = t.into_vec_f32().unwrap();
+        assert_eq!(v.as_ptr(), at, "the same allocation, not a copy");
+        assert_eq!(v.len(), 1 << 20);
+        assert!(v.iter().all(|&x| x == 1.5));
+        assert_eq!(memory::live_bytes(), 0, "no longer a tensor's memory");
+        drop(v);
+        assert_eq!(memory::live_bytes(), 0);
+    });
+}
