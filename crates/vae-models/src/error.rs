@@ -84,6 +84,9 @@ pub enum ModelError {
     /// A tensor op failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+    /// The sink of a streaming decode could not take the frames it was given.
+    #[error("passing on decoded frames: {0}")]
+    Sink(vae_runtime::SinkError),
     /// The distributed runtime failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),

@@ -10,7 +10,9 @@
 use std::any::Any;
 use std::path::Path;
 
-use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_runtime::{
+    DistributedVaeExecutor, ExecOutput, FrameSink, OutputPlacement, ParallelMode, Strategy, StrategyChoice,
+};
 use vae_tensor::{DType, Device, Tensor};
 
 use crate::{ModelError, Result};
@@ -121,6 +123,21 @@ pub trait LoadedVae: Send + Sync {
     fn execute(&self, run: Execution<'_>) -> Result<ExecOutput>;
     /// The plain decode on this process (`vae.decode(z).sample` without tiling).
     fn decode(&self, z: &Tensor) -> Result<Tensor>;
+    /// The plain decode of a video latent `[B, C, T, H, W]` on this process, its output frames
+    /// handed to `sink` as they are decoded ([`FrameSink`]), bit for bit those of
+    /// [`decode`](Self::decode). A causal video family streams them (its memory then does not
+    /// grow with the frame count); this default decodes the whole video, then hands it on.
+    fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
+        let out = self.decode(z)?;
+        if out.dims().len() != 5 {
+            return Err(ModelError::InvalidInput(format!(
+                "a streaming decode takes a video latent [B, C, T, H, W], not {:?}",
+                z.dims()
+            )));
+        }
+        sink.begin(out.dims()).map_err(ModelError::Sink)?;
+        sink.frames(0, &out).map_err(ModelError::Sink)
+    }
     /// The plain encode on this process: the raw moments (`vae._encode(x)` without tiling).
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor>;
     /// What `inspect` shows beyond the class: labelled lines (parameters, channels, layout,

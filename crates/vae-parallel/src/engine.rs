@@ -188,6 +188,35 @@ impl Engine {
         self.run(executor, Direction::Decode, z, options)
     }
 
+    /// Decodes a video latent on this process alone, untiled, handing its output frames to
+    /// `sink` as they are decoded ([`vae_runtime::FrameSink`]): bit for bit the frames of the
+    /// direct decode, with memory that does not grow with the frame count for the causal video
+    /// families (the others decode whole first). Streaming over several ranks is not built yet:
+    /// tiling is refused here, and the caller runs this on one rank.
+    pub fn decode_streaming(
+        &self,
+        latent: &Tensor,
+        options: &RequestOptions,
+        sink: &mut dyn vae_runtime::FrameSink,
+    ) -> Result<(), EngineError> {
+        let _tf32 = self.tf32_scope();
+        let _bf16 = self.cpu_bf16_scope()?;
+        if options.use_tiling {
+            return Err(ModelError::Unsupported(
+                "a streamed decode runs untiled on one rank (streaming tiles or shards is not built yet)".into(),
+            )
+            .into());
+        }
+        let denormalized;
+        let z = if options.latents_normalized {
+            denormalized = self.model.denormalize_latents(latent)?;
+            &denormalized
+        } else {
+            latent
+        };
+        Ok(self.model.decode_streaming(z, sink)?)
+    }
+
     /// One request, in the strategy the family chooses for it.
     fn run(
         &self,

@@ -141,7 +141,18 @@ fn read_safetensors(path: &Path) -> Result<Tensor, IoError> {
 /// The bytes of a `.npy` file holding `t` as little-endian f32.
 pub fn npy_bytes(t: &Tensor) -> Result<Vec<u8>, IoError> {
     let data = t.as_slice_f32().map_err(|e| IoError::Unsupported(e.to_string()))?;
-    let shape = match t.dims() {
+    let mut out = npy_header(t.dims());
+    out.reserve_exact(data.len() * 4);
+    for v in data {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// The header of a `.npy` file of little-endian f32 values of shape `dims` (C order), padded
+/// so that the data after it starts on a 64-byte boundary.
+pub fn npy_header(dims: &[usize]) -> Vec<u8> {
+    let shape = match dims {
         [d] => format!("({d},)"),
         dims => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
     };
@@ -150,14 +161,11 @@ pub fn npy_bytes(t: &Tensor) -> Result<Vec<u8>, IoError> {
     let total = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - total % 64) % 64));
     header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    let mut out = Vec::with_capacity(10 + header.len());
     out.extend_from_slice(b"\x93NUMPY\x01\x00");
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
-    for v in data {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    Ok(out)
+    out
 }
 
 pub use crate::output::write_atomically;
@@ -230,16 +238,8 @@ pub fn stage_png_batch(staged: &mut Staged, path: &Path, batch: &Tensor) -> Resu
                 .permute(&[0, 2, 1, 3, 4])
                 .and_then(|x| x.reshape(vec![b * t, c, h, w]))
                 .map_err(|e| IoError::Unsupported(e.to_string()))?;
-            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video").to_string();
             let base = path.to_path_buf();
-            let name = move |i: usize| {
-                base.with_file_name(if b == 1 {
-                    format!("{stem}_{i:04}.png")
-                } else {
-                    format!("{stem}_{}_{:04}.png", i / t, i % t)
-                })
-            };
-            (frames, Box::new(name))
+            (frames, Box::new(move |i: usize| video_frame_path(&base, b, i / t, i % t)))
         }
         _ => return Err(IoError::Unsupported(format!("cannot write a tensor of shape {d:?} as images"))),
     };
@@ -250,18 +250,31 @@ pub fn stage_png_batch(staged: &mut Staged, path: &Path, batch: &Tensor) -> Resu
             .narrow(0, i, 1)
             .and_then(|t| t.reshape(per_image.clone()))
             .map_err(|e| IoError::Unsupported(e.to_string()))?;
-        let (c, h, w, pixels) = postprocess_image(&one)?;
-        let mut encoded = Vec::new();
-        {
-            let mut encoder = png::Encoder::new(&mut encoded, w as u32, h as u32);
-            encoder.set_color(if c == 3 { png::ColorType::Rgb } else { png::ColorType::Grayscale });
-            encoder.set_depth(png::BitDepth::Eight);
-            let mut writer = encoder.write_header().map_err(|e| IoError::Unsupported(e.to_string()))?;
-            writer.write_image_data(&pixels).map_err(|e| IoError::Unsupported(e.to_string()))?;
-        }
-        staged.add(&named(i), &encoded)?;
+        staged.add(&named(i), &png_bytes(&one)?)?;
     }
     Ok(())
+}
+
+/// Where frame `t` of video `b` of a batch of `videos` goes when `path` names PNG output:
+/// `out_0007.png`, or `out_1_0007.png` when there are several videos.
+pub fn video_frame_path(path: &Path, videos: usize, b: usize, t: usize) -> PathBuf {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video");
+    path.with_file_name(if videos == 1 { format!("{stem}_{t:04}.png") } else { format!("{stem}_{b}_{t:04}.png") })
+}
+
+/// One decoded image `[C, H, W]` in [-1, 1] as an 8-bit PNG file's bytes (diffusers'
+/// post-processing, [`postprocess_image`]).
+pub fn png_bytes(image: &Tensor) -> Result<Vec<u8>, IoError> {
+    let (c, h, w, pixels) = postprocess_image(image)?;
+    let mut encoded = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut encoded, w as u32, h as u32);
+        encoder.set_color(if c == 3 { png::ColorType::Rgb } else { png::ColorType::Grayscale });
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header().map_err(|e| IoError::Unsupported(e.to_string()))?;
+        writer.write_image_data(&pixels).map_err(|e| IoError::Unsupported(e.to_string()))?;
+    }
+    Ok(encoded)
 }
 
 /// The file types decoded pixels can be written as ([`stage_decoded`]), by extension.

@@ -14,6 +14,7 @@ pub mod group;
 pub mod io;
 pub mod output;
 pub mod report;
+pub mod stream_out;
 pub mod video;
 
 pub use vae_models as models;

@@ -272,6 +272,10 @@ pub struct DecodeArgs {
     /// Frames per second of an `.mp4` or `.gif` output.
     #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
     fps: u32,
+    /// Write a video's frames as they are decoded (`.npy` or `.png`), never holding the whole
+    /// video: memory no longer grows with the frame count. One rank, untiled, for now.
+    #[arg(long)]
+    stream: bool,
 }
 
 /// Options of `encode`.
@@ -471,6 +475,9 @@ fn outcome<R>(outcome: GroupOutcome<R>) -> anyhow::Result<Option<R>> {
 /// `vae-parallel decode`.
 pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     let r = args.parallel.resolve()?;
+    if args.stream {
+        return decode_streamed(args, &r);
+    }
     check_output_path(&args.out, &io::DECODED_EXTENSIONS)?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
     if args.fps == 0 {
@@ -495,6 +502,49 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         )
     })?;
     print_done("decode", outcome(result)?.flatten(), r.report.as_deref())
+}
+
+/// `vae-parallel decode --stream`: one rank, the frames written as they are decoded.
+fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> {
+    use vae_parallel::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
+    check_output_path(&args.out, &STREAMED_EXTENSIONS)?;
+    r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
+    if r.group.ranks > 1 || r.parallel_size > 1 || r.group.transport.is_multi_process() {
+        bail!("--stream decodes on one rank: streaming over several ranks is not built yet (drop --ranks, --transport and --vae-patch-parallel-size)");
+    }
+    if r.report.is_some() {
+        bail!("--report is not written for a streamed decode yet");
+    }
+    let shared = r.shared_engine()?;
+    let result = run_group(&r.group, |comm| {
+        let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
+        let started = Instant::now();
+        let mut loaded = None;
+        let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
+        let latent = io::read_tensor(&args.latent)?;
+        let mut sink = StreamedOutput::new(&args.out)?;
+        vae_parallel::tensor::memory::reset_peak();
+        let before = vae_parallel::tensor::memory::live_bytes();
+        engine.decode_streaming(&latent, &r.options, &mut sink)?;
+        let peak = vae_parallel::tensor::memory::peak_bytes().saturating_sub(before);
+        let frames = sink.frames_written();
+        let written = sink.finish()?.commit()?;
+        Ok((frames, written, peak, started.elapsed().as_secs_f64()))
+    })?;
+    if let Some((frames, written, peak, seconds)) = outcome(result)? {
+        println!(
+            "decode (streamed, 1 rank): {frames} frame(s) in {seconds:.3} s, tensor peak {:.1} MiB above the model",
+            peak as f64 / (1 << 20) as f64
+        );
+        let shown = if written.len() > 4 { &written[..1] } else { &written[..] };
+        for path in shown {
+            println!("wrote {}", path.display());
+        }
+        if written.len() > shown.len() {
+            println!("… and {} more file(s) beside it", written.len() - shown.len());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `vae-parallel encode`.

@@ -85,10 +85,24 @@ impl Staged {
         Ok(())
     }
 
+    /// Stages a file for `target` that the caller fills in itself, in whatever order and as
+    /// slowly as it likes (a streamed output): a handle to the new empty file next to
+    /// `target`. It is synced when added to the staged set and again at [`Self::commit`].
+    pub fn add_open(&mut self, target: &Path) -> Result<std::fs::File, IoError> {
+        let file = temp_for(target)?;
+        let handle = file.as_file().try_clone().map_err(os(target))?;
+        self.files.push((file, target.to_path_buf()));
+        Ok(handle)
+    }
+
     /// Puts every staged file in place. On an error the targets are as they were before the
     /// call (replaced ones restored, new ones removed) and the error names the target that
     /// failed.
     pub fn commit(self) -> Result<Vec<PathBuf>, IoError> {
+        // Files filled in after they were staged ([`Self::add_open`]) reach the disk first.
+        for (file, target) in &self.files {
+            file.as_file().sync_all().map_err(os(target))?;
+        }
         // Targets that exist are linked aside first (the link itself, if it is a symbolic one).
         let mut backups: Vec<Option<PathBuf>> = Vec::with_capacity(self.files.len());
         for (_, target) in &self.files {

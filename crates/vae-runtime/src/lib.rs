@@ -16,6 +16,7 @@ mod mode;
 pub mod progress;
 pub mod shard;
 pub mod stitch;
+pub mod stream;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 
@@ -28,4 +29,5 @@ pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands}
 pub use progress::{Progress, ProgressScope, ProgressSink};
 pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic};
 pub use stitch::StitchSpec;
+pub use stream::{CollectFrames, FrameSink, SinkError};
 pub use vae_planner::ShardAxis;

@@ -111,6 +111,13 @@ impl Decoder {
         pass.cached_conv(&self.conv_out, &x)
     }
 
+    /// Output frames per latent frame after the first (which gives one): 2 per temporal
+    /// upsampler.
+    pub(super) fn temporal_factor(&self) -> usize {
+        let temporal = self.up_blocks.iter().filter_map(|b| b.upsample.as_ref()).filter(|u| u.is_temporal()).count();
+        1 << temporal
+    }
+
     /// The widest halo any conv of the decoder needs, in rows of its own input. Every layer
     /// runs at the latent's resolution or a multiple of it, so a latent band this wide covers
     /// every halo.

@@ -116,6 +116,10 @@ impl LoadedVae for WanVae {
         WanVae::decode(self, z)
     }
 
+    fn decode_streaming(&self, z: &Tensor, sink: &mut dyn vae_runtime::FrameSink) -> Result<()> {
+        WanVae::decode_streaming(self, z, sink)
+    }
+
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         WanVae::encode_moments(self, x)
     }

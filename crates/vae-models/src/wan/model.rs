@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use vae_planner::WanTiling;
-use vae_runtime::ShardContext;
+use vae_runtime::{FrameSink, ShardContext};
 use vae_runtime::progress::{self, Progress};
 use vae_tensor::{DType, Device, Tensor};
 
@@ -26,6 +26,8 @@ pub(super) enum MapExtent {
     Tile,
     /// Bands of a spatial shard, over however many ranks: the output alone is counted.
     Banded,
+    /// The whole frame, with the output streamed: one latent frame's output is held at a time.
+    Streamed,
 }
 
 /// The two diffusers classes this module loads; they share the decoder and differ in policy.
@@ -182,6 +184,38 @@ impl WanVae {
         self.finish_decode(self.decode_frames(z)?, true)
     }
 
+    /// [`Self::decode`] with each latent frame's output frames handed to `sink` as soon as they
+    /// are decoded (unpatchified and clamped, on the host in f32, bit for bit the frames of
+    /// `decode`); no more than one latent frame's output is held at a time.
+    pub fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
+        self.check_latent(z)?;
+        self.check_memory(true, z.dims(), MapExtent::Streamed)?;
+        let mut uploaded = None;
+        let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
+        let d = zd.dims().to_vec();
+        let x = self.post_quant_conv.forward(zd, None)?;
+        let mut pass = Pass::new(None);
+        let mut next = 0;
+        for i in 0..d[2] {
+            vae_runtime::cancel::check()?;
+            pass.next_chunk();
+            let frames = self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?;
+            let frames = self.finish_decode(to_host(frames)?, true)?;
+            let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
+            if i == 0 {
+                let [b, c, _, h, w] = frames.dims().try_into().map_err(|_| {
+                    ModelError::InvalidInput(format!("the decoder gave frames of shape {:?}", frames.dims()))
+                })?;
+                let total = 1 + (d[2] - 1) * self.decoder.temporal_factor();
+                sink.begin(&[b, c, total, h, w]).map_err(ModelError::Sink)?;
+            }
+            sink.frames(next, &frames).map_err(ModelError::Sink)?;
+            next += frames.dims()[2];
+            progress::report(Progress::Steps { done: i + 1, total: d[2] });
+        }
+        Ok(())
+    }
+
     /// After the decoder (and, when tiled, the merge): unpatchify (Wan2.2), then clamp.
     pub(super) fn finish_decode(&self, x: Tensor, clamp: bool) -> Result<Tensor> {
         let x = match self.config.patch_size.filter(|p| *p > 1) {
@@ -332,11 +366,11 @@ impl WanVae {
         let tile = (self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64;
         let (output, map_bytes, advice) = if decode {
             let ups = c.temperal_downsample.iter().filter(|&&x| x).count() as u32;
-            let frames = 1 + t.saturating_sub(1) * (1u64 << ups);
+            let frames = if map == MapExtent::Streamed { 1u64 << ups } else { 1 + t.saturating_sub(1) * (1u64 << ups) };
             let full = h * scale * w * scale;
             let output = b * c.out_channels as u64 / (p * p).max(1) * frames * full * 4;
             let pixels = match map {
-                MapExtent::Whole => full,
+                MapExtent::Whole | MapExtent::Streamed => full,
                 MapExtent::Tile => full.min(tile),
                 MapExtent::Banded => 0,
             } / (p * p);

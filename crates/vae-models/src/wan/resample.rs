@@ -21,6 +21,11 @@ pub(super) struct Upsample {
 impl Upsample {
     /// `out_dim`: `dim / 2` in Wan2.1's up blocks, `dim` in Wan2.2's residual ones; `align`:
     /// rows one latent row has become after the upsampling.
+    /// Whether it doubles the frame count (every latent frame after the first).
+    pub(super) fn is_temporal(&self) -> bool {
+        self.time_conv.is_some()
+    }
+
     pub(super) fn load(w: &mut Weights<'_>, dim: usize, out_dim: usize, temporal: bool, align: usize) -> Result<Self> {
         let conv = Conv2d::load(&mut w.pp("resample.1"), dim, out_dim, 3, Conv2dParams::same(3).band_aligned(align))?;
         let time_conv = if temporal {
