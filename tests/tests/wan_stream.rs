@@ -135,7 +135,7 @@ fn a_failure_mid_stream_leaves_no_file() {
     for name in ["clip.npy", "clip.png"] {
         let dir = std::env::temp_dir().join(format!("vae-stream-fail-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut out = StreamedOutput::new(&dir.join(name)).unwrap();
+        let mut out = StreamedOutput::new(&dir.join(name), 16).unwrap();
         let err = e.decode_streaming(&z, &direct(), &mut FailAfter { out: &mut out, fail_at: 5 }).unwrap_err();
         assert!(err.to_string().contains("the disk is full"), "{err}");
         // Frames 0..5 were written to staged files; dropping the output removes them.

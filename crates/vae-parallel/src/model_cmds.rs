@@ -272,8 +272,8 @@ pub struct DecodeArgs {
     /// Frames per second of an `.mp4` or `.gif` output.
     #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
     fps: u32,
-    /// Write a video's frames as they are decoded (`.npy` or `.png`), never holding the whole
-    /// video: memory no longer grows with the frame count. One rank, untiled, for now.
+    /// Write a video's frames as they are decoded (to any of the outputs above), never holding
+    /// the whole video: memory no longer grows with the frame count. One rank, untiled, for now.
     #[arg(long)]
     stream: bool,
 }
@@ -510,7 +510,9 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
     check_output_path(&args.out, &STREAMED_EXTENSIONS)?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
     if r.group.ranks > 1 || r.parallel_size > 1 || r.group.transport.is_multi_process() {
-        bail!("--stream decodes on one rank: streaming over several ranks is not built yet (drop --ranks, --transport and --vae-patch-parallel-size)");
+        bail!(
+            "--stream decodes on one rank: streaming over several ranks is not built yet (drop --ranks, --transport and --vae-patch-parallel-size)"
+        );
     }
     if r.report.is_some() {
         bail!("--report is not written for a streamed decode yet");
@@ -522,7 +524,7 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         let mut loaded = None;
         let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
-        let mut sink = StreamedOutput::new(&args.out)?;
+        let mut sink = StreamedOutput::new(&args.out, args.fps)?;
         vae_parallel::tensor::memory::reset_peak();
         let before = vae_parallel::tensor::memory::live_bytes();
         engine.decode_streaming(&latent, &r.options, &mut sink)?;

@@ -85,14 +85,16 @@ impl Staged {
         Ok(())
     }
 
-    /// Stages a file for `target` that the caller fills in itself, in whatever order and as
-    /// slowly as it likes (a streamed output): a handle to the new empty file next to
-    /// `target`. It is synced when added to the staged set and again at [`Self::commit`].
-    pub fn add_open(&mut self, target: &Path) -> Result<std::fs::File, IoError> {
+    /// Stages a file for `target` that the caller (or a program it runs) fills in itself, in
+    /// whatever order and as slowly as it likes (a streamed output): a handle to the new empty
+    /// file next to `target`, and its path (which may be truncated and rewritten but not
+    /// replaced). [`Self::commit`] syncs it before putting it in place.
+    pub fn add_open(&mut self, target: &Path) -> Result<(std::fs::File, PathBuf), IoError> {
         let file = temp_for(target)?;
         let handle = file.as_file().try_clone().map_err(os(target))?;
+        let path = file.path().to_path_buf();
         self.files.push((file, target.to_path_buf()));
-        Ok(handle)
+        Ok((handle, path))
     }
 
     /// Puts every staged file in place. On an error the targets are as they were before the

@@ -4,9 +4,10 @@
 //! [`crate::io::postprocess_image`]); files are staged like every output, in place only once
 //! the whole request succeeded.
 
-use std::io::Write;
+use std::fs::File;
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 
 use crate::io::{IoError, postprocess_image};
 use crate::output::Staged;
@@ -21,7 +22,7 @@ pub const DEFAULT_FPS: u32 = 16;
 /// The file types [`stage_video_batch`] writes, by extension.
 pub const VIDEO_EXTENSIONS: [&str; 2] = ["mp4", "gif"];
 
-/// One video's frames: RGB, 8 bits, `w × h`.
+/// The RGB frames (8 bits, `w × h`) of one video of a decoded batch, in order.
 struct Frames {
     w: usize,
     h: usize,
@@ -40,42 +41,47 @@ fn videos(batch: &Tensor) -> Result<Vec<Frames>, IoError> {
     if c != 3 {
         return Err(IoError::Unsupported(format!("a video needs 3 channels (RGB), the output has shape {d:?}")));
     }
-    let unsupported = |e: vae_tensor::TensorError| IoError::Unsupported(e.to_string());
-    // [B, C, T, H, W] → [B·T, C, H, W], frames in order.
-    let frames = batch.reshape(vec![b, c, t, h, w]).and_then(|x| x.permute(&[0, 2, 1, 3, 4])).map_err(unsupported)?;
-    let frames = frames.reshape(vec![b * t, c, h, w]).map_err(unsupported)?;
-    (0..b)
-        .map(|v| {
-            let rgb = (0..t)
-                .map(|i| {
-                    let one =
-                        frames.narrow(0, v * t + i, 1).and_then(|f| f.reshape(vec![c, h, w])).map_err(unsupported)?;
-                    Ok(postprocess_image(&one)?.3)
-                })
-                .collect::<Result<_, IoError>>()?;
-            Ok(Frames { w, h, rgb })
+    let video = batch.reshape(vec![b, c, t, h, w]).map_err(unsupported)?;
+    (0..b).map(|v| Ok(Frames { w, h, rgb: rgb_frames(&video, v)? })).collect()
+}
+
+fn unsupported(e: vae_tensor::TensorError) -> IoError {
+    IoError::Unsupported(e.to_string())
+}
+
+/// Video `v` of `[B, 3, T, H, W]` pixels in [-1, 1] as 8-bit RGB frames (diffusers'
+/// post-processing).
+pub(crate) fn rgb_frames(batch: &Tensor, v: usize) -> Result<Vec<Vec<u8>>, IoError> {
+    let [_, c, t, h, w] = <[usize; 5]>::try_from(batch.dims())
+        .map_err(|_| IoError::Unsupported(format!("{:?} is not [B, 3, T, H, W]", batch.dims())))?;
+    (0..t)
+        .map(|i| {
+            let one = batch.narrow(0, v, 1).and_then(|x| x.narrow(2, i, 1)).and_then(|f| f.reshape(vec![c, h, w]));
+            Ok(postprocess_image(&one.map_err(unsupported)?)?.3)
         })
         .collect()
+}
+
+/// Where video `i` of a batch of `count` goes: `out.mp4` for one, `out_0000.mp4`, … for several.
+pub(crate) fn video_path(path: &Path, count: usize, i: usize) -> PathBuf {
+    if count == 1 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video");
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    path.with_file_name(format!("{stem}_{i:04}.{ext}"))
 }
 
 /// Stages every video of a decoded batch at `path` (`.mp4` or `.gif`): `out.mp4` for one video,
 /// `out_0000.mp4`, `out_0001.mp4`, … for several.
 pub fn stage_video_batch(staged: &mut Staged, path: &Path, batch: &Tensor, fps: u32) -> Result<(), IoError> {
-    if fps == 0 {
-        return Err(IoError::Unsupported("--fps must be at least 1".into()));
-    }
-    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
     let videos = videos(batch)?;
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("video").to_string();
-    let named = |i: usize| -> PathBuf {
-        if videos.len() == 1 { path.to_path_buf() } else { path.with_file_name(format!("{stem}_{i:04}.{ext}")) }
-    };
     for (i, video) in videos.iter().enumerate() {
-        match ext.as_str() {
-            "mp4" => staged.add_written_by(&named(i), |at| encode_mp4(video, fps, at))?,
-            "gif" => staged.add(&named(i), &encode_gif(video, fps)?)?,
-            _ => return Err(IoError::Unsupported(format!("{} is not a .mp4 or .gif file", path.display()))),
+        let mut writer = VideoWriter::start(staged, &video_path(path, videos.len(), i), video.w, video.h, fps)?;
+        for frame in &video.rgb {
+            writer.push(frame)?;
         }
+        writer.finish()?;
     }
     Ok(())
 }
@@ -85,19 +91,135 @@ fn ffmpeg() -> PathBuf {
     std::env::var_os(ENV_FFMPEG).filter(|v| !v.is_empty()).map_or_else(|| PathBuf::from("ffmpeg"), PathBuf::from)
 }
 
-/// H.264 in yuv420p (what every player takes; an odd width or height gets one black column or
-/// row), written by ffmpeg to `at`.
-fn encode_mp4(video: &Frames, fps: u32, at: &Path) -> Result<(), IoError> {
+/// One video being written a frame at a time into a file staged for its target: MP4 through a
+/// running ffmpeg, GIF by the gif crate. A streamed decode keeps one per video and pushes
+/// frames as they are decoded; nothing of the video is held here.
+pub(crate) struct VideoWriter {
+    target: PathBuf,
+    kind: Writer,
+}
+
+enum Writer {
+    /// ffmpeg reading raw frames on stdin; its messages go to a file (a pipe nobody reads while
+    /// frames are written could fill and stall it).
+    Mp4 { child: Child, stdin: Option<ChildStdin>, stderr: File },
+    /// The GIF encoder and each frame's delay.
+    Gif { encoder: Option<gif::Encoder<BufWriter<File>>>, size: (u16, u16), delay: u16 },
+}
+
+impl VideoWriter {
+    /// Stages `target` (`.mp4` or `.gif`) for a `w × h` video at `fps` frames a second.
+    pub(crate) fn start(staged: &mut Staged, target: &Path, w: usize, h: usize, fps: u32) -> Result<Self, IoError> {
+        if fps == 0 {
+            return Err(IoError::Unsupported("--fps must be at least 1".into()));
+        }
+        let ext = target.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+        let kind = match ext.as_str() {
+            "mp4" => {
+                let (_, at) = staged.add_open(target)?;
+                start_mp4(w, h, fps, &at)?
+            }
+            "gif" => {
+                let too_big =
+                    || IoError::Unsupported(format!("a GIF is at most 65535 pixels wide and high, not {w}x{h}"));
+                let size = (u16::try_from(w).map_err(|_| too_big())?, u16::try_from(h).map_err(|_| too_big())?);
+                let (file, _) = staged.add_open(target)?;
+                let mut encoder = gif::Encoder::new(BufWriter::new(file), size.0, size.1, &[]).map_err(gif_err)?;
+                encoder.set_repeat(gif::Repeat::Infinite).map_err(gif_err)?;
+                // GIF delays are in hundredths of a second.
+                let delay = (100.0 / f64::from(fps)).round().max(1.0) as u16;
+                Writer::Gif { encoder: Some(encoder), size, delay }
+            }
+            _ => return Err(IoError::Unsupported(format!("{} is not a .mp4 or .gif file", target.display()))),
+        };
+        Ok(Self { target: target.to_path_buf(), kind })
+    }
+
+    /// Appends one RGB frame (`w · h · 3` bytes).
+    pub(crate) fn push(&mut self, rgb: &[u8]) -> Result<(), IoError> {
+        match &mut self.kind {
+            Writer::Mp4 { stdin, .. } => {
+                let pipe = stdin.as_mut().ok_or_else(|| IoError::Unsupported("ffmpeg's input is closed".into()))?;
+                if pipe.write_all(rgb).is_err() {
+                    // ffmpeg stopped reading: its own message says why.
+                    drop(stdin.take());
+                    return Err(self.mp4_failure());
+                }
+                Ok(())
+            }
+            Writer::Gif { encoder, size, delay } => {
+                let encoder = encoder.as_mut().ok_or_else(|| IoError::Unsupported("the GIF is finished".into()))?;
+                let mut frame = gif::Frame::from_rgb_speed(size.0, size.1, rgb, 10);
+                frame.delay = *delay;
+                encoder.write_frame(&frame).map_err(gif_err)
+            }
+        }
+    }
+
+    /// Ends the video: ffmpeg finishes the file (an error if it failed), the GIF gets its
+    /// trailer.
+    pub(crate) fn finish(mut self) -> Result<(), IoError> {
+        match &mut self.kind {
+            Writer::Mp4 { stdin, child, .. } => {
+                drop(stdin.take());
+                let status = child.wait().map_err(|e| IoError::Unsupported(format!("waiting for ffmpeg: {e}")))?;
+                if status.success() { Ok(()) } else { Err(self.mp4_failure()) }
+            }
+            Writer::Gif { encoder, .. } => {
+                let encoder = encoder.take().ok_or_else(|| IoError::Unsupported("the GIF is finished".into()))?;
+                let mut out = encoder.into_inner().map_err(gif_err)?;
+                out.flush().map_err(|e| os_err(&self.target, e))
+            }
+        }
+    }
+
+    /// ffmpeg's failure, in its last line of output (after waiting for it to exit).
+    fn mp4_failure(&mut self) -> IoError {
+        let Writer::Mp4 { child, stderr, .. } = &mut self.kind else {
+            return IoError::Unsupported("not an MP4 writer".into());
+        };
+        let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+        let mut said = String::new();
+        let _ = stderr.seek(SeekFrom::Start(0)).and_then(|_| stderr.read_to_string(&mut said));
+        let said = said.lines().last().unwrap_or("").trim();
+        IoError::Unsupported(format!("ffmpeg failed ({status}): {said}"))
+    }
+}
+
+impl Drop for VideoWriter {
+    fn drop(&mut self) {
+        // An unfinished MP4 (a failed request): stop ffmpeg rather than leave it waiting.
+        if let Writer::Mp4 { child, stdin, .. } = &mut self.kind
+            && stdin.take().is_some()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn gif_err(e: gif::EncodingError) -> IoError {
+    IoError::Unsupported(format!("encoding the GIF: {e}"))
+}
+
+fn os_err(path: &Path, source: std::io::Error) -> IoError {
+    IoError::Os { path: path.to_path_buf(), source }
+}
+
+/// ffmpeg encoding raw RGB frames from its stdin into H.264 in yuv420p at `at` (what every
+/// player takes; an odd width or height gets one black column or row).
+fn start_mp4(w: usize, h: usize, fps: u32, at: &Path) -> Result<Writer, IoError> {
     let program = ffmpeg();
+    let stderr = tempfile::tempfile().map_err(|e| os_err(at, e))?;
     let mut child = Command::new(&program)
         .args(["-hide_banner", "-loglevel", "error", "-nostdin", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24"])
-        .args(["-s", &format!("{}x{}", video.w, video.h), "-r", &fps.to_string(), "-i", "pipe:0"])
+        .args(["-s", &format!("{w}x{h}"), "-r", &fps.to_string(), "-i", "pipe:0"])
         .args(["-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2", "-c:v", "libx264", "-pix_fmt", "yuv420p"])
         .args(["-movflags", "+faststart", "-f", "mp4"])
         .arg(at)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::from(stderr.try_clone().map_err(|e| os_err(at, e))?))
         .spawn()
         .map_err(|e| {
             IoError::Unsupported(format!(
@@ -106,38 +228,6 @@ fn encode_mp4(video: &Frames, fps: u32, at: &Path) -> Result<(), IoError> {
                 program.display()
             ))
         })?;
-    // ffmpeg reads every frame before it writes much to stderr (errors only), so writing all
-    // frames first and reading stderr after cannot deadlock on the pipes.
-    let written = {
-        let mut stdin = child.stdin.take().expect("stdin is piped");
-        video.rgb.iter().try_for_each(|frame| stdin.write_all(frame))
-    };
-    let out = child.wait_with_output().map_err(|e| IoError::Unsupported(format!("waiting for ffmpeg: {e}")))?;
-    if !out.status.success() || written.is_err() {
-        let said = String::from_utf8_lossy(&out.stderr);
-        let said = said.lines().last().unwrap_or("").trim();
-        return Err(IoError::Unsupported(format!("ffmpeg failed ({}): {said}", out.status)));
-    }
-    Ok(())
-}
-
-/// An endlessly looping GIF; each frame quantised to its own 256-colour palette.
-fn encode_gif(video: &Frames, fps: u32) -> Result<Vec<u8>, IoError> {
-    let too_big =
-        || IoError::Unsupported(format!("a GIF is at most 65535 pixels wide and high, not {}x{}", video.w, video.h));
-    let (w, h) = (u16::try_from(video.w).map_err(|_| too_big())?, u16::try_from(video.h).map_err(|_| too_big())?);
-    let gif_err = |e: gif::EncodingError| IoError::Unsupported(format!("encoding the GIF: {e}"));
-    let mut out = Vec::new();
-    {
-        let mut encoder = gif::Encoder::new(&mut out, w, h, &[]).map_err(gif_err)?;
-        encoder.set_repeat(gif::Repeat::Infinite).map_err(gif_err)?;
-        // GIF delays are in hundredths of a second.
-        let delay = (100.0 / f64::from(fps)).round().max(1.0) as u16;
-        for rgb in &video.rgb {
-            let mut frame = gif::Frame::from_rgb_speed(w, h, rgb, 10);
-            frame.delay = delay;
-            encoder.write_frame(&frame).map_err(gif_err)?;
-        }
-    }
-    Ok(out)
+    let stdin = child.stdin.take();
+    Ok(Writer::Mp4 { child, stdin, stderr })
 }

@@ -131,3 +131,49 @@ fn mp4_without_ffmpeg_is_a_clear_error_and_writes_nothing() {
     let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--fps", "0"]);
     assert!(!ok && text.contains("--fps must be at least 1"), "{text}");
 }
+
+/// `decode --stream` writes the same files as the decode that holds the whole video: `.npy`
+/// byte for byte, every `.png` frame, the `.gif`, and (where ffmpeg is) the `.mp4`.
+#[test]
+fn streamed_outputs_are_the_same_files() {
+    let dir = scratch("stream");
+    let (model, latent) = wan21_fixture();
+    let have_ffmpeg = Command::new("ffmpeg").arg("-version").output().is_ok_and(|o| o.status.success());
+    for ext in ["npy", "png", "gif", "mp4"] {
+        if ext == "mp4" && !have_ffmpeg {
+            eprintln!("skipping the streamed .mp4: no ffmpeg on PATH");
+            continue;
+        }
+        let whole = dir.join(format!("whole.{ext}"));
+        let streamed = dir.join(format!("streamed.{ext}"));
+        let base = ["decode", "--model", s(&model), "--latent", s(&latent), "--fps", "8"];
+        let (ok, text) = cli(&[&base[..], &["--out", s(&whole)]].concat());
+        assert!(ok, "{text}");
+        let (ok, text) = cli(&[&base[..], &["--out", s(&streamed), "--stream"]].concat());
+        assert!(ok && text.contains("streamed"), "{text}");
+        let files = |stem: &str| -> Vec<PathBuf> {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with(stem) && s(p).ends_with(ext))
+                .collect();
+            found.sort();
+            found
+        };
+        let (a, b) = (files("whole"), files("streamed"));
+        assert!(!a.is_empty() && a.len() == b.len(), "{ext}: {a:?} against {b:?}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                std::fs::read(x).unwrap() == std::fs::read(y).unwrap(),
+                "{} and {} differ",
+                x.display(),
+                y.display()
+            );
+        }
+    }
+    // Several ranks are refused with the reason, before any work.
+    let out = dir.join("ranks.npy");
+    let (ok, text) =
+        cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--stream", "--ranks", "2"]);
+    assert!(!ok && text.contains("--stream decodes on one rank") && !out.exists(), "{text}");
+}

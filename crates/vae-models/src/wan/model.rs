@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use vae_planner::WanTiling;
-use vae_runtime::{FrameSink, ShardContext};
 use vae_runtime::progress::{self, Progress};
+use vae_runtime::{FrameSink, ShardContext};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::cache::Pass;
