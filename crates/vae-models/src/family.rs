@@ -138,6 +138,16 @@ pub trait LoadedVae: Send + Sync {
         sink.begin(out.dims()).map_err(ModelError::Sink)?;
         sink.frames(0, &out).map_err(ModelError::Sink)
     }
+    /// Runs one decode over the executor's ranks with its output frames streamed to `sink` (the
+    /// owner's; `None` on the other ranks): the family's streamed sharded decode where it has
+    /// one and `run.strategy` is a shard. The default refuses: no streamed strategy.
+    fn execute_streaming(&self, run: Execution<'_>, _sink: Option<&mut dyn FrameSink>) -> Result<ExecOutput> {
+        Err(ModelError::Unsupported(format!(
+            "{} does not stream a {:?} decode over ranks",
+            self.class_name(),
+            run.strategy
+        )))
+    }
     /// The plain encode on this process: the raw moments (`vae._encode(x)` without tiling).
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor>;
     /// What `inspect` shows beyond the class: labelled lines (parameters, channels, layout,

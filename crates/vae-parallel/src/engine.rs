@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::{Direction, Execution, LoadedVae, ModelError, TileOverrides};
-use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, StrategyChoice};
+use vae_runtime::{
+    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
+};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -188,25 +190,23 @@ impl Engine {
         self.run(executor, Direction::Decode, z, options)
     }
 
-    /// Decodes a video latent on this process alone, untiled, handing its output frames to
-    /// `sink` as they are decoded ([`vae_runtime::FrameSink`]): bit for bit the frames of the
-    /// direct decode, with memory that does not grow with the frame count for the causal video
-    /// families (the others decode whole first). Streaming over several ranks is not built yet:
-    /// tiling is refused here, and the caller runs this on one rank.
+    /// Decodes a video latent with its output frames handed to `sink` as they are decoded
+    /// ([`vae_runtime::FrameSink`]; the owner's, `None` on the other ranks): bit for bit the
+    /// frames of the same decode unstreamed, with memory that does not grow with the frame
+    /// count for the causal video families. On a group of one rank without tiling it is the
+    /// direct decode (no report: `None`); over several ranks, the family's streamed spatial
+    /// shard (a request the family would tile is refused: streaming tiles is not built yet).
+    /// Every rank calls it with the same latent.
     pub fn decode_streaming(
         &self,
+        executor: &DistributedVaeExecutor,
         latent: &Tensor,
         options: &RequestOptions,
-        sink: &mut dyn vae_runtime::FrameSink,
-    ) -> Result<(), EngineError> {
+        sink: Option<&mut dyn vae_runtime::FrameSink>,
+    ) -> Result<Option<ExecOutput>, EngineError> {
         let _tf32 = self.tf32_scope();
         let _bf16 = self.cpu_bf16_scope()?;
-        if options.use_tiling {
-            return Err(ModelError::Unsupported(
-                "a streamed decode runs untiled on one rank (streaming tiles or shards is not built yet)".into(),
-            )
-            .into());
-        }
+        self.model.check_mode(options.mode)?;
         let denormalized;
         let z = if options.latents_normalized {
             denormalized = self.model.denormalize_latents(latent)?;
@@ -214,7 +214,38 @@ impl Engine {
         } else {
             latent
         };
-        Ok(self.model.decode_streaming(z, sink)?)
+        if executor.communicator().size() == 1 {
+            if options.use_tiling {
+                return Err(ModelError::Unsupported(
+                    "a streamed decode does not tile (streaming tiles is not built yet): drop --vae-use-tiling".into(),
+                )
+                .into());
+            }
+            let sink = sink.ok_or_else(|| ModelError::Unsupported("a streamed decode needs a frame sink".into()))?;
+            self.model.decode_streaming(z, sink)?;
+            return Ok(None);
+        }
+        let choice = self.model.strategy(Direction::Decode, options.mode, z.dims(), executor.parallel_size());
+        let choice = announce(executor, choice);
+        if !matches!(choice.strategy, Strategy::Shard(_)) {
+            return Err(ModelError::Unsupported(format!(
+                "a streamed decode over several ranks runs as a spatial shard, and this request would tile \
+                 ({}): use --vae-parallel-mode spatial_shard_height or spatial_shard_width (streaming tiles is \
+                 not built yet)",
+                choice.reason
+            ))
+            .into());
+        }
+        let run = Execution {
+            executor,
+            direction: Direction::Decode,
+            input: z,
+            strategy: choice.strategy,
+            use_tiling: true,
+            placement: OutputPlacement::OwnerOnly,
+        };
+        let out = self.model.execute_streaming(run, sink)?;
+        Ok(Some(with_reason(out, choice)))
     }
 
     /// One request, in the strategy the family chooses for it.

@@ -273,7 +273,8 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
     fps: u32,
     /// Write a video's frames as they are decoded (to any of the outputs above), never holding
-    /// the whole video: memory no longer grows with the frame count. One rank, untiled, for now.
+    /// the whole video: memory no longer grows with the frame count. On one rank untiled, or
+    /// over several in a spatial-shard mode (streaming tiles is not built yet).
     #[arg(long)]
     stream: bool,
 }
@@ -504,18 +505,23 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     print_done("decode", outcome(result)?.flatten(), r.report.as_deref())
 }
 
-/// `vae-parallel decode --stream`: one rank, the frames written as they are decoded.
+/// What a streamed decode leaves on rank 0.
+enum Streamed {
+    /// One rank, the direct decode: frames written, the staged files, the tensor peak above
+    /// the start, seconds.
+    Direct(usize, Staged, usize, f64),
+    /// A group: the usual request report, the staged files among its outputs.
+    Group(Done),
+}
+
+/// `vae-parallel decode --stream`: the frames written as they are decoded, on one rank (the
+/// direct decode) or over a group (the streamed spatial shard).
 fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> {
     use vae_parallel::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
     check_output_path(&args.out, &STREAMED_EXTENSIONS)?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
-    if r.group.ranks > 1 || r.parallel_size > 1 || r.group.transport.is_multi_process() {
-        bail!(
-            "--stream decodes on one rank: streaming over several ranks is not built yet (drop --ranks, --transport and --vae-patch-parallel-size)"
-        );
-    }
-    if r.report.is_some() {
-        bail!("--report is not written for a streamed decode yet");
+    if args.fps == 0 {
+        bail!("--fps must be at least 1");
     }
     let shared = r.shared_engine()?;
     let result = run_group(&r.group, |comm| {
@@ -524,29 +530,57 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         let mut loaded = None;
         let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
-        let mut sink = StreamedOutput::new(&args.out, args.fps)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        if comm.size() == 1 && r.report.is_some() {
+            bail!("--report is written for a streamed decode over several ranks, not on one rank yet");
+        }
+        // Only the owner writes; it checked the path (and --fps) before any rank started.
+        let mut sink = if comm.rank() == 0 { Some(StreamedOutput::new(&args.out, args.fps)?) } else { None };
         vae_parallel::tensor::memory::reset_peak();
         let before = vae_parallel::tensor::memory::live_bytes();
-        engine.decode_streaming(&latent, &r.options, &mut sink)?;
+        let out = engine.decode_streaming(
+            &executor,
+            &latent,
+            &r.options,
+            sink.as_mut().map(|s| s as &mut dyn vae_parallel::runtime::FrameSink),
+        )?;
         let peak = vae_parallel::tensor::memory::peak_bytes().saturating_sub(before);
-        let frames = sink.frames_written();
-        let written = sink.finish()?.commit()?;
-        Ok((frames, written, peak, started.elapsed().as_secs_f64()))
+        let frames = sink.as_ref().map_or(0, StreamedOutput::frames_written);
+        let staged = sink.map(StreamedOutput::finish).transpose()?;
+        Ok(match (out, staged) {
+            (None, Some(staged)) => Some(Streamed::Direct(frames, staged, peak, started.elapsed().as_secs_f64())),
+            (None, None) => None,
+            (Some(out), staged) => {
+                let done = finish_rank(&comm, &executor, out, |_, _| Ok(()), r.options.mode, started)?;
+                done.map(|mut done| {
+                    if let Some(staged) = staged {
+                        done.staged.append(staged);
+                    }
+                    Streamed::Group(done)
+                })
+            }
+        })
     })?;
-    if let Some((frames, written, peak, seconds)) = outcome(result)? {
-        println!(
-            "decode (streamed, 1 rank): {frames} frame(s) in {seconds:.3} s, tensor peak {:.1} MiB above the model",
-            peak as f64 / (1 << 20) as f64
-        );
-        let shown = if written.len() > 4 { &written[..1] } else { &written[..] };
-        for path in shown {
-            println!("wrote {}", path.display());
+    match outcome(result)?.flatten() {
+        Some(Streamed::Group(done)) => print_done("decode (streamed)", Some(done), r.report.as_deref()),
+        Some(Streamed::Direct(frames, staged, peak, seconds)) => {
+            let written = staged.commit()?;
+            println!(
+                "decode (streamed, 1 rank): {frames} frame(s) in {seconds:.3} s, tensor peak {:.1} MiB above the \
+                 model",
+                peak as f64 / (1 << 20) as f64
+            );
+            let shown = if written.len() > 4 { &written[..1] } else { &written[..] };
+            for path in shown {
+                println!("wrote {}", path.display());
+            }
+            if written.len() > shown.len() {
+                println!("… and {} more file(s) beside it", written.len() - shown.len());
+            }
+            Ok(ExitCode::SUCCESS)
         }
-        if written.len() > shown.len() {
-            println!("… and {} more file(s) beside it", written.len() - shown.len());
-        }
+        None => Ok(ExitCode::SUCCESS),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// `vae-parallel encode`.

@@ -97,6 +97,11 @@ impl Staged {
         Ok((handle, path))
     }
 
+    /// Adds the files staged in `other`, after this one's.
+    pub fn append(&mut self, mut other: Staged) {
+        self.files.append(&mut other.files);
+    }
+
     /// Puts every staged file in place. On an error the targets are as they were before the
     /// call (replaced ones restored, new ones removed) and the error names the target that
     /// failed.

@@ -171,9 +171,21 @@ fn streamed_outputs_are_the_same_files() {
             );
         }
     }
-    // Several ranks are refused with the reason, before any work.
-    let out = dir.join("ranks.npy");
-    let (ok, text) =
-        cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--stream", "--ranks", "2"]);
-    assert!(!ok && text.contains("--stream decodes on one rank") && !out.exists(), "{text}");
+    // Over several ranks the streamed spatial shard writes what the unstreamed one does, on
+    // local ranks and on socket processes; a tiled request is refused, and writes nothing.
+    let base = ["decode", "--model", s(&model), "--latent", s(&latent), "--vae-patch-parallel-size", "2"];
+    let shard = ["--vae-parallel-mode", "spatial_shard_width"];
+    let whole = dir.join("shard.npy");
+    let (ok, text) = cli(&[&base[..], &shard, &["--ranks", "2", "--out", s(&whole)]].concat());
+    assert!(ok, "{text}");
+    for transport in ["local", "socket"] {
+        let streamed = dir.join(format!("shard-{transport}.npy"));
+        let args = [&base[..], &shard, &["--ranks", "2", "--transport", transport, "--stream", "--out", s(&streamed)]];
+        let (ok, text) = cli(&args.concat());
+        assert!(ok, "{transport}: {text}");
+        assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "{transport}: files differ");
+    }
+    let out = dir.join("tiles.npy");
+    let (ok, text) = cli(&[&base[..], &["--ranks", "2", "--stream", "--out", s(&out)]].concat());
+    assert!(!ok && text.contains("streaming tiles is not built yet") && !out.exists(), "{text}");
 }

@@ -52,6 +52,35 @@ pub trait ShardOperator {
     /// The device the operator computes on (its model's): in-process ranks that share a GPU
     /// each get a stream of their own there for the request.
     fn device(&self) -> Device;
+
+    /// For a streamed computation ([`exec_streaming`](Self::exec_streaming)): how many runs
+    /// of frames it emits for `input`, and how many output frames they make in all (after
+    /// [`finish`](Self::finish)). `None`, the default, for an operator that does not stream.
+    fn stream_runs(&self, _input: &Tensor) -> Option<StreamRuns> {
+        None
+    }
+
+    /// [`exec`](Self::exec) run by run: this rank's band of each run of output frames (a causal
+    /// video decoder's latent frame), handed to `emit` as soon as it is computed, in order, on
+    /// the host. Every rank emits the same number of runs ([`stream_runs`](Self::stream_runs));
+    /// `emit` gathers each run to the owner, which finishes it and passes it on.
+    fn exec_streaming(
+        &self,
+        _input: &Tensor,
+        _ctx: &mut ShardContext<'_>,
+        _emit: &mut dyn FnMut(Tensor) -> Result<(), OperatorError>,
+    ) -> Result<(), OperatorError> {
+        Err("this operator does not stream its output".into())
+    }
+}
+
+/// The runs of a streamed sharded computation ([`ShardOperator::stream_runs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamRuns {
+    /// Runs emitted (and gathered), the same on every rank.
+    pub runs: usize,
+    /// Output frames in all, after `finish`.
+    pub frames: usize,
 }
 
 /// Communication inside one rank's sharded computation.

@@ -120,6 +120,22 @@ impl LoadedVae for WanVae {
         WanVae::decode_streaming(self, z, sink)
     }
 
+    fn execute_streaming(
+        &self,
+        run: Execution<'_>,
+        sink: Option<&mut dyn vae_runtime::FrameSink>,
+    ) -> Result<ExecOutput> {
+        match (run.direction, run.strategy) {
+            (Direction::Decode, Strategy::Shard(axis)) => {
+                Ok(run.executor.execute_sharded_streaming(run.input, &WanShardDecodeOperator::new(self), axis, sink)?)
+            }
+            (direction, strategy) => Err(ModelError::Unsupported(format!(
+                "a streamed {direction:?} runs as a spatial shard (or on one rank untiled), not as {strategy:?}: \
+                 streaming tiles is not built yet"
+            ))),
+        }
+    }
+
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         WanVae::encode_moments(self, x)
     }

@@ -190,27 +190,47 @@ impl WanVae {
     pub fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
         self.check_latent(z)?;
         self.check_memory(true, z.dims(), MapExtent::Streamed)?;
-        let mut uploaded = None;
-        let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
-        let d = zd.dims().to_vec();
-        let x = self.post_quant_conv.forward(zd, None)?;
-        let mut pass = Pass::new(None);
+        let total = self.decoded_frames(z.dims()[2]);
         let mut next = 0;
-        for i in 0..d[2] {
-            vae_runtime::cancel::check()?;
-            pass.next_chunk();
-            let frames = self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?;
-            let frames = self.finish_decode(to_host(frames)?, true)?;
+        self.decode_runs_on(z, None, &mut |run| {
+            let frames = self.finish_decode(run, true)?;
             let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
-            if i == 0 {
-                let [b, c, _, h, w] = frames.dims().try_into().map_err(|_| {
-                    ModelError::InvalidInput(format!("the decoder gave frames of shape {:?}", frames.dims()))
-                })?;
-                let total = 1 + (d[2] - 1) * self.decoder.temporal_factor();
-                sink.begin(&[b, c, total, h, w]).map_err(ModelError::Sink)?;
+            if next == 0 {
+                let mut dims = frames.dims().to_vec();
+                dims[2] = total;
+                sink.begin(&dims).map_err(ModelError::Sink)?;
             }
             sink.frames(next, &frames).map_err(ModelError::Sink)?;
             next += frames.dims()[2];
+            Ok(())
+        })
+    }
+
+    /// Output frames of a decode of `latent_frames` latent frames: one for the first, then the
+    /// decoder's temporal factor for each of the others.
+    pub(super) fn decoded_frames(&self, latent_frames: usize) -> usize {
+        1 + latent_frames.saturating_sub(1) * self.decoder.temporal_factor()
+    }
+
+    /// [`Self::decode_frames_on`] a latent frame at a time: each one's output frames (or this
+    /// rank's band of them), unclamped, on the host, handed to `emit` as soon as they are
+    /// decoded.
+    pub(super) fn decode_runs_on(
+        &self,
+        z: &Tensor,
+        band: Option<&mut ShardContext<'_>>,
+        emit: &mut dyn FnMut(Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let mut uploaded = None;
+        let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
+        let d = z.dims().to_vec();
+        // 1×1×1: per pixel, local on a band.
+        let x = self.post_quant_conv.forward(z, None)?;
+        let mut pass = Pass::new(band);
+        for i in 0..d[2] {
+            vae_runtime::cancel::check()?;
+            pass.next_chunk();
+            emit(to_host(self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?)?)?;
             progress::report(Progress::Steps { done: i + 1, total: d[2] });
         }
         Ok(())
@@ -396,20 +416,12 @@ impl WanVae {
     /// [`Self::decode_frames`] of the whole latent, or of this rank's band of it (`z` is then
     /// the band; the result is the output's band).
     pub(super) fn decode_frames_on(&self, z: &Tensor, band: Option<&mut ShardContext<'_>>) -> Result<Tensor> {
-        let mut uploaded = None;
-        let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
-        let d = z.dims();
-        // 1×1×1: per pixel, local on a band.
-        let x = self.post_quant_conv.forward(z, None)?;
-        let mut pass = Pass::new(band);
-        let mut frames = Vec::with_capacity(d[2]);
-        for i in 0..d[2] {
-            vae_runtime::cancel::check()?;
-            pass.next_chunk();
-            frames.push(self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?);
-            progress::report(Progress::Steps { done: i + 1, total: d[2] });
-        }
+        let mut frames = Vec::with_capacity(z.dims().get(2).copied().unwrap_or(0));
+        self.decode_runs_on(z, band, &mut |run| {
+            frames.push(run);
+            Ok(())
+        })?;
         let refs: Vec<&Tensor> = frames.iter().collect();
-        to_host(Tensor::cat(&refs, 2)?)
+        Ok(Tensor::cat(&refs, 2)?)
     }
 }

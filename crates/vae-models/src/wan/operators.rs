@@ -5,7 +5,9 @@ use std::ops::Range;
 
 use vae_planner::{GridSpec, ShardAxis, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
-use vae_runtime::{OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan};
+use vae_runtime::{
+    OperatorError, ShardContext, ShardGeometry, ShardOperator, StreamRuns, TileMap, TileOperator, TilePlan,
+};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::{MapExtent, VideoVaeClass, WanVae};
@@ -152,6 +154,22 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
 
     fn device(&self) -> Device {
         self.model.device()
+    }
+
+    /// One run per latent frame.
+    fn stream_runs(&self, z: &Tensor) -> Option<StreamRuns> {
+        let latent_frames = *z.dims().get(2)?;
+        Some(StreamRuns { runs: latent_frames, frames: self.model.decoded_frames(latent_frames) })
+    }
+
+    fn exec_streaming(
+        &self,
+        z: &Tensor,
+        ctx: &mut ShardContext<'_>,
+        emit: &mut dyn FnMut(Tensor) -> std::result::Result<(), OperatorError>,
+    ) -> std::result::Result<(), OperatorError> {
+        let band = ctx.local_input(z)?;
+        Ok(self.model.decode_runs_on(&band, Some(ctx), &mut |run| emit(run).map_err(crate::ModelError::Sink))?)
     }
 }
 

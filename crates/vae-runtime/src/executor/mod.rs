@@ -15,6 +15,7 @@
 
 mod report;
 mod sharded;
+mod streamed;
 mod tile;
 mod verdict;
 
@@ -188,6 +189,27 @@ impl DistributedVaeExecutor {
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
         self.abort_unless_known(self.run_request(input, &ShardStrategy { op, axis }, op.device(), placement))
+    }
+
+    /// [`execute_sharded`](Self::execute_sharded) with the output streamed: every rank
+    /// computes its band run by run ([`ShardOperator::exec_streaming`]), each run is gathered
+    /// to the owner as soon as it is computed, finished there and handed to `sink`, which only
+    /// the owner (rank 0) needs. No rank holds more than one run of the output, so memory does
+    /// not grow with the frame count; the frames are bit for bit those of `execute_sharded`.
+    /// The returned output holds no tensor. Errors as for `execute_sharded`; a failure while
+    /// streaming (the sink's included) aborts the group.
+    pub fn execute_sharded_streaming<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        axis: ShardAxis,
+        sink: Option<&mut dyn crate::FrameSink>,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let strategy = streamed::StreamedShardStrategy { op, axis, sink: std::cell::RefCell::new(sink) };
+        let mut out =
+            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
+        out.tensor = None;
+        Ok(out)
     }
 
     /// The request skeleton: the six phases, the strategy filling in plan, compute and collect.

@@ -25,8 +25,8 @@ pub(super) struct ShardStrategy<'o, O> {
 /// The bands of a request, in units of `unit` input rows.
 #[derive(Debug, Clone)]
 pub(super) struct BandPlan {
-    bands: BandPartition,
-    unit: usize,
+    pub(super) bands: BandPartition,
+    pub(super) unit: usize,
 }
 
 impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
@@ -146,7 +146,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
 
 /// A failure inside a sharded computation: the neighbours may be waiting for this rank's
 /// halo, so the group is aborted and they fail fast with a transport error naming it.
-fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, message: String) -> RuntimeError {
+pub(super) fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, message: String) -> RuntimeError {
     let err = RuntimeError::Operator { stage: Stage::Shard, rank, message };
     exec.comm.abort(&format!("rank {rank} failed: {err}"));
     err
@@ -155,7 +155,12 @@ fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, message: String) -> R
 /// The owner's output band and the other ranks' gathered bands, concatenated along the axis
 /// in rank order; every band must have the owner's shape except along the axis, where it has
 /// its own band's share of the owner's scale.
-fn assemble_bands(own: Tensor, parts: &[&[u8]], axis: ShardAxis, bands: &BandPartition) -> Result<Tensor, String> {
+pub(super) fn assemble_bands(
+    own: Tensor,
+    parts: &[&[u8]],
+    axis: ShardAxis,
+    bands: &BandPartition,
+) -> Result<Tensor, String> {
     let dim = axis.dim_in(own.rank()).ok_or("the output has no such axis")?;
     let own_band = bands.bands()[OWNER].len();
     let local = own.dims()[dim];

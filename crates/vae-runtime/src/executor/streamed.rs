@@ -1,0 +1,185 @@
+//! The spatial-shard strategy with its output streamed: each rank computes its band run by run
+//! (a causal video decoder's latent frame at a time), every run is gathered to the owner as soon
+//! as it is computed, and the owner assembles, finishes and hands it to a [`FrameSink`]. No rank
+//! ever holds more than one run of the output, so memory does not grow with the frame count,
+//! and the frames are bit for bit those of the sharded (and so of the direct) decode.
+
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
+
+use vae_planner::ShardAxis;
+use vae_tensor::{DType, Device, Tensor};
+use vae_transport::CommunicatorExt;
+use vae_transport::wire::Writer;
+
+use super::report::{PhaseTimings, StrategyReport};
+use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands};
+use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, write_tensor_header};
+use crate::shard::{ShardContext, ShardOperator, ShardTraffic, StreamRuns};
+use crate::stream::FrameSink;
+use crate::{RuntimeError, Stage};
+
+/// The streamed shard strategy of one request; the owner's sink receives the frames.
+pub(super) struct StreamedShardStrategy<'o, 's, O> {
+    pub(super) op: &'o O,
+    pub(super) axis: ShardAxis,
+    pub(super) sink: RefCell<Option<&'s mut dyn FrameSink>>,
+}
+
+/// The owner's progress through the output.
+struct Owner<'a> {
+    sink: &'a mut dyn FrameSink,
+    /// Frames handed on so far.
+    next: usize,
+}
+
+impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
+    fn bands(&self) -> ShardStrategy<'_, O> {
+        ShardStrategy { op: self.op, axis: self.axis }
+    }
+
+    /// Gathers one run to the owner (this rank's band of it, or nothing beyond the parallel
+    /// size); on the owner, assembles and finishes it and hands it to the sink.
+    fn gather_run(
+        &self,
+        exec: &DistributedVaeExecutor,
+        plan: &(BandPlan, StreamRuns),
+        own: Option<Tensor>,
+        owner: &mut Option<Owner<'_>>,
+    ) -> Result<(), RuntimeError> {
+        let comm = exec.comm.as_ref();
+        let mut message = Writer::new();
+        match (&own, comm.rank() == OWNER) {
+            (Some(run), false) => {
+                write_tensor_header(message.u8(1), run.dtype(), run.dims()).bytes(run.as_bytes()?);
+            }
+            _ => {
+                message.u8(0);
+            }
+        }
+        let Some(parts) = comm.gather(OWNER, message.as_slice())? else { return Ok(()) };
+        let failed = |message: String| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message };
+        let owner = owner.as_mut().ok_or_else(|| failed("the owner has no frame sink".into()))?;
+        let own = own.ok_or_else(|| failed("the owner computed no band".into()))?;
+        let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands).map_err(failed)?;
+        let frames = guarded(|| self.op.finish(full)).map_err(failed)?;
+        let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
+        let frames = if frames.device() == Device::Cpu { frames } else { frames.to_device(&Device::Cpu)? };
+        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}"));
+        if owner.next == 0 {
+            let mut dims = frames.dims().to_vec();
+            if dims.len() != 5 {
+                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]")));
+            }
+            dims[2] = plan.1.frames;
+            owner.sink.begin(&dims).map_err(sink_failed)?;
+        }
+        owner.sink.frames(owner.next, &frames).map_err(sink_failed)?;
+        owner.next += frames.dims()[2];
+        Ok(())
+    }
+}
+
+impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
+    type Plan = (BandPlan, StreamRuns);
+    type Local = ();
+
+    /// The bands of the sharded strategy, and the runs the operator will emit.
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String> {
+        let bands = self.bands().plan(exec, input)?;
+        let runs = self.op.stream_runs(input).ok_or_else(|| "this model's output does not stream".to_string())?;
+        Ok((bands, runs))
+    }
+
+    fn plan_size(plan: &Self::Plan) -> usize {
+        ShardStrategy::<O>::plan_size(&plan.0)
+    }
+
+    fn disagreement(extents: &[usize]) -> Option<String> {
+        ShardStrategy::<O>::disagreement(extents)
+    }
+
+    /// This rank's band, run by run, each run gathered to the owner (and passed on there) as
+    /// soon as it is computed. A failure aborts the group: the neighbours may be waiting for a
+    /// halo, and every rank for the run's gather.
+    fn compute(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        timings: &mut PhaseTimings,
+    ) -> Result<((), RankWork), RuntimeError> {
+        let clock = Instant::now();
+        let rank = exec.comm.rank();
+        let band = plan.0.bands.band(rank);
+        let mut sink = self.sink.borrow_mut();
+        let mut owner = match (rank == OWNER, sink.as_deref_mut()) {
+            (true, Some(sink)) => Some(Owner { sink, next: 0 }),
+            (true, None) => {
+                let message = "the owner of a streamed request needs a frame sink".to_string();
+                return Err(abort_shard(exec, rank, message));
+            }
+            (false, _) => None,
+        };
+        let mut traffic = ShardTraffic::default();
+        let (mut runs, mut gathering) = (0usize, Duration::ZERO);
+        let mut run = |own: Option<Tensor>| -> Result<(), RuntimeError> {
+            let started = Instant::now();
+            let result = self.gather_run(exec, plan, own, &mut owner);
+            gathering += started.elapsed();
+            runs += 1;
+            result
+        };
+        match band {
+            Some(_) => {
+                let mut ctx =
+                    ShardContext::new(exec.comm.as_ref(), self.axis, plan.0.bands.clone(), rank).with_unit(plan.0.unit);
+                let out = guarded(|| {
+                    self.op.exec_streaming(input, &mut ctx, &mut |r| run(Some(r)).map_err(|e| Box::new(e) as _))
+                });
+                traffic = ctx.traffic();
+                if let Err(message) = out {
+                    return Err(abort_shard(exec, rank, message));
+                }
+            }
+            None => {
+                for _ in 0..plan.1.runs {
+                    run(None).map_err(|e| abort_shard(exec, rank, e.to_string()))?;
+                }
+            }
+        }
+        if runs != plan.1.runs {
+            let message = format!("emitted {runs} runs of frames, {} were announced", plan.1.runs);
+            return Err(abort_shard(exec, rank, message));
+        }
+        if let Some(owner) = &owner
+            && owner.next != plan.1.frames
+        {
+            let message = format!("passed on {} frames, {} were announced", owner.next, plan.1.frames);
+            return Err(abort_shard(exec, rank, message));
+        }
+        timings.halo = traffic.comm_time();
+        timings.gather = gathering;
+        timings.exec = clock.elapsed().saturating_sub(timings.halo + gathering);
+        let work = RankWork {
+            tile_count: 0,
+            tiles: Vec::new(),
+            workload: band.as_ref().map_or(0, |b| b.len() as u64),
+            strategy: StrategyReport::Shard { axis: self.axis, band, traffic },
+        };
+        Ok(((), work))
+    }
+
+    /// Nothing is left to gather: the owner's outcome is an empty tensor (the frames went to
+    /// the sink).
+    fn collect(
+        &self,
+        exec: &DistributedVaeExecutor,
+        _: &Tensor,
+        _: &Self::Plan,
+        (): (),
+        _: &mut PhaseTimings,
+    ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
+        Ok((exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into)))
+    }
+}
