@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use vae_runtime::RuntimeError;
+use vae_runtime::{Classified, FailureKind, RuntimeError};
 use vae_tensor::TensorError;
 
 /// What can go wrong loading or running a VAE.
@@ -92,5 +92,48 @@ pub enum ModelError {
     Runtime(#[from] RuntimeError),
 }
 
+/// A model error as an operator returns it to the distributed executor, with the kind of
+/// failure it is, so that every rank can tell a request that does not fit the model
+/// ([`FailureKind::InvalidInput`]: a bad input, or a tensor op that refused its shapes) or a
+/// request the model cannot serve ([`FailureKind::Unsupported`]) from a failure.
+impl From<ModelError> for Classified {
+    fn from(e: ModelError) -> Self {
+        let kind = match &e {
+            ModelError::InvalidInput(_) | ModelError::Tensor(_) => FailureKind::InvalidInput,
+            ModelError::Unsupported(_) => FailureKind::Unsupported,
+            _ => FailureKind::Failed,
+        };
+        Classified::new(kind, e)
+    }
+}
+
 /// Result alias of this crate.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error;
+
+    use vae_tensor::Shape;
+
+    use super::*;
+
+    #[test]
+    fn a_model_error_is_classified_by_what_it_says_about_the_request() {
+        let shapes = TensorError::ShapeMismatch { op: "add", lhs: Shape::new(vec![2]), rhs: Shape::new(vec![3]) };
+        let cases = [
+            (ModelError::InvalidInput("3 channels, 16 expected".into()), FailureKind::InvalidInput),
+            (ModelError::Tensor(shapes), FailureKind::InvalidInput),
+            (ModelError::Unsupported("no shard here".into()), FailureKind::Unsupported),
+            (ModelError::MissingWeight { key: "conv.weight".into(), expected: vec![4] }, FailureKind::Failed),
+            (ModelError::Runtime(RuntimeError::Config("bad".into())), FailureKind::Failed),
+        ];
+        for (err, kind) in cases {
+            let (text, source) = (err.to_string(), err.source().map(ToString::to_string));
+            let classified = Classified::from(err);
+            assert_eq!(classified.kind(), kind, "{text}");
+            assert_eq!(classified.to_string(), text, "the text is the model error's");
+            assert_eq!(classified.source().map(ToString::to_string), source);
+        }
+    }
+}

@@ -6,7 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use vae_parallel::engine::EngineError;
 use vae_parallel::models::ModelError as VaeModelError;
-use vae_parallel::runtime::RuntimeError;
+use vae_parallel::runtime::{FailureKind, RuntimeError};
 
 create_exception!(vae_parallel, VaeParallelError, PyException, "Every error this package raises.");
 create_exception!(vae_parallel, InputError, VaeParallelError, "The input array does not fit the model.");
@@ -39,10 +39,13 @@ pub(crate) fn engine_error(err: &EngineError) -> PyErr {
         EngineError::Model(_) => ModelError::new_err(text),
         EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
         EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),
-        // A model's refusal inside the executor reaches every rank as its message only (the
-        // agreed-error codec carries text): `ModelError::InvalidInput` is the one that says so.
-        EngineError::Runtime(RuntimeError::Operator { message, .. }) if message.starts_with("invalid input: ") => {
+        // A model's refusal inside the executor reaches every rank with its kind; any other
+        // operator failure is an execution error.
+        EngineError::Runtime(RuntimeError::Operator { kind: FailureKind::InvalidInput, .. }) => {
             InputError::new_err(text)
+        }
+        EngineError::Runtime(RuntimeError::Operator { kind: FailureKind::Unsupported, .. }) => {
+            ConfigError::new_err(text)
         }
         EngineError::Runtime(_) => ExecutionError::new_err(text),
     }

@@ -6,6 +6,8 @@ use vae_planner::PlanError;
 use vae_tensor::TensorError;
 use vae_transport::TransportError;
 
+use crate::FailureKind;
+
 /// The operator stage an error came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
@@ -61,6 +63,10 @@ pub enum RuntimeError {
         stage: Stage,
         /// The rank it failed on.
         rank: usize,
+        /// What kind of failure it is (from the operator's [`Classified`](crate::Classified)
+        /// error; [`FailureKind::Failed`] when the operator did not say, or the executor
+        /// failed around it).
+        kind: FailureKind,
         /// The operator's error, with its causes.
         message: String,
     },
@@ -81,6 +87,14 @@ impl RuntimeError {
     /// needs to be told about it).
     pub fn is_agreed(&self) -> bool {
         matches!(self, Self::InputMismatch { .. } | Self::Operator { .. } | Self::Config(_) | Self::Inconsistent(_))
+    }
+
+    /// The kind of an operator failure ([`Self::Operator`]); `None` for every other error.
+    pub fn failure_kind(&self) -> Option<FailureKind> {
+        match self {
+            Self::Operator { kind, .. } => Some(*kind),
+            _ => None,
+        }
     }
 }
 

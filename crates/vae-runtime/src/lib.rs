@@ -22,8 +22,8 @@ pub mod synthetic;
 
 pub use error::{RuntimeError, Stage};
 pub use executor::{
-    DistributedVaeExecutor, ExecOutput, OperatorError, OutputPlacement, PhaseTimings, RankReport, StrategyReport,
-    TileMap, TileOperator, TilePlan, execute_serial,
+    Classified, DistributedVaeExecutor, ExecOutput, FailureKind, OperatorError, OutputPlacement, PhaseTimings,
+    RankReport, StrategyReport, TileMap, TileOperator, TilePlan, execute_serial,
 };
 pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands};
 pub use progress::{Progress, ProgressScope, ProgressSink};

@@ -7,8 +7,8 @@ use std::time::Duration;
 use vae_planner::{GridSpec, TileTask};
 use vae_runtime::synthetic::SyntheticDecoder;
 use vae_runtime::{
-    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec, TileMap, TileOperator,
-    TilePlan,
+    Classified, DistributedVaeExecutor, FailureKind, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec,
+    TileMap, TileOperator, TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{Communicator, TransportConfig, TransportError, run_local};
@@ -215,9 +215,26 @@ fn lpt_puts_the_big_tiles_first() {
 /// Wraps an operator and makes one stage fail, by error or by panic.
 struct Failing {
     inner: SyntheticDecoder,
+    fail_split: bool,
     fail_exec_tile: Option<usize>,
     panic: bool,
     fail_merge: bool,
+    /// The kind its errors are classified as; `None` returns them as they are.
+    kind: Option<FailureKind>,
+}
+
+impl Failing {
+    /// `inner`, failing nowhere.
+    fn new(inner: SyntheticDecoder) -> Self {
+        Self { inner, fail_split: false, fail_exec_tile: None, panic: false, fail_merge: false, kind: None }
+    }
+
+    fn error(&self, message: String) -> OperatorError {
+        match self.kind {
+            Some(kind) => Box::new(Classified::new(kind, message)),
+            None => message.into(),
+        }
+    }
 }
 
 impl TileOperator for Failing {
@@ -225,6 +242,9 @@ impl TileOperator for Failing {
     type TileSpec = StitchSpec;
 
     fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+        if self.fail_split {
+            return Err(self.error(format!("an input of shape {} does not fit", input.shape())));
+        }
         self.inner.split(input)
     }
 
@@ -233,14 +253,14 @@ impl TileOperator for Failing {
             if self.panic {
                 panic!("tile {} exploded", task.tile_id);
             }
-            return Err(format!("tile {} is corrupt", task.tile_id).into());
+            return Err(self.error(format!("tile {} is corrupt", task.tile_id)));
         }
         self.inner.exec(input, task)
     }
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
         if self.fail_merge {
-            return Err("merge refused".into());
+            return Err(self.error("merge refused".into()));
         }
         self.inner.merge(tiles, grid)
     }
@@ -253,7 +273,7 @@ impl TileOperator for Failing {
 #[test]
 fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() {
     for panic in [false, true] {
-        let failing = Failing { inner: small_op(), fail_exec_tile: Some(3), panic, fail_merge: false };
+        let failing = Failing { fail_exec_tile: Some(3), panic, ..Failing::new(small_op()) };
         let x = input(&[1, 1, 14, 20], 2);
         let results = run_local(4, config(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
@@ -268,7 +288,12 @@ fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() 
         for r in results {
             let (first, second) = r.unwrap();
             match first.unwrap_err() {
-                RuntimeError::Operator { stage: Stage::Exec { tile_id: 3 }, rank, message } => {
+                RuntimeError::Operator {
+                    stage: Stage::Exec { tile_id: 3 },
+                    rank,
+                    kind: FailureKind::Failed,
+                    message,
+                } => {
                     assert!(message.contains(if panic { "exploded" } else { "corrupt" }), "{message}");
                     assert_eq!(*failing_rank.get_or_insert(rank), rank, "every rank names the same rank");
                 }
@@ -281,7 +306,7 @@ fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() 
 
 #[test]
 fn a_merge_error_on_the_owner_reaches_every_rank() {
-    let failing = Failing { inner: small_op(), fail_exec_tile: None, panic: false, fail_merge: true };
+    let failing = Failing { fail_merge: true, ..Failing::new(small_op()) };
     let x = input(&[1, 1, 10, 10], 2);
     for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
         for r in run(3, 3, &failing, &x, placement) {
@@ -298,7 +323,48 @@ fn a_bad_input_is_a_split_error_on_every_rank() {
         let err = r.unwrap_err();
         assert!(matches!(&err, RuntimeError::Operator { stage: Stage::Split, rank: 0, .. }), "{err}");
         assert!(err.to_string().contains("at least 2 dimensions"), "{err}");
+        assert_eq!(err.failure_kind(), Some(FailureKind::Failed), "an error that says nothing more");
     }
+}
+
+/// A classified error of any stage, on any rank, reaches every rank with its kind, and with
+/// the message the same error has unclassified (the kind is not in the text).
+#[test]
+fn a_classified_error_reaches_every_rank_with_its_kind_and_its_message() {
+    let x = input(&[1, 1, 14, 20], 2);
+    let stages: [fn(Option<FailureKind>) -> Failing; 3] = [
+        |kind| Failing { fail_split: true, kind, ..Failing::new(small_op()) },
+        |kind| Failing { fail_exec_tile: Some(3), kind, ..Failing::new(small_op()) },
+        |kind| Failing { fail_merge: true, kind, ..Failing::new(small_op()) },
+    ];
+    for failing in stages {
+        let plain: Vec<RuntimeError> =
+            run(4, 4, &failing(None), &x, OutputPlacement::AllRanks).into_iter().map(|r| r.unwrap_err()).collect();
+        for kind in [FailureKind::InvalidInput, FailureKind::Unsupported, FailureKind::Failed] {
+            let classified = run(4, 4, &failing(Some(kind)), &x, OutputPlacement::AllRanks);
+            for (rank, (got, plain)) in classified.into_iter().zip(&plain).enumerate() {
+                let got = got.unwrap_err();
+                assert!(matches!(got, RuntimeError::Operator { kind: k, .. } if k == kind), "rank {rank}: {got:?}");
+                assert_eq!(got.to_string(), plain.to_string(), "rank {rank}");
+                assert_eq!(plain.failure_kind(), Some(FailureKind::Failed), "rank {rank}: {plain}");
+            }
+        }
+    }
+}
+
+/// A classified error keeps the wrapped error's text and causes: what the CLI prints with
+/// its causes is the same with or without the kind.
+#[test]
+fn a_classified_error_reads_as_the_error_it_wraps() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("the latent does not fit")]
+    struct Outer(#[source] std::io::Error);
+    let wrapped = Classified::new(FailureKind::InvalidInput, Outer(std::io::Error::other("4 channels, 16 expected")));
+    assert_eq!(wrapped.kind(), FailureKind::InvalidInput);
+    assert_eq!(wrapped.to_string(), "the latent does not fit");
+    let source = std::error::Error::source(&wrapped).map(ToString::to_string);
+    assert_eq!(source.as_deref(), Some("4 channels, 16 expected"));
+    assert_eq!(FailureKind::default(), FailureKind::Failed);
 }
 
 #[test]

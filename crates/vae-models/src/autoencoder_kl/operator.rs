@@ -9,7 +9,9 @@ use std::ops::Range;
 
 use vae_planner::{GridSpec, ShardAxis, TileLayout2d, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
-use vae_runtime::{OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan};
+use vae_runtime::{
+    Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan,
+};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::AutoencoderKl;
@@ -71,16 +73,16 @@ impl TileOperator for KlOperator<'_> {
 
     fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         match self.task {
-            KlTask::Decode => self.model.check_latent(input)?,
-            KlTask::Encode => self.model.check_image(input)?,
+            KlTask::Decode => self.model.check_latent(input).map_err(Classified::from)?,
+            KlTask::Encode => self.model.check_image(input).map_err(Classified::from)?,
         }
         let (h, w) = (input.dims()[2], input.dims()[3]);
         let tiled = self.tiled(input);
-        self.check_memory(input, tiled)?;
+        self.check_memory(input, tiled).map_err(Classified::from)?;
         if !tiled {
             return Ok(untiled_plan([2, 3], [h, w]));
         }
-        Ok(tiled_plan([2, 3], &self.layout(h, w)?))
+        Ok(tiled_plan([2, 3], &self.layout(h, w).map_err(Classified::from)?))
     }
 
     fn exec(&self, input: &Tensor, task: &TileTask<Self::Payload>) -> Result<Tensor, OperatorError> {
@@ -94,8 +96,8 @@ impl TileOperator for KlOperator<'_> {
             &tile
         };
         Ok(match self.task {
-            KlTask::Decode => self.model.decode_unchecked(tile_ref)?,
-            KlTask::Encode => self.model.encode_unchecked(tile_ref)?,
+            KlTask::Decode => self.model.decode_unchecked(tile_ref).map_err(Classified::from)?,
+            KlTask::Encode => self.model.encode_unchecked(tile_ref).map_err(Classified::from)?,
         })
     }
 
@@ -171,19 +173,19 @@ impl ShardOperator for KlShardOperator<'_> {
     /// of one latent row.
     fn geometry(&self, input: &Tensor, _: ShardAxis) -> Result<ShardGeometry, OperatorError> {
         match self.task {
-            KlTask::Decode => self.model.check_latent(input)?,
-            KlTask::Encode => self.model.check_image(input)?,
+            KlTask::Decode => self.model.check_latent(input).map_err(Classified::from)?,
+            KlTask::Encode => self.model.check_image(input).map_err(Classified::from)?,
         }
         if !self.model.device().is_cpu() {
-            return Err(ModelError::Unsupported(format!(
+            let refusal = ModelError::Unsupported(format!(
                 "the {} shard runs on the CPU for now (its GroupNorm statistics are computed on the host); \
                  use tile on {}",
                 self.model.config().variant.class_name(),
                 self.model.device()
-            ))
-            .into());
+            ));
+            return Err(Classified::from(refusal).into());
         }
-        check_memory(self.model, self.task, input, MapExtent::Band(self.ranks))?;
+        check_memory(self.model, self.task, input, MapExtent::Band(self.ranks)).map_err(Classified::from)?;
         let unit = match self.task {
             KlTask::Decode => 1,
             KlTask::Encode => self.model.config().spatial_scale(),
@@ -194,8 +196,8 @@ impl ShardOperator for KlShardOperator<'_> {
     fn exec(&self, input: &Tensor, ctx: &mut ShardContext<'_>) -> Result<Tensor, OperatorError> {
         let band = ctx.local_input(input)?;
         Ok(match self.task {
-            KlTask::Decode => self.model.decode_on(&band, &mut Some(ctx))?,
-            KlTask::Encode => self.model.encode_on(&band, &mut Some(ctx))?,
+            KlTask::Decode => self.model.decode_on(&band, &mut Some(ctx)).map_err(Classified::from)?,
+            KlTask::Encode => self.model.encode_on(&band, &mut Some(ctx)).map_err(Classified::from)?,
         })
     }
 

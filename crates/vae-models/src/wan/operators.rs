@@ -6,7 +6,7 @@ use std::ops::Range;
 use vae_planner::{GridSpec, ShardAxis, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
-    OperatorError, ShardContext, ShardGeometry, ShardOperator, StreamRuns, TileMap, TileOperator, TilePlan,
+    Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, StreamRuns, TileMap, TileOperator, TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
 
@@ -32,11 +32,13 @@ impl TileOperator for WanDecodeOperator<'_> {
     type TileSpec = Option<StitchSpec>;
 
     fn split(&self, z: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
-        self.model.check_latent(z)?;
+        self.model.check_latent(z).map_err(Classified::from)?;
         let (h, w) = (z.dims()[3], z.dims()[4]);
         let tiling = self.model.tiling();
         let tiled = self.use_tiling && tiling.needs_tiling_decode(h, w)?;
-        self.model.check_memory(true, z.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })?;
+        self.model
+            .check_memory(true, z.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })
+            .map_err(Classified::from)?;
         if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
         }
@@ -46,7 +48,7 @@ impl TileOperator for WanDecodeOperator<'_> {
     fn exec(&self, z: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
         let [rows, cols] = &task.payload;
         let tile = z.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
-        Ok(self.model.decode_frames(&tile)?)
+        Ok(self.model.decode_frames(&tile).map_err(Classified::from)?)
     }
 
     fn merge(
@@ -57,7 +59,7 @@ impl TileOperator for WanDecodeOperator<'_> {
         // diffusers' Qwen-Image tiled_decode does not clamp; Wan's and every plain decode do.
         let clamp = grid.tile_spec.is_none() || self.model.class == VideoVaeClass::Wan;
         let merged = merge_plan(tiles, grid)?;
-        Ok(self.model.finish_decode(merged, clamp)?)
+        Ok(self.model.finish_decode(merged, clamp).map_err(Classified::from)?)
     }
 
     fn device(&self) -> Device {
@@ -86,13 +88,15 @@ impl TileOperator for WanEncodeOperator<'_> {
     type TileSpec = Option<StitchSpec>;
 
     fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
-        self.model.check_video(x)?;
+        self.model.check_video(x).map_err(Classified::from)?;
         // diffusers decides on the input size, then tiles the patchified tensor.
         let p = self.model.patch();
         let (h, w) = (x.dims()[3] / p, x.dims()[4] / p);
         let tiling = self.model.tiling();
         let tiled = self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4]);
-        self.model.check_memory(false, x.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })?;
+        self.model
+            .check_memory(false, x.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })
+            .map_err(Classified::from)?;
         if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
         }
@@ -106,7 +110,8 @@ impl TileOperator for WanEncodeOperator<'_> {
         let [rows, cols] = &task.payload;
         let p = self.model.patch();
         let tile = x.narrow(3, rows.start * p, rows.len() * p)?.narrow(4, cols.start * p, cols.len() * p)?;
-        Ok(self.model.encode_frames(&self.model.patchify_input(&tile)?)?)
+        let tile = self.model.patchify_input(&tile).map_err(Classified::from)?;
+        Ok(self.model.encode_frames(&tile).map_err(Classified::from)?)
     }
 
     fn merge(
@@ -138,18 +143,18 @@ impl<'m> WanShardDecodeOperator<'m> {
 
 impl ShardOperator for WanShardDecodeOperator<'_> {
     fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
-        self.model.check_latent(z)?;
-        self.model.check_memory(true, z.dims(), MapExtent::Banded)?;
+        self.model.check_latent(z).map_err(Classified::from)?;
+        self.model.check_memory(true, z.dims(), MapExtent::Banded).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis), unit: 1 })
     }
 
     fn exec(&self, z: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
         let band = ctx.local_input(z)?;
-        Ok(self.model.decode_frames_on(&band, Some(ctx))?)
+        Ok(self.model.decode_frames_on(&band, Some(ctx)).map_err(Classified::from)?)
     }
 
     fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
-        Ok(self.model.finish_decode(assembled, true)?)
+        Ok(self.model.finish_decode(assembled, true).map_err(Classified::from)?)
     }
 
     fn device(&self) -> Device {
@@ -169,7 +174,9 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
         emit: &mut dyn FnMut(Tensor) -> std::result::Result<(), OperatorError>,
     ) -> std::result::Result<(), OperatorError> {
         let band = ctx.local_input(z)?;
-        Ok(self.model.decode_runs_on(&band, Some(ctx), &mut |run| emit(run).map_err(crate::ModelError::Sink))?)
+        let decoded =
+            self.model.decode_runs_on(&band, Some(ctx), &mut |run| emit(run).map_err(crate::ModelError::Sink));
+        Ok(decoded.map_err(Classified::from)?)
     }
 }
 
@@ -189,14 +196,15 @@ impl<'m> WanShardEncodeOperator<'m> {
 
 impl ShardOperator for WanShardEncodeOperator<'_> {
     fn geometry(&self, x: &Tensor, _: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
-        self.model.check_video(x)?;
-        self.model.check_memory(false, x.dims(), MapExtent::Banded)?;
+        self.model.check_video(x).map_err(Classified::from)?;
+        self.model.check_memory(false, x.dims(), MapExtent::Banded).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: 1, unit: self.model.encode_band_unit() })
     }
 
     fn exec(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
         let band = ctx.local_input(x)?;
-        Ok(self.model.encode_frames_on(&self.model.patchify_input(&band)?, Some(ctx))?)
+        let band = self.model.patchify_input(&band).map_err(Classified::from)?;
+        Ok(self.model.encode_frames_on(&band, Some(ctx)).map_err(Classified::from)?)
     }
 
     fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {

@@ -13,6 +13,7 @@
 //! the others its verdict ([`verdict`]), so a request costs O(N) messages on N ranks, never
 //! the N² of every rank judging an all_gather for itself.
 
+mod failure;
 mod report;
 mod sharded;
 mod streamed;
@@ -28,6 +29,8 @@ use vae_tensor::{DType, Device, StreamScope, Tensor};
 use vae_transport::wire::{Reader, Writer};
 use vae_transport::{Communicator, CommunicatorExt};
 
+use failure::Failure;
+pub use failure::{Classified, FailureKind};
 pub use report::{ExecOutput, OutputPlacement, PhaseTimings, RankReport, StrategyReport};
 use sharded::ShardStrategy;
 use tile::TileStrategy;
@@ -36,7 +39,8 @@ pub use tile::{TileMap, TileOperator, TilePlan, execute_serial};
 use crate::shard::ShardOperator;
 use crate::{RuntimeError, Stage};
 
-/// Errors a model operator returns; carried to every rank as text.
+/// Errors a model operator returns; carried to every rank as text, with the [`FailureKind`]
+/// a [`Classified`] error names ([`FailureKind::Failed`] for any other error).
 pub type OperatorError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The rank that merges and owns the output.
@@ -52,8 +56,8 @@ trait RequestStrategy {
     /// What this rank computed.
     type Local;
 
-    /// Plans the request (errors as text: every rank learns them in the agreement).
-    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String>;
+    /// Plans the request (errors as text and kind: every rank learns them in the agreement).
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure>;
     /// The number every rank's plan must agree on (tiles, or the extent cut into bands).
     fn plan_size(plan: &Self::Plan) -> usize;
     /// Why the ranks' plan sizes show a non-deterministic plan, if they do.
@@ -235,10 +239,10 @@ impl DistributedVaeExecutor {
 
         // 2. Agree: the same input everywhere, and the plan worked everywhere.
         let clock = Instant::now();
-        self.agree(input, plan.as_ref().map(S::plan_size).map_err(String::as_str), S::disagreement)?;
+        self.agree(input, plan.as_ref().map(S::plan_size), S::disagreement)?;
         timings.agree = clock.elapsed();
         // The owner's verdict already failed the request on every rank if any plan failed.
-        let plan = plan.map_err(|message| RuntimeError::Operator { stage: Stage::Split, rank, message })?;
+        let plan = plan.map_err(|failure| failure.at(Stage::Split, rank))?;
 
         // 3. Compute this rank's share.
         let (local, work) = strategy.compute(self, input, &plan, &mut timings)?;
@@ -296,7 +300,7 @@ impl DistributedVaeExecutor {
     fn agree(
         &self,
         input: &Tensor,
-        plan: Result<usize, &str>,
+        plan: Result<usize, &Failure>,
         disagreement: fn(&[usize]) -> Option<String>,
     ) -> Result<(), RuntimeError> {
         let comm = self.comm.as_ref();
@@ -304,7 +308,7 @@ impl DistributedVaeExecutor {
         msg.u64(input.content_hash()?);
         match plan {
             Ok(size) => msg.u8(0).usize(size),
-            Err(message) => msg.u8(1).str(message),
+            Err(failure) => verdict::write_kind(msg.u8(1), failure.kind).str(&failure.message),
         };
         let gathered = comm.gather(OWNER, msg.as_slice())?;
         let verdict = gathered.map(|parts| judge_agreement(parts.parts(), disagreement));
@@ -383,8 +387,9 @@ fn judge_agreement<'a>(
         let mut rd = Reader::new(part, "input agreement");
         hashes.push(rd.u64().map_err(inconsistent)?);
         if rd.u8().map_err(inconsistent)? == 1 {
-            let message = rd.str().map_err(inconsistent)?;
-            first_split_error.get_or_insert(RuntimeError::Operator { stage: Stage::Split, rank: r, message });
+            let kind = verdict::read_kind(&mut rd).map_err(inconsistent)?;
+            let failure = Failure::new(kind, rd.str().map_err(inconsistent)?);
+            first_split_error.get_or_insert(failure.at(Stage::Split, r));
         } else {
             sizes.push(rd.usize().map_err(inconsistent)?);
         }
@@ -430,11 +435,14 @@ fn inconsistent(err: impl Into<RuntimeError>) -> RuntimeError {
     }
 }
 
-/// Runs operator code, turning errors and panics into text with the error's causes.
-fn guarded<T>(body: impl FnOnce() -> Result<T, OperatorError>) -> Result<T, String> {
+/// Runs operator code, turning errors and panics into text with the error's causes, and the
+/// kind a [`Classified`] error names ([`FailureKind::Failed`] for any other error, and for a
+/// panic).
+fn guarded<T>(body: impl FnOnce() -> Result<T, OperatorError>) -> Result<T, Failure> {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
+            let kind = e.downcast_ref::<Classified>().map_or(FailureKind::Failed, Classified::kind);
             let mut text = e.to_string();
             let mut source = e.source();
             while let Some(s) = source {
@@ -442,7 +450,7 @@ fn guarded<T>(body: impl FnOnce() -> Result<T, OperatorError>) -> Result<T, Stri
                 text.push_str(&s.to_string());
                 source = s.source();
             }
-            Err(text)
+            Err(Failure::new(kind, text))
         }
         Err(payload) => {
             let what = payload
@@ -450,7 +458,7 @@ fn guarded<T>(body: impl FnOnce() -> Result<T, OperatorError>) -> Result<T, Stri
                 .map(|s| (*s).to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".into());
-            Err(format!("panicked: {what}"))
+            Err(Failure::new(FailureKind::Failed, format!("panicked: {what}")))
         }
     }
 }

@@ -9,6 +9,7 @@ use vae_tensor::Tensor;
 use vae_transport::CommunicatorExt;
 use vae_transport::wire::{Reader, Writer};
 
+use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::{
     DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, read_tensor_header, write_tensor_header,
@@ -36,7 +37,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
 
     /// Bands from the input alone: no narrower than the operator's widest halo, cut between
     /// whole units.
-    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<BandPlan, String> {
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<BandPlan, Failure> {
         let axis = self.axis;
         guarded(|| self.op.geometry(input, axis)).and_then(|geometry| {
             let dim = axis
@@ -44,7 +45,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
                 .ok_or_else(|| format!("cannot shard the {axis} of an input of shape {}", input.shape()))?;
             let (extent, unit) = (input.dims()[dim], geometry.unit.max(1));
             if !extent.is_multiple_of(unit) {
-                return Err(format!("an input {axis} of {extent} is not a whole number of bands of {unit}"));
+                return Err(format!("an input {axis} of {extent} is not a whole number of bands of {unit}").into());
             }
             let bands =
                 BandPartition::new(extent / unit, exec.parallel_size, geometry.min_band).map_err(|e| e.to_string())?;
@@ -88,9 +89,9 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
                     Ok(out) => {
                         let message =
                             format!("band output has rank {}, the input has rank {}", out.rank(), input.rank());
-                        return Err(abort_shard(exec, rank, message));
+                        return Err(abort_shard(exec, rank, message.into()));
                     }
-                    Err(message) => return Err(abort_shard(exec, rank, message)),
+                    Err(failure) => return Err(abort_shard(exec, rank, failure)),
                 }
             }
         };
@@ -136,8 +137,9 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
             local
                 .ok_or_else(|| "the owner computed no band".to_string())
                 .and_then(|own| assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.bands))
+                .map_err(Failure::from)
                 .and_then(|full| guarded(|| self.op.finish(full)))
-                .map_err(|message| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message })
+                .map_err(|failure| failure.at(Stage::Merge, OWNER))
         });
         timings.merge = clock.elapsed();
         Ok(merged)
@@ -146,8 +148,8 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
 
 /// A failure inside a sharded computation: the neighbours may be waiting for this rank's
 /// halo, so the group is aborted and they fail fast with a transport error naming it.
-pub(super) fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, message: String) -> RuntimeError {
-    let err = RuntimeError::Operator { stage: Stage::Shard, rank, message };
+pub(super) fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, failure: Failure) -> RuntimeError {
+    let err = failure.at(Stage::Shard, rank);
     exec.comm.abort(&format!("rank {rank} failed: {err}"));
     err
 }

@@ -12,6 +12,7 @@ use vae_tensor::{DType, Device, Tensor};
 use vae_transport::CommunicatorExt;
 use vae_transport::wire::Writer;
 
+use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands};
 use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, write_tensor_header};
@@ -58,18 +59,20 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
             }
         }
         let Some(parts) = comm.gather(OWNER, message.as_slice())? else { return Ok(()) };
-        let failed = |message: String| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message };
-        let owner = owner.as_mut().ok_or_else(|| failed("the owner has no frame sink".into()))?;
-        let own = own.ok_or_else(|| failed("the owner computed no band".into()))?;
-        let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands).map_err(failed)?;
+        let failed = |failure: Failure| failure.at(Stage::Merge, OWNER);
+        let message = |text: &str| failed(Failure::from(text.to_string()));
+        let owner = owner.as_mut().ok_or_else(|| message("the owner has no frame sink"))?;
+        let own = own.ok_or_else(|| message("the owner computed no band"))?;
+        let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands)
+            .map_err(|e| failed(e.into()))?;
         let frames = guarded(|| self.op.finish(full)).map_err(failed)?;
         let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
         let frames = if frames.device() == Device::Cpu { frames } else { frames.to_device(&Device::Cpu)? };
-        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}"));
+        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}").into());
         if owner.next == 0 {
             let mut dims = frames.dims().to_vec();
             if dims.len() != 5 {
-                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]")));
+                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]").into()));
             }
             dims[2] = plan.1.frames;
             owner.sink.begin(&dims).map_err(sink_failed)?;
@@ -85,9 +88,12 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
     type Local = ();
 
     /// The bands of the sharded strategy, and the runs the operator will emit.
-    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String> {
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
         let bands = self.bands().plan(exec, input)?;
-        let runs = self.op.stream_runs(input).ok_or_else(|| "this model's output does not stream".to_string())?;
+        let runs = self
+            .op
+            .stream_runs(input)
+            .ok_or_else(|| Failure::from("this model's output does not stream".to_string()))?;
         Ok((bands, runs))
     }
 
@@ -117,7 +123,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             (true, Some(sink)) => Some(Owner { sink, next: 0 }),
             (true, None) => {
                 let message = "the owner of a streamed request needs a frame sink".to_string();
-                return Err(abort_shard(exec, rank, message));
+                return Err(abort_shard(exec, rank, message.into()));
             }
             (false, _) => None,
         };
@@ -144,19 +150,19 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             }
             None => {
                 for _ in 0..plan.1.runs {
-                    run(None).map_err(|e| abort_shard(exec, rank, e.to_string()))?;
+                    run(None).map_err(|e| abort_shard(exec, rank, e.to_string().into()))?;
                 }
             }
         }
         if runs != plan.1.runs {
             let message = format!("emitted {runs} runs of frames, {} were announced", plan.1.runs);
-            return Err(abort_shard(exec, rank, message));
+            return Err(abort_shard(exec, rank, message.into()));
         }
         if let Some(owner) = &owner
             && owner.next != plan.1.frames
         {
             let message = format!("passed on {} frames, {} were announced", owner.next, plan.1.frames);
-            return Err(abort_shard(exec, rank, message));
+            return Err(abort_shard(exec, rank, message.into()));
         }
         timings.halo = traffic.comm_time();
         timings.gather = gathering;

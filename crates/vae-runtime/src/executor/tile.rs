@@ -10,10 +10,11 @@ use vae_tensor::{DType, Device, Shape, Tensor};
 use vae_transport::CommunicatorExt;
 use vae_transport::wire::{Reader, Writer};
 
+use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::{
     DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, guarded, inconsistent, read_tensor_header,
-    write_tensor_header,
+    verdict, write_tensor_header,
 };
 use crate::progress::{self, Progress};
 use crate::{RuntimeError, Stage};
@@ -100,14 +101,14 @@ pub(super) struct TileStrategy<'o, O> {
 /// This rank's tiles: the outputs it computed, or the first tile that failed and why.
 pub(super) struct TileOutputs {
     outputs: Vec<(usize, Tensor)>,
-    error: Option<(usize, String)>,
+    error: Option<(usize, Failure)>,
 }
 
 impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
     type Plan = TilePlan<O::Payload, O::TileSpec>;
     type Local = TileOutputs;
 
-    fn plan(&self, _: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, String> {
+    fn plan(&self, _: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
         guarded(|| self.op.split(input)).and_then(|plan| {
             plan.grid.validate_tasks(&plan.tasks).map_err(|e| e.to_string())?;
             Ok(plan)
@@ -154,11 +155,11 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
                         out.shape(),
                         input.rank()
                     );
-                    local.error = Some((tile_id, message));
+                    local.error = Some((tile_id, message.into()));
                     break;
                 }
-                Err(message) => {
-                    local.error = Some((tile_id, message));
+                Err(failure) => {
+                    local.error = Some((tile_id, failure));
                     break;
                 }
             }
@@ -189,8 +190,8 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let clock = std::time::Instant::now();
         let mut message = Writer::new();
         match &local.error {
-            Some((tile_id, text)) => {
-                message.u8(1).usize(*tile_id).str(text);
+            Some((tile_id, failure)) => {
+                verdict::write_kind(message.u8(1).usize(*tile_id), failure.kind).str(&failure.message);
             }
             None => {
                 message.u8(0).usize(local.outputs.len());
@@ -217,11 +218,11 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let merged = gathered.map(|parts| {
             let (produced, payloads) = read_summaries(parts.parts())?;
             check_every_tile_once(&produced, plan.tasks.len())?;
-            let failed = |message| RuntimeError::Operator { stage: Stage::Merge, rank: OWNER, message };
             assemble(plan, &produced, &payloads, outputs, &input.device())
+                .map_err(Failure::from)
                 .and_then(|tiles| guarded(|| self.op.merge(tiles, &plan.grid)))
-                .and_then(|out| cast_output(out, plan.grid.output_dtype))
-                .map_err(failed)
+                .and_then(|out| cast_output(out, plan.grid.output_dtype).map_err(Failure::from))
+                .map_err(|failure| failure.at(Stage::Merge, OWNER))
         });
         timings.merge = clock.elapsed();
         Ok(merged)
@@ -237,12 +238,8 @@ fn read_summaries<'a>(parts: impl Iterator<Item = &'a [u8]>) -> Result<(Vec<Prod
     for (r, part) in parts.enumerate() {
         let (summary, payload) = decode_summary(r, part).map_err(inconsistent)?;
         match summary {
-            Err((tile_id, message)) => {
-                first_exec_error.get_or_insert(RuntimeError::Operator {
-                    stage: Stage::Exec { tile_id },
-                    rank: r,
-                    message,
-                });
+            Err((tile_id, failure)) => {
+                first_exec_error.get_or_insert(failure.at(Stage::Exec { tile_id }, r));
                 produced.push(Vec::new());
             }
             Ok(tiles) => produced.push(tiles),
@@ -259,15 +256,16 @@ fn read_summaries<'a>(parts: impl Iterator<Item = &'a [u8]>) -> Result<(Vec<Prod
 type Produced = Vec<(usize, DType, Shape)>;
 
 /// A rank's tile summary: the tiles it produced, or the exec error it hit.
-type Summary = Result<Produced, (usize, String)>;
+type Summary = Result<Produced, (usize, Failure)>;
 
 /// Reads a rank's summary; returns it with the bytes after it (its tiles' bytes).
 fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8]), RuntimeError> {
     let mut rd = Reader::new(bytes, "tile summary");
     if rd.u8()? == 1 {
         let tile_id = rd.usize()?;
-        let message = rd.str()?;
-        return Ok((Err((tile_id, message)), rd.rest()));
+        let kind = verdict::read_kind(&mut rd)?;
+        let failure = Failure::new(kind, rd.str()?);
+        return Ok((Err((tile_id, failure)), rd.rest()));
     }
     let count = rd.usize()?;
     let mut tiles = Vec::with_capacity(count.min(bytes.len()));
@@ -291,25 +289,24 @@ fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8]), Runtime
 /// number of ranks, without a communicator (what a single-device caller, or a reference,
 /// needs).
 pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor, RuntimeError> {
-    let failed = |stage, message| RuntimeError::Operator { stage, rank: 0, message };
-    let plan = guarded(|| op.split(input)).map_err(|m| failed(Stage::Split, m))?;
+    let plan = guarded(|| op.split(input)).map_err(|f| f.at(Stage::Split, 0))?;
     plan.grid.validate_tasks(&plan.tasks)?;
     let mut tiles = TileMap::new();
     progress::report(Progress::Tiles { done: 0, total: plan.tasks.len() });
     for task in &plan.tasks {
         let stage = Stage::Exec { tile_id: task.tile_id };
-        let out = guarded(|| op.exec(input, task)).map_err(|m| failed(stage, m))?;
+        let out = guarded(|| op.exec(input, task)).map_err(|f| f.at(stage, 0))?;
         if out.rank() != input.rank() {
             let message =
                 format!("tile output has rank {} ({}), the input has rank {}", out.rank(), out.shape(), input.rank());
-            return Err(failed(stage, message));
+            return Err(Failure::from(message).at(stage, 0));
         }
         tiles.insert(task.grid_coord.clone(), out);
         progress::report(Progress::Tiles { done: tiles.len(), total: plan.tasks.len() });
     }
     guarded(|| op.merge(tiles, &plan.grid))
-        .and_then(|out| cast_output(out, plan.grid.output_dtype))
-        .map_err(|m| failed(Stage::Merge, m))
+        .and_then(|out| cast_output(out, plan.grid.output_dtype).map_err(Failure::from))
+        .map_err(|f| f.at(Stage::Merge, 0))
 }
 
 /// Every planned tile must come back exactly once.

@@ -8,7 +8,7 @@
 
 use vae_transport::wire::{Reader, Writer};
 
-use crate::{RuntimeError, Stage};
+use crate::{FailureKind, RuntimeError, Stage};
 
 const OK: u8 = 0;
 const INPUT_MISMATCH: u8 = 1;
@@ -34,10 +34,10 @@ pub(super) fn write(w: &mut Writer, verdict: Result<&[u8], &RuntimeError>, owner
                 w.u64(*h);
             }
         }
-        RuntimeError::Operator { stage, rank, message } => {
+        RuntimeError::Operator { stage, rank, kind, message } => {
             w.u8(OPERATOR);
             write_stage(w, *stage);
-            w.usize(*rank).str(message);
+            write_kind(w, *kind).usize(*rank).str(message);
         }
         RuntimeError::Config(message) => {
             w.u8(CONFIG).str(message);
@@ -48,7 +48,7 @@ pub(super) fn write(w: &mut Writer, verdict: Result<&[u8], &RuntimeError>, owner
         other => {
             w.u8(OPERATOR);
             write_stage(w, Stage::Merge);
-            w.usize(owner).str(&other.to_string());
+            write_kind(w, FailureKind::Failed).usize(owner).str(&other.to_string());
         }
     }
 }
@@ -69,7 +69,8 @@ pub(super) fn read(bytes: &[u8]) -> Result<Result<&[u8], RuntimeError>, RuntimeE
         }
         OPERATOR => {
             let stage = read_stage(&mut rd)?;
-            RuntimeError::Operator { stage, rank: rd.usize()?, message: rd.str()? }
+            let kind = read_kind(&mut rd)?;
+            RuntimeError::Operator { stage, rank: rd.usize()?, kind, message: rd.str()? }
         }
         CONFIG => RuntimeError::Config(rd.str()?),
         INCONSISTENT => RuntimeError::Inconsistent(rd.str()?),
@@ -97,6 +98,18 @@ fn read_stage(rd: &mut Reader<'_>) -> Result<Stage, RuntimeError> {
     })
 }
 
+/// Writes an operator failure's kind (one byte); also used by the agreement and the tile
+/// summaries, which carry a rank's failure to the owner.
+pub(super) fn write_kind(w: &mut Writer, kind: FailureKind) -> &mut Writer {
+    w.u8(kind.code())
+}
+
+/// Reads what [`write_kind`] wrote; an unknown byte is a protocol error.
+pub(super) fn read_kind(rd: &mut Reader<'_>) -> Result<FailureKind, RuntimeError> {
+    let code = rd.u8()?;
+    FailureKind::from_code(code).ok_or_else(|| RuntimeError::Protocol(format!("unknown failure kind {code}")))
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -113,16 +126,33 @@ mod tests {
     fn every_agreed_error_arrives_as_it_left() {
         let errors = [
             RuntimeError::InputMismatch { hashes: vec![1, u64::MAX, 3] },
-            RuntimeError::Operator { stage: Stage::Split, rank: 3, message: "no".into() },
-            RuntimeError::Operator { stage: Stage::Exec { tile_id: 17 }, rank: 4095, message: "tile".into() },
-            RuntimeError::Operator { stage: Stage::Merge, rank: 0, message: String::new() },
-            RuntimeError::Operator { stage: Stage::Shard, rank: 2, message: "band".into() },
+            RuntimeError::Operator {
+                stage: Stage::Split,
+                rank: 3,
+                kind: FailureKind::InvalidInput,
+                message: "no".into(),
+            },
+            RuntimeError::Operator {
+                stage: Stage::Exec { tile_id: 17 },
+                rank: 4095,
+                kind: FailureKind::Failed,
+                message: "tile".into(),
+            },
+            RuntimeError::Operator {
+                stage: Stage::Merge,
+                rank: 0,
+                kind: FailureKind::Unsupported,
+                message: String::new(),
+            },
+            RuntimeError::Operator { stage: Stage::Shard, rank: 2, kind: FailureKind::Failed, message: "band".into() },
             RuntimeError::Config("bad".into()),
             RuntimeError::Inconsistent("tile 3 came back twice (rank 1)".into()),
         ];
         for err in &errors {
             assert!(err.is_agreed());
-            assert_eq!(round_trip(err).to_string(), err.to_string());
+            let got = round_trip(err);
+            assert_eq!(got.to_string(), err.to_string());
+            assert_eq!(got.failure_kind(), err.failure_kind());
         }
     }
 
@@ -131,8 +161,25 @@ mod tests {
         let err = RuntimeError::Protocol("garbled".into());
         let got = round_trip(&err);
         assert!(
-            matches!(&got, RuntimeError::Operator { stage: Stage::Merge, rank: 0, message } if message.contains("garbled"))
+            matches!(&got, RuntimeError::Operator { stage: Stage::Merge, rank: 0, kind: FailureKind::Failed, message } if message.contains("garbled"))
         );
+    }
+
+    #[test]
+    fn an_unknown_failure_kind_is_a_protocol_error() {
+        let err = RuntimeError::Operator {
+            stage: Stage::Split,
+            rank: 1,
+            kind: FailureKind::InvalidInput,
+            message: "x".into(),
+        };
+        let mut w = Writer::new();
+        write(&mut w, Err(&err), 0);
+        let mut bytes = w.into_bytes();
+        // The verdict's tag, the stage, then the kind.
+        assert_eq!(bytes[2], FailureKind::InvalidInput.code());
+        bytes[2] = 200;
+        assert!(matches!(read(&bytes), Err(RuntimeError::Protocol(m)) if m.contains("unknown failure kind 200")));
     }
 
     #[test]
