@@ -42,7 +42,7 @@ impl FrameSink for Discard {
         Ok(())
     }
 
-    fn frames(&mut self, _: usize, chunk: &Tensor) -> Result<(), SinkError> {
+    fn frames(&mut self, _: usize, chunk: Tensor) -> Result<(), SinkError> {
         self.frames += chunk.dims()[2];
         Ok(())
     }
@@ -124,7 +124,7 @@ impl FrameSink for FailAfter<'_> {
         self.out.begin(dims)
     }
 
-    fn frames(&mut self, first: usize, chunk: &Tensor) -> Result<(), SinkError> {
+    fn frames(&mut self, first: usize, chunk: Tensor) -> Result<(), SinkError> {
         if first >= self.fail_at {
             return Err("the disk is full".into());
         }

@@ -136,7 +136,7 @@ pub trait LoadedVae: Send + Sync {
             )));
         }
         sink.begin(out.dims()).map_err(ModelError::Sink)?;
-        sink.frames(0, &out).map_err(ModelError::Sink)
+        sink.frames(0, out).map_err(ModelError::Sink)
     }
     /// Runs one decode over the executor's ranks with its output frames streamed to `sink` (the
     /// owner's; `None` on the other ranks): the family's streamed sharded decode where it has

@@ -517,6 +517,7 @@ enum Streamed {
 /// `vae-parallel decode --stream`: the frames written as they are decoded, on one rank (the
 /// direct decode) or over a group (the streamed spatial shard).
 fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> {
+    use vae_parallel::runtime::OnOwnThread;
     use vae_parallel::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
     check_output_path(&args.out, &STREAMED_EXTENSIONS)?;
     r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
@@ -534,8 +535,12 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         if comm.size() == 1 && r.report.is_some() {
             bail!("--report is written for a streamed decode over several ranks, not on one rank yet");
         }
-        // Only the owner writes; it checked the path (and --fps) before any rank started.
-        let mut sink = if comm.rank() == 0 { Some(StreamedOutput::new(&args.out, args.fps)?) } else { None };
+        // Only the owner writes (it checked the path and --fps before any rank started), on a
+        // thread of its own: frame t is written while frame t + 1 decodes.
+        let mut sink = match comm.rank() {
+            0 => Some(OnOwnThread::start(StreamedOutput::new(&args.out, args.fps)?, 1)?),
+            _ => None,
+        };
         vae_parallel::tensor::memory::reset_peak();
         let before = vae_parallel::tensor::memory::live_bytes();
         let out = engine.decode_streaming(
@@ -545,8 +550,9 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
             sink.as_mut().map(|s| s as &mut dyn vae_parallel::runtime::FrameSink),
         )?;
         let peak = vae_parallel::tensor::memory::peak_bytes().saturating_sub(before);
-        let frames = sink.as_ref().map_or(0, StreamedOutput::frames_written);
-        let staged = sink.map(StreamedOutput::finish).transpose()?;
+        let written = sink.map(OnOwnThread::finish).transpose().map_err(|e| anyhow::anyhow!(e))?;
+        let frames = written.as_ref().map_or(0, StreamedOutput::frames_written);
+        let staged = written.map(StreamedOutput::finish).transpose()?;
         Ok(match (out, staged) {
             (None, Some(staged)) => Some(Streamed::Direct(frames, staged, peak, started.elapsed().as_secs_f64())),
             (None, None) => None,

@@ -122,7 +122,8 @@ impl FrameSink for StreamedOutput {
         Ok(())
     }
 
-    fn frames(&mut self, first: usize, chunk: &Tensor) -> Result<(), SinkError> {
+    fn frames(&mut self, first: usize, run: Tensor) -> Result<(), SinkError> {
+        let chunk = &run;
         check_run(&self.dims, self.next, first, chunk)?;
         match &mut self.format {
             Format::Npy { file: Some((file, data_at)) } => write_npy(&self.dims, file, *data_at, first, chunk)?,

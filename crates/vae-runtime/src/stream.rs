@@ -16,9 +16,10 @@ pub trait FrameSink {
     /// Called once, before any frames: the whole output's dims `[B, C, T, H, W]`.
     fn begin(&mut self, dims: &[usize]) -> Result<(), SinkError>;
     /// Output frames `first..first + n` of every batch item, as `[B, C, n, H, W]` host f32
-    /// values, exactly as the whole decode would hold them there. Runs arrive in order and
-    /// without gaps, and together cover the `T` frames announced by [`Self::begin`].
-    fn frames(&mut self, first: usize, chunk: &Tensor) -> Result<(), SinkError>;
+    /// values, exactly as the whole decode would hold them there; the sink owns them. Runs
+    /// arrive in order and without gaps, and together cover the `T` frames announced by
+    /// [`Self::begin`].
+    fn frames(&mut self, first: usize, run: Tensor) -> Result<(), SinkError>;
 }
 
 /// A sink that keeps every frame and assembles the whole output: for tests and for callers
@@ -53,10 +54,10 @@ impl FrameSink for CollectFrames {
         Ok(())
     }
 
-    fn frames(&mut self, first: usize, chunk: &Tensor) -> Result<(), SinkError> {
-        check_run(&self.dims, self.next, first, chunk)?;
-        self.next += chunk.dims()[2];
-        self.chunks.push(chunk.clone());
+    fn frames(&mut self, first: usize, run: Tensor) -> Result<(), SinkError> {
+        check_run(&self.dims, self.next, first, &run)?;
+        self.next += run.dims()[2];
+        self.chunks.push(run);
         Ok(())
     }
 }
@@ -75,5 +76,116 @@ pub fn check_run(dims: &[usize], next: usize, first: usize, chunk: &Tensor) -> R
         Ok(())
     } else {
         Err(format!("frames {first}.. of shape {d:?} do not continue an output of {dims:?} at frame {next}").into())
+    }
+}
+
+/// A sink run on a thread of its own, so that writing frame `t` (encoding PNGs, feeding an
+/// encoder, writing a file) overlaps decoding frame `t + 1`. Runs wait in a queue of
+/// `depth` (the memory of at most `depth + 1` runs besides the decoder's); when the queue is
+/// full the decode waits for the sink. [`Self::finish`] returns the sink once it has taken
+/// everything, or the first error it met.
+pub struct OnOwnThread<S> {
+    queue: Option<std::sync::mpsc::SyncSender<Message>>,
+    thread: Option<std::thread::JoinHandle<(S, Result<(), SinkError>)>>,
+}
+
+enum Message {
+    Begin(Vec<usize>),
+    Frames(usize, Tensor),
+}
+
+impl<S: FrameSink + Send + 'static> OnOwnThread<S> {
+    /// Starts `sink`'s thread, with room for `depth` runs in its queue.
+    pub fn start(mut sink: S, depth: usize) -> std::io::Result<Self> {
+        let (queue, received) = std::sync::mpsc::sync_channel::<Message>(depth);
+        let thread = std::thread::Builder::new().name("frame-sink".into()).spawn(move || {
+            let result = received.iter().try_for_each(|message| match message {
+                Message::Begin(dims) => sink.begin(&dims),
+                Message::Frames(first, run) => sink.frames(first, run),
+            });
+            // Dropping the receiver (on an error) makes the decode's next send fail at once.
+            (sink, result)
+        })?;
+        Ok(Self { queue: Some(queue), thread: Some(thread) })
+    }
+
+    fn send(&mut self, message: Message) -> Result<(), SinkError> {
+        let sent = self.queue.as_ref().map(|q| q.send(message).is_ok()).unwrap_or(false);
+        if sent {
+            return Ok(());
+        }
+        // The thread stopped: its own error says why.
+        match self.join() {
+            Ok(_) => Err("the frame sink's thread ended early".into()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn join(&mut self) -> Result<S, SinkError> {
+        drop(self.queue.take());
+        let thread = self.thread.take().ok_or("the frame sink's thread has already ended")?;
+        let (sink, result) = thread.join().map_err(|_| "the frame sink panicked")?;
+        result.map(|()| sink)
+    }
+
+    /// Waits for the sink to take every run sent, and returns it; or the first error it met.
+    pub fn finish(mut self) -> Result<S, SinkError> {
+        self.join()
+    }
+}
+
+impl<S: FrameSink + Send + 'static> FrameSink for OnOwnThread<S> {
+    fn begin(&mut self, dims: &[usize]) -> Result<(), SinkError> {
+        self.send(Message::Begin(dims.to_vec()))
+    }
+
+    fn frames(&mut self, first: usize, run: Tensor) -> Result<(), SinkError> {
+        self.send(Message::Frames(first, run))
+    }
+}
+
+impl<S> Drop for OnOwnThread<S> {
+    fn drop(&mut self) {
+        // Unfinished (the decode failed): end the thread; the sink is dropped with it.
+        drop(self.queue.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vae_tensor::Device;
+
+    fn run(first: usize, n: usize) -> Tensor {
+        let values: Vec<f32> = (0..n * 4).map(|i| (first * 4 + i) as f32).collect();
+        Tensor::from_vec(values, vec![1, 1, n, 2, 2], &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_sink_on_its_own_thread_receives_every_run_in_order() {
+        let mut sink = OnOwnThread::start(CollectFrames::new(), 1).unwrap();
+        sink.begin(&[1, 1, 9, 2, 2]).unwrap();
+        sink.frames(0, run(0, 1)).unwrap();
+        sink.frames(1, run(1, 4)).unwrap();
+        sink.frames(5, run(5, 4)).unwrap();
+        let whole = sink.finish().unwrap().into_tensor().unwrap();
+        assert_eq!(whole.to_vec_f32().unwrap(), (0..36).map(|i| i as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn the_sinks_error_reaches_the_decode_and_finish() {
+        let mut sink = OnOwnThread::start(CollectFrames::new(), 1).unwrap();
+        sink.begin(&[1, 1, 9, 2, 2]).unwrap();
+        // A gap: the collector refuses it on its thread; a later send or finish reports it.
+        let _ = sink.frames(3, run(3, 1));
+        let later = sink.frames(4, run(4, 1)).and_then(|()| sink.frames(5, run(5, 1)));
+        let err = match later {
+            Err(e) => e,
+            Ok(()) => sink.finish().map(drop).unwrap_err(),
+        };
+        assert!(err.to_string().contains("do not continue"), "{err}");
     }
 }

@@ -200,8 +200,9 @@ impl WanVae {
                 dims[2] = total;
                 sink.begin(&dims).map_err(ModelError::Sink)?;
             }
-            sink.frames(next, &frames).map_err(ModelError::Sink)?;
-            next += frames.dims()[2];
+            let n = frames.dims()[2];
+            sink.frames(next, frames).map_err(ModelError::Sink)?;
+            next += n;
             Ok(())
         })
     }

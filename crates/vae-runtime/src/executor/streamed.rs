@@ -77,8 +77,9 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
             dims[2] = plan.1.frames;
             owner.sink.begin(&dims).map_err(sink_failed)?;
         }
-        owner.sink.frames(owner.next, &frames).map_err(sink_failed)?;
-        owner.next += frames.dims()[2];
+        let n = frames.dims()[2];
+        owner.sink.frames(owner.next, frames).map_err(sink_failed)?;
+        owner.next += n;
         Ok(())
     }
 }
