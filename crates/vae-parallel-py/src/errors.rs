@@ -36,6 +36,7 @@ pub(crate) fn engine_error(err: &EngineError) -> PyErr {
     match err {
         EngineError::Model(VaeModelError::InvalidInput(_) | VaeModelError::Tensor(_)) => InputError::new_err(text),
         EngineError::Model(VaeModelError::Unsupported(_)) => ConfigError::new_err(text),
+        EngineError::Model(VaeModelError::Sink(_)) => ExecutionError::new_err(text),
         EngineError::Model(_) => ModelError::new_err(text),
         EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
         EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),

@@ -181,7 +181,9 @@ impl Vae {
         options: &RequestOptions,
         body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
     ) -> PyResult<Option<Tensor>> {
-        let out = self.group.run(py, &self.engine, options.mode, body)?;
+        let out = self
+            .group
+            .run(py, &self.engine, options.mode, false, |engine, executor| body(engine, executor).map(Some))?;
         if out.report.is_some() {
             *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = out.report;
         }
@@ -250,6 +252,61 @@ impl Vae {
         let x = &image.tensor;
         let out = self.request(py, &options, |engine, executor| engine.encode(executor, x, &options, kind))?;
         out.map(|t| to_python(py, t, image.torch_device.as_ref())).transpose()
+    }
+
+    /// Decodes a video latent with its frames written to `path` as they are decoded (`.npy`,
+    /// `.png` frames, `.mp4` or `.gif` at `fps`, as `vae-parallel decode --stream`): memory
+    /// does not grow with the frame count, and the files are those the whole decode would
+    /// write. On one rank untiled, or over the group's ranks in a spatial-shard `mode`. Files
+    /// appear only once the request succeeded; returns the paths written (none on a socket
+    /// rank other than 0).
+    #[pyo3(signature = (path, z, *, fps = vae_parallel::video::DEFAULT_FPS, mode = None, latents_normalized = false))]
+    fn decode_to(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        z: &Bound<'_, PyAny>,
+        fps: u32,
+        mode: Option<&str>,
+        latents_normalized: bool,
+    ) -> PyResult<Vec<PathBuf>> {
+        use vae_parallel::runtime::{FrameSink, OnOwnThread};
+        use vae_parallel::stream_out::StreamedOutput;
+        let io_error = |e: vae_parallel::io::IoError| InputError::new_err(one_line(&e));
+        // The path and rate are checked here, before any rank starts (the directory by rank 0,
+        // the one that writes).
+        drop(StreamedOutput::new(&path, fps).map_err(io_error)?);
+        if self.group.rank() == 0 {
+            vae_parallel::output::check_writable(&path).map_err(io_error)?;
+        }
+        let latent = input(z)?;
+        let options = self.options(mode, false, latents_normalized)?;
+        let z = &latent.tensor;
+        let staged = Mutex::new(None);
+        let sink_error =
+            |e: vae_parallel::runtime::SinkError| EngineError::Model(vae_parallel::models::ModelError::Sink(e));
+        let out = self.group.run(py, &self.engine, options.mode, true, |engine, executor| {
+            let mut sink = match executor.communicator().rank() {
+                0 => {
+                    let output = StreamedOutput::new(&path, fps).map_err(|e| sink_error(Box::new(e)))?;
+                    Some(OnOwnThread::start(output, 1).map_err(|e| sink_error(Box::new(e)))?)
+                }
+                _ => None,
+            };
+            let out = engine.decode_streaming(executor, z, &options, sink.as_mut().map(|s| s as &mut dyn FrameSink))?;
+            if let Some(sink) = sink {
+                let written = sink.finish().map_err(sink_error)?.finish().map_err(|e| sink_error(Box::new(e)))?;
+                *staged.lock().unwrap_or_else(|e| e.into_inner()) = Some(written);
+            }
+            Ok(out)
+        })?;
+        if out.report.is_some() {
+            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = out.report;
+        }
+        match staged.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(staged) => py.detach(|| staged.commit()).map_err(io_error),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its

@@ -131,20 +131,22 @@ impl Group {
     /// Runs `body` (a request in `mode`) on every rank of the group with the same input and
     /// returns this process's result (rank 0's for a local group). A failure on any rank aborts
     /// the others and is raised once, as the CLI reports it; a signal while it runs (Ctrl-C)
-    /// stops every rank and is raised.
+    /// stops every rank and is raised. `streamed`: the output goes to a frame sink, so the
+    /// owner gets no tensor (and on one rank no report either: the body returns `None`).
     pub(crate) fn run(
         &self,
         py: Python<'_>,
         engine: &Engine,
         mode: ParallelMode,
-        body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
+        streamed: bool,
+        body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<Option<ExecOutput>, EngineError> + Sync,
     ) -> PyResult<Finished> {
         let in_flight = InFlight::default();
         let done = Done::default();
         std::thread::scope(|scope| {
             let ranks = scope.spawn(|| {
                 let _done = SetOnDrop(&done);
-                self.run_ranks(engine, mode, &body, &in_flight)
+                self.run_ranks(engine, mode, streamed, &body, &in_flight)
             });
             loop {
                 if py.detach(|| done.wait(SIGNAL_POLL)) {
@@ -165,7 +167,8 @@ impl Group {
         &self,
         engine: &Engine,
         mode: ParallelMode,
-        body: &(impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync),
+        streamed: bool,
+        body: &(impl Fn(&Engine, &DistributedVaeExecutor) -> Result<Option<ExecOutput>, EngineError> + Sync),
         in_flight: &InFlight,
     ) -> PyResult<Finished> {
         let one_rank = |comm: Arc<dyn Communicator>| -> PyResult<Finished> {
@@ -181,6 +184,8 @@ impl Group {
                     return Err(engine_error(&e));
                 }
             };
+            // A request that ran on this process alone, outside the executor, has no report.
+            let Some(out) = out else { return Ok(Finished { tensor: None, report: None }) };
             // Every rank's summary to rank 0, as the CLI's report.
             let ranks = gather_summaries(comm.as_ref(), 0, &out.report)
                 .map_err(|e| ExecutionError::new_err(format!("gathering the report: {}", one_line(&e))))?;
@@ -219,7 +224,7 @@ impl Group {
                     return Err(err);
                 }
                 let out = owner.ok_or_else(|| ExecutionError::new_err("rank 0 returned no result"))?;
-                if out.tensor.is_none() {
+                if out.tensor.is_none() && !streamed {
                     return Err(ExecutionError::new_err("the owner received no output"));
                 }
                 Ok(out)

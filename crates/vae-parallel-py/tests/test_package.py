@@ -306,6 +306,35 @@ def test_save_writes_what_the_cli_writes(tmp_path):
     assert not (tmp_path / "none.mp4").exists()
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_decode_to_streams_the_files_the_cli_writes(tmp_path, ranks):
+    model = FIXTURES / "wan/wan21_like"
+    latent = FIXTURES / "wan/wan21_like.decode_t3.in.npy"
+    # Over 2 ranks the stream is a spatial shard, as the CLI's.
+    mode = "spatial_shard_width" if ranks > 1 else None
+    vae = vp.load(model, ranks=ranks)
+    extra = ["--vae-parallel-mode", mode] if mode else []
+    for name in ("clip.npy", "clip.gif", "frame.png"):
+        written = vae.decode_to(tmp_path / name, np.load(latent), fps=8, mode=mode)
+        cli_out = tmp_path / f"cli-{name}"
+        done = subprocess.run([str(cli()), "decode", "--model", str(model), "--latent", str(latent), "--out",
+                               str(cli_out), "--fps", "8", "--ranks", str(ranks), "--vae-patch-parallel-size",
+                               str(ranks), *extra], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        cli_files = sorted(tmp_path.glob(f"cli-{Path(name).stem}*{Path(name).suffix}"))
+        assert len(written) == len(cli_files) > 0, (written, cli_files)
+        for ours, theirs in zip(sorted(written), cli_files):
+            assert Path(ours).read_bytes() == theirs.read_bytes(), (ours, theirs)
+    if ranks > 1:
+        assert vae.last_report()["strategy"] == "shard-width"
+        # Tiles do not stream yet: a typed error, and nothing written.
+        with pytest.raises(vp.ConfigError, match="streaming tiles is not built yet"):
+            vae.decode_to(tmp_path / "tiles.npy", np.load(latent))
+        assert not (tmp_path / "tiles.npy").exists()
+    with pytest.raises(vp.InputError, match="must end in"):
+        vae.decode_to(tmp_path / "clip.avi", np.load(latent))
+
+
 INTERRUPT_SCRIPT = """
 import os, signal, sys, threading, time
 import numpy as np
