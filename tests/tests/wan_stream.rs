@@ -263,3 +263,67 @@ fn a_sink_failure_in_a_streamed_shard_fails_every_rank_and_leaves_no_file() {
     assert_eq!(files_in(&dir), Vec::<String>::new(), "files left behind");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The streamed tile decode on `world` local ranks: the owner's frames, collected.
+fn streamed_tiles(model: &vae_models::wan::WanVae, z: &Tensor, world: usize) -> Tensor {
+    use std::sync::Arc;
+    use vae_models::wan::WanDecodeOperator;
+    use vae_runtime::DistributedVaeExecutor;
+    let op = WanDecodeOperator::new(model, true);
+    let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
+        let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
+        let out = exec.execute_streaming(z, &op, sink.as_mut().map(|s| s as &mut dyn FrameSink)).unwrap();
+        assert!(out.tensor.is_none() && out.report.tile_count > 1, "tiles, streamed to the sink");
+        sink.map(|s| s.into_tensor().unwrap())
+    })
+    .unwrap();
+    results.into_iter().next().unwrap().unwrap().expect("the owner collected the frames")
+}
+
+#[test]
+fn a_streamed_tile_decode_is_the_tile_decode_bit_for_bit_on_one_to_four_ranks() {
+    // The fixtures' tilings (diffusers' enable_tiling keywords).
+    for (family, name, min, stride) in [
+        ("wan", "wan21_like", [16, 24], [8, 16]),
+        ("wan", "wan22_like", [32, 48], [16, 32]),
+        ("qwen_image", "qwen_image_like", [16, 24], [8, 16]),
+    ] {
+        let dir = fixtures_dir().join(family);
+        let mut model = vae_models::wan::WanVae::load(&dir.join(name)).unwrap();
+        model.set_tiling(min, stride).unwrap();
+        let z = read_npy(&dir.join(format!("{name}.decode_tiled.in.npy"))).unwrap();
+        let whole = vae_runtime::execute_serial(&vae_models::wan::WanDecodeOperator::new(&model, true), &z).unwrap();
+        for world in 1..=4 {
+            let streamed = streamed_tiles(&model, &z, world);
+            assert!(streamed.bit_eq(&whole), "{name} on {world} ranks: not bit-identical");
+        }
+        // The diffusers fixture itself, within its bound.
+        let expected = read_npy(&dir.join(format!("{name}.decode_tiled.out.npy"))).unwrap();
+        assert!(whole.max_abs_diff(&expected).unwrap() <= 1e-4, "{name}");
+    }
+}
+
+#[test]
+fn a_streamed_tile_decode_peaks_the_same_for_few_and_many_frames() {
+    let mut model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
+    model.set_tiling([16, 24], [8, 16]).unwrap();
+    let op = vae_models::wan::WanDecodeOperator::new(&model, true);
+    let peaks = |frames: usize| -> Vec<usize> {
+        let z = random_tensor(&[1, 16, frames, 4, 6], 3);
+        let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {
+            let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), 2).unwrap();
+            let mut sink = Discard::default();
+            let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn FrameSink);
+            let out = exec.execute_streaming(&z, &op, sink).unwrap();
+            assert!(out.report.tile_count > 2);
+            out.report.peak_bytes
+        })
+        .unwrap();
+        results.into_iter().map(|r| r.unwrap()).collect()
+    };
+    let (short, long) = (peaks(2), peaks(16));
+    for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
+        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
+    }
+}

@@ -257,9 +257,8 @@ impl Vae {
     /// Decodes a video latent with its frames written to `path` as they are decoded (`.npy`,
     /// `.png` frames, `.mp4` or `.gif` at `fps`, as `vae-parallel decode --stream`): memory
     /// does not grow with the frame count, and the files are those the whole decode would
-    /// write. On one rank untiled, or over the group's ranks in a spatial-shard `mode`. Files
-    /// appear only once the request succeeded; returns the paths written (none on a socket
-    /// rank other than 0).
+    /// write, in any `mode` over the group's ranks. Files appear only once the request
+    /// succeeded; returns the paths written (none on a socket rank other than 0).
     #[pyo3(signature = (path, z, *, fps = vae_parallel::video::DEFAULT_FPS, mode = None, latents_normalized = false))]
     fn decode_to(
         &self,

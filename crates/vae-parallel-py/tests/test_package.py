@@ -327,10 +327,13 @@ def test_decode_to_streams_the_files_the_cli_writes(tmp_path, ranks):
             assert Path(ours).read_bytes() == theirs.read_bytes(), (ours, theirs)
     if ranks > 1:
         assert vae.last_report()["strategy"] == "shard-width"
-        # Tiles do not stream yet: a typed error, and nothing written.
-        with pytest.raises(vp.ConfigError, match="streaming tiles is not built yet"):
-            vae.decode_to(tmp_path / "tiles.npy", np.load(latent))
-        assert not (tmp_path / "tiles.npy").exists()
+        # In tile mode the tiles stream (a latent of one tile here), with the CLI's bytes.
+        [tiles] = vae.decode_to(tmp_path / "tiles.npy", np.load(latent))
+        assert vae.last_report()["strategy"] == "tile"
+        done = subprocess.run([str(cli()), "decode", "--model", str(model), "--latent", str(latent), "--out",
+                               str(tmp_path / "cli-tiles.npy"), "--ranks", "2"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert Path(tiles).read_bytes() == (tmp_path / "cli-tiles.npy").read_bytes()
     with pytest.raises(vp.InputError, match="must end in"):
         vae.decode_to(tmp_path / "clip.avi", np.load(latent))
 

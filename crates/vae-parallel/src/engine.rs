@@ -7,9 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::{Direction, Execution, LoadedVae, ModelError, TileOverrides};
-use vae_runtime::{
-    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
-};
+use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, StrategyChoice};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -194,9 +192,8 @@ impl Engine {
     /// ([`vae_runtime::FrameSink`]; the owner's, `None` on the other ranks): bit for bit the
     /// frames of the same decode unstreamed, with memory that does not grow with the frame
     /// count for the causal video families. On a group of one rank without tiling it is the
-    /// direct decode (no report: `None`); over several ranks, the family's streamed spatial
-    /// shard (a request the family would tile is refused: streaming tiles is not built yet).
-    /// Every rank calls it with the same latent.
+    /// direct decode (no report: `None`); otherwise the strategy the family chooses (tiles or
+    /// a spatial shard), streamed. Every rank calls it with the same latent.
     pub fn decode_streaming(
         &self,
         executor: &DistributedVaeExecutor,
@@ -214,34 +211,19 @@ impl Engine {
         } else {
             latent
         };
-        if executor.communicator().size() == 1 {
-            if options.use_tiling {
-                return Err(ModelError::Unsupported(
-                    "a streamed decode does not tile (streaming tiles is not built yet): drop --vae-use-tiling".into(),
-                )
-                .into());
-            }
+        if executor.communicator().size() == 1 && !options.use_tiling {
             let sink = sink.ok_or_else(|| ModelError::Unsupported("a streamed decode needs a frame sink".into()))?;
             self.model.decode_streaming(z, sink)?;
             return Ok(None);
         }
         let choice = self.model.strategy(Direction::Decode, options.mode, z.dims(), executor.parallel_size());
         let choice = announce(executor, choice);
-        if !matches!(choice.strategy, Strategy::Shard(_)) {
-            return Err(ModelError::Unsupported(format!(
-                "a streamed decode over several ranks runs as a spatial shard, and this request would tile \
-                 ({}): use --vae-parallel-mode spatial_shard_height or spatial_shard_width (streaming tiles is \
-                 not built yet)",
-                choice.reason
-            ))
-            .into());
-        }
         let run = Execution {
             executor,
             direction: Direction::Decode,
             input: z,
             strategy: choice.strategy,
-            use_tiling: true,
+            use_tiling: options.use_tiling || executor.parallel_size() > 1,
             placement: OutputPlacement::OwnerOnly,
         };
         let out = self.model.execute_streaming(run, sink)?;

@@ -273,8 +273,8 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
     fps: u32,
     /// Write a video's frames as they are decoded (to any of the outputs above), never holding
-    /// the whole video: memory no longer grows with the frame count. On one rank untiled, or
-    /// over several in a spatial-shard mode (streaming tiles is not built yet).
+    /// the whole video: memory no longer grows with the frame count, in every mode (tiles or
+    /// bands are gathered to rank 0 a latent frame at a time).
     #[arg(long)]
     stream: bool,
 }

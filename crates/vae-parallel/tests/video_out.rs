@@ -172,7 +172,7 @@ fn streamed_outputs_are_the_same_files() {
         }
     }
     // Over several ranks the streamed spatial shard writes what the unstreamed one does, on
-    // local ranks and on socket processes; a tiled request is refused, and writes nothing.
+    // local ranks and on socket processes.
     let base = ["decode", "--model", s(&model), "--latent", s(&latent), "--vae-patch-parallel-size", "2"];
     let shard = ["--vae-parallel-mode", "spatial_shard_width"];
     let whole = dir.join("shard.npy");
@@ -185,7 +185,13 @@ fn streamed_outputs_are_the_same_files() {
         assert!(ok, "{transport}: {text}");
         assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "{transport}: files differ");
     }
-    let out = dir.join("tiles.npy");
-    let (ok, text) = cli(&[&base[..], &["--ranks", "2", "--stream", "--out", s(&out)]].concat());
-    assert!(!ok && text.contains("streaming tiles is not built yet") && !out.exists(), "{text}");
+    // Tiles stream too, on 2 local ranks, with the same bytes as unstreamed.
+    let (whole, streamed) = (dir.join("tiles.npy"), dir.join("tiles-streamed.npy"));
+    let tiling = ["--tile-sample-min-height", "16", "--tile-sample-min-width", "24"];
+    let tiling = [&tiling[..], &["--tile-sample-stride-height", "8", "--tile-sample-stride-width", "16"]].concat();
+    let (ok, text) = cli(&[&base[..], &tiling, &["--ranks", "2", "--out", s(&whole)]].concat());
+    assert!(ok, "{text}");
+    let (ok, text) = cli(&[&base[..], &tiling, &["--ranks", "2", "--stream", "--out", s(&streamed)]].concat());
+    assert!(ok && text.contains("tile(s)"), "{text}");
+    assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "streamed tiles differ");
 }

@@ -129,10 +129,10 @@ impl LoadedVae for WanVae {
             (Direction::Decode, Strategy::Shard(axis)) => {
                 Ok(run.executor.execute_sharded_streaming(run.input, &WanShardDecodeOperator::new(self), axis, sink)?)
             }
-            (direction, strategy) => Err(ModelError::Unsupported(format!(
-                "a streamed {direction:?} runs as a spatial shard (or on one rank untiled), not as {strategy:?}: \
-                 streaming tiles is not built yet"
-            ))),
+            (Direction::Decode, Strategy::Tile) => {
+                Ok(run.executor.execute_streaming(run.input, &WanDecodeOperator::new(self, run.use_tiling), sink)?)
+            }
+            (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
         }
     }
 

@@ -30,6 +30,15 @@ pub(super) enum MapExtent {
     Streamed,
 }
 
+/// A decode in progress, a latent frame at a time: the latent after `post_quant_conv`, the
+/// causal cache (and band, on a shard) and the next latent frame.
+pub(super) struct FrameStream<'b, 'c> {
+    x: Tensor,
+    pass: Pass<'b, 'c>,
+    next: usize,
+    frames: usize,
+}
+
 /// The two diffusers classes this module loads; they share the decoder and differ in policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VideoVaeClass {
@@ -222,19 +231,43 @@ impl WanVae {
         band: Option<&mut ShardContext<'_>>,
         emit: &mut dyn FnMut(Tensor) -> Result<()>,
     ) -> Result<()> {
-        let mut uploaded = None;
-        let z = on_device(z, self.device, self.dtype, &mut uploaded)?;
-        let d = z.dims().to_vec();
-        // 1×1×1: per pixel, local on a band.
-        let x = self.post_quant_conv.forward(z, None)?;
-        let mut pass = Pass::new(band);
-        for i in 0..d[2] {
-            vae_runtime::cancel::check()?;
-            pass.next_chunk();
-            emit(to_host(self.decoder.forward(&x.narrow(2, i, 1)?, &mut pass, i == 0)?)?)?;
-            progress::report(Progress::Steps { done: i + 1, total: d[2] });
+        let mut stream = self.start_frames(z, band)?;
+        while stream.next < stream.frames {
+            emit(self.next_run(&mut stream)?)?;
+            progress::report(Progress::Steps { done: stream.next, total: stream.frames });
         }
         Ok(())
+    }
+
+    /// A decode of `z` (or of this rank's band of it) ready to run a latent frame at a time
+    /// with [`Self::next_run`].
+    pub(super) fn start_frames<'b, 'c>(
+        &self,
+        z: &Tensor,
+        band: Option<&'b mut ShardContext<'c>>,
+    ) -> Result<FrameStream<'b, 'c>> {
+        let mut uploaded = None;
+        let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
+        // 1×1×1: per pixel, local on a band.
+        let x = self.post_quant_conv.forward(zd, None)?;
+        Ok(FrameStream { frames: x.dims()[2], x, pass: Pass::new(band), next: 0 })
+    }
+
+    /// The next latent frame's output frames (unclamped, on the host), through the stream's
+    /// causal cache.
+    pub(super) fn next_run(&self, stream: &mut FrameStream<'_, '_>) -> Result<Tensor> {
+        vae_runtime::cancel::check()?;
+        let i = stream.next;
+        if i >= stream.frames {
+            return Err(ModelError::InvalidInput(format!(
+                "a decode of {} latent frames has no frame {i}",
+                stream.frames
+            )));
+        }
+        stream.pass.next_chunk();
+        let out = self.decoder.forward(&stream.x.narrow(2, i, 1)?, &mut stream.pass, i == 0)?;
+        stream.next += 1;
+        to_host(out)
     }
 
     /// After the decoder (and, when tiled, the merge): unpatchify (Wan2.2), then clamp.

@@ -7,10 +7,11 @@ use vae_planner::{GridSpec, ShardAxis, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
     Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, StreamRuns, TileMap, TileOperator, TilePlan,
+    TileStream,
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{MapExtent, VideoVaeClass, WanVae};
+use super::model::{FrameStream, MapExtent, VideoVaeClass, WanVae};
 
 /// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
 /// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
@@ -64,6 +65,29 @@ impl TileOperator for WanDecodeOperator<'_> {
 
     fn device(&self) -> Device {
         self.model.device()
+    }
+
+    /// One run per latent frame.
+    fn stream_runs(&self, z: &Tensor) -> Option<StreamRuns> {
+        let latent_frames = *z.dims().get(2)?;
+        Some(StreamRuns { runs: latent_frames, frames: self.model.decoded_frames(latent_frames) })
+    }
+
+    fn start_tile(&self, z: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<TileStream, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let tile = z.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
+        let stream: FrameStream<'static, 'static> = self.model.start_frames(&tile, None).map_err(Classified::from)?;
+        Ok(Box::new(stream))
+    }
+
+    fn exec_run(
+        &self,
+        _: &Tensor,
+        _: &TileTask<Self::Payload>,
+        state: &mut TileStream,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        let stream = state.downcast_mut::<FrameStream<'static, 'static>>().ok_or("not this operator's tile state")?;
+        Ok(self.model.next_run(stream).map_err(Classified::from)?)
     }
 }
 

@@ -34,7 +34,7 @@ pub use failure::{Classified, FailureKind};
 pub use report::{ExecOutput, OutputPlacement, PhaseTimings, RankReport, StrategyReport};
 use sharded::ShardStrategy;
 use tile::TileStrategy;
-pub use tile::{TileMap, TileOperator, TilePlan, execute_serial};
+pub use tile::{TileMap, TileOperator, TilePlan, TileStream, execute_serial};
 
 use crate::shard::ShardOperator;
 use crate::{RuntimeError, Stage};
@@ -210,6 +210,25 @@ impl DistributedVaeExecutor {
         sink: Option<&mut dyn crate::FrameSink>,
     ) -> Result<ExecOutput, RuntimeError> {
         let strategy = streamed::StreamedShardStrategy { op, axis, sink: std::cell::RefCell::new(sink) };
+        let mut out =
+            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
+        out.tensor = None;
+        Ok(out)
+    }
+
+    /// [`execute`](Self::execute) with the output streamed: every rank starts its tiles (dealt
+    /// by LPT as unstreamed) and advances them a run at a time ([`TileOperator::exec_run`],
+    /// each tile keeping its own state); each run of every tile is gathered to the owner, merged
+    /// there and handed to `sink` (the owner's; `None` elsewhere). Memory does not grow with the
+    /// frame count; the frames are bit for bit those of `execute`. The returned output holds
+    /// no tensor; a failure while streaming aborts the group.
+    pub fn execute_streaming<O: TileOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        sink: Option<&mut dyn crate::FrameSink>,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let strategy = streamed::StreamedTileStrategy { op, sink: std::cell::RefCell::new(sink) };
         let mut out =
             self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
         out.tensor = None;

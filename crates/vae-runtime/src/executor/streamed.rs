@@ -1,13 +1,15 @@
-//! The spatial-shard strategy with its output streamed: each rank computes its band run by run
-//! (a causal video decoder's latent frame at a time), every run is gathered to the owner as soon
-//! as it is computed, and the owner assembles, finishes and hands it to a [`FrameSink`]. No rank
-//! ever holds more than one run of the output, so memory does not grow with the frame count,
-//! and the frames are bit for bit those of the sharded (and so of the direct) decode.
+//! The shard and tile strategies with their output streamed: each rank computes its band, or
+//! its tiles, run by run (a causal video decoder's latent frame at a time, each tile keeping its
+//! own cache), every run is gathered to the owner as soon as it is computed, and the owner
+//! assembles (or merges), finishes and hands it to a [`FrameSink`]. No rank ever holds more
+//! than one run of the output, so memory does not grow with the frame count, and the frames
+//! are bit for bit those of the same strategy unstreamed (merging is per frame: tiles blend in
+//! height and width only).
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
-use vae_planner::ShardAxis;
+use vae_planner::{ShardAxis, lpt_assign};
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::CommunicatorExt;
 use vae_transport::wire::Writer;
@@ -15,10 +17,13 @@ use vae_transport::wire::Writer;
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands};
+use super::tile::{TileOutputs, TileStrategy, gather_and_merge};
 use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, write_tensor_header};
+use crate::progress::{self, Progress};
 use crate::shard::{ShardContext, ShardOperator, ShardTraffic, StreamRuns};
 use crate::stream::FrameSink;
 use crate::{RuntimeError, Stage};
+use crate::{TileOperator, TilePlan};
 
 /// The streamed shard strategy of one request; the owner's sink receives the frames.
 pub(super) struct StreamedShardStrategy<'o, 's, O> {
@@ -66,20 +71,29 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
         let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands)
             .map_err(|e| failed(e.into()))?;
         let frames = guarded(|| self.op.finish(full)).map_err(failed)?;
+        owner.hand_on(frames, plan.1.frames)
+    }
+}
+
+impl Owner<'_> {
+    /// Passes one finished run (f32, on the host) to the sink: `begin` first, with the whole
+    /// output's `total` frames.
+    fn hand_on(&mut self, frames: Tensor, total: usize) -> Result<(), RuntimeError> {
+        let failed = |message: String| Failure::from(message).at(Stage::Merge, OWNER);
         let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
         let frames = if frames.device() == Device::Cpu { frames } else { frames.to_device(&Device::Cpu)? };
-        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}").into());
-        if owner.next == 0 {
+        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}"));
+        if self.next == 0 {
             let mut dims = frames.dims().to_vec();
             if dims.len() != 5 {
-                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]").into()));
+                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]")));
             }
-            dims[2] = plan.1.frames;
-            owner.sink.begin(&dims).map_err(sink_failed)?;
+            dims[2] = total;
+            self.sink.begin(&dims).map_err(sink_failed)?;
         }
         let n = frames.dims()[2];
-        owner.sink.frames(owner.next, frames).map_err(sink_failed)?;
-        owner.next += n;
+        self.sink.frames(self.next, frames).map_err(sink_failed)?;
+        self.next += n;
         Ok(())
     }
 }
@@ -173,6 +187,137 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             tiles: Vec::new(),
             workload: band.as_ref().map_or(0, |b| b.len() as u64),
             strategy: StrategyReport::Shard { axis: self.axis, band, traffic },
+        };
+        Ok(((), work))
+    }
+
+    /// Nothing is left to gather: the owner's outcome is an empty tensor (the frames went to
+    /// the sink).
+    fn collect(
+        &self,
+        exec: &DistributedVaeExecutor,
+        _: &Tensor,
+        _: &Self::Plan,
+        (): (),
+        _: &mut PhaseTimings,
+    ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
+        Ok((exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into)))
+    }
+}
+
+/// The tile strategy with its output streamed; the owner's sink receives the frames.
+pub(super) struct StreamedTileStrategy<'o, 's, O> {
+    pub(super) op: &'o O,
+    pub(super) sink: RefCell<Option<&'s mut dyn FrameSink>>,
+}
+
+impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
+    type Plan = (TilePlan<O::Payload, O::TileSpec>, StreamRuns);
+    type Local = ();
+
+    /// The tiles of the tile strategy, and the runs every tile will make.
+    fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
+        let tiles = TileStrategy { op: self.op }.plan(exec, input)?;
+        let runs = self
+            .op
+            .stream_runs(input)
+            .ok_or_else(|| Failure::from("this model's output does not stream".to_string()))?;
+        Ok((tiles, runs))
+    }
+
+    fn plan_size(plan: &Self::Plan) -> usize {
+        TileStrategy::<O>::plan_size(&plan.0)
+    }
+
+    fn disagreement(sizes: &[usize]) -> Option<String> {
+        TileStrategy::<O>::disagreement(sizes)
+    }
+
+    /// This rank's tiles (dealt by LPT as unstreamed), all started, then advanced a run at a
+    /// time: each run of every tile is gathered to the owner, which merges it and passes it on.
+    /// A failure aborts the group (every rank waits for the run's gather).
+    fn compute(
+        &self,
+        exec: &DistributedVaeExecutor,
+        input: &Tensor,
+        plan: &Self::Plan,
+        timings: &mut PhaseTimings,
+    ) -> Result<((), RankWork), RuntimeError> {
+        let clock = Instant::now();
+        let rank = exec.comm.rank();
+        let (tiles, runs) = plan;
+        let workloads: Vec<u64> = tiles.tasks.iter().map(|t| t.workload).collect();
+        let assignment = lpt_assign(&workloads, exec.parallel_size)?;
+        let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
+        let abort = |failure: Failure, stage: Stage| {
+            let err = failure.at(stage, rank);
+            exec.comm.abort(&format!("rank {rank} failed: {err}"));
+            err
+        };
+        let mut sink = self.sink.borrow_mut();
+        let mut owner = match (rank == OWNER, sink.as_deref_mut()) {
+            (true, Some(sink)) => Some(Owner { sink, next: 0 }),
+            (true, None) => {
+                let message = "the owner of a streamed request needs a frame sink".to_string();
+                return Err(abort(message.into(), Stage::Merge));
+            }
+            (false, _) => None,
+        };
+        let mut states = Vec::with_capacity(mine.len());
+        for &tile_id in mine {
+            let state = guarded(|| self.op.start_tile(input, &tiles.tasks[tile_id]));
+            states.push(state.map_err(|f| abort(f, Stage::Exec { tile_id }))?);
+        }
+        let mut gathering = Duration::ZERO;
+        for run in 0..runs.runs {
+            crate::cancel::check()?;
+            // This run of every tile of this rank (or the first failure, told to the owner in
+            // the gather, which then fails the request).
+            let mut local = TileOutputs { outputs: Vec::with_capacity(mine.len()), error: None };
+            for (&tile_id, state) in mine.iter().zip(states.iter_mut()) {
+                match guarded(|| self.op.exec_run(input, &tiles.tasks[tile_id], state)) {
+                    Ok(out) if out.rank() == input.rank() => local.outputs.push((tile_id, out)),
+                    Ok(out) => {
+                        let message =
+                            format!("tile output has rank {}, the input has rank {}", out.rank(), input.rank());
+                        local.error = Some((tile_id, message.into()));
+                        break;
+                    }
+                    Err(failure) => {
+                        local.error = Some((tile_id, failure));
+                        break;
+                    }
+                }
+            }
+            let failed_here = local.error.as_ref().map(|(tile_id, f)| (*tile_id, f.clone()));
+            let mut run_timings = PhaseTimings::default();
+            let merged = gather_and_merge(self.op, exec, input, tiles, local, &mut run_timings)?;
+            gathering += run_timings.gather + run_timings.merge;
+            if let Some((tile_id, failure)) = failed_here {
+                return Err(abort(failure, Stage::Exec { tile_id }));
+            }
+            if let (Some(owner), Some(merged)) = (owner.as_mut(), merged) {
+                let done = merged.and_then(|frames| owner.hand_on(frames, runs.frames));
+                if let Err(err) = done {
+                    exec.comm.abort(&format!("rank {rank} failed: {err}"));
+                    return Err(err);
+                }
+            }
+            progress::report(Progress::Steps { done: run + 1, total: runs.runs });
+        }
+        if let Some(owner) = &owner
+            && owner.next != runs.frames
+        {
+            let message = format!("passed on {} frames, {} were announced", owner.next, runs.frames);
+            return Err(abort(message.into(), Stage::Merge));
+        }
+        timings.gather = gathering;
+        timings.exec = clock.elapsed().saturating_sub(gathering);
+        let work = RankWork {
+            tile_count: tiles.tasks.len(),
+            tiles: mine.to_vec(),
+            workload: assignment.loads.get(rank).copied().unwrap_or(0),
+            strategy: StrategyReport::Tile,
         };
         Ok(((), work))
     }

@@ -17,6 +17,7 @@ use super::{
     verdict, write_tensor_header,
 };
 use crate::progress::{self, Progress};
+use crate::shard::StreamRuns;
 use crate::{RuntimeError, Stage};
 
 /// What a split produces: the tasks, and how to merge their outputs.
@@ -48,7 +49,36 @@ pub trait TileOperator {
     /// The device the operator computes on (its model's), whatever the input's: in-process ranks
     /// that share a GPU each get a stream of their own there for the request.
     fn device(&self) -> Device;
+
+    /// For a streamed computation: how many runs of frames every tile makes for `input`, and
+    /// the output frames they make in all (after `merge`). `None`, the default, for an
+    /// operator that does not stream.
+    fn stream_runs(&self, _input: &Tensor) -> Option<StreamRuns> {
+        None
+    }
+
+    /// Starts one tile of a streamed computation: its state (a causal decoder's cache) for
+    /// [`exec_run`](Self::exec_run).
+    fn start_tile(&self, _input: &Tensor, _task: &TileTask<Self::Payload>) -> Result<TileStream, OperatorError> {
+        Err("this operator does not stream its output".into())
+    }
+
+    /// The tile's next run of output frames, on the host: the runs of a tile, concatenated
+    /// along the frame axis, are its [`exec`](Self::exec) output. [`merge`](Self::merge)
+    /// merges one run of every tile as it merges whole tiles.
+    fn exec_run(
+        &self,
+        _input: &Tensor,
+        _task: &TileTask<Self::Payload>,
+        _state: &mut TileStream,
+    ) -> Result<Tensor, OperatorError> {
+        Err("this operator does not stream its output".into())
+    }
 }
+
+/// The state of one tile of a streamed computation, the operator's own (a causal decoder's
+/// cache, the frame it is at), carried by the executor from run to run.
+pub type TileStream = Box<dyn std::any::Any + Send>;
 
 /// Tile outputs by grid coordinate, handed to [`TileOperator::merge`].
 #[derive(Debug, Default)]
@@ -100,8 +130,8 @@ pub(super) struct TileStrategy<'o, O> {
 
 /// This rank's tiles: the outputs it computed, or the first tile that failed and why.
 pub(super) struct TileOutputs {
-    outputs: Vec<(usize, Tensor)>,
-    error: Option<(usize, Failure)>,
+    pub(super) outputs: Vec<(usize, Tensor)>,
+    pub(super) error: Option<(usize, Failure)>,
 }
 
 impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
@@ -186,47 +216,61 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         local: TileOutputs,
         timings: &mut PhaseTimings,
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
-        let comm = exec.comm.as_ref();
-        let clock = std::time::Instant::now();
-        let mut message = Writer::new();
-        match &local.error {
-            Some((tile_id, failure)) => {
-                verdict::write_kind(message.u8(1).usize(*tile_id), failure.kind).str(&failure.message);
-            }
-            None => {
-                message.u8(0).usize(local.outputs.len());
-                for (tile_id, out) in &local.outputs {
-                    write_tensor_header(message.usize(*tile_id), out.dtype(), out.dims());
-                }
-                // The owner keeps its own tiles as they are; the others send their bytes.
-                if comm.rank() != OWNER {
-                    for (_, out) in &local.outputs {
-                        message.bytes(out.as_bytes()?);
-                    }
-                }
-            }
-        }
-        let mut outputs = local.outputs;
-        if comm.rank() != OWNER {
-            outputs.clear();
-        }
-        let gathered = comm.gather(OWNER, message.as_slice())?;
-        drop(message);
-        timings.gather = clock.elapsed();
-
-        let clock = std::time::Instant::now();
-        let merged = gathered.map(|parts| {
-            let (produced, payloads) = read_summaries(parts.parts())?;
-            check_every_tile_once(&produced, plan.tasks.len())?;
-            assemble(plan, &produced, &payloads, outputs, &input.device())
-                .map_err(Failure::from)
-                .and_then(|tiles| guarded(|| self.op.merge(tiles, &plan.grid)))
-                .and_then(|out| cast_output(out, plan.grid.output_dtype).map_err(Failure::from))
-                .map_err(|failure| failure.at(Stage::Merge, OWNER))
-        });
-        timings.merge = clock.elapsed();
-        Ok(merged)
+        gather_and_merge(self.op, exec, input, plan, local, timings)
     }
+}
+
+/// [`TileStrategy::collect`]: one gather of every rank's tile summary and bytes to the owner,
+/// which checks that every tile came back once and merges (also each run of a streamed tile
+/// decode).
+pub(super) fn gather_and_merge<O: TileOperator>(
+    op: &O,
+    exec: &DistributedVaeExecutor,
+    input: &Tensor,
+    plan: &TilePlan<O::Payload, O::TileSpec>,
+    local: TileOutputs,
+    timings: &mut PhaseTimings,
+) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
+    let comm = exec.comm.as_ref();
+    let clock = std::time::Instant::now();
+    let mut message = Writer::new();
+    match &local.error {
+        Some((tile_id, failure)) => {
+            verdict::write_kind(message.u8(1).usize(*tile_id), failure.kind).str(&failure.message);
+        }
+        None => {
+            message.u8(0).usize(local.outputs.len());
+            for (tile_id, out) in &local.outputs {
+                write_tensor_header(message.usize(*tile_id), out.dtype(), out.dims());
+            }
+            // The owner keeps its own tiles as they are; the others send their bytes.
+            if comm.rank() != OWNER {
+                for (_, out) in &local.outputs {
+                    message.bytes(out.as_bytes()?);
+                }
+            }
+        }
+    }
+    let mut outputs = local.outputs;
+    if comm.rank() != OWNER {
+        outputs.clear();
+    }
+    let gathered = comm.gather(OWNER, message.as_slice())?;
+    drop(message);
+    timings.gather = clock.elapsed();
+
+    let clock = std::time::Instant::now();
+    let merged = gathered.map(|parts| {
+        let (produced, payloads) = read_summaries(parts.parts())?;
+        check_every_tile_once(&produced, plan.tasks.len())?;
+        assemble(plan, &produced, &payloads, outputs, &input.device())
+            .map_err(Failure::from)
+            .and_then(|tiles| guarded(|| op.merge(tiles, &plan.grid)))
+            .and_then(|out| cast_output(out, plan.grid.output_dtype).map_err(Failure::from))
+            .map_err(|failure| failure.at(Stage::Merge, OWNER))
+    });
+    timings.merge = clock.elapsed();
+    Ok(merged)
 }
 
 /// Every rank's tile summary (the owner's included) and the tile bytes that follow it, in rank
