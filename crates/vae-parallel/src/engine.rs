@@ -177,15 +177,24 @@ impl Engine {
     ) -> Result<ExecOutput, EngineError> {
         let _tf32 = self.tf32_scope();
         let _bf16 = self.cpu_bf16_scope()?;
-        self.model.check_mode(options.mode)?;
-        let denormalized;
-        let z = if options.latents_normalized {
-            denormalized = self.model.denormalize_latents(latent)?;
-            &denormalized
-        } else {
-            latent
-        };
+        let mut denormalized = None;
+        let z = self.decoder_input(latent, options, &mut denormalized)?;
         self.run(executor, Direction::Decode, z, options)
+    }
+
+    /// The latent a decode request gives the VAE (after checking the request's mode): as given,
+    /// or with the pipeline's normalisation undone (kept in `slot`).
+    fn decoder_input<'a>(
+        &self,
+        latent: &'a Tensor,
+        options: &RequestOptions,
+        slot: &'a mut Option<Tensor>,
+    ) -> Result<&'a Tensor, EngineError> {
+        self.model.check_mode(options.mode)?;
+        if !options.latents_normalized {
+            return Ok(latent);
+        }
+        Ok(slot.insert(self.model.denormalize_latents(latent)?))
     }
 
     /// Decodes a video latent with its output frames handed to `sink` as they are decoded
@@ -203,14 +212,8 @@ impl Engine {
     ) -> Result<Option<ExecOutput>, EngineError> {
         let _tf32 = self.tf32_scope();
         let _bf16 = self.cpu_bf16_scope()?;
-        self.model.check_mode(options.mode)?;
-        let denormalized;
-        let z = if options.latents_normalized {
-            denormalized = self.model.denormalize_latents(latent)?;
-            &denormalized
-        } else {
-            latent
-        };
+        let mut denormalized = None;
+        let z = self.decoder_input(latent, options, &mut denormalized)?;
         if executor.communicator().size() == 1 && !options.use_tiling {
             let sink = sink.ok_or_else(|| ModelError::Unsupported("a streamed decode needs a frame sink".into()))?;
             self.model.decode_streaming(z, sink)?;

@@ -75,7 +75,23 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
     }
 }
 
-impl Owner<'_> {
+impl<'a> Owner<'a> {
+    /// The owner's state on rank 0 (which must have a sink), `None` elsewhere.
+    fn of<'s: 'a>(rank: usize, sink: Option<&'a mut (dyn FrameSink + 's)>) -> Result<Option<Self>, Failure> {
+        match (rank == OWNER, sink) {
+            (true, Some(sink)) => Ok(Some(Owner { sink, next: 0 })),
+            (true, None) => Err("the owner of a streamed request needs a frame sink".to_string().into()),
+            (false, _) => Ok(None),
+        }
+    }
+
+    /// An error unless every announced frame was passed on.
+    fn check_done(&self, total: usize) -> Result<(), Failure> {
+        if self.next == total {
+            return Ok(());
+        }
+        Err(format!("passed on {} frames, {total} were announced", self.next).into())
+    }
     /// Passes one finished run (f32, on the host) to the sink: `begin` first, with the whole
     /// output's `total` frames.
     fn hand_on(&mut self, frames: Tensor, total: usize) -> Result<(), RuntimeError> {
@@ -105,10 +121,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
     /// The bands of the sharded strategy, and the runs the operator will emit.
     fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
         let bands = self.bands().plan(exec, input)?;
-        let runs = self
-            .op
-            .stream_runs(input)
-            .ok_or_else(|| Failure::from("this model's output does not stream".to_string()))?;
+        let runs = streams(self.op.stream_runs(input))?;
         Ok((bands, runs))
     }
 
@@ -134,14 +147,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         let rank = exec.comm.rank();
         let band = plan.0.bands.band(rank);
         let mut sink = self.sink.borrow_mut();
-        let mut owner = match (rank == OWNER, sink.as_deref_mut()) {
-            (true, Some(sink)) => Some(Owner { sink, next: 0 }),
-            (true, None) => {
-                let message = "the owner of a streamed request needs a frame sink".to_string();
-                return Err(abort_shard(exec, rank, message.into()));
-            }
-            (false, _) => None,
-        };
+        let mut owner = Owner::of(rank, sink.as_deref_mut()).map_err(|f| abort_shard(exec, rank, f))?;
         let mut traffic = ShardTraffic::default();
         let (mut runs, mut gathering) = (0usize, Duration::ZERO);
         let mut run = |own: Option<Tensor>| -> Result<(), RuntimeError> {
@@ -173,11 +179,8 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             let message = format!("emitted {runs} runs of frames, {} were announced", plan.1.runs);
             return Err(abort_shard(exec, rank, message.into()));
         }
-        if let Some(owner) = &owner
-            && owner.next != plan.1.frames
-        {
-            let message = format!("passed on {} frames, {} were announced", owner.next, plan.1.frames);
-            return Err(abort_shard(exec, rank, message.into()));
+        if let Some(owner) = &owner {
+            owner.check_done(plan.1.frames).map_err(|f| abort_shard(exec, rank, f))?;
         }
         timings.halo = traffic.comm_time();
         timings.gather = gathering;
@@ -201,7 +204,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         (): (),
         _: &mut PhaseTimings,
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
-        Ok((exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into)))
+        Ok(nothing_left(exec))
     }
 }
 
@@ -218,10 +221,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
     /// The tiles of the tile strategy, and the runs every tile will make.
     fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
         let tiles = TileStrategy { op: self.op }.plan(exec, input)?;
-        let runs = self
-            .op
-            .stream_runs(input)
-            .ok_or_else(|| Failure::from("this model's output does not stream".to_string()))?;
+        let runs = streams(self.op.stream_runs(input))?;
         Ok((tiles, runs))
     }
 
@@ -255,14 +255,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
             err
         };
         let mut sink = self.sink.borrow_mut();
-        let mut owner = match (rank == OWNER, sink.as_deref_mut()) {
-            (true, Some(sink)) => Some(Owner { sink, next: 0 }),
-            (true, None) => {
-                let message = "the owner of a streamed request needs a frame sink".to_string();
-                return Err(abort(message.into(), Stage::Merge));
-            }
-            (false, _) => None,
-        };
+        let mut owner = Owner::of(rank, sink.as_deref_mut()).map_err(|f| abort(f, Stage::Merge))?;
         let mut states = Vec::with_capacity(mine.len());
         for &tile_id in mine {
             let state = guarded(|| self.op.start_tile(input, &tiles.tasks[tile_id]));
@@ -305,11 +298,8 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
             }
             progress::report(Progress::Steps { done: run + 1, total: runs.runs });
         }
-        if let Some(owner) = &owner
-            && owner.next != runs.frames
-        {
-            let message = format!("passed on {} frames, {} were announced", owner.next, runs.frames);
-            return Err(abort(message.into(), Stage::Merge));
+        if let Some(owner) = &owner {
+            owner.check_done(runs.frames).map_err(|f| abort(f, Stage::Merge))?;
         }
         timings.gather = gathering;
         timings.exec = clock.elapsed().saturating_sub(gathering);
@@ -332,6 +322,17 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
         (): (),
         _: &mut PhaseTimings,
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
-        Ok((exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into)))
+        Ok(nothing_left(exec))
     }
+}
+
+/// The runs an operator announced, or the failure that it does not stream.
+fn streams(runs: Option<StreamRuns>) -> Result<StreamRuns, Failure> {
+    runs.ok_or_else(|| Failure::from("this model's output does not stream".to_string()))
+}
+
+/// A streamed request's outcome after its computation: nothing is left to gather, and the
+/// owner's is an empty tensor (the frames went to the sink).
+fn nothing_left(exec: &DistributedVaeExecutor) -> Option<Result<Tensor, RuntimeError>> {
+    (exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into))
 }
