@@ -3,18 +3,20 @@
 //! processes joined over sockets, torchrun's way included), with the bits the CLI writes for the
 //! same model, input and options.
 //!
-//! Inputs are torch tensors (any device and float type: copied to the host in float32) or
-//! anything `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and
-//! layout, lists); results are new float32 arrays of the same kind (torch: on the input's
-//! device). The GIL is
+//! Inputs are torch tensors (any device and float type: on the host in float32) or anything
+//! `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and layout,
+//! lists). A row-major float32 input on the CPU is read in place, not copied (so it must not be
+//! written while the request runs); any other is converted once. Results are float32 arrays of
+//! the same kind that own the decoder's memory, no copy (torch: on the input's device). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the CLI's one-line messages.
 
 mod errors;
 mod ranks;
 
+use std::any::Any;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -134,8 +136,9 @@ fn is_torch_tensor(x: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(ty.module()?.to_cow()?.starts_with("torch") && ty.name()?.to_cow()? == "Tensor")
 }
 
-/// `x` as a host tensor: a torch tensor is detached and copied to the CPU in float32 first;
-/// anything else goes through `numpy.asarray(x, dtype=float32)`.
+/// `x` as a host tensor: a torch tensor is detached and moved to the CPU in float32 first (no
+/// copy when it is there already); anything else goes through
+/// `numpy.asarray(x, dtype=float32)`; a row-major result is read in place.
 fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
     let py = x.py();
     let (array, torch_device) = if is_torch_tensor(x)? {
@@ -151,14 +154,21 @@ fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
     kwargs.set_item("dtype", "float32")?;
     let array = py.import("numpy")?.call_method("asarray", (array,), Some(&kwargs))?;
     let array = array.cast_into::<PyArrayDyn<f32>>().map_err(PyErr::from)?;
-    let readonly = array.readonly();
-    let shape = readonly.shape().to_vec();
-    // The one copy of the input: the engine owns its tensors (it hashes, broadcasts and slices
-    // them on its own threads, the GIL released), so it cannot borrow numpy's memory.
-    let data: Vec<f32> = match readonly.as_slice() {
-        Ok(row_major) if readonly.is_c_contiguous() => row_major.to_vec(),
-        _ => readonly.as_array().iter().copied().collect(),
-    };
+    let shape = array.shape().to_vec();
+    // A row-major, aligned float32 array (a CPU torch tensor's too) is read in place: the
+    // tensor holds a reference to the array, and an op that would write it copies it first.
+    let aligned = (array.data() as usize).is_multiple_of(std::mem::align_of::<f32>());
+    if array.is_c_contiguous() && aligned {
+        let data = array.data().cast_const();
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(array.clone().unbind());
+        // SAFETY: `data` is the aligned start of the array's `shape` elements, which `owner`
+        // keeps alive for as long as the tensor lives; the request only reads them, and the
+        // documented contract is that the caller does not write the array while it runs.
+        let tensor = unsafe { Tensor::lent(data, shape, owner) };
+        return Ok(Input { tensor, torch_device });
+    }
+    // Any other layout: one copy, in logical order.
+    let data: Vec<f32> = array.readonly().as_array().iter().copied().collect();
     let tensor = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))?;
     Ok(Input { tensor, torch_device })
 }

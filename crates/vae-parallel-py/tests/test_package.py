@@ -98,6 +98,17 @@ def test_inputs_of_other_float_types_and_layouts_are_converted():
     # A Fortran-ordered copy: the same values in another memory layout.
     assert same_bits(vae.decode(np.asfortranarray(z)), want)
     assert same_bits(vae.decode(z.tolist()), want)
+    # A row-major float32 array is read in place: never written, read-only ones too; a strided
+    # view is converted.
+    before = z.copy()
+    assert same_bits(vae.decode(z, latents_normalized=True), vae.decode(before, latents_normalized=True))
+    assert same_bits(z, before)
+    frozen = z.copy()
+    frozen.setflags(write=False)
+    assert same_bits(vae.decode(frozen), want)
+    wide = np.zeros(z.shape[:-1] + (2 * z.shape[-1],), dtype=np.float32)
+    wide[..., ::2] = z
+    assert same_bits(vae.decode(wide[..., ::2]), want)
 
 
 def test_errors_are_typed_exceptions_with_the_clis_messages(tmp_path):

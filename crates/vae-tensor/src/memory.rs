@@ -158,14 +158,31 @@ impl Drop for AccountGuard {
     }
 }
 
-/// An f32 buffer charged to the allocating thread's counters for as long as it lives.
+/// An f32 buffer charged to the allocating thread's counters for as long as it lives; or
+/// another owner's memory read in place ([`Buffer::lent`]), which is not charged.
 pub(crate) struct Buffer {
-    /// The allocation: at least `len` elements (a recycled one may be longer).
+    /// The allocation: at least `len` elements (a recycled one may be longer); empty while
+    /// the elements are lent.
     data: Vec<f32>,
     /// The elements in use.
     len: usize,
     counters: Arc<Counters>,
+    /// Set while the elements are another owner's memory, read in place and never written:
+    /// a mutable access copies them into `data` first.
+    lent: Option<Lent>,
 }
+
+/// Memory a caller lent: its first element, and what keeps it alive.
+struct Lent {
+    ptr: std::ptr::NonNull<f32>,
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the lent memory is only ever read (`Buffer::as_mut_slice` copies it first), and
+// `Buffer::lent`'s contract keeps it valid and unwritten while the owner lives.
+unsafe impl Send for Lent {}
+// SAFETY: as above.
+unsafe impl Sync for Lent {}
 
 impl Buffer {
     /// Takes ownership of `data` and charges it to the current thread.
@@ -181,7 +198,29 @@ impl Buffer {
         debug_assert!(len <= data.len());
         let counters = current();
         counters.host.charge(byte_len(&data[..len]));
-        Self { data, len, counters }
+        Self { data, len, counters, lent: None }
+    }
+
+    /// `len` elements at `ptr`, read in place while `owner` lives (no copy, not charged).
+    ///
+    /// # Safety
+    /// `ptr` must be non-null, aligned and point to `len` initialised f32 values that stay
+    /// valid, and that nobody writes, for as long as `owner` is alive.
+    pub(crate) unsafe fn lent(ptr: *const f32, len: usize, owner: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        let ptr = std::ptr::NonNull::new(ptr.cast_mut()).unwrap_or(std::ptr::NonNull::dangling());
+        Self { data: Vec::new(), len, counters: current(), lent: Some(Lent { ptr, _owner: owner }) }
+    }
+
+    /// Lent elements copied into memory of this buffer's own (charged), so they can be written.
+    fn own(&mut self) {
+        if self.lent.is_none() {
+            return;
+        }
+        let (mut data, _) = crate::recycle::take(self.len);
+        data[..self.len].copy_from_slice(self.as_slice());
+        self.counters.host.charge(byte_len(&data[..self.len]));
+        self.data = data;
+        self.lent = None;
     }
 
     /// A zero-filled buffer of `len` elements.
@@ -201,12 +240,18 @@ impl Buffer {
 
     /// The elements.
     pub(crate) fn as_slice(&self) -> &[f32] {
-        &self.data[..self.len]
+        match &self.lent {
+            // SAFETY: `Buffer::lent`'s contract: `len` valid values, alive and unwritten while
+            // the owner (held here) lives.
+            Some(lent) => unsafe { std::slice::from_raw_parts(lent.ptr.as_ptr(), self.len) },
+            None => &self.data[..self.len],
+        }
     }
 
     /// The elements as a vector of their own, without a copy: the memory leaves the account and
     /// the recycle pool (the vector may have spare capacity, from a reused allocation).
     pub(crate) fn into_vec(mut self) -> Vec<f32> {
+        self.own();
         let mut data = std::mem::take(&mut self.data);
         self.counters.host.release(byte_len(&data[..self.len]));
         crate::recycle::disown(&data, self.len);
@@ -218,6 +263,7 @@ impl Buffer {
 
     /// The elements, mutable. A slice, not the `Vec`, so the charged length cannot change.
     pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
+        self.own();
         &mut self.data[..self.len]
     }
 }
@@ -228,6 +274,9 @@ fn byte_len(data: &[f32]) -> usize {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        if self.lent.is_some() {
+            return; // not charged, not ours to give back
+        }
         self.counters.host.release(byte_len(&self.data[..self.len]));
         crate::recycle::give(std::mem::take(&mut self.data), self.len);
     }

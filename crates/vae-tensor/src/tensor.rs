@@ -84,6 +84,26 @@ impl Tensor {
         Self { shape, storage: Storage::Cuda(storage) }
     }
 
+    /// A host tensor of `shape` that reads the f32 values at `data` in place, without a copy,
+    /// while `owner` keeps them alive: memory a caller lends (a numpy array). It is never
+    /// written: an op that would write it in place copies it first. Not charged to the memory
+    /// account (the caller's memory, not a tensor's).
+    ///
+    /// # Safety
+    /// `data` must be non-null, aligned for f32, and point to `shape`'s element count of
+    /// initialised values that stay valid, and that nobody writes, for as long as `owner` lives
+    /// (the tensor holds it until it is dropped).
+    pub unsafe fn lent(
+        data: *const f32,
+        shape: impl Into<Shape>,
+        owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        let shape = shape.into();
+        // SAFETY: the caller's contract.
+        let buffer = unsafe { Buffer::lent(data, shape.elem_count(), owner) };
+        Self::from_buffer(buffer, shape)
+    }
+
     /// The device storage, for a tensor on a CUDA device.
     pub(crate) fn cuda(&self) -> Option<&DeviceStorage> {
         match &self.storage {

@@ -110,3 +110,24 @@ fn into_vec_hands_the_memory_over_without_a_copy() {
         assert_eq!(memory::live_bytes(), 0);
     });
 }
+
+#[test]
+fn a_lent_tensor_reads_the_owners_memory_in_place_and_copies_before_a_write() {
+    on_fresh_thread(|| {
+        let owner = std::sync::Arc::new(vec![2.0f32; 1 << 18]);
+        let at = owner.as_ptr();
+        // SAFETY: `owner` keeps the values alive and nobody writes them.
+        let mut t = unsafe { Tensor::lent(at, [1 << 18], owner.clone()) };
+        assert_eq!(t.as_bytes().unwrap().as_ptr() as *const f32, at, "read in place");
+        assert_eq!(memory::live_bytes(), 0, "the owner's memory is not charged");
+        assert_eq!(std::sync::Arc::strong_count(&owner), 2, "the tensor keeps the owner");
+        let ones = Tensor::from_vec(vec![1.0; 1 << 18], [1 << 18], &Device::Cpu).unwrap();
+        t.add_assign(&ones).unwrap();
+        assert!(t.to_vec_f32().unwrap().iter().all(|&x| x == 3.0));
+        assert!(owner.iter().all(|&x| x == 2.0), "the lent memory was never written");
+        assert_ne!(t.as_bytes().unwrap().as_ptr() as *const f32, at, "written into a copy");
+        assert_eq!(std::sync::Arc::strong_count(&owner), 1, "the copy let the owner go");
+        drop((t, ones));
+        assert_eq!(memory::live_bytes(), 0);
+    });
+}
