@@ -173,7 +173,7 @@ fn streamed_shard(
     use std::sync::Arc;
     use vae_models::wan::WanShardDecodeOperator;
     use vae_runtime::DistributedVaeExecutor;
-    let op = WanShardDecodeOperator::new(model);
+    let op = WanShardDecodeOperator::streaming(model);
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap();
         let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
@@ -213,7 +213,7 @@ fn a_streamed_shard_is_the_shard_decode_bit_for_bit() {
 #[test]
 fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
     let model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
-    let op = vae_models::wan::WanShardDecodeOperator::new(&model);
+    let op = vae_models::wan::WanShardDecodeOperator::streaming(&model);
     // Every rank's tensor peak, the owner's sink keeping nothing.
     let peaks = |frames: usize| -> Vec<usize> {
         let z = random_tensor(&[1, 16, frames, 6, 8], 5);
@@ -243,7 +243,7 @@ fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
 #[test]
 fn a_sink_failure_in_a_streamed_shard_fails_every_rank_and_leaves_no_file() {
     let model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
-    let op = vae_models::wan::WanShardDecodeOperator::new(&model);
+    let op = vae_models::wan::WanShardDecodeOperator::streaming(&model);
     let z = random_tensor(&[1, 16, 4, 6, 8], 9);
     let dir = std::env::temp_dir().join(format!("vae-stream-shard-fail-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -269,7 +269,7 @@ fn streamed_tiles(model: &vae_models::wan::WanVae, z: &Tensor, world: usize) -> 
     use std::sync::Arc;
     use vae_models::wan::WanDecodeOperator;
     use vae_runtime::DistributedVaeExecutor;
-    let op = WanDecodeOperator::new(model, true);
+    let op = WanDecodeOperator::streaming(model, true);
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
         let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
@@ -308,7 +308,7 @@ fn a_streamed_tile_decode_is_the_tile_decode_bit_for_bit_on_one_to_four_ranks() 
 fn a_streamed_tile_decode_peaks_the_same_for_few_and_many_frames() {
     let mut model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
     model.set_tiling([16, 24], [8, 16]).unwrap();
-    let op = vae_models::wan::WanDecodeOperator::new(&model, true);
+    let op = vae_models::wan::WanDecodeOperator::streaming(&model, true);
     let peaks = |frames: usize| -> Vec<usize> {
         let z = random_tensor(&[1, 16, frames, 4, 6], 3);
         let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {

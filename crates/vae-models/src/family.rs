@@ -138,6 +138,12 @@ pub trait LoadedVae: Send + Sync {
         sink.begin(out.dims()).map_err(ModelError::Sink)?;
         sink.frames(0, out).map_err(ModelError::Sink)
     }
+    /// Whether the family streams its video decode frame by frame
+    /// ([`decode_streaming`](Self::decode_streaming) and
+    /// [`execute_streaming`](Self::execute_streaming) over ranks); the default does not.
+    fn streams(&self) -> bool {
+        false
+    }
     /// Runs one decode over the executor's ranks with its output frames streamed to `sink` (the
     /// owner's; `None` on the other ranks): the family's streamed sharded decode where it has
     /// one and `run.strategy` is a shard. The default refuses: no streamed strategy.

@@ -282,8 +282,15 @@ impl Vae {
         use vae_parallel::runtime::{FrameSink, OnOwnThread};
         use vae_parallel::stream_out::StreamedOutput;
         let io_error = |e: vae_parallel::io::IoError| InputError::new_err(one_line(&e));
-        // The path and rate are checked here, before any rank starts (the directory by rank 0,
-        // the one that writes).
+        // What every rank would refuse alike is refused here, before any rank starts (an error
+        // inside the group would abort a socket group for good): a family that does not
+        // stream, the path and rate (the directory by rank 0, the one that writes).
+        if !self.engine.model().streams() {
+            return Err(ConfigError::new_err(format!(
+                "{} does not stream its decode (the video families do): use decode() and save()",
+                self.engine.model().class_name()
+            )));
+        }
         drop(StreamedOutput::new(&path, fps).map_err(io_error)?);
         if self.group.rank() == 0 {
             vae_parallel::output::check_writable(&path).map_err(io_error)?;

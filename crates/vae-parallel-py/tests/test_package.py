@@ -347,6 +347,10 @@ def test_decode_to_streams_the_files_the_cli_writes(tmp_path, ranks):
         assert Path(tiles).read_bytes() == (tmp_path / "cli-tiles.npy").read_bytes()
     with pytest.raises(vp.InputError, match="must end in"):
         vae.decode_to(tmp_path / "clip.avi", np.load(latent))
+    # An image family does not stream: refused before any rank starts.
+    image_vae = vp.load(FIXTURES / "autoencoder_kl/flux1_like", ranks=ranks)
+    with pytest.raises(vp.ConfigError, match="does not stream"):
+        image_vae.decode_to(tmp_path / "image.npy", np.load(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy"))
 
 
 INTERRUPT_SCRIPT = """

@@ -215,6 +215,8 @@ impl Engine {
         let mut denormalized = None;
         let z = self.decoder_input(latent, options, &mut denormalized)?;
         if executor.communicator().size() == 1 && !options.use_tiling {
+            // Outside the executor: cancelling the group (Ctrl-C) must still stop it at a frame.
+            let _cancel = vae_runtime::cancel::CancelScope::enter(std::sync::Arc::clone(executor.communicator()));
             let sink = sink.ok_or_else(|| ModelError::Unsupported("a streamed decode needs a frame sink".into()))?;
             self.model.decode_streaming(z, sink)?;
             return Ok(None);

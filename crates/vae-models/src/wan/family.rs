@@ -120,6 +120,10 @@ impl LoadedVae for WanVae {
         WanVae::decode_streaming(self, z, sink)
     }
 
+    fn streams(&self) -> bool {
+        true
+    }
+
     fn execute_streaming(
         &self,
         run: Execution<'_>,
@@ -127,10 +131,12 @@ impl LoadedVae for WanVae {
     ) -> Result<ExecOutput> {
         match (run.direction, run.strategy) {
             (Direction::Decode, Strategy::Shard(axis)) => {
-                Ok(run.executor.execute_sharded_streaming(run.input, &WanShardDecodeOperator::new(self), axis, sink)?)
+                let op = WanShardDecodeOperator::streaming(self);
+                Ok(run.executor.execute_sharded_streaming(run.input, &op, axis, sink)?)
             }
             (Direction::Decode, Strategy::Tile) => {
-                Ok(run.executor.execute_streaming(run.input, &WanDecodeOperator::new(self, run.use_tiling), sink)?)
+                let op = WanDecodeOperator::streaming(self, run.use_tiling);
+                Ok(run.executor.execute_streaming(run.input, &op, sink)?)
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
         }

@@ -26,7 +26,14 @@ pub(super) enum MapExtent {
     Tile,
     /// Bands of a spatial shard, over however many ranks: the output alone is counted.
     Banded,
-    /// The whole frame, with the output streamed: one latent frame's output is held at a time.
+}
+
+/// How much of a decode's output a request holds at once, for [`WanVae::check_memory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Output {
+    /// All of it (assembled on the owner).
+    Whole,
+    /// One latent frame's output frames: the decode streams them to a sink.
     Streamed,
 }
 
@@ -198,7 +205,7 @@ impl WanVae {
     /// `decode`); no more than one latent frame's output is held at a time.
     pub fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
         self.check_latent(z)?;
-        self.check_memory(true, z.dims(), MapExtent::Streamed)?;
+        self.check_memory(true, z.dims(), MapExtent::Whole, Output::Streamed)?;
         let total = self.decoded_frames(z.dims()[2]);
         let mut next = 0;
         self.decode_runs_on(z, None, &mut |run| {
@@ -408,7 +415,7 @@ impl WanVae {
     /// resolution, its last level holding `decoder_base_dim · dim_mult[0]` channels over the
     /// whole frame or one tile (a shard's bands are not counted); encode's first level holds `base_dim`
     /// channels over the frame or tile.
-    pub(super) fn check_memory(&self, decode: bool, dims: &[usize], map: MapExtent) -> Result<()> {
+    pub(super) fn check_memory(&self, decode: bool, dims: &[usize], map: MapExtent, held: Output) -> Result<()> {
         if dims.len() != 5 {
             return Ok(()); // the shape check names the problem
         }
@@ -420,11 +427,14 @@ impl WanVae {
         let tile = (self.tiling.tile_sample_min_height * self.tiling.tile_sample_min_width) as u64;
         let (output, map_bytes, advice) = if decode {
             let ups = c.temperal_downsample.iter().filter(|&&x| x).count() as u32;
-            let frames = if map == MapExtent::Streamed { 1u64 << ups } else { 1 + t.saturating_sub(1) * (1u64 << ups) };
+            let frames = match held {
+                Output::Streamed => 1u64 << ups,
+                Output::Whole => 1 + t.saturating_sub(1) * (1u64 << ups),
+            };
             let full = h * scale * w * scale;
             let output = b * c.out_channels as u64 / (p * p).max(1) * frames * full * 4;
             let pixels = match map {
-                MapExtent::Whole | MapExtent::Streamed => full,
+                MapExtent::Whole => full,
                 MapExtent::Tile => full.min(tile),
                 MapExtent::Banded => 0,
             } / (p * p);

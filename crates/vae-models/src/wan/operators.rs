@@ -11,7 +11,7 @@ use vae_runtime::{
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{FrameStream, MapExtent, VideoVaeClass, WanVae};
+use super::model::{FrameStream, MapExtent, Output, VideoVaeClass, WanVae};
 
 /// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
 /// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
@@ -19,12 +19,19 @@ use super::model::{FrameStream, MapExtent, VideoVaeClass, WanVae};
 pub struct WanDecodeOperator<'m> {
     model: &'m WanVae,
     use_tiling: bool,
+    held: Output,
 }
 
 impl<'m> WanDecodeOperator<'m> {
     /// An operator that tiles as `enable_tiling()` does when `use_tiling`.
     pub fn new(model: &'m WanVae, use_tiling: bool) -> Self {
-        Self { model, use_tiling }
+        Self { model, use_tiling, held: Output::Whole }
+    }
+
+    /// The same, for a streamed decode ([`TileOperator::exec_run`]): its memory check counts
+    /// one latent frame's output, and every tile's cache alive at once (the whole map's).
+    pub fn streaming(model: &'m WanVae, use_tiling: bool) -> Self {
+        Self { model, use_tiling, held: Output::Streamed }
     }
 }
 
@@ -37,9 +44,8 @@ impl TileOperator for WanDecodeOperator<'_> {
         let (h, w) = (z.dims()[3], z.dims()[4]);
         let tiling = self.model.tiling();
         let tiled = self.use_tiling && tiling.needs_tiling_decode(h, w)?;
-        self.model
-            .check_memory(true, z.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })
-            .map_err(Classified::from)?;
+        let map = if tiled && self.held == Output::Whole { MapExtent::Tile } else { MapExtent::Whole };
+        self.model.check_memory(true, z.dims(), map, self.held).map_err(Classified::from)?;
         if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
         }
@@ -119,7 +125,7 @@ impl TileOperator for WanEncodeOperator<'_> {
         let tiling = self.model.tiling();
         let tiled = self.use_tiling && tiling.needs_tiling_encode(x.dims()[3], x.dims()[4]);
         self.model
-            .check_memory(false, x.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole })
+            .check_memory(false, x.dims(), if tiled { MapExtent::Tile } else { MapExtent::Whole }, Output::Whole)
             .map_err(Classified::from)?;
         if !tiled {
             return Ok(untiled_plan([3, 4], [h, w]));
@@ -156,19 +162,26 @@ impl TileOperator for WanEncodeOperator<'_> {
 /// owner, then unpatchified (Wan2.2) and clamped as the plain decode is.
 pub struct WanShardDecodeOperator<'m> {
     model: &'m WanVae,
+    held: Output,
 }
 
 impl<'m> WanShardDecodeOperator<'m> {
     /// The sharded decode of `model`.
     pub fn new(model: &'m WanVae) -> Self {
-        Self { model }
+        Self { model, held: Output::Whole }
+    }
+
+    /// The same, for a streamed decode ([`ShardOperator::exec_streaming`]): its memory check
+    /// counts one latent frame's output.
+    pub fn streaming(model: &'m WanVae) -> Self {
+        Self { model, held: Output::Streamed }
     }
 }
 
 impl ShardOperator for WanShardDecodeOperator<'_> {
     fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
         self.model.check_latent(z).map_err(Classified::from)?;
-        self.model.check_memory(true, z.dims(), MapExtent::Banded).map_err(Classified::from)?;
+        self.model.check_memory(true, z.dims(), MapExtent::Banded, self.held).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis), unit: 1 })
     }
 
@@ -198,8 +211,14 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
         emit: &mut dyn FnMut(Tensor) -> std::result::Result<(), OperatorError>,
     ) -> std::result::Result<(), OperatorError> {
         let band = ctx.local_input(z)?;
-        let decoded =
-            self.model.decode_runs_on(&band, Some(ctx), &mut |run| emit(run).map_err(crate::ModelError::Sink));
+        // The executor's own failure (a gather, an abort) stays a runtime error; anything else
+        // came from the sink.
+        let decoded = self.model.decode_runs_on(&band, Some(ctx), &mut |run| {
+            emit(run).map_err(|e| match e.downcast::<vae_runtime::RuntimeError>() {
+                Ok(runtime) => crate::ModelError::Runtime(*runtime),
+                Err(other) => crate::ModelError::Sink(other),
+            })
+        });
         Ok(decoded.map_err(Classified::from)?)
     }
 }
@@ -221,7 +240,7 @@ impl<'m> WanShardEncodeOperator<'m> {
 impl ShardOperator for WanShardEncodeOperator<'_> {
     fn geometry(&self, x: &Tensor, _: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
         self.model.check_video(x).map_err(Classified::from)?;
-        self.model.check_memory(false, x.dims(), MapExtent::Banded).map_err(Classified::from)?;
+        self.model.check_memory(false, x.dims(), MapExtent::Banded, Output::Whole).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: 1, unit: self.model.encode_band_unit() })
     }
 
