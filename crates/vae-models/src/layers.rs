@@ -23,7 +23,7 @@ pub struct Conv2d {
 }
 
 impl Conv2d {
-    /// Loads `weight` [cout, cin, k, k] and `bias` [cout] from `w`.
+    /// Loads `weight` `[cout, cin, k, k]` and `bias` `[cout]` from `w`.
     pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: usize, params: Conv2dParams) -> Result<Self> {
         Ok(Self { weight: w.get("weight", &[cout, cin, k, k])?, bias: w.get("bias", &[cout])?, params })
     }
@@ -117,7 +117,7 @@ pub struct GroupNorm {
 }
 
 impl GroupNorm {
-    /// Loads `weight` and `bias` [channels].
+    /// Loads `weight` and `bias` `[channels]`.
     pub fn load(w: &mut Weights<'_>, groups: usize, channels: usize, eps: f32) -> Result<Self> {
         Ok(Self { weight: w.get("weight", &[channels])?, bias: w.get("bias", &[channels])?, groups, eps })
     }
@@ -152,7 +152,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Loads `weight` [out, in] and `bias` [out].
+    /// Loads `weight` `[out, in]` and `bias` `[out]`.
     pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
         Ok(Self { weight: w.get("weight", &[cout, cin])?, bias: w.get("bias", &[cout])? })
     }
@@ -238,7 +238,7 @@ impl Downsample2d {
         self.conv.forward(x)
     }
 
-    /// [`Self::forward`] on a map or a band of one ([`downsample_on`]).
+    /// [`Self::forward`] on a map or a band of one (`downsample_on`).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         downsample_on(&self.conv, x, band)
     }

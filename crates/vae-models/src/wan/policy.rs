@@ -78,7 +78,7 @@ impl WanVae {
     /// This family's encode policy, from global quantities only:
     ///
     /// - `spatial_shard_height` / `_width`: that axis whenever the video's extent is a whole
-    ///   number of latent rows ([`WanVae::encode_band_unit`] pixels) and every rank gets one;
+    ///   number of latent rows (`WanVae::encode_band_unit` pixels) and every rank gets one;
     ///   otherwise tiles, flagged as a fallback.
     /// - `auto`: where tiling would otherwise be used (two ranks or more, frames larger than a
     ///   tile), the shard along the longer axis that fits (width on ties); otherwise tiles.
