@@ -61,6 +61,9 @@ mod tests {
             let comm: Arc<dyn Communicator> = Arc::new(comm);
             let _scope = CancelScope::enter(Arc::clone(&comm));
             assert!(check().is_ok());
+            // Both ranks have checked before rank 1 aborts (else it could abort first). The
+            // barrier may itself see the abort on rank 0: only the order matters here.
+            let _ = comm.barrier();
             if comm.rank() == 1 {
                 comm.abort("tile 3 failed");
             }
