@@ -29,5 +29,5 @@ pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands}
 pub use progress::{Progress, ProgressScope, ProgressSink};
 pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic, StreamRuns};
 pub use stitch::StitchSpec;
-pub use stream::{CollectFrames, FrameSink, OnOwnThread, SinkError};
+pub use stream::{CollectFrames, FrameFeed, FrameSink, OnOwnThread, SinkError};
 pub use vae_planner::ShardAxis;

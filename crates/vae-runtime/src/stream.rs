@@ -22,6 +22,48 @@ pub trait FrameSink {
     fn frames(&mut self, first: usize, run: Tensor) -> Result<(), SinkError>;
 }
 
+/// A decode's side of a sink: runs of finished frames fed in order, the sink told the whole
+/// output's shape before the first (its frame count announced up front, the rest taken from
+/// the first run), and a check at the end that every announced frame arrived.
+pub struct FrameFeed<'a> {
+    sink: &'a mut dyn FrameSink,
+    total: usize,
+    next: usize,
+}
+
+impl<'a> FrameFeed<'a> {
+    /// A feed into `sink` of an output of `total` frames.
+    pub fn new<'s: 'a>(sink: &'a mut (dyn FrameSink + 's), total: usize) -> Self {
+        Self { sink, total, next: 0 }
+    }
+
+    /// Feeds the next run `[B, C, n, H, W]` (moved to the host in f32 if it is not there).
+    pub fn feed(&mut self, run: Tensor) -> Result<(), SinkError> {
+        let run = if run.dtype() == vae_tensor::DType::F32 { run } else { run.to_dtype(vae_tensor::DType::F32)? };
+        let run = if run.device().is_cpu() { run } else { run.to_device(&vae_tensor::Device::Cpu)? };
+        if self.next == 0 {
+            let mut dims = run.dims().to_vec();
+            if dims.len() != 5 {
+                return Err(format!("a run of frames of shape {dims:?} is not [B, C, T, H, W]").into());
+            }
+            dims[2] = self.total;
+            self.sink.begin(&dims)?;
+        }
+        let n = run.dims()[2];
+        self.sink.frames(self.next, run)?;
+        self.next += n;
+        Ok(())
+    }
+
+    /// An error unless every announced frame was fed.
+    pub fn finish(&self) -> Result<(), SinkError> {
+        if self.next == self.total {
+            return Ok(());
+        }
+        Err(format!("passed on {} frames, {} were announced", self.next, self.total).into())
+    }
+}
+
 /// A sink that keeps every frame and assembles the whole output: for tests and for callers
 /// that want the streamed decode's result as one tensor.
 #[derive(Debug, Default)]

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use vae_planner::WanTiling;
 use vae_runtime::progress::{self, Progress};
-use vae_runtime::{FrameSink, ShardContext};
+use vae_runtime::{FrameFeed, FrameSink, ShardContext};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::cache::Pass;
@@ -206,21 +206,9 @@ impl WanVae {
     pub fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
         self.check_latent(z)?;
         self.check_memory(true, z.dims(), MapExtent::Whole, Output::Streamed)?;
-        let total = self.decoded_frames(z.dims()[2]);
-        let mut next = 0;
-        self.decode_runs_on(z, None, &mut |run| {
-            let frames = self.finish_decode(run, true)?;
-            let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
-            if next == 0 {
-                let mut dims = frames.dims().to_vec();
-                dims[2] = total;
-                sink.begin(&dims).map_err(ModelError::Sink)?;
-            }
-            let n = frames.dims()[2];
-            sink.frames(next, frames).map_err(ModelError::Sink)?;
-            next += n;
-            Ok(())
-        })
+        let mut feed = FrameFeed::new(sink, self.decoded_frames(z.dims()[2]));
+        self.decode_runs_on(z, None, &mut |run| feed.feed(self.finish_decode(run, true)?).map_err(ModelError::Sink))?;
+        feed.finish().map_err(ModelError::Sink)
     }
 
     /// Output frames of a decode of `latent_frames` latent frames: one for the first, then the

@@ -118,15 +118,7 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
         let comm = exec.comm.as_ref();
         let clock = Instant::now();
-        let mut message = Writer::new();
-        match (&local, comm.rank() == OWNER) {
-            (Some(out), false) => {
-                write_tensor_header(message.u8(1), out.dtype(), out.dims()).bytes(out.as_bytes()?);
-            }
-            _ => {
-                message.u8(0);
-            }
-        }
+        let message = band_message(local.as_ref(), comm.rank())?;
         let gathered = comm.gather(OWNER, message.as_slice())?;
         drop(message);
         timings.gather = clock.elapsed();
@@ -144,6 +136,21 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         timings.merge = clock.elapsed();
         Ok(merged)
     }
+}
+
+/// What a rank sends the owner in a band gather: its output band with its shape (the owner
+/// keeps its own; a rank without a band sends nothing), for [`assemble_bands`].
+pub(super) fn band_message(band: Option<&Tensor>, rank: usize) -> Result<Writer, RuntimeError> {
+    let mut message = Writer::new();
+    match band {
+        Some(out) if rank != OWNER => {
+            write_tensor_header(message.u8(1), out.dtype(), out.dims()).bytes(out.as_bytes()?);
+        }
+        _ => {
+            message.u8(0);
+        }
+    }
+    Ok(message)
 }
 
 /// A failure inside a sharded computation: the neighbours may be waiting for this rank's

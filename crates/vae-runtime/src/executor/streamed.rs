@@ -12,16 +12,15 @@ use std::time::{Duration, Instant};
 use vae_planner::{ShardAxis, lpt_assign};
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::CommunicatorExt;
-use vae_transport::wire::Writer;
 
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
-use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands};
+use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands, band_message};
 use super::tile::{TileOutputs, TileStrategy, gather_and_merge};
-use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, write_tensor_header};
+use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded};
 use crate::progress::{self, Progress};
 use crate::shard::{ShardContext, ShardOperator, ShardTraffic, StreamRuns};
-use crate::stream::FrameSink;
+use crate::stream::{FrameFeed, FrameSink};
 use crate::{RuntimeError, Stage};
 use crate::{TileOperator, TilePlan};
 
@@ -30,13 +29,6 @@ pub(super) struct StreamedShardStrategy<'o, 's, O> {
     pub(super) op: &'o O,
     pub(super) axis: ShardAxis,
     pub(super) sink: RefCell<Option<&'s mut dyn FrameSink>>,
-}
-
-/// The owner's progress through the output.
-struct Owner<'a> {
-    sink: &'a mut dyn FrameSink,
-    /// Frames handed on so far.
-    next: usize,
 }
 
 impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
@@ -51,67 +43,38 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
         exec: &DistributedVaeExecutor,
         plan: &(BandPlan, StreamRuns),
         own: Option<Tensor>,
-        owner: &mut Option<Owner<'_>>,
+        feed: &mut Option<FrameFeed<'_>>,
     ) -> Result<(), RuntimeError> {
         let comm = exec.comm.as_ref();
-        let mut message = Writer::new();
-        match (&own, comm.rank() == OWNER) {
-            (Some(run), false) => {
-                write_tensor_header(message.u8(1), run.dtype(), run.dims()).bytes(run.as_bytes()?);
-            }
-            _ => {
-                message.u8(0);
-            }
-        }
+        let message = band_message(own.as_ref(), comm.rank())?;
         let Some(parts) = comm.gather(OWNER, message.as_slice())? else { return Ok(()) };
         let failed = |failure: Failure| failure.at(Stage::Merge, OWNER);
         let message = |text: &str| failed(Failure::from(text.to_string()));
-        let owner = owner.as_mut().ok_or_else(|| message("the owner has no frame sink"))?;
+        let feed = feed.as_mut().ok_or_else(|| message("the owner has no frame sink"))?;
         let own = own.ok_or_else(|| message("the owner computed no band"))?;
         let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands)
             .map_err(|e| failed(e.into()))?;
         let frames = guarded(|| self.op.finish(full)).map_err(failed)?;
-        owner.hand_on(frames, plan.1.frames)
+        hand_on(feed, frames)
     }
 }
 
-impl<'a> Owner<'a> {
-    /// The owner's state on rank 0 (which must have a sink), `None` elsewhere.
-    fn of<'s: 'a>(rank: usize, sink: Option<&'a mut (dyn FrameSink + 's)>) -> Result<Option<Self>, Failure> {
-        match (rank == OWNER, sink) {
-            (true, Some(sink)) => Ok(Some(Owner { sink, next: 0 })),
-            (true, None) => Err("the owner of a streamed request needs a frame sink".to_string().into()),
-            (false, _) => Ok(None),
-        }
+/// The owner's feed into its sink on rank 0 (which must have a sink), `None` elsewhere.
+fn feed_of<'a, 's: 'a>(
+    rank: usize,
+    sink: Option<&'a mut (dyn FrameSink + 's)>,
+    total: usize,
+) -> Result<Option<FrameFeed<'a>>, Failure> {
+    match (rank == OWNER, sink) {
+        (true, Some(sink)) => Ok(Some(FrameFeed::new(sink, total))),
+        (true, None) => Err("the owner of a streamed request needs a frame sink".to_string().into()),
+        (false, _) => Ok(None),
     }
+}
 
-    /// An error unless every announced frame was passed on.
-    fn check_done(&self, total: usize) -> Result<(), Failure> {
-        if self.next == total {
-            return Ok(());
-        }
-        Err(format!("passed on {} frames, {total} were announced", self.next).into())
-    }
-    /// Passes one finished run (f32, on the host) to the sink: `begin` first, with the whole
-    /// output's `total` frames.
-    fn hand_on(&mut self, frames: Tensor, total: usize) -> Result<(), RuntimeError> {
-        let failed = |message: String| Failure::from(message).at(Stage::Merge, OWNER);
-        let frames = if frames.dtype() == DType::F32 { frames } else { frames.to_dtype(DType::F32)? };
-        let frames = if frames.device() == Device::Cpu { frames } else { frames.to_device(&Device::Cpu)? };
-        let sink_failed = |e: crate::SinkError| failed(format!("passing on decoded frames: {e}"));
-        if self.next == 0 {
-            let mut dims = frames.dims().to_vec();
-            if dims.len() != 5 {
-                return Err(failed(format!("a streamed run of shape {dims:?} is not [B, C, T, H, W]")));
-            }
-            dims[2] = total;
-            self.sink.begin(&dims).map_err(sink_failed)?;
-        }
-        let n = frames.dims()[2];
-        self.sink.frames(self.next, frames).map_err(sink_failed)?;
-        self.next += n;
-        Ok(())
-    }
+/// Passes one finished run to the owner's sink; its failure is the merge's, on the owner.
+fn hand_on(feed: &mut FrameFeed<'_>, frames: Tensor) -> Result<(), RuntimeError> {
+    feed.feed(frames).map_err(|e| Failure::from(format!("passing on decoded frames: {e}")).at(Stage::Merge, OWNER))
 }
 
 impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
@@ -147,7 +110,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         let rank = exec.comm.rank();
         let band = plan.0.bands.band(rank);
         let mut sink = self.sink.borrow_mut();
-        let mut owner = Owner::of(rank, sink.as_deref_mut()).map_err(|f| abort_shard(exec, rank, f))?;
+        let mut owner = feed_of(rank, sink.as_deref_mut(), plan.1.frames).map_err(|f| abort_shard(exec, rank, f))?;
         let mut traffic = ShardTraffic::default();
         let (mut runs, mut gathering) = (0usize, Duration::ZERO);
         let mut run = |own: Option<Tensor>| -> Result<(), RuntimeError> {
@@ -180,7 +143,7 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             return Err(abort_shard(exec, rank, message.into()));
         }
         if let Some(owner) = &owner {
-            owner.check_done(plan.1.frames).map_err(|f| abort_shard(exec, rank, f))?;
+            owner.finish().map_err(|e| abort_shard(exec, rank, e.to_string().into()))?;
         }
         timings.halo = traffic.comm_time();
         timings.gather = gathering;
@@ -255,7 +218,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
             err
         };
         let mut sink = self.sink.borrow_mut();
-        let mut owner = Owner::of(rank, sink.as_deref_mut()).map_err(|f| abort(f, Stage::Merge))?;
+        let mut owner = feed_of(rank, sink.as_deref_mut(), runs.frames).map_err(|f| abort(f, Stage::Merge))?;
         let mut states = Vec::with_capacity(mine.len());
         for &tile_id in mine {
             let state = guarded(|| self.op.start_tile(input, &tiles.tasks[tile_id]));
@@ -290,7 +253,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
                 return Err(abort(failure, Stage::Exec { tile_id }));
             }
             if let (Some(owner), Some(merged)) = (owner.as_mut(), merged) {
-                let done = merged.and_then(|frames| owner.hand_on(frames, runs.frames));
+                let done = merged.and_then(|frames| hand_on(owner, frames));
                 if let Err(err) = done {
                     exec.comm.abort(&format!("rank {rank} failed: {err}"));
                     return Err(err);
@@ -299,7 +262,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
             progress::report(Progress::Steps { done: run + 1, total: runs.runs });
         }
         if let Some(owner) = &owner {
-            owner.check_done(runs.frames).map_err(|f| abort(f, Stage::Merge))?;
+            owner.finish().map_err(|e| abort(e.to_string().into(), Stage::Merge))?;
         }
         timings.gather = gathering;
         timings.exec = clock.elapsed().saturating_sub(gathering);
