@@ -72,6 +72,12 @@ impl Conv2d {
         Ok(x.conv2d(&self.weight, Some(&self.bias), &self.params)?)
     }
 
+    /// [`Self::forward`] of `x` upsampled 2× (nearest), without making the 4× map where the
+    /// kernel can read `x` as if upsampled ([`Tensor::upsample2x_conv2d`]).
+    pub fn forward_upsampled(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.upsample2x_conv2d(&self.weight, Some(&self.bias), &self.params)?)
+    }
+
     /// [`Self::forward`] on a map or a band of one: a band takes its neighbours' rows (the
     /// halo: the padding along the axis), and the convolution pads only the other axis.
     /// Stride 1 only (every decoder convolution).
@@ -281,12 +287,15 @@ impl Upsample2d {
 
     /// Doubles the spatial size.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.conv.forward(&x.upsample_nearest2d(2)?)
+        self.conv.forward_upsampled(x)
     }
 
     /// [`Self::forward`] on a map or a band of one (nearest upsampling is local: a band
     /// doubles).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        if band.is_none() {
+            return self.forward(x);
+        }
         self.conv.forward_owned(x.upsample_nearest2d(2)?, band)
     }
 }

@@ -88,11 +88,11 @@ impl Upsample {
         let (b, c, t, h, w) = (d[0], d[1], d[2], d[3], d[4]);
         let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(vec![b * t, c, h, w])?;
         // nearest-exact with an integer factor is plain nearest.
-        let upsampled = frames.upsample_nearest2d(2)?;
         let up = match pass.band.as_deref_mut() {
-            None => self.conv.forward(&upsampled)?,
+            None => self.conv.forward_upsampled(&frames)?,
             Some(ctx) => {
                 let axis = ctx.axis();
+                let upsampled = frames.upsample_nearest2d(2)?;
                 let haloed = ctx.with_halo(&upsampled, self.halo(axis))?;
                 let [top, bottom, left, right] = self.conv.params().padding;
                 let padding = match axis {

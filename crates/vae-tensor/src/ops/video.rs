@@ -305,6 +305,7 @@ impl Tensor {
             out: [to, ho, wo],
             band_align: params.band_align,
             bf16: crate::device::cpu_bf16_active(),
+            upsample: false,
         };
         let _ = out_len; // checked above; the job checks it again
         Ok(Tensor::from_buffer(job.run(crate::ops::simd::isa())?, Shape::new([n, cout, to, ho, wo])))

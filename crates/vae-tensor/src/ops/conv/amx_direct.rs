@@ -48,6 +48,10 @@ pub(super) fn run(job: &ConvJob<'_>, out_len: usize) -> Result<Buffer> {
     if out_len == 0 {
         return Ok(out);
     }
+    // The input extent the convolution reads: the frames', or twice it when it reads them
+    // upsampled (each row and column twice).
+    let up = 1 + job.upsample as usize;
+    let (ih, iw) = (up * f.h, up * f.w);
     let cp = cin / 2;
     let kb = cp / COLS;
     let taps2 = kh * kw;
@@ -86,7 +90,7 @@ pub(super) fn run(job: &ConvJob<'_>, out_len: usize) -> Result<Buffer> {
     let row_tiles = kb * 2 * A_TILE;
     let column_len = kt * kw * band_rows * row_tiles;
     let tiles_len = columns * column_len;
-    let scratch = super::direct::ScratchPool::new(tiles_len + wq + 32, f.n * to * bands);
+    let scratch = super::direct::ScratchPool::new(tiles_len + wq + f.w + 32, f.n * to * bands);
     let dst = OutPtr::new(out.as_mut_slice());
     let plane_out = ho * wo;
     (0..f.n * to * bands).into_par_iter().for_each(|task| {
@@ -107,21 +111,31 @@ pub(super) fn run(job: &ConvJob<'_>, out_len: usize) -> Result<Buffer> {
             return;
         }
         scratch.with(|buf| {
-            let (tiles, row) = super::direct::aligned(buf)[..tiles_len + wq].split_at_mut(tiles_len);
+            let (tiles, rest) = super::direct::aligned(buf)[..tiles_len + wq + f.w].split_at_mut(tiles_len);
+            let (row, low) = rest.split_at_mut(wq);
             let tiles: &mut [u32] = bytemuck::cast_slice_mut(tiles);
             let row: &mut [u32] = bytemuck::cast_slice_mut(row);
+            let low: &mut [u32] = bytemuck::cast_slice_mut(low);
             // The band's input rows, one padded row of channel pairs at a time, into tiles.
             for (d, &(_, ti)) in dts.iter().enumerate() {
                 for y in 0..band_rows {
-                    let src_y = (rows.start + y).checked_sub(top).filter(|&y| y < f.h);
+                    // The frames' row this input row is (upsampled: each is read twice).
+                    let src_y = (rows.start + y).checked_sub(top).filter(|&y| y < ih).map(|y| y / up);
                     for q in 0..cp {
                         match src_y {
                             None => row.fill(0),
                             Some(sy) => {
                                 let at = |c: usize| &f.plane(b, c, ti)[sy * f.w..][..f.w];
                                 row[..left].fill(0);
-                                crate::ops::bf16::pack_pairs(at(2 * q), at(2 * q + 1), &mut row[left..left + f.w]);
-                                row[left + f.w..].fill(0);
+                                if job.upsample {
+                                    crate::ops::bf16::pack_pairs(at(2 * q), at(2 * q + 1), low);
+                                    for (d, &v) in row[left..left + iw].chunks_exact_mut(2).zip(&*low) {
+                                        d.fill(v);
+                                    }
+                                } else {
+                                    crate::ops::bf16::pack_pairs(at(2 * q), at(2 * q + 1), &mut row[left..left + f.w]);
+                                }
+                                row[left + iw..].fill(0);
                             }
                         }
                         let (j, r) = (q / COLS, q % COLS);
@@ -314,6 +328,37 @@ mod tests {
                     assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()), "cols {c0}..{c1}, channel {c}");
                 }
             }
+        }
+    }
+
+    /// Reading the input upsampled 2× while packing it gives the bits of the convolution of
+    /// the upsampled map, for odd and even extents, one-sided padding (a shard band's) and
+    /// batches.
+    #[test]
+    fn reading_the_input_upsampled_gives_the_upsampled_maps_bits() {
+        if !amx::supported() {
+            return;
+        }
+        for (n, h, w, padding) in [(1, 5, 11, [1; 4]), (2, 4, 16, [0, 0, 1, 1]), (1, 7, 9, [1, 1, 0, 0])] {
+            let case = Case { n, cin: 64, cout: 40, t: 1, kt: 1, k: 3, h, w, padding, pad_front: 0 };
+            let ops = case.operands();
+            // The upsampled map, `[n, cin, 2h, 2w]`.
+            let big: Vec<f32> = (0..n * case.cin * 2 * h)
+                .flat_map(|row| {
+                    let src = &ops.x[row / 2 * w..][..w];
+                    src.iter().flat_map(|&v| [v, v]).collect::<Vec<_>>()
+                })
+                .collect();
+            let out = |h: usize, w: usize| [1, h + padding[0] + padding[1] - 2, w + padding[2] + padding[3] - 2];
+            let materialised = ConvJob {
+                frames: Frames { parts: [&[], &big], part_t: [0, 1], n, cin: case.cin, h: 2 * h, w: 2 * w },
+                out: out(2 * h, 2 * w),
+                ..case.job(&ops, 1, true)
+            };
+            let fused = ConvJob { out: out(2 * h, 2 * w), upsample: true, ..case.job(&ops, 1, true) };
+            let (a, b) = (conv(&materialised), conv(&fused));
+            assert_eq!(a.len(), b.len());
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{n}×{h}×{w} {padding:?}");
         }
     }
 

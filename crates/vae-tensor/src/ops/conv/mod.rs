@@ -104,13 +104,34 @@ impl Tensor {
     /// (none for an unpadded 1×1 conv) and per-thread blocks of a few MiB; never an
     /// output-sized temporary.
     pub fn conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv2dParams) -> Result<Tensor> {
+        self.conv2d_of(weight, bias, params, false)
+    }
+
+    /// `self.upsample_nearest2d(2)?.conv2d(weight, bias, params)` (diffusers' `Upsample2D`), the
+    /// same bits, without the 4× map where the kernel can read the input as if upsampled: bf16
+    /// convolutions on AMX (stride 1, `Cin` a multiple of 32) repeat each row and column while
+    /// they pack the input into tiles. Elsewhere the upsampled map is made first.
+    pub fn upsample2x_conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv2dParams) -> Result<Tensor> {
+        self.conv2d_of(weight, bias, params, true)
+    }
+
+    /// [`Tensor::conv2d`] of `self`, or with `upsample` of `self` upsampled 2× (nearest).
+    fn conv2d_of(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv2dParams,
+        upsample: bool,
+    ) -> Result<Tensor> {
         const OP: &str = "conv2d";
-        let &[n, cin, h, w] = self.dims() else {
+        let &[n, cin, h0, w0] = self.dims() else {
             return Err(TensorError::InvalidArgument {
                 op: OP,
                 reason: format!("input must be [N, Cin, H, W], got {}", self.shape()),
             });
         };
+        // The extent the convolution sees.
+        let (h, w) = if upsample { (2 * h0, 2 * w0) } else { (h0, w0) };
         let mismatch = |rhs: &Shape| TensorError::ShapeMismatch { op: OP, lhs: self.shape().clone(), rhs: rhs.clone() };
         let &[cout, wcin, kh, kw] = weight.dims() else { return Err(mismatch(weight.shape())) };
         if wcin != cin {
@@ -134,6 +155,9 @@ impl Tensor {
                 ),
             });
         };
+        if upsample && self.cuda().is_some() {
+            return self.upsample_nearest2d(2)?.conv2d(weight, bias, params);
+        }
         let s = params.stride;
         let [top, bottom, left, right] = params.padding;
         if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
@@ -167,7 +191,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(x.conv3d(None, wt, b, g)?, Shape::new([n, cout, ho, wo])));
         }
         let job = ConvJob {
-            frames: Frames { parts: [&[], self.as_slice_f32()?], part_t: [0, 1], n, cin, h, w },
+            frames: Frames { parts: [&[], self.as_slice_f32()?], part_t: [0, 1], n, cin, h: h0, w: w0 },
             weight: weight.as_slice_f32()?,
             bias: bias.map(|b| b.as_slice_f32()).transpose()?,
             cout,
@@ -178,7 +202,15 @@ impl Tensor {
             out: [1, ho, wo],
             band_align: params.band_align,
             bf16: crate::device::cpu_bf16_active(),
+            upsample,
         };
+        #[cfg(target_arch = "x86_64")]
+        let fused = amx_direct::applies(&job);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fused = false;
+        if upsample && !fused {
+            return self.upsample_nearest2d(2)?.conv2d(weight, bias, params);
+        }
         Ok(Tensor::from_buffer(job.run(simd::isa())?, Shape::new([n, cout, ho, wo])))
     }
 }
@@ -230,6 +262,10 @@ pub(crate) struct ConvJob<'a> {
     pub band_align: usize,
     /// Products in bf16 ([`crate::CpuBf16Scope`]).
     pub bf16: bool,
+    /// The convolution reads `frames` upsampled 2× (nearest): an input of `2h × 2w` whose row
+    /// `y`, column `x` is the frames' `(y / 2, x / 2)`. Only [`amx_direct`] reads it this way;
+    /// the op builds such a job for it alone.
+    pub upsample: bool,
 }
 
 impl ConvJob<'_> {
@@ -254,6 +290,17 @@ impl ConvJob<'_> {
     pub fn run(&self, isa: Isa) -> Result<Buffer> {
         let out_len = self.out_len()?;
         #[cfg(target_arch = "x86_64")]
+        if self.upsample && amx_direct::applies(self) {
+            let _profile = crate::profile::Scope::new("conv.amx_upsample");
+            return amx_direct::run(self, out_len);
+        }
+        if self.upsample {
+            return Err(TensorError::InvalidArgument {
+                op: "conv2d",
+                reason: "only the AMX kernel reads an input upsampled".into(),
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
         if amx_direct::applies(self) {
             let _profile = crate::profile::Scope::new("conv.amx");
             return amx_direct::run(self, out_len);
@@ -271,6 +318,36 @@ impl ConvJob<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused op gives the bits of upsampling then convolving: in f32 (made in two steps) and
+    /// in bf16 (read upsampled by the AMX kernel where the CPU has it), stride 1 and 2, and the
+    /// same typed error for a bad weight.
+    #[test]
+    fn upsample2x_conv2d_is_upsample_then_conv2d() {
+        let dev = crate::Device::Cpu;
+        let x = Tensor::from_vec(crate::ops::test_values(2 * 64 * 5 * 7, 1), [2, 64, 5, 7], &dev).unwrap();
+        let w = Tensor::from_vec(crate::ops::test_values(24 * 64 * 9, 2), [24, 64, 3, 3], &dev).unwrap();
+        let b = Tensor::from_vec(crate::ops::test_values(24, 3), [24], &dev).unwrap();
+        let check = || {
+            for params in [Conv2dParams::same(3), Conv2dParams::same(3).band_aligned(2), Conv2dParams::new(2, [1; 4])] {
+                let fused = x.upsample2x_conv2d(&w, Some(&b), &params).unwrap();
+                let two = x.upsample_nearest2d(2).unwrap().conv2d(&w, Some(&b), &params).unwrap();
+                assert_eq!(fused.dims(), two.dims());
+                let (f, t) = (fused.as_slice_f32().unwrap(), two.as_slice_f32().unwrap());
+                assert!(f.iter().zip(t).all(|(p, q)| p.to_bits() == q.to_bits()), "{params:?}");
+            }
+        };
+        check();
+        if crate::CpuBf16Scope::supported() {
+            let _bf16 = crate::CpuBf16Scope::enter().unwrap();
+            check();
+        }
+        let bad = Tensor::from_vec(vec![0.0; 24 * 32 * 9], [24, 32, 3, 3], &dev).unwrap();
+        assert!(matches!(
+            x.upsample2x_conv2d(&bad, None, &Conv2dParams::same(3)),
+            Err(TensorError::ShapeMismatch { .. })
+        ));
+    }
 
     #[test]
     fn output_sizes_follow_pytorch() {

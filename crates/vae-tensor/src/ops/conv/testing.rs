@@ -59,6 +59,7 @@ impl Case {
             out: self.out(),
             band_align,
             bf16,
+            upsample: false,
         }
     }
 

@@ -77,6 +77,7 @@ fn check_bands(align: usize, row_bands: &[(usize, usize)], col_bands: &[(usize, 
             out: [1, h + top + bottom - 2, w + left + right - 2],
             band_align: align,
             bf16: false,
+            upsample: false,
         };
         run(&job, isa, job.out_len().unwrap()).unwrap().as_slice().to_vec()
     };
