@@ -81,6 +81,13 @@ pub enum PlanError {
     #[error("total workload overflows u64")]
     WorkloadOverflow,
 
+    /// A layer sequence that cannot be cut into the pipeline stages asked for.
+    #[error("invalid pipeline stages: {reason}")]
+    InvalidStages {
+        /// What is wrong, in words.
+        reason: String,
+    },
+
     /// Tiling or merge parameters that diffusers itself could not run, or
     /// that overflow `usize`.
     #[error("invalid tiling: {reason}")]

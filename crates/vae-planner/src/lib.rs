@@ -11,7 +11,8 @@
 //! * who runs which tile ([`balance`]), decided identically everywhere
 //!   without communication;
 //! * the executor's task/grid description ([`grid`]);
-//! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]).
+//! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]);
+//! * for a pipeline over frames, the layers each rank runs ([`stages`]).
 //!
 //! This crate is deliberately pure: no tensors, no I/O, no threads. It is
 //! plain integer (and a little f64) arithmetic, so it can be tested
@@ -37,6 +38,7 @@ pub mod bands;
 pub mod blend;
 pub mod error;
 pub mod grid;
+pub mod stages;
 pub mod tiling;
 
 pub use balance::{Assignment, lpt_assign};
@@ -44,6 +46,7 @@ pub use bands::{BandPartition, ShardAxis, halo_width};
 pub use blend::{BlendRamp, blend_value};
 pub use error::PlanError;
 pub use grid::{GridCoord, GridSpec, TileTask, grid_shape_from_last, workloads};
+pub use stages::StagePartition;
 pub use tiling::{
     AutoencoderKlTiling, AxisMerge, AxisPlan, AxisTiling, CropSegment, MergeRule, Tile2d, TileLayout2d, WanTiling,
 };
