@@ -56,7 +56,7 @@ struct Vae {
 ///   request with the same input, and the results go to rank 0 (`None` elsewhere). `ranks`, if
 ///   given, must equal the world size.
 /// - `mode`: the CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`,
-///   `spatial_shard_width`).
+///   `spatial_shard_width`, `pipeline`).
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
 ///   `tile_sample_stride_width` (video VAEs): the diffusers tiling keywords.

@@ -37,8 +37,8 @@ pub enum BenchCommand {
     /// Latency and peak memory of encoding one image on one rank (local transport, parallel
     /// size 1, untiled, the latent distribution's mean), measured as `bench decode` measures.
     Encode(EncodeBenchArgs),
-    /// One process, side by side: the direct decode on one rank, the spatial-shard decode and
-    /// the tile-parallel decode on N local ranks (each rank with its own thread pool): latency,
+    /// One process, side by side: the direct decode on one rank, the spatial-shard decode, the
+    /// tile-parallel decode and (when asked) the pipelined decode on N local ranks (each rank with its own thread pool): latency,
     /// per-rank activation peak, bytes exchanged, halo bytes, and agreement with the direct
     /// decode.
     Shard(ShardBenchArgs),
@@ -68,7 +68,8 @@ pub struct ShardBenchArgs {
     /// Compute threads of each rank (its own pool).
     #[arg(long, default_value_t = 1)]
     threads_per_rank: usize,
-    /// Which runs, comma-separated, in order: `direct`, `shard`, `tile`.
+    /// Which runs, comma-separated, in order: `direct`, `shard`, `tile`, `pipeline` (the
+    /// decoder's layers in stages over the ranks, frame by frame).
     #[arg(long, default_value = "direct,shard,tile")]
     runs: String,
     /// `cpu` (default) or `cuda[:N]`: every rank on that one device (on a GPU, each rank queues
@@ -601,8 +602,8 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.ranks >= 1 && args.threads_per_rank >= 1, "--ranks and --threads-per-rank must be at least 1");
     let mode: ParallelMode = args.mode.parse()?;
     anyhow::ensure!(
-        mode != ParallelMode::Tile,
-        "--mode is the shard mode (auto or spatial_shard_*); tile always runs as `tile`"
+        !matches!(mode, ParallelMode::Tile | ParallelMode::Pipeline),
+        "--mode is the shard mode (auto or spatial_shard_*); tile and pipeline run as the runs `tile` and `pipeline`"
     );
     let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(args.device.parse()?);
     if let Some(why) = fallback {
@@ -635,7 +636,8 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
             "direct" => (1, RequestOptions { use_tiling: false, ..RequestOptions::default() }),
             "shard" => (args.ranks, RequestOptions { mode, ..RequestOptions::default() }),
             "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
-            other => anyhow::bail!("unknown run {other:?} (direct, shard or tile)"),
+            "pipeline" => (args.ranks, RequestOptions { mode: ParallelMode::Pipeline, ..RequestOptions::default() }),
+            other => anyhow::bail!("unknown run {other:?} (direct, shard, tile or pipeline)"),
         };
         eprintln!("running {name} on {ranks} rank(s) x {} thread(s) on {device}...", args.threads_per_rank);
         if !device.is_cpu() {
@@ -663,6 +665,9 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                         acc.2 + traffic.map_bytes_sent,
                         f64::max(acc.3, traffic.comm_time().as_secs_f64() * 1e3),
                     ),
+                    StrategyReport::Pipeline(stage) => {
+                        (acc.0, acc.1, acc.2, f64::max(acc.3, stage.idle.as_secs_f64() * 1e3))
+                    }
                     StrategyReport::Tile => acc,
                 });
             let (speedup, peak_ratio, diff, identical) = match direct {
@@ -677,7 +682,25 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                 }
                 None => (None, None, None, None),
             };
+            // Pipeline: each stage's steps, busy and hand-over time, weights and peak.
+            let stages: Vec<serde_json::Value> = run
+                .reports
+                .iter()
+                .filter_map(|r| match &r.strategy {
+                    StrategyReport::Pipeline(stage) if stage.stage.is_some() => Some(serde_json::json!({
+                        "rank": r.rank,
+                        "steps": [stage.steps.start, stage.steps.end],
+                        "cost_share": f64::from(stage.cost_share_ppm) / 1e6,
+                        "busy_ms": stage.busy.as_secs_f64() * 1e3,
+                        "idle_ms": stage.idle.as_secs_f64() * 1e3,
+                        "weight_mib": stage.weight_bytes as f64 / MIB,
+                        "exec_peak_mib": rank_peak(r) as f64 / MIB,
+                    })),
+                    _ => None,
+                })
+                .collect();
             serde_json::json!({
+                "stages": stages,
                 "run": run.name,
                 "ranks": run.ranks,
                 "strategy": run.reports[0].strategy.label(),
@@ -748,6 +771,18 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     }
     for row in &rows {
         println!("  {}: {}", row["run"].as_str().unwrap_or(""), row["reason"].as_str().unwrap_or(""));
+        for stage in row["stages"].as_array().into_iter().flatten() {
+            println!(
+                "    rank {} steps {}: predicted {:.1} % of the work, busy {:.0} ms, in hand-overs {:.0} ms, weights {:.1} MiB, peak {:.1} MiB",
+                stage["rank"],
+                stage["steps"],
+                stage["cost_share"].as_f64().unwrap_or(0.0) * 100.0,
+                stage["busy_ms"].as_f64().unwrap_or(0.0),
+                stage["idle_ms"].as_f64().unwrap_or(0.0),
+                stage["weight_mib"].as_f64().unwrap_or(0.0),
+                stage["exec_peak_mib"].as_f64().unwrap_or(0.0),
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

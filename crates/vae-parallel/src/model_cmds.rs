@@ -30,7 +30,8 @@ pub struct ParallelArgs {
     /// of ranks started, unless --ranks says otherwise.
     #[arg(long)]
     vae_patch_parallel_size: Option<usize>,
-    /// `tile` (default), `auto`, `spatial_shard_height` or `spatial_shard_width`.
+    /// `tile` (default), `auto`, `spatial_shard_height`, `spatial_shard_width` or `pipeline`
+    /// (video decode: the decoder's layers in stages over the ranks, frame by frame).
     #[arg(long)]
     vae_parallel_mode: Option<String>,
     /// Tile large inputs as diffusers' `enable_tiling()` does (forced on by a parallel size > 1).

@@ -63,6 +63,34 @@ pub struct RankSummary {
     /// Shard mode: exchanges of GroupNorm statistics.
     #[serde(default)]
     pub norm_exchanges: u64,
+    /// Pipeline mode: this rank's stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<StageSummary>,
+}
+
+/// One rank's stage of a pipeline request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageSummary {
+    /// Its index (`None` on ranks beyond the stages).
+    pub stage: Option<usize>,
+    /// Stages in the pipeline.
+    pub stages: usize,
+    /// The model steps (layers) it ran, `[start, end)` of `total_steps`.
+    pub steps: [usize; 2],
+    /// Steps of the whole model.
+    pub total_steps: usize,
+    /// Its share of the predicted cost (0..1).
+    pub cost_share: f64,
+    /// The bytes of its weights.
+    pub weight_bytes: u64,
+    /// Runs (latent frames) it computed.
+    pub runs: usize,
+    /// Bytes it handed to the next stage (the last stage: to the owner).
+    pub bytes_out: u64,
+    /// Milliseconds computing.
+    pub busy_ms: f64,
+    /// Milliseconds in hand-overs (waiting for its neighbours, and the transfers).
+    pub idle_ms: f64,
 }
 
 /// Milliseconds per phase.
@@ -142,6 +170,21 @@ impl From<&RankReport> for RankSummary {
             map_bytes_sent: shard_traffic(r).map_or(0, |t| t.map_bytes_sent),
             norm_bytes_sent: shard_traffic(r).map_or(0, |t| t.norm_bytes_sent),
             norm_exchanges: shard_traffic(r).map_or(0, |t| t.norm_exchanges),
+            pipeline: match &r.strategy {
+                StrategyReport::Pipeline(p) => Some(StageSummary {
+                    stage: p.stage,
+                    stages: p.stages,
+                    steps: [p.steps.start, p.steps.end],
+                    total_steps: p.total_steps,
+                    cost_share: f64::from(p.cost_share_ppm) / 1e6,
+                    weight_bytes: p.weight_bytes,
+                    runs: p.runs,
+                    bytes_out: p.bytes_out,
+                    busy_ms: ms(p.busy),
+                    idle_ms: ms(p.idle),
+                }),
+                _ => None,
+            },
         }
     }
 }
@@ -149,7 +192,7 @@ impl From<&RankReport> for RankSummary {
 fn shard_traffic(r: &RankReport) -> Option<vae_runtime::ShardTraffic> {
     match &r.strategy {
         StrategyReport::Shard { traffic, .. } => Some(*traffic),
-        StrategyReport::Tile => None,
+        StrategyReport::Tile | StrategyReport::Pipeline(_) => None,
     }
 }
 
@@ -158,7 +201,7 @@ fn shard_traffic(r: &RankReport) -> Option<vae_runtime::ShardTraffic> {
 pub struct RequestReport {
     /// The mode the request asked for (`tile`, `auto`, `spatial_shard_height`, ...).
     pub mode: String,
-    /// What ran: `tile`, `shard-height` or `shard-width`.
+    /// What ran: `tile`, `shard-height`, `shard-width` or `pipeline`.
     pub strategy: String,
     /// Why (the model family's choice or fallback).
     pub reason: String,
@@ -193,8 +236,11 @@ impl RequestReport {
     }
 
     /// What `rank` computed: its tiles, its band of latent rows (height shard) or columns
-    /// (width shard), or nothing.
+    /// (width shard), its stage's model steps (pipeline), or nothing.
     fn work_of(&self, rank: &RankSummary) -> String {
+        if let Some(StageSummary { stage: Some(_), steps: [a, b], .. }) = &rank.pipeline {
+            return format!("steps {a}..{b}");
+        }
         match (rank.band, self.strategy.as_str()) {
             (Some([a, b]), "shard-width") => format!("cols {a}..{b}"),
             (Some([a, b]), _) => format!("rows {a}..{b}"),

@@ -246,6 +246,12 @@ fn bad_input_is_a_clean_error_on_every_rank_and_leaves_no_file() {
         &decode_args(m, l, o, &["--vae-parallel-mode", "diagonal"]),
         "unknown VAE parallel mode",
     );
+    // An image VAE has no frames to pipeline: a typed refusal, not another mode.
+    assert_clean_failure(
+        "pipeline",
+        &decode_args(m, l, o, &["--vae-parallel-mode", "pipeline"]),
+        "AutoencoderKL decodes images: pipeline mode",
+    );
     assert_clean_failure(
         "size0",
         &["decode", "--model", m, "--latent", l, "--out", o, "--vae-patch-parallel-size", "0"],

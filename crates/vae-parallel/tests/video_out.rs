@@ -195,3 +195,39 @@ fn streamed_outputs_are_the_same_files() {
     assert!(ok && text.contains("tile(s)"), "{text}");
     assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "streamed tiles differ");
 }
+
+/// `--vae-parallel-mode pipeline` writes the direct decode's file byte for byte: on 3 local
+/// ranks, and streamed on 2 socket processes; the report names each rank's stage.
+#[test]
+fn pipelined_decodes_write_the_direct_decode_file() {
+    let dir = scratch("pipeline");
+    let (model, latent) = wan21_fixture();
+    let direct = dir.join("direct.npy");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&direct)]);
+    assert!(ok, "{text}");
+    let pipeline = ["--vae-parallel-mode", "pipeline"];
+    for (name, extra) in [
+        ("local", &["--vae-patch-parallel-size", "3"][..]),
+        ("socket", &["--vae-patch-parallel-size", "2", "--transport", "socket", "--stream"][..]),
+    ] {
+        let out = dir.join(format!("{name}.npy"));
+        let report = dir.join(format!("{name}.json"));
+        let base = ["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--report", s(&report)];
+        let (ok, text) = cli(&[&base[..], &pipeline, extra].concat());
+        assert!(ok && text.contains("pipeline"), "{name}: {text}");
+        assert!(std::fs::read(&direct).unwrap() == std::fs::read(&out).unwrap(), "{name}: files differ");
+        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        assert_eq!(report["strategy"], "pipeline", "{report}");
+        let ranks = report["ranks"].as_array().unwrap();
+        for (rank, r) in ranks.iter().enumerate() {
+            assert_eq!(r["pipeline"]["stage"], rank, "{name}: {r}");
+            assert_eq!(r["pipeline"]["runs"], 3, "{name}: every stage ran every latent frame: {r}");
+        }
+    }
+    // The encoder does not pipeline: encode falls back to tiles, with the reason.
+    let video = dir.join("direct.npy");
+    let moments = dir.join("moments.npy");
+    let args = ["encode", "--model", s(&model), "--input", s(&video), "--out", s(&moments)];
+    let (ok, text) = cli(&[&args[..], &pipeline, &["--vae-patch-parallel-size", "2"]].concat());
+    assert!(ok && text.contains("only the decoder runs as a pipeline"), "{text}");
+}

@@ -22,6 +22,11 @@ pub enum Stage {
     Merge,
     /// Computing a band of a spatial-shard request.
     Shard,
+    /// Running one stage of a pipeline.
+    Pipeline {
+        /// The stage.
+        stage: usize,
+    },
 }
 
 impl fmt::Display for Stage {
@@ -31,6 +36,7 @@ impl fmt::Display for Stage {
             Self::Exec { tile_id } => write!(f, "exec of tile {tile_id}"),
             Self::Merge => f.write_str("merge"),
             Self::Shard => f.write_str("sharded computation"),
+            Self::Pipeline { stage } => write!(f, "pipeline stage {stage}"),
         }
     }
 }

@@ -4,7 +4,9 @@
 //! ranks of a [`vae_transport::Communicator`]: every rank splits, assigns tiles with LPT,
 //! executes its own, and the owner merges what it gathered. [`DistributedVaeExecutor::execute_sharded`]
 //! runs a model's [`ShardOperator`] instead: the input cut into bands, one per rank, with halo
-//! exchanges between neighbours ([`shard`]). [`stitch`] is the diffusers-style
+//! exchanges between neighbours ([`shard`]); [`DistributedVaeExecutor::execute_pipeline`]
+//! runs a [`PipelineOperator`]'s layers as stages, one per rank, over runs of frames
+//! ([`pipeline`]). [`stitch`] is the diffusers-style
 //! blend-and-crop merge that the tiled VAEs share; [`progress`] carries how far a request has
 //! got to a progress bar. Model *policy* (which strategy, which tile sizes, who gets the output)
 //! lives in the model adapters, never here.
@@ -13,6 +15,7 @@ pub mod cancel;
 mod error;
 mod executor;
 mod mode;
+pub mod pipeline;
 pub mod progress;
 pub mod shard;
 pub mod stitch;
@@ -26,6 +29,7 @@ pub use executor::{
     RankReport, StrategyReport, TileMap, TileOperator, TilePlan, TileStream, execute_serial,
 };
 pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands};
+pub use pipeline::{PipelineOperator, PipelineStage, PipelineSteps, StageState};
 pub use progress::{Progress, ProgressScope, ProgressSink};
 pub use shard::{ShardContext, ShardGeometry, ShardOperator, ShardTraffic, StreamRuns};
 pub use stitch::StitchSpec;

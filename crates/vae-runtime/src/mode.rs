@@ -16,11 +16,16 @@ pub enum ParallelMode {
     SpatialShardHeight,
     /// Spatial shard along the width, with halo exchange.
     SpatialShardWidth,
+    /// A video decoder's layers cut into stages, one per rank, each latent frame passed from
+    /// stage to stage (video decode only; not in the specification, which lets families add
+    /// strategies).
+    Pipeline,
 }
 
 impl ParallelMode {
     /// Every mode, in the order the CLI lists them.
-    pub const ALL: [ParallelMode; 4] = [Self::Tile, Self::Auto, Self::SpatialShardHeight, Self::SpatialShardWidth];
+    pub const ALL: [ParallelMode; 5] =
+        [Self::Tile, Self::Auto, Self::SpatialShardHeight, Self::SpatialShardWidth, Self::Pipeline];
 
     /// The name used in flags and configs.
     pub fn as_str(self) -> &'static str {
@@ -29,6 +34,7 @@ impl ParallelMode {
             Self::Auto => "auto",
             Self::SpatialShardHeight => "spatial_shard_height",
             Self::SpatialShardWidth => "spatial_shard_width",
+            Self::Pipeline => "pipeline",
         }
     }
 }
@@ -41,7 +47,7 @@ impl fmt::Display for ParallelMode {
 
 /// An unknown mode name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown VAE parallel mode {0:?} (expected tile, auto, spatial_shard_height or spatial_shard_width)")]
+#[error("unknown VAE parallel mode {0:?} (expected tile, auto, spatial_shard_height, spatial_shard_width or pipeline)")]
 pub struct UnknownMode(pub String);
 
 impl FromStr for ParallelMode {
@@ -59,6 +65,8 @@ pub enum Strategy {
     Tile,
     /// Spatial shard along the axis.
     Shard(vae_planner::ShardAxis),
+    /// Pipeline stages over latent frames.
+    Pipeline,
 }
 
 /// A family's decision for one request, with its reason for the report.

@@ -113,6 +113,11 @@ impl<'a> Reader<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| WireError::NotUtf8(self.what))
     }
 
+    /// The next `n` bytes.
+    pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        self.take(n)
+    }
+
     /// Everything not read yet.
     pub fn rest(self) -> &'a [u8] {
         self.bytes

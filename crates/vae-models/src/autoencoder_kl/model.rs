@@ -362,9 +362,16 @@ impl AutoencoderKl {
         Ok(())
     }
 
-    /// Every parallel mode runs: decode and encode shard exactly (the GroupNorms take the whole
-    /// map's statistics from the other ranks).
-    pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
+    /// Every parallel mode but `pipeline` runs: decode and encode shard exactly (the GroupNorms
+    /// take the whole map's statistics from the other ranks); an image has no frames to pipeline.
+    pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
+        if mode == ParallelMode::Pipeline {
+            return Err(ModelError::Unsupported(format!(
+                "{} decodes images: pipeline mode passes a video decoder's latent frames from stage to \
+                 stage (use tile, auto, spatial_shard_height or spatial_shard_width)",
+                self.config.variant.class_name()
+            )));
+        }
         Ok(())
     }
 
@@ -391,6 +398,8 @@ impl AutoencoderKl {
         };
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            // `check_mode` refuses it first.
+            ParallelMode::Pipeline => StrategyChoice::fallback_to_tile("pipeline: an image VAE; tiles"),
             ParallelMode::Auto => self.auto(direction, input_dims, ranks),
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };

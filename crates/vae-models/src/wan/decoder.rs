@@ -19,6 +19,33 @@ struct UpBlock {
     dup_shortcut: Option<(usize, usize)>,
 }
 
+/// One layer (or block) of the decoder, in the order it runs: the unit a pipeline's stages are
+/// cut from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// `conv_in`.
+    ConvIn,
+    /// `mid_block.resnets.k`.
+    MidResnet(usize),
+    /// `mid_block.attentions.0`.
+    MidAttention,
+    /// `up_blocks.b.resnets.j`.
+    Resnet(usize, usize),
+    /// `up_blocks.b`'s upsampler (and, for Wan2.2, the block's DupUp3D shortcut added after it).
+    Upsample(usize),
+    /// `norm_out`, SiLU and `conv_out`.
+    Head,
+}
+
+/// What passes from one step to the next: the activation and, inside a Wan2.2 residual up
+/// block, the block's input for its DupUp3D shortcut.
+pub(super) struct Carry {
+    /// The activation.
+    pub(super) x: Tensor,
+    /// The up block's input while its shortcut is pending.
+    pub(super) shortcut: Option<Tensor>,
+}
+
 /// `WanDecoder3d` (non-residual, Wan2.1).
 pub(super) struct Decoder {
     conv_in: CausalConv3d,
@@ -90,25 +117,114 @@ impl Decoder {
 
     /// One latent frame (chunk) through the decoder, on the whole map or on this rank's band.
     pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>, first_chunk: bool) -> Result<Tensor> {
-        let x = pass.cached_conv(&self.conv_in, x)?;
-        let x = self.mid_resnets[0].forward(&x, pass)?;
-        let x = self.mid_attention.forward_on(&x, pass)?;
-        let mut x = self.mid_resnets[1].forward(&x, pass)?;
-        for block in &self.up_blocks {
-            // DupUp3D moves channels into a 2×2 pixel block: per pixel, so local on a band.
-            let input = block.dup_shortcut.map(|_| x.clone());
-            for resnet in &block.resnets {
-                x = resnet.forward(&x, pass)?;
-            }
-            if let Some(up) = &block.upsample {
-                x = up.forward(&x, pass)?;
-            }
-            if let (Some((factor_t, out_dim)), Some(input)) = (block.dup_shortcut, input) {
-                x.add_assign(&input.dup_up3d(factor_t, 2, out_dim, first_chunk)?)?;
+        let carry = Carry { x: x.clone(), shortcut: None };
+        Ok(self.forward_steps(0..self.steps().len(), carry, pass, first_chunk)?.x)
+    }
+
+    /// The decoder's layers in order, as the steps a pipeline deals out in stages.
+    pub(super) fn steps(&self) -> Vec<Step> {
+        let mut steps = vec![Step::ConvIn, Step::MidResnet(0), Step::MidAttention, Step::MidResnet(1)];
+        for (b, block) in self.up_blocks.iter().enumerate() {
+            steps.extend((0..block.resnets.len()).map(|j| Step::Resnet(b, j)));
+            if block.upsample.is_some() {
+                steps.push(Step::Upsample(b));
             }
         }
-        let x = self.norm_out.forward_silu(&x)?;
-        pass.cached_conv(&self.conv_out, &x)
+        steps.push(Step::Head);
+        steps
+    }
+
+    /// Steps `range` of [`Self::steps`] on one latent frame (chunk): what [`Self::forward`] does
+    /// between those layers, op for op, so stages run one after another give its bits.
+    pub(super) fn forward_steps(
+        &self,
+        range: std::ops::Range<usize>,
+        mut carry: Carry,
+        pass: &mut Pass<'_, '_>,
+        first_chunk: bool,
+    ) -> Result<Carry> {
+        let steps = self.steps();
+        let Some(steps) = steps.get(range.clone()) else {
+            return Err(ModelError::InvalidInput(format!("the decoder has no steps {range:?}")));
+        };
+        for step in steps {
+            let x = &carry.x;
+            carry.x = match *step {
+                Step::ConvIn => pass.cached_conv(&self.conv_in, x)?,
+                Step::MidResnet(k) => self.mid_resnets[k].forward(x, pass)?,
+                Step::MidAttention => self.mid_attention.forward_on(x, pass)?,
+                Step::Resnet(b, j) => {
+                    // DupUp3D's shortcut is the block's input.
+                    if j == 0 && self.up_blocks[b].dup_shortcut.is_some() {
+                        carry.shortcut = Some(x.clone());
+                    }
+                    self.up_blocks[b].resnets[j].forward(x, pass)?
+                }
+                Step::Upsample(b) => {
+                    let block = &self.up_blocks[b];
+                    let mut x = block.upsample.as_ref().expect("a step for every upsampler").forward(x, pass)?;
+                    // DupUp3D moves channels into a 2×2 pixel block: per pixel, so local on a band.
+                    if let Some((factor_t, out_dim)) = block.dup_shortcut {
+                        let input = carry.shortcut.take().ok_or_else(|| {
+                            ModelError::InvalidInput(format!("up block {b}'s shortcut did not reach its upsampler"))
+                        })?;
+                        x.add_assign(&input.dup_up3d(factor_t, 2, out_dim, first_chunk)?)?;
+                    }
+                    x
+                }
+                Step::Head => {
+                    let x = self.norm_out.forward_silu(x)?;
+                    pass.cached_conv(&self.conv_out, &x)?
+                }
+            };
+        }
+        Ok(carry)
+    }
+
+    /// Each step's relative cost for a `h × w` latent: multiply-adds per steady-state chunk
+    /// (a latent frame after the first: the frames it has become by that layer), from the
+    /// layers' weight shapes and resolutions, plus attention's products over the frame.
+    pub(super) fn step_costs(&self, h: usize, w: usize) -> Vec<u64> {
+        let latent = (h * w) as u64;
+        let (mut pixels, mut frames) = (latent, 1u64);
+        let resnet = |r: &ResidualBlock| r.weight_elements();
+        self.steps()
+            .into_iter()
+            .map(|step| match step {
+                Step::ConvIn => self.conv_in.weight_elements() * pixels * frames,
+                Step::MidResnet(k) => resnet(&self.mid_resnets[k]) * pixels * frames,
+                Step::MidAttention => {
+                    let c = self.mid_attention.channels() as u64;
+                    (self.mid_attention.weight_elements() * pixels + 2 * pixels * pixels * c) * frames
+                }
+                Step::Resnet(b, j) => resnet(&self.up_blocks[b].resnets[j]) * pixels * frames,
+                Step::Upsample(b) => {
+                    let up = self.up_blocks[b].upsample.as_ref().expect("a step for every upsampler");
+                    let time = up.time_weight_elements() * pixels * frames;
+                    if up.is_temporal() {
+                        frames *= 2;
+                    }
+                    pixels *= 4;
+                    time + up.conv_weight_elements() * pixels * frames
+                }
+                Step::Head => self.conv_out.weight_elements() * pixels * frames,
+            })
+            .collect()
+    }
+
+    /// The bytes of the weights of `steps`, for a pipeline stage's report.
+    pub(super) fn step_weight_bytes(&self, range: std::ops::Range<usize>) -> u64 {
+        let elements = |step: &Step| match *step {
+            Step::ConvIn => self.conv_in.weight_elements(),
+            Step::MidResnet(k) => self.mid_resnets[k].weight_elements(),
+            Step::MidAttention => self.mid_attention.weight_elements(),
+            Step::Resnet(b, j) => self.up_blocks[b].resnets[j].weight_elements(),
+            Step::Upsample(b) => {
+                self.up_blocks[b].upsample.as_ref().map_or(0, |u| u.time_weight_elements() + u.conv_weight_elements())
+            }
+            Step::Head => self.conv_out.weight_elements(),
+        };
+        self.steps().get(range).unwrap_or(&[]).iter().map(elements).sum::<u64>() * 4
     }
 
     /// Output frames per latent frame after the first (which gives one): 2 per temporal

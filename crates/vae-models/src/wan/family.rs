@@ -7,7 +7,9 @@ use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyC
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::{VideoVaeClass, WanVae};
-use super::operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanShardEncodeOperator};
+use super::operators::{
+    WanDecodeOperator, WanEncodeOperator, WanPipelineDecodeOperator, WanShardDecodeOperator, WanShardEncodeOperator,
+};
 use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
@@ -109,6 +111,12 @@ impl LoadedVae for WanVae {
             (Direction::Encode, Strategy::Shard(axis)) => {
                 executor.execute_sharded(input, &WanShardEncodeOperator::new(self), axis, placement)?
             }
+            (Direction::Decode, Strategy::Pipeline) => {
+                executor.execute_pipeline(input, &WanPipelineDecodeOperator::new(self), placement)?
+            }
+            (Direction::Encode, Strategy::Pipeline) => {
+                return Err(ModelError::Unsupported("the encoder does not run as a pipeline".into()));
+            }
         })
     }
 
@@ -137,6 +145,10 @@ impl LoadedVae for WanVae {
             (Direction::Decode, Strategy::Tile) => {
                 let op = WanDecodeOperator::streaming(self, run.use_tiling);
                 Ok(run.executor.execute_streaming(run.input, &op, sink)?)
+            }
+            (Direction::Decode, Strategy::Pipeline) => {
+                let op = WanPipelineDecodeOperator::streaming(self);
+                Ok(run.executor.execute_pipeline_streaming(run.input, &op, sink)?)
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
         }

@@ -51,6 +51,11 @@ impl CausalConv3d {
         kernel_halo(&self.weight, axis)
     }
 
+    /// The weight's elements: multiply-adds per output pixel and frame.
+    pub(super) fn weight_elements(&self) -> u64 {
+        self.weight.elem_count() as u64
+    }
+
     /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
     /// `halo_axis`, so that axis is not padded again.
     pub(super) fn forward_haloed(
@@ -136,6 +141,12 @@ impl ResidualBlock {
         })
     }
 
+    /// Its convs' weight elements: multiply-adds per output pixel and frame.
+    pub(super) fn weight_elements(&self) -> u64 {
+        let shortcut = self.shortcut.as_ref().map_or(0, CausalConv3d::weight_elements);
+        self.conv1.weight_elements() + self.conv2.weight_elements() + shortcut
+    }
+
     /// RMS norms, SiLU, residual adds and the 1×1×1 shortcut are per pixel: on a band only
     /// the two 3×3×3 convs communicate.
     pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
@@ -166,6 +177,16 @@ impl AttentionBlock {
             to_qkv: Conv2d::load1x1(&mut w.pp("to_qkv"), dim, 3 * dim)?,
             proj: Conv2d::load1x1(&mut w.pp("proj"), dim, dim)?,
         })
+    }
+
+    /// Its projections' weight elements: multiply-adds per pixel and frame.
+    pub(super) fn weight_elements(&self) -> u64 {
+        (self.to_qkv.weight().elem_count() + self.proj.weight().elem_count()) as u64
+    }
+
+    /// The channels attended over.
+    pub(super) fn channels(&self) -> usize {
+        self.proj.out_channels()
     }
 
     /// On a band, attention needs every position of the frame: the whole map is gathered,

@@ -23,4 +23,6 @@ mod resample;
 pub use config::WanConfig;
 pub use family::FAMILY;
 pub use model::{VideoVaeClass, WanVae};
-pub use operators::{WanDecodeOperator, WanEncodeOperator, WanShardDecodeOperator, WanShardEncodeOperator};
+pub use operators::{
+    WanDecodeOperator, WanEncodeOperator, WanPipelineDecodeOperator, WanShardDecodeOperator, WanShardEncodeOperator,
+};

@@ -1,6 +1,7 @@
 //! The loaded Wan / Qwen-Image VAE: loading, the plain decode and encode, and the pipelines'
 //! latent (de)normalisation.
 
+use std::ops::Range;
 use std::path::Path;
 
 use vae_planner::WanTiling;
@@ -10,7 +11,7 @@ use vae_tensor::{DType, Device, Tensor};
 
 use super::cache::Pass;
 use super::config::WanConfig;
-use super::decoder::Decoder;
+use super::decoder::{Carry, Decoder};
 use super::encoder::Encoder;
 use super::layers::CausalConv3d;
 use crate::placement::{check_precision, on_device, to_host};
@@ -44,6 +45,15 @@ pub(super) struct FrameStream<'b, 'c> {
     pass: Pass<'b, 'c>,
     next: usize,
     frames: usize,
+}
+
+/// One pipeline stage's decode in progress: the decoder steps it runs, their causal cache, the
+/// next latent frame and, on the first stage, the latent after `post_quant_conv`.
+pub(super) struct StageStream {
+    latent: Option<Tensor>,
+    steps: Range<usize>,
+    pass: Pass<'static, 'static>,
+    next: usize,
 }
 
 /// The two diffusers classes this module loads; they share the decoder and differ in policy.
@@ -263,6 +273,59 @@ impl WanVae {
         let out = self.decoder.forward(&stream.x.narrow(2, i, 1)?, &mut stream.pass, i == 0)?;
         stream.next += 1;
         to_host(out)
+    }
+
+    /// A pipeline stage running decoder `steps` on `z` a latent frame at a time
+    /// ([`Self::stage_run`]); the first stage computes `post_quant_conv` of the whole latent, as
+    /// the direct decode does.
+    pub(super) fn start_stage(&self, z: &Tensor, steps: Range<usize>) -> Result<StageStream> {
+        let latent = if steps.start == 0 {
+            let mut uploaded = None;
+            let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
+            Some(self.post_quant_conv.forward(zd, None)?)
+        } else {
+            None
+        };
+        Ok(StageStream { latent, steps, pass: Pass::new(None), next: 0 })
+    }
+
+    /// Latent frame `run` through a stage: `carried` is the previous stage's result for it
+    /// (the activation, then the pending DupUp3D shortcut if any; nothing on the first stage).
+    /// Returns the same for the next stage, on the host in f32; from the last stage, the
+    /// frame's output frames (unclamped).
+    pub(super) fn stage_run(&self, stage: &mut StageStream, run: usize, carried: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        vae_runtime::cancel::check()?;
+        if run != stage.next {
+            return Err(ModelError::InvalidInput(format!("stage got latent frame {run}, expected {}", stage.next)));
+        }
+        let upload = |t: &Tensor| -> Result<Tensor> {
+            let mut slot = None;
+            Ok(on_device(t, self.device, self.dtype, &mut slot)?.clone())
+        };
+        let carry = match (&stage.latent, carried.as_slice()) {
+            (Some(latent), []) => Carry { x: latent.narrow(2, run, 1)?, shortcut: None },
+            (None, [x]) => Carry { x: upload(x)?, shortcut: None },
+            (None, [x, shortcut]) => Carry { x: upload(x)?, shortcut: Some(upload(shortcut)?) },
+            (first, given) => {
+                return Err(ModelError::InvalidInput(format!(
+                    "a stage {} got {} tensors from the previous one",
+                    if first.is_some() { "that starts the decoder" } else { "inside the decoder" },
+                    given.len()
+                )));
+            }
+        };
+        stage.pass.next_chunk();
+        let out = self.decoder.forward_steps(stage.steps.clone(), carry, &mut stage.pass, run == 0)?;
+        stage.next += 1;
+        let host = |t: Tensor| -> Result<Tensor> {
+            let t = to_host(t)?;
+            Ok(if t.dtype() == DType::F32 { t } else { t.to_dtype(DType::F32)? })
+        };
+        let mut handed = vec![host(out.x)?];
+        if let Some(shortcut) = out.shortcut {
+            handed.push(host(shortcut)?);
+        }
+        Ok(handed)
     }
 
     /// After the decoder (and, when tiled, the merge): unpatchify (Wan2.2), then clamp.

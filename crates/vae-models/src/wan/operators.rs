@@ -6,12 +6,12 @@ use std::ops::Range;
 use vae_planner::{GridSpec, ShardAxis, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
-    Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, StreamRuns, TileMap, TileOperator, TilePlan,
-    TileStream,
+    Classified, OperatorError, PipelineOperator, PipelineSteps, ShardContext, ShardGeometry, ShardOperator, StageState,
+    StreamRuns, TileMap, TileOperator, TilePlan, TileStream,
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{FrameStream, MapExtent, Output, VideoVaeClass, WanVae};
+use super::model::{FrameStream, MapExtent, Output, StageStream, VideoVaeClass, WanVae};
 
 /// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
 /// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
@@ -220,6 +220,67 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
             })
         });
         Ok(decoded.map_err(Classified::from)?)
+    }
+}
+
+/// Wan / Qwen-Image decode as a pipeline over latent frames: the decoder's layers cut into
+/// stages (balanced on their multiply-adds at the request's resolution), each rank running its
+/// stage's layers with their own causal cache on every latent frame in turn; the owner
+/// unpatchifies (Wan2.2) and clamps each frame's output as the plain decode does.
+pub struct WanPipelineDecodeOperator<'m> {
+    model: &'m WanVae,
+    held: Output,
+}
+
+impl<'m> WanPipelineDecodeOperator<'m> {
+    /// The pipelined decode of `model`, its output assembled on the owner.
+    pub fn new(model: &'m WanVae) -> Self {
+        Self { model, held: Output::Whole }
+    }
+
+    /// The same, streamed: its memory check counts one latent frame's output.
+    pub fn streaming(model: &'m WanVae) -> Self {
+        Self { model, held: Output::Streamed }
+    }
+}
+
+impl PipelineOperator for WanPipelineDecodeOperator<'_> {
+    fn steps(&self, z: &Tensor) -> std::result::Result<PipelineSteps, OperatorError> {
+        self.model.check_latent(z).map_err(Classified::from)?;
+        // A stage holds whole feature maps of its layers.
+        self.model.check_memory(true, z.dims(), MapExtent::Whole, self.held).map_err(Classified::from)?;
+        let d = z.dims();
+        Ok(PipelineSteps {
+            costs: self.model.decoder.step_costs(d[3], d[4]),
+            runs: StreamRuns { runs: d[2], frames: self.model.decoded_frames(d[2]) },
+        })
+    }
+
+    fn start_stage(&self, z: &Tensor, steps: Range<usize>) -> std::result::Result<StageState, OperatorError> {
+        Ok(Box::new(self.model.start_stage(z, steps).map_err(Classified::from)?))
+    }
+
+    fn exec_stage(
+        &self,
+        _: &Tensor,
+        run: usize,
+        state: &mut StageState,
+        carried: Vec<Tensor>,
+    ) -> std::result::Result<Vec<Tensor>, OperatorError> {
+        let stage = state.downcast_mut::<StageStream>().ok_or("not this operator's stage state")?;
+        Ok(self.model.stage_run(stage, run, carried).map_err(Classified::from)?)
+    }
+
+    fn finish(&self, output: Tensor) -> std::result::Result<Tensor, OperatorError> {
+        Ok(self.model.finish_decode(output, true).map_err(Classified::from)?)
+    }
+
+    fn stage_weight_bytes(&self, steps: Range<usize>) -> u64 {
+        self.model.decoder.step_weight_bytes(steps)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
     }
 }
 

@@ -8,7 +8,8 @@ use crate::Result;
 
 impl WanVae {
     /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
-    /// band needs no statistics from the others (encode runs as tiles in every mode).
+    /// band needs no statistics from the others, and the decoder is causal, one latent frame
+    /// at a time, so its layers pipeline over frames.
     pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
         Ok(())
     }
@@ -22,7 +23,9 @@ impl WanVae {
     ///   least as wide as the decoder's widest halo (at any latent size: the shard decode is
     ///   the exact direct decode); otherwise tile, flagged as a fallback. Never the other axis.
     /// - `auto`: with two ranks or more, the longer latent axis that can give every rank a
-    ///   band (width on ties); tile when neither can.
+    ///   band (width on ties); tile when neither can. (It does not choose the pipeline: that
+    ///   needs a cost model that compares it with the shard.)
+    /// - `pipeline`: the decoder's layers in stages over the ranks, for any video latent.
     pub fn decode_strategy(&self, mode: ParallelMode, latent_dims: &[usize], ranks: usize) -> StrategyChoice {
         let extent = |axis: ShardAxis| axis.dim_in(latent_dims.len()).map(|d| latent_dims[d]).unwrap_or(0);
         let fits = |axis: ShardAxis| {
@@ -37,6 +40,7 @@ impl WanVae {
         };
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Pipeline => StrategyChoice::chosen(Strategy::Pipeline, "pipeline requested"),
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 if latent_dims.len() != 5 || fits(axis) {
@@ -83,6 +87,7 @@ impl WanVae {
     /// - `auto`: where tiling would otherwise be used (two ranks or more, frames larger than a
     ///   tile), the shard along the longer axis that fits (width on ties); otherwise tiles.
     /// - `tile`: tiles.
+    /// - `pipeline`: tiles, flagged as a fallback (only the decoder pipelines).
     pub fn encode_strategy(&self, mode: ParallelMode, dims: &[usize], ranks: usize) -> StrategyChoice {
         let unit = self.encode_band_unit();
         let fits = |axis: ShardAxis| -> std::result::Result<(), String> {
@@ -91,6 +96,9 @@ impl WanVae {
         };
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Pipeline => {
+                StrategyChoice::fallback_to_tile("pipeline: only the decoder runs as a pipeline; encoding with tiles")
+            }
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, "encoding")

@@ -41,6 +41,16 @@ impl Upsample {
         kernel_halo(self.conv.weight(), axis)
     }
 
+    /// The resample conv's weight elements: multiply-adds per output pixel.
+    pub(super) fn conv_weight_elements(&self) -> u64 {
+        self.conv.weight().elem_count() as u64
+    }
+
+    /// The time conv's weight elements (0 without one): multiply-adds per input pixel.
+    pub(super) fn time_weight_elements(&self) -> u64 {
+        self.time_conv.as_ref().map_or(0, CausalConv3d::weight_elements)
+    }
+
     /// The time conv (3×1×1) and the nearest upsample are local on a band (the band doubles);
     /// only the 3×3 resample conv takes halo rows.
     pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {

@@ -211,6 +211,7 @@ mod tests {
             exec_peak_bytes: 2 << 20,
             device_peak_bytes: 0,
             band: None,
+            pipeline: None,
             halo_bytes_sent: 0,
             halo_exchanges: 0,
             map_bytes_sent: 0,

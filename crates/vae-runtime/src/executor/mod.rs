@@ -1,6 +1,7 @@
 //! The distributed executor: one request skeleton that every strategy shares, and the
 //! strategies that fill it in (tiles: split / exec / merge of a [`TileOperator`];
-//! spatial shard: bands of a [`ShardOperator`] with halo exchanges).
+//! spatial shard: bands of a [`ShardOperator`] with halo exchanges; pipeline: stages of a
+//! [`PipelineOperator`](crate::pipeline::PipelineOperator) over runs of frames).
 //!
 //! Every request runs the same six phases on every rank: plan (from the input alone), agree
 //! (the same input and a plan that worked, on every rank), compute this rank's share, gather
@@ -14,6 +15,7 @@
 //! the N² of every rank judging an all_gather for itself.
 
 mod failure;
+mod pipelined;
 mod report;
 mod sharded;
 mod streamed;
@@ -229,6 +231,40 @@ impl DistributedVaeExecutor {
         sink: Option<&mut dyn crate::FrameSink>,
     ) -> Result<ExecOutput, RuntimeError> {
         let strategy = streamed::StreamedTileStrategy { op, sink: std::cell::RefCell::new(sink) };
+        let mut out =
+            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
+        out.tensor = None;
+        Ok(out)
+    }
+
+    /// Runs one request of a [`PipelineOperator`](crate::pipeline::PipelineOperator): its steps
+    /// cut into stages balanced on their predicted cost, stage `s` on rank `s` (as many stages
+    /// as the parallel size, fewer when the model has fewer steps), each run (latent frame)
+    /// handed from stage to stage while the earlier stages work on the next runs. The owner
+    /// receives the last stage's output of every run and assembles the output, which goes to
+    /// the ranks `placement` names; it is bit for bit the direct computation's. Errors found
+    /// before the computation are agreed; a failure during it aborts the group.
+    pub fn execute_pipeline<O: crate::pipeline::PipelineOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let strategy = pipelined::PipelineStrategy { op, sink: std::cell::RefCell::new(None), streamed: false };
+        self.abort_unless_known(self.run_request(input, &strategy, op.device(), placement))
+    }
+
+    /// [`execute_pipeline`](Self::execute_pipeline) with the output streamed: the owner
+    /// finishes each run's output as the last stage hands it over and passes it to `sink` (the
+    /// owner's; `None` elsewhere). No rank holds more than its stage's activations and one run
+    /// of the output. The returned output holds no tensor.
+    pub fn execute_pipeline_streaming<O: crate::pipeline::PipelineOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        sink: Option<&mut dyn crate::FrameSink>,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let strategy = pipelined::PipelineStrategy { op, sink: std::cell::RefCell::new(sink), streamed: true };
         let mut out =
             self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
         out.tensor = None;

@@ -8,6 +8,7 @@ use vae_planner::ShardAxis;
 use vae_tensor::Tensor;
 use vae_transport::CommStats;
 
+use crate::pipeline::PipelineStage;
 use crate::shard::ShardTraffic;
 
 /// Which ranks receive the merged output (a per-model contract: e.g. AutoencoderKL and Wan
@@ -30,7 +31,8 @@ pub struct PhaseTimings {
     /// Computing: this rank's tiles, or its band of a shard computation (without the
     /// communication inside it, which is [`Self::halo`]).
     pub exec: Duration,
-    /// Shard mode: communication inside the computation (halo exchanges and full-map gathers).
+    /// Shard mode: communication inside the computation (halo exchanges and full-map gathers);
+    /// pipeline mode: the hand-overs between stages (waiting for the neighbours included).
     pub halo: Duration,
     /// Exchanging tile shapes and gathering tiles to the owner.
     pub gather: Duration,
@@ -97,14 +99,17 @@ pub enum StrategyReport {
         /// Communication inside the computation.
         traffic: ShardTraffic,
     },
+    /// A pipeline over runs of frames: this rank's stage.
+    Pipeline(PipelineStage),
 }
 
 impl StrategyReport {
-    /// "tile", "shard-height" or "shard-width".
+    /// "tile", "shard-height", "shard-width" or "pipeline".
     pub fn label(&self) -> String {
         match self {
             Self::Tile => "tile".into(),
             Self::Shard { axis, .. } => format!("shard-{axis}"),
+            Self::Pipeline(_) => "pipeline".into(),
         }
     }
 }

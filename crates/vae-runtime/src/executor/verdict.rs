@@ -85,6 +85,7 @@ fn write_stage(w: &mut Writer, stage: Stage) {
         Stage::Exec { tile_id } => w.u8(1).usize(tile_id),
         Stage::Merge => w.u8(2),
         Stage::Shard => w.u8(3),
+        Stage::Pipeline { stage } => w.u8(4).usize(stage),
     };
 }
 
@@ -94,6 +95,7 @@ fn read_stage(rd: &mut Reader<'_>) -> Result<Stage, RuntimeError> {
         1 => Stage::Exec { tile_id: rd.usize()? },
         2 => Stage::Merge,
         3 => Stage::Shard,
+        4 => Stage::Pipeline { stage: rd.usize()? },
         tag => return Err(RuntimeError::Protocol(format!("unknown stage {tag}"))),
     })
 }
@@ -145,6 +147,12 @@ mod tests {
                 message: String::new(),
             },
             RuntimeError::Operator { stage: Stage::Shard, rank: 2, kind: FailureKind::Failed, message: "band".into() },
+            RuntimeError::Operator {
+                stage: Stage::Pipeline { stage: 3 },
+                rank: 3,
+                kind: FailureKind::Failed,
+                message: "stage".into(),
+            },
             RuntimeError::Config("bad".into()),
             RuntimeError::Inconsistent("tile 3 came back twice (rank 1)".into()),
         ];
