@@ -231,3 +231,53 @@ fn pipelined_decodes_write_the_direct_decode_file() {
     let (ok, text) = cli(&[&args[..], &pipeline, &["--vae-patch-parallel-size", "2"]].concat());
     assert!(ok && text.contains("only the decoder runs as a pipeline"), "{text}");
 }
+
+/// A rank killed in the middle of a streamed pipeline decode (over socket processes) fails the
+/// request on every rank, fast, and the owner leaves no file, final or staged.
+#[test]
+fn a_rank_killed_mid_pipeline_fails_the_request_and_leaves_no_file() {
+    use vae_parallel::tensor::{Device, Tensor};
+    let dir = scratch("pipeline-kill");
+    let (model, _) = wan21_fixture();
+    // Long enough to be killed mid-stream, even unoptimised: 48 latent frames of 16×16.
+    let latent = dir.join("long.npy");
+    let z = Tensor::seeded_uniform(vec![1, 16, 48, 16, 16], 3, -1.0, 1.0, &Device::Cpu).unwrap();
+    std::fs::write(&latent, vae_parallel::io::npy_bytes(&z).unwrap()).unwrap();
+    let frames = dir.join("frames");
+    std::fs::create_dir_all(&frames).unwrap();
+    let out = frames.join("clip.png");
+    let child = Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
+        .args(["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--stream"])
+        .args(["--vae-parallel-mode", "pipeline", "--vae-patch-parallel-size", "2", "--transport", "socket"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let supervisor = child.id();
+    // Rank 1, once the owner has staged its first frames.
+    let rank_one = || -> Option<String> {
+        let children = std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children")).ok()?;
+        children.split_whitespace().map(str::to_string).find(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            environ.split(|b| *b == 0).any(|var| var == b"VAE_RANK=1")
+        })
+    };
+    let started = std::time::Instant::now();
+    let victim = loop {
+        let staged = std::fs::read_dir(&frames).unwrap().count();
+        if let (true, Some(pid)) = (staged > 0, rank_one()) {
+            break pid;
+        }
+        assert!(started.elapsed().as_secs() < 120, "the decode never started streaming");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    assert!(Command::new("kill").args(["-KILL", &victim]).status().unwrap().success());
+    let killed = std::time::Instant::now();
+    let output = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the request succeeded without rank 1: {text}");
+    assert!(killed.elapsed().as_secs() < 30, "the group took {:?} to give up", killed.elapsed());
+    assert!(text.contains("rank 1"), "the failure names the lost rank: {text}");
+    let left: Vec<_> = std::fs::read_dir(&frames).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
