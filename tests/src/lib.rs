@@ -187,3 +187,46 @@ pub fn shard_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
     (tensor, outs.into_iter().map(|o| o.report).collect())
 }
+
+/// A frame sink that keeps nothing.
+pub struct DiscardFrames;
+
+impl vae_runtime::FrameSink for DiscardFrames {
+    fn begin(&mut self, _: &[usize]) -> Result<(), vae_runtime::SinkError> {
+        Ok(())
+    }
+
+    fn frames(&mut self, _: usize, _: vae_tensor::Tensor) -> Result<(), vae_runtime::SinkError> {
+        Ok(())
+    }
+}
+
+/// Asserts that a streamed request's tensor peak on every one of 2 local ranks grows by at most
+/// 10 % from 2 to 16 latent frames (Wan2.1's 16 channels, `hw` latent pixels): `run` makes the
+/// request on one rank, the owner's sink (`Some` on rank 0) keeping nothing, and returns that
+/// rank's report.
+pub fn assert_streamed_peaks_flat<F>(hw: [usize; 2], seed: u64, run: F)
+where
+    F: Fn(
+            &vae_runtime::DistributedVaeExecutor,
+            &vae_tensor::Tensor,
+            Option<&mut dyn vae_runtime::FrameSink>,
+        ) -> vae_runtime::RankReport
+        + Sync,
+{
+    let peaks = |frames: usize| -> Vec<usize> {
+        let z = random_tensor(&[1, 16, frames, hw[0], hw[1]], seed);
+        let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {
+            let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), 2).unwrap();
+            let mut sink = DiscardFrames;
+            let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn vae_runtime::FrameSink);
+            run(&exec, &z, sink).peak_bytes
+        })
+        .unwrap();
+        results.into_iter().map(|r| r.unwrap()).collect()
+    };
+    let (short, long) = (peaks(2), peaks(16));
+    for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
+        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
+    }
+}

@@ -121,39 +121,13 @@ fn a_one_frame_latent_and_a_batch_pipeline_too() {
     }
 }
 
-/// Counts the frames and keeps none of them.
-#[derive(Default)]
-struct Discard;
-
-impl FrameSink for Discard {
-    fn begin(&mut self, _: &[usize]) -> Result<(), SinkError> {
-        Ok(())
-    }
-
-    fn frames(&mut self, _: usize, _: Tensor) -> Result<(), SinkError> {
-        Ok(())
-    }
-}
-
 #[test]
 fn a_streamed_pipeline_peaks_the_same_for_few_and_many_frames() {
     let model = model("wan", "wan21_like");
     let op = WanPipelineDecodeOperator::streaming(&model);
-    let peaks = |frames: usize| -> Vec<usize> {
-        let z = random_tensor(&[1, 16, frames, 6, 8], 5);
-        let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {
-            let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-            let mut sink = Discard;
-            let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn FrameSink);
-            exec.execute_pipeline_streaming(&z, &op, sink).unwrap().report.peak_bytes
-        })
-        .unwrap();
-        results.into_iter().map(|r| r.unwrap()).collect()
-    };
-    let (short, long) = (peaks(2), peaks(16));
-    for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
-        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
-    }
+    vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
+        exec.execute_pipeline_streaming(z, &op, sink).unwrap().report
+    });
     // Unstreamed, the owner assembles the whole output: its peak grows, so the measure sees it.
     let owner_peak = |frames: usize| {
         let z = random_tensor(&[1, 16, frames, 6, 8], 5);

@@ -214,23 +214,9 @@ fn a_streamed_shard_is_the_shard_decode_bit_for_bit() {
 fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
     let model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
     let op = vae_models::wan::WanShardDecodeOperator::streaming(&model);
-    // Every rank's tensor peak, the owner's sink keeping nothing.
-    let peaks = |frames: usize| -> Vec<usize> {
-        let z = random_tensor(&[1, 16, frames, 6, 8], 5);
-        let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {
-            let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), 2).unwrap();
-            let mut sink = Discard::default();
-            let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn FrameSink);
-            let out = exec.execute_sharded_streaming(&z, &op, vae_runtime::ShardAxis::Height, sink).unwrap();
-            out.report.peak_bytes
-        })
-        .unwrap();
-        results.into_iter().map(|r| r.unwrap()).collect()
-    };
-    let (short, long) = (peaks(2), peaks(16));
-    for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
-        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
-    }
+    vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
+        exec.execute_sharded_streaming(z, &op, vae_runtime::ShardAxis::Height, sink).unwrap().report
+    });
     // Unstreamed, the owner's peak grows with the frames it assembles: the measurement sees it.
     let owner_peak = |frames: usize| {
         let z = random_tensor(&[1, 16, frames, 6, 8], 5);
@@ -309,21 +295,9 @@ fn a_streamed_tile_decode_peaks_the_same_for_few_and_many_frames() {
     let mut model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
     model.set_tiling([16, 24], [8, 16]).unwrap();
     let op = vae_models::wan::WanDecodeOperator::streaming(&model, true);
-    let peaks = |frames: usize| -> Vec<usize> {
-        let z = random_tensor(&[1, 16, frames, 4, 6], 3);
-        let results = vae_transport::run_local(2, vae_transport::TransportConfig::default(), |comm| {
-            let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), 2).unwrap();
-            let mut sink = Discard::default();
-            let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn FrameSink);
-            let out = exec.execute_streaming(&z, &op, sink).unwrap();
-            assert!(out.report.tile_count > 2);
-            out.report.peak_bytes
-        })
-        .unwrap();
-        results.into_iter().map(|r| r.unwrap()).collect()
-    };
-    let (short, long) = (peaks(2), peaks(16));
-    for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
-        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
-    }
+    vae_integration_tests::assert_streamed_peaks_flat([4, 6], 3, |exec, z, sink| {
+        let out = exec.execute_streaming(z, &op, sink).unwrap();
+        assert!(out.report.tile_count > 2);
+        out.report
+    });
 }

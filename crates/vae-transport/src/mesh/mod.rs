@@ -278,11 +278,11 @@ impl<W: Wire> MeshComm<W> {
             self.abort(&format!("rank {} panicked", self.rank));
             return;
         }
-        let poisoned = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match poisoned {
+        match self.failure() {
             None => self.wire.announce_departure(),
-            // Leaving after a failure: repeat who failed first, so that a peer that has not
-            // heard of it yet blames the right rank rather than this departure.
+            // Leaving after a failure, this rank's own or one it heard of: repeat who failed
+            // first, so that a peer that has not heard of it yet (one waiting for this rank
+            // alone, say) blames the right rank rather than this departure.
             Some(err) => {
                 let (rank, reason) = blame(&err, self.rank);
                 self.wire.announce_failure(rank, &reason);
