@@ -38,9 +38,9 @@ pub enum BenchCommand {
     /// size 1, untiled, the latent distribution's mean), measured as `bench decode` measures.
     Encode(EncodeBenchArgs),
     /// One process, side by side: the direct decode on one rank, the spatial-shard decode, the
-    /// tile-parallel decode and (when asked) the pipelined decode on N local ranks (each rank with its own thread pool): latency,
-    /// per-rank activation peak, bytes exchanged, halo bytes, and agreement with the direct
-    /// decode.
+    /// tile-parallel decode and (when asked) the pipelined decode on N local ranks (each rank
+    /// with its own thread pool): latency, per-rank activation peak, bytes exchanged, halo
+    /// bytes, and agreement with the direct decode.
     Shard(ShardBenchArgs),
     /// Each op the decoders spend their time in, alone, at a Wan2.1 480x832 (and SD 1024 px)
     /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak.
@@ -665,10 +665,8 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                         acc.2 + traffic.map_bytes_sent,
                         f64::max(acc.3, traffic.comm_time().as_secs_f64() * 1e3),
                     ),
-                    StrategyReport::Pipeline(stage) => {
-                        (acc.0, acc.1, acc.2, f64::max(acc.3, stage.idle.as_secs_f64() * 1e3))
-                    }
-                    StrategyReport::Tile => acc,
+                    // A pipeline's hand-overs (waiting included) are in its per-stage lines.
+                    StrategyReport::Pipeline(_) | StrategyReport::Tile => acc,
                 });
             let (speedup, peak_ratio, diff, identical) = match direct {
                 Some(d) => {

@@ -3,8 +3,9 @@
 //!
 //! A pipeline-parallel decode passes each latent frame through every stage in turn, stage `s`
 //! on rank `s`, while the earlier stages already work on the next frames. After the pipeline
-//! fills, a frame leaves every `max_s cost(s)`; the cut that minimises that maximum is found
-//! exactly by dynamic programming over the (few dozen) steps.
+//! fills, a frame leaves about every `max_s cost(s)` (plus the hand-overs, and what the owner
+//! does with each frame); the cut that minimises that maximum is found exactly by dynamic
+//! programming over the (few dozen) steps.
 
 use std::ops::Range;
 

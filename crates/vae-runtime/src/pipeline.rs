@@ -76,7 +76,8 @@ pub struct PipelineStage {
     pub weight_bytes: u64,
     /// Runs that went through it.
     pub runs: usize,
-    /// Bytes it handed to the next stage.
+    /// Bytes it sent in hand-overs: to the next stage (from the last stage, to the owner),
+    /// the one-byte empty messages of its idle ticks included.
     pub bytes_out: u64,
     /// The time it spent computing.
     pub busy: std::time::Duration,

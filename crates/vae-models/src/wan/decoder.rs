@@ -46,6 +46,11 @@ pub(super) struct Carry {
     pub(super) shortcut: Option<Tensor>,
 }
 
+/// The error of a step list that names an upsampler the block does not have.
+fn no_upsampler(block: usize) -> ModelError {
+    ModelError::InvalidInput(format!("up block {block} has no upsampler"))
+}
+
 /// `WanDecoder3d` (non-residual, Wan2.1).
 pub(super) struct Decoder {
     conv_in: CausalConv3d,
@@ -116,8 +121,8 @@ impl Decoder {
     }
 
     /// One latent frame (chunk) through the decoder, on the whole map or on this rank's band.
-    pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>, first_chunk: bool) -> Result<Tensor> {
-        let carry = Carry { x: x.clone(), shortcut: None };
+    pub(super) fn forward(&self, x: Tensor, pass: &mut Pass<'_, '_>, first_chunk: bool) -> Result<Tensor> {
+        let carry = Carry { x, shortcut: None };
         Ok(self.forward_steps(0..self.steps().len(), carry, pass, first_chunk)?.x)
     }
 
@@ -162,7 +167,8 @@ impl Decoder {
                 }
                 Step::Upsample(b) => {
                     let block = &self.up_blocks[b];
-                    let mut x = block.upsample.as_ref().expect("a step for every upsampler").forward(x, pass)?;
+                    let up = block.upsample.as_ref().ok_or_else(|| no_upsampler(b))?;
+                    let mut x = up.forward(x, pass)?;
                     // DupUp3D moves channels into a 2×2 pixel block: per pixel, so local on a band.
                     if let Some((factor_t, out_dim)) = block.dup_shortcut {
                         let input = carry.shortcut.take().ok_or_else(|| {
@@ -185,36 +191,40 @@ impl Decoder {
     /// (a latent frame after the first: the frames it has become by that layer), from the
     /// layers' weight shapes and resolutions, plus attention's products over the frame.
     pub(super) fn step_costs(&self, h: usize, w: usize) -> Vec<u64> {
-        let latent = (h * w) as u64;
-        let (mut pixels, mut frames) = (latent, 1u64);
-        let resnet = |r: &ResidualBlock| r.weight_elements();
+        let (mut pixels, mut frames) = ((h * w) as u64, 1u64);
         self.steps()
             .into_iter()
-            .map(|step| match step {
-                Step::ConvIn => self.conv_in.weight_elements() * pixels * frames,
-                Step::MidResnet(k) => resnet(&self.mid_resnets[k]) * pixels * frames,
-                Step::MidAttention => {
-                    let c = self.mid_attention.channels() as u64;
-                    (self.mid_attention.weight_elements() * pixels + 2 * pixels * pixels * c) * frames
-                }
-                Step::Resnet(b, j) => resnet(&self.up_blocks[b].resnets[j]) * pixels * frames,
-                Step::Upsample(b) => {
-                    let up = self.up_blocks[b].upsample.as_ref().expect("a step for every upsampler");
-                    let time = up.time_weight_elements() * pixels * frames;
-                    if up.is_temporal() {
-                        frames *= 2;
+            .map(|step| {
+                let per_pixel = self.step_weight_elements(step);
+                match step {
+                    Step::MidAttention => {
+                        let c = self.mid_attention.channels() as u64;
+                        let products = pixels.saturating_mul(pixels).saturating_mul(2 * c);
+                        per_pixel.saturating_mul(pixels).saturating_add(products).saturating_mul(frames)
                     }
-                    pixels *= 4;
-                    time + up.conv_weight_elements() * pixels * frames
+                    Step::Upsample(b) => {
+                        // The time conv at the input's resolution and frames, the resample conv
+                        // at the output's.
+                        let up = self.up_blocks[b].upsample.as_ref();
+                        let time = up.map_or(0, |u| u.time_weight_elements());
+                        let before = time.saturating_mul(pixels).saturating_mul(frames);
+                        if up.is_some_and(|u| u.is_temporal()) {
+                            frames *= 2;
+                        }
+                        pixels = pixels.saturating_mul(4);
+                        let after = (per_pixel - time).saturating_mul(pixels).saturating_mul(frames);
+                        before.saturating_add(after)
+                    }
+                    _ => per_pixel.saturating_mul(pixels).saturating_mul(frames),
                 }
-                Step::Head => self.conv_out.weight_elements() * pixels * frames,
             })
             .collect()
     }
 
-    /// The bytes of the weights of `steps`, for a pipeline stage's report.
-    pub(super) fn step_weight_bytes(&self, range: std::ops::Range<usize>) -> u64 {
-        let elements = |step: &Step| match *step {
+    /// The weight elements of one step's convolutions and projections (its multiply-adds per
+    /// output pixel and frame, the upsampler's two convs summed).
+    fn step_weight_elements(&self, step: Step) -> u64 {
+        match step {
             Step::ConvIn => self.conv_in.weight_elements(),
             Step::MidResnet(k) => self.mid_resnets[k].weight_elements(),
             Step::MidAttention => self.mid_attention.weight_elements(),
@@ -223,8 +233,14 @@ impl Decoder {
                 self.up_blocks[b].upsample.as_ref().map_or(0, |u| u.time_weight_elements() + u.conv_weight_elements())
             }
             Step::Head => self.conv_out.weight_elements(),
-        };
-        self.steps().get(range).unwrap_or(&[]).iter().map(elements).sum::<u64>() * 4
+        }
+    }
+
+    /// The bytes of the weights of `steps` (convolutions and projections; biases and norm
+    /// scales, a fraction of a percent, aside), for a pipeline stage's report.
+    pub(super) fn step_weight_bytes(&self, range: std::ops::Range<usize>) -> u64 {
+        let elements: u64 = self.steps().get(range).unwrap_or(&[]).iter().map(|s| self.step_weight_elements(*s)).sum();
+        elements * self.conv_in.weight_dtype().size_in_bytes() as u64
     }
 
     /// Output frames per latent frame after the first (which gives one): 2 per temporal

@@ -56,6 +56,11 @@ impl CausalConv3d {
         self.weight.elem_count() as u64
     }
 
+    /// The weight's element type.
+    pub(super) fn weight_dtype(&self) -> vae_tensor::DType {
+        self.weight.dtype()
+    }
+
     /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
     /// `halo_axis`, so that axis is not padded again.
     pub(super) fn forward_haloed(

@@ -270,7 +270,7 @@ impl WanVae {
             )));
         }
         stream.pass.next_chunk();
-        let out = self.decoder.forward(&stream.x.narrow(2, i, 1)?, &mut stream.pass, i == 0)?;
+        let out = self.decoder.forward(stream.x.narrow(2, i, 1)?, &mut stream.pass, i == 0)?;
         stream.next += 1;
         to_host(out)
     }

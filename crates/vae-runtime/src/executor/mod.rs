@@ -490,6 +490,15 @@ fn inconsistent(err: impl Into<RuntimeError>) -> RuntimeError {
     }
 }
 
+/// A failure of this rank in `stage` of a computation its peers may be waiting on: the group
+/// is aborted (they fail fast, with an error naming this rank) and the failure returned.
+fn abort_at(exec: &DistributedVaeExecutor, stage: Stage, failure: Failure) -> RuntimeError {
+    let rank = exec.comm.rank();
+    let err = failure.at(stage, rank);
+    exec.comm.abort(&format!("rank {rank} failed: {err}"));
+    err
+}
+
 /// Runs operator code, turning errors and panics into text with the error's causes, and the
 /// kind a [`Classified`] error names ([`FailureKind::Failed`] for any other error, and for a
 /// panic).

@@ -28,8 +28,8 @@ pub struct PhaseTimings {
     pub split: Duration,
     /// Agreeing on the input (hash exchange).
     pub agree: Duration,
-    /// Computing: this rank's tiles, or its band of a shard computation (without the
-    /// communication inside it, which is [`Self::halo`]).
+    /// Computing: this rank's tiles, its band of a shard computation or its pipeline stage
+    /// (without the communication inside it, which is [`Self::halo`]).
     pub exec: Duration,
     /// Shard mode: communication inside the computation (halo exchanges and full-map gathers);
     /// pipeline mode: the hand-overs between stages (waiting for the neighbours included).

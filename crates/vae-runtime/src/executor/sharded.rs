@@ -156,9 +156,8 @@ pub(super) fn band_message(band: Option<&Tensor>, rank: usize) -> Result<Writer,
 /// A failure inside a sharded computation: the neighbours may be waiting for this rank's
 /// halo, so the group is aborted and they fail fast with a transport error naming it.
 pub(super) fn abort_shard(exec: &DistributedVaeExecutor, rank: usize, failure: Failure) -> RuntimeError {
-    let err = failure.at(Stage::Shard, rank);
-    exec.comm.abort(&format!("rank {rank} failed: {err}"));
-    err
+    debug_assert_eq!(rank, exec.comm.rank());
+    super::abort_at(exec, Stage::Shard, failure)
 }
 
 /// The owner's output band and the other ranks' gathered bands, concatenated along the axis

@@ -60,7 +60,7 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
 }
 
 /// The owner's feed into its sink on rank 0 (which must have a sink), `None` elsewhere.
-fn feed_of<'a, 's: 'a>(
+pub(super) fn feed_of<'a, 's: 'a>(
     rank: usize,
     sink: Option<&'a mut (dyn FrameSink + 's)>,
     total: usize,
@@ -73,7 +73,7 @@ fn feed_of<'a, 's: 'a>(
 }
 
 /// Passes one finished run to the owner's sink; its failure is the merge's, on the owner.
-fn hand_on(feed: &mut FrameFeed<'_>, frames: Tensor) -> Result<(), RuntimeError> {
+pub(super) fn hand_on(feed: &mut FrameFeed<'_>, frames: Tensor) -> Result<(), RuntimeError> {
     feed.feed(frames).map_err(|e| Failure::from(format!("passing on decoded frames: {e}")).at(Stage::Merge, OWNER))
 }
 
@@ -212,11 +212,7 @@ impl<O: TileOperator> RequestStrategy for StreamedTileStrategy<'_, '_, O> {
         let workloads: Vec<u64> = tiles.tasks.iter().map(|t| t.workload).collect();
         let assignment = lpt_assign(&workloads, exec.parallel_size)?;
         let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
-        let abort = |failure: Failure, stage: Stage| {
-            let err = failure.at(stage, rank);
-            exec.comm.abort(&format!("rank {rank} failed: {err}"));
-            err
-        };
+        let abort = |failure: Failure, stage: Stage| super::abort_at(exec, stage, failure);
         let mut sink = self.sink.borrow_mut();
         let mut owner = feed_of(rank, sink.as_deref_mut(), runs.frames).map_err(|f| abort(f, Stage::Merge))?;
         let mut states = Vec::with_capacity(mine.len());
@@ -296,6 +292,6 @@ fn streams(runs: Option<StreamRuns>) -> Result<StreamRuns, Failure> {
 
 /// A streamed request's outcome after its computation: nothing is left to gather, and the
 /// owner's is an empty tensor (the frames went to the sink).
-fn nothing_left(exec: &DistributedVaeExecutor) -> Option<Result<Tensor, RuntimeError>> {
+pub(super) fn nothing_left(exec: &DistributedVaeExecutor) -> Option<Result<Tensor, RuntimeError>> {
     (exec.comm.rank() == OWNER).then(|| Tensor::zeros(vec![0], DType::F32, &Device::Cpu).map_err(Into::into))
 }
