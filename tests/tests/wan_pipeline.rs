@@ -191,3 +191,57 @@ fn a_bad_latent_is_one_agreed_error_on_every_rank() {
         assert_eq!(text, &errors[0].1);
     }
 }
+
+#[test]
+fn processes_that_keep_only_their_stage_decode_the_same_bits() {
+    for (family, name) in FAMILIES {
+        let z_dim = model(family, name).config().z_dim;
+        let z = random_tensor(&[1, z_dim, 3, 5, 7], 13);
+        let direct = model(family, name).decode(&z).unwrap();
+        // One model per rank, as one process per rank loads its own; each keeps its stage.
+        let models: Vec<WanVae> = (0..3)
+            .map(|rank| {
+                let mut m = model(family, name);
+                let before = vae_tensor::memory::live_bytes();
+                let steps = m.keep_only_pipeline_stage(z.dims(), 3, rank).unwrap();
+                assert!(!steps.is_empty(), "{name}: rank {rank} has a stage");
+                assert!(vae_tensor::memory::live_bytes() < before, "{name}: rank {rank} let go of nothing");
+                m
+            })
+            .collect();
+        let results = vae_transport::run_local(3, vae_transport::TransportConfig::default(), |comm| {
+            let rank = vae_transport::Communicator::rank(&comm);
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+            let op = WanPipelineDecodeOperator::new(&models[rank]);
+            exec.execute_pipeline(&z, &op, OutputPlacement::OwnerOnly).unwrap().tensor
+        })
+        .unwrap();
+        let out = results.into_iter().next().unwrap().unwrap().expect("the owner has the output");
+        assert!(out.bit_eq(&direct), "{name}: not bit-identical with kept stages");
+
+        // A kept stage runs nothing else: the whole decode, an encode, another size, another
+        // cut, and keeping twice are typed errors.
+        let kept = &models[1];
+        let refused = |what: &str, err: vae_models::ModelError| {
+            assert!(err.to_string().contains("keeps only the weights of pipeline stage 1 of 3"), "{what}: {err}");
+        };
+        refused("decode", kept.decode(&z).unwrap_err());
+        refused("mode", kept.check_mode(vae_runtime::ParallelMode::Tile).unwrap_err());
+        refused("encode", kept.encode_moments(&random_tensor(&[1, 3, 1, 16, 16], 2)).unwrap_err());
+        let mut again = model(family, name);
+        again.keep_only_pipeline_stage(z.dims(), 3, 0).unwrap();
+        let err = again.keep_only_pipeline_stage(z.dims(), 3, 0).unwrap_err();
+        assert!(err.to_string().contains("already kept one"), "{err}");
+        let other_size = random_tensor(&[1, z_dim, 3, 6, 7], 13);
+        let results = vae_transport::run_local(3, vae_transport::TransportConfig::default(), |comm| {
+            let rank = vae_transport::Communicator::rank(&comm);
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+            let op = WanPipelineDecodeOperator::new(&models[rank]);
+            exec.execute_pipeline(&other_size, &op, OutputPlacement::OwnerOnly).unwrap_err().to_string()
+        })
+        .unwrap();
+        for err in results.into_iter().map(|r| r.unwrap()) {
+            assert!(err.contains("for 5x7 latents, not 6x7 ones"), "{name}: {err}");
+        }
+    }
+}

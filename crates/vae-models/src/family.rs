@@ -154,6 +154,19 @@ pub trait LoadedVae: Send + Sync {
             run.strategy
         )))
     }
+    /// For a process that serves one stage of pipelined decodes: lets go of every weight
+    /// except those the stage of `rank` uses in a pipelined decode of `latent_dims` latents over
+    /// `ranks` ranks, and returns the stage's steps (empty beyond the stages). The model then
+    /// runs that stage of such decodes and refuses everything else. The default refuses: no
+    /// pipeline.
+    fn keep_only_pipeline_stage(
+        &mut self,
+        _latent_dims: &[usize],
+        _ranks: usize,
+        _rank: usize,
+    ) -> Result<std::ops::Range<usize>> {
+        Err(ModelError::Unsupported(format!("{} has no pipeline stages", self.class_name())))
+    }
     /// The plain encode on this process: the raw moments (`vae._encode(x)` without tiling).
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor>;
     /// What `inspect` shows beyond the class: labelled lines (parameters, channels, layout,

@@ -14,6 +14,11 @@ use crate::weights::Weights;
 /// result is the same band of the whole map's result, bit for bit.
 pub type Band<'a, 'c> = Option<&'a mut ShardContext<'c>>;
 
+/// An empty tensor in place of weights a model has let go of.
+pub(crate) fn released() -> Result<Tensor> {
+    Ok(Tensor::from_vec(Vec::new(), vec![0], &vae_tensor::Device::Cpu)?)
+}
+
 /// `nn.Conv2d` with bias.
 #[derive(Debug, Clone)]
 pub struct Conv2d {
@@ -26,6 +31,14 @@ impl Conv2d {
     /// Loads `weight` `[cout, cin, k, k]` and `bias` `[cout]` from `w`.
     pub fn load(w: &mut Weights<'_>, cin: usize, cout: usize, k: usize, params: Conv2dParams) -> Result<Self> {
         Ok(Self { weight: w.get("weight", &[cout, cin, k, k])?, bias: w.get("bias", &[cout])?, params })
+    }
+
+    /// Frees the weights (a model that keeps only some of its layers): the convolution
+    /// cannot run afterwards, and its owner must refuse to run it.
+    pub(crate) fn release(&mut self) -> Result<()> {
+        self.weight = released()?;
+        self.bias = released()?;
+        Ok(())
     }
 
     /// A 3×3 convolution with padding 1 (the VAE's workhorse).

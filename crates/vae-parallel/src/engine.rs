@@ -152,6 +152,19 @@ impl Engine {
         self.model.as_ref()
     }
 
+    /// For a process that serves one stage of pipelined decodes (`--vae-parallel-mode
+    /// pipeline` over processes): lets go of every weight but those of the stage `rank` runs in
+    /// a pipelined decode of `latent_dims` latents over `ranks` ranks; returns its decoder
+    /// steps. The engine then serves such decodes and refuses every other request.
+    pub fn keep_only_pipeline_stage(
+        &mut self,
+        latent_dims: &[usize],
+        ranks: usize,
+        rank: usize,
+    ) -> Result<std::ops::Range<usize>, EngineError> {
+        Ok(self.model.keep_only_pipeline_stage(latent_dims, ranks, rank)?)
+    }
+
     /// The modes this model accepts, for `inspect`.
     pub fn supported_modes(&self) -> Vec<ParallelMode> {
         ParallelMode::ALL.into_iter().filter(|m| self.check_mode(*m).is_ok()).collect()

@@ -255,6 +255,30 @@ impl Resolved {
             None => Ok(slot.insert(self.load_engine(device)?)),
         }
     }
+
+    /// The engine of a decode of `latent` on `rank`: [`Self::engine_for_rank`]'s, which, for a
+    /// pipelined decode where each rank is a process of its own, keeps only the weights of this
+    /// rank's stage of a pipeline over `ranks` ranks. A latent the stage cannot be cut for keeps
+    /// every weight: the request then refuses it, on every rank alike.
+    fn decode_engine<'a>(
+        &self,
+        rank: usize,
+        shared: &'a Option<Engine>,
+        slot: &'a mut Option<Engine>,
+        latent: &vae_parallel::tensor::Tensor,
+        ranks: usize,
+    ) -> anyhow::Result<&'a Engine> {
+        if shared.is_some() || self.options.mode != ParallelMode::Pipeline {
+            return self.engine_for_rank(rank, shared, slot);
+        }
+        self.engine_for_rank(rank, shared, slot)?;
+        let engine = slot.as_mut().context("no engine was loaded for this rank")?;
+        match engine.keep_only_pipeline_stage(latent.dims(), ranks, rank) {
+            Ok(steps) => tracing::debug!(rank, ?steps, "this process keeps one pipeline stage's weights"),
+            Err(e) => tracing::debug!(rank, "this process keeps every weight: {e}"),
+        }
+        Ok(engine)
+    }
 }
 
 /// Options of `decode`.
@@ -490,9 +514,9 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
-        let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let engine = r.decode_engine(comm.rank(), &shared, &mut loaded, &latent, executor.parallel_size())?;
         let out = engine.decode(&executor, &latent, &r.options)?;
         finish_rank(
             &comm,
@@ -530,9 +554,9 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         let _progress = ProgressDisplay::start("decoding", "frame", comm.rank() == 0);
         let started = Instant::now();
         let mut loaded = None;
-        let engine = r.engine_for_rank(comm.rank(), &shared, &mut loaded)?;
         let latent = io::read_tensor(&args.latent)?;
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let engine = r.decode_engine(comm.rank(), &shared, &mut loaded, &latent, executor.parallel_size())?;
         if comm.size() == 1 && r.report.is_some() {
             bail!("--report is written for a streamed decode over several ranks, not on one rank yet");
         }

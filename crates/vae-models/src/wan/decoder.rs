@@ -236,6 +236,28 @@ impl Decoder {
         }
     }
 
+    /// Frees the weights of every step outside `keep` (a pipeline stage's model): those steps
+    /// cannot run afterwards, and the model must refuse every request but that stage's.
+    pub(super) fn release_steps_outside(&mut self, keep: std::ops::Range<usize>) -> Result<()> {
+        for (i, step) in self.steps().into_iter().enumerate() {
+            if keep.contains(&i) {
+                continue;
+            }
+            match step {
+                Step::ConvIn => self.conv_in.release()?,
+                Step::MidResnet(k) => self.mid_resnets[k].release()?,
+                Step::MidAttention => self.mid_attention.release()?,
+                Step::Resnet(b, j) => self.up_blocks[b].resnets[j].release()?,
+                Step::Upsample(b) => self.up_blocks[b].upsample.as_mut().map_or(Ok(()), Upsample::release)?,
+                Step::Head => {
+                    self.norm_out.release()?;
+                    self.conv_out.release()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The bytes of the weights of `steps` (convolutions and projections; biases and norm
     /// scales, a fraction of a percent, aside), for a pipeline stage's report.
     pub(super) fn step_weight_bytes(&self, range: std::ops::Range<usize>) -> u64 {

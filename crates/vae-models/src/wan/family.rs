@@ -154,6 +154,15 @@ impl LoadedVae for WanVae {
         }
     }
 
+    fn keep_only_pipeline_stage(
+        &mut self,
+        latent_dims: &[usize],
+        ranks: usize,
+        rank: usize,
+    ) -> Result<std::ops::Range<usize>> {
+        WanVae::keep_only_pipeline_stage(self, latent_dims, ranks, rank)
+    }
+
     fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         WanVae::encode_moments(self, x)
     }

@@ -6,7 +6,7 @@ use vae_tensor::{Conv3dParams, Tensor};
 
 use super::cache::Pass;
 use crate::Result;
-use crate::layers::Conv2d;
+use crate::layers::{Conv2d, released};
 use crate::weights::Weights;
 
 /// `F.normalize`'s epsilon in `WanRMS_norm`.
@@ -54,6 +54,13 @@ impl CausalConv3d {
     /// The weight's elements: multiply-adds per output pixel and frame.
     pub(super) fn weight_elements(&self) -> u64 {
         self.weight.elem_count() as u64
+    }
+
+    /// Frees the weights (see [`Conv2d::release`]).
+    pub(super) fn release(&mut self) -> Result<()> {
+        self.weight = released()?;
+        self.bias = released()?;
+        Ok(())
     }
 
     /// The weight's element type.
@@ -115,6 +122,12 @@ impl RmsNorm {
         Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
     }
 
+    /// Frees the scale (see [`Conv2d::release`]).
+    pub(super) fn release(&mut self) -> Result<()> {
+        self.gamma = released()?;
+        Ok(())
+    }
+
     /// [`Self::forward`] then SiLU, in one pass (the same values).
     pub(super) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
@@ -144,6 +157,15 @@ impl ResidualBlock {
                 None
             },
         })
+    }
+
+    /// Frees every weight (see [`Conv2d::release`]).
+    pub(super) fn release(&mut self) -> Result<()> {
+        self.norm1.release()?;
+        self.conv1.release()?;
+        self.norm2.release()?;
+        self.conv2.release()?;
+        self.shortcut.as_mut().map_or(Ok(()), CausalConv3d::release)
     }
 
     /// Its convs' weight elements: multiply-adds per output pixel and frame.
@@ -182,6 +204,13 @@ impl AttentionBlock {
             to_qkv: Conv2d::load1x1(&mut w.pp("to_qkv"), dim, 3 * dim)?,
             proj: Conv2d::load1x1(&mut w.pp("proj"), dim, dim)?,
         })
+    }
+
+    /// Frees every weight (see [`Conv2d::release`]).
+    pub(super) fn release(&mut self) -> Result<()> {
+        self.norm.release()?;
+        self.to_qkv.release()?;
+        self.proj.release()
     }
 
     /// Its projections' weight elements: multiply-adds per pixel and frame.

@@ -19,6 +19,7 @@ mod model;
 mod operators;
 mod policy;
 mod resample;
+mod stage;
 
 pub use config::WanConfig;
 pub use family::FAMILY;

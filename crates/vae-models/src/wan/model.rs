@@ -1,7 +1,6 @@
 //! The loaded Wan / Qwen-Image VAE: loading, the plain decode and encode, and the pipelines'
 //! latent (de)normalisation.
 
-use std::ops::Range;
 use std::path::Path;
 
 use vae_planner::WanTiling;
@@ -11,9 +10,10 @@ use vae_tensor::{DType, Device, Tensor};
 
 use super::cache::Pass;
 use super::config::WanConfig;
-use super::decoder::{Carry, Decoder};
+use super::decoder::Decoder;
 use super::encoder::Encoder;
 use super::layers::CausalConv3d;
+use super::stage::KeptStage;
 use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
@@ -45,15 +45,6 @@ pub(super) struct FrameStream<'b, 'c> {
     pass: Pass<'b, 'c>,
     next: usize,
     frames: usize,
-}
-
-/// One pipeline stage's decode in progress: the decoder steps it runs, their causal cache, the
-/// next latent frame and, on the first stage, the latent after `post_quant_conv`.
-pub(super) struct StageStream {
-    latent: Option<Tensor>,
-    steps: Range<usize>,
-    pass: Pass<'static, 'static>,
-    next: usize,
 }
 
 /// The two diffusers classes this module loads; they share the decoder and differ in policy.
@@ -94,11 +85,16 @@ pub struct WanVae {
     /// The element type the decoder and encoder compute in.
     dtype: DType,
     pub(super) config: WanConfig,
-    post_quant_conv: CausalConv3d,
+    pub(super) post_quant_conv: CausalConv3d,
     pub(super) decoder: Decoder,
-    quant_conv: CausalConv3d,
-    encoder: Encoder,
+    /// `None` once the model keeps only a pipeline stage of its decoder.
+    pub(super) quant_conv: Option<CausalConv3d>,
+    /// `None` once the model keeps only a pipeline stage of its decoder.
+    pub(super) encoder: Option<Encoder>,
     tiling: WanTiling,
+    /// The pipeline stage this model keeps the weights of, if it let go of the others
+    /// ([`Self::keep_only_pipeline_stage`]); it then runs that stage and nothing else.
+    pub(super) kept_stage: Option<KeptStage>,
 }
 
 impl WanVae {
@@ -156,9 +152,10 @@ impl WanVae {
             config,
             post_quant_conv,
             decoder,
-            quant_conv,
-            encoder,
+            quant_conv: Some(quant_conv),
+            encoder: Some(encoder),
             tiling: WanTiling::new(ratio, patch),
+            kept_stage: None,
         })
     }
 
@@ -206,6 +203,7 @@ impl WanVae {
     /// `vae.decode(z).sample` without tiling: `post_quant_conv`, then one latent frame per
     /// decoder call with the causal cache, then clamp to [-1, 1].
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        self.check_whole()?;
         self.check_latent(z)?;
         self.finish_decode(self.decode_frames(z)?, true)
     }
@@ -214,6 +212,7 @@ impl WanVae {
     /// are decoded (unpatchified and clamped, on the host in f32, bit for bit the frames of
     /// `decode`); no more than one latent frame's output is held at a time.
     pub fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
+        self.check_whole()?;
         self.check_latent(z)?;
         self.check_memory(true, z.dims(), MapExtent::Whole, Output::Streamed)?;
         let mut feed = FrameFeed::new(sink, self.decoded_frames(z.dims()[2]));
@@ -251,6 +250,7 @@ impl WanVae {
         z: &Tensor,
         band: Option<&'b mut ShardContext<'c>>,
     ) -> Result<FrameStream<'b, 'c>> {
+        self.check_whole()?;
         let mut uploaded = None;
         let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
         // 1×1×1: per pixel, local on a band.
@@ -275,59 +275,6 @@ impl WanVae {
         to_host(out)
     }
 
-    /// A pipeline stage running decoder `steps` on `z` a latent frame at a time
-    /// ([`Self::stage_run`]); the first stage computes `post_quant_conv` of the whole latent, as
-    /// the direct decode does.
-    pub(super) fn start_stage(&self, z: &Tensor, steps: Range<usize>) -> Result<StageStream> {
-        let latent = if steps.start == 0 {
-            let mut uploaded = None;
-            let zd = on_device(z, self.device, self.dtype, &mut uploaded)?;
-            Some(self.post_quant_conv.forward(zd, None)?)
-        } else {
-            None
-        };
-        Ok(StageStream { latent, steps, pass: Pass::new(None), next: 0 })
-    }
-
-    /// Latent frame `run` through a stage: `carried` is the previous stage's result for it
-    /// (the activation, then the pending DupUp3D shortcut if any; nothing on the first stage).
-    /// Returns the same for the next stage, on the host in f32; from the last stage, the
-    /// frame's output frames (unclamped).
-    pub(super) fn stage_run(&self, stage: &mut StageStream, run: usize, carried: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        vae_runtime::cancel::check()?;
-        if run != stage.next {
-            return Err(ModelError::InvalidInput(format!("stage got latent frame {run}, expected {}", stage.next)));
-        }
-        let upload = |t: &Tensor| -> Result<Tensor> {
-            let mut slot = None;
-            Ok(on_device(t, self.device, self.dtype, &mut slot)?.clone())
-        };
-        let carry = match (&stage.latent, carried.as_slice()) {
-            (Some(latent), []) => Carry { x: latent.narrow(2, run, 1)?, shortcut: None },
-            (None, [x]) => Carry { x: upload(x)?, shortcut: None },
-            (None, [x, shortcut]) => Carry { x: upload(x)?, shortcut: Some(upload(shortcut)?) },
-            (first, given) => {
-                return Err(ModelError::InvalidInput(format!(
-                    "a stage {} got {} tensors from the previous one",
-                    if first.is_some() { "that starts the decoder" } else { "inside the decoder" },
-                    given.len()
-                )));
-            }
-        };
-        stage.pass.next_chunk();
-        let out = self.decoder.forward_steps(stage.steps.clone(), carry, &mut stage.pass, run == 0)?;
-        stage.next += 1;
-        let host = |t: Tensor| -> Result<Tensor> {
-            let t = to_host(t)?;
-            Ok(if t.dtype() == DType::F32 { t } else { t.to_dtype(DType::F32)? })
-        };
-        let mut handed = vec![host(out.x)?];
-        if let Some(shortcut) = out.shortcut {
-            handed.push(host(shortcut)?);
-        }
-        Ok(handed)
-    }
-
     /// After the decoder (and, when tiled, the merge): unpatchify (Wan2.2), then clamp.
     pub(super) fn finish_decode(&self, x: Tensor, clamp: bool) -> Result<Tensor> {
         let x = match self.config.patch_size.filter(|p| *p > 1) {
@@ -341,6 +288,7 @@ impl WanVae {
     /// with the causal cache (frames past the last whole chunk are dropped, as diffusers
     /// does), then `quant_conv`: the moments `[B, 2·z_dim, 1 + (T-1)/4, H/8, W/8]`.
     pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_whole()?;
         self.check_video(x)?;
         self.encode_frames(&self.patchify_input(x)?)
     }
@@ -399,7 +347,10 @@ impl WanVae {
     pub(super) fn encode_frames_on(&self, x: &Tensor, band: Option<&mut ShardContext<'_>>) -> Result<Tensor> {
         let mut uploaded = None;
         let x = on_device(x, self.device, self.dtype, &mut uploaded)?;
-        let encoder = &self.encoder;
+        self.check_whole()?;
+        let (Some(encoder), Some(quant_conv)) = (&self.encoder, &self.quant_conv) else {
+            return Err(ModelError::Unsupported("this model has let go of its encoder".into()));
+        };
         let d = x.dims();
         let chunks = 1 + (d[2] - 1) / 4;
         let mut pass = Pass::new(band);
@@ -412,7 +363,7 @@ impl WanVae {
             progress::report(Progress::Steps { done: i + 1, total: chunks });
         }
         let refs: Vec<&Tensor> = outs.iter().collect();
-        to_host(self.quant_conv.forward(&Tensor::cat(&refs, 2)?, None)?)
+        to_host(quant_conv.forward(&Tensor::cat(&refs, 2)?, None)?)
     }
 
     /// Latents as WanPipeline / QwenImagePipeline produce them → latents the VAE decodes:

@@ -11,7 +11,8 @@ use vae_runtime::{
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{FrameStream, MapExtent, Output, StageStream, VideoVaeClass, WanVae};
+use super::model::{FrameStream, MapExtent, Output, VideoVaeClass, WanVae};
+use super::stage::StageStream;
 
 /// Wan decode for the executor: diffusers' `tiled_decode` cut into split / exec / merge (each
 /// tile decoded frame by frame with its own cache; blend and crop in H and W; clamp after), or
@@ -40,6 +41,7 @@ impl TileOperator for WanDecodeOperator<'_> {
     type TileSpec = Option<StitchSpec>;
 
     fn split(&self, z: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_whole().map_err(Classified::from)?;
         self.model.check_latent(z).map_err(Classified::from)?;
         let (h, w) = (z.dims()[3], z.dims()[4]);
         let tiling = self.model.tiling();
@@ -118,6 +120,7 @@ impl TileOperator for WanEncodeOperator<'_> {
     type TileSpec = Option<StitchSpec>;
 
     fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        self.model.check_whole().map_err(Classified::from)?;
         self.model.check_video(x).map_err(Classified::from)?;
         // diffusers decides on the input size, then tiles the patchified tensor.
         let p = self.model.patch();
@@ -180,6 +183,7 @@ impl<'m> WanShardDecodeOperator<'m> {
 
 impl ShardOperator for WanShardDecodeOperator<'_> {
     fn geometry(&self, z: &Tensor, axis: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        self.model.check_whole().map_err(Classified::from)?;
         self.model.check_latent(z).map_err(Classified::from)?;
         self.model.check_memory(true, z.dims(), MapExtent::Banded, self.held).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: self.model.decoder.widest_halo(axis), unit: 1 })
@@ -251,7 +255,7 @@ impl PipelineOperator for WanPipelineDecodeOperator<'_> {
         self.model.check_memory(true, z.dims(), MapExtent::Whole, self.held).map_err(Classified::from)?;
         let d = z.dims();
         Ok(PipelineSteps {
-            costs: self.model.decoder.step_costs(d[3], d[4]),
+            costs: self.model.pipeline_costs(d[3], d[4]).map_err(Classified::from)?,
             runs: StreamRuns { runs: d[2], frames: self.model.decoded_frames(d[2]) },
         })
     }
@@ -300,6 +304,7 @@ impl<'m> WanShardEncodeOperator<'m> {
 
 impl ShardOperator for WanShardEncodeOperator<'_> {
     fn geometry(&self, x: &Tensor, _: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        self.model.check_whole().map_err(Classified::from)?;
         self.model.check_video(x).map_err(Classified::from)?;
         self.model.check_memory(false, x.dims(), MapExtent::Banded, Output::Whole).map_err(Classified::from)?;
         Ok(ShardGeometry { min_band: 1, unit: self.model.encode_band_unit() })

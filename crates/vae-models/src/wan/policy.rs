@@ -10,8 +10,13 @@ impl WanVae {
     /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
     /// band needs no statistics from the others, and the decoder is causal, one latent frame
     /// at a time, so its layers pipeline over frames.
-    pub fn check_mode(&self, _mode: ParallelMode) -> Result<()> {
-        Ok(())
+    ///
+    /// A model that kept only a pipeline stage's weights runs the pipeline mode alone.
+    pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
+        match mode {
+            ParallelMode::Pipeline => Ok(()),
+            _ => self.check_whole(),
+        }
     }
 
     /// This family's decode policy for one request of a `latent_dims` latent over `ranks`

@@ -41,6 +41,12 @@ impl Upsample {
         kernel_halo(self.conv.weight(), axis)
     }
 
+    /// Frees every weight (see [`Conv2d::release`]); it still says whether it is temporal.
+    pub(super) fn release(&mut self) -> Result<()> {
+        self.conv.release()?;
+        self.time_conv.as_mut().map_or(Ok(()), CausalConv3d::release)
+    }
+
     /// The resample conv's weight elements: multiply-adds per output pixel.
     pub(super) fn conv_weight_elements(&self) -> u64 {
         self.conv.weight().elem_count() as u64
