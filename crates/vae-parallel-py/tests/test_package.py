@@ -188,6 +188,21 @@ def test_inspect_and_report():
     assert "AutoencoderKL" in repr(vae)
 
 
+def test_a_pipelined_decode_is_the_direct_decode():
+    model = FIXTURES / "wan/wan21_like"
+    z = np.load(FIXTURES / "wan/wan21_like.decode_t3.in.npy")
+    vae = vp.load(model, ranks=3, mode="pipeline")
+    assert "pipeline" in vae.inspect()["modes"]
+    pipelined = vae.decode(z)
+    report = vae.last_report()
+    assert report["strategy"] == "pipeline", report
+    assert [r["pipeline"]["stage"] for r in report["ranks"]] == [0, 1, 2]
+    assert same_bits(pipelined, vp.load(model).decode(z))
+    # An image VAE has no frames to pipeline.
+    with pytest.raises(vp.VaeParallelError, match="pipeline mode"):
+        vp.load(FIXTURES / "autoencoder_kl/sd_like", mode="pipeline")
+
+
 RANK_SCRIPT = """
 import json, sys
 import numpy as np
