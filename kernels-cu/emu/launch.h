@@ -15,6 +15,9 @@ namespace emu {
 // synchronise often (see runtime.cpp).
 void use_fibers(bool on);
 
+// Whether a block's threads run as fibers now (`use_fibers`).
+bool fibers_on();
+
 // Runs `body` on every thread of every block of `grid` with `dynamic_shared` bytes of dynamic
 // shared memory (see runtime.cpp).
 void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_shared,

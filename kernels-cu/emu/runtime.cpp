@@ -494,6 +494,8 @@ void fail(const char* fmt, ...) {
 
 void use_fibers(bool on) { g_fibers.store(on, std::memory_order_relaxed); }
 
+bool fibers_on() { return g_fibers.load(std::memory_order_relaxed); }
+
 void sync_block(const char* file, int line) { g_block_barrier.arrive_and_wait(file, line); }
 
 int lane_id() { return (int)(t_linear % kWarpSize); }

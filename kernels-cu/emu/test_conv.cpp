@@ -117,7 +117,7 @@ using TensorCoreKernel = void (*)(const T*, const T*, const float*, TO*, ConvGeo
 template <typename T, typename TO = T>
 void run_tensor_core_cases(Check& check, const char* name, TensorCoreKernel<T, TO> kernel, unsigned mt,
                            double product_error = 0.0) {
-    for (const Case& c : kCases) {
+    for (const Case& c : cases_for_pass()) {
         const Operands<T, TO> d(c, product_error);
         std::vector<TO> out(d.want.size(), Storage<TO>::from_f32(NAN));
         const dim3 grid((unsigned)((d.cols() + 127) / 128), (unsigned)((d.g.cout + 32 * mt - 1) / (32 * mt)));
@@ -128,13 +128,14 @@ void run_tensor_core_cases(Check& check, const char* name, TensorCoreKernel<T, T
 }
 
 // The same GEMM with tiles of 256 pixels (`*_n256`: dynamic shared memory of TC_WIDE_SMEM(mt)
-// bytes, four stages), against the reference on every case and, bit for bit, against the
-// 128-pixel kernel `narrow` on two (the K order per output is the same, so the backend may pick
+// bytes, four stages), against the reference on the pass's cases and, bit for bit, against the
+// 128-pixel kernel `narrow` on its first and last (the K order per output is the same, so the backend may pick
 // either shape). Grids of 256-pixel tiles end in a partial tile here too.
 template <typename T, typename TO = T>
 void run_wide_tensor_core_cases(Check& check, const char* name, TensorCoreKernel<T, TO> kernel,
                                 TensorCoreKernel<T, TO> narrow, unsigned mt, double product_error = 0.0) {
-    for (const Case& c : kCases) {
+    const std::vector<Case> cases = cases_for_pass();
+    for (const Case& c : cases) {
         const Operands<T, TO> d(c, product_error);
         const unsigned row_tiles = (unsigned)((d.g.cout + 32 * mt - 1) / (32 * mt));
         const float* bias = c.bias ? d.bias.data() : nullptr;
@@ -143,7 +144,7 @@ void run_wide_tensor_core_cases(Check& check, const char* name, TensorCoreKernel
                            TC_WIDE_SMEM(mt), d.xp.data(), d.wr.data(), bias, out.data(), d.g);
         const std::string what = std::string(c.name) + ", tile of " + num(32 * mt) + " x 256";
         check.near(what, values(out), d.want, d.bound);
-        if (&c == &kCases[0] || &c == &kCases[std::size(kCases) - 1]) {
+        if (&c == &cases.front() || &c == &cases.back()) {
             std::vector<TO> same(d.want.size(), Storage<TO>::from_f32(NAN));
             emu::launch("narrow", narrow, dim3((unsigned)((d.cols() + 127) / 128), row_tiles), dim3(256),
                         d.xp.data(), d.wr.data(), bias, same.data(), d.g);
