@@ -11,7 +11,8 @@ the first argument.
 Everything is deterministic: fixed seeds, float32, CPU, one thread. Run with the packages pinned
 in ``scripts/requirements-fixtures.txt`` (``cargo xtask fixtures`` checks them first).
 
-Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]   (also writes OUTPUT_DIR/../wan, OUTPUT_DIR/../qwen_image)
+Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]
+       (also writes OUTPUT_DIR/../wan, OUTPUT_DIR/../qwen_image, OUTPUT_DIR/../hunyuan_video15)
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import torch
 from torch import nn
 
 import diffusers
-from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo15,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+)
 
 PINNED = {"torch": "2.15.0", "diffusers": "0.38.0"}
 
@@ -684,6 +691,157 @@ def gen_qwen_image(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# AutoencoderKLHunyuanVideo15 (HunyuanVideo-1.5)
+# --------------------------------------------------------------------------------------------
+
+
+def build_hunyuan_video15_like() -> AutoencoderKLHunyuanVideo15:
+    # HunyuanVideo-1.5: block_out_channels (128, 256, 512, 1024, 1024), latent_channels 32, layers_per_block 2,
+    # spatial 16x, temporal 4x, scaling_factor 1.03682. Here 4 levels (8x spatial: three DCAE down/upsamples, the
+    # middle two also temporal), 4 latent channels, one layer per block.
+    torch.manual_seed(3300)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+        scaling_factor=0.8125,
+    )
+    perturb_video(vae, 4300)
+    g = torch.Generator().manual_seed(4301)
+    with torch.no_grad():
+        for name, m in vae.named_modules():
+            if name.endswith(".to_q") or name.endswith(".to_k"):
+                m.weight.mul_(2.0)
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    return vae
+
+
+HV15_DEFAULT_TILES = (256, 256, 32, 32, 0.25)  # sample h, sample w, latent h, latent w (256 // 8), overlap factor
+
+
+def set_hv15_tiling(vae, tiles) -> dict:
+    """vae.enable_tiling(tile_sample_min_height=, tile_sample_min_width=, tile_latent_min_height=,
+    tile_latent_min_width=, tile_overlap_factor=) with all five passed explicitly."""
+    sh, sw, lh, lw, f = tiles
+    vae.enable_tiling(tile_sample_min_height=sh, tile_sample_min_width=sw, tile_latent_min_height=lh,
+                      tile_latent_min_width=lw, tile_overlap_factor=f)
+    return {
+        "tile_sample_min_height": int(vae.tile_sample_min_height),
+        "tile_sample_min_width": int(vae.tile_sample_min_width),
+        "tile_latent_min_height": int(vae.tile_latent_min_height),
+        "tile_latent_min_width": int(vae.tile_latent_min_width),
+        "tile_overlap_factor": float(vae.tile_overlap_factor),
+    }
+
+
+def reset_hv15_tiling(vae) -> None:
+    vae.disable_tiling()
+    (vae.tile_sample_min_height, vae.tile_sample_min_width, vae.tile_latent_min_height,
+     vae.tile_latent_min_width, vae.tile_overlap_factor) = HV15_DEFAULT_TILES
+
+
+def hv15_tiling_note(t: dict | None) -> str:
+    if t is None:
+        return "tiling disabled"
+    return ("tiling: vae.enable_tiling(tile_sample_min_height={tile_sample_min_height}, "
+            "tile_sample_min_width={tile_sample_min_width}, tile_latent_min_height={tile_latent_min_height}, "
+            "tile_latent_min_width={tile_latent_min_width}, tile_overlap_factor={tile_overlap_factor})").format(**t)
+
+
+# The mid-block attention's causal mask is [B, S, S], which scaled_dot_product_attention broadcasts against
+# [B, heads=1, S, S] as [1, B, S, S]: an unsliced batch of 2 or more raises in diffusers. Batches are made with
+# vae.enable_slicing() (each item alone), which is what vae-parallel computes for a batch.
+SLICING_NOTE = (" Batch > 1: with vae.enable_slicing() (each item alone); without it diffusers raises, the causal "
+                "mask [B, S, S] broadcasting against [B, 1, S, S].")
+
+
+def hv15_decode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, extra_note: str = ""):
+    z = latent_input(shape, seed=hash_seed(model, tag))
+    f = w.input(f"{model}.{tag}.in", z)
+    reset_hv15_tiling(vae)
+    t = set_hv15_tiling(vae, tiles) if tiles is not None else None
+    if shape[0] > 1:
+        vae.enable_slicing()
+        extra_note += SLICING_NOTE
+    y = vae.decode(z).sample
+    vae.disable_slicing()
+    w.case(name=f"{model}.{tag}", model=model, op="decode", x_file=f, x=z, y=y, output_kind="sample", tiling=t,
+           extra=t, notes="vae.decode(z).sample (no clamp), " + hv15_tiling_note(t) + extra_note)
+    reset_hv15_tiling(vae)
+
+
+def hv15_encode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, input_tag: str | None = None):
+    x = image_input(shape, seed=hash_seed(model, input_tag or tag))
+    f = w.input(f"{model}.{input_tag or tag}.in", x)
+    reset_hv15_tiling(vae)
+    t = set_hv15_tiling(vae, tiles) if tiles is not None else None
+    tn = hv15_tiling_note(t)
+    if shape[0] > 1:
+        vae.enable_slicing()
+        tn += SLICING_NOTE
+        h = torch.cat([vae._encode(item) for item in x.split(1)])
+    else:
+        h = vae._encode(x)
+    w.case(name=f"{model}.{tag}_moments", model=model, op="encode", x_file=f, x=x, y=h, output_kind="moments",
+           tiling=t, extra=t,
+           notes="vae._encode(x) (per item when sliced): the encoder's output (no quant_conv in this class), channels = [mean; logvar] "
+                 "(2*latent_channels) before DiagonalGaussianDistribution (logvar NOT clamped); " + tn)
+    m = vae.encode(x).latent_dist.mean
+    w.case(name=f"{model}.{tag}_mean", model=model, op="encode", x_file=f, x=x, y=m, output_kind="mean",
+           tiling=t, extra=t, notes="vae.encode(x).latent_dist.mean (first latent_channels moments); " + tn)
+    vae.disable_slicing()
+    reset_hv15_tiling(vae)
+
+
+def gen_hunyuan_video15(out: Path) -> None:
+    prepare_dir(out)
+    vaes = save_models(out, {"hunyuan_video15_like": build_hunyuan_video15_like})
+    w = VideoWriter(out)
+    with torch.no_grad():
+        # 8x spatial, 4x temporal (latent T -> 1 + 4 (T - 1) frames), no clamp anywhere.
+        vae, m = vaes["hunyuan_video15_like"], "hunyuan_video15_like"
+        hv15_decode(w, m, vae, "decode_t1", (1, 4, 1, 3, 5))
+        hv15_decode(w, m, vae, "decode_t3", (1, 4, 3, 2, 3))
+        hv15_decode(w, m, vae, "decode_batch2", (2, 4, 2, 3, 2))
+        # Consistent tiles (one frame: tiles are independent of time): latent 4 x 4 every int(4 * 0.75) = 3,
+        # blend int(32 * 0.25) = 8 px, keep 24 px: rows 0, 3 x cols 0, 3, 6 on a 6 x 8 latent (tails 3 and 2
+        # latent rows); output 48 x 64 px.
+        hv15_decode(w, m, vae, "decode_tiled", (1, 4, 1, 6, 8), tiles=(32, 32, 4, 4, 0.25))
+        # The class's quirks: the latent tile is its own keyword and the result is never cropped, so a pixel
+        # tile that is not latent tile * 8 gives an output of another size: latent 3 x 4 every 2 x 3, blend
+        # 6 x 8 px, keep 18 x 24 px; rows 0, 2, 4 (24, 24, 8 px) -> 18 + 18 + 8 = 44 rows for a 5-row latent.
+        hv15_decode(w, m, vae, "decode_tiled_uncropped", (1, 4, 1, 5, 7), tiles=(24, 32, 3, 4, 0.25),
+                    extra_note=" (the output is 44 x 56 px, not 40 x 56: tiles are cropped to their kept part, the "
+                               "result never to the latent size times 8)")
+        hv15_encode(w, m, vae, "encode_f1", (1, 3, 1, 16, 24))
+        hv15_encode(w, m, vae, "encode_f5", (1, 3, 5, 16, 24))
+        hv15_encode(w, m, vae, "encode_batch2_f5", (2, 3, 5, 8, 16))
+        # Pixel tiles 32 x 32 every int(32 * 0.75) = 24 px, latent blend int(4 * 0.25) = 1, keep 3: rows 0, 24
+        # (32, 24 px) x cols 0, 24, 48 (32, 32, 8 px) on 48 x 56 px; moments 6 x 7.
+        hv15_encode(w, m, vae, "encode_tiled_f1", (1, 3, 1, 48, 56), tiles=(32, 32, 4, 4, 0.25))
+        # HunyuanVideo15Pipeline: vae.decode(latents / scaling_factor); image-to-video conditions on
+        # encode(x).latent_dist.mode() * scaling_factor.
+        reset_hv15_tiling(vae)
+        sf = vae.config.scaling_factor
+        zn = latent_input((1, 4, 2, 2, 3), seed=hash_seed(m, "decode_normalized"))
+        f = w.input(f"{m}.decode_normalized.in", zn)
+        y = vae.decode(zn / sf, return_dict=False)[0]
+        w.case(name=f"{m}.decode_normalized", model=m, op="decode_normalized", x_file=f, x=zn, y=y,
+               output_kind="sample",
+               notes=f"HunyuanVideo15Pipeline decode: vae.decode(z_n / {sf}, return_dict=False)[0]; tiling disabled")
+        x = torch.from_numpy(np.load(w.out / f"{m}.encode_f1.in.npy"))
+        y = vae.encode(x).latent_dist.mode() * sf
+        w.case(name=f"{m}.encode_normalized", model=m, op="encode_normalized", x_file=f"{m}.encode_f1.in.npy", x=x,
+               y=y, output_kind="latents",
+               notes=f"HunyuanVideo15ImageToVideoPipeline: vae.encode(x).latent_dist.mode() * {sf}; tiling disabled")
+    finish(out, w)
+
+
+# --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
 
@@ -768,6 +926,7 @@ def main() -> None:
     # Video VAE families, next to the AutoencoderKL directory.
     gen_wan(out.parent / "wan")
     gen_qwen_image(out.parent / "qwen_image")
+    gen_hunyuan_video15(out.parent / "hunyuan_video15")
 
 
 if __name__ == "__main__":
