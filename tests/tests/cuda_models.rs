@@ -1,6 +1,6 @@
 //! Every VAE family on a CUDA device against diffusers and against the CPU: every AutoencoderKL
-//! / FLUX.2 fixture case, the video VAEs' plain decode and encode, tile-parallel and 2-rank
-//! shard decode. Needs a GPU and a build with the kernels embedded; elsewhere each test says
+//! / FLUX.2 fixture case, the video VAEs' plain decode and encode (HunyuanVideo-1.5's tiled and
+//! batched too), tile-parallel and 2-rank shard decode. Needs a GPU and a build with the kernels embedded; elsewhere each test says
 //! why it is skipped, and loading onto CUDA is checked to be a typed error.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
 
@@ -46,6 +46,42 @@ fn video_vaes_decode_and_encode_on_cuda_as_diffusers_does() {
         let want = read_npy(&dir.join(format!("{name}.{encode_case}_moments.out.npy"))).unwrap();
         let diff = model.encode_moments(&x).unwrap().max_abs_diff(&want).unwrap();
         assert!(diff <= 1e-3, "{name} encode on CUDA: {diff}");
+    }
+}
+
+#[test]
+fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_and_batched() {
+    use vae_models::family::Direction;
+    use vae_models::hunyuan_video15::{HunyuanVideo15Operator, HunyuanVideo15Tiling, HunyuanVideo15Vae};
+    use vae_runtime::execute_serial;
+    let Some(device) = cuda("HunyuanVideo-1.5 on CUDA") else { return };
+    let dir = fixtures_dir().join("hunyuan_video15");
+    let mut model = HunyuanVideo15Vae::load_with(&dir.join("hunyuan_video15_like"), device, DType::F32).unwrap();
+    model
+        .set_tiling(HunyuanVideo15Tiling {
+            tile_sample_min_height: 32,
+            tile_sample_min_width: 32,
+            tile_latent_min_height: 4,
+            tile_latent_min_width: 4,
+            tile_overlap_factor: 0.25,
+        })
+        .unwrap();
+    let case = |name: &str| read_npy(&dir.join(format!("hunyuan_video15_like.{name}.npy"))).unwrap();
+    for (input, output, tiled) in [
+        ("decode_t3.in", "decode_t3.out", false),
+        ("decode_batch2.in", "decode_batch2.out", false),
+        ("decode_tiled.in", "decode_tiled.out", true),
+    ] {
+        let got = execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Decode, tiled), &case(input)).unwrap();
+        let diff = got.max_abs_diff(&case(output)).unwrap();
+        assert!(diff <= 1e-3, "{input} on CUDA: max |cuda - diffusers| = {diff}");
+    }
+    for (input, output, tiled) in
+        [("encode_f5.in", "encode_f5_moments.out", false), ("encode_tiled_f1.in", "encode_tiled_f1_moments.out", true)]
+    {
+        let got = execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Encode, tiled), &case(input)).unwrap();
+        let diff = got.max_abs_diff(&case(output)).unwrap();
+        assert!(diff <= 1e-3, "{input} on CUDA: max |cuda - diffusers| = {diff}");
     }
 }
 

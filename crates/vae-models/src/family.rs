@@ -43,6 +43,10 @@ pub struct TileOverrides {
     pub sample_stride_height: Option<usize>,
     /// `tile_sample_stride_width` (video VAEs, pixels).
     pub sample_stride_width: Option<usize>,
+    /// `tile_latent_min_height` (HunyuanVideo-1.5, latent pixels).
+    pub latent_min_height: Option<usize>,
+    /// `tile_latent_min_width` (HunyuanVideo-1.5, latent pixels).
+    pub latent_min_width: Option<usize>,
 }
 
 impl TileOverrides {
@@ -51,12 +55,22 @@ impl TileOverrides {
         self.sample_min_size.is_some() || self.overlap_factor.is_some()
     }
 
-    /// Whether a height / width / stride keyword is set.
+    /// Whether a pixel height / width / stride keyword is set.
     pub fn has_rectangular(&self) -> bool {
         self.sample_min_height.is_some()
             || self.sample_min_width.is_some()
             || self.sample_stride_height.is_some()
             || self.sample_stride_width.is_some()
+    }
+
+    /// Whether a pixel stride keyword is set.
+    pub fn has_stride(&self) -> bool {
+        self.sample_stride_height.is_some() || self.sample_stride_width.is_some()
+    }
+
+    /// Whether a latent tile keyword is set.
+    pub fn has_latent(&self) -> bool {
+        self.latent_min_height.is_some() || self.latent_min_width.is_some()
     }
 }
 
@@ -116,6 +130,9 @@ pub trait LoadedVae: Send + Sync {
     fn denormalize_latents(&self, z: &Tensor) -> Result<Tensor>;
     /// The inverse, for an encoded mean.
     fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor>;
+    /// The keywords of this class's `enable_tiling` (the CLI's flags of the same names in kebab
+    /// case), in diffusers' order.
+    fn tiling_keywords(&self) -> &'static [&'static str];
     /// Sets the tile geometry as diffusers' `enable_tiling` would; refuses keywords this class
     /// does not have.
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()>;
@@ -193,7 +210,8 @@ pub struct FamilySpec {
 /// Every family, in the order `inspect` and errors list them. A `config.json` without
 /// `_class_name` is read as the first class of the first family (diffusers' `AutoencoderKL`,
 /// what the oldest Stable Diffusion checkpoints hold).
-pub static FAMILIES: &[&FamilySpec] = &[&crate::autoencoder_kl::FAMILY, &crate::wan::FAMILY];
+pub static FAMILIES: &[&FamilySpec] =
+    &[&crate::autoencoder_kl::FAMILY, &crate::wan::FAMILY, &crate::hunyuan_video15::FAMILY];
 
 /// Every class name the registry loads.
 pub fn known_classes() -> impl Iterator<Item = &'static str> {

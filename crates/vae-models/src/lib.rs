@@ -4,13 +4,15 @@
 //! geometry, and who receives the output. [`family`] is the interface they implement and the
 //! registry that finds one by `_class_name`; shared crates below only provide mechanism.
 //!
-//! Families: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2) and [`wan`] (Wan2.1,
-//! Wan2.2 and Qwen-Image). Both load onto the CPU or a CUDA device.
+//! Families: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2), [`wan`] (Wan2.1,
+//! Wan2.2 and Qwen-Image) and [`hunyuan_video15`] (HunyuanVideo-1.5). All load onto the CPU or
+//! a CUDA device.
 
 pub mod autoencoder_kl;
 mod checks;
 mod error;
 pub mod family;
+pub mod hunyuan_video15;
 pub mod layers;
 mod placement;
 pub mod wan;

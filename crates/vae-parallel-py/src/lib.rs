@@ -59,12 +59,14 @@ struct Vae {
 ///   `spatial_shard_width`, `pipeline`).
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
-///   `tile_sample_stride_width` (video VAEs): the diffusers tiling keywords.
+///   `tile_sample_stride_width` (video VAEs), `tile_latent_min_height`, `tile_latent_min_width`
+///   (HunyuanVideo-1.5): the diffusers tiling keywords.
 #[pyfunction]
 #[pyo3(signature = (
     model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
     tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
+    tile_latent_min_height = None, tile_latent_min_width = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn load(
@@ -81,6 +83,8 @@ fn load(
     tile_sample_min_width: Option<usize>,
     tile_sample_stride_height: Option<usize>,
     tile_sample_stride_width: Option<usize>,
+    tile_latent_min_height: Option<usize>,
+    tile_latent_min_width: Option<usize>,
 ) -> PyResult<Vae> {
     if ranks == Some(0) {
         return Err(ConfigError::new_err("ranks must be at least 1"));
@@ -98,6 +102,8 @@ fn load(
         sample_min_width: tile_sample_min_width,
         sample_stride_height: tile_sample_stride_height,
         sample_stride_width: tile_sample_stride_width,
+        latent_min_height: tile_latent_min_height,
+        latent_min_width: tile_latent_min_width,
     };
     let config = TransportConfig::from_env().map_err(config_error)?;
     let group = match transport {

@@ -25,6 +25,8 @@ WAN_DECODE = {"tile_sample_min_height": 16, "tile_sample_min_width": 24,
               "tile_sample_stride_height": 8, "tile_sample_stride_width": 16}
 WAN_ENCODE = {"tile_sample_min_height": 24, "tile_sample_min_width": 32,
               "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}
+HV15_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_latent_min_height": 4,
+              "tile_latent_min_width": 4, "tile_overlap_factor": 0.25}
 FAMILIES = [
     ("autoencoder_kl/sd_like", "sd_like.decode_tiled", {}, "sd_like.encode_tiled", {}),
     ("autoencoder_kl/flux1_like", "flux1_like.decode_tiled", {}, "flux1_like.encode_tiled", {}),
@@ -32,6 +34,8 @@ FAMILIES = [
     ("wan/wan21_like", "wan21_like.decode_tiled", WAN_DECODE, "wan21_like.encode_tiled_f5", WAN_ENCODE),
     ("qwen_image/qwen_image_like", "qwen_image_like.decode_tiled", WAN_DECODE,
      "qwen_image_like.encode_tiled_f5", WAN_ENCODE),
+    ("hunyuan_video15/hunyuan_video15_like", "hunyuan_video15_like.decode_tiled", HV15_TILES,
+     "hunyuan_video15_like.encode_tiled_f1", HV15_TILES),
 ]
 
 

@@ -55,6 +55,13 @@ pub struct ParallelArgs {
     /// Video VAEs: horizontal tile stride in pixels (default 192).
     #[arg(long)]
     tile_sample_stride_width: Option<usize>,
+    /// HunyuanVideo-1.5: latent tile height (diffusers' `tile_latent_min_height`; default
+    /// 256 / the spatial ratio, and not derived from --tile-sample-min-height).
+    #[arg(long)]
+    tile_latent_min_height: Option<usize>,
+    /// HunyuanVideo-1.5: latent tile width (`tile_latent_min_width`).
+    #[arg(long)]
+    tile_latent_min_width: Option<usize>,
     /// Latents are as the diffusion pipeline produces them: undo (decode) or apply (encode) the
     /// family's latent normalisation.
     #[arg(long)]
@@ -104,6 +111,8 @@ struct FileConfig {
     tile_sample_min_width: Option<usize>,
     tile_sample_stride_height: Option<usize>,
     tile_sample_stride_width: Option<usize>,
+    tile_latent_min_height: Option<usize>,
+    tile_latent_min_width: Option<usize>,
     latents_normalized: Option<bool>,
     placement: Option<String>,
     ranks: Option<usize>,
@@ -194,6 +203,8 @@ impl ParallelArgs {
                 sample_min_width: self.tile_sample_min_width.or(file.tile_sample_min_width),
                 sample_stride_height: self.tile_sample_stride_height.or(file.tile_sample_stride_height),
                 sample_stride_width: self.tile_sample_stride_width.or(file.tile_sample_stride_width),
+                latent_min_height: self.tile_latent_min_height.or(file.tile_latent_min_height),
+                latent_min_width: self.tile_latent_min_width.or(file.tile_latent_min_width),
             },
             report: self.report.clone(),
             config: self.config.clone(),
@@ -659,6 +670,8 @@ pub fn inspect(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let modes: Vec<String> = engine.supported_modes().iter().map(ToString::to_string).collect();
     println!("modes       {}", modes.join(", "));
+    let flags: Vec<String> = model.tiling_keywords().iter().map(|k| format!("--{}", k.replace('_', "-"))).collect();
+    println!("tile flags  {}", flags.join(", "));
     println!(
         "placement   decode → {:?}, encode → {:?}",
         model.default_placement(Direction::Decode),

@@ -535,6 +535,65 @@ fn video_vaes_decode_and_encode_through_the_cli() {
 }
 
 #[test]
+fn hunyuan_video15_decodes_and_encodes_through_the_cli() {
+    let hv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hunyuan_video15");
+    let model = hv.join("hunyuan_video15_like");
+    let dir = scratch("hunyuan");
+    let close = |got: &Path, expected: &str| {
+        let (g, e) = (read_npy_f32(got), read_npy_f32(&hv.join(expected)));
+        assert_eq!(g.len(), e.len(), "{}", got.display());
+        g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+    };
+    let tiling = [
+        "--tile-sample-min-height",
+        "32",
+        "--tile-sample-min-width",
+        "32",
+        "--tile-latent-min-height",
+        "4",
+        "--tile-latent-min-width",
+        "4",
+        "--tile-overlap-factor",
+        "0.25",
+    ];
+    // Tiled decode: one process, then two socket processes (the same bytes).
+    let latent = hv.join("hunyuan_video15_like.decode_tiled.in.npy");
+    let one = dir.join("one.npy");
+    let base = ["decode", "--model", s(&model), "--latent", s(&latent), "--vae-use-tiling"];
+    let (ok, text) = cli(&[&base[..], &tiling, &["--out", s(&one)]].concat());
+    assert!(ok, "{text}");
+    assert!(close(&one, "hunyuan_video15_like.decode_tiled.out.npy") <= 1e-4);
+    let two = dir.join("two.npy");
+    let socket = ["--vae-patch-parallel-size", "2", "--transport", "socket", "--out", s(&two)];
+    let (ok, text) = cli(&[&base[..], &tiling, &socket].concat());
+    assert!(ok, "{text}");
+    assert!(std::fs::read(&one).unwrap() == std::fs::read(&two).unwrap(), "2 socket processes differ from 1");
+    // Tiled encode (moments) on 3 local ranks.
+    let moments = dir.join("moments.npy");
+    let input = hv.join("hunyuan_video15_like.encode_tiled_f1.in.npy");
+    let encode = ["encode", "--model", s(&model), "--input", s(&input), "--output", "moments", "--out", s(&moments)];
+    let (ok, text) = cli(&[&encode[..], &tiling, &["--vae-patch-parallel-size", "3"]].concat());
+    assert!(ok, "{text}");
+    assert!(close(&moments, "hunyuan_video15_like.encode_tiled_f1_moments.out.npy") <= 1e-4);
+    // Pipeline latents: z / scaling_factor.
+    let out = dir.join("normalized.npy");
+    let latent = hv.join("hunyuan_video15_like.decode_normalized.in.npy");
+    let (ok, text) =
+        cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--latents-normalized"]);
+    assert!(ok, "{text}");
+    assert!(close(&out, "hunyuan_video15_like.decode_normalized.out.npy") <= 1e-4);
+    // inspect names the class, its modes and its tiling flags; a shard is a clean error.
+    let (ok, text) = cli(&["inspect", "--model", s(&model)]);
+    assert!(ok && text.contains("AutoencoderKLHunyuanVideo15") && text.contains("modes       tile, auto"), "{text}");
+    assert!(text.contains("--tile-latent-min-height, --tile-latent-min-width, --tile-overlap-factor"), "{text}");
+    let shard = dir.join("shard.npy");
+    let mut args = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&shard)];
+    args.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "spatial_shard_height"]);
+    assert_clean_failure("hunyuan shard", &args, "has no spatial shard yet");
+    assert!(!shard.exists());
+}
+
+#[test]
 fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     let wan = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
     let dir = scratch("shard");

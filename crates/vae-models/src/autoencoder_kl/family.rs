@@ -68,11 +68,17 @@ impl LoadedVae for AutoencoderKl {
         AutoencoderKl::normalize_latents(self, mean)
     }
 
+    /// diffusers' `enable_tiling()` takes no keywords for this class; these are the attributes a
+    /// user sets after it.
+    fn tiling_keywords(&self) -> &'static [&'static str] {
+        &["tile_sample_min_size", "tile_overlap_factor"]
+    }
+
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
-        if tiling.has_rectangular() {
+        if tiling.has_rectangular() || tiling.has_latent() {
             return Err(ModelError::Unsupported(format!(
                 "{} tiles by tile_sample_min_size and tile_overlap_factor (--tile-sample-min-size / \
-                 --tile-overlap-factor), not by tile height, width and stride",
+                 --tile-overlap-factor), not by tile height, width, stride or latent size",
                 self.class_name()
             )));
         }

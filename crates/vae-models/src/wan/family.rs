@@ -70,14 +70,18 @@ impl LoadedVae for WanVae {
         WanVae::normalize_latents(self, mean)
     }
 
+    fn tiling_keywords(&self) -> &'static [&'static str] {
+        &["tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height", "tile_sample_stride_width"]
+    }
+
     /// Keywords not given keep the current geometry (diffusers' 256-pixel tiles every 192
     /// pixels on a fresh model).
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
-        if tiling.has_square() {
+        if tiling.has_square() || tiling.has_latent() {
             return Err(ModelError::Unsupported(format!(
                 "{} tiles by tile_sample_min_height / _width and tile_sample_stride_height / _width \
                  (--tile-sample-min-height/-width, --tile-sample-stride-height/-width), not by \
-                 tile_sample_min_size / tile_overlap_factor",
+                 tile_sample_min_size, tile_overlap_factor or tile_latent_min_height / _width",
                 self.class_name()
             )));
         }

@@ -32,6 +32,8 @@ TILING_KEYWORDS = (
     "tile_sample_min_width",
     "tile_sample_stride_height",
     "tile_sample_stride_width",
+    "tile_latent_min_height",
+    "tile_latent_min_width",
 )
 
 

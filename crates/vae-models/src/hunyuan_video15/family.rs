@@ -1,0 +1,167 @@
+//! HunyuanVideo-1.5 in the registry: its class, its policy, and [`LoadedVae`] for
+//! [`HunyuanVideo15Vae`].
+
+use std::any::Any;
+use std::path::Path;
+
+use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_tensor::{DType, Device, Tensor};
+
+use super::model::{CLASS_NAME, HunyuanVideo15Vae};
+use super::operators::HunyuanVideo15Operator;
+use super::tiling::HunyuanVideo15Tiling;
+use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::{ModelError, Result};
+
+/// `AutoencoderKLHunyuanVideo15`.
+pub static FAMILY: FamilySpec = FamilySpec {
+    classes: &[CLASS_NAME],
+    load: |dir: &Path, device: Device, dtype: DType| -> Result<Box<dyn LoadedVae>> {
+        Ok(Box::new(HunyuanVideo15Vae::load_with(dir, device, dtype)?))
+    },
+};
+
+impl LoadedVae for HunyuanVideo15Vae {
+    fn class_name(&self) -> &'static str {
+        CLASS_NAME
+    }
+
+    fn models(&self) -> &'static str {
+        "HunyuanVideo-1.5"
+    }
+
+    fn device(&self) -> Device {
+        HunyuanVideo15Vae::device(self)
+    }
+
+    fn dtype(&self) -> DType {
+        HunyuanVideo15Vae::dtype(self)
+    }
+
+    /// Tiles, and `auto` (which picks tiles). The spatial shard would be exact (the norms are
+    /// per pixel and the attention can gather) but is not built for this family yet; the
+    /// pipeline cannot be, since the mid-block attention sees every frame at once.
+    fn check_mode(&self, mode: ParallelMode) -> Result<()> {
+        match mode {
+            ParallelMode::Tile | ParallelMode::Auto => Ok(()),
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                Err(ModelError::Unsupported(format!(
+                    "{CLASS_NAME} has no spatial shard yet (its replicate padding is not built into the halo exchange); use tile or auto"
+                )))
+            }
+            ParallelMode::Pipeline => Err(ModelError::Unsupported(format!(
+                "{CLASS_NAME} cannot decode as a pipeline over frames: its decoder's attention sees every \
+                 frame of the clip at once, so it does not run a frame at a time (use tile or auto)"
+            ))),
+        }
+    }
+
+    fn strategy(&self, _: Direction, mode: ParallelMode, _: &[usize], _: usize) -> StrategyChoice {
+        match mode {
+            ParallelMode::Auto => {
+                StrategyChoice::chosen(Strategy::Tile, "auto: tiles (the only strategy of this family)")
+            }
+            _ => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+        }
+    }
+
+    /// The pipelines post-process decoded video on rank 0; the image-to-video pipeline
+    /// conditions every rank on the encoded latents.
+    fn default_placement(&self, direction: Direction) -> OutputPlacement {
+        match direction {
+            Direction::Decode => OutputPlacement::OwnerOnly,
+            Direction::Encode => OutputPlacement::AllRanks,
+        }
+    }
+
+    fn denormalize_latents(&self, z: &Tensor) -> Result<Tensor> {
+        HunyuanVideo15Vae::denormalize_latents(self, z)
+    }
+
+    fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor> {
+        HunyuanVideo15Vae::normalize_latents(self, mean)
+    }
+
+    fn tiling_keywords(&self) -> &'static [&'static str] {
+        &[
+            "tile_sample_min_height",
+            "tile_sample_min_width",
+            "tile_latent_min_height",
+            "tile_latent_min_width",
+            "tile_overlap_factor",
+        ]
+    }
+
+    /// `enable_tiling(tile_sample_min_height, tile_sample_min_width, tile_latent_min_height,
+    /// tile_latent_min_width, tile_overlap_factor)`: keywords not given keep their values, and
+    /// (as the class's `x or current` does) neither does a factor of 0. Setting the pixel tile
+    /// does not change the latent tile.
+    fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
+        if tiling.sample_min_size.is_some() || tiling.has_stride() {
+            return Err(ModelError::Unsupported(format!(
+                "{CLASS_NAME} tiles by tile_sample_min_height / _width, tile_latent_min_height / _width and \
+                 tile_overlap_factor (--tile-sample-min-height/-width, --tile-latent-min-height/-width, \
+                 --tile-overlap-factor), not by tile_sample_min_size or tile strides"
+            )));
+        }
+        let t = *self.tiling();
+        let keep = |v: Option<usize>, current: usize| v.filter(|v| *v != 0).unwrap_or(current);
+        self.set_tiling(HunyuanVideo15Tiling {
+            tile_sample_min_height: keep(tiling.sample_min_height, t.tile_sample_min_height),
+            tile_sample_min_width: keep(tiling.sample_min_width, t.tile_sample_min_width),
+            tile_latent_min_height: keep(tiling.latent_min_height, t.tile_latent_min_height),
+            tile_latent_min_width: keep(tiling.latent_min_width, t.tile_latent_min_width),
+            tile_overlap_factor: tiling.overlap_factor.filter(|f| *f != 0.0).unwrap_or(t.tile_overlap_factor),
+        })
+    }
+
+    fn execute(&self, run: Execution<'_>) -> Result<ExecOutput> {
+        let (executor, input, placement) = (run.executor, run.input, run.placement);
+        match run.strategy {
+            Strategy::Tile => {
+                let op = HunyuanVideo15Operator::new(self, run.direction, run.use_tiling);
+                Ok(executor.execute(input, &op, placement)?)
+            }
+            strategy => Err(ModelError::Unsupported(format!("{CLASS_NAME} runs tiles only, not {strategy:?}"))),
+        }
+    }
+
+    fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        HunyuanVideo15Vae::decode(self, z)
+    }
+
+    fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
+        HunyuanVideo15Vae::encode_moments(self, x)
+    }
+
+    fn describe(&self) -> Vec<(&'static str, String)> {
+        let c = self.config();
+        let t = self.tiling();
+        vec![
+            ("channels", format!("in {}, out {}, latent {}", c.in_channels, c.out_channels, c.latent_channels)),
+            (
+                "layout",
+                format!(
+                    "block_out_channels {:?}, layers_per_block {}, {}x spatial, {}x temporal",
+                    c.block_out_channels, c.layers_per_block, c.spatial_compression_ratio, c.temporal_compression_ratio
+                ),
+            ),
+            ("scaling", format!("decode z / {}, encode mode · {}", c.scaling_factor, c.scaling_factor)),
+            (
+                "tiling",
+                format!(
+                    "tile_sample_min {}x{} px, tile_latent_min {}x{}, tile_overlap_factor {}",
+                    t.tile_sample_min_height,
+                    t.tile_sample_min_width,
+                    t.tile_latent_min_height,
+                    t.tile_latent_min_width,
+                    t.tile_overlap_factor
+                ),
+            ),
+        ]
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,84 @@
+//! The HunyuanVideo-1.5 operator the distributed executor runs: diffusers' `tiled_decode` and
+//! `tiled_encode` cut into split / exec / merge, or the plain path as one tile.
+
+use std::ops::Range;
+
+use vae_planner::{GridSpec, TileTask};
+use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
+use vae_runtime::{Classified, OperatorError, TileMap, TileOperator, TilePlan};
+use vae_tensor::{DType, Device, Tensor};
+
+use super::model::HunyuanVideo15Vae;
+use crate::Result;
+use crate::family::Direction;
+
+/// Decode (latent tiles decoded whole, every frame at once and each batch item alone) or encode
+/// (pixel tiles encoded whole, to raw moments); the tiles blended and cut to their kept parts in
+/// H and W, with no final crop and no clamp.
+pub struct HunyuanVideo15Operator<'m> {
+    model: &'m HunyuanVideo15Vae,
+    direction: Direction,
+    use_tiling: bool,
+}
+
+impl<'m> HunyuanVideo15Operator<'m> {
+    /// An operator for `direction` that tiles as `enable_tiling()` does when `use_tiling`.
+    pub fn new(model: &'m HunyuanVideo15Vae, direction: Direction, use_tiling: bool) -> Self {
+        Self { model, direction, use_tiling }
+    }
+
+    fn plan(&self, x: &Tensor) -> Result<TilePlan<[Range<usize>; 2], Option<StitchSpec>>> {
+        let m = self.model;
+        let decode = self.direction == Direction::Decode;
+        if decode {
+            m.check_latent(x)?
+        } else {
+            m.check_video(x)?
+        }
+        let (h, w) = (x.dims()[3], x.dims()[4]);
+        let t = m.tiling();
+        let tiled = self.use_tiling && if decode { t.needs_tiling_decode(h, w) } else { t.needs_tiling_encode(h, w) };
+        if !tiled {
+            if !decode {
+                m.check_frame_size(h, w)?;
+            }
+            m.check_memory(decode, x.dims(), None)?;
+            return Ok(untiled_plan([3, 4], [h, w]));
+        }
+        m.check_memory(decode, x.dims(), Some(t.tile_sample_min_height * t.tile_sample_min_width))?;
+        let ratio = m.spatial_ratio();
+        let layout = if decode { t.decode_layout(h, w, ratio)? } else { t.encode_layout(h, w, ratio)? };
+        Ok(tiled_plan([3, 4], &layout))
+    }
+}
+
+impl TileOperator for HunyuanVideo15Operator<'_> {
+    type Payload = [Range<usize>; 2];
+    type TileSpec = Option<StitchSpec>;
+
+    fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
+        Ok(self.plan(x).map_err(Classified::from)?)
+    }
+
+    fn exec(&self, x: &Tensor, task: &TileTask<Self::Payload>) -> std::result::Result<Tensor, OperatorError> {
+        let [rows, cols] = &task.payload;
+        let tile = x.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
+        let out = match self.direction {
+            Direction::Decode => self.model.decode_clip(&tile),
+            Direction::Encode => self.model.encode_clip(&tile),
+        };
+        Ok(out.map_err(Classified::from)?)
+    }
+
+    fn merge(
+        &self,
+        tiles: TileMap,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
+        Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}

@@ -1,0 +1,192 @@
+//! HunyuanVideo-1.5 (`AutoencoderKLHunyuanVideo15`) against diffusers: every fixture case
+//! (plain, batched, tiled and uncropped-tiled decode; plain, batched and tiled encode; the
+//! pipelines' latent scale) within 1e-4, tile-parallel runs bit-identical to the serial tiled
+//! path on 1-4 local ranks, and bad requests as typed errors.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use vae_integration_tests::fixtures_dir;
+use vae_models::family::{self, Direction, TileOverrides};
+use vae_models::hunyuan_video15::{HunyuanVideo15Operator, HunyuanVideo15Tiling, HunyuanVideo15Vae};
+use vae_parallel::io::read_npy;
+use vae_runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode, TileOperator, execute_serial};
+use vae_tensor::{DType, Device, Tensor};
+use vae_transport::{TransportConfig, run_local};
+
+const MODEL: &str = "hunyuan_video15_like";
+
+fn dir() -> std::path::PathBuf {
+    fixtures_dir().join("hunyuan_video15")
+}
+
+fn load() -> HunyuanVideo15Vae {
+    HunyuanVideo15Vae::load_with(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap()
+}
+
+fn manifest() -> Vec<Value> {
+    let text = std::fs::read_to_string(dir().join("manifest.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The case's `enable_tiling(...)` keywords, or `None` for an untiled case.
+fn case_tiling(case: &Value) -> Option<HunyuanVideo15Tiling> {
+    if !case["tiling"].as_bool().unwrap() {
+        return None;
+    }
+    let n = |k: &str| case[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
+    Some(HunyuanVideo15Tiling {
+        tile_sample_min_height: n("tile_sample_min_height"),
+        tile_sample_min_width: n("tile_sample_min_width"),
+        tile_latent_min_height: n("tile_latent_min_height"),
+        tile_latent_min_width: n("tile_latent_min_width"),
+        tile_overlap_factor: case["tile_overlap_factor"].as_f64().unwrap(),
+    })
+}
+
+fn npy(name: &Value) -> Tensor {
+    read_npy(&dir().join(name.as_str().unwrap())).unwrap()
+}
+
+/// A model with the case's tiling, and whether the case tiles.
+fn model_for(case: &Value) -> (HunyuanVideo15Vae, bool) {
+    let mut model = load();
+    let tiling = case_tiling(case);
+    if let Some(t) = tiling {
+        model.set_tiling(t).unwrap();
+    }
+    (model, tiling.is_some())
+}
+
+#[test]
+fn every_fixture_case_matches_diffusers() {
+    let cases = manifest();
+    assert_eq!(cases.len(), 15);
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let (model, tiled) = model_for(case);
+        let input = npy(&case["input"]);
+        let expected = npy(&case["output"]);
+        let decode =
+            |z: &Tensor| execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Decode, tiled), z).unwrap();
+        let encode =
+            |x: &Tensor| execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Encode, tiled), x).unwrap();
+        let got = match (case["op"].as_str().unwrap(), case["output_kind"].as_str().unwrap()) {
+            ("decode", _) => decode(&input),
+            ("decode_normalized", _) => decode(&model.denormalize_latents(&input).unwrap()),
+            ("encode", "moments") => encode(&input),
+            ("encode", "mean") => encode(&input).diag_gaussian_mean().unwrap(),
+            ("encode_normalized", _) => model.normalize_latents(&encode(&input).diag_gaussian_mean().unwrap()).unwrap(),
+            other => panic!("{name}: unknown case {other:?}"),
+        };
+        assert_eq!(got.dims(), expected.dims(), "{name}");
+        let diff = got.max_abs_diff(&expected).unwrap();
+        assert!(diff <= 1e-4, "{name}: max |ours - diffusers| = {diff}");
+    }
+}
+
+#[test]
+fn the_plain_calls_are_the_untiled_operators() {
+    let model = load();
+    let z = read_npy(&dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap();
+    let plain = model.decode(&z).unwrap();
+    assert!(plain.bit_eq(&execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Decode, false), &z).unwrap()));
+    let x = read_npy(&dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap();
+    let moments = model.encode_moments(&x).unwrap();
+    assert!(
+        moments.bit_eq(&execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Encode, false), &x).unwrap())
+    );
+}
+
+/// The tiled cases on 1-4 local ranks: the owner's (decode) or every rank's (encode) output is
+/// the serial tiled result bit for bit, and the tiles really were blended.
+#[test]
+fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
+    for case in manifest().iter().filter(|c| c["tiling"].as_bool().unwrap() && c["output_kind"] != "mean") {
+        let name = case["name"].as_str().unwrap();
+        let (model, _) = model_for(case);
+        let input = npy(&case["input"]);
+        let (direction, placement) = match case["op"].as_str().unwrap() {
+            "decode" => (Direction::Decode, OutputPlacement::OwnerOnly),
+            _ => (Direction::Encode, OutputPlacement::AllRanks),
+        };
+        let op = HunyuanVideo15Operator::new(&model, direction, true);
+        let serial = execute_serial(&op, &input).unwrap();
+        let untiled = execute_serial(&HunyuanVideo15Operator::new(&model, direction, false), &input).unwrap();
+        if serial.dims() == untiled.dims() {
+            assert!(serial.max_abs_diff(&untiled).unwrap() > 1e-4, "{name}: the tiles were not blended");
+        }
+        for world in 1..=4 {
+            let outs = run_local(world, TransportConfig::default(), |comm| {
+                let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
+                exec.execute(&input, &op, placement).unwrap().tensor
+            })
+            .unwrap();
+            let holders: Vec<Tensor> = outs.into_iter().filter_map(|r| r.unwrap()).collect();
+            let expected = if direction == Direction::Decode { 1 } else { world };
+            assert_eq!(holders.len(), expected, "{name} on {world} ranks");
+            assert!(holders.iter().all(|out| out.bit_eq(&serial)), "{name} on {world} ranks");
+        }
+    }
+}
+
+#[test]
+fn the_registry_loads_the_class_and_serves_tiles_only() {
+    let mut vae = family::load(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap();
+    assert_eq!(vae.class_name(), "AutoencoderKLHunyuanVideo15");
+    assert!(vae.check_mode(ParallelMode::Tile).is_ok() && vae.check_mode(ParallelMode::Auto).is_ok());
+    for mode in [ParallelMode::SpatialShardHeight, ParallelMode::SpatialShardWidth, ParallelMode::Pipeline] {
+        let err = vae.check_mode(mode).unwrap_err();
+        assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{mode}: {err}");
+    }
+    let choice = vae.strategy(Direction::Decode, ParallelMode::Auto, &[1, 4, 3, 40, 40], 4);
+    assert_eq!(choice.strategy, vae_runtime::Strategy::Tile);
+    // enable_tiling: the latent tile is its own keyword, a factor of 0 keeps the current one (the
+    // class's `or`), and the Wan / AutoencoderKL keywords are refused.
+    vae.enable_tiling(&TileOverrides { sample_min_height: Some(64), overlap_factor: Some(0.0), ..Default::default() })
+        .unwrap();
+    let t = *vae.as_any().downcast_ref::<HunyuanVideo15Vae>().unwrap().tiling();
+    assert_eq!((t.tile_sample_min_height, t.tile_latent_min_height, t.tile_overlap_factor), (64, 32, 0.25));
+    for bad in [
+        TileOverrides { sample_min_size: Some(64), ..Default::default() },
+        TileOverrides { sample_stride_height: Some(64), ..Default::default() },
+        TileOverrides { overlap_factor: Some(1.0), ..Default::default() },
+    ] {
+        assert!(vae.enable_tiling(&bad).is_err(), "{bad:?}");
+    }
+    let described = vae.describe();
+    assert!(described.iter().any(|(k, v)| *k == "tiling" && v.contains("tile_latent_min 32x32")), "{described:?}");
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let model = load();
+    let zeros = |dims: &[usize]| Tensor::zeros(dims.to_vec(), DType::F32, &Device::Cpu).unwrap();
+    let invalid = |err: vae_models::ModelError, text: &str| {
+        assert!(matches!(err, vae_models::ModelError::InvalidInput(_)), "{err}");
+        assert!(err.to_string().contains(text), "{err}");
+    };
+    invalid(model.decode(&zeros(&[1, 3, 1, 2, 2])).unwrap_err(), "[B, 4, T, H, W]");
+    invalid(model.decode(&zeros(&[1, 4, 2, 2])).unwrap_err(), "[B, 4, T, H, W]");
+    invalid(model.encode_moments(&zeros(&[1, 3, 4, 16, 16])).unwrap_err(), "1 + 4k frames (e.g. 1 or 5)");
+    invalid(model.encode_moments(&zeros(&[1, 3, 1, 12, 16])).unwrap_err(), "multiple of the 8x");
+    invalid(model.encode_moments(&zeros(&[1, 4, 1, 16, 16])).unwrap_err(), "[B, 3, T, H, W]");
+    let mut nan = zeros(&[1, 4, 1, 2, 2]).to_vec_f32().unwrap();
+    nan[3] = f32::NAN;
+    let nan = Tensor::from_vec(nan, vec![1, 4, 1, 2, 2], &Device::Cpu).unwrap();
+    invalid(model.decode(&nan).unwrap_err(), "non-finite");
+    // A tiled encode whose tiles are not whole latent pixels fails in split, before any work.
+    let mut tiled = load();
+    tiled
+        .set_tiling(HunyuanVideo15Tiling {
+            tile_sample_min_height: 20,
+            tile_sample_min_width: 20,
+            tile_latent_min_height: 2,
+            tile_latent_min_width: 2,
+            tile_overlap_factor: 0.25,
+        })
+        .unwrap();
+    let err =
+        HunyuanVideo15Operator::new(&tiled, Direction::Encode, true).split(&zeros(&[1, 3, 1, 32, 32])).err().unwrap();
+    assert!(err.to_string().contains("not a multiple of the 8x"), "{err}");
+}
