@@ -50,9 +50,11 @@ fn video_vaes_decode_and_encode_on_cuda_as_diffusers_does() {
 }
 
 #[test]
-fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_and_batched() {
+fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_batched_and_sharded() {
     use vae_models::family::Direction;
-    use vae_models::hunyuan_video15::{HunyuanVideo15Operator, HunyuanVideo15Tiling, HunyuanVideo15Vae};
+    use vae_models::hunyuan_video15::{
+        HunyuanVideo15Operator, HunyuanVideo15ShardOperator, HunyuanVideo15Tiling, HunyuanVideo15Vae,
+    };
     use vae_runtime::execute_serial;
     let Some(device) = cuda("HunyuanVideo-1.5 on CUDA") else { return };
     let dir = fixtures_dir().join("hunyuan_video15");
@@ -82,6 +84,20 @@ fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_and_batched() {
         let got = execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Encode, tiled), &case(input)).unwrap();
         let diff = got.max_abs_diff(&case(output)).unwrap();
         assert!(diff <= 1e-3, "{input} on CUDA: max |cuda - diffusers| = {diff}");
+    }
+    // The shard on 2 ranks of the GPU (halos, replicated global edges, the gathered attention).
+    let z = random_tensor(&[1, 4, 2, 5, 6], 6);
+    let direct = model.decode(&z).unwrap();
+    let op = HunyuanVideo15ShardOperator::new(&model, Direction::Decode);
+    for axis in [ShardAxis::Height, ShardAxis::Width] {
+        let results = run_local(2, TransportConfig::default(), |comm| {
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+            exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+        })
+        .unwrap();
+        let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
+        let diff = got.max_abs_diff(&direct).unwrap();
+        assert!(diff <= 1e-5, "{axis}: max |shard - direct| on CUDA = {diff}");
     }
 }
 

@@ -1,16 +1,21 @@
 //! HunyuanVideo-1.5 (`AutoencoderKLHunyuanVideo15`) against diffusers: every fixture case
 //! (plain, batched, tiled and uncropped-tiled decode; plain, batched and tiled encode; the
 //! pipelines' latent scale) within 1e-4, tile-parallel runs bit-identical to the serial tiled
-//! path on 1-4 local ranks, and bad requests as typed errors.
+//! path and spatial shards bit-identical to the plain call on 1-4 local ranks, the policy, and
+//! bad requests as typed errors.
 
 use std::sync::Arc;
 
 use serde_json::Value;
-use vae_integration_tests::fixtures_dir;
+use vae_integration_tests::{fixtures_dir, random_tensor, shard_on_local_ranks};
 use vae_models::family::{self, Direction, TileOverrides};
-use vae_models::hunyuan_video15::{HunyuanVideo15Operator, HunyuanVideo15Tiling, HunyuanVideo15Vae};
+use vae_models::hunyuan_video15::{
+    HunyuanVideo15Operator, HunyuanVideo15ShardOperator, HunyuanVideo15Tiling, HunyuanVideo15Vae,
+};
 use vae_parallel::io::read_npy;
-use vae_runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode, TileOperator, execute_serial};
+use vae_runtime::{
+    DistributedVaeExecutor, OutputPlacement, ParallelMode, ShardAxis, Strategy, TileOperator, execute_serial,
+};
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
 
@@ -130,17 +135,99 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
     }
 }
 
+/// The shard of every latent and video below along both axes, on as many ranks (up to 4) as
+/// give each a latent row: the plain decode (encode) bit for bit, halos and the gathered
+/// attention included; bands that end at a global edge replicate it as the plain conv does.
 #[test]
-fn the_registry_loads_the_class_and_serves_tiles_only() {
+fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
+    let model = load();
+    let latents = [
+        read_npy(&dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap(),
+        read_npy(&dir().join(format!("{MODEL}.decode_batch2.in.npy"))).unwrap(),
+        random_tensor(&[1, 4, 3, 7, 5], 15),
+    ];
+    let videos = [
+        read_npy(&dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap(),
+        read_npy(&dir().join(format!("{MODEL}.encode_tiled_f1.in.npy"))).unwrap(),
+    ];
+    let cases =
+        latents.iter().map(|z| (Direction::Decode, z, 1)).chain(videos.iter().map(|x| (Direction::Encode, x, 8)));
+    let mut runs = 0;
+    for (direction, input, unit) in cases {
+        let direct = match direction {
+            Direction::Decode => model.decode(input).unwrap(),
+            Direction::Encode => model.encode_moments(input).unwrap(),
+        };
+        let op = HunyuanVideo15ShardOperator::new(&model, direction);
+        for axis in [ShardAxis::Height, ShardAxis::Width] {
+            let rows = input.dims()[axis.dim_in(5).unwrap()] / unit;
+            for world in 2..=rows.min(4) {
+                let (out, reports) = shard_on_local_ranks(&op, input, axis, world);
+                assert!(out.bit_eq(&direct), "{direction:?} of {:?} along {axis} on {world} ranks", input.dims());
+                // Every rank exchanged halos and gathered the map for the mid block's attention.
+                for r in &reports {
+                    let vae_runtime::StrategyReport::Shard { traffic, .. } = &r.strategy else { panic!("not a shard") };
+                    assert!(traffic.halo_exchanges > 0 && traffic.map_gathers > 0, "{traffic:?}");
+                }
+                runs += 1;
+            }
+        }
+    }
+    assert!(runs >= 12, "{runs} shard runs");
+}
+
+/// `auto` shards the longer axis over two ranks or more (an encode only where tiles would
+/// otherwise run), a forced axis too narrow for the ranks falls back to tiles, and through
+/// the family interface the result is the plain call's.
+#[test]
+fn the_policy_shards_where_every_rank_gets_a_latent_row() {
+    let vae = family::load(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap();
+    let decode = |mode, dims: &[usize], ranks| vae.strategy(Direction::Decode, mode, dims, ranks);
+    assert_eq!(decode(ParallelMode::Auto, &[1, 4, 3, 6, 9], 2).strategy, Strategy::Shard(ShardAxis::Width));
+    assert_eq!(decode(ParallelMode::Auto, &[1, 4, 3, 9, 6], 3).strategy, Strategy::Shard(ShardAxis::Height));
+    assert_eq!(decode(ParallelMode::Auto, &[1, 4, 3, 9, 6], 1).strategy, Strategy::Tile);
+    let narrow = decode(ParallelMode::SpatialShardHeight, &[1, 4, 3, 2, 9], 3);
+    assert!(narrow.fallback && narrow.strategy == Strategy::Tile, "{narrow:?}");
+    let encode = |mode, dims: &[usize], ranks| vae.strategy(Direction::Encode, mode, dims, ranks);
+    assert_eq!(encode(ParallelMode::Auto, &[1, 3, 5, 64, 64], 2).strategy, Strategy::Tile, "fits a tile");
+    assert_eq!(encode(ParallelMode::Auto, &[1, 3, 5, 512, 264], 2).strategy, Strategy::Shard(ShardAxis::Height));
+    let ragged = encode(ParallelMode::SpatialShardWidth, &[1, 3, 5, 64, 60], 2);
+    assert!(ragged.fallback && ragged.reason.contains("not a multiple of 8"), "{ragged:?}");
+
+    let z = random_tensor(&[1, 4, 2, 5, 6], 16);
+    let direct = vae.decode(&z).unwrap();
+    let outs = run_local(3, TransportConfig::default(), |comm| {
+        let executor = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
+        let strategy = vae.strategy(Direction::Decode, ParallelMode::Auto, z.dims(), 3).strategy;
+        let run = vae_models::Execution {
+            executor: &executor,
+            direction: Direction::Decode,
+            input: &z,
+            strategy,
+            use_tiling: true,
+            placement: OutputPlacement::AllRanks,
+        };
+        vae.execute(run).unwrap().tensor.unwrap()
+    })
+    .unwrap();
+    for out in outs {
+        assert!(out.unwrap().bit_eq(&direct));
+    }
+}
+
+#[test]
+fn the_registry_loads_the_class_with_every_mode_but_the_pipeline() {
     let mut vae = family::load(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap();
     assert_eq!(vae.class_name(), "AutoencoderKLHunyuanVideo15");
-    assert!(vae.check_mode(ParallelMode::Tile).is_ok() && vae.check_mode(ParallelMode::Auto).is_ok());
-    for mode in [ParallelMode::SpatialShardHeight, ParallelMode::SpatialShardWidth, ParallelMode::Pipeline] {
-        let err = vae.check_mode(mode).unwrap_err();
-        assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{mode}: {err}");
+    for mode in ParallelMode::ALL {
+        let verdict = vae.check_mode(mode);
+        if mode == ParallelMode::Pipeline {
+            let err = verdict.unwrap_err();
+            assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("every frame"));
+        } else {
+            assert!(verdict.is_ok(), "{mode}");
+        }
     }
-    let choice = vae.strategy(Direction::Decode, ParallelMode::Auto, &[1, 4, 3, 40, 40], 4);
-    assert_eq!(choice.strategy, vae_runtime::Strategy::Tile);
     // enable_tiling: the latent tile is its own keyword, a factor of 0 keeps the current one (the
     // class's `or`), and the Wan / AutoencoderKL keywords are refused.
     vae.enable_tiling(&TileOverrides { sample_min_height: Some(64), overlap_factor: Some(0.0), ..Default::default() })

@@ -582,15 +582,36 @@ fn hunyuan_video15_decodes_and_encodes_through_the_cli() {
         cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out), "--latents-normalized"]);
     assert!(ok, "{text}");
     assert!(close(&out, "hunyuan_video15_like.decode_normalized.out.npy") <= 1e-4);
-    // inspect names the class, its modes and its tiling flags; a shard is a clean error.
-    let (ok, text) = cli(&["inspect", "--model", s(&model)]);
-    assert!(ok && text.contains("AutoencoderKLHunyuanVideo15") && text.contains("modes       tile, auto"), "{text}");
-    assert!(text.contains("--tile-latent-min-height, --tile-latent-min-width, --tile-overlap-factor"), "{text}");
+    // The shard over 2 socket processes writes the plain decode's bytes.
+    let plain = dir.join("plain.npy");
+    let (ok, text) = cli(&["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&plain)]);
+    assert!(ok, "{text}");
     let shard = dir.join("shard.npy");
     let mut args = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&shard)];
-    args.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "spatial_shard_height"]);
-    assert_clean_failure("hunyuan shard", &args, "has no spatial shard yet");
-    assert!(!shard.exists());
+    args.extend([
+        "--vae-patch-parallel-size",
+        "2",
+        "--transport",
+        "socket",
+        "--vae-parallel-mode",
+        "spatial_shard_width",
+    ]);
+    let (ok, text) = cli(&args);
+    assert!(ok, "{text}");
+    assert!(
+        std::fs::read(&plain).unwrap() == std::fs::read(&shard).unwrap(),
+        "the shard differs from the plain decode"
+    );
+    // inspect names the class, its modes and its tiling flags; the pipeline is a clean error.
+    let (ok, text) = cli(&["inspect", "--model", s(&model)]);
+    let modes = "modes       tile, auto, spatial_shard_height, spatial_shard_width\n";
+    assert!(ok && text.contains("AutoencoderKLHunyuanVideo15") && text.contains(modes), "{text}");
+    assert!(text.contains("--tile-latent-min-height, --tile-latent-min-width, --tile-overlap-factor"), "{text}");
+    let piped = dir.join("piped.npy");
+    let mut args = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&piped)];
+    args.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "pipeline"]);
+    assert_clean_failure("hunyuan pipeline", &args, "cannot decode as a pipeline");
+    assert!(!piped.exists());
 }
 
 #[test]

@@ -4,11 +4,12 @@
 use std::any::Any;
 use std::path::Path;
 
+use vae_planner::ShardAxis;
 use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::{CLASS_NAME, HunyuanVideo15Vae};
-use super::operators::HunyuanVideo15Operator;
+use super::operators::{HunyuanVideo15Operator, HunyuanVideo15ShardOperator};
 use super::tiling::HunyuanVideo15Tiling;
 use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
@@ -38,30 +39,55 @@ impl LoadedVae for HunyuanVideo15Vae {
         HunyuanVideo15Vae::dtype(self)
     }
 
-    /// Tiles, and `auto` (which picks tiles). The spatial shard would be exact (the norms are
-    /// per pixel and the attention can gather) but is not built for this family yet; the
-    /// pipeline cannot be, since the mid-block attention sees every frame at once.
+    /// Every mode but the pipeline, which cannot apply: the mid-block attention sees every
+    /// frame at once, so the decoder does not run a frame at a time.
     fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         match mode {
-            ParallelMode::Tile | ParallelMode::Auto => Ok(()),
-            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
-                Err(ModelError::Unsupported(format!(
-                    "{CLASS_NAME} has no spatial shard yet (its replicate padding is not built into the halo exchange); use tile or auto"
-                )))
-            }
             ParallelMode::Pipeline => Err(ModelError::Unsupported(format!(
                 "{CLASS_NAME} cannot decode as a pipeline over frames: its decoder's attention sees every \
-                 frame of the clip at once, so it does not run a frame at a time (use tile or auto)"
+                 frame of the clip at once, so it does not run a frame at a time (use tile, auto or a \
+                 spatial shard mode)"
             ))),
+            _ => Ok(()),
         }
     }
 
-    fn strategy(&self, _: Direction, mode: ParallelMode, _: &[usize], _: usize) -> StrategyChoice {
+    /// From global quantities only, so every rank decides alike:
+    ///
+    /// - `spatial_shard_height` / `_width`: that axis whenever every rank gets a band of at least
+    ///   one latent row (for an encode, of the pixel rows of whole latent rows); otherwise tiles,
+    ///   flagged as a fallback.
+    /// - `auto`: with two ranks or more, the longer axis that fits (width on ties; for an encode,
+    ///   only where tiling would otherwise be used): the exact untiled result; otherwise tiles.
+    /// - `tile`: tiles.
+    fn strategy(&self, direction: Direction, mode: ParallelMode, dims: &[usize], ranks: usize) -> StrategyChoice {
+        let (what, verb, unit) = match direction {
+            Direction::Decode => ("a latent", "decoding", 1),
+            Direction::Encode => ("a video", "encoding", self.spatial_ratio()),
+        };
+        let fits = |axis: ShardAxis| -> std::result::Result<(), String> {
+            let extent = axis.dim_in(dims.len()).filter(|_| dims.len() == 5).map(|d| dims[d]).ok_or("not a video")?;
+            vae_runtime::whole_bands(what, axis, extent, unit, ranks)
+        };
         match mode {
-            ParallelMode::Auto => {
-                StrategyChoice::chosen(Strategy::Tile, "auto: tiles (the only strategy of this family)")
+            ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            // `check_mode` refuses it first.
+            ParallelMode::Pipeline => StrategyChoice::fallback_to_tile("pipeline: not for this family; tiles"),
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
+                let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
+                StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, verb)
             }
-            _ => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
+            ParallelMode::Auto => {
+                let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
+                if ranks < 2 {
+                    return tile("one rank".into());
+                }
+                let &[_, _, _, h, w] = dims else { return tile(format!("not {what}")) };
+                if direction == Direction::Encode && !self.tiling().needs_tiling_encode(h, w) {
+                    return tile(format!("{h}x{w} frames fit one tile"));
+                }
+                StrategyChoice::auto_axis(h, w, &format!("{what} of {h}x{w}"), fits)
+            }
         }
     }
 
@@ -122,7 +148,13 @@ impl LoadedVae for HunyuanVideo15Vae {
                 let op = HunyuanVideo15Operator::new(self, run.direction, run.use_tiling);
                 Ok(executor.execute(input, &op, placement)?)
             }
-            strategy => Err(ModelError::Unsupported(format!("{CLASS_NAME} runs tiles only, not {strategy:?}"))),
+            Strategy::Shard(axis) => {
+                let op = HunyuanVideo15ShardOperator::new(self, run.direction);
+                Ok(executor.execute_sharded(input, &op, axis, placement)?)
+            }
+            Strategy::Pipeline => {
+                Err(ModelError::Unsupported(format!("{CLASS_NAME} does not run as a pipeline over frames")))
+            }
         }
     }
 

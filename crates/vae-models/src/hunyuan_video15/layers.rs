@@ -3,11 +3,15 @@
 //! replicate padding, the RMS norm, the residual block, the mid block's frame-causal attention,
 //! and the DCAE down / upsamples that fold 2 × 2 (× 2) blocks into channels and back.
 //!
-//! Every layer takes and returns a whole clip `[B, C, T, H, W]`: this decoder is not run a
-//! frame at a time, since its attention looks at every earlier frame at once.
+//! Every layer takes and returns a whole clip `[B, C, T, H, W]` (this decoder is not run a frame
+//! at a time, since its attention looks at every earlier frame at once), or this rank's band of
+//! one along H or W ([`Band`]): convs take their neighbours' rows and replicate only at the
+//! global edges, the attention gathers the whole map, everything else is per pixel.
 
+use vae_planner::ShardAxis;
 use vae_tensor::{Conv3dParams, Tensor};
 
+use crate::layers::Band;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 
@@ -39,6 +43,8 @@ pub(super) struct CausalConv3d {
     weight: Tensor,
     bias: Tensor,
     kernel: [usize; 3],
+    /// Rows one latent row has become at this conv's resolution (`Conv3dParams::band_aligned`).
+    band_align: usize,
 }
 
 impl CausalConv3d {
@@ -48,15 +54,38 @@ impl CausalConv3d {
             weight: w.get("conv.weight", &[cout, cin, k, k, k])?,
             bias: w.get("conv.bias", &[cout])?,
             kernel: [k; 3],
+            band_align: 1,
         })
     }
 
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The conv of a clip, or of this rank's band of one: along the band's axis the padding is
+    /// the neighbours' rows, replicated edge rows only at the global edges.
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let [kt, kh, kw] = self.kernel;
-        let x = replicate(x, 2, kt - 1, 0)?;
-        let x = replicate(&x, 3, kh / 2, kh / 2)?;
-        let x = replicate(&x, 4, kw / 2, kw / 2)?;
-        Ok(x.conv3d(&self.weight, Some(&self.bias), &Conv3dParams::default())?)
+        let mut x = replicate(x, 2, kt - 1, 0)?;
+        for (dim, k) in [(3, kh), (4, kw)] {
+            x = match band.as_deref_mut() {
+                Some(ctx) if ShardAxis::dim_in(ctx.axis(), 5) == Some(dim) => {
+                    let p = k / 2;
+                    let haloed = ctx.with_halo(&x, p)?;
+                    // The zero rows with_halo leaves at a global edge become copies of the edge row.
+                    let (first, last) = (ctx.rank() == 0, ctx.rank() + 1 == ctx.ranks());
+                    let n = haloed.dims()[dim];
+                    let inner =
+                        haloed.narrow(dim, if first { p } else { 0 }, n - p * (first as usize + last as usize))?;
+                    replicate(&inner, dim, if first { p } else { 0 }, if last { p } else { 0 })?
+                }
+                _ => replicate(&x, dim, k / 2, k / 2)?,
+            };
+        }
+        Ok(x.conv3d(&self.weight, Some(&self.bias), &Conv3dParams::default().band_aligned(self.band_align))?)
+    }
+
+    /// The same conv at a resolution where one latent row has become `align` rows (band cuts
+    /// fall on multiples of it, so the kernel may use tiles of up to that many rows).
+    pub(super) fn band_aligned(mut self, align: usize) -> Self {
+        self.band_align = align;
+        self
     }
 }
 
@@ -114,21 +143,22 @@ pub(super) struct ResnetBlock {
 }
 
 impl ResnetBlock {
-    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize) -> Result<Self> {
+    /// A block at a resolution where one latent row has become `align` rows.
+    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, align: usize) -> Result<Self> {
         Ok(Self {
             norm1: RmsNorm::load(&mut w.pp("norm1"), cin)?,
-            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, 3)?,
+            conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, 3)?.band_aligned(align),
             norm2: RmsNorm::load(&mut w.pp("norm2"), cout)?,
-            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, 3)?,
+            conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, 3)?.band_aligned(align),
             shortcut: if cin != cout { Some(PointConv::load(&mut w.pp("conv_shortcut"), cin, cout)?) } else { None },
         })
     }
 
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let y = self.norm1.forward_silu(x)?;
-        let y = self.conv1.forward(&y)?;
+        let y = self.conv1.forward(&y, band)?;
         let y = self.norm2.forward_silu(&y)?;
-        let mut y = self.conv2.forward(&y)?;
+        let mut y = self.conv2.forward(&y, band)?;
         match &self.shortcut {
             Some(s) => y.add_assign(&s.forward(x)?)?,
             None => y.add_assign(x)?,
@@ -159,9 +189,21 @@ impl AttnBlock {
         })
     }
 
+    /// On a band, attention needs every position: the whole map is gathered, attended (the same
+    /// computation on every rank) and this rank keeps its band.
+    pub(super) fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        match band.as_deref_mut() {
+            None => self.forward(x),
+            Some(ctx) => {
+                let full = ctx.all_gather_map(x)?;
+                Ok(ctx.own_band(&self.forward(&full)?)?)
+            }
+        }
+    }
+
     /// The masked softmax of the class is, row by row, the softmax over the keys the mask lets
     /// through: frame `f`'s queries against the keys and values of frames `0..=f`.
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [b, c, t, h, w] = clip_dims(x)?;
         let normed = self.norm.forward(x)?;
         // [B, C, T·H·W] → [B, T·H·W, C]
@@ -191,20 +233,20 @@ pub(super) struct MidBlock {
 }
 
 impl MidBlock {
-    pub(super) fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
+    pub(super) fn load(w: &mut Weights<'_>, dim: usize, align: usize) -> Result<Self> {
         Ok(Self {
             resnets: [
-                ResnetBlock::load(&mut w.pp("resnets.0"), dim, dim)?,
-                ResnetBlock::load(&mut w.pp("resnets.1"), dim, dim)?,
+                ResnetBlock::load(&mut w.pp("resnets.0"), dim, dim, align)?,
+                ResnetBlock::load(&mut w.pp("resnets.1"), dim, dim, align)?,
             ],
             attention: AttnBlock::load(&mut w.pp("attentions.0"), dim)?,
         })
     }
 
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = self.resnets[0].forward(x)?;
-        let x = self.attention.forward(&x)?;
-        self.resnets[1].forward(&x)
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let x = self.resnets[0].forward(x, band)?;
+        let x = self.attention.forward_on(&x, band)?;
+        self.resnets[1].forward(&x, band)
     }
 }
 
@@ -268,17 +310,15 @@ pub(super) struct Upsample {
 }
 
 impl Upsample {
-    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, temporal: bool) -> Result<Self> {
+    /// An upsample whose input is at a resolution where one latent row has become `align` rows.
+    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, temporal: bool, align: usize) -> Result<Self> {
         let factor = if temporal { 8 } else { 4 };
-        Ok(Self {
-            conv: CausalConv3d::load(&mut w.pp("conv"), cin, cout * factor, 3)?,
-            temporal,
-            repeats: factor * cout / cin,
-        })
+        let conv = CausalConv3d::load(&mut w.pp("conv"), cin, cout * factor, 3)?.band_aligned(align);
+        Ok(Self { conv, temporal, repeats: factor * cout / cin })
     }
 
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.conv.forward(x)?;
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let h = self.conv.forward(x, band)?;
         if !self.temporal {
             let h = unfold(&h, [1, 2, 2])?;
             let mut shortcut = unfold(&repeat_channels(x, self.repeats)?, [1, 2, 2])?;
@@ -308,13 +348,15 @@ pub(super) struct Downsample {
 }
 
 impl Downsample {
-    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, temporal: bool) -> Result<Self> {
+    /// A downsample whose input is at a resolution where one latent row has become `align` rows.
+    pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, temporal: bool, align: usize) -> Result<Self> {
         let factor = if temporal { 8 } else { 4 };
-        Ok(Self { conv: CausalConv3d::load(&mut w.pp("conv"), cin, cout / factor, 3)?, temporal, out: cout })
+        let conv = CausalConv3d::load(&mut w.pp("conv"), cin, cout / factor, 3)?.band_aligned(align);
+        Ok(Self { conv, temporal, out: cout })
     }
 
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.conv.forward(x)?;
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let h = self.conv.forward(x, band)?;
         if !self.temporal {
             let h = fold(&h, [1, 2, 2])?;
             let mut shortcut = mean_channel_groups(&fold(x, [1, 2, 2])?, self.out)?;

@@ -3,11 +3,13 @@
 //! per-pixel RMS norms, whose mid blocks attend over the whole clip with a frame-causal mask,
 //! and whose resamples fold 2 × 2 (× 2) blocks into channels (DCAE) with averaged or repeated
 //! shortcuts. Plain, tiled and tile-parallel decode and encode, exactly as diffusers runs them
-//! (a batch as `enable_slicing()` runs it: diffusers' unsliced batched call fails).
+//! (a batch as `enable_slicing()` runs it: diffusers' unsliced batched call fails), and the
+//! plain decode and encode sharded along H or W.
 //!
-//! Policy of this family: tiles (`auto` picks them); the spatial shard is not built yet and the
-//! pipeline cannot be (the attention needs every frame at once); decoded pixels go to the owner,
-//! encoded latents to every rank; latents are scaled by `scaling_factor` only.
+//! Policy of this family: every mode but the pipeline, which cannot apply (the attention needs
+//! every frame at once); `auto` shards the longer axis over two ranks or more (its norms are per
+//! pixel, so a band needs nothing from the others but its halo rows); decoded pixels go to the
+//! owner, encoded latents to every rank; latents are scaled by `scaling_factor` only.
 
 mod config;
 mod family;
@@ -20,5 +22,5 @@ mod tiling;
 pub use config::HunyuanVideo15Config;
 pub use family::FAMILY;
 pub use model::{CLASS_NAME, HunyuanVideo15Vae};
-pub use operators::HunyuanVideo15Operator;
+pub use operators::{HunyuanVideo15Operator, HunyuanVideo15ShardOperator};
 pub use tiling::HunyuanVideo15Tiling;

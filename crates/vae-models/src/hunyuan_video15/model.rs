@@ -9,6 +9,7 @@ use vae_tensor::{DType, Device, Tensor};
 use super::config::HunyuanVideo15Config;
 use super::networks::{Decoder, Encoder};
 use super::tiling::HunyuanVideo15Tiling;
+use crate::layers::Band;
 use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
@@ -82,7 +83,7 @@ impl HunyuanVideo15Vae {
     }
 
     /// Pixels per latent pixel along H and W.
-    pub(super) fn spatial_ratio(&self) -> usize {
+    pub fn spatial_ratio(&self) -> usize {
         self.config.spatial_compression_ratio
     }
 
@@ -102,7 +103,13 @@ impl HunyuanVideo15Vae {
     /// batched call fails for more than one item (its causal mask does not broadcast over the
     /// attention heads); this is what its `enable_slicing()` computes.
     pub(super) fn decode_clip(&self, z: &Tensor) -> Result<Tensor> {
-        self.per_item(z, |x| self.decoder.forward(x))
+        self.decode_clip_on(z, None)
+    }
+
+    /// [`Self::decode_clip`] of a whole latent, or of this rank's band of one (`z` is then the
+    /// band; the result is the output's band).
+    pub(super) fn decode_clip_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
+        self.per_item(z, |x| self.decoder.forward(x, &mut band))
     }
 
     /// `vae._encode(x)` without tiling: the moments `[B, 2·latent, 1 + (T − 1) / temporal,
@@ -116,10 +123,15 @@ impl HunyuanVideo15Vae {
 
     /// The encoder on each batch item of a (tile of a) video, on the host.
     pub(super) fn encode_clip(&self, x: &Tensor) -> Result<Tensor> {
-        self.per_item(x, |x| self.encoder.forward(x))
+        self.encode_clip_on(x, None)
     }
 
-    fn per_item(&self, x: &Tensor, run: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    /// [`Self::encode_clip`] of a whole video, or of this rank's band of one (whole latent rows).
+    pub(super) fn encode_clip_on(&self, x: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
+        self.per_item(x, |x| self.encoder.forward(x, &mut band))
+    }
+
+    fn per_item(&self, x: &Tensor, mut run: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
         let batch = x.dims()[0];
         let mut outs = Vec::with_capacity(batch);
         for i in 0..batch {
@@ -190,8 +202,9 @@ impl HunyuanVideo15Vae {
 
     /// Refuses a request whose output plus largest feature map cannot fit
     /// ([`crate::checks::ensure_fits`]). The decoder's largest map is its last level's width
-    /// over every output frame of the whole clip (or of one tile, `tile`: its pixels); the
-    /// encoder's, its first level's width over the input.
+    /// over every output frame of the whole clip, or of at most `tile` pixels of each (one tile;
+    /// `Some(0)` for a shard, whose bands are not counted); the encoder's, its first level's
+    /// width over the input.
     pub(super) fn check_memory(&self, decode: bool, dims: &[usize], tile: Option<usize>) -> Result<()> {
         let &[b, _, t, h, w] = dims else { return Ok(()) };
         let c = &self.config;

@@ -1,5 +1,5 @@
 //! The two halves of `AutoencoderKLHunyuanVideo15`: `HunyuanVideo15Encoder3D` and
-//! `HunyuanVideo15Decoder3D`, each over a whole clip.
+//! `HunyuanVideo15Decoder3D`, each over a whole clip or this rank's band of one.
 
 use vae_tensor::Tensor;
 
@@ -7,6 +7,7 @@ use super::config::HunyuanVideo15Config;
 use super::layers::{
     CausalConv3d, Downsample, MidBlock, ResnetBlock, RmsNorm, Upsample, mean_channel_groups, repeat_channels,
 };
+use crate::layers::Band;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 
@@ -16,10 +17,11 @@ struct Level<R> {
     resample: Option<R>,
 }
 
-/// A level's `n` resnets, the first from `cin` channels, all to `width`.
-fn resnets(w: &mut Weights<'_>, n: usize, cin: usize, width: usize) -> Result<Vec<ResnetBlock>> {
+/// A level's `n` resnets, the first from `cin` channels, all to `width`, at a resolution where
+/// one latent row has become `align` rows.
+fn resnets(w: &mut Weights<'_>, n: usize, cin: usize, width: usize, align: usize) -> Result<Vec<ResnetBlock>> {
     (0..n)
-        .map(|j| ResnetBlock::load(&mut w.pp(format!("resnets.{j}")), if j == 0 { cin } else { width }, width))
+        .map(|j| ResnetBlock::load(&mut w.pp(format!("resnets.{j}")), if j == 0 { cin } else { width }, width, align))
         .collect()
 }
 
@@ -38,16 +40,23 @@ pub(super) struct Encoder {
 impl Encoder {
     pub(super) fn load(w: &mut Weights<'_>, c: &HunyuanVideo15Config) -> Result<Self> {
         let widths = &c.block_out_channels;
-        let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.in_channels, widths[0], 3)?;
+        // Rows per latent row, halved by every spatial downsample.
+        let mut align = c.spatial_compression_ratio;
+        let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.in_channels, widths[0], 3)?.band_aligned(align);
         let mut cin = widths[0];
         let mut levels = Vec::with_capacity(widths.len());
         for (i, r) in c.encoder_levels().map_err(ModelError::Unsupported)?.into_iter().enumerate() {
             let mut b = w.pp(format!("down_blocks.{i}"));
-            let resnets = resnets(&mut b, c.layers_per_block, cin, widths[i])?;
+            let resnets = resnets(&mut b, c.layers_per_block, cin, widths[i], align)?;
             let resample = r
-                .map(|r| Downsample::load(&mut b.pp("downsamplers.0"), widths[i], r.out_channels, r.temporal))
+                .map(|r| Downsample::load(&mut b.pp("downsamplers.0"), widths[i], r.out_channels, r.temporal, align))
                 .transpose()?;
-            cin = r.map_or(widths[i], |r| r.out_channels);
+            if let Some(r) = r {
+                cin = r.out_channels;
+                align /= 2;
+            } else {
+                cin = widths[i];
+            }
             levels.push(Level { resnets, resample });
         }
         let last = *widths.last().unwrap_or(&cin);
@@ -55,27 +64,28 @@ impl Encoder {
         Ok(Self {
             conv_in,
             levels,
-            mid: MidBlock::load(&mut w.pp("mid_block"), last)?,
+            mid: MidBlock::load(&mut w.pp("mid_block"), last, 1)?,
             norm_out: RmsNorm::load(&mut w.pp("norm_out"), last)?,
             conv_out: CausalConv3d::load(&mut w.pp("conv_out"), last, moments, 3)?,
             moments,
         })
     }
 
-    /// The moments `[B, 2·latent, 1 + (T − 1) / temporal, H / spatial, W / spatial]` of a clip.
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = self.conv_in.forward(x)?;
+    /// The moments `[B, 2·latent, 1 + (T − 1) / temporal, H / spatial, W / spatial]` of a clip
+    /// (or this rank's band of them).
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let mut x = self.conv_in.forward(x, band)?;
         for level in &self.levels {
             for resnet in &level.resnets {
-                x = resnet.forward(&x)?;
+                x = resnet.forward(&x, band)?;
             }
             if let Some(down) = &level.resample {
-                x = down.forward(&x)?;
+                x = down.forward(&x, band)?;
             }
         }
-        let x = self.mid.forward(&x)?;
+        let x = self.mid.forward(&x, band)?;
         let shortcut = mean_channel_groups(&x, self.moments)?;
-        let mut y = self.conv_out.forward(&self.norm_out.forward_silu(&x)?)?;
+        let mut y = self.conv_out.forward(&self.norm_out.forward_silu(&x)?, band)?;
         y.add_assign(&shortcut)?;
         Ok(y)
     }
@@ -96,16 +106,23 @@ impl Decoder {
     pub(super) fn load(w: &mut Weights<'_>, c: &HunyuanVideo15Config) -> Result<Self> {
         let widths: Vec<usize> = c.block_out_channels.iter().rev().copied().collect();
         let conv_in = CausalConv3d::load(&mut w.pp("conv_in"), c.latent_channels, widths[0], 3)?;
-        let mid = MidBlock::load(&mut w.pp("mid_block"), widths[0])?;
+        let mid = MidBlock::load(&mut w.pp("mid_block"), widths[0], 1)?;
         let mut cin = widths[0];
+        // Rows per latent row, doubled by every upsample.
+        let mut align = 1;
         let mut levels = Vec::with_capacity(widths.len());
         for (i, r) in c.decoder_levels().map_err(ModelError::Unsupported)?.into_iter().enumerate() {
             let mut b = w.pp(format!("up_blocks.{i}"));
-            let resnets = resnets(&mut b, c.layers_per_block + 1, cin, widths[i])?;
+            let resnets = resnets(&mut b, c.layers_per_block + 1, cin, widths[i], align)?;
             let resample = r
-                .map(|r| Upsample::load(&mut b.pp("upsamplers.0"), widths[i], r.out_channels, r.temporal))
+                .map(|r| Upsample::load(&mut b.pp("upsamplers.0"), widths[i], r.out_channels, r.temporal, align))
                 .transpose()?;
-            cin = r.map_or(widths[i], |r| r.out_channels);
+            if let Some(r) = r {
+                cin = r.out_channels;
+                align *= 2;
+            } else {
+                cin = widths[i];
+            }
             levels.push(Level { resnets, resample });
         }
         let last = *widths.last().unwrap_or(&cin);
@@ -115,23 +132,24 @@ impl Decoder {
             mid,
             levels,
             norm_out: RmsNorm::load(&mut w.pp("norm_out"), last)?,
-            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), last, c.out_channels, 3)?,
+            conv_out: CausalConv3d::load(&mut w.pp("conv_out"), last, c.out_channels, 3)?.band_aligned(align),
         })
     }
 
-    /// The clip `[B, out, 1 + (T − 1)·temporal, H·spatial, W·spatial]` of a latent.
-    pub(super) fn forward(&self, z: &Tensor) -> Result<Tensor> {
-        let mut x = self.conv_in.forward(z)?;
+    /// The clip `[B, out, 1 + (T − 1)·temporal, H·spatial, W·spatial]` of a latent (or this
+    /// rank's band of it).
+    pub(super) fn forward(&self, z: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let mut x = self.conv_in.forward(z, band)?;
         x.add_assign(&repeat_channels(z, self.repeats)?)?;
-        let mut x = self.mid.forward(&x)?;
+        let mut x = self.mid.forward(&x, band)?;
         for level in &self.levels {
             for resnet in &level.resnets {
-                x = resnet.forward(&x)?;
+                x = resnet.forward(&x, band)?;
             }
             if let Some(up) = &level.resample {
-                x = up.forward(&x)?;
+                x = up.forward(&x, band)?;
             }
         }
-        self.conv_out.forward(&self.norm_out.forward_silu(&x)?)
+        self.conv_out.forward(&self.norm_out.forward_silu(&x)?, band)
     }
 }

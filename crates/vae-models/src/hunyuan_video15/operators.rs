@@ -1,11 +1,14 @@
-//! The HunyuanVideo-1.5 operator the distributed executor runs: diffusers' `tiled_decode` and
-//! `tiled_encode` cut into split / exec / merge, or the plain path as one tile.
+//! The HunyuanVideo-1.5 operators the distributed executor runs: diffusers' `tiled_decode` and
+//! `tiled_encode` cut into split / exec / merge (or the plain path as one tile), and the plain
+//! decode and encode sharded along one spatial axis.
 
 use std::ops::Range;
 
-use vae_planner::{GridSpec, TileTask};
+use vae_planner::{GridSpec, ShardAxis, TileTask};
 use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
-use vae_runtime::{Classified, OperatorError, TileMap, TileOperator, TilePlan};
+use vae_runtime::{
+    Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan,
+};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::HunyuanVideo15Vae;
@@ -76,6 +79,59 @@ impl TileOperator for HunyuanVideo15Operator<'_> {
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn device(&self) -> Device {
+        self.model.device()
+    }
+}
+
+/// The plain decode or encode sharded along one spatial axis: each rank runs the network on its
+/// band (of latent rows; for an encode, of the pixel rows of whole latent rows) with halo
+/// exchanges, the attention on the gathered map; the bands are assembled on the owner as they
+/// are. The result is the plain call's, bit for bit.
+pub struct HunyuanVideo15ShardOperator<'m> {
+    model: &'m HunyuanVideo15Vae,
+    direction: Direction,
+}
+
+impl<'m> HunyuanVideo15ShardOperator<'m> {
+    /// The sharded `direction` of `model`.
+    pub fn new(model: &'m HunyuanVideo15Vae, direction: Direction) -> Self {
+        Self { model, direction }
+    }
+
+    fn check(&self, x: &Tensor) -> Result<ShardGeometry> {
+        let m = self.model;
+        let decode = self.direction == Direction::Decode;
+        if decode {
+            m.check_latent(x)?;
+        } else {
+            m.check_video(x)?;
+            m.check_frame_size(x.dims()[3], x.dims()[4])?;
+        }
+        m.check_memory(decode, x.dims(), Some(0))?;
+        // Every conv is 3 x 3 x 3: one row from each neighbour at any resolution.
+        Ok(ShardGeometry { min_band: 1, unit: if decode { 1 } else { m.spatial_ratio() } })
+    }
+}
+
+impl ShardOperator for HunyuanVideo15ShardOperator<'_> {
+    fn geometry(&self, x: &Tensor, _: ShardAxis) -> std::result::Result<ShardGeometry, OperatorError> {
+        Ok(self.check(x).map_err(Classified::from)?)
+    }
+
+    fn exec(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
+        let band = ctx.local_input(x)?;
+        let out = match self.direction {
+            Direction::Decode => self.model.decode_clip_on(&band, Some(ctx)),
+            Direction::Encode => self.model.encode_clip_on(&band, Some(ctx)),
+        };
+        Ok(out.map_err(Classified::from)?)
+    }
+
+    fn finish(&self, assembled: Tensor) -> std::result::Result<Tensor, OperatorError> {
+        Ok(assembled)
     }
 
     fn device(&self) -> Device {
