@@ -17,10 +17,13 @@ reused while its ``bench_seed.txt`` (seed and config) matches:
   ``[1, 32, size/8, size/8]``.
 - ``wan21``: ``AutoencoderKLWan`` with Wan2.1's geometry (base_dim 96, z_dim 16, dim_mult 1, 2,
   4, 4, num_res_blocks 2). Latents ``[1, 16, 3, size/8, size/8]`` (9 output frames).
+- ``hv15``: ``AutoencoderKLHunyuanVideo15`` in its default (HunyuanVideo-1.5) geometry
+  (block_out_channels 128, 256, 512, 1024, 1024, 32 latent channels, 16x spatial, 4x temporal).
+  Latents ``[1, 32, 3, size/16, size/16]`` (9 output frames).
 
 Next to the model go the inputs, seeded, float32, C order, so that ``vae-parallel bench decode``
 / ``bench encode`` read exactly the same files: ``z_<size>.npy`` (latents, ``randn``) for
-``--task decode`` and ``x_<size>.npy`` (images ``[1, 3, size, size]``, Wan ``[1, 3, 9, size,
+``--task decode`` and ``x_<size>.npy`` (images ``[1, 3, size, size]``, videos ``[1, 3, 9, size,
 size]``, uniform in [-1, 1]) for ``--task encode``.
 
 Each (size, dtype, threads, layout) configuration runs in a fresh subprocess (``--worker``),
@@ -55,7 +58,7 @@ A configuration that fails prints a line with an ``"error"`` field (the exceptio
 or the exit status) instead of numbers, and the others still run.
 
 Usage:
-    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21] [--task decode|encode] [--out DIR]
+    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21|hv15] [--task decode|encode] [--out DIR]
         [--iters N] [--sizes 256,512] [--threads 1,2] [--dtypes f32,bf16] [--layouts nchw,channels_last]
     python scripts/bench_diffusers.py --prepare-only [--family F] [--task T] [--sizes S]   # model and inputs only
 """
@@ -72,7 +75,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("sd", "flux1", "flux2", "wan21")
+FAMILIES = ("sd", "flux1", "flux2", "wan21", "hv15")
+VIDEO = ("wan21", "hv15")
 LAYOUTS = ("nchw", "channels_last")
 DTYPES = ("f32", "bf16")
 FAMILY = "sd"  # set from --family before anything runs
@@ -94,6 +98,9 @@ def model_config() -> dict:
         return dict(block_out_channels=(128, 256, 512, 512), latent_channels=32, sample_size=1024)
     if FAMILY == "wan21":
         return dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+    if FAMILY == "hv15":
+        # AutoencoderKLHunyuanVideo15's defaults are HunyuanVideo-1.5's geometry (16x spatial, 4x temporal).
+        return dict(latent_channels=32, block_out_channels=(128, 256, 512, 1024, 1024), layers_per_block=2)
     common = dict(
         in_channels=3,
         out_channels=3,
@@ -135,9 +142,10 @@ def model_config() -> dict:
 
 
 def model_class():
-    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo15, AutoencoderKLWan
 
-    return {"wan21": AutoencoderKLWan, "flux2": AutoencoderKLFlux2}.get(FAMILY, AutoencoderKL)
+    classes = {"wan21": AutoencoderKLWan, "flux2": AutoencoderKLFlux2, "hv15": AutoencoderKLHunyuanVideo15}
+    return classes.get(FAMILY, AutoencoderKL)
 
 
 def seed_tag() -> str:
@@ -146,9 +154,11 @@ def seed_tag() -> str:
 
 def input_shape(task: str, size: int) -> tuple[int, ...]:
     if task == "encode":
-        if FAMILY == "wan21":
+        if FAMILY in VIDEO:
             return (1, 3, 1 + 4 * (WAN_LATENT_FRAMES - 1), size, size)
         return (1, 3, size, size)
+    if FAMILY == "hv15":
+        return (1, 32, WAN_LATENT_FRAMES, size // 16, size // 16)
     latent = size // SCALE
     if FAMILY == "wan21":
         return (1, 16, WAN_LATENT_FRAMES, latent, latent)
@@ -237,7 +247,7 @@ def to_channels_last(vae, x):
     """The model and input in channels-last order (``channels_last_3d`` for 5-D tensors)."""
     import torch
 
-    if FAMILY == "wan21":
+    if FAMILY in VIDEO:
         # Module.to(memory_format=channels_last_3d) refuses the 4-D weights of the 2-D convs.
         with torch.no_grad():
             for p in vae.parameters():
