@@ -18,23 +18,34 @@ use crate::{ModelError, Result};
 /// `F.normalize`'s epsilon in `HunyuanVideo15RMS_norm`.
 const NORMALIZE_EPS: f32 = 1e-12;
 
-/// `x` with `before` copies of its first and `after` copies of its last element along `dim`
-/// (`F.pad(mode="replicate")` on one dimension).
-fn replicate(x: &Tensor, dim: usize, before: usize, after: usize) -> Result<Tensor> {
-    if before == 0 && after == 0 {
+/// `F.pad(x, mode="replicate")` of a clip with `pad = [t_front, t_back, top, bottom, left,
+/// right]`: every element of the padded clip is `x` at the nearest in-range index. One buffer of
+/// the padded size, filled by box copies (the interior once, then the edge slabs).
+fn pad_replicate(x: &Tensor, pad: [usize; 6]) -> Result<Tensor> {
+    let [b, c, t, h, w] = clip_dims(x)?;
+    if t == 0 || h == 0 || w == 0 {
+        return Err(ModelError::InvalidInput(format!("cannot replicate-pad an empty clip {:?}", x.dims())));
+    }
+    if pad == [0; 6] {
         return Ok(x.clone());
     }
-    let n = x.dims()[dim];
-    if n == 0 {
-        return Err(ModelError::InvalidInput(format!("cannot replicate-pad an empty dimension of {:?}", x.dims())));
+    // Along one dimension of `n`: (destination start, source start, length) of each slab.
+    let slabs = |n: usize, before: usize, after: usize| -> Vec<(usize, usize, usize)> {
+        let mut v: Vec<_> = (0..before).map(|i| (i, 0, 1)).collect();
+        v.push((before, 0, n));
+        v.extend((0..after).map(|i| (before + n + i, n - 1, 1)));
+        v
+    };
+    let dims = vec![b, c, t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]];
+    let mut out = Tensor::zeros(dims, x.dtype(), &x.device())?;
+    for (dt, st, lt) in slabs(t, pad[0], pad[1]) {
+        for &(dh, sh, lh) in &slabs(h, pad[2], pad[3]) {
+            for &(dw, sw, lw) in &slabs(w, pad[4], pad[5]) {
+                out.copy_box_from(&[0, 0, dt, dh, dw], x, &[0, 0, st, sh, sw], &[b, c, lt, lh, lw])?;
+            }
+        }
     }
-    let first = x.narrow(dim, 0, 1)?;
-    let last = x.narrow(dim, n - 1, 1)?;
-    let mut parts: Vec<&Tensor> = Vec::with_capacity(before + after + 1);
-    parts.extend(std::iter::repeat_n(&first, before));
-    parts.push(x);
-    parts.extend(std::iter::repeat_n(&last, after));
-    Ok(Tensor::cat(&parts, dim)?)
+    Ok(out)
 }
 
 /// `HunyuanVideo15CausalConv3d`: replicate padding of `kt − 1` frames in front, none behind,
@@ -62,23 +73,28 @@ impl CausalConv3d {
     /// the neighbours' rows, replicated edge rows only at the global edges.
     pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let [kt, kh, kw] = self.kernel;
-        let mut x = replicate(x, 2, kt - 1, 0)?;
-        for (dim, k) in [(3, kh), (4, kw)] {
-            x = match band.as_deref_mut() {
-                Some(ctx) if ShardAxis::dim_in(ctx.axis(), 5) == Some(dim) => {
-                    let p = k / 2;
-                    let haloed = ctx.with_halo(&x, p)?;
-                    // The zero rows with_halo leaves at a global edge become copies of the edge row.
-                    let (first, last) = (ctx.rank() == 0, ctx.rank() + 1 == ctx.ranks());
-                    let n = haloed.dims()[dim];
-                    let inner =
-                        haloed.narrow(dim, if first { p } else { 0 }, n - p * (first as usize + last as usize))?;
-                    replicate(&inner, dim, if first { p } else { 0 }, if last { p } else { 0 })?
-                }
-                _ => replicate(&x, dim, k / 2, k / 2)?,
-            };
-        }
-        Ok(x.conv3d(&self.weight, Some(&self.bias), &Conv3dParams::default().band_aligned(self.band_align))?)
+        let mut pad = [kt - 1, 0, kh / 2, kh / 2, kw / 2, kw / 2];
+        let haloed;
+        let x = match band.as_deref_mut() {
+            None => x,
+            Some(ctx) => {
+                let (dim, p) = match ctx.axis() {
+                    ShardAxis::Height => (3, kh / 2),
+                    ShardAxis::Width => (4, kw / 2),
+                };
+                let with_rows = ctx.with_halo(x, p)?;
+                // The zero rows with_halo leaves at a global edge give way to replicated ones.
+                let (first, last) = (ctx.rank() == 0, ctx.rank() + 1 == ctx.ranks());
+                let (before, after) = (if first { p } else { 0 }, if last { p } else { 0 });
+                pad[2 * (dim - 2)] = before;
+                pad[2 * (dim - 2) + 1] = after;
+                let n = with_rows.dims()[dim];
+                haloed = with_rows.narrow(dim, before, n - before - after)?;
+                &haloed
+            }
+        };
+        let params = Conv3dParams::default().band_aligned(self.band_align);
+        Ok(pad_replicate(x, pad)?.conv3d(&self.weight, Some(&self.bias), &params)?)
     }
 
     /// The same conv at a resolution where one latent row has become `align` rows (band cuts
@@ -373,5 +389,38 @@ impl Downsample {
         let mut shortcut = cat_time(x_first, x_rest)?;
         shortcut.add_assign(&h)?;
         Ok(shortcut)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vae_tensor::Device;
+
+    use super::*;
+
+    #[test]
+    fn replicate_padding_reads_the_nearest_element_in_range() {
+        let dims = [2, 3, 2, 3, 4];
+        let n: usize = dims.iter().product();
+        let x = Tensor::from_vec((0..n).map(|v| v as f32).collect(), dims.to_vec(), &Device::Cpu).unwrap();
+        let pad = [2, 1, 1, 0, 2, 3];
+        let got = pad_replicate(&x, pad).unwrap();
+        let [b, c, t, h, w] = dims;
+        let (tp, hp, wp) = (t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]);
+        assert_eq!(got.dims(), [b, c, tp, hp, wp]);
+        let (src, out) = (x.to_vec_f32().unwrap(), got.to_vec_f32().unwrap());
+        let clamp = |i: usize, before: usize, n: usize| i.saturating_sub(before).min(n - 1);
+        let mut k = 0;
+        for bc in 0..b * c {
+            for ti in 0..tp {
+                for hi in 0..hp {
+                    for wi in 0..wp {
+                        let (st, sh, sw) = (clamp(ti, pad[0], t), clamp(hi, pad[2], h), clamp(wi, pad[4], w));
+                        assert_eq!(out[k], src[((bc * t + st) * h + sh) * w + sw], "at {bc} {ti} {hi} {wi}");
+                        k += 1;
+                    }
+                }
+            }
+        }
     }
 }
