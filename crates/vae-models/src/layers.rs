@@ -1,6 +1,6 @@
 //! The building blocks diffusers' 2-D VAEs share (`diffusers.models.resnet`,
-//! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), loaded by
-//! their state-dict names.
+//! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), and the RMS
+//! norm of the video VAEs (Wan, Qwen-Image, HunyuanVideo-1.5), loaded by their state-dict names.
 
 use vae_planner::ShardAxis;
 use vae_runtime::ShardContext;
@@ -17,6 +17,37 @@ pub type Band<'a, 'c> = Option<&'a mut ShardContext<'c>>;
 /// An empty tensor in place of weights a model has let go of.
 pub(crate) fn released() -> Result<Tensor> {
     Ok(Tensor::from_vec(Vec::new(), vec![0], &vae_tensor::Device::Cpu)?)
+}
+
+/// `F.normalize`'s epsilon in the video VAEs' RMS norms.
+const NORMALIZE_EPS: f32 = 1e-12;
+
+/// `WanRMS_norm` / `HunyuanVideo15RMS_norm` without bias: `F.normalize` over channels · √C · γ.
+pub(crate) struct RmsNorm {
+    gamma: Tensor,
+}
+
+impl RmsNorm {
+    /// The scale `gamma`, shaped `[dim, 1, 1]` for images or `[dim, 1, 1, 1]` for video.
+    pub(crate) fn load(w: &mut Weights<'_>, dim: usize, images: bool) -> Result<Self> {
+        let shape: Vec<usize> = if images { vec![dim, 1, 1] } else { vec![dim, 1, 1, 1] };
+        Ok(Self { gamma: w.get("gamma", &shape)? })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
+
+    /// Frees the scale (see [`Conv2d::release`]).
+    pub(crate) fn release(&mut self) -> Result<()> {
+        self.gamma = released()?;
+        Ok(())
+    }
+
+    /// [`Self::forward`] then SiLU, in one pass (the same values).
+    pub(crate) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
+    }
 }
 
 /// `nn.Conv2d` with bias.

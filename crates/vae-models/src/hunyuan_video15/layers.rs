@@ -11,12 +11,9 @@
 use vae_planner::ShardAxis;
 use vae_tensor::{Conv3dParams, Tensor};
 
-use crate::layers::Band;
+use crate::layers::{Band, RmsNorm};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-
-/// `F.normalize`'s epsilon in `HunyuanVideo15RMS_norm`.
-const NORMALIZE_EPS: f32 = 1e-12;
 
 /// `F.pad(x, mode="replicate")` of a clip with `pad = [t_front, t_back, top, bottom, left,
 /// right]`: every element of the padded clip is `x` at the nearest in-range index. One buffer of
@@ -129,26 +126,6 @@ impl PointConv {
     }
 }
 
-/// `HunyuanVideo15RMS_norm` (video, no bias): `F.normalize` over channels · √C · γ.
-pub(super) struct RmsNorm {
-    gamma: Tensor,
-}
-
-impl RmsNorm {
-    pub(super) fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
-        Ok(Self { gamma: w.get("gamma", &[dim, 1, 1, 1])? })
-    }
-
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
-    }
-
-    /// [`Self::forward`] then SiLU, in one pass (the same values).
-    pub(super) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
-    }
-}
-
 /// `HunyuanVideo15ResnetBlock`: norm, SiLU, causal conv, twice, plus the (1×1×1) shortcut.
 pub(super) struct ResnetBlock {
     norm1: RmsNorm,
@@ -162,9 +139,9 @@ impl ResnetBlock {
     /// A block at a resolution where one latent row has become `align` rows.
     pub(super) fn load(w: &mut Weights<'_>, cin: usize, cout: usize, align: usize) -> Result<Self> {
         Ok(Self {
-            norm1: RmsNorm::load(&mut w.pp("norm1"), cin)?,
+            norm1: RmsNorm::load(&mut w.pp("norm1"), cin, false)?,
             conv1: CausalConv3d::load(&mut w.pp("conv1"), cin, cout, 3)?.band_aligned(align),
-            norm2: RmsNorm::load(&mut w.pp("norm2"), cout)?,
+            norm2: RmsNorm::load(&mut w.pp("norm2"), cout, false)?,
             conv2: CausalConv3d::load(&mut w.pp("conv2"), cout, cout, 3)?.band_aligned(align),
             shortcut: if cin != cout { Some(PointConv::load(&mut w.pp("conv_shortcut"), cin, cout)?) } else { None },
         })
@@ -197,7 +174,7 @@ pub(super) struct AttnBlock {
 impl AttnBlock {
     pub(super) fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
         Ok(Self {
-            norm: RmsNorm::load(&mut w.pp("norm"), dim)?,
+            norm: RmsNorm::load(&mut w.pp("norm"), dim, false)?,
             to_q: PointConv::load(&mut w.pp("to_q"), dim, dim)?,
             to_k: PointConv::load(&mut w.pp("to_k"), dim, dim)?,
             to_v: PointConv::load(&mut w.pp("to_v"), dim, dim)?,

@@ -4,10 +4,8 @@
 use vae_tensor::Tensor;
 
 use super::config::HunyuanVideo15Config;
-use super::layers::{
-    CausalConv3d, Downsample, MidBlock, ResnetBlock, RmsNorm, Upsample, mean_channel_groups, repeat_channels,
-};
-use crate::layers::Band;
+use super::layers::{CausalConv3d, Downsample, MidBlock, ResnetBlock, Upsample, mean_channel_groups, repeat_channels};
+use crate::layers::{Band, RmsNorm};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 
@@ -65,7 +63,7 @@ impl Encoder {
             conv_in,
             levels,
             mid: MidBlock::load(&mut w.pp("mid_block"), last, 1)?,
-            norm_out: RmsNorm::load(&mut w.pp("norm_out"), last)?,
+            norm_out: RmsNorm::load(&mut w.pp("norm_out"), last, false)?,
             conv_out: CausalConv3d::load(&mut w.pp("conv_out"), last, moments, 3)?,
             moments,
         })
@@ -131,7 +129,7 @@ impl Decoder {
             repeats: widths[0] / c.latent_channels,
             mid,
             levels,
-            norm_out: RmsNorm::load(&mut w.pp("norm_out"), last)?,
+            norm_out: RmsNorm::load(&mut w.pp("norm_out"), last, false)?,
             conv_out: CausalConv3d::load(&mut w.pp("conv_out"), last, c.out_channels, 3)?.band_aligned(align),
         })
     }

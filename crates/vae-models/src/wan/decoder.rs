@@ -6,8 +6,9 @@ use vae_tensor::Tensor;
 
 use super::cache::Pass;
 use super::config::WanConfig;
-use super::layers::{AttentionBlock, CausalConv3d, ResidualBlock, RmsNorm};
+use super::layers::{AttentionBlock, CausalConv3d, ResidualBlock};
 use super::resample::Upsample;
+use crate::layers::RmsNorm;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 

@@ -4,9 +4,10 @@ use vae_tensor::Tensor;
 
 use super::cache::Pass;
 use super::config::WanConfig;
-use super::layers::{AttentionBlock, CausalConv3d, ResidualBlock, RmsNorm};
+use super::layers::{AttentionBlock, CausalConv3d, ResidualBlock};
 use super::resample::Downsample;
 use crate::Result;
+use crate::layers::RmsNorm;
 use crate::weights::Weights;
 
 /// Wan2.2's `WanResidualDownBlock`: residual blocks and a resample, plus an `AvgDown3D` of

@@ -6,11 +6,8 @@ use vae_tensor::{Conv3dParams, Tensor};
 
 use super::cache::Pass;
 use crate::Result;
-use crate::layers::{Conv2d, released};
+use crate::layers::{Conv2d, RmsNorm, released};
 use crate::weights::Weights;
-
-/// `F.normalize`'s epsilon in `WanRMS_norm`.
-const NORMALIZE_EPS: f32 = 1e-12;
 
 /// `WanCausalConv3d`: time padded only in front (`2·pt` frames, fewer when cached frames are
 /// prepended), space padded symmetrically.
@@ -105,33 +102,6 @@ impl CausalConv3d {
 /// extents are its last two dimensions, as H and W are a tensor's.
 pub(super) fn kernel_halo(weight: &Tensor, axis: ShardAxis) -> usize {
     axis.dim_in(weight.rank()).map_or(0, |d| halo_width(weight.dims()[d]))
-}
-
-/// `WanRMS_norm`: `F.normalize` over channels · √C · γ.
-pub(super) struct RmsNorm {
-    gamma: Tensor,
-}
-
-impl RmsNorm {
-    pub(super) fn load(w: &mut Weights<'_>, dim: usize, images: bool) -> Result<Self> {
-        let shape: Vec<usize> = if images { vec![dim, 1, 1] } else { vec![dim, 1, 1, 1] };
-        Ok(Self { gamma: w.get("gamma", &shape)? })
-    }
-
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.rms_norm_channels(&self.gamma, None, 1, NORMALIZE_EPS)?)
-    }
-
-    /// Frees the scale (see [`Conv2d::release`]).
-    pub(super) fn release(&mut self) -> Result<()> {
-        self.gamma = released()?;
-        Ok(())
-    }
-
-    /// [`Self::forward`] then SiLU, in one pass (the same values).
-    pub(super) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.rms_norm_channels_silu(&self.gamma, None, 1, NORMALIZE_EPS)?)
-    }
 }
 
 /// `WanResidualBlock`: RMS norm, SiLU, causal conv, twice, plus the (1×1×1 conv) shortcut.
