@@ -260,18 +260,11 @@ fn fold(x: &Tensor, r: [usize; 3]) -> Result<Tensor> {
     Ok(x.into_reshaped(vec![b, r[0] * r[1] * r[2] * c, f, h, w])?)
 }
 
-/// `repeat_interleave(repeats, dim=1)`: each channel `repeats` times in a row.
+/// `repeat_interleave(repeats, dim=1)`: each channel `repeats` times in a row (Wan 2.2's
+/// `DupUp3D` with no unfolding).
 pub(super) fn repeat_channels(x: &Tensor, repeats: usize) -> Result<Tensor> {
-    if repeats == 1 {
-        return Ok(x.clone());
-    }
-    let d = x.dims().to_vec();
-    let inner: usize = d[2..].iter().product();
-    let col = x.reshape(vec![d[0], d[1], 1, inner])?;
-    let copies = vec![&col; repeats];
-    let mut out = d;
-    out[1] *= repeats;
-    Ok(Tensor::cat(&copies, 2)?.into_reshaped(out)?)
+    let channels = clip_dims(x)?[1];
+    Ok(x.dup_up3d(1, 1, channels * repeats, false)?)
 }
 
 /// `view(B, out, group, ...).mean(dim=2)`: the mean of each run of `C / out` channels.

@@ -14,6 +14,17 @@ use crate::placement::{check_precision, on_device, to_host};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
+/// Over what a request's largest feature map extends, for [`HunyuanVideo15Vae::check_memory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MapExtent {
+    /// The whole frame.
+    Whole,
+    /// One tile of this many pixels (at most the frame).
+    Tile(usize),
+    /// Bands of a spatial shard, over however many ranks: the output alone is counted.
+    Banded,
+}
+
 /// The diffusers class this module loads.
 pub const CLASS_NAME: &str = "AutoencoderKLHunyuanVideo15";
 
@@ -95,20 +106,15 @@ impl HunyuanVideo15Vae {
     /// `vae.decode(z).sample` without tiling: the whole clip through the decoder, no clamp.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_latent(z)?;
-        self.check_memory(true, z.dims(), None)?;
-        self.decode_clip(z)
+        self.check_memory(true, z.dims(), MapExtent::Whole)?;
+        self.decode_clip(z, None)
     }
 
-    /// The decoder on each batch item of a (tile of a) latent, on the host. diffusers' own
-    /// batched call fails for more than one item (its causal mask does not broadcast over the
-    /// attention heads); this is what its `enable_slicing()` computes.
-    pub(super) fn decode_clip(&self, z: &Tensor) -> Result<Tensor> {
-        self.decode_clip_on(z, None)
-    }
-
-    /// [`Self::decode_clip`] of a whole latent, or of this rank's band of one (`z` is then the
-    /// band; the result is the output's band).
-    pub(super) fn decode_clip_on(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
+    /// The decoder on each batch item of a (tile of a) latent, on the host: of the whole latent,
+    /// or of this rank's band of it (`z` is then the band; the result is the output's band).
+    /// diffusers' own batched call fails for more than one item (its causal mask does not
+    /// broadcast over the attention heads); this is what its `enable_slicing()` computes.
+    pub(super) fn decode_clip(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         self.per_item(z, |x| self.decoder.forward(x, &mut band))
     }
 
@@ -117,17 +123,13 @@ impl HunyuanVideo15Vae {
     pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
         self.check_video(x)?;
         self.check_frame_size(x.dims()[3], x.dims()[4])?;
-        self.check_memory(false, x.dims(), None)?;
-        self.encode_clip(x)
+        self.check_memory(false, x.dims(), MapExtent::Whole)?;
+        self.encode_clip(x, None)
     }
 
-    /// The encoder on each batch item of a (tile of a) video, on the host.
-    pub(super) fn encode_clip(&self, x: &Tensor) -> Result<Tensor> {
-        self.encode_clip_on(x, None)
-    }
-
-    /// [`Self::encode_clip`] of a whole video, or of this rank's band of one (whole latent rows).
-    pub(super) fn encode_clip_on(&self, x: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
+    /// The encoder on each batch item of a (tile of a) video, on the host; of a whole video, or
+    /// of this rank's band of one (whole latent rows).
+    pub(super) fn encode_clip(&self, x: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         self.per_item(x, |x| self.encoder.forward(x, &mut band))
     }
 
@@ -202,10 +204,14 @@ impl HunyuanVideo15Vae {
 
     /// Refuses a request whose output plus largest feature map cannot fit
     /// ([`crate::checks::ensure_fits`]). The decoder's largest map is its last level's width
-    /// over every output frame of the whole clip, or of at most `tile` pixels of each (one tile;
-    /// `Some(0)` for a shard, whose bands are not counted); the encoder's, its first level's
-    /// width over the input.
-    pub(super) fn check_memory(&self, decode: bool, dims: &[usize], tile: Option<usize>) -> Result<()> {
+    /// over every output frame (of the whole frame, or of one tile); the encoder's, its first
+    /// level's width over the input (frame or tile). A shard's bands are not counted.
+    pub(super) fn check_memory(&self, decode: bool, dims: &[usize], map: MapExtent) -> Result<()> {
+        let tile = match map {
+            MapExtent::Whole => None,
+            MapExtent::Tile(pixels) => Some(pixels),
+            MapExtent::Banded => Some(0),
+        };
         let &[b, _, t, h, w] = dims else { return Ok(()) };
         let c = &self.config;
         let (b, t, h, w) = (b as u64, t as u64, h as u64, w as u64);

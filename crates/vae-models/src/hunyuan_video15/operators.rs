@@ -11,7 +11,7 @@ use vae_runtime::{
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::HunyuanVideo15Vae;
+use super::model::{HunyuanVideo15Vae, MapExtent};
 use crate::Result;
 use crate::family::Direction;
 
@@ -45,10 +45,10 @@ impl<'m> HunyuanVideo15Operator<'m> {
             if !decode {
                 m.check_frame_size(h, w)?;
             }
-            m.check_memory(decode, x.dims(), None)?;
+            m.check_memory(decode, x.dims(), MapExtent::Whole)?;
             return Ok(untiled_plan([3, 4], [h, w]));
         }
-        m.check_memory(decode, x.dims(), Some(t.tile_sample_min_height * t.tile_sample_min_width))?;
+        m.check_memory(decode, x.dims(), MapExtent::Tile(t.tile_sample_min_height * t.tile_sample_min_width))?;
         let ratio = m.spatial_ratio();
         let layout = if decode { t.decode_layout(h, w, ratio)? } else { t.encode_layout(h, w, ratio)? };
         Ok(tiled_plan([3, 4], &layout))
@@ -67,8 +67,8 @@ impl TileOperator for HunyuanVideo15Operator<'_> {
         let [rows, cols] = &task.payload;
         let tile = x.narrow(3, rows.start, rows.len())?.narrow(4, cols.start, cols.len())?;
         let out = match self.direction {
-            Direction::Decode => self.model.decode_clip(&tile),
-            Direction::Encode => self.model.encode_clip(&tile),
+            Direction::Decode => self.model.decode_clip(&tile, None),
+            Direction::Encode => self.model.encode_clip(&tile, None),
         };
         Ok(out.map_err(Classified::from)?)
     }
@@ -110,7 +110,7 @@ impl<'m> HunyuanVideo15ShardOperator<'m> {
             m.check_video(x)?;
             m.check_frame_size(x.dims()[3], x.dims()[4])?;
         }
-        m.check_memory(decode, x.dims(), Some(0))?;
+        m.check_memory(decode, x.dims(), MapExtent::Banded)?;
         // Every conv is 3 x 3 x 3: one row from each neighbour at any resolution.
         Ok(ShardGeometry { min_band: 1, unit: if decode { 1 } else { m.spatial_ratio() } })
     }
@@ -124,8 +124,8 @@ impl ShardOperator for HunyuanVideo15ShardOperator<'_> {
     fn exec(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> std::result::Result<Tensor, OperatorError> {
         let band = ctx.local_input(x)?;
         let out = match self.direction {
-            Direction::Decode => self.model.decode_clip_on(&band, Some(ctx)),
-            Direction::Encode => self.model.encode_clip_on(&band, Some(ctx)),
+            Direction::Decode => self.model.decode_clip(&band, Some(ctx)),
+            Direction::Encode => self.model.encode_clip(&band, Some(ctx)),
         };
         Ok(out.map_err(Classified::from)?)
     }
