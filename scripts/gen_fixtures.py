@@ -6,13 +6,15 @@ output ``.npy`` pairs (little-endian float32, C order) plus ``manifest.json`` un
 ``fixtures/autoencoder_kl/`` (or the directory given as the first argument), and the video VAE
 families next to it: ``fixtures/wan/`` (AutoencoderKLWan, Wan2.1- and Wan2.2-like) and
 ``fixtures/qwen_image/`` (AutoencoderKLQwenImage), i.e. the siblings ``wan`` and ``qwen_image`` of
-the first argument.
+the first argument. Also ``fixtures/hunyuan_video15/`` (AutoencoderKLHunyuanVideo15) and ``fixtures/ltx/``
+(AutoencoderKLLTXVideo and AutoencoderKLLTX2Video), the siblings ``hunyuan_video15`` and ``ltx``.
 
 Everything is deterministic: fixed seeds, float32, CPU, one thread. Run with the packages pinned
 in ``scripts/requirements-fixtures.txt`` (``cargo xtask fixtures`` checks them first).
 
 Usage: python scripts/gen_fixtures.py [OUTPUT_DIR]
-       (also writes OUTPUT_DIR/../wan, OUTPUT_DIR/../qwen_image, OUTPUT_DIR/../hunyuan_video15)
+       (also writes OUTPUT_DIR/../wan, OUTPUT_DIR/../qwen_image, OUTPUT_DIR/../hunyuan_video15,
+       OUTPUT_DIR/../ltx)
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Video,
+    AutoencoderKLLTXVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
 )
@@ -842,6 +846,317 @@ def gen_hunyuan_video15(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# AutoencoderKLLTXVideo (LTX-Video 0.9.5-like) and AutoencoderKLLTX2Video (LTX-2)
+# --------------------------------------------------------------------------------------------
+
+
+def set_ltx_latent_stats(vae, seed: int) -> None:
+    """latents_mean / latents_std are persistent buffers (saved in the safetensors, not the config)."""
+    mean, std = latent_stats(vae.config.latent_channels, seed)
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.tensor(mean, dtype=torch.float32))
+        vae.latents_std.copy_(torch.tensor(std, dtype=torch.float32))
+
+
+def build_ltx_video_like() -> AutoencoderKLLTXVideo:
+    # LTX-Video 0.9.5: block_out_channels (128, 256, 512, 1024, 2048), LTXVideo095DownBlock3D x 4, decoder
+    # (256, 512, 1024), timestep conditioning, 128 latent channels, patch 4, 32x spatial / 8x temporal. Here three
+    # levels (spatial, temporal, spatiotemporal down; two spatiotemporal residual ups), patch 2, 8x spatial, 4x
+    # temporal, to keep the fixtures small. The ratios are passed explicitly: the class's default
+    # patch_size * 2 ** sum(spatio_temporal_scaling) = 16 / 8 would be wrong for this layout.
+    torch.manual_seed(3400)
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(4, 8, 8, 16),
+        down_block_types=("LTXVideo095DownBlock3D",) * 3,
+        decoder_block_out_channels=(8, 16),
+        layers_per_block=(1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True, True),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("spatial", "temporal", "spatiotemporal"),
+        upsample_residual=(True, True),
+        upsample_factor=(2, 2),
+        timestep_conditioning=True,
+        patch_size=2,
+        patch_size_t=1,
+        scaling_factor=0.95,
+        encoder_causal=True,
+        decoder_causal=False,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+    set_ltx_latent_stats(vae, 3401)
+    return vae
+
+
+def build_ltx2_like() -> AutoencoderKLLTX2Video:
+    # LTX-2: block_out_channels (256, 512, 1024, 2048), decoder (256, 512, 1024), 128 latent channels, encoder
+    # zero padding, decoder reflect padding, no timestep conditioning. Here three levels, patch 2, 8x spatial, 4x
+    # temporal.
+    torch.manual_seed(3500)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 8, 16),
+        down_block_types=("LTX2VideoDownBlock3D",) * 3,
+        layers_per_block=(1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True),
+        downsample_type=("spatial", "temporal", "spatiotemporal"),
+        decoder_block_out_channels=(8, 16),
+        decoder_layers_per_block=(1, 1, 1),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        upsample_type=("spatiotemporal", "spatiotemporal"),
+        upsample_residual=(True, True),
+        upsample_factor=(2, 2),
+        timestep_conditioning=False,
+        patch_size=2,
+        patch_size_t=1,
+        scaling_factor=1.0,
+        encoder_causal=True,
+        decoder_causal=False,
+        encoder_spatial_padding_mode="zeros",
+        decoder_spatial_padding_mode="reflect",
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+    set_ltx_latent_stats(vae, 3501)
+    return vae
+
+
+# The constructor's tile attributes (both classes).
+LTX_DEFAULT_TILES = {
+    "tile_sample_min_height": 512,
+    "tile_sample_min_width": 512,
+    "tile_sample_min_num_frames": 16,
+    "tile_sample_stride_height": 448,
+    "tile_sample_stride_width": 448,
+    "tile_sample_stride_num_frames": 8,
+}
+LTX_SPATIAL = {"tile_sample_min_height": 16, "tile_sample_min_width": 16,
+               "tile_sample_stride_height": 8, "tile_sample_stride_width": 8}
+LTX_TEMPORAL = {"tile_sample_min_num_frames": 8, "tile_sample_stride_num_frames": 4}
+# ltx2_like decodes: reflect padding needs tiles of >= 2 latent pixels, so a latent stride of 2.
+LTX2_SPATIAL = {"tile_sample_min_height": 24, "tile_sample_min_width": 24,
+                "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}
+LTX2_REFLECT_NOTE = (" LTX2 decoder convs pad H and W by reflection (decoder_spatial_padding_mode='reflect'), which "
+                     "needs every decoded (tile of the) latent to be >= 2 pixels high and wide.")
+
+
+def reset_ltx_tiling(vae) -> None:
+    vae.disable_tiling()
+    vae.disable_slicing()
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    for k, v in LTX_DEFAULT_TILES.items():
+        setattr(vae, k, v)
+
+
+def set_ltx_tiling(vae, tiles: dict | None, framewise: bool) -> dict:
+    """vae.enable_tiling(**tiles) (when tiles is given), then vae.use_framewise_decoding = framewise. Returns the
+    manifest fields: tiling (use_tiling), framewise (use_framewise_decoding) and the six tile attributes in force
+    (null when neither is on)."""
+    reset_ltx_tiling(vae)
+    if tiles is not None:
+        vae.enable_tiling(**tiles)
+    vae.use_framewise_decoding = framewise
+    on = bool(vae.use_tiling or vae.use_framewise_decoding)
+    rec = {"tiling": bool(vae.use_tiling), "framewise": bool(vae.use_framewise_decoding)}
+    for k in LTX_DEFAULT_TILES:
+        rec[k] = int(getattr(vae, k)) if on else None
+    return rec
+
+
+def ltx_tiling_note(tiles: dict | None, framewise: bool, encode: bool = False) -> str:
+    """The diffusers calls, then how the tiles run (spatial when the spatial sizes were set, temporal when
+    framewise)."""
+    if tiles is None and not framewise:
+        return "tiling disabled"
+    parts = []
+    if tiles is not None:
+        parts.append("vae.enable_tiling(" + ", ".join(f"{k}={v}" for k, v in tiles.items()) + ")")
+    if framewise:
+        parts.append("vae.use_framewise_decoding = True")
+    note = "tiling: " + "; ".join(parts) + "."
+    if framewise:
+        note += LTX_ENCODE_TEMPORAL_NOTE if encode else LTX_DECODE_TEMPORAL_NOTE
+    if tiles is not None and "tile_sample_min_height" in tiles:
+        note += LTX_ENCODE_SPATIAL_NOTE if encode else LTX_DECODE_SPATIAL_NOTE
+    return note
+
+
+LTX_DECODE_TEMPORAL_NOTE = (
+    " Temporal tiles: latent chunks of tile_sample_min_num_frames // 4 + 1 frames every tile_sample_stride_num_frames"
+    " // 4; every chunk after the first drops its LAST decoded frame; blend tile_sample_min_num_frames - "
+    "tile_sample_stride_num_frames frames; keep stride + 1 frames of the first chunk, stride of the others.")
+LTX_DECODE_SPATIAL_NOTE = (
+    " Spatial tiles: latent tile_sample_min_* // 8 every tile_sample_stride_* // 8 (last tiles shorter), pixel "
+    "blend min - stride, keep stride px, crop to latent * 8.")
+LTX_ENCODE_TEMPORAL_NOTE = (
+    " Temporal tiles: pixel chunks of tile_sample_min_num_frames + 1 frames every tile_sample_stride_num_frames; "
+    "every chunk after the first drops its FIRST latent frame; latent blend (min - stride) // 4 frames; keep "
+    "stride // 4 + 1 latent frames of the first chunk, stride // 4 of the others. Routed by "
+    "use_framewise_DECODING (the class's _encode never reads use_framewise_encoding).")
+LTX_ENCODE_SPATIAL_NOTE = (
+    " Spatial tiles: pixel tile_sample_min_* every tile_sample_stride_* (last tiles shorter), latent blend "
+    "(min - stride) // 8, keep stride // 8, crop to pixels // 8.")
+
+
+LTX_DECODE_TIMESTEP = 0.05
+
+
+def ltx_temb(vae, batch: int):
+    """The decode timestep: torch.tensor([t] * B) when the decoder is timestep-conditioned, else None."""
+    return torch.tensor([LTX_DECODE_TIMESTEP] * batch) if vae.config.timestep_conditioning else None
+
+
+def ltx_check(name: str, y: torch.Tensor) -> None:
+    if not bool(torch.isfinite(y).all()) or float(y.std()) <= 1e-3:
+        sys.exit(f"gen_fixtures.py: {name}: degenerate output (std {float(y.std())})")
+
+
+def ltx_case(w: VideoWriter, *, name, model, op, x_file, x, y, output_kind, notes, rec, timestep):
+    ltx_check(name, y)
+    w.case(name=name, model=model, op=op, x_file=x_file, x=x, y=y, output_kind=output_kind, notes=notes,
+           tiling=rec if rec["tiling"] else None, extra=rec | {"decode_timestep": timestep})
+
+
+def ltx_decode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, framewise=False, extra_note: str = ""):
+    z = latent_input(shape, seed=hash_seed(model, tag))
+    f = w.input(f"{model}.{tag}.in", z)
+    rec = set_ltx_tiling(vae, tiles, framewise)
+    temb = ltx_temb(vae, shape[0])
+    y = vae.decode(z, temb).sample
+    call = (f"vae.decode(z, temb=torch.tensor([{LTX_DECODE_TIMESTEP}] * {shape[0]})).sample" if temb is not None
+            else "vae.decode(z).sample")
+    ltx_case(w, name=f"{model}.{tag}", model=model, op="decode", x_file=f, x=z, y=y, output_kind="sample",
+             rec=rec, timestep=LTX_DECODE_TIMESTEP if temb is not None else None,
+             notes=call + " (no clamp), " + ltx_tiling_note(tiles, framewise) + extra_note)
+    reset_ltx_tiling(vae)
+
+
+def ltx_encode(w: VideoWriter, model: str, vae, tag: str, shape, tiles=None, framewise=False, mean=True,
+               extra_note: str = ""):
+    x = image_input(shape, seed=hash_seed(model, tag))
+    f = w.input(f"{model}.{tag}.in", x)
+    rec = set_ltx_tiling(vae, tiles, framewise)
+    tn = ltx_tiling_note(tiles, framewise, encode=True) + extra_note
+    h = vae._encode(x)
+    ltx_case(w, name=f"{model}.{tag}_moments", model=model, op="encode", x_file=f, x=x, y=h, output_kind="moments",
+             rec=rec, timestep=None,
+             notes="vae._encode(x): the encoder's output (no quant_conv in this class): latent_channels means, "
+                   "then the encoder's single logvar channel repeated latent_channels times (2*latent_channels), "
+                   "before DiagonalGaussianDistribution (logvar NOT clamped); " + tn)
+    if mean:
+        m = vae.encode(x).latent_dist.mean
+        ltx_case(w, name=f"{model}.{tag}_mean", model=model, op="encode", x_file=f, x=x, y=m, output_kind="mean",
+                 rec=rec, timestep=None,
+                 notes="vae.encode(x).latent_dist.mean (first latent_channels moments); " + tn)
+    reset_ltx_tiling(vae)
+
+
+def ltx_normalized(w: VideoWriter, model: str, vae, latent_shape, pipeline: str, i2v_pipeline: str) -> None:
+    """decode_normalized / encode_normalized with the pipelines' _denormalize_latents / _normalize_latents."""
+    reset_ltx_tiling(vae)
+    sf = vae.config.scaling_factor
+    zn = latent_input(latent_shape, seed=hash_seed(model, "decode_normalized"))
+    f = w.input(f"{model}.decode_normalized.in", zn)
+    latents_mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(zn.device, zn.dtype)
+    latents_std = vae.latents_std.view(1, -1, 1, 1, 1).to(zn.device, zn.dtype)
+    z = zn * latents_std / sf + latents_mean
+    temb = ltx_temb(vae, latent_shape[0])
+    y = vae.decode(z, temb, return_dict=False)[0]
+    if temb is not None:
+        tcall = (f"timestep = torch.tensor([{LTX_DECODE_TIMESTEP}] * {latent_shape[0]}) (decode_timestep); the "
+                 "pipeline's decode noise is left out (decode_noise_scale = 0.0: latents = (1 - 0) * latents + 0 * "
+                 "noise); vae.decode(z, timestep, return_dict=False)[0]")
+    else:
+        tcall = "timestep = None (timestep_conditioning is False); vae.decode(z, None, return_dict=False)[0]"
+    ltx_case(w, name=f"{model}.decode_normalized", model=model, op="decode_normalized", x_file=f, x=zn, y=y,
+             output_kind="sample", rec=set_ltx_tiling(vae, None, False),
+             timestep=LTX_DECODE_TIMESTEP if temb is not None else None,
+             notes=f"{pipeline}._denormalize_latents(z_n, vae.latents_mean, vae.latents_std, "
+                   f"vae.config.scaling_factor={sf}): z = z_n * latents_std.view(1, -1, 1, 1, 1) / scaling_factor "
+                   f"+ latents_mean.view(1, -1, 1, 1, 1) (float32, the buffers); {tcall}; tiling disabled. No video "
+                   "postprocessing.")
+    x = torch.from_numpy(np.load(w.out / f"{model}.encode_f5.in.npy"))
+    mean = vae.encode(x).latent_dist.mean
+    latents_mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(mean.device, mean.dtype)
+    latents_std = vae.latents_std.view(1, -1, 1, 1, 1).to(mean.device, mean.dtype)
+    y = (mean - latents_mean) * sf / latents_std
+    ltx_case(w, name=f"{model}.encode_normalized", model=model, op="encode_normalized",
+             x_file=f"{model}.encode_f5.in.npy", x=x, y=y, output_kind="latents", rec=set_ltx_tiling(vae, None, False),
+             timestep=None,
+             notes=f"{pipeline}._normalize_latents(vae.encode(x).latent_dist.mean, vae.latents_mean, vae.latents_std, "
+                   f"vae.config.scaling_factor={sf}): (mean - latents_mean.view(1, -1, 1, 1, 1)) * scaling_factor / "
+                   "latents_std.view(1, -1, 1, 1, 1), the exact inverse of decode_normalized's denormalisation "
+                   f"(what {pipeline}.prepare_latents applies to given 5-D latents); tiling disabled. {i2v_pipeline}")
+    reset_ltx_tiling(vae)
+
+
+LTX_I2V_NOTE = ("NB LTXImageToVideoPipeline / LTXConditionPipeline encode images with retrieve_latents(..., "
+                "generator) = latent_dist.sample(generator) and call _normalize_latents WITHOUT scaling_factor "
+                "(default 1.0); the mean stands in for the sample here.")
+LTX2_I2V_NOTE = ("NB LTX2ImageToVideoPipeline encodes with retrieve_latents(..., 'argmax') = latent_dist.mode() "
+                 "(= mean) and calls _normalize_latents WITHOUT scaling_factor (default 1.0; the same here, "
+                 "scaling_factor is 1.0).")
+
+
+def gen_ltx(out: Path) -> None:
+    prepare_dir(out)
+    vaes = save_models(out, {"ltx_video_like": build_ltx_video_like, "ltx2_like": build_ltx2_like})
+    w = VideoWriter(out)
+    both = LTX_SPATIAL | LTX_TEMPORAL
+    with torch.no_grad():
+        for m, vae in vaes.items():
+            # 8x spatial, 4x temporal (latent T -> 4 (T - 1) + 1 frames), no clamp. ltx_video_like decodes with
+            # temb = 0.05 (x timestep_scale_multiplier 1000 inside the decoder); ltx2_like has no temb.
+            ltx_decode(w, m, vae, "decode_t1", (1, 8, 1, 2, 3))
+            ltx_decode(w, m, vae, "decode_t3", (1, 8, 3, 2, 2))
+            ltx_decode(w, m, vae, "decode_batch2", (2, 8, 2, 2, 2))
+            if m == "ltx_video_like":
+                # latent tiles 2 x 2 every 1 x 1 (pixel blend 8): rows 0, 1, 2 x cols 0, 1, 2, 3 on a 3 x 4
+                # latent; the last row / column of tiles is 1 latent pixel wide.
+                ltx_decode(w, m, vae, "decode_tiled", (1, 8, 2, 3, 4), tiles=LTX_SPATIAL)
+            else:
+                # Reflect padding (decoder) needs every tile >= 2 latent pixels, and with a latent stride of 1 the
+                # last tile is always 1 wide (diffusers raises "Padding size should be less than the corresponding
+                # input dimension"). So latent tiles 3 x 3 every 2 x 2 (pixel blend 8) on an even 4 x 4 latent:
+                # rows 0, 2 (3, 2 latent rows) x cols 0, 2.
+                ltx_decode(w, m, vae, "decode_tiled", (1, 8, 2, 4, 4), tiles=LTX2_SPATIAL,
+                           extra_note=LTX2_REFLECT_NOTE)
+            # latent chunks of 3 frames every 1 (0-2, 1-3, 2-3, 3): 9, 9, 5, 1 frames, the last three dropping
+            # their last frame (the 1-frame chunk keeps nothing); blend 4 frames; 5 + 4 + 4 + 0 = 13 frames.
+            ltx_decode(w, m, vae, "decode_temporal", (1, 8, 4, 2, 2), tiles=LTX_TEMPORAL, framewise=True)
+            if m == "ltx_video_like":
+                # chunks 0-2, 1-2, 2 latent frames, each spatially tiled: 2 x 2 every 1 x 1 on 2 x 3.
+                ltx_decode(w, m, vae, "decode_spatiotemporal", (1, 8, 3, 2, 3), tiles=both, framewise=True)
+            else:
+                # chunks 0-2, 1-2, 2 latent frames, each spatially tiled: 3 x 3 every 2 x 2 on 2 x 4 (one row,
+                # cols 0, 2: 3 and 2 latent pixels wide).
+                ltx_decode(w, m, vae, "decode_spatiotemporal", (1, 8, 3, 2, 4), tiles=LTX2_SPATIAL | LTX_TEMPORAL,
+                           framewise=True, extra_note=LTX2_REFLECT_NOTE)
+            ltx_encode(w, m, vae, "encode_f5", (1, 3, 5, 16, 24))
+            ltx_encode(w, m, vae, "encode_batch2_f5", (2, 3, 5, 8, 16))
+            # pixel tiles 16 every 8: rows 0, 8, 16 (16, 16, 8 px) x cols 0, 8, 16, 24; latent blend 1.
+            ltx_encode(w, m, vae, "encode_tiled_f1", (1, 3, 1, 24, 32), tiles=LTX_SPATIAL)
+            # 13 frames > 8: pixel chunks 0-8, 4-12, 8-12, 12 (9, 9, 5, 1 frames -> 3, 3, 2, 1 latent frames;
+            # the 1-frame chunk keeps nothing): 2 + 1 + 1 + 0 = 4 latent frames.
+            ltx_encode(w, m, vae, "encode_temporal", (1, 3, 13, 8, 16), tiles=LTX_TEMPORAL, framewise=True)
+            ltx_encode(w, m, vae, "encode_spatiotemporal", (1, 3, 9, 16, 24), tiles=both, framewise=True, mean=False)
+            if m == "ltx_video_like":
+                ltx_normalized(w, m, vae, (1, 8, 2, 2, 3), "LTXPipeline", LTX_I2V_NOTE)
+            else:
+                ltx_normalized(w, m, vae, (1, 8, 2, 2, 3), "LTX2Pipeline", LTX2_I2V_NOTE)
+    finish(out, w)
+
+
+# --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
 
@@ -927,6 +1242,7 @@ def main() -> None:
     gen_wan(out.parent / "wan")
     gen_qwen_image(out.parent / "qwen_image")
     gen_hunyuan_video15(out.parent / "hunyuan_video15")
+    gen_ltx(out.parent / "ltx")
 
 
 if __name__ == "__main__":

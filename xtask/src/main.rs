@@ -25,8 +25,9 @@
 //!   mutated input, N cases per target (default 200,000: over 10⁶ in all), in release mode;
 //!   CI runs the same targets with proptest's 256 cases as part of the test suite.
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
-//!   (`fixtures/autoencoder_kl/`, `fixtures/wan/`, `fixtures/qwen_image/`) with `scripts/gen_fixtures.py`, after checking that the Python
-//!   has the packages pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
+//!   (`fixtures/autoencoder_kl/` and its siblings `wan/`, `qwen_image/`, `hunyuan_video15/`,
+//!   `ltx/`) with `scripts/gen_fixtures.py`, after checking that the Python has the packages
+//!   pinned in `scripts/requirements-fixtures.txt`. The Python is `--python`, else
 //!   `$VAE_FIXTURES_PYTHON`, else `python3`.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)] // a terminal tool
