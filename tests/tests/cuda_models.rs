@@ -1,6 +1,6 @@
 //! Every VAE family on a CUDA device against diffusers and against the CPU: every AutoencoderKL
-//! / FLUX.2 fixture case, the video VAEs' plain decode and encode (HunyuanVideo-1.5's tiled and
-//! batched too), tile-parallel and 2-rank shard decode. Needs a GPU and a build with the kernels embedded; elsewhere each test says
+//! / FLUX.2 fixture case, the video VAEs' plain decode and encode (HunyuanVideo-1.5's and LTX's
+//! tiled and batched too), tile-parallel and 2-rank shard decode. Needs a GPU and a build with the kernels embedded; elsewhere each test says
 //! why it is skipped, and loading onto CUDA is checked to be a typed error.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
 
@@ -98,6 +98,62 @@ fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_batched_and_sharded() {
         let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
         let diff = got.max_abs_diff(&direct).unwrap();
         assert!(diff <= 1e-5, "{axis}: max |shard - direct| on CUDA = {diff}");
+    }
+}
+
+#[test]
+fn ltx_on_cuda_matches_diffusers_plain_tiled_in_space_and_time_and_sharded() {
+    use vae_models::family::Direction;
+    use vae_models::ltx::{LtxClass, LtxOperator, LtxShardOperator, LtxVae};
+    use vae_runtime::execute_serial;
+    let Some(device) = cuda("LTX on CUDA") else { return };
+    let dir = fixtures_dir().join("ltx");
+    let case = |name: &str| read_npy(&dir.join(format!("{name}.npy"))).unwrap();
+    for (name, class) in [("ltx2_like", LtxClass::Ltx2), ("ltx_video_like", LtxClass::LtxVideo)] {
+        let mut model = LtxVae::load_with(&dir.join(name), class, device, DType::F32).unwrap();
+        if class == LtxClass::LtxVideo {
+            model.set_decode_timestep(0.05).unwrap();
+        }
+        let untiled = *model.tiling();
+        // The fixtures' tiles: 16 px every 8, and 8 frames every 4; LTX-2's reflecting decoder
+        // takes 24 px every 16 (tiles of at least 2 latent pixels).
+        let tiles = |px: [usize; 2]| {
+            let mut t = untiled;
+            t.spatial.tile_sample_min_height = px[0];
+            t.spatial.tile_sample_min_width = px[0];
+            t.spatial.tile_sample_stride_height = px[1];
+            t.spatial.tile_sample_stride_width = px[1];
+            (t.tile_sample_min_num_frames, t.tile_sample_stride_num_frames, t.framewise) = (8, 4, true);
+            t
+        };
+        for (direction, tag, output, tiled) in [
+            (Direction::Decode, "decode_t3", "decode_t3", false),
+            (Direction::Decode, "decode_batch2", "decode_batch2", false),
+            (Direction::Decode, "decode_spatiotemporal", "decode_spatiotemporal", true),
+            (Direction::Encode, "encode_f5", "encode_f5_moments", false),
+            (Direction::Encode, "encode_spatiotemporal", "encode_spatiotemporal_moments", true),
+        ] {
+            let px = if class == LtxClass::Ltx2 && direction == Direction::Decode { [24, 16] } else { [16, 8] };
+            model.set_tiling(if tiled { tiles(px) } else { untiled }).unwrap();
+            let op = LtxOperator::new(&model, direction, tiled);
+            let got = execute_serial(&op, &case(&format!("{name}.{tag}.in"))).unwrap();
+            let diff = got.max_abs_diff(&case(&format!("{name}.{output}.out"))).unwrap();
+            assert!(diff <= 1e-3, "{name} {tag} on CUDA: max |cuda - diffusers| = {diff}");
+        }
+        // The shard on 2 ranks of the GPU (halos; zero or reflected rows at the global edges).
+        let z = random_tensor(&[1, 8, 2, 5, 6], 7);
+        let direct = model.decode(&z).unwrap();
+        let op = LtxShardOperator::new(&model, Direction::Decode);
+        for axis in [ShardAxis::Height, ShardAxis::Width] {
+            let results = run_local(2, TransportConfig::default(), |comm| {
+                let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+                exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+            })
+            .unwrap();
+            let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
+            let diff = got.max_abs_diff(&direct).unwrap();
+            assert!(diff <= 1e-5, "{name} {axis}: max |shard - direct| on CUDA = {diff}");
+        }
     }
 }
 

@@ -47,6 +47,10 @@ pub struct TileOverrides {
     pub latent_min_height: Option<usize>,
     /// `tile_latent_min_width` (HunyuanVideo-1.5, latent pixels).
     pub latent_min_width: Option<usize>,
+    /// `tile_sample_min_num_frames` (LTX, frames); giving it tiles the frames.
+    pub sample_min_num_frames: Option<usize>,
+    /// `tile_sample_stride_num_frames` (LTX, frames); giving it tiles the frames.
+    pub sample_stride_num_frames: Option<usize>,
 }
 
 impl TileOverrides {
@@ -71,6 +75,11 @@ impl TileOverrides {
     /// Whether a latent tile keyword is set.
     pub fn has_latent(&self) -> bool {
         self.latent_min_height.is_some() || self.latent_min_width.is_some()
+    }
+
+    /// Whether a frame tile keyword is set.
+    pub fn has_frames(&self) -> bool {
+        self.sample_min_num_frames.is_some() || self.sample_stride_num_frames.is_some()
     }
 }
 
@@ -136,6 +145,11 @@ pub trait LoadedVae: Send + Sync {
     /// Sets the tile geometry as diffusers' `enable_tiling` would; refuses keywords this class
     /// does not have.
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()>;
+    /// Sets the timestep a timestep-conditioned decoder decodes at (the pipelines'
+    /// `decode_timestep`); the default refuses: the decoder takes none.
+    fn set_decode_timestep(&mut self, _timestep: f64) -> Result<()> {
+        Err(ModelError::Unsupported(format!("{} has no timestep-conditioned decoder", self.class_name())))
+    }
     /// Runs one request over the executor's ranks with the family's tile or shard operator.
     fn execute(&self, run: Execution<'_>) -> Result<ExecOutput>;
     /// The plain decode on this process (`vae.decode(z).sample` without tiling).
@@ -211,7 +225,7 @@ pub struct FamilySpec {
 /// `_class_name` is read as the first class of the first family (diffusers' `AutoencoderKL`,
 /// what the oldest Stable Diffusion checkpoints hold).
 pub static FAMILIES: &[&FamilySpec] =
-    &[&crate::autoencoder_kl::FAMILY, &crate::wan::FAMILY, &crate::hunyuan_video15::FAMILY];
+    &[&crate::autoencoder_kl::FAMILY, &crate::wan::FAMILY, &crate::hunyuan_video15::FAMILY, &crate::ltx::FAMILY];
 
 /// Every class name the registry loads.
 pub fn known_classes() -> impl Iterator<Item = &'static str> {

@@ -5,8 +5,8 @@
 //! registry that finds one by `_class_name`; shared crates below only provide mechanism.
 //!
 //! Families: [`autoencoder_kl`] (AutoencoderKL and AutoencoderKLFlux2), [`wan`] (Wan2.1,
-//! Wan2.2 and Qwen-Image) and [`hunyuan_video15`] (HunyuanVideo-1.5). All load onto the CPU or
-//! a CUDA device.
+//! Wan2.2 and Qwen-Image), [`hunyuan_video15`] (HunyuanVideo-1.5) and [`ltx`] (LTX-Video 0.9.5+
+//! and LTX-2). All load onto the CPU or a CUDA device.
 
 pub mod autoencoder_kl;
 mod checks;
@@ -14,6 +14,7 @@ mod error;
 pub mod family;
 pub mod hunyuan_video15;
 pub mod layers;
+pub mod ltx;
 mod placement;
 pub mod wan;
 pub mod weights;

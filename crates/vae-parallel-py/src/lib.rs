@@ -60,13 +60,16 @@ struct Vae {
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
 ///   `tile_sample_stride_width` (video VAEs), `tile_latent_min_height`, `tile_latent_min_width`
-///   (HunyuanVideo-1.5): the diffusers tiling keywords.
+///   (HunyuanVideo-1.5), `tile_sample_min_num_frames`, `tile_sample_stride_num_frames` (LTX;
+///   giving one tiles the frames): the diffusers tiling keywords.
+/// - `decode_timestep`: the timestep a timestep-conditioned decoder (LTX-Video) decodes at.
 #[pyfunction]
 #[pyo3(signature = (
     model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
     tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
-    tile_latent_min_height = None, tile_latent_min_width = None,
+    tile_latent_min_height = None, tile_latent_min_width = None, tile_sample_min_num_frames = None,
+    tile_sample_stride_num_frames = None, decode_timestep = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn load(
@@ -85,6 +88,9 @@ fn load(
     tile_sample_stride_width: Option<usize>,
     tile_latent_min_height: Option<usize>,
     tile_latent_min_width: Option<usize>,
+    tile_sample_min_num_frames: Option<usize>,
+    tile_sample_stride_num_frames: Option<usize>,
+    decode_timestep: Option<f64>,
 ) -> PyResult<Vae> {
     if ranks == Some(0) {
         return Err(ConfigError::new_err("ranks must be at least 1"));
@@ -104,6 +110,8 @@ fn load(
         sample_stride_width: tile_sample_stride_width,
         latent_min_height: tile_latent_min_height,
         latent_min_width: tile_latent_min_width,
+        sample_min_num_frames: tile_sample_min_num_frames,
+        sample_stride_num_frames: tile_sample_stride_num_frames,
     };
     let config = TransportConfig::from_env().map_err(config_error)?;
     let group = match transport {
@@ -121,7 +129,10 @@ fn load(
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };
     let engine = py.detach(|| -> Result<Engine, EngineError> {
-        let engine = Engine::load_on(&model, &tiling, device, dtype)?;
+        let mut engine = Engine::load_on(&model, &tiling, device, dtype)?;
+        if let Some(t) = decode_timestep {
+            engine.set_decode_timestep(t)?;
+        }
         engine.check_mode(mode)?;
         Ok(engine)
     });

@@ -89,6 +89,28 @@ def test_wan_decode_matches_diffusers():
         assert close(ours.encode(x).latent_dist.mean, ref.encode(x).latent_dist.mean)
 
 
+def test_ltx_decodes_at_the_pipelines_timestep_as_diffusers_does():
+    """The LTX pipelines' call, `vae.decode(latents, timestep, return_dict=False)`: the
+    timestep-conditioned LTX-Video decoder at 0.05 (and at 0.0), LTX-2's with `timestep=None`."""
+    model = FIXTURES / "ltx/ltx_video_like"
+    ours = DistributedVae.from_pretrained(model, ranks=2)
+    ref = diffusers.AutoencoderKLLTXVideo.from_pretrained(model).eval()
+    z = tensor(FIXTURES / "ltx/ltx_video_like.decode_t3.in.npy")
+    with torch.inference_mode():
+        for t in (0.05, 0.0):
+            timestep = torch.tensor([t])
+            assert close(ours.decode(z, timestep, return_dict=False)[0], ref.decode(z, timestep, return_dict=False)[0])
+        with pytest.raises(ValueError, match="one decode timestep"):
+            ours.decode(torch.cat([z, z]), torch.tensor([0.05, 0.1]))
+        model = FIXTURES / "ltx/ltx2_like"
+        ours = DistributedVae.from_pretrained(model, ranks=2)
+        ref = diffusers.AutoencoderKLLTX2Video.from_pretrained(model).eval()
+        z = tensor(FIXTURES / "ltx/ltx2_like.decode_t3.in.npy")
+        assert close(ours.decode(z, None, return_dict=False)[0], ref.decode(z, None, return_dict=False)[0])
+        x = tensor(FIXTURES / "ltx/ltx2_like.encode_f5.in.npy")
+        assert close(ours.encode(x).latent_dist.mean, ref.encode(x).latent_dist.mean)
+
+
 def test_torch_inputs_come_back_as_torch_on_their_device_and_dtype():
     model = FIXTURES / "autoencoder_kl/flux1_like"
     vae = vp.load(model)

@@ -27,6 +27,10 @@ WAN_ENCODE = {"tile_sample_min_height": 24, "tile_sample_min_width": 32,
               "tile_sample_stride_height": 16, "tile_sample_stride_width": 16}
 HV15_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_latent_min_height": 4,
               "tile_latent_min_width": 4, "tile_overlap_factor": 0.25}
+LTX_TILES = {"tile_sample_min_height": 16, "tile_sample_min_width": 16, "tile_sample_stride_height": 8,
+             "tile_sample_stride_width": 8, "tile_sample_min_num_frames": 8, "tile_sample_stride_num_frames": 4}
+LTX2_DECODE = LTX_TILES | {"tile_sample_min_height": 24, "tile_sample_min_width": 24, "tile_sample_stride_height": 16,
+                           "tile_sample_stride_width": 16}
 FAMILIES = [
     ("autoencoder_kl/sd_like", "sd_like.decode_tiled", {}, "sd_like.encode_tiled", {}),
     ("autoencoder_kl/flux1_like", "flux1_like.decode_tiled", {}, "flux1_like.encode_tiled", {}),
@@ -36,6 +40,9 @@ FAMILIES = [
      "qwen_image_like.encode_tiled_f5", WAN_ENCODE),
     ("hunyuan_video15/hunyuan_video15_like", "hunyuan_video15_like.decode_tiled", HV15_TILES,
      "hunyuan_video15_like.encode_tiled_f1", HV15_TILES),
+    ("ltx/ltx_video_like", "ltx_video_like.decode_spatiotemporal", LTX_TILES | {"decode_timestep": 0.05},
+     "ltx_video_like.encode_temporal", LTX_TILES),
+    ("ltx/ltx2_like", "ltx2_like.decode_spatiotemporal", LTX2_DECODE, "ltx2_like.encode_temporal", LTX_TILES),
 ]
 
 

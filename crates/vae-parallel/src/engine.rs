@@ -117,6 +117,12 @@ impl Engine {
         Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false, cpu_bf16 })
     }
 
+    /// The timestep a timestep-conditioned decoder decodes at (LTX-Video's `decode_timestep`);
+    /// refused, with a typed error, for a model whose decoder takes none.
+    pub fn set_decode_timestep(&mut self, timestep: f64) -> Result<(), EngineError> {
+        Ok(self.model.set_decode_timestep(timestep)?)
+    }
+
     /// TF32 mode for the f32 convolutions of every request (see [`vae_tensor::Tf32Scope`]): what
     /// PyTorch does by default for an f32 model on a GPU. Only CUDA models change.
     pub fn set_tf32_convolutions(&mut self, on: bool) {

@@ -62,6 +62,17 @@ pub struct ParallelArgs {
     /// HunyuanVideo-1.5: latent tile width (`tile_latent_min_width`).
     #[arg(long)]
     tile_latent_min_width: Option<usize>,
+    /// LTX: frames per temporal tile (diffusers' `tile_sample_min_num_frames`, default 16);
+    /// giving it or the stride tiles the frames (`use_framewise_decoding`).
+    #[arg(long)]
+    tile_sample_min_num_frames: Option<usize>,
+    /// LTX: frames between temporal tiles (`tile_sample_stride_num_frames`, default 8).
+    #[arg(long)]
+    tile_sample_stride_num_frames: Option<usize>,
+    /// LTX-Video: the timestep a timestep-conditioned decoder decodes at (the pipelines'
+    /// `decode_timestep`; default 0).
+    #[arg(long)]
+    decode_timestep: Option<f64>,
     /// Latents are as the diffusion pipeline produces them: undo (decode) or apply (encode) the
     /// family's latent normalisation.
     #[arg(long)]
@@ -113,6 +124,9 @@ struct FileConfig {
     tile_sample_stride_width: Option<usize>,
     tile_latent_min_height: Option<usize>,
     tile_latent_min_width: Option<usize>,
+    tile_sample_min_num_frames: Option<usize>,
+    tile_sample_stride_num_frames: Option<usize>,
+    decode_timestep: Option<f64>,
     latents_normalized: Option<bool>,
     placement: Option<String>,
     ranks: Option<usize>,
@@ -134,6 +148,8 @@ struct Resolved {
     options: RequestOptions,
     /// The tile geometry given (each family takes the keywords its class has).
     tiling: TileOverrides,
+    /// `--decode-timestep`, for a timestep-conditioned decoder.
+    decode_timestep: Option<f64>,
     report: Option<PathBuf>,
     /// The `--config` file, if any.
     config: Option<PathBuf>,
@@ -205,7 +221,10 @@ impl ParallelArgs {
                 sample_stride_width: self.tile_sample_stride_width.or(file.tile_sample_stride_width),
                 latent_min_height: self.tile_latent_min_height.or(file.tile_latent_min_height),
                 latent_min_width: self.tile_latent_min_width.or(file.tile_latent_min_width),
+                sample_min_num_frames: self.tile_sample_min_num_frames.or(file.tile_sample_min_num_frames),
+                sample_stride_num_frames: self.tile_sample_stride_num_frames.or(file.tile_sample_stride_num_frames),
             },
+            decode_timestep: self.decode_timestep.or(file.decode_timestep),
             report: self.report.clone(),
             config: self.config.clone(),
         })
@@ -240,6 +259,9 @@ impl Resolved {
     fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
         let mut engine = Engine::load_on(&self.model, &self.tiling, device, self.compute.dtype)?;
         engine.set_tf32_convolutions(self.compute.tf32);
+        if let Some(t) = self.decode_timestep {
+            engine.set_decode_timestep(t)?;
+        }
         // A mode the family cannot run is refused now, before any request.
         engine.check_mode(self.options.mode)?;
         Ok(engine)

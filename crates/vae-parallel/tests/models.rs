@@ -615,6 +615,95 @@ fn hunyuan_video15_decodes_and_encodes_through_the_cli() {
 }
 
 #[test]
+fn ltx_decodes_and_encodes_through_the_cli() {
+    let ltx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/ltx");
+    let (video, ltx2) = (ltx.join("ltx_video_like"), ltx.join("ltx2_like"));
+    let dir = scratch("ltx");
+    let close = |got: &Path, expected: &str| {
+        let (g, e) = (read_npy_f32(got), read_npy_f32(&ltx.join(expected)));
+        assert_eq!(g.len(), e.len(), "{}", got.display());
+        g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+    };
+    // Spatio-temporal tiled decode of the timestep-conditioned LTX-Video decoder: one process,
+    // then two socket processes (the same bytes).
+    let tiling = [
+        "--tile-sample-min-height",
+        "16",
+        "--tile-sample-min-width",
+        "16",
+        "--tile-sample-stride-height",
+        "8",
+        "--tile-sample-stride-width",
+        "8",
+        "--tile-sample-min-num-frames",
+        "8",
+        "--tile-sample-stride-num-frames",
+        "4",
+        "--decode-timestep",
+        "0.05",
+    ];
+    let latent = ltx.join("ltx_video_like.decode_spatiotemporal.in.npy");
+    let one = dir.join("one.npy");
+    let base = ["decode", "--model", s(&video), "--latent", s(&latent), "--vae-use-tiling"];
+    let (ok, text) = cli(&[&base[..], &tiling, &["--out", s(&one)]].concat());
+    assert!(ok, "{text}");
+    assert!(close(&one, "ltx_video_like.decode_spatiotemporal.out.npy") <= 1e-4);
+    let two = dir.join("two.npy");
+    let socket = ["--vae-patch-parallel-size", "2", "--transport", "socket", "--out", s(&two)];
+    let (ok, text) = cli(&[&base[..], &tiling, &socket].concat());
+    assert!(ok, "{text}");
+    assert!(std::fs::read(&one).unwrap() == std::fs::read(&two).unwrap(), "2 socket processes differ from 1");
+    // Temporally tiled encode (moments) on 3 local ranks.
+    let moments = dir.join("moments.npy");
+    let input = ltx.join("ltx2_like.encode_temporal.in.npy");
+    let encode = ["encode", "--model", s(&ltx2), "--input", s(&input), "--output", "moments", "--out", s(&moments)];
+    let frames = ["--tile-sample-min-num-frames", "8", "--tile-sample-stride-num-frames", "4"];
+    let (ok, text) = cli(&[&encode[..], &frames, &["--vae-patch-parallel-size", "3"]].concat());
+    assert!(ok, "{text}");
+    assert!(close(&moments, "ltx2_like.encode_temporal_moments.out.npy") <= 1e-4);
+    // Pipeline latents: z · std / scaling_factor + mean, the statistics from the checkpoint.
+    let out = dir.join("normalized.npy");
+    let latent = ltx.join("ltx2_like.decode_normalized.in.npy");
+    let (ok, text) =
+        cli(&["decode", "--model", s(&ltx2), "--latent", s(&latent), "--out", s(&out), "--latents-normalized"]);
+    assert!(ok, "{text}");
+    assert!(close(&out, "ltx2_like.decode_normalized.out.npy") <= 1e-4);
+    // The reflect-padded shard over 2 socket processes writes the plain decode's bytes.
+    let latent = ltx.join("ltx2_like.decode_tiled.in.npy");
+    let plain = dir.join("plain.npy");
+    let (ok, text) = cli(&["decode", "--model", s(&ltx2), "--latent", s(&latent), "--out", s(&plain)]);
+    assert!(ok, "{text}");
+    let shard = dir.join("shard.npy");
+    let mut args = vec!["decode", "--model", s(&ltx2), "--latent", s(&latent), "--out", s(&shard)];
+    args.extend([
+        "--vae-patch-parallel-size",
+        "2",
+        "--transport",
+        "socket",
+        "--vae-parallel-mode",
+        "spatial_shard_height",
+    ]);
+    let (ok, text) = cli(&args);
+    assert!(ok, "{text}");
+    assert!(
+        std::fs::read(&plain).unwrap() == std::fs::read(&shard).unwrap(),
+        "the shard differs from the plain decode"
+    );
+    // inspect names the class and its tiling flags; a timestep for LTX-2 and the pipeline mode
+    // are clean errors.
+    let (ok, text) = cli(&["inspect", "--model", s(&video)]);
+    assert!(ok && text.contains("AutoencoderKLLTXVideo") && text.contains("timestep-conditioned"), "{text}");
+    assert!(text.contains("--tile-sample-min-num-frames"), "{text}");
+    let bad = dir.join("bad.npy");
+    let args = ["decode", "--model", s(&ltx2), "--latent", s(&latent), "--out", s(&bad), "--decode-timestep", "0.05"];
+    assert_clean_failure("ltx2 timestep", &args, "not timestep-conditioned");
+    let mut args = vec!["decode", "--model", s(&ltx2), "--latent", s(&latent), "--out", s(&bad)];
+    args.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "pipeline"]);
+    assert_clean_failure("ltx pipeline", &args, "cannot decode as a pipeline");
+    assert!(!bad.exists());
+}
+
+#[test]
 fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     let wan = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan");
     let dir = scratch("shard");

@@ -123,11 +123,11 @@ impl LoadedVae for HunyuanVideo15Vae {
     /// (as the class's `x or current` does) neither does a factor of 0. Setting the pixel tile
     /// does not change the latent tile.
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
-        if tiling.sample_min_size.is_some() || tiling.has_stride() {
+        if tiling.sample_min_size.is_some() || tiling.has_stride() || tiling.has_frames() {
             return Err(ModelError::Unsupported(format!(
                 "{CLASS_NAME} tiles by tile_sample_min_height / _width, tile_latent_min_height / _width and \
                  tile_overlap_factor (--tile-sample-min-height/-width, --tile-latent-min-height/-width, \
-                 --tile-overlap-factor), not by tile_sample_min_size or tile strides"
+                 --tile-overlap-factor), not by tile_sample_min_size, tile strides or frame tiles"
             )));
         }
         let t = *self.tiling();

@@ -77,11 +77,11 @@ impl LoadedVae for WanVae {
     /// Keywords not given keep the current geometry (diffusers' 256-pixel tiles every 192
     /// pixels on a fresh model).
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
-        if tiling.has_square() || tiling.has_latent() {
+        if tiling.has_square() || tiling.has_latent() || tiling.has_frames() {
             return Err(ModelError::Unsupported(format!(
                 "{} tiles by tile_sample_min_height / _width and tile_sample_stride_height / _width \
                  (--tile-sample-min-height/-width, --tile-sample-stride-height/-width), not by \
-                 tile_sample_min_size, tile_overlap_factor or tile_latent_min_height / _width",
+                 tile_sample_min_size, tile_overlap_factor, tile_latent_min_height / _width or frame tiles",
                 self.class_name()
             )));
         }

@@ -34,6 +34,8 @@ TILING_KEYWORDS = (
     "tile_sample_stride_width",
     "tile_latent_min_height",
     "tile_latent_min_width",
+    "tile_sample_min_num_frames",
+    "tile_sample_stride_num_frames",
 )
 
 
@@ -87,10 +89,26 @@ class DistributedVae:
         """Accepted for compatibility."""
         self.use_slicing = False
 
-    def decode(self, z, return_dict=True, generator=None):
-        """Pixels in [-1, 1] for the latent ``z``, as ``AutoencoderKL.decode``."""
+    def decode(self, z, *args, return_dict=True, generator=None, timestep=None):
+        """Pixels in [-1, 1] for the latent ``z``, as ``AutoencoderKL.decode``; the LTX pipelines'
+        ``vae.decode(z, timestep, return_dict=False)`` too (a timestep-conditioned decoder decodes
+        at that timestep: one value for the whole batch)."""
+        if args and (args[0] is None or isinstance(args[0], torch.Tensor)):
+            timestep, args = args[0], args[1:]
+        if args:
+            return_dict = args[0]
+        if timestep is not None:
+            self._set_decode_timestep(timestep)
         sample = self._vae.decode(z, use_tiling=self.use_tiling).to(z.dtype)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    def _set_decode_timestep(self, timestep):
+        values = sorted(set(torch.as_tensor(timestep).flatten().tolist()))
+        if len(values) != 1:
+            raise ValueError(f"one decode timestep per call, not {values}")
+        if self._options.get("decode_timestep") != values[0]:
+            self._options["decode_timestep"] = float(values[0])
+            self._vae = self._load({})
 
     def encode(self, x, return_dict=True):
         """The latent distribution of the pixels ``x``, as ``AutoencoderKL.encode``."""

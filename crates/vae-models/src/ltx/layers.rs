@@ -1,0 +1,427 @@
+//! The LTX blocks by diffusers' state-dict names (`autoencoder_kl_ltx` and
+//! `autoencoder_kl_ltx2`): the 3-D conv that pads time by repeating edge frames (causal: the
+//! first frame in front; non-causal: first and last on each side) and H / W with zeros or by
+//! reflection, the per-pixel RMS norm without weights, the residual block with its optional
+//! timestep scale and shift, the resamples that fold pixels into channels and back with
+//! averaged or repeated shortcuts, and the timestep embedder.
+//!
+//! Every layer takes and returns one batch item's clip `[1, C, T, H, W]`, or this rank's band of
+//! one along H or W ([`Band`]): convs take their neighbours' rows and pad (zeros or a
+//! reflection) only at the global edges; everything else is per pixel.
+
+use vae_planner::ShardAxis;
+use vae_tensor::{Conv3dParams, Tensor};
+
+use super::config::{SpatialPadding, Stride};
+use crate::layers::{Band, Linear};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+
+/// The RMS norms' epsilon in diffusers (`RMSNorm(eps=1e-8)` / `PerChannelRMSNorm`). Our norm
+/// divides by `max(‖x‖, 1e-12)` instead of `sqrt(mean(x²) + 1e-8)`: the same for any activation
+/// whose mean square is far above `1e-8`, which is what the tolerance tests check.
+const NORM_EPS: f32 = 1e-12;
+
+/// The extents of a clip `[B, C, T, H, W]`.
+pub(super) fn clip_dims(x: &Tensor) -> Result<[usize; 5]> {
+    match *x.dims() {
+        [b, c, t, h, w] => Ok([b, c, t, h, w]),
+        ref other => Err(ModelError::InvalidInput(format!("expected a clip [B, C, T, H, W], got {other:?}"))),
+    }
+}
+
+/// Along one dimension of `n` padded by `before` and `after`: (destination, source, length) of
+/// each slab of the padded copy. Time always repeats its edge frames; H and W reflect, or are
+/// left as the buffer's zeros.
+fn slabs(n: usize, before: usize, after: usize, mode: Option<SpatialPadding>) -> Vec<(usize, usize, usize)> {
+    let mut v = Vec::with_capacity(before + after + 1);
+    match mode {
+        None => v.extend((0..before).map(|i| (i, 0, 1))),
+        Some(SpatialPadding::Reflect) => v.extend((0..before).map(|i| (i, before - i, 1))),
+        Some(SpatialPadding::Zeros) => {}
+    }
+    v.push((before, 0, n));
+    match mode {
+        None => v.extend((0..after).map(|i| (before + n + i, n - 1, 1))),
+        Some(SpatialPadding::Reflect) => v.extend((0..after).map(|i| (before + n + i, n - 2 - i, 1))),
+        Some(SpatialPadding::Zeros) => {}
+    }
+    v
+}
+
+/// The clip padded by `pad = [t_front, t_back, top, bottom, left, right]`: edge frames repeated
+/// in time, `spatial` in H and W (as `torch.cat` of repeated frames, then `F.pad`). One buffer
+/// of the padded size, filled by box copies.
+fn pad_clip(x: &Tensor, pad: [usize; 6], spatial: SpatialPadding) -> Result<Tensor> {
+    let [b, c, t, h, w] = clip_dims(x)?;
+    if t == 0 || h == 0 || w == 0 {
+        return Err(ModelError::InvalidInput(format!("cannot pad an empty clip {:?}", x.dims())));
+    }
+    if spatial == SpatialPadding::Reflect && (pad[2].max(pad[3]) >= h || pad[4].max(pad[5]) >= w) {
+        return Err(ModelError::InvalidInput(format!(
+            "reflect padding of {:?} needs H and W above the padding; a map of {h}x{w} is too small (the \
+             decoder's latent, or a tile of it, must be at least 2x2)",
+            &pad[2..]
+        )));
+    }
+    if pad == [0; 6] {
+        return Ok(x.clone());
+    }
+    let dims = vec![b, c, t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]];
+    let mut out = Tensor::zeros(dims, x.dtype(), &x.device())?;
+    let hs = slabs(h, pad[2], pad[3], Some(spatial));
+    let ws = slabs(w, pad[4], pad[5], Some(spatial));
+    for (dt, st, lt) in slabs(t, pad[0], pad[1], None) {
+        for &(dh, sh, lh) in &hs {
+            for &(dw, sw, lw) in &ws {
+                out.copy_box_from(&[0, 0, dt, dh, dw], x, &[0, 0, st, sh, sw], &[b, c, lt, lh, lw])?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `LTXVideoCausalConv3d` / `LTX2VideoCausalConv3d`: a `k × k × k` conv whose time padding
+/// repeats the first frame `k − 1` times in front (causal) or the first and last `(k − 1) / 2`
+/// times each side, and whose H / W padding of `k / 2` is zeros or a reflection.
+pub(super) struct CausalConv3d {
+    weight: Tensor,
+    bias: Tensor,
+    k: usize,
+    causal: bool,
+    spatial: SpatialPadding,
+    /// Rows one latent row has become at this conv's resolution (`Conv3dParams::band_aligned`).
+    band_align: usize,
+}
+
+impl CausalConv3d {
+    /// Loads `conv.weight` / `conv.bias` of a `k`-cube conv.
+    pub(super) fn load(
+        w: &mut Weights<'_>,
+        cin: usize,
+        cout: usize,
+        causal: bool,
+        spatial: SpatialPadding,
+        align: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            weight: w.get("conv.weight", &[cout, cin, 3, 3, 3])?,
+            bias: w.get("conv.bias", &[cout])?,
+            k: 3,
+            causal,
+            spatial,
+            band_align: align,
+        })
+    }
+
+    /// The weight (for tensors made on its device, in its element type).
+    pub(super) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The conv of a clip, or of this rank's band of one: along the band's axis the padding is
+    /// the neighbours' rows, zeros or reflected rows only at the global edges.
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let k = self.k;
+        let (front, back) = if self.causal { (k - 1, 0) } else { ((k - 1) / 2, (k - 1) / 2) };
+        let mut pad = [front, back, k / 2, k / 2, k / 2, k / 2];
+        let haloed;
+        let x = match band.as_deref_mut() {
+            None => x,
+            Some(ctx) => {
+                let dim = match ctx.axis() {
+                    ShardAxis::Height => 3,
+                    ShardAxis::Width => 4,
+                };
+                let p = k / 2;
+                let with_rows = ctx.with_halo(x, p)?;
+                // with_halo leaves zero rows at a global edge: right for zero padding; a
+                // reflection drops them and reflects the band's own rows there instead.
+                let reflect = self.spatial == SpatialPadding::Reflect;
+                let before = if reflect && ctx.rank() == 0 { p } else { 0 };
+                let after = if reflect && ctx.rank() + 1 == ctx.ranks() { p } else { 0 };
+                pad[2 * (dim - 2)] = before;
+                pad[2 * (dim - 2) + 1] = after;
+                let n = with_rows.dims()[dim];
+                haloed = with_rows.narrow(dim, before, n - before - after)?;
+                &haloed
+            }
+        };
+        let params = Conv3dParams::default().band_aligned(self.band_align);
+        Ok(pad_clip(x, pad, self.spatial)?.conv3d(&self.weight, Some(&self.bias), &params)?)
+    }
+}
+
+/// The per-pixel RMS norm without weights (`RMSNorm(elementwise_affine=False)` /
+/// `PerChannelRMSNorm`), as `normalize(x) · √C` with a scale of ones.
+pub(super) struct RmsNorm {
+    ones: Tensor,
+}
+
+impl RmsNorm {
+    /// A norm over `channels`, its scale on the device and in the element type of `like`.
+    pub(super) fn new(channels: usize, like: &Tensor) -> Result<Self> {
+        let ones = Tensor::from_vec(vec![1.0; channels], vec![channels, 1, 1, 1], &like.device())?;
+        Ok(Self { ones: ones.to_dtype(like.dtype())? })
+    }
+
+    pub(super) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_channels_silu(&self.ones, None, 1, NORM_EPS)?)
+    }
+
+    /// The norm, `x · (1 + scale) + shift` per channel, then SiLU: the timestep-conditioned
+    /// blocks' order, as one pass of the norm with `1 + scale` for its weight and `shift` for its
+    /// bias (each product and sum rounded once, not after each of PyTorch's steps).
+    pub(super) fn forward_modulated_silu(&self, x: &Tensor, shift: &[f32], scale: &[f32]) -> Result<Tensor> {
+        let c = shift.len();
+        let like = |v: Vec<f32>| -> Result<Tensor> {
+            Ok(Tensor::from_vec(v, vec![c, 1, 1, 1], &self.ones.device())?.to_dtype(self.ones.dtype())?)
+        };
+        let gamma = like(scale.iter().map(|s| 1.0 + s).collect())?;
+        let bias = like(shift.to_vec())?;
+        Ok(x.rms_norm_channels_silu(&gamma, Some(&bias), 1, NORM_EPS)?)
+    }
+}
+
+/// `PixArtAlphaCombinedTimestepSizeEmbeddings(dim, 0)`: the 256-channel sinusoidal projection
+/// of a timestep (cosines first), then `linear_1`, SiLU, `linear_2`.
+pub(super) struct TimestepEmbedder {
+    linear_1: Linear,
+    linear_2: Linear,
+    dim: usize,
+}
+
+/// The projection's channels.
+const PROJ: usize = 256;
+
+impl TimestepEmbedder {
+    /// Loads `time_embedder.timestep_embedder.linear_{1,2}` under `w`.
+    pub(super) fn load(w: &mut Weights<'_>, dim: usize) -> Result<Self> {
+        let mut e = w.pp("timestep_embedder");
+        Ok(Self {
+            linear_1: Linear::load(&mut e.pp("linear_1"), PROJ, dim)?,
+            linear_2: Linear::load(&mut e.pp("linear_2"), dim, dim)?,
+            dim,
+        })
+    }
+
+    /// `get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0)` in f32,
+    /// rounded where PyTorch rounds.
+    fn project(t: f32) -> Vec<f32> {
+        let half = PROJ / 2;
+        let log = (-(10000f64.ln())) as f32;
+        let args: Vec<f32> = (0..half).map(|i| t * ((log * i as f32) / half as f32).exp()).collect();
+        args.iter().map(|a| a.cos()).chain(args.iter().map(|a| a.sin())).collect()
+    }
+
+    /// The embedding of timestep `t` (already scaled by the decoder's multiplier), on the host.
+    pub(super) fn forward(&self, t: f32, like: &Tensor) -> Result<Vec<f32>> {
+        let proj = Tensor::from_vec(Self::project(t), vec![1, PROJ], &like.device())?.to_dtype(like.dtype())?;
+        let mut h = self.linear_1.forward(&proj)?;
+        h.silu_inplace()?;
+        let out = self.linear_2.forward(&h)?.to_dtype(vae_tensor::DType::F32)?.to_device(&vae_tensor::Device::Cpu)?;
+        let v = out.to_vec_f32()?;
+        debug_assert_eq!(v.len(), self.dim);
+        Ok(v)
+    }
+}
+
+/// `LTXVideoResnetBlock3d` / `LTX2VideoResnetBlock3d` with equal widths (the only ones LTX-Video
+/// 0.9.5+ and LTX-2 have): norm, (timestep scale and shift), SiLU, conv, twice, plus the input.
+pub(super) struct ResnetBlock {
+    norm: RmsNorm,
+    conv1: CausalConv3d,
+    conv2: CausalConv3d,
+    /// `scale_shift_table` `[4, C]` on the host: shift 1, scale 1, shift 2, scale 2.
+    table: Option<Vec<f32>>,
+    channels: usize,
+}
+
+impl ResnetBlock {
+    pub(super) fn load(
+        w: &mut Weights<'_>,
+        channels: usize,
+        causal: bool,
+        spatial: SpatialPadding,
+        timestep: bool,
+        align: usize,
+    ) -> Result<Self> {
+        let conv1 = CausalConv3d::load(&mut w.pp("conv1"), channels, channels, causal, spatial, align)?;
+        let conv2 = CausalConv3d::load(&mut w.pp("conv2"), channels, channels, causal, spatial, align)?;
+        let table = if timestep { Some(host(&w.get("scale_shift_table", &[4, channels])?)?) } else { None };
+        Ok(Self { norm: RmsNorm::new(channels, &conv1.weight)?, conv1, conv2, table, channels })
+    }
+
+    /// The block on `x`; `temb` is the block's embedded timestep `[4·C]` when it is conditioned.
+    pub(super) fn forward(&self, x: &Tensor, temb: Option<&[f32]>, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let c = self.channels;
+        let mut y = match (&self.table, temb) {
+            (Some(table), Some(temb)) => {
+                let e: Vec<f32> = temb.iter().zip(table).map(|(a, b)| a + b).collect();
+                let y = self.norm.forward_modulated_silu(x, &e[..c], &e[c..2 * c])?;
+                let y = self.conv1.forward(&y, band)?;
+                let y = self.norm.forward_modulated_silu(&y, &e[2 * c..3 * c], &e[3 * c..])?;
+                self.conv2.forward(&y, band)?
+            }
+            (None, _) => {
+                let y = self.conv1.forward(&self.norm.forward_silu(x)?, band)?;
+                self.conv2.forward(&self.norm.forward_silu(&y)?, band)?
+            }
+            (Some(_), None) => {
+                return Err(ModelError::InvalidInput("a timestep-conditioned block needs a timestep".into()));
+            }
+        };
+        y.add_assign(x)?;
+        Ok(y)
+    }
+}
+
+/// A weight as host f32 values.
+pub(super) fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(vae_tensor::DType::F32)?.to_device(&vae_tensor::Device::Cpu)?.to_vec_f32()?)
+}
+
+/// `LTXVideoDownsampler3d` / `LTX2VideoDownsampler3d`: the first `st − 1` frames prepended,
+/// then a conv to `out / (st·sh·sw)` channels folded from `st × sh × sw` blocks, plus the input
+/// folded the same way with groups of its channels averaged down to `out`.
+pub(super) struct Downsampler {
+    conv: CausalConv3d,
+    stride: Stride,
+    out: usize,
+}
+
+impl Downsampler {
+    pub(super) fn load(
+        w: &mut Weights<'_>,
+        cin: usize,
+        out: usize,
+        stride: Stride,
+        causal: bool,
+        spatial: SpatialPadding,
+        align: usize,
+    ) -> Result<Self> {
+        let k: usize = stride.iter().product();
+        let conv = CausalConv3d::load(&mut w.pp("conv"), cin, out / k, causal, spatial, align)?;
+        Ok(Self { conv, stride, out })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let [st, s, _] = self.stride;
+        let x = if st > 1 { Tensor::cat(&[&x.narrow(2, 0, st - 1)?, x], 2)? } else { x.clone() };
+        if !x.dims()[2].is_multiple_of(st) {
+            return Err(ModelError::InvalidInput(format!(
+                "a temporal downsample got {} frames; the encoder takes 1 + k·(its temporal ratio) frames",
+                x.dims()[2] - (st - 1)
+            )));
+        }
+        let residual = x.avg_down3d(st, s, self.out)?;
+        let h = self.conv.forward(&x, band)?;
+        // A fold with groups of one channel: the conv's channels rearranged, unchanged.
+        let mut h = h.avg_down3d(st, s, self.out)?;
+        h.add_assign(&residual)?;
+        Ok(h)
+    }
+}
+
+/// `LTXVideoUpsampler3d` / `LTX2VideoUpsampler3d`: a conv to `C·st·sh·sw / u` channels unfolded
+/// into `st × sh × sw` blocks (channel order `(c, t, h, w)`), the first `st − 1` frames dropped;
+/// with `residual`, plus the input unfolded the same way and its channels repeated (`repeat`,
+/// whole copies) `st·sh·sw / u` times.
+pub(super) struct Upsampler {
+    conv: CausalConv3d,
+    stride: Stride,
+    residual: bool,
+    /// Channels after it.
+    out: usize,
+}
+
+impl Upsampler {
+    pub(super) fn load(
+        w: &mut Weights<'_>,
+        cin: usize,
+        (stride, residual, u): (Stride, bool, usize),
+        causal: bool,
+        spatial: SpatialPadding,
+        align: usize,
+    ) -> Result<Self> {
+        let k: usize = stride.iter().product();
+        let conv = CausalConv3d::load(&mut w.pp("conv"), cin, cin * k / u, causal, spatial, align)?;
+        Ok(Self { conv, stride, residual, out: cin / u })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
+        let [st, s, _] = self.stride;
+        let k: usize = self.stride.iter().product();
+        let mut h = self.conv.forward(x, band)?.dup_up3d(st, s, self.out, true)?;
+        if self.residual {
+            let cin = clip_dims(x)?[1];
+            let unfolded = x.dup_up3d(st, s, cin / k, true)?;
+            let copies = self.out / (cin / k);
+            let residual = if copies == 1 { unfolded } else { Tensor::cat(&vec![&unfolded; copies], 1)? };
+            h.add_assign(&residual)?;
+        }
+        Ok(h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vae_tensor::Device;
+
+    use super::*;
+
+    #[test]
+    fn padding_repeats_edge_frames_and_reflects_or_zeroes_rows() {
+        let dims = [1, 2, 2, 3, 4];
+        let n: usize = dims.iter().product();
+        let x = Tensor::from_vec((0..n).map(|v| v as f32 + 1.0).collect(), dims.to_vec(), &Device::Cpu).unwrap();
+        let pad = [2, 1, 1, 1, 1, 1];
+        let [_, c, t, h, w] = dims;
+        let src = x.to_vec_f32().unwrap();
+        let at = |ci: usize, ti: usize, hi: usize, wi: usize| src[((ci * t + ti) * h + hi) * w + wi];
+        let (tp, hp, wp) = (t + 3, h + 2, w + 2);
+        for mode in [SpatialPadding::Zeros, SpatialPadding::Reflect] {
+            let got = pad_clip(&x, pad, mode).unwrap();
+            assert_eq!(got.dims(), [1, c, tp, hp, wp]);
+            let out = got.to_vec_f32().unwrap();
+            for ci in 0..c {
+                for ti in 0..tp {
+                    let st = ti.saturating_sub(2).min(t - 1);
+                    for hi in 0..hp {
+                        for wi in 0..wp {
+                            let v = out[((ci * tp + ti) * hp + hi) * wp + wi];
+                            // Logical index hi − 1 in [−1, h]: reflect −1 → 1 and h → h − 2.
+                            let refl = |i: usize, n: usize| match i {
+                                0 => Some(1),
+                                i if i == n + 1 => Some(n - 2),
+                                i => Some(i - 1),
+                            };
+                            let inside = |i: usize, n: usize| (1..=n).contains(&i).then(|| i - 1);
+                            let want = match mode {
+                                SpatialPadding::Zeros => match (inside(hi, h), inside(wi, w)) {
+                                    (Some(a), Some(b)) => at(ci, st, a, b),
+                                    _ => 0.0,
+                                },
+                                SpatialPadding::Reflect => at(ci, st, refl(hi, h).unwrap(), refl(wi, w).unwrap()),
+                            };
+                            assert_eq!(v, want, "{mode:?} at {ci} {ti} {hi} {wi}");
+                        }
+                    }
+                }
+            }
+        }
+        let thin = Tensor::from_vec(vec![1.0; 4], vec![1, 1, 1, 1, 4], &Device::Cpu).unwrap();
+        assert!(pad_clip(&thin, [0, 0, 1, 1, 1, 1], SpatialPadding::Reflect).is_err());
+    }
+
+    #[test]
+    fn the_timestep_projection_is_cosines_then_sines() {
+        let p = TimestepEmbedder::project(50.0);
+        assert_eq!(p.len(), 256);
+        assert_eq!(p[0], 50f32.cos());
+        assert_eq!(p[128], 50f32.sin());
+        // The last frequency is 10000^(-127/128).
+        let f = (-(10000f64.ln()) as f32 * 127.0 / 128.0).exp();
+        assert_eq!(p[255], (50.0 * f).sin());
+    }
+}
