@@ -20,6 +20,10 @@ reused while its ``bench_seed.txt`` (seed and config) matches:
 - ``hv15``: ``AutoencoderKLHunyuanVideo15`` in its default (HunyuanVideo-1.5) geometry
   (block_out_channels 128, 256, 512, 1024, 1024, 32 latent channels, 16x spatial, 4x temporal).
   Latents ``[1, 32, 3, size/16, size/16]`` (9 output frames).
+- ``ltx2``: ``AutoencoderKLLTX2Video`` in LTX-2's geometry (the class's defaults: block_out_channels
+  256, 512, 1024, 2048, decoder 256, 512, 1024, 128 latent channels, patch 4, reflect-padded
+  decoder; with the published config's ``decoder_causal=False`` and ratios 32 / 8). Latents
+  ``[1, 128, 3, size/32, size/32]`` (17 output frames).
 
 Next to the model go the inputs, seeded, float32, C order, so that ``vae-parallel bench decode``
 / ``bench encode`` read exactly the same files: ``z_<size>.npy`` (latents, ``randn``) for
@@ -58,7 +62,7 @@ A configuration that fails prints a line with an ``"error"`` field (the exceptio
 or the exit status) instead of numbers, and the others still run.
 
 Usage:
-    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21|hv15] [--task decode|encode] [--out DIR]
+    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21|hv15|ltx2] [--task decode|encode] [--out DIR]
         [--iters N] [--sizes 256,512] [--threads 1,2] [--dtypes f32,bf16] [--layouts nchw,channels_last]
     python scripts/bench_diffusers.py --prepare-only [--family F] [--task T] [--sizes S]   # model and inputs only
 """
@@ -75,8 +79,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("sd", "flux1", "flux2", "wan21", "hv15")
-VIDEO = ("wan21", "hv15")
+FAMILIES = ("sd", "flux1", "flux2", "wan21", "hv15", "ltx2")
+VIDEO = ("wan21", "hv15", "ltx2")
 LAYOUTS = ("nchw", "channels_last")
 DTYPES = ("f32", "bf16")
 FAMILY = "sd"  # set from --family before anything runs
@@ -98,6 +102,10 @@ def model_config() -> dict:
         return dict(block_out_channels=(128, 256, 512, 512), latent_channels=32, sample_size=1024)
     if FAMILY == "wan21":
         return dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+    if FAMILY == "ltx2":
+        # AutoencoderKLLTX2Video's defaults are LTX-2's geometry; its published config makes the decoder
+        # non-causal and names the ratios (the class's formula would give 64 / 16).
+        return dict(decoder_causal=False, spatial_compression_ratio=32, temporal_compression_ratio=8)
     if FAMILY == "hv15":
         # AutoencoderKLHunyuanVideo15's defaults are HunyuanVideo-1.5's geometry (16x spatial, 4x temporal).
         return dict(latent_channels=32, block_out_channels=(128, 256, 512, 1024, 1024), layers_per_block=2)
@@ -142,9 +150,20 @@ def model_config() -> dict:
 
 
 def model_class():
-    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo15, AutoencoderKLWan
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLFlux2,
+        AutoencoderKLHunyuanVideo15,
+        AutoencoderKLLTX2Video,
+        AutoencoderKLWan,
+    )
 
-    classes = {"wan21": AutoencoderKLWan, "flux2": AutoencoderKLFlux2, "hv15": AutoencoderKLHunyuanVideo15}
+    classes = {
+        "wan21": AutoencoderKLWan,
+        "flux2": AutoencoderKLFlux2,
+        "hv15": AutoencoderKLHunyuanVideo15,
+        "ltx2": AutoencoderKLLTX2Video,
+    }
     return classes.get(FAMILY, AutoencoderKL)
 
 
@@ -159,6 +178,8 @@ def input_shape(task: str, size: int) -> tuple[int, ...]:
         return (1, 3, size, size)
     if FAMILY == "hv15":
         return (1, 32, WAN_LATENT_FRAMES, size // 16, size // 16)
+    if FAMILY == "ltx2":
+        return (1, 128, WAN_LATENT_FRAMES, size // 32, size // 32)
     latent = size // SCALE
     if FAMILY == "wan21":
         return (1, 16, WAN_LATENT_FRAMES, latent, latent)
