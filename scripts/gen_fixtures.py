@@ -929,6 +929,41 @@ def build_ltx2_like() -> AutoencoderKLLTX2Video:
     return vae
 
 
+def build_ltx2_variant() -> AutoencoderKLLTX2Video:
+    # The LTX-2 class off its published path: its own default decoder_causal=True, a reflect-padded encoder and a
+    # zero-padded decoder, timestep conditioning, upsample_type ("spatial", "temporal") (the class does NOT reverse
+    # it, unlike the other decoder tuples), a residual only on the first upsample and factors (1, 2) (reversed: 2
+    # then 1), layers_per_block longer than the blocks (the mid block takes the last entry), and no ratios in the
+    # config: the class's formula patch_size * 2 ** sum(spatio_temporal_scaling) = 8 / 4 is not what the blocks
+    # make (4 / 2), and the tiled paths divide by the formula's.
+    torch.manual_seed(3600)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 16),
+        down_block_types=("LTX2VideoDownBlock3D",) * 2,
+        layers_per_block=(1, 1, 1, 2),
+        spatio_temporal_scaling=(True, True),
+        downsample_type=("spatial", "temporal"),
+        decoder_block_out_channels=(8, 16),
+        decoder_layers_per_block=(1, 1, 1),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        upsample_type=("spatial", "temporal"),
+        upsample_residual=(False, True),
+        upsample_factor=(1, 2),
+        timestep_conditioning=True,
+        patch_size=2,
+        patch_size_t=1,
+        scaling_factor=1.0,
+        encoder_spatial_padding_mode="reflect",
+        decoder_spatial_padding_mode="zeros",
+    )
+    set_ltx_latent_stats(vae, 3601)
+    return vae
+
+
 # The constructor's tile attributes (both classes).
 LTX_DEFAULT_TILES = {
     "tile_sample_min_height": 512,
@@ -1109,10 +1144,12 @@ LTX2_I2V_NOTE = ("NB LTX2ImageToVideoPipeline encodes with retrieve_latents(...,
 
 def gen_ltx(out: Path) -> None:
     prepare_dir(out)
-    vaes = save_models(out, {"ltx_video_like": build_ltx_video_like, "ltx2_like": build_ltx2_like})
+    vaes = save_models(out, {"ltx_video_like": build_ltx_video_like, "ltx2_like": build_ltx2_like,
+                             "ltx2_variant": build_ltx2_variant})
     w = VideoWriter(out)
     both = LTX_SPATIAL | LTX_TEMPORAL
     with torch.no_grad():
+        variant = vaes.pop("ltx2_variant")
         for m, vae in vaes.items():
             # 8x spatial, 4x temporal (latent T -> 4 (T - 1) + 1 frames), no clamp. ltx_video_like decodes with
             # temb = 0.05 (x timestep_scale_multiplier 1000 inside the decoder); ltx2_like has no temb.
@@ -1153,6 +1190,18 @@ def gen_ltx(out: Path) -> None:
                 ltx_normalized(w, m, vae, (1, 8, 2, 2, 3), "LTXPipeline", LTX_I2V_NOTE)
             else:
                 ltx_normalized(w, m, vae, (1, 8, 2, 2, 3), "LTX2Pipeline", LTX2_I2V_NOTE)
+        # The variant: 4x spatial, 2x temporal as built (latent T -> 2 (T - 1) + 1 frames, causal), tiles sized
+        # by the class's 8 / 4.
+        m, vae = "ltx2_variant", variant
+        ltx_decode(w, m, vae, "decode_t3", (1, 8, 3, 3, 4))
+        # latent tiles 16 // 8 = 2 every 8 // 8 = 1 on 3 x 5; each decodes to 8 px, blended over 8, kept 8.
+        ltx_decode(w, m, vae, "decode_tiled", (1, 8, 2, 3, 5), tiles=LTX_SPATIAL)
+        # latent chunks of 8 // 4 + 1 = 3 frames every 4 // 4 = 1 on 5 latent frames.
+        ltx_decode(w, m, vae, "decode_temporal", (1, 8, 5, 2, 2), tiles=LTX_TEMPORAL, framewise=True)
+        ltx_encode(w, m, vae, "encode_f3", (1, 3, 3, 8, 12))
+        ltx_encode(w, m, vae, "encode_tiled_f1", (1, 3, 1, 24, 32), tiles=LTX_SPATIAL, mean=False)
+        # 13 frames > 8: chunks 0-8, 4-12, 8-12, 12 (9, 9, 5, 1 frames).
+        ltx_encode(w, m, vae, "encode_temporal", (1, 3, 13, 8, 8), tiles=LTX_TEMPORAL, framewise=True, mean=False)
     finish(out, w)
 
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use vae_integration_tests::{fixtures_dir, random_tensor, shard_on_local_ranks};
 use vae_models::family::{self, Direction, TileOverrides};
-use vae_models::ltx::{LtxClass, LtxOperator, LtxShardOperator, LtxTiling, LtxVae};
+use vae_models::ltx::{LtxClass, LtxOperator, LtxShardOperator, LtxTiling, LtxVae, SpatialPadding};
 use vae_parallel::io::read_npy;
 use vae_runtime::{
     DistributedVaeExecutor, OutputPlacement, ParallelMode, ShardAxis, Strategy, TileOperator, execute_serial,
@@ -18,7 +18,10 @@ use vae_runtime::{
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
 
-const MODELS: [(&str, LtxClass); 2] = [("ltx_video_like", LtxClass::LtxVideo), ("ltx2_like", LtxClass::Ltx2)];
+/// The fixture models: LTX-Video 0.9.5-like, LTX-2-like, and the LTX-2 class off its published
+/// path (causal decoder, reflect-padded encoder, mixed upsample types, no ratios in the config).
+const MODELS: [(&str, LtxClass); 3] =
+    [("ltx_video_like", LtxClass::LtxVideo), ("ltx2_like", LtxClass::Ltx2), ("ltx2_variant", LtxClass::Ltx2)];
 
 fn dir() -> std::path::PathBuf {
     fixtures_dir().join("ltx")
@@ -76,7 +79,7 @@ fn run(model: &LtxVae, direction: Direction, tiled: bool, x: &Tensor) -> Tensor 
 #[test]
 fn every_fixture_case_matches_diffusers() {
     let cases = manifest();
-    assert_eq!(cases.len(), 34);
+    assert_eq!(cases.len(), 41);
     for case in &cases {
         let name = case["name"].as_str().unwrap();
         let (model, tiled) = model_for(case);
@@ -105,7 +108,7 @@ fn the_plain_calls_are_the_untiled_operators() {
         }
         let z = input(m, "decode_t3");
         assert!(model.decode(&z).unwrap().bit_eq(&run(&model, Direction::Decode, false, &z)));
-        let x = input(m, "encode_f5");
+        let x = input(m, if m == "ltx2_variant" { "encode_f3" } else { "encode_f5" });
         assert!(model.encode_moments(&x).unwrap().bit_eq(&run(&model, Direction::Encode, false, &x)));
     }
 }
@@ -150,8 +153,10 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
             plain.set_decode_timestep(ts).unwrap();
         }
         let untiled = run(&plain, direction, false, &x);
-        assert_eq!(serial.dims(), untiled.dims(), "{name}");
-        assert!(serial.max_abs_diff(&untiled).unwrap() > 1e-4, "{name}: the tiles were not blended");
+        // (Tiles sized by ratios the blocks do not make give an output of another size.)
+        if serial.dims() == untiled.dims() {
+            assert!(serial.max_abs_diff(&untiled).unwrap() > 1e-4, "{name}: the tiles were not blended");
+        }
         for world in 1..=4 {
             let outs = run_local(world, TransportConfig::default(), |comm| {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
@@ -179,13 +184,18 @@ fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
         if model.decode_timestep().is_some() {
             model.set_decode_timestep(0.05).unwrap();
         }
-        let min_rows = if m == "ltx2_like" { 2 } else { 1 };
-        let latents = [input(m, "decode_batch2"), random_tensor(&[1, 8, 2, 8, 6], 31)];
-        let videos = [input(m, "encode_f5"), input(m, "encode_tiled_f1")];
+        let c = model.config();
+        let rows = |p: SpatialPadding| if p == SpatialPadding::Reflect { 2 } else { 1 };
+        let (decode_rows, encode_rows) = (rows(c.decoder_padding), rows(c.encoder_padding));
+        let unit = c.encoder_spatial_factor();
+        let variant = m == "ltx2_variant";
+        let latents =
+            [input(m, if variant { "decode_t3" } else { "decode_batch2" }), random_tensor(&[1, 8, 2, 8, 6], 31)];
+        let videos = [input(m, if variant { "encode_f3" } else { "encode_f5" }), input(m, "encode_tiled_f1")];
         let cases = latents
             .iter()
-            .map(|z| (Direction::Decode, z, 1, min_rows))
-            .chain(videos.iter().map(|x| (Direction::Encode, x, 8, 1)));
+            .map(|z| (Direction::Decode, z, 1, decode_rows))
+            .chain(videos.iter().map(|x| (Direction::Encode, x, unit, encode_rows)));
         for (direction, x, unit, min_rows) in cases {
             let direct = match direction {
                 Direction::Decode => model.decode(x).unwrap(),
@@ -208,7 +218,7 @@ fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
             }
         }
     }
-    assert!(runs >= 16, "{runs} shard runs");
+    assert!(runs >= 24, "{runs} shard runs");
 }
 
 /// `auto` shards the longer axis over two ranks or more unless the frames are tiled, a forced
@@ -275,7 +285,9 @@ fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline() {
             let verdict = vae.check_mode(mode);
             if mode == ParallelMode::Pipeline {
                 let err = verdict.unwrap_err();
-                assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("causal"));
+                let text = err.to_string();
+                assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{text}");
+                assert!(text.contains("cannot decode as a pipeline over frames"), "{text}");
             } else {
                 assert!(verdict.is_ok(), "{mode}");
             }

@@ -154,9 +154,10 @@ pub trait LoadedVae: Send + Sync {
     fn execute(&self, run: Execution<'_>) -> Result<ExecOutput>;
     /// The plain decode on this process (`vae.decode(z).sample` without tiling).
     fn decode(&self, z: &Tensor) -> Result<Tensor>;
-    /// The plain decode of a video latent `[B, C, T, H, W]` on this process, its output frames
-    /// handed to `sink` as they are decoded ([`FrameSink`]), bit for bit those of
-    /// [`decode`](Self::decode). A causal video family streams them (its memory then does not
+    /// The untiled decode of a video latent `[B, C, T, H, W]` on this process, its output frames
+    /// handed to `sink` as they are decoded ([`FrameSink`]), bit for bit those of the same
+    /// request unstreamed: [`decode`](Self::decode)'s, except for a family whose frames are tiled
+    /// apart from H and W (LTX's `use_framewise_decoding`), which tiles them here too. A causal video family streams them (its memory then does not
     /// grow with the frame count); this default decodes the whole video, then hands it on.
     fn decode_streaming(&self, z: &Tensor, sink: &mut dyn FrameSink) -> Result<()> {
         let out = self.decode(z)?;

@@ -10,6 +10,7 @@
 
 pub mod autoencoder_kl;
 mod checks;
+mod clip;
 mod error;
 pub mod family;
 pub mod hunyuan_video15;

@@ -26,6 +26,29 @@ pub(crate) fn on_device<'t>(
     Ok(slot.insert(x.to_device(&device)?.to_dtype(dtype)?))
 }
 
+/// `run` on each batch item of a host tensor (`[B, ...]`) in turn, each uploaded to `device` in
+/// `dtype` and its result brought back; the results concatenated along the batch. Cancellation
+/// is checked, and progress reported, item by item.
+pub(crate) fn per_item(
+    x: &Tensor,
+    device: Device,
+    dtype: DType,
+    mut run: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let batch = x.dims().first().copied().unwrap_or(0);
+    let mut outs = Vec::with_capacity(batch);
+    for i in 0..batch {
+        vae_runtime::cancel::check()?;
+        let item = x.narrow(0, i, 1)?;
+        let mut uploaded = None;
+        let item = on_device(&item, device, dtype, &mut uploaded)?;
+        outs.push(to_host(run(item)?)?);
+        vae_runtime::progress::report(vae_runtime::progress::Progress::Steps { done: i + 1, total: batch });
+    }
+    let refs: Vec<&Tensor> = outs.iter().collect();
+    Ok(Tensor::cat(&refs, 0)?)
+}
+
 /// An error unless a model can compute on `device` in `dtype`: the CPU backend is f32 only, the
 /// CUDA backend f32 or bf16.
 pub(crate) fn check_precision(device: Device, dtype: DType) -> Result<()> {

@@ -8,42 +8,12 @@
 //! one along H or W ([`Band`]): convs take their neighbours' rows and replicate only at the
 //! global edges, the attention gathers the whole map, everything else is per pixel.
 
-use vae_planner::ShardAxis;
 use vae_tensor::{Conv3dParams, Tensor};
 
+use crate::Result;
+use crate::clip::{Edge, clip_dims, padded_for_conv};
 use crate::layers::{Band, RmsNorm};
 use crate::weights::Weights;
-use crate::{ModelError, Result};
-
-/// `F.pad(x, mode="replicate")` of a clip with `pad = [t_front, t_back, top, bottom, left,
-/// right]`: every element of the padded clip is `x` at the nearest in-range index. One buffer of
-/// the padded size, filled by box copies (the interior once, then the edge slabs).
-fn pad_replicate(x: &Tensor, pad: [usize; 6]) -> Result<Tensor> {
-    let [b, c, t, h, w] = clip_dims(x)?;
-    if t == 0 || h == 0 || w == 0 {
-        return Err(ModelError::InvalidInput(format!("cannot replicate-pad an empty clip {:?}", x.dims())));
-    }
-    if pad == [0; 6] {
-        return Ok(x.clone());
-    }
-    // Along one dimension of `n`: (destination start, source start, length) of each slab.
-    let slabs = |n: usize, before: usize, after: usize| -> Vec<(usize, usize, usize)> {
-        let mut v: Vec<_> = (0..before).map(|i| (i, 0, 1)).collect();
-        v.push((before, 0, n));
-        v.extend((0..after).map(|i| (before + n + i, n - 1, 1)));
-        v
-    };
-    let dims = vec![b, c, t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]];
-    let mut out = Tensor::zeros(dims, x.dtype(), &x.device())?;
-    for (dt, st, lt) in slabs(t, pad[0], pad[1]) {
-        for &(dh, sh, lh) in &slabs(h, pad[2], pad[3]) {
-            for &(dw, sw, lw) in &slabs(w, pad[4], pad[5]) {
-                out.copy_box_from(&[0, 0, dt, dh, dw], x, &[0, 0, st, sh, sw], &[b, c, lt, lh, lw])?;
-            }
-        }
-    }
-    Ok(out)
-}
 
 /// `HunyuanVideo15CausalConv3d`: replicate padding of `kt − 1` frames in front, none behind,
 /// and `k / 2` rows and columns on each side, then an unpadded `nn.Conv3d`.
@@ -70,28 +40,10 @@ impl CausalConv3d {
     /// the neighbours' rows, replicated edge rows only at the global edges.
     pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let [kt, kh, kw] = self.kernel;
-        let mut pad = [kt - 1, 0, kh / 2, kh / 2, kw / 2, kw / 2];
-        let haloed;
-        let x = match band.as_deref_mut() {
-            None => x,
-            Some(ctx) => {
-                let (dim, p) = match ctx.axis() {
-                    ShardAxis::Height => (3, kh / 2),
-                    ShardAxis::Width => (4, kw / 2),
-                };
-                let with_rows = ctx.with_halo(x, p)?;
-                // The zero rows with_halo leaves at a global edge give way to replicated ones.
-                let (first, last) = (ctx.rank() == 0, ctx.rank() + 1 == ctx.ranks());
-                let (before, after) = (if first { p } else { 0 }, if last { p } else { 0 });
-                pad[2 * (dim - 2)] = before;
-                pad[2 * (dim - 2) + 1] = after;
-                let n = with_rows.dims()[dim];
-                haloed = with_rows.narrow(dim, before, n - before - after)?;
-                &haloed
-            }
-        };
+        debug_assert_eq!(kh, kw, "the class's kernels are cubes");
+        let padded = padded_for_conv(x, kh, (kt - 1, 0), Edge::Repeat, band)?;
         let params = Conv3dParams::default().band_aligned(self.band_align);
-        Ok(pad_replicate(x, pad)?.conv3d(&self.weight, Some(&self.bias), &params)?)
+        Ok(padded.conv3d(&self.weight, Some(&self.bias), &params)?)
     }
 
     /// The same conv at a resolution where one latent row has become `align` rows (band cuts
@@ -99,14 +51,6 @@ impl CausalConv3d {
     pub(super) fn band_aligned(mut self, align: usize) -> Self {
         self.band_align = align;
         self
-    }
-}
-
-/// The extents of a clip `[B, C, T, H, W]`.
-pub(super) fn clip_dims(x: &Tensor) -> Result<[usize; 5]> {
-    match *x.dims() {
-        [b, c, t, h, w] => Ok([b, c, t, h, w]),
-        ref other => Err(ModelError::InvalidInput(format!("expected a clip [B, C, T, H, W], got {other:?}"))),
     }
 }
 
@@ -359,38 +303,5 @@ impl Downsample {
         let mut shortcut = cat_time(x_first, x_rest)?;
         shortcut.add_assign(&h)?;
         Ok(shortcut)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use vae_tensor::Device;
-
-    use super::*;
-
-    #[test]
-    fn replicate_padding_reads_the_nearest_element_in_range() {
-        let dims = [2, 3, 2, 3, 4];
-        let n: usize = dims.iter().product();
-        let x = Tensor::from_vec((0..n).map(|v| v as f32).collect(), dims.to_vec(), &Device::Cpu).unwrap();
-        let pad = [2, 1, 1, 0, 2, 3];
-        let got = pad_replicate(&x, pad).unwrap();
-        let [b, c, t, h, w] = dims;
-        let (tp, hp, wp) = (t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]);
-        assert_eq!(got.dims(), [b, c, tp, hp, wp]);
-        let (src, out) = (x.to_vec_f32().unwrap(), got.to_vec_f32().unwrap());
-        let clamp = |i: usize, before: usize, n: usize| i.saturating_sub(before).min(n - 1);
-        let mut k = 0;
-        for bc in 0..b * c {
-            for ti in 0..tp {
-                for hi in 0..hp {
-                    for wi in 0..wp {
-                        let (st, sh, sw) = (clamp(ti, pad[0], t), clamp(hi, pad[2], h), clamp(wi, pad[4], w));
-                        assert_eq!(out[k], src[((bc * t + st) * h + sh) * w + sw], "at {bc} {ti} {hi} {wi}");
-                        k += 1;
-                    }
-                }
-            }
-        }
     }
 }

@@ -3,14 +3,13 @@
 
 use std::path::Path;
 
-use vae_runtime::progress::{self, Progress};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::HunyuanVideo15Config;
 use super::networks::{Decoder, Encoder};
 use super::tiling::HunyuanVideo15Tiling;
 use crate::layers::Band;
-use crate::placement::{check_precision, on_device, to_host};
+use crate::placement::{check_precision, per_item};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
@@ -115,7 +114,7 @@ impl HunyuanVideo15Vae {
     /// diffusers' own batched call fails for more than one item (its causal mask does not
     /// broadcast over the attention heads); this is what its `enable_slicing()` computes.
     pub(super) fn decode_clip(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
-        self.per_item(z, |x| self.decoder.forward(x, &mut band))
+        per_item(z, self.device, self.dtype, |x| self.decoder.forward(x, &mut band))
     }
 
     /// `vae._encode(x)` without tiling: the moments `[B, 2·latent, 1 + (T − 1) / temporal,
@@ -130,22 +129,7 @@ impl HunyuanVideo15Vae {
     /// The encoder on each batch item of a (tile of a) video, on the host; of a whole video, or
     /// of this rank's band of one (whole latent rows).
     pub(super) fn encode_clip(&self, x: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
-        self.per_item(x, |x| self.encoder.forward(x, &mut band))
-    }
-
-    fn per_item(&self, x: &Tensor, mut run: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-        let batch = x.dims()[0];
-        let mut outs = Vec::with_capacity(batch);
-        for i in 0..batch {
-            vae_runtime::cancel::check()?;
-            let item = x.narrow(0, i, 1)?;
-            let mut uploaded = None;
-            let item = on_device(&item, self.device, self.dtype, &mut uploaded)?;
-            outs.push(to_host(run(item)?)?);
-            progress::report(Progress::Steps { done: i + 1, total: batch });
-        }
-        let refs: Vec<&Tensor> = outs.iter().collect();
-        Ok(Tensor::cat(&refs, 0)?)
+        per_item(x, self.device, self.dtype, |x| self.encoder.forward(x, &mut band))
     }
 
     /// HunyuanVideo15Pipeline's latents → what the VAE decodes: `z / scaling_factor`.

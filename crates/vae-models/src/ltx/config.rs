@@ -36,11 +36,13 @@ enum Flags {
 }
 
 impl Flags {
-    /// The tuple, a single bool repeated `n` times (the LTX-2 class's expansion).
-    fn expand(&self, n: usize) -> Vec<bool> {
+    /// The tuple; a single bool repeated `n` times, as the LTX-2 class expands it (the LTX-Video
+    /// class fails on one: it reverses the keyword).
+    fn expand(&self, n: usize, class: LtxClass, what: &str) -> Result<Vec<bool>, String> {
         match self {
-            Self::One(b) => vec![*b; n],
-            Self::Many(v) => v.clone(),
+            Self::One(b) if class == LtxClass::Ltx2 => Ok(vec![*b; n]),
+            Self::One(_) => Err(format!("{what} must be a list of bools for {}", class.name())),
+            Self::Many(v) => Ok(v.clone()),
         }
     }
 }
@@ -206,10 +208,16 @@ impl LtxConfig {
         let down_types = raw
             .down_block_types
             .unwrap_or_else(|| vec![if ltx2 { "LTX2VideoDownBlock3D" } else { "LTXVideoDownBlock3D" }.to_string(); 4]);
-        let scaling = raw
-            .spatio_temporal_scaling
-            .map(|f| f.expand(layers.len().saturating_sub(1)))
-            .unwrap_or_else(|| if ltx2 { vec![true; 4] } else { vec![true, true, true, false] });
+        let flags = |f: Option<Flags>, n: usize, what: &str, default: Vec<bool>| match f {
+            Some(f) => f.expand(n, class, what),
+            None => Ok(default),
+        };
+        let scaling = flags(
+            raw.spatio_temporal_scaling,
+            layers.len().saturating_sub(1),
+            "spatio_temporal_scaling",
+            if ltx2 { vec![true; 4] } else { vec![true, true, true, false] },
+        )?;
         let downsample = raw.downsample_type.unwrap_or_else(|| {
             if ltx2 { s(&["spatial", "temporal", "spatiotemporal", "spatiotemporal"]) } else { s(&["conv"; 4]) }
         });
@@ -219,15 +227,24 @@ impl LtxConfig {
         let dec_layers =
             raw.decoder_layers_per_block.unwrap_or_else(|| if ltx2 { v(&[5, 5, 5, 5]) } else { v(&[4, 3, 3, 3, 4]) });
         let n_dec = dec_layers.len();
-        let dec_scaling = raw
-            .decoder_spatio_temporal_scaling
-            .map(|f| f.expand(n_dec.saturating_sub(1)))
-            .unwrap_or_else(|| if ltx2 { vec![true; 3] } else { vec![true, true, true, false] });
-        let noise = raw.decoder_inject_noise.map(|f| f.expand(n_dec)).unwrap_or_default();
-        let residual = raw
-            .upsample_residual
-            .map(|f| f.expand(n_dec.saturating_sub(1)))
-            .unwrap_or_else(|| if ltx2 { vec![true; 3] } else { vec![false; 4] });
+        let dec_scaling = flags(
+            raw.decoder_spatio_temporal_scaling,
+            n_dec.saturating_sub(1),
+            "decoder_spatio_temporal_scaling",
+            if ltx2 { vec![true; 3] } else { vec![true, true, true, false] },
+        )?;
+        let noise = flags(
+            raw.decoder_inject_noise,
+            n_dec,
+            "decoder_inject_noise",
+            if ltx2 { vec![false; 4] } else { vec![false; 5] },
+        )?;
+        let residual = flags(
+            raw.upsample_residual,
+            n_dec.saturating_sub(1),
+            "upsample_residual",
+            if ltx2 { vec![true; 3] } else { vec![false; 4] },
+        )?;
         let factor = raw.upsample_factor.unwrap_or_else(|| if ltx2 { v(&[2, 2, 2]) } else { v(&[1, 1, 1, 1]) });
         let up_types = if ltx2 {
             raw.upsample_type.unwrap_or_else(|| s(&["spatiotemporal"; 3]))
@@ -240,13 +257,6 @@ impl LtxConfig {
             return Err(format!(
                 "patch_size {patch} / patch_size_t {patch_t}: a positive patch_size and patch_size_t 1 are supported"
             ));
-        }
-        if noise.iter().any(|&b| b) {
-            return Err(
-                "decoder_inject_noise: noise injection draws from PyTorch's global generator at every call and \
-                 cannot be reproduced; only configs without it are supported"
-                    .into(),
-            );
         }
 
         // Encoder layout.
@@ -301,29 +311,39 @@ impl LtxConfig {
             down.push(DownLevel { width: c, layers: layers[i], down: stride, out });
             c = out;
         }
-        let encoder_mid_layers = layers[n];
+        let encoder_mid_layers = *layers.last().unwrap_or(&0);
 
         // Decoder layout (every per-block tuple reversed, as the class reverses them).
         let widths: Vec<usize> = dec_out.iter().rev().copied().collect();
         let m = widths.len();
         if m == 0
             || dec_layers.len() < m + 1
+            || noise.len() < m + 1
             || dec_scaling.len() < m
             || residual.len() < m
             || factor.len() < m
             || up_types.len() < m
         {
             return Err(format!(
-                "decoder: {m} blocks need {} decoder_layers_per_block and {m} of decoder_spatio_temporal_scaling, \
-                 upsample_residual, upsample_factor and upsample_type",
+                "decoder: {m} blocks need {} of decoder_layers_per_block and decoder_inject_noise and {m} of \
+                 decoder_spatio_temporal_scaling, upsample_residual, upsample_factor and upsample_type",
                 m + 1
             ));
         }
-        let rev = |x: &[bool]| x[..m].iter().rev().copied().collect::<Vec<_>>();
-        let (dec_scaling, residual) = (rev(&dec_scaling), rev(&residual));
-        let factor: Vec<usize> = factor[..m].iter().rev().copied().collect();
-        let up_types: Vec<String> = up_types[..m].iter().rev().cloned().collect();
-        let dec_layers: Vec<usize> = dec_layers.iter().rev().copied().collect();
+        // The class reverses each tuple whole, then reads its first entries; all but upsample_type,
+        // which it reads in the order given.
+        fn reversed<T: Clone>(x: &[T]) -> Vec<T> {
+            x.iter().rev().cloned().collect()
+        }
+        let (dec_scaling, residual, factor) = (reversed(&dec_scaling), reversed(&residual), reversed(&factor));
+        let dec_layers = reversed(&dec_layers);
+        if reversed(&noise)[..=m].iter().any(|&b| b) {
+            return Err(
+                "decoder_inject_noise: noise injection draws from PyTorch's global generator at every call and \
+                 cannot be reproduced; only configs without it are supported"
+                    .into(),
+            );
+        }
         let decoder_stem = widths[0];
         let mut up = Vec::with_capacity(m);
         let mut output = decoder_stem;
@@ -366,7 +386,7 @@ impl LtxConfig {
             c = output;
         }
 
-        let scaled = scaling[..n].iter().filter(|&&b| b).count() as u32;
+        let scaled = scaling.iter().filter(|&&b| b).count() as u32;
         let spatial_ratio = raw.spatial_compression_ratio.unwrap_or(patch * 2usize.pow(scaled));
         let temporal_ratio = raw.temporal_compression_ratio.unwrap_or(patch_t * 2usize.pow(scaled));
         if spatial_ratio == 0 || temporal_ratio == 0 {
@@ -463,6 +483,35 @@ mod tests {
         // The class's formula counts every scaling flag: 4 · 2⁴, not the 32 the blocks make.
         assert_eq!(c.spatial_compression_ratio, 64);
         assert!(c.decoder_causal, "the class's default is causal; published configs say otherwise");
+    }
+
+    /// The class reverses each decoder tuple whole and reads its first entries, so a tuple longer
+    /// than the blocks loses its first entries, not its last; upsample_type is read as given.
+    #[test]
+    fn decoder_tuples_are_reversed_whole_and_upsample_types_not_at_all() {
+        let c = parse(
+            r#"{"_class_name": "AutoencoderKLLTX2Video", "decoder_block_out_channels": [512, 512, 512],
+                "decoder_spatio_temporal_scaling": [true, true, true, false], "upsample_factor": [2, 1, 1, 1],
+                "upsample_residual": [false, false, false], "upsample_type": ["spatial", "temporal", "spatiotemporal"]}"#,
+            LtxClass::Ltx2,
+        )
+        .unwrap();
+        assert!(c.up[0].up.is_none(), "{:?}", c.up[0]);
+        assert_eq!(c.up[1].up.map(|(s, ..)| s), Some([2, 1, 1]), "block 1 takes upsample_type[1]");
+        assert_eq!(c.up[2].up.map(|(s, ..)| s), Some([2, 2, 2]));
+        // The encoder's mid block takes the last layers_per_block entry.
+        let c = parse(
+            r#"{"_class_name": "AutoencoderKLLTX2Video", "layers_per_block": [1, 1, 1, 1, 1, 3]}"#,
+            LtxClass::Ltx2,
+        )
+        .unwrap();
+        assert_eq!(c.encoder_mid_layers, 3);
+        // A single bool is the LTX-2 class's shorthand only.
+        let one = r#""spatio_temporal_scaling": true"#;
+        let ltx2 = format!(r#"{{"_class_name": "AutoencoderKLLTX2Video", {one}}}"#);
+        assert_eq!(parse(&ltx2, LtxClass::Ltx2).unwrap().down.len(), 4);
+        let ltx = format!(r#"{{"_class_name": "AutoencoderKLLTXVideo", {one}}}"#);
+        assert!(parse(&ltx, LtxClass::LtxVideo).unwrap_err().contains("list of bools"));
     }
 
     #[test]

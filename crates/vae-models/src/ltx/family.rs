@@ -47,15 +47,20 @@ impl LoadedVae for LtxVae {
         LtxVae::dtype(self)
     }
 
-    /// Every mode but the pipeline: the decoder is not causal in time (each conv reads the next
-    /// frame), so it cannot run a frame at a time.
+    /// Every mode but the pipeline, which is not built for this family: its decoder is not
+    /// split into frame-by-frame stages (and with the published configs' non-causal decoder,
+    /// every conv reads the next frame, so it cannot run a frame at a time).
     fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         match mode {
             ParallelMode::Pipeline => Err(ModelError::Unsupported(format!(
-                "{} cannot decode as a pipeline over frames: its decoder is not causal in time (every conv \
-                 reads the next frame too), so it does not run a frame at a time (use tile, auto or a spatial \
-                 shard mode)",
-                self.class_name()
+                "{} cannot decode as a pipeline over frames: {} (use tile, auto or a spatial shard mode)",
+                self.class_name(),
+                if self.config().decoder_causal {
+                    "its decoder is not split into frame-by-frame stages"
+                } else {
+                    "its decoder is not causal in time (every conv reads the next frame too), so it does not \
+                     run a frame at a time"
+                }
             ))),
             _ => Ok(()),
         }
@@ -204,9 +209,9 @@ impl LoadedVae for LtxVae {
         LtxVae::encode_moments(self, x)
     }
 
-    /// The whole decode, then its frames to the sink (this decoder is not causal in time, so
-    /// frames cannot leave early); with frame tiles set, the chunked decode, as the unstreamed
-    /// one-rank request gives.
+    /// The whole decode, then its frames to the sink (no frame leaves early: the decoder does not
+    /// run a frame at a time); with frame tiles set (`use_framewise_decoding`), the chunked
+    /// decode, as the same request unstreamed gives, not [`LtxVae::decode`]'s plain one.
     fn decode_streaming(&self, z: &Tensor, sink: &mut dyn vae_runtime::FrameSink) -> Result<()> {
         let op = LtxOperator::new(self, Direction::Decode, false);
         let out = vae_runtime::execute_serial(&op, z)?;

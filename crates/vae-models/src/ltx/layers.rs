@@ -9,10 +9,10 @@
 //! one along H or W ([`Band`]): convs take their neighbours' rows and pad (zeros or a
 //! reflection) only at the global edges; everything else is per pixel.
 
-use vae_planner::ShardAxis;
 use vae_tensor::{Conv3dParams, Tensor};
 
 use super::config::{SpatialPadding, Stride};
+use crate::clip::{Edge, clip_dims, padded_for_conv};
 use crate::layers::{Band, Linear};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
@@ -21,65 +21,6 @@ use crate::{ModelError, Result};
 /// divides by `max(‖x‖, 1e-12)` instead of `sqrt(mean(x²) + 1e-8)`: the same for any activation
 /// whose mean square is far above `1e-8`, which is what the tolerance tests check.
 const NORM_EPS: f32 = 1e-12;
-
-/// The extents of a clip `[B, C, T, H, W]`.
-pub(super) fn clip_dims(x: &Tensor) -> Result<[usize; 5]> {
-    match *x.dims() {
-        [b, c, t, h, w] => Ok([b, c, t, h, w]),
-        ref other => Err(ModelError::InvalidInput(format!("expected a clip [B, C, T, H, W], got {other:?}"))),
-    }
-}
-
-/// Along one dimension of `n` padded by `before` and `after`: (destination, source, length) of
-/// each slab of the padded copy. Time always repeats its edge frames; H and W reflect, or are
-/// left as the buffer's zeros.
-fn slabs(n: usize, before: usize, after: usize, mode: Option<SpatialPadding>) -> Vec<(usize, usize, usize)> {
-    let mut v = Vec::with_capacity(before + after + 1);
-    match mode {
-        None => v.extend((0..before).map(|i| (i, 0, 1))),
-        Some(SpatialPadding::Reflect) => v.extend((0..before).map(|i| (i, before - i, 1))),
-        Some(SpatialPadding::Zeros) => {}
-    }
-    v.push((before, 0, n));
-    match mode {
-        None => v.extend((0..after).map(|i| (before + n + i, n - 1, 1))),
-        Some(SpatialPadding::Reflect) => v.extend((0..after).map(|i| (before + n + i, n - 2 - i, 1))),
-        Some(SpatialPadding::Zeros) => {}
-    }
-    v
-}
-
-/// The clip padded by `pad = [t_front, t_back, top, bottom, left, right]`: edge frames repeated
-/// in time, `spatial` in H and W (as `torch.cat` of repeated frames, then `F.pad`). One buffer
-/// of the padded size, filled by box copies.
-fn pad_clip(x: &Tensor, pad: [usize; 6], spatial: SpatialPadding) -> Result<Tensor> {
-    let [b, c, t, h, w] = clip_dims(x)?;
-    if t == 0 || h == 0 || w == 0 {
-        return Err(ModelError::InvalidInput(format!("cannot pad an empty clip {:?}", x.dims())));
-    }
-    if spatial == SpatialPadding::Reflect && (pad[2].max(pad[3]) >= h || pad[4].max(pad[5]) >= w) {
-        return Err(ModelError::InvalidInput(format!(
-            "reflect padding of {:?} needs H and W above the padding; a map of {h}x{w} is too small (the \
-             decoder's latent, or a tile of it, must be at least 2x2)",
-            &pad[2..]
-        )));
-    }
-    if pad == [0; 6] {
-        return Ok(x.clone());
-    }
-    let dims = vec![b, c, t + pad[0] + pad[1], h + pad[2] + pad[3], w + pad[4] + pad[5]];
-    let mut out = Tensor::zeros(dims, x.dtype(), &x.device())?;
-    let hs = slabs(h, pad[2], pad[3], Some(spatial));
-    let ws = slabs(w, pad[4], pad[5], Some(spatial));
-    for (dt, st, lt) in slabs(t, pad[0], pad[1], None) {
-        for &(dh, sh, lh) in &hs {
-            for &(dw, sw, lw) in &ws {
-                out.copy_box_from(&[0, 0, dt, dh, dw], x, &[0, 0, st, sh, sw], &[b, c, lt, lh, lw])?;
-            }
-        }
-    }
-    Ok(out)
-}
 
 /// `LTXVideoCausalConv3d` / `LTX2VideoCausalConv3d`: a `k × k × k` conv whose time padding
 /// repeats the first frame `k − 1` times in front (causal) or the first and last `(k − 1) / 2`
@@ -123,32 +64,14 @@ impl CausalConv3d {
     /// the neighbours' rows, zeros or reflected rows only at the global edges.
     pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let k = self.k;
-        let (front, back) = if self.causal { (k - 1, 0) } else { ((k - 1) / 2, (k - 1) / 2) };
-        let mut pad = [front, back, k / 2, k / 2, k / 2, k / 2];
-        let haloed;
-        let x = match band.as_deref_mut() {
-            None => x,
-            Some(ctx) => {
-                let dim = match ctx.axis() {
-                    ShardAxis::Height => 3,
-                    ShardAxis::Width => 4,
-                };
-                let p = k / 2;
-                let with_rows = ctx.with_halo(x, p)?;
-                // with_halo leaves zero rows at a global edge: right for zero padding; a
-                // reflection drops them and reflects the band's own rows there instead.
-                let reflect = self.spatial == SpatialPadding::Reflect;
-                let before = if reflect && ctx.rank() == 0 { p } else { 0 };
-                let after = if reflect && ctx.rank() + 1 == ctx.ranks() { p } else { 0 };
-                pad[2 * (dim - 2)] = before;
-                pad[2 * (dim - 2) + 1] = after;
-                let n = with_rows.dims()[dim];
-                haloed = with_rows.narrow(dim, before, n - before - after)?;
-                &haloed
-            }
+        let time = if self.causal { (k - 1, 0) } else { ((k - 1) / 2, (k - 1) / 2) };
+        let edge = match self.spatial {
+            SpatialPadding::Zeros => Edge::Zeros,
+            SpatialPadding::Reflect => Edge::Reflect,
         };
+        let padded = padded_for_conv(x, k, time, edge, band)?;
         let params = Conv3dParams::default().band_aligned(self.band_align);
-        Ok(pad_clip(x, pad, self.spatial)?.conv3d(&self.weight, Some(&self.bias), &params)?)
+        Ok(padded.conv3d(&self.weight, Some(&self.bias), &params)?)
     }
 }
 
@@ -366,62 +289,27 @@ impl Upsampler {
 
 #[cfg(test)]
 mod tests {
-    use vae_tensor::Device;
-
     use super::*;
 
+    /// Against diffusers' `get_timestep_embedding(torch.tensor([50.0]), 256, flip_sin_to_cos=True,
+    /// downscale_freq_shift=0)` (torch 2.15): cosines first, then sines, frequencies
+    /// `10000^(-i/128)`.
     #[test]
-    fn padding_repeats_edge_frames_and_reflects_or_zeroes_rows() {
-        let dims = [1, 2, 2, 3, 4];
-        let n: usize = dims.iter().product();
-        let x = Tensor::from_vec((0..n).map(|v| v as f32 + 1.0).collect(), dims.to_vec(), &Device::Cpu).unwrap();
-        let pad = [2, 1, 1, 1, 1, 1];
-        let [_, c, t, h, w] = dims;
-        let src = x.to_vec_f32().unwrap();
-        let at = |ci: usize, ti: usize, hi: usize, wi: usize| src[((ci * t + ti) * h + hi) * w + wi];
-        let (tp, hp, wp) = (t + 3, h + 2, w + 2);
-        for mode in [SpatialPadding::Zeros, SpatialPadding::Reflect] {
-            let got = pad_clip(&x, pad, mode).unwrap();
-            assert_eq!(got.dims(), [1, c, tp, hp, wp]);
-            let out = got.to_vec_f32().unwrap();
-            for ci in 0..c {
-                for ti in 0..tp {
-                    let st = ti.saturating_sub(2).min(t - 1);
-                    for hi in 0..hp {
-                        for wi in 0..wp {
-                            let v = out[((ci * tp + ti) * hp + hi) * wp + wi];
-                            // Logical index hi − 1 in [−1, h]: reflect −1 → 1 and h → h − 2.
-                            let refl = |i: usize, n: usize| match i {
-                                0 => Some(1),
-                                i if i == n + 1 => Some(n - 2),
-                                i => Some(i - 1),
-                            };
-                            let inside = |i: usize, n: usize| (1..=n).contains(&i).then(|| i - 1);
-                            let want = match mode {
-                                SpatialPadding::Zeros => match (inside(hi, h), inside(wi, w)) {
-                                    (Some(a), Some(b)) => at(ci, st, a, b),
-                                    _ => 0.0,
-                                },
-                                SpatialPadding::Reflect => at(ci, st, refl(hi, h).unwrap(), refl(wi, w).unwrap()),
-                            };
-                            assert_eq!(v, want, "{mode:?} at {ci} {ti} {hi} {wi}");
-                        }
-                    }
-                }
-            }
-        }
-        let thin = Tensor::from_vec(vec![1.0; 4], vec![1, 1, 1, 1, 4], &Device::Cpu).unwrap();
-        assert!(pad_clip(&thin, [0, 0, 1, 1, 1, 1], SpatialPadding::Reflect).is_err());
-    }
-
-    #[test]
-    fn the_timestep_projection_is_cosines_then_sines() {
+    fn the_timestep_projection_is_diffusers() {
         let p = TimestepEmbedder::project(50.0);
         assert_eq!(p.len(), 256);
-        assert_eq!(p[0], 50f32.cos());
-        assert_eq!(p[128], 50f32.sin());
-        // The last frequency is 10000^(-127/128).
-        let f = (-(10000f64.ln()) as f32 * 127.0 / 128.0).exp();
-        assert_eq!(p[255], (50.0 * f).sin());
+        let torch = [
+            (0, 0.964_966_06),
+            (1, -0.827_987_5),
+            (64, 0.877_582_55),
+            (127, 0.999_985_6),
+            (128, -0.262_374_85),
+            (129, 0.560_746_6),
+            (200, 0.277_480_48),
+            (255, 0.005_373_012),
+        ];
+        for (i, want) in torch {
+            assert!((p[i] - want).abs() <= 1e-6, "{i}: {} vs {want}", p[i]);
+        }
     }
 }

@@ -4,7 +4,6 @@
 
 use std::path::Path;
 
-use vae_runtime::progress::{self, Progress};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::{LtxClass, LtxConfig, SpatialPadding};
@@ -12,7 +11,7 @@ use super::layers::host;
 use super::networks::{Decoder, Encoder};
 use super::tiling::LtxTiling;
 use crate::layers::Band;
-use crate::placement::{check_precision, on_device, to_host};
+use crate::placement::{check_precision, per_item};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
 
@@ -90,8 +89,11 @@ impl LtxVae {
         &self.tiling
     }
 
-    /// Sets the tile geometry, refusing what the class cannot tile with.
-    pub fn set_tiling(&mut self, tiling: LtxTiling) -> Result<()> {
+    /// Sets the tile geometry, refusing what the class cannot tile with. The compression ratios
+    /// are the model's (the class's attributes): those of `tiling` are replaced by them.
+    pub fn set_tiling(&mut self, mut tiling: LtxTiling) -> Result<()> {
+        tiling.spatial.spatial_compression_ratio = self.config.spatial_compression_ratio;
+        tiling.temporal_compression_ratio = self.config.temporal_compression_ratio;
         tiling.check()?;
         self.tiling = tiling;
         Ok(())
@@ -139,13 +141,13 @@ impl LtxVae {
     /// or of this rank's band of it.
     pub(super) fn decode_clip(&self, z: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
         let t = self.decode_timestep();
-        self.per_item(z, |x| self.decoder.forward(x, t, &mut band))
+        per_item(z, self.device, self.dtype, |x| self.decoder.forward(x, t, &mut band))
     }
 
     /// `vae._encode(x)` without tiling: the moments `[B, 2·latent, 1 + (T − 1) / temporal,
     /// H / spatial, W / spatial]`, the log-variance channel repeated.
     pub fn encode_moments(&self, x: &Tensor) -> Result<Tensor> {
-        self.check_video(x)?;
+        self.check_video(x, false)?;
         self.check_frame_size(x.dims()[3], x.dims()[4])?;
         self.check_memory(false, x.dims(), MapExtent::Whole)?;
         self.encode_clip(x, None)
@@ -153,22 +155,7 @@ impl LtxVae {
 
     /// The encoder on each batch item of a (tile of a) video, on the host.
     pub(super) fn encode_clip(&self, x: &Tensor, mut band: Band<'_, '_>) -> Result<Tensor> {
-        self.per_item(x, |x| self.encoder.forward(x, &mut band))
-    }
-
-    fn per_item(&self, x: &Tensor, mut run: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-        let batch = x.dims()[0];
-        let mut outs = Vec::with_capacity(batch);
-        for i in 0..batch {
-            vae_runtime::cancel::check()?;
-            let item = x.narrow(0, i, 1)?;
-            let mut uploaded = None;
-            let item = on_device(&item, self.device, self.dtype, &mut uploaded)?;
-            outs.push(to_host(run(item)?)?);
-            progress::report(Progress::Steps { done: i + 1, total: batch });
-        }
-        let refs: Vec<&Tensor> = outs.iter().collect();
-        Ok(Tensor::cat(&refs, 0)?)
+        per_item(x, self.device, self.dtype, |x| self.encoder.forward(x, &mut band))
     }
 
     /// The LTX pipelines' `_denormalize_latents`: `z · std / scaling_factor + mean` per channel.
@@ -187,8 +174,7 @@ impl LtxVae {
         let c = self.latents_std.len();
         let minus: Vec<f32> = self.latents_mean.iter().map(|m| -m).collect();
         let centred = mean.channel_affine(&vec![1.0; c], &minus)?.mul_scalar(self.config.scaling_factor as f32)?;
-        let inv: Vec<f32> = self.latents_std.iter().map(|s| 1.0 / s).collect();
-        Ok(centred.channel_affine(&inv, &vec![0.0; c])?)
+        Ok(centred.channel_normalize(&vec![0.0; c], &self.latents_std)?)
     }
 
     /// `latents_mean` and `latents_std` as stored.
@@ -226,14 +212,16 @@ impl LtxVae {
         Ok(())
     }
 
-    pub(super) fn check_video(&self, x: &Tensor) -> Result<()> {
+    /// A video the encoder takes: its shape, finite values and (unless `chunked`: its frames are
+    /// tiled, and each chunk is checked instead) a frame count it can pair down.
+    pub(super) fn check_video(&self, x: &Tensor, chunked: bool) -> Result<()> {
         let d = x.dims();
         let c = self.config.in_channels;
         if d.len() != 5 || d[1] != c || d.contains(&0) {
             return Err(ModelError::InvalidInput(format!("video must be [B, {c}, T, H, W], got {d:?}")));
         }
         crate::checks::check_finite(x, "video")?;
-        self.check_frames(d[2])
+        if chunked { Ok(()) } else { self.check_frames(d[2]) }
     }
 
     /// Frames (or a tile of them) the encoder can fold: whole latent pixels.

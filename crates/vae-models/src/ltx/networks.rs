@@ -6,7 +6,8 @@
 use vae_tensor::Tensor;
 
 use super::config::LtxConfig;
-use super::layers::{CausalConv3d, Downsampler, ResnetBlock, RmsNorm, TimestepEmbedder, Upsampler, clip_dims, host};
+use super::layers::{CausalConv3d, Downsampler, ResnetBlock, RmsNorm, TimestepEmbedder, Upsampler, host};
+use crate::clip::clip_dims;
 use crate::layers::Band;
 use crate::weights::Weights;
 use crate::{ModelError, Result};

@@ -60,13 +60,14 @@ impl<'m> LtxOperator<'m> {
         let m = self.model;
         let t = m.tiling();
         let decode = self.direction == Direction::Decode;
+        let frames = x.dims().get(2).copied().unwrap_or(0);
+        let temporal = if decode { t.tiles_frames_decode(frames) } else { t.tiles_frames_encode(frames) };
         if decode {
             m.check_latent(x)?
         } else {
-            m.check_video(x)?
+            m.check_video(x, temporal)?
         }
-        let [_, _, frames, h, w] = [x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3], x.dims()[4]];
-        let temporal = if decode { t.tiles_frames_decode(frames) } else { t.tiles_frames_encode(frames) };
+        let (h, w) = (x.dims()[3], x.dims()[4]);
         let (chunks, temporal) = if temporal {
             let (chunks, merge) = if decode { t.decode_chunks(frames)? } else { t.encode_chunks(frames)? };
             if !decode {
@@ -96,6 +97,13 @@ impl<'m> LtxOperator<'m> {
                 (0..a.count()).filter_map(|i| a.tiling().input_range(i)).collect()
             };
             let (rows, cols) = (ranges(&layout.rows), ranges(&layout.cols));
+            let reflect = decode && m.config().decoder_padding == SpatialPadding::Reflect;
+            if let Some(r) = rows.iter().chain(&cols).find(|r| reflect && r.len() < 2) {
+                return Err(ModelError::InvalidInput(format!(
+                    "a decode tile spans latent {r:?}; the decoder pads by reflection, which needs tiles of at least \
+                     2x2 latent pixels (choose a tile stride that leaves no 1-pixel tail)"
+                )));
+            }
             if !decode {
                 for r in rows.iter().chain(&cols) {
                     if r.len() % m.encoder_spatial_factor() != 0 {
@@ -214,16 +222,17 @@ impl<'m> LtxShardOperator<'m> {
         if decode {
             m.check_latent(x)?;
         } else {
-            m.check_video(x)?;
+            m.check_video(x, false)?;
             m.check_frame_size(x.dims()[3], x.dims()[4])?;
         }
         m.check_memory(decode, x.dims(), MapExtent::Banded)?;
         // Every conv is 3 x 3 x 3: one row from each neighbour. A reflection at a global edge
-        // reads the band's second row, so there every band holds two latent rows.
+        // reads the band's second row, so there every band holds two latent rows (min_band
+        // counts units: latent rows).
         let c = m.config();
         let reflect = if decode { c.decoder_padding } else { c.encoder_padding } == SpatialPadding::Reflect;
         let unit = if decode { 1 } else { m.encoder_spatial_factor() };
-        Ok(ShardGeometry { min_band: if reflect { 2 * unit } else { 1 }, unit })
+        Ok(ShardGeometry { min_band: if reflect { 2 } else { 1 }, unit })
     }
 }
 

@@ -91,8 +91,10 @@ impl LtxTiling {
             self.tile_sample_min_num_frames,
             self.tile_sample_stride_num_frames,
         ];
-        if sizes.contains(&0) {
-            return Err(ModelError::InvalidInput(format!("tile sizes and strides must be positive, got {self:?}")));
+        if sizes.contains(&0) || s.spatial_compression_ratio == 0 || self.temporal_compression_ratio == 0 {
+            return Err(ModelError::InvalidInput(format!(
+                "tile sizes, strides and compression ratios must be positive, got {self:?}"
+            )));
         }
         let (r, rt) = (s.spatial_compression_ratio, self.temporal_compression_ratio);
         for (v, what) in [(s.tile_sample_stride_height, "height"), (s.tile_sample_stride_width, "width")] {
@@ -149,7 +151,7 @@ impl LtxTiling {
             blend: self.tile_sample_min_num_frames.saturating_sub(s),
             keep_first: s + 1,
             keep: s,
-            crop: (t - 1) * self.temporal_compression_ratio + 1,
+            crop: t.saturating_sub(1) * self.temporal_compression_ratio + 1,
             dropped: Dropped::Last,
         };
         Ok((chunks, merge))
@@ -164,7 +166,7 @@ impl LtxTiling {
             blend: self.latent_min_frames().saturating_sub(s),
             keep_first: s + 1,
             keep: s,
-            crop: (f - 1) / self.temporal_compression_ratio + 1,
+            crop: f.saturating_sub(1) / self.temporal_compression_ratio + 1,
             dropped: Dropped::First,
         };
         Ok((chunks, merge))
