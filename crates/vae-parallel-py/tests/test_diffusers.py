@@ -102,6 +102,8 @@ def test_ltx_decodes_at_the_pipelines_timestep_as_diffusers_does():
             assert close(ours.decode(z, timestep, return_dict=False)[0], ref.decode(z, timestep, return_dict=False)[0])
         with pytest.raises(ValueError, match="one decode timestep"):
             ours.decode(torch.cat([z, z]), torch.tensor([0.05, 0.1]))
+        # A float timestep, as diffusers takes it.
+        assert close(ours.decode(z, 0.05).sample, ref.decode(z, 0.05).sample)
         model = FIXTURES / "ltx/ltx2_like"
         ours = DistributedVae.from_pretrained(model, ranks=2)
         ref = diffusers.AutoencoderKLLTX2Video.from_pretrained(model).eval()
@@ -109,6 +111,20 @@ def test_ltx_decodes_at_the_pipelines_timestep_as_diffusers_does():
         assert close(ours.decode(z, None, return_dict=False)[0], ref.decode(z, None, return_dict=False)[0])
         x = tensor(FIXTURES / "ltx/ltx2_like.encode_f5.in.npy")
         assert close(ours.encode(x).latent_dist.mean, ref.encode(x).latent_dist.mean)
+        # What the LTX pipelines read off their VAE.
+        assert torch.equal(ours.latents_mean, ref.latents_mean) and torch.equal(ours.latents_std, ref.latents_std)
+        assert (ours.spatial_compression_ratio, ours.temporal_compression_ratio) == (
+            ref.spatial_compression_ratio, ref.temporal_compression_ratio)
+        # Frame tiles follow use_framewise_decoding, as in diffusers: the keywords alone do not tile.
+        z = tensor(FIXTURES / "ltx/ltx2_like.decode_temporal.in.npy")
+        frames = {"tile_sample_min_num_frames": 8, "tile_sample_stride_num_frames": 4}
+        ours.enable_tiling(**frames)
+        ref.enable_tiling(**frames)
+        assert close(ours.decode(z).sample, ref.decode(z).sample)
+        ours.use_framewise_decoding = ref.use_framewise_decoding = True
+        chunked = ref.decode(z).sample
+        assert close(ours.decode(z).sample, chunked)
+        assert close(chunked, tensor(FIXTURES / "ltx/ltx2_like.decode_temporal.out.npy"))
 
 
 def test_torch_inputs_come_back_as_torch_on_their_device_and_dtype():

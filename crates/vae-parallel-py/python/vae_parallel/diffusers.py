@@ -37,6 +37,10 @@ TILING_KEYWORDS = (
     "tile_sample_min_num_frames",
     "tile_sample_stride_num_frames",
 )
+# The frame keywords (LTX): diffusers tiles frames only while `use_framewise_decoding` is set.
+FRAME_KEYWORDS = ("tile_sample_min_num_frames", "tile_sample_stride_num_frames")
+# The classes whose latent statistics are weights (`latents_mean` / `latents_std` buffers).
+LTX_CLASSES = ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")
 
 
 class DistributedVae:
@@ -51,12 +55,49 @@ class DistributedVae:
         self._directory = Path(directory)
         self._options = {"ranks": ranks, "mode": mode, "device": device, "dtype": dtype}
         self._tiling = {}
+        self._frames = {"tile_sample_min_num_frames": 16, "tile_sample_stride_num_frames": 8}
+        self._framewise = False
         self.config = FrozenDict(json.loads((self._directory / "config.json").read_text()))
         self.use_tiling = False
         self.use_slicing = False
+        self.use_framewise_encoding = False
         self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.device = torch.device(device if device != "cuda" else "cuda:0")
         self._vae = self._load(tiling)
+        if self.config.get("_class_name") in LTX_CLASSES:
+            self._ltx_attributes()
+
+    def _ltx_attributes(self):
+        """What the LTX pipelines read off their VAE: the latent statistics (weights of the
+        checkpoint) and the compression ratios (the config's, else the class's formula)."""
+        from safetensors import safe_open
+
+        index = self._directory / "diffusion_pytorch_model.safetensors.index.json"
+        files = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+        for name in ("latents_mean", "latents_std"):
+            path = self._directory / files.get(name, "diffusion_pytorch_model.safetensors")
+            with safe_open(path, framework="pt") as f:
+                setattr(self, name, f.get_tensor(name).to(torch.float32))
+        ltx2 = self.config["_class_name"] == "AutoencoderKLLTX2Video"
+        scaling = self.config.get("spatio_temporal_scaling", (True,) * 4 if ltx2 else (True, True, True, False))
+        if isinstance(scaling, bool):
+            scaling = (scaling,) * (len(self.config.get("layers_per_block", (4, 6, 6, 2, 2))) - 1)
+        doublings = 2 ** sum(bool(b) for b in scaling)
+        ratio = self.config.get("spatial_compression_ratio")
+        self.spatial_compression_ratio = ratio or self.config.get("patch_size", 4) * doublings
+        ratio = self.config.get("temporal_compression_ratio")
+        self.temporal_compression_ratio = ratio or self.config.get("patch_size_t", 1) * doublings
+
+    @property
+    def use_framewise_decoding(self):
+        """diffusers' switch for tiling the frames (LTX; it gates the encoder's frame tiles too)."""
+        return self._framewise
+
+    @use_framewise_decoding.setter
+    def use_framewise_decoding(self, on):
+        if bool(on) != self._framewise:
+            self._framewise = bool(on)
+            self._vae = self._load({})
 
     @classmethod
     def from_pretrained(cls, path, subfolder=None, **kwargs):
@@ -64,12 +105,18 @@ class DistributedVae:
         directory = Path(path) / subfolder if subfolder else Path(path)
         return cls(directory, **kwargs)
 
-    def _load(self, tiling):
+    def _load(self, tiling, **options):
         unknown = sorted(set(tiling) - set(TILING_KEYWORDS))
         if unknown:
             raise TypeError(f"unknown tiling keyword(s) {unknown}; known: {list(TILING_KEYWORDS)}")
-        self._tiling = {**self._tiling, **tiling}
-        return load(self._directory, **self._options, **self._tiling)
+        frames = {k: v for k, v in tiling.items() if k in FRAME_KEYWORDS}
+        spatial = {**self._tiling, **{k: v for k, v in tiling.items() if k not in FRAME_KEYWORDS}}
+        frames = {**self._frames, **frames}
+        options = {**self._options, **options}
+        # The engine tiles frames whenever a frame keyword is given: only while framewise here.
+        vae = load(self._directory, **options, **spatial, **(frames if self._framewise else {}))
+        self._tiling, self._frames, self._options = spatial, frames, options
+        return vae
 
     def enable_tiling(self, **tiling):
         """Tiled decode and encode from now on, with diffusers' tiling keywords if given."""
@@ -93,8 +140,9 @@ class DistributedVae:
         """Pixels in [-1, 1] for the latent ``z``, as ``AutoencoderKL.decode``; the LTX pipelines'
         ``vae.decode(z, timestep, return_dict=False)`` too (a timestep-conditioned decoder decodes
         at that timestep: one value for the whole batch)."""
-        if args and (args[0] is None or isinstance(args[0], torch.Tensor)):
-            timestep, args = args[0], args[1:]
+        second = args[0] if args else False
+        if second is None or (isinstance(second, (torch.Tensor, float, int)) and not isinstance(second, bool)):
+            timestep, args = second, args[1:]
         if args:
             return_dict = args[0]
         if timestep is not None:
@@ -107,8 +155,7 @@ class DistributedVae:
         if len(values) != 1:
             raise ValueError(f"one decode timestep per call, not {values}")
         if self._options.get("decode_timestep") != values[0]:
-            self._options["decode_timestep"] = float(values[0])
-            self._vae = self._load({})
+            self._vae = self._load({}, decode_timestep=float(values[0]))
 
     def encode(self, x, return_dict=True):
         """The latent distribution of the pixels ``x``, as ``AutoencoderKL.encode``."""
