@@ -1,4 +1,5 @@
-//! Input checks every family shares: finite values, and whether a request can fit in memory.
+//! Input checks every family shares: finite values, video frame counts and sizes the encoders
+//! can fold, and whether a request can fit in memory.
 
 use vae_tensor::Tensor;
 
@@ -51,4 +52,52 @@ pub(crate) fn ensure_fits(output: u64, activation: u64, advice: &str) -> Result<
         human(activation),
         human(available)
     )))
+}
+
+/// An error unless `frames` is `1 + k·ratio`: what a causal video encoder whose temporal
+/// downsamples pair the frames after the first can take (diffusers fails on a frame left over).
+pub(crate) fn encoder_frames(frames: usize, ratio: usize) -> Result<()> {
+    let r = ratio.max(1);
+    if frames == 0 || !(frames - 1).is_multiple_of(r) {
+        let below = 1 + frames.saturating_sub(1) / r * r;
+        return Err(ModelError::InvalidInput(format!(
+            "a video (or temporal tile) of {frames} frames; the encoder takes 1 + {r}k frames (e.g. {below} or {})",
+            below + r
+        )));
+    }
+    Ok(())
+}
+
+/// An error unless frames of `h × w` pixels are whole latent pixels at `ratio` (the encoders'
+/// folds fail otherwise).
+pub(crate) fn whole_latent_pixels(h: usize, w: usize, ratio: usize) -> Result<()> {
+    let r = ratio.max(1);
+    if !h.is_multiple_of(r) || !w.is_multiple_of(r) {
+        return Err(ModelError::InvalidInput(format!(
+            "frames of {h}x{w} pixels are not a multiple of the {r}x spatial compression"
+        )));
+    }
+    Ok(())
+}
+
+/// Over what a request's largest feature map extends, for a family's memory check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MapExtent {
+    /// The whole frame.
+    Whole,
+    /// One tile of this many pixels (at most the frame).
+    Tile(usize),
+    /// Bands of a spatial shard, over however many ranks: the output alone is counted.
+    Banded,
+}
+
+impl MapExtent {
+    /// The pixels of a frame of `whole` pixels that the map covers.
+    pub(crate) fn pixels(self, whole: u64) -> u64 {
+        match self {
+            Self::Whole => whole,
+            Self::Tile(p) => whole.min(p as u64),
+            Self::Banded => 0,
+        }
+    }
 }

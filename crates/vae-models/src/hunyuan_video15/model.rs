@@ -8,21 +8,11 @@ use vae_tensor::{DType, Device, Tensor};
 use super::config::HunyuanVideo15Config;
 use super::networks::{Decoder, Encoder};
 use super::tiling::HunyuanVideo15Tiling;
+use crate::checks::MapExtent;
 use crate::layers::Band;
 use crate::placement::{check_precision, per_item};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
-
-/// Over what a request's largest feature map extends, for [`HunyuanVideo15Vae::check_memory`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum MapExtent {
-    /// The whole frame.
-    Whole,
-    /// One tile of this many pixels (at most the frame).
-    Tile(usize),
-    /// Bands of a spatial shard, over however many ranks: the output alone is counted.
-    Banded,
-}
 
 /// The diffusers class this module loads.
 pub const CLASS_NAME: &str = "AutoencoderKLHunyuanVideo15";
@@ -163,27 +153,12 @@ impl HunyuanVideo15Vae {
             return Err(ModelError::InvalidInput(format!("video must be [B, {c}, T, H, W], got {d:?}")));
         }
         crate::checks::check_finite(x, "video")?;
-        let r = self.temporal_ratio();
-        if !(d[2] - 1).is_multiple_of(r) {
-            let below = 1 + (d[2] - 1) / r * r;
-            return Err(ModelError::InvalidInput(format!(
-                "video has {} frames; the encoder takes 1 + {r}k frames (e.g. {below} or {})",
-                d[2],
-                below + r
-            )));
-        }
-        Ok(())
+        crate::checks::encoder_frames(d[2], self.temporal_ratio())
     }
 
     /// Frames (or a tile of them) the encoder can fold: whole latent pixels.
     pub(super) fn check_frame_size(&self, h: usize, w: usize) -> Result<()> {
-        let r = self.spatial_ratio();
-        if !h.is_multiple_of(r) || !w.is_multiple_of(r) {
-            return Err(ModelError::InvalidInput(format!(
-                "frames of {h}x{w} pixels are not a multiple of the {r}x spatial compression"
-            )));
-        }
-        Ok(())
+        crate::checks::whole_latent_pixels(h, w, self.spatial_ratio())
     }
 
     /// Refuses a request whose output plus largest feature map cannot fit
@@ -191,11 +166,6 @@ impl HunyuanVideo15Vae {
     /// over every output frame (of the whole frame, or of one tile); the encoder's, its first
     /// level's width over the input (frame or tile). A shard's bands are not counted.
     pub(super) fn check_memory(&self, decode: bool, dims: &[usize], map: MapExtent) -> Result<()> {
-        let tile = match map {
-            MapExtent::Whole => None,
-            MapExtent::Tile(pixels) => Some(pixels),
-            MapExtent::Banded => Some(0),
-        };
         let &[b, _, t, h, w] = dims else { return Ok(()) };
         let c = &self.config;
         let (b, t, h, w) = (b as u64, t as u64, h as u64, w as u64);
@@ -205,11 +175,11 @@ impl HunyuanVideo15Vae {
             let frames = 1 + t.saturating_sub(1) * r;
             let pixels = h * s * w * s;
             let output = b * c.out_channels as u64 * frames * pixels * 4;
-            let map = first * frames * tile.map_or(pixels, |t| pixels.min(t as u64)) * 4;
+            let map = first * frames * map.pixels(pixels) * 4;
             crate::checks::ensure_fits(output, map, "decode with tiles")
         } else {
             let output = b * 2 * c.latent_channels as u64 * (1 + t.saturating_sub(1) / r) * (h / s) * (w / s) * 4;
-            let map = first * t * tile.map_or(h * w, |p| (h * w).min(p as u64)) * 4;
+            let map = first * t * map.pixels(h * w) * 4;
             crate::checks::ensure_fits(output, map, "encode with tiles")
         }
     }

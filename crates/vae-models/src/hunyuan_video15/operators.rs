@@ -11,8 +11,9 @@ use vae_runtime::{
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use super::model::{HunyuanVideo15Vae, MapExtent};
+use super::model::HunyuanVideo15Vae;
 use crate::Result;
+use crate::checks::MapExtent;
 use crate::family::Direction;
 
 /// Decode (latent tiles decoded whole, every frame at once and each batch item alone) or encode

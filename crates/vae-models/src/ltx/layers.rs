@@ -111,7 +111,6 @@ impl RmsNorm {
 pub(super) struct TimestepEmbedder {
     linear_1: Linear,
     linear_2: Linear,
-    dim: usize,
 }
 
 /// The projection's channels.
@@ -124,7 +123,6 @@ impl TimestepEmbedder {
         Ok(Self {
             linear_1: Linear::load(&mut e.pp("linear_1"), PROJ, dim)?,
             linear_2: Linear::load(&mut e.pp("linear_2"), dim, dim)?,
-            dim,
         })
     }
 
@@ -143,9 +141,7 @@ impl TimestepEmbedder {
         let mut h = self.linear_1.forward(&proj)?;
         h.silu_inplace()?;
         let out = self.linear_2.forward(&h)?.to_dtype(vae_tensor::DType::F32)?.to_device(&vae_tensor::Device::Cpu)?;
-        let v = out.to_vec_f32()?;
-        debug_assert_eq!(v.len(), self.dim);
-        Ok(v)
+        Ok(out.to_vec_f32()?)
     }
 }
 

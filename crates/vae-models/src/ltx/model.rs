@@ -10,21 +10,11 @@ use super::config::{LtxClass, LtxConfig, SpatialPadding};
 use super::layers::host;
 use super::networks::{Decoder, Encoder};
 use super::tiling::LtxTiling;
+use crate::checks::MapExtent;
 use crate::layers::Band;
 use crate::placement::{check_precision, per_item};
 use crate::weights::{WeightStore, Weights};
 use crate::{ModelError, Result};
-
-/// Over what a request's largest feature map extends, for [`LtxVae::check_memory`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum MapExtent {
-    /// The whole frame.
-    Whole,
-    /// One tile of this many pixels (at most the frame).
-    Tile(usize),
-    /// Bands of a spatial shard: the output alone is counted.
-    Banded,
-}
 
 /// A loaded `AutoencoderKLLTXVideo` or `AutoencoderKLLTX2Video`.
 pub struct LtxVae {
@@ -201,15 +191,7 @@ impl LtxVae {
     /// The frame counts the encoder takes: `1 + k·temporal` (each temporal downsample pairs the
     /// frames after the first; diffusers fails on a frame left over).
     pub(super) fn check_frames(&self, frames: usize) -> Result<()> {
-        let r = self.config.encoder_temporal_factor();
-        if frames == 0 || !(frames - 1).is_multiple_of(r) {
-            let below = 1 + frames.saturating_sub(1) / r * r;
-            return Err(ModelError::InvalidInput(format!(
-                "a video (or temporal tile) of {frames} frames; the encoder takes 1 + {r}k frames (e.g. {below} or {})",
-                below + r
-            )));
-        }
-        Ok(())
+        crate::checks::encoder_frames(frames, self.config.encoder_temporal_factor())
     }
 
     /// A video the encoder takes: its shape, finite values and (unless `chunked`: its frames are
@@ -226,13 +208,7 @@ impl LtxVae {
 
     /// Frames (or a tile of them) the encoder can fold: whole latent pixels.
     pub(super) fn check_frame_size(&self, h: usize, w: usize) -> Result<()> {
-        let r = self.encoder_spatial_factor();
-        if !h.is_multiple_of(r) || !w.is_multiple_of(r) {
-            return Err(ModelError::InvalidInput(format!(
-                "frames of {h}x{w} pixels are not a multiple of the {r}x spatial compression"
-            )));
-        }
-        Ok(())
+        crate::checks::whole_latent_pixels(h, w, self.encoder_spatial_factor())
     }
 
     /// Refuses a request whose output plus largest feature map cannot fit
@@ -243,22 +219,17 @@ impl LtxVae {
         let c = &self.config;
         let (b, t, h, w) = (b as u64, t as u64, h as u64, w as u64);
         let pp = (c.patch_size * c.patch_size) as u64;
-        let limit = |pixels: u64| match map {
-            MapExtent::Whole => pixels,
-            MapExtent::Tile(p) => pixels.min(p as u64),
-            MapExtent::Banded => 0,
-        };
         if decode {
             let (s, r) = (self.spatial_factor() as u64, c.decoder_temporal_factor() as u64);
             let frames = 1 + t.saturating_sub(1) * r;
             let pixels = h * s * w * s;
             let output = b * c.out_channels as u64 * frames * pixels * 4;
-            let map = c.decoder_last_width() as u64 * frames * limit(pixels) / pp * 4;
+            let map = c.decoder_last_width() as u64 * frames * map.pixels(pixels) / pp * 4;
             crate::checks::ensure_fits(output, map, "decode with tiles")
         } else {
             let (s, r) = (self.encoder_spatial_factor() as u64, c.encoder_temporal_factor() as u64);
             let output = b * 2 * c.latent_channels as u64 * (1 + t.saturating_sub(1) / r) * (h / s) * (w / s) * 4;
-            let map = c.encoder_stem as u64 * t * limit(h * w) / pp * 4;
+            let map = c.encoder_stem as u64 * t * map.pixels(h * w) / pp * 4;
             crate::checks::ensure_fits(output, map, "encode with tiles")
         }
     }

@@ -14,16 +14,15 @@ use vae_runtime::{
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::SpatialPadding;
-use super::model::{LtxVae, MapExtent};
+use super::model::LtxVae;
 use super::tiling::TemporalMerge;
+use crate::checks::MapExtent;
 use crate::family::Direction;
 use crate::{ModelError, Result};
 
-/// One tile: its chunk of frames (its index and range) and its rows and columns.
+/// One tile: its frames, rows and columns (its chunk of frames is its grid coordinate's first).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LtxTile {
-    /// The chunk's index along time (0 when the frames are not tiled).
-    pub chunk: usize,
     /// Input frames.
     pub frames: Range<usize>,
     /// Input rows.
@@ -132,7 +131,7 @@ impl<'m> LtxOperator<'m> {
             for (i, r) in rows.iter().enumerate() {
                 for (j, c) in cols.iter().enumerate() {
                     let work = (f.len() * r.len() * c.len()) as u64;
-                    let tile = LtxTile { chunk: ci, frames: f.clone(), rows: r.clone(), cols: c.clone() };
+                    let tile = LtxTile { frames: f.clone(), rows: r.clone(), cols: c.clone() };
                     tasks.push(TileTask::new(tasks.len(), vec![ci, i, j], tile, work));
                 }
             }
