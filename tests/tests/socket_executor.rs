@@ -7,7 +7,7 @@ use vae_integration_tests::{SCENARIO_ENV, assert_all_succeeded, spawn_ranks, uni
 use vae_planner::{GridSpec, TileTask};
 use vae_runtime::synthetic::SyntheticDecoder;
 use vae_runtime::{
-    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec, TileMap, TileOperator,
+    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchLayout, TileMap, TileOperator,
     TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
@@ -43,9 +43,9 @@ struct FailsTileTwo(SyntheticDecoder);
 
 impl TileOperator for FailsTileTwo {
     type Payload = <SyntheticDecoder as TileOperator>::Payload;
-    type TileSpec = StitchSpec;
+    type TileSpec = StitchLayout;
 
-    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchLayout>, OperatorError> {
         self.0.split(input)
     }
 
@@ -56,8 +56,12 @@ impl TileOperator for FailsTileTwo {
         self.0.exec(input, task)
     }
 
-    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
         self.0.merge(tiles, grid)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<StitchLayout, DType>) -> Option<&'g StitchLayout> {
+        self.0.stitch_layout(grid)
     }
 
     fn device(&self) -> Device {

@@ -40,8 +40,13 @@ pub struct RankSummary {
     pub traffic: Vec<TrafficSummary>,
     /// Peak tensor memory of the rank during the request, bytes.
     pub peak_bytes: u64,
-    /// Peak tensor memory at the end of the computation (before outputs are gathered), bytes.
+    /// Peak tensor memory at the end of the computation (before outputs are gathered; for tiles
+    /// stitched as they arrive, the owner's includes the output), bytes.
     pub exec_peak_bytes: u64,
+    /// Tensor memory alive when the request started (the input, weights charged to the rank),
+    /// bytes: `peak_bytes - start_bytes` is the most the request itself held.
+    #[serde(default)]
+    pub start_bytes: u64,
     /// Peak device (CUDA) tensor memory during the request, bytes (0 on the CPU).
     #[serde(default)]
     pub device_peak_bytes: u64,
@@ -160,6 +165,7 @@ impl From<&RankReport> for RankSummary {
                 .collect(),
             peak_bytes: r.peak_bytes as u64,
             exec_peak_bytes: r.exec_peak_bytes as u64,
+            start_bytes: r.start_bytes as u64,
             device_peak_bytes: r.device_peak_bytes as u64,
             band: match &r.strategy {
                 StrategyReport::Shard { band: Some(b), .. } => Some([b.start, b.end]),

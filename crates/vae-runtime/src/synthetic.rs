@@ -13,7 +13,7 @@ use std::time::Duration;
 use vae_planner::{AxisTiling, GridSpec, MergeRule, TileTask};
 use vae_tensor::{DType, Device, Tensor};
 
-use crate::stitch::{StitchSpec, stitch};
+use crate::stitch::{StitchLayout, StitchSpec, stitch};
 use crate::{OperatorError, TileMap, TileOperator, TilePlan};
 
 /// The synthetic "decoder" (see the module docs).
@@ -64,9 +64,9 @@ impl SyntheticDecoder {
 
 impl TileOperator for SyntheticDecoder {
     type Payload = [Range<usize>; 2];
-    type TileSpec = StitchSpec;
+    type TileSpec = StitchLayout;
 
-    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchLayout>, OperatorError> {
         let r = input.rank();
         if r < 2 {
             return Err(format!("synthetic decoder needs at least 2 dimensions, got shape {}", input.shape()).into());
@@ -85,7 +85,12 @@ impl TileOperator for SyntheticDecoder {
         let grid = GridSpec {
             split_dims: vec![r - 2, r - 1],
             grid_shape: vec![rows.count(), cols.count()],
-            tile_spec: self.stitch_spec(r, [h, w]),
+            tile_spec: StitchLayout {
+                spec: self.stitch_spec(r, [h, w]),
+                tile_extents: [rows, cols].map(|axis| {
+                    (0..axis.count()).map(|i| axis.input_range(i).map_or(0, |r| r.len() * self.scale)).collect()
+                }),
+            },
             output_dtype: Some(DType::F32),
         };
         Ok(TilePlan { tasks, grid })
@@ -99,9 +104,13 @@ impl TileOperator for SyntheticDecoder {
         self.tile_output(input, rows.clone(), cols.clone(), task.tile_id)
     }
 
-    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
         let shape = [grid.grid_shape[0], grid.grid_shape[1]];
-        Ok(stitch(tiles, shape, &grid.tile_spec)?)
+        Ok(stitch(tiles, shape, &grid.tile_spec.spec)?)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<StitchLayout, DType>) -> Option<&'g StitchLayout> {
+        Some(&grid.tile_spec)
     }
 
     fn device(&self) -> Device {

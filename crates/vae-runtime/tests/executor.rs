@@ -7,7 +7,7 @@ use std::time::Duration;
 use vae_planner::{GridSpec, TileTask};
 use vae_runtime::synthetic::SyntheticDecoder;
 use vae_runtime::{
-    Classified, DistributedVaeExecutor, FailureKind, OperatorError, OutputPlacement, RuntimeError, Stage, StitchSpec,
+    Classified, DistributedVaeExecutor, FailureKind, OperatorError, OutputPlacement, RuntimeError, Stage, StitchLayout,
     TileMap, TileOperator, TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
@@ -154,6 +154,22 @@ fn bit_identical_for_one_to_eight_ranks_with_and_without_broadcast() {
     }
 }
 
+/// Overlaps wider than half a tile: a tile's blended edges read edges that its neighbours
+/// blended in turn, so blends chain across the grid; the tile-by-tile stitch on the owner
+/// still replays them exactly, whichever rank computed which tile.
+#[test]
+fn overlaps_wider_than_half_a_tile_stitch_exactly_on_any_rank_count() {
+    for (tile, stride) in [(8, 3), (8, 1), (6, 2), (5, 4)] {
+        let op = SyntheticDecoder { tile, stride, scale: 2, ..SyntheticDecoder::default() };
+        let x = input(&[1, 2, 13, 11], 5);
+        let reference = serial_reference(&op, &x);
+        for world in 1..=5 {
+            let out = run(world, world, &op, &x, OutputPlacement::OwnerOnly).remove(0).unwrap().tensor.unwrap();
+            assert!(out.bit_eq(&reference), "tile {tile} stride {stride} on {world} ranks");
+        }
+    }
+}
+
 #[test]
 fn tiles_without_overlap_reassemble_the_doubled_input_exactly() {
     let op = SyntheticDecoder { tile: 5, stride: 5, scale: 3, tile_offset: 0.0, ..SyntheticDecoder::default() };
@@ -221,12 +237,23 @@ struct Failing {
     fail_merge: bool,
     /// The kind its errors are classified as; `None` returns them as they are.
     kind: Option<FailureKind>,
+    /// Whether it says its merge is a stitch (tiles merged on the owner as they come), or not
+    /// (every tile gathered, then one merge).
+    stitched: bool,
 }
 
 impl Failing {
     /// `inner`, failing nowhere.
     fn new(inner: SyntheticDecoder) -> Self {
-        Self { inner, fail_split: false, fail_exec_tile: None, panic: false, fail_merge: false, kind: None }
+        Self {
+            inner,
+            fail_split: false,
+            fail_exec_tile: None,
+            panic: false,
+            fail_merge: false,
+            kind: None,
+            stitched: false,
+        }
     }
 
     fn error(&self, message: String) -> OperatorError {
@@ -239,9 +266,9 @@ impl Failing {
 
 impl TileOperator for Failing {
     type Payload = <SyntheticDecoder as TileOperator>::Payload;
-    type TileSpec = StitchSpec;
+    type TileSpec = StitchLayout;
 
-    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchLayout>, OperatorError> {
         if self.fail_split {
             return Err(self.error(format!("an input of shape {} does not fit", input.shape())));
         }
@@ -258,11 +285,22 @@ impl TileOperator for Failing {
         self.inner.exec(input, task)
     }
 
-    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
         if self.fail_merge {
             return Err(self.error("merge refused".into()));
         }
         self.inner.merge(tiles, grid)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<StitchLayout, DType>) -> Option<&'g StitchLayout> {
+        self.stitched.then_some(&grid.tile_spec)
+    }
+
+    fn finish_stitched(&self, stitched: Tensor, _: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
+        if self.fail_merge {
+            return Err(self.error("merge refused".into()));
+        }
+        Ok(stitched)
     }
 
     fn device(&self) -> Device {
@@ -272,8 +310,8 @@ impl TileOperator for Failing {
 
 #[test]
 fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() {
-    for panic in [false, true] {
-        let failing = Failing { fail_exec_tile: Some(3), panic, ..Failing::new(small_op()) };
+    for (panic, stitched) in [(false, false), (true, false), (false, true), (true, true)] {
+        let failing = Failing { fail_exec_tile: Some(3), panic, stitched, ..Failing::new(small_op()) };
         let x = input(&[1, 1, 14, 20], 2);
         let results = run_local(4, config(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
@@ -306,12 +344,14 @@ fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() 
 
 #[test]
 fn a_merge_error_on_the_owner_reaches_every_rank() {
-    let failing = Failing { fail_merge: true, ..Failing::new(small_op()) };
     let x = input(&[1, 1, 10, 10], 2);
-    for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
-        for r in run(3, 3, &failing, &x, placement) {
-            let err = r.unwrap_err();
-            assert!(matches!(&err, RuntimeError::Operator { stage: Stage::Merge, rank: 0, .. }), "{err}");
+    for stitched in [false, true] {
+        let failing = Failing { fail_merge: true, stitched, ..Failing::new(small_op()) };
+        for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
+            for r in run(3, 3, &failing, &x, placement) {
+                let err = r.unwrap_err();
+                assert!(matches!(&err, RuntimeError::Operator { stage: Stage::Merge, rank: 0, .. }), "{err}");
+            }
         }
     }
 }
@@ -332,10 +372,12 @@ fn a_bad_input_is_a_split_error_on_every_rank() {
 #[test]
 fn a_classified_error_reaches_every_rank_with_its_kind_and_its_message() {
     let x = input(&[1, 1, 14, 20], 2);
-    let stages: [fn(Option<FailureKind>) -> Failing; 3] = [
+    let stages: [fn(Option<FailureKind>) -> Failing; 5] = [
         |kind| Failing { fail_split: true, kind, ..Failing::new(small_op()) },
         |kind| Failing { fail_exec_tile: Some(3), kind, ..Failing::new(small_op()) },
+        |kind| Failing { fail_exec_tile: Some(3), kind, stitched: true, ..Failing::new(small_op()) },
         |kind| Failing { fail_merge: true, kind, ..Failing::new(small_op()) },
+        |kind| Failing { fail_merge: true, kind, stitched: true, ..Failing::new(small_op()) },
     ];
     for failing in stages {
         let plain: Vec<RuntimeError> =
@@ -420,9 +462,10 @@ fn the_report_accounts_for_the_request() {
         let report = r.unwrap().report;
         assert_eq!(report.tile_count, 16);
         assert_eq!(report.world_size, 3);
-        // Agreement (gather, broadcast), results (gather), outcome (broadcast).
+        // Agreement (gather, broadcast), results (a gather per round of tiles: 16 tiles on 3
+        // ranks make 6), outcome (broadcast).
         assert_eq!(report.traffic.all_gather.calls, 0);
-        assert_eq!(report.traffic.gather.calls, 2);
+        assert_eq!(report.traffic.gather.calls, 1 + 6);
         assert_eq!(report.traffic.broadcast.calls, 2);
         if report.rank > 0 {
             assert!(report.traffic.gather.bytes_sent > 0);
@@ -523,9 +566,9 @@ struct FirstSplitDiffers {
 
 impl TileOperator for FirstSplitDiffers {
     type Payload = <SyntheticDecoder as TileOperator>::Payload;
-    type TileSpec = StitchSpec;
+    type TileSpec = StitchLayout;
 
-    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchLayout>, OperatorError> {
         let first = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
         let tile = if first { 10 } else { 8 };
         SyntheticDecoder { tile, stride: tile - 2, scale: 2, ..SyntheticDecoder::default() }.split(input)
@@ -535,7 +578,7 @@ impl TileOperator for FirstSplitDiffers {
         small_op().exec(input, task)
     }
 
-    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
         small_op().merge(tiles, grid)
     }
 
@@ -573,9 +616,9 @@ struct Dying {
 
 impl TileOperator for Dying {
     type Payload = <SyntheticDecoder as TileOperator>::Payload;
-    type TileSpec = StitchSpec;
+    type TileSpec = StitchLayout;
 
-    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchSpec>, OperatorError> {
+    fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, StitchLayout>, OperatorError> {
         self.inner.split(input)
     }
 
@@ -589,7 +632,7 @@ impl TileOperator for Dying {
         self.inner.exec(input, task)
     }
 
-    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchSpec, DType>) -> Result<Tensor, OperatorError> {
+    fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
         self.inner.merge(tiles, grid)
     }
 

@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use vae_planner::{GridSpec, ShardAxis, TileLayout2d, TileTask};
-use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
+use vae_runtime::stitch::{StitchLayout, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
     Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan,
 };
@@ -69,7 +69,7 @@ impl<'m> KlOperator<'m> {
 
 impl TileOperator for KlOperator<'_> {
     type Payload = [Range<usize>; 2];
-    type TileSpec = Option<StitchSpec>;
+    type TileSpec = Option<StitchLayout>;
 
     fn split(&self, input: &Tensor) -> Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         match self.task {
@@ -103,6 +103,10 @@ impl TileOperator for KlOperator<'_> {
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<Self::TileSpec, DType>) -> Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<Self::TileSpec, DType>) -> Option<&'g StitchLayout> {
+        grid.tile_spec.as_ref()
     }
 
     fn device(&self) -> Device {

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use vae_planner::{GridSpec, ShardAxis, TileTask};
-use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
+use vae_runtime::stitch::{StitchLayout, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
     Classified, OperatorError, ShardContext, ShardGeometry, ShardOperator, TileMap, TileOperator, TilePlan,
 };
@@ -31,7 +31,7 @@ impl<'m> HunyuanVideo15Operator<'m> {
         Self { model, direction, use_tiling }
     }
 
-    fn plan(&self, x: &Tensor) -> Result<TilePlan<[Range<usize>; 2], Option<StitchSpec>>> {
+    fn plan(&self, x: &Tensor) -> Result<TilePlan<[Range<usize>; 2], Option<StitchLayout>>> {
         let m = self.model;
         let decode = self.direction == Direction::Decode;
         if decode {
@@ -58,7 +58,7 @@ impl<'m> HunyuanVideo15Operator<'m> {
 
 impl TileOperator for HunyuanVideo15Operator<'_> {
     type Payload = [Range<usize>; 2];
-    type TileSpec = Option<StitchSpec>;
+    type TileSpec = Option<StitchLayout>;
 
     fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         Ok(self.plan(x).map_err(Classified::from)?)
@@ -80,6 +80,10 @@ impl TileOperator for HunyuanVideo15Operator<'_> {
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<Self::TileSpec, DType>) -> Option<&'g StitchLayout> {
+        grid.tile_spec.as_ref()
     }
 
     fn device(&self) -> Device {

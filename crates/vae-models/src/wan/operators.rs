@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use vae_planner::{GridSpec, ShardAxis, TileTask};
-use vae_runtime::stitch::{StitchSpec, merge_plan, tiled_plan, untiled_plan};
+use vae_runtime::stitch::{StitchLayout, merge_plan, tiled_plan, untiled_plan};
 use vae_runtime::{
     Classified, OperatorError, PipelineOperator, PipelineSteps, ShardContext, ShardGeometry, ShardOperator, StageState,
     StreamRuns, TileMap, TileOperator, TilePlan, TileStream,
@@ -38,7 +38,7 @@ impl<'m> WanDecodeOperator<'m> {
 
 impl TileOperator for WanDecodeOperator<'_> {
     type Payload = [Range<usize>; 2];
-    type TileSpec = Option<StitchSpec>;
+    type TileSpec = Option<StitchLayout>;
 
     fn split(&self, z: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         self.model.check_whole().map_err(Classified::from)?;
@@ -65,9 +65,21 @@ impl TileOperator for WanDecodeOperator<'_> {
         tiles: TileMap,
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
-        // diffusers' Qwen-Image tiled_decode does not clamp; Wan's and every plain decode do.
+        self.finish_stitched(merge_plan(tiles, grid)?, grid)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<Self::TileSpec, DType>) -> Option<&'g StitchLayout> {
+        grid.tile_spec.as_ref()
+    }
+
+    /// Unpatchify (Wan2.2) and clamp. diffusers' Qwen-Image tiled_decode does not clamp; Wan's
+    /// and every plain decode do.
+    fn finish_stitched(
+        &self,
+        merged: Tensor,
+        grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> std::result::Result<Tensor, OperatorError> {
         let clamp = grid.tile_spec.is_none() || self.model.class == VideoVaeClass::Wan;
-        let merged = merge_plan(tiles, grid)?;
         Ok(self.model.finish_decode(merged, clamp).map_err(Classified::from)?)
     }
 
@@ -117,7 +129,7 @@ impl<'m> WanEncodeOperator<'m> {
 
 impl TileOperator for WanEncodeOperator<'_> {
     type Payload = [Range<usize>; 2];
-    type TileSpec = Option<StitchSpec>;
+    type TileSpec = Option<StitchLayout>;
 
     fn split(&self, x: &Tensor) -> std::result::Result<TilePlan<Self::Payload, Self::TileSpec>, OperatorError> {
         self.model.check_whole().map_err(Classified::from)?;
@@ -153,6 +165,10 @@ impl TileOperator for WanEncodeOperator<'_> {
         grid: &GridSpec<Self::TileSpec, DType>,
     ) -> std::result::Result<Tensor, OperatorError> {
         Ok(merge_plan(tiles, grid)?)
+    }
+
+    fn stitch_layout<'g>(&self, grid: &'g GridSpec<Self::TileSpec, DType>) -> Option<&'g StitchLayout> {
+        grid.tile_spec.as_ref()
     }
 
     fn device(&self) -> Device {

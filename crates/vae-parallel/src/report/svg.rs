@@ -209,6 +209,7 @@ mod tests {
             traffic: vec![TrafficSummary { op: "gather".into(), calls: 1, bytes_sent: 2048, bytes_received: 0 }],
             peak_bytes: 3 << 20,
             exec_peak_bytes: 2 << 20,
+            start_bytes: 1 << 20,
             device_peak_bytes: 0,
             band: None,
             pipeline: None,

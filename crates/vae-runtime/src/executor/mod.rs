@@ -18,6 +18,7 @@ mod failure;
 mod pipelined;
 mod report;
 mod sharded;
+mod stitched;
 mod streamed;
 mod tile;
 mod verdict;
@@ -285,6 +286,7 @@ impl DistributedVaeExecutor {
         let (rank, world) = (comm.rank(), comm.size());
         let traffic_before = comm.stats();
         vae_tensor::memory::reset_peak();
+        let start_bytes = vae_tensor::memory::live_bytes();
         let mut timings = PhaseTimings::default();
 
         // 1. Plan, on every rank.
@@ -324,6 +326,7 @@ impl DistributedVaeExecutor {
             traffic: comm.stats().since(&traffic_before),
             peak_bytes: vae_tensor::memory::peak_bytes(),
             exec_peak_bytes,
+            start_bytes,
             device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
             strategy: work.strategy,
             reason: None,

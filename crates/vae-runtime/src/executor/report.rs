@@ -74,8 +74,13 @@ pub struct RankReport {
     /// allocation accounting of `vae_tensor::memory`; includes tensors alive before it).
     pub peak_bytes: usize,
     /// The same high-water mark at the end of the computation, before outputs are gathered
-    /// (the activation peak: it excludes the assembled output the owner holds afterwards).
+    /// (the activation peak: it excludes the assembled output the owner holds afterwards). Tiles
+    /// stitched as they arrive ([`TileOperator::stitch_layout`](crate::TileOperator::stitch_layout))
+    /// are merged during the computation: there the owner's includes its output.
     pub exec_peak_bytes: usize,
+    /// Tensor bytes alive on this rank when the request started (its input, and weights or
+    /// caches charged to it): `peak_bytes - start_bytes` is the most the request itself held.
+    pub start_bytes: usize,
     /// High-water mark of this rank's device (CUDA) tensor memory during the request, in bytes
     /// (0 when it computes on the CPU; includes weights and tensors alive before it).
     pub device_peak_bytes: usize,

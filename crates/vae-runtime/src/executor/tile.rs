@@ -12,12 +12,14 @@ use vae_transport::wire::{Reader, Writer};
 
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
+use super::stitched::{RoundTimes, compute_and_stitch};
 use super::{
     DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, guarded, inconsistent, read_tensor_header,
     verdict, write_tensor_header,
 };
 use crate::progress::{self, Progress};
 use crate::shard::StreamRuns;
+use crate::stitch::StitchLayout;
 use crate::{RuntimeError, Stage};
 
 /// What a split produces: the tasks, and how to merge their outputs.
@@ -49,6 +51,29 @@ pub trait TileOperator {
     /// The device the operator computes on (its model's), whatever the input's: in-process ranks
     /// that share a GPU each get a stream of their own there for the request.
     fn device(&self) -> Device;
+
+    /// The plan's merge as diffusers' 2-D stitch of a [`StitchLayout`] (then
+    /// [`finish_stitched`](Self::finish_stitched)), when it is one. The executor then
+    /// stitches every tile on the owner as soon as its turn comes and frees it, into an output
+    /// allocated once, instead of gathering every tile before one [`merge`](Self::merge): a
+    /// rank holds one tile output at a time, and the owner the output and a few tiles. An
+    /// operator that says `Some` promises that `merge(tiles, grid)` is
+    /// `finish_stitched(stitch(tiles, ..), grid)`, bit for bit. `None`, the default, keeps
+    /// the whole-map merge.
+    fn stitch_layout<'g>(&self, _grid: &'g GridSpec<Self::TileSpec, DType>) -> Option<&'g StitchLayout> {
+        None
+    }
+
+    /// What [`merge`](Self::merge) does to the stitched map when
+    /// [`stitch_layout`](Self::stitch_layout) says it is a stitch (a clamp, an unpatchify);
+    /// the default returns it as it is.
+    fn finish_stitched(
+        &self,
+        stitched: Tensor,
+        _grid: &GridSpec<Self::TileSpec, DType>,
+    ) -> Result<Tensor, OperatorError> {
+        Ok(stitched)
+    }
 
     /// For a streamed computation: how many runs of frames every tile makes for `input`, and
     /// the output frames they make in all (after `merge`). `None`, the default, for an
@@ -128,6 +153,13 @@ pub(super) struct TileStrategy<'o, O> {
     pub(super) op: &'o O,
 }
 
+/// What a rank holds after computing its tiles: the tiles, for the whole-map merge, or (tiles
+/// stitched as they came) the owner's outcome.
+pub(super) enum TileLocal {
+    Held(TileOutputs),
+    Stitched(Option<Result<Tensor, RuntimeError>>),
+}
+
 /// This rank's tiles: the outputs it computed, or the first tile that failed and why.
 pub(super) struct TileOutputs {
     pub(super) outputs: Vec<(usize, Tensor)>,
@@ -136,7 +168,7 @@ pub(super) struct TileOutputs {
 
 impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
     type Plan = TilePlan<O::Payload, O::TileSpec>;
-    type Local = TileOutputs;
+    type Local = TileLocal;
 
     fn plan(&self, _: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
         guarded(|| self.op.split(input)).and_then(|plan| {
@@ -155,19 +187,34 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
     }
 
     /// Assigns (identical on every rank, no communication) and executes this rank's tiles; a
-    /// failing tile stops the others and is told to every rank in [`Self::collect`].
+    /// failing tile stops the others and is told to every rank in [`Self::collect`]. A plan
+    /// that is a stitch is gathered and merged here too, round by round
+    /// ([`compute_and_stitch`]).
     fn compute(
         &self,
         exec: &DistributedVaeExecutor,
         input: &Tensor,
         plan: &Self::Plan,
         timings: &mut PhaseTimings,
-    ) -> Result<(TileOutputs, RankWork), RuntimeError> {
+    ) -> Result<(TileLocal, RankWork), RuntimeError> {
         let clock = std::time::Instant::now();
         let rank = exec.comm.rank();
         let workloads: Vec<u64> = plan.tasks.iter().map(|t| t.workload).collect();
         let assignment = lpt_assign(&workloads, exec.parallel_size)?;
         let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
+        let work = RankWork {
+            tile_count: plan.tasks.len(),
+            tiles: mine.to_vec(),
+            workload: assignment.loads.get(rank).copied().unwrap_or(0),
+            strategy: StrategyReport::Tile,
+        };
+        if let Some(layout) = self.op.stitch_layout(&plan.grid) {
+            let mut times = RoundTimes::default();
+            let outcome = compute_and_stitch(self.op, exec, input, plan, layout, &assignment, &mut times)?;
+            (timings.exec, timings.gather, timings.merge) = (times.exec, times.gather, times.merge);
+            tracing::debug!(rank, tiles = ?mine, elapsed = ?clock.elapsed(), "executed and stitched tiles");
+            return Ok((TileLocal::Stitched(outcome), work));
+        }
         let mut local = TileOutputs { outputs: Vec::with_capacity(mine.len()), error: None };
         progress::report(Progress::Tiles { done: 0, total: mine.len() });
         for &tile_id in mine {
@@ -196,13 +243,7 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         }
         timings.exec = clock.elapsed();
         tracing::debug!(rank, tiles = ?mine, elapsed = ?timings.exec, "executed tiles");
-        let work = RankWork {
-            tile_count: plan.tasks.len(),
-            tiles: mine.to_vec(),
-            workload: assignment.loads.get(rank).copied().unwrap_or(0),
-            strategy: StrategyReport::Tile,
-        };
-        Ok((local, work))
+        Ok((TileLocal::Held(local), work))
     }
 
     /// Sends the owner what this rank produced (or why it failed) and its tiles' bytes, in one
@@ -213,10 +254,13 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         exec: &DistributedVaeExecutor,
         input: &Tensor,
         plan: &Self::Plan,
-        local: TileOutputs,
+        local: TileLocal,
         timings: &mut PhaseTimings,
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
-        gather_and_merge(self.op, exec, input, plan, local, timings)
+        match local {
+            TileLocal::Held(local) => gather_and_merge(self.op, exec, input, plan, local, timings),
+            TileLocal::Stitched(outcome) => Ok(outcome),
+        }
     }
 }
 
@@ -233,24 +277,7 @@ pub(super) fn gather_and_merge<O: TileOperator>(
 ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
     let comm = exec.comm.as_ref();
     let clock = std::time::Instant::now();
-    let mut message = Writer::new();
-    match &local.error {
-        Some((tile_id, failure)) => {
-            verdict::write_kind(message.u8(1).usize(*tile_id), failure.kind).str(&failure.message);
-        }
-        None => {
-            message.u8(0).usize(local.outputs.len());
-            for (tile_id, out) in &local.outputs {
-                write_tensor_header(message.usize(*tile_id), out.dtype(), out.dims());
-            }
-            // The owner keeps its own tiles as they are; the others send their bytes.
-            if comm.rank() != OWNER {
-                for (_, out) in &local.outputs {
-                    message.bytes(out.as_bytes()?);
-                }
-            }
-        }
-    }
+    let message = summary_message(&local, comm.rank())?;
     let mut outputs = local.outputs;
     if comm.rank() != OWNER {
         outputs.clear();
@@ -271,6 +298,29 @@ pub(super) fn gather_and_merge<O: TileOperator>(
     });
     timings.merge = clock.elapsed();
     Ok(merged)
+}
+
+/// What `rank` tells the owner about its tiles: the first that failed and why, or their ids,
+/// types and shapes, followed by their bytes (but for the owner, which keeps its own tiles).
+pub(super) fn summary_message(local: &TileOutputs, rank: usize) -> Result<Writer, RuntimeError> {
+    let mut message = Writer::new();
+    match &local.error {
+        Some((tile_id, failure)) => {
+            verdict::write_kind(message.u8(1).usize(*tile_id), failure.kind).str(&failure.message);
+        }
+        None => {
+            message.u8(0).usize(local.outputs.len());
+            for (tile_id, out) in &local.outputs {
+                write_tensor_header(message.usize(*tile_id), out.dtype(), out.dims());
+            }
+            if rank != OWNER {
+                for (_, out) in &local.outputs {
+                    message.bytes(out.as_bytes()?);
+                }
+            }
+        }
+    }
+    Ok(message)
 }
 
 /// Every rank's tile summary (the owner's included) and the tile bytes that follow it, in rank
@@ -297,13 +347,13 @@ fn read_summaries<'a>(parts: impl Iterator<Item = &'a [u8]>) -> Result<(Vec<Prod
 }
 
 /// The tiles a rank produced: their ids, dtypes and shapes.
-type Produced = Vec<(usize, DType, Shape)>;
+pub(super) type Produced = Vec<(usize, DType, Shape)>;
 
 /// A rank's tile summary: the tiles it produced, or the exec error it hit.
-type Summary = Result<Produced, (usize, Failure)>;
+pub(super) type Summary = Result<Produced, (usize, Failure)>;
 
 /// Reads a rank's summary; returns it with the bytes after it (its tiles' bytes).
-fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8]), RuntimeError> {
+pub(super) fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8]), RuntimeError> {
     let mut rd = Reader::new(bytes, "tile summary");
     if rd.u8()? == 1 {
         let tile_id = rd.usize()?;
@@ -406,7 +456,7 @@ fn assemble<P, S>(
     Ok(map)
 }
 
-fn cast_output(out: Tensor, dtype: Option<DType>) -> Result<Tensor, String> {
+pub(super) fn cast_output(out: Tensor, dtype: Option<DType>) -> Result<Tensor, String> {
     match dtype {
         Some(d) if d != out.dtype() => {
             Err(format!("merged output is {}, the plan asks for {d}; casting is not supported yet", out.dtype()))
