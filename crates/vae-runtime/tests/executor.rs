@@ -453,6 +453,37 @@ fn a_rank_that_dies_mid_request_fails_the_others_naming_it() {
     }
 }
 
+/// Tiles stitched as they arrive: a rank other than the owner holds one tile output at a time,
+/// so the most it holds does not grow with the image (16 tiles or 169), and the owner holds the
+/// output plus a working set of a few tiles and one row of blend edges. The whole-map merge,
+/// which keeps every tile until one gather, is the contrast that shows the accounting sees them.
+#[test]
+fn stitched_tiles_keep_a_non_owner_ranks_memory_flat_in_the_image_size() {
+    let op = small_op();
+    let held = |x: &Tensor, stitched: bool| -> Vec<(usize, usize)> {
+        let failing = Failing { stitched, ..Failing::new(op.clone()) };
+        run(2, 2, &failing, x, OutputPlacement::OwnerOnly)
+            .into_iter()
+            .map(|r| r.unwrap().report)
+            .map(|r| (r.peak_bytes - r.start_bytes, r.tiles.len()))
+            .collect()
+    };
+    let (small, large) = (input(&[1, 1, 20, 20], 4), input(&[1, 1, 80, 80], 4));
+    let (s, l) = (held(&small, true), held(&large, true));
+    assert!(l[1].1 > 4 * s[1].1, "the large image has many more tiles: {s:?} {l:?}");
+    assert_eq!(s[1].0, l[1].0, "a non-owner rank's peak is one tile's work, whatever the image");
+    let tile_bytes = (op.tile * op.scale).pow(2) * 4;
+    let output_bytes = (80 * op.scale).pow(2) * 4;
+    let edge_row_bytes = 80 * op.scale * (op.tile - op.stride) * op.scale * 4;
+    assert!(
+        l[0].0 <= output_bytes + 8 * tile_bytes + edge_row_bytes,
+        "owner holds {} bytes: output {output_bytes}, tile {tile_bytes}, edge row {edge_row_bytes}",
+        l[0].0
+    );
+    let (s, l) = (held(&small, false), held(&large, false));
+    assert!(l[1].0 > 4 * s[1].0, "the whole-map merge holds every tile until the gather: {s:?} {l:?}");
+}
+
 #[test]
 fn the_report_accounts_for_the_request() {
     let op = small_op();
