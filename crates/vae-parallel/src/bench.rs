@@ -239,7 +239,7 @@ fn transport(args: &TransportArgs) -> anyhow::Result<ExitCode> {
             (backend, world, r)
         }
         GroupOutcome::Supervised(exit) => {
-            anyhow::ensure!(exit.success(), "rank process(es) {:?} failed", exit.failed_ranks());
+            anyhow::ensure!(exit.success(), "the rank processes failed: {}", exit.describe_failures());
             return Ok(ExitCode::SUCCESS);
         }
     };

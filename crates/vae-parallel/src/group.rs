@@ -123,6 +123,28 @@ impl GroupExit {
     pub fn failed_ranks(&self) -> Vec<usize> {
         self.statuses.iter().enumerate().filter(|(_, s)| !s.is_some_and(|s| s.success())).map(|(r, _)| r).collect()
     }
+
+    /// How each failed rank ended, the ranks that failed by themselves first (those the
+    /// supervisor stopped only waited on them): "rank 1 was killed by signal 9; rank 0 did not
+    /// exit within the grace period and was stopped".
+    pub fn describe_failures(&self) -> String {
+        use std::os::unix::process::ExitStatusExt;
+        let mut own = Vec::new();
+        let mut stopped = Vec::new();
+        for (rank, status) in self.statuses.iter().enumerate() {
+            match status {
+                Some(s) if s.success() => {}
+                Some(s) => own.push(match (s.code(), s.signal()) {
+                    (Some(code), _) => format!("rank {rank} exited with code {code}"),
+                    (None, Some(signal)) => format!("rank {rank} was killed by signal {signal}"),
+                    (None, None) => format!("rank {rank} failed"),
+                }),
+                None => stopped.push(format!("rank {rank} did not exit within the grace period and was stopped")),
+            }
+        }
+        own.extend(stopped);
+        own.join("; ")
+    }
 }
 
 /// Starts `ranks` copies of the current executable with `args`, each told its rank and a fresh
@@ -238,5 +260,34 @@ fn supervise(mut children: Vec<Child>, grace: Duration) -> (Vec<Option<ExitStatu
             return (statuses, forwarded);
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
+    use super::GroupExit;
+
+    /// A rank killed by a signal is named before the ranks the supervisor had to stop after
+    /// it, so the line says which rank was lost even when the owner could not report it.
+    #[test]
+    fn a_failure_names_the_rank_that_died_before_those_stopped_after_it() {
+        let exit = GroupExit {
+            statuses: vec![
+                None,
+                Some(ExitStatus::from_raw(9)),
+                Some(ExitStatus::from_raw(0)),
+                Some(ExitStatus::from_raw(3 << 8)),
+            ],
+            interrupted: false,
+        };
+        assert_eq!(exit.failed_ranks(), vec![0, 1, 3]);
+        assert_eq!(
+            exit.describe_failures(),
+            "rank 1 was killed by signal 9; rank 3 exited with code 3; \
+             rank 0 did not exit within the grace period and was stopped"
+        );
     }
 }

@@ -50,7 +50,7 @@ pub fn supervised_failure(exit: &vae_parallel::group::GroupExit) -> anyhow::Erro
     } else if exit.owner_reported() {
         AlreadyReported.into()
     } else {
-        anyhow::anyhow!("rank process(es) {:?} failed", exit.failed_ranks())
+        anyhow::anyhow!("the rank processes failed: {}", exit.describe_failures())
     }
 }
 
