@@ -188,6 +188,25 @@ pub fn shard_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     (tensor, outs.into_iter().map(|o| o.report).collect())
 }
 
+/// [`shard_on_local_ranks`] over a 2-D `grid` of blocks ([`vae_runtime::DistributedVaeExecutor::execute_sharded_blocks`]).
+pub fn blocks_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
+    op: &O,
+    input: &vae_tensor::Tensor,
+    grid: [usize; 2],
+    world: usize,
+) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
+    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
+    let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
+        exec.execute_sharded_blocks(input, op, grid, OutputPlacement::OwnerOnly).unwrap()
+    })
+    .unwrap();
+    let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    let tensor = outs[0].tensor.take().expect("rank 0 owns the output");
+    assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
+    (tensor, outs.into_iter().map(|o| o.report).collect())
+}
+
 /// A frame sink that keeps nothing.
 pub struct DiscardFrames;
 

@@ -216,7 +216,7 @@ fn the_policy_shards_where_every_rank_gets_a_latent_row() {
 }
 
 #[test]
-fn the_registry_loads_the_class_with_every_mode_but_the_pipeline() {
+fn the_registry_loads_the_class_with_every_mode_but_the_pipeline_and_the_2d_shard() {
     let mut vae = family::load(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap();
     assert_eq!(vae.class_name(), "AutoencoderKLHunyuanVideo15");
     for mode in ParallelMode::ALL {
@@ -224,6 +224,9 @@ fn the_registry_loads_the_class_with_every_mode_but_the_pipeline() {
         if mode == ParallelMode::Pipeline {
             let err = verdict.unwrap_err();
             assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("every frame"));
+        } else if mode == ParallelMode::SpatialShard2d {
+            let err = verdict.unwrap_err();
+            assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("one axis only"));
         } else {
             assert!(verdict.is_ok(), "{mode}");
         }

@@ -277,7 +277,7 @@ fn the_policy_shards_where_every_rank_gets_a_band() {
 }
 
 #[test]
-fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline() {
+fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline_and_the_2d_shard() {
     for (m, class) in MODELS {
         let mut vae = family::load(&dir().join(m), Device::Cpu, DType::F32).unwrap();
         assert_eq!(vae.class_name(), class.name());
@@ -288,6 +288,10 @@ fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline() {
                 let text = err.to_string();
                 assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{text}");
                 assert!(text.contains("cannot decode as a pipeline over frames"), "{text}");
+            } else if mode == ParallelMode::SpatialShard2d {
+                let err = verdict.unwrap_err();
+                assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{err}");
+                assert!(err.to_string().contains("one axis only"), "{err}");
             } else {
                 assert!(verdict.is_ok(), "{mode}");
             }

@@ -9,7 +9,7 @@ use vae_parallel::engine::{Engine, RequestOptions};
 use vae_parallel::io::read_npy;
 use vae_parallel::models::TileOverrides;
 use vae_parallel::stream_out::StreamedOutput;
-use vae_runtime::{CollectFrames, FrameSink, ParallelMode, SinkError};
+use vae_runtime::{CollectFrames, FrameSink, SinkError};
 use vae_tensor::{Tensor, memory};
 
 fn engine(family: &str, model: &str) -> Engine {
@@ -26,7 +26,7 @@ fn on_one_rank<R: Send>(f: impl Fn(&vae_runtime::DistributedVaeExecutor) -> R + 
 }
 
 fn direct() -> RequestOptions {
-    RequestOptions { mode: ParallelMode::Tile, use_tiling: false, latents_normalized: false, placement: None }
+    RequestOptions { use_tiling: false, ..RequestOptions::default() }
 }
 
 /// Counts the frames and keeps none of them.

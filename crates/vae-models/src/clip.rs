@@ -93,8 +93,9 @@ pub(crate) fn padded_for_conv(
     let mut pad = [time.0, time.1, p, p, p, p];
     let Some(ctx) = band.as_deref_mut() else { return pad_clip(x, pad, spatial) };
     let dim = match ctx.axis() {
-        ShardAxis::Height => 3,
-        ShardAxis::Width => 4,
+        Some(ShardAxis::Height) => 3,
+        Some(ShardAxis::Width) => 4,
+        None => return Err(crate::ModelError::Unsupported("a clip convolution on a block of a 2-D grid".into())),
     };
     let with_rows = ctx.with_halo(x, p)?;
     // with_halo leaves zero rows at a global edge: right for zero padding; any other rule drops

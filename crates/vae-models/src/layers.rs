@@ -2,7 +2,6 @@
 //! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), and the RMS
 //! norm of the video VAEs (Wan, Qwen-Image, HunyuanVideo-1.5), loaded by their state-dict names.
 
-use vae_planner::ShardAxis;
 use vae_runtime::ShardContext;
 use vae_tensor::{Conv2dParams, Tensor};
 
@@ -149,9 +148,16 @@ impl Conv2d {
                 self.params
             )));
         }
-        let (halo, padding) = match ctx.axis() {
-            ShardAxis::Height => (top, [0, 0, left, right]),
-            ShardAxis::Width => (left, [top, bottom, 0, 0]),
+        let (halo, padding) = match ctx.halo_axes() {
+            [true, false] => (top, [0, 0, left, right]),
+            [false, true] => (left, [top, bottom, 0, 0]),
+            _ if top == left => (top, [0; 4]),
+            _ => {
+                return Err(crate::ModelError::Unsupported(format!(
+                    "a convolution on a block of a 2-D grid needs the same padding along both axes, not {:?}",
+                    self.params
+                )));
+            }
         };
         Ok((ctx.with_halo(x, halo)?, Conv2dParams { padding, ..self.params }))
     }
@@ -295,24 +301,29 @@ impl Downsample2d {
 }
 
 /// A diffusers downsampling convolution (pad right and bottom by one, 3×3, stride 2) on a map or
-/// a band of one whose edges lie on the stride grid (even start and length): output row `i`
-/// reads input rows `2i..2i + 3`, so a band takes one row of the next band (a zero row past the
-/// map's bottom, diffusers' padding) and none of the previous.
+/// a band (or block) of one whose edges lie on the stride grid (even start and length): output
+/// row `i` reads input rows `2i..2i + 3`, so a band takes one row of the next band (a zero row
+/// past the map's bottom, diffusers' padding) and none of the previous; a block the same along
+/// both axes.
 pub(crate) fn downsample_on(conv: &Conv2d, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
     let Some(ctx) = band.as_deref_mut() else { return conv.forward(x) };
-    let (dim, padding) = match ctx.axis() {
-        ShardAxis::Height => (2, [0, 0, 0, 1]),
-        ShardAxis::Width => (3, [0, 1, 0, 0]),
-    };
-    let len = x.dims()[dim];
-    if !len.is_multiple_of(2) {
-        return Err(crate::ModelError::InvalidInput(format!(
-            "a band of {len} rows is not on the stride grid of a downsampling convolution"
-        )));
+    let [split_h, split_w] = ctx.halo_axes();
+    // The unsplit axis keeps diffusers' padding: one zero row (or column) at its far end.
+    let padding = [0, usize::from(!split_h), 0, usize::from(!split_w)];
+    let split: Vec<usize> = [(2, split_h), (3, split_w)].into_iter().filter(|(_, s)| *s).map(|(d, _)| d).collect();
+    for &dim in &split {
+        let len = x.dims()[dim];
+        if !len.is_multiple_of(2) {
+            return Err(crate::ModelError::InvalidInput(format!(
+                "a band of {len} rows is not on the stride grid of a downsampling convolution"
+            )));
+        }
     }
-    let halo = ctx.with_halo(x, 1)?;
-    let below = halo.narrow(dim, 1, len + 1)?;
-    drop(halo);
+    let mut below = ctx.with_halo(x, 1)?;
+    for &dim in &split {
+        let len = x.dims()[dim];
+        below = below.narrow(dim, 1, len + 1)?;
+    }
     conv.forward_with(&below, &Conv2dParams { padding, ..*conv.params() })
 }
 

@@ -40,6 +40,8 @@ struct Vae {
     engine: Engine,
     group: Group,
     mode: ParallelMode,
+    /// `shard_grid`: the grid of blocks of `spatial_shard_2d`.
+    shard_grid: Option<[usize; 2]>,
     /// The report of the last request that succeeded (rank 0's view of every rank).
     last_report: Mutex<Option<RequestReport>>,
 }
@@ -56,7 +58,9 @@ struct Vae {
 ///   request with the same input, and the results go to rank 0 (`None` elsewhere). `ranks`, if
 ///   given, must equal the world size.
 /// - `mode`: the CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`,
-///   `spatial_shard_width`, `pipeline`).
+///   `spatial_shard_width`, `spatial_shard_2d`, `pipeline`); `shard_grid`: `(rows, columns)` of
+///   the blocks of `spatial_shard_2d` (default: the factorisation of the ranks whose blocks are
+///   closest to square).
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
 ///   `tile_sample_stride_width` (video VAEs), `tile_latent_min_height`, `tile_latent_min_width`
@@ -66,7 +70,7 @@ struct Vae {
 #[pyfunction]
 #[pyo3(signature = (
     model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
-    tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
+    shard_grid = None, tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
     tile_latent_min_height = None, tile_latent_min_width = None, tile_sample_min_num_frames = None,
     tile_sample_stride_num_frames = None, decode_timestep = None,
@@ -80,6 +84,7 @@ fn load(
     ranks: Option<usize>,
     transport: &str,
     mode: &str,
+    shard_grid: Option<(usize, usize)>,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
     tile_sample_min_height: Option<usize>,
@@ -101,6 +106,13 @@ fn load(
     };
     let dtype: DType = dtype.parse().map_err(config_error)?;
     let mode: ParallelMode = mode.parse().map_err(config_error)?;
+    let shard_grid = match shard_grid {
+        None => None,
+        Some((r, c)) if r > 0 && c > 0 => Some([r, c]),
+        Some((r, c)) => {
+            return Err(ConfigError::new_err(format!("shard_grid must be at least (1, 1), not ({r}, {c})")));
+        }
+    };
     let tiling = TileOverrides {
         sample_min_size: tile_sample_min_size,
         overlap_factor: tile_overlap_factor,
@@ -137,7 +149,7 @@ fn load(
         Ok(engine)
     });
     let engine = engine.map_err(|e| engine_error(&e))?;
-    Ok(Vae { engine, group, mode, last_report: Mutex::new(None) })
+    Ok(Vae { engine, group, mode, shard_grid, last_report: Mutex::new(None) })
 }
 
 /// A request's input on the host, and where its output goes back to: a torch tensor's device,
@@ -197,7 +209,9 @@ impl Vae {
             Some(name) => name.parse().map_err(config_error)?,
             None => self.mode,
         };
-        Ok(RequestOptions { mode, use_tiling, latents_normalized, placement: None })
+        // The grid goes with the 2-D mode only: a request in another mode ignores it.
+        let shard_grid = self.shard_grid.filter(|_| mode == ParallelMode::SpatialShard2d);
+        Ok(RequestOptions { mode, use_tiling, latents_normalized, placement: None, shard_grid })
     }
 
     /// Runs a request on the group: this process's output (`None` on a socket rank the output

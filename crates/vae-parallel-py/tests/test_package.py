@@ -199,6 +199,24 @@ def test_inspect_and_report():
     assert "AutoencoderKL" in repr(vae)
 
 
+def test_a_two_dimensional_shard_is_the_direct_decode():
+    model = FIXTURES / "autoencoder_kl/sd_like"
+    z = np.load(FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy")
+    direct = vp.load(model).decode(z)
+    vae = vp.load(model, ranks=4, mode="spatial_shard_2d", shard_grid=(2, 2))
+    assert "spatial_shard_2d" in vae.inspect()["modes"]
+    blocks = vae.decode(z)
+    report = vae.last_report()
+    assert report["strategy"] == "shard-2x2", report
+    assert [r["block"] is not None for r in report["ranks"]] == [True] * 4
+    assert same_bits(blocks, direct)
+    # The grid goes with the 2-D mode only; another mode in a request ignores it.
+    vae.decode(z, mode="tile")
+    assert vae.last_report()["strategy"] == "tile"
+    with pytest.raises(vp.ConfigError):
+        vp.load(model, ranks=4, mode="spatial_shard_2d", shard_grid=(0, 2))
+
+
 def test_a_pipelined_decode_is_the_direct_decode():
     model = FIXTURES / "wan/wan21_like"
     z = np.load(FIXTURES / "wan/wan21_like.decode_t3.in.npy")

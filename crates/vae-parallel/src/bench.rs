@@ -62,7 +62,8 @@ pub struct ShardBenchArgs {
     /// Ranks of the shard and tile runs.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
-    /// Shard mode: `auto`, `spatial_shard_height` or `spatial_shard_width`.
+    /// Shard mode: `auto`, `spatial_shard_height`, `spatial_shard_width` or `spatial_shard_2d`
+    /// (the grid of blocks closest to square).
     #[arg(long, default_value = "auto")]
     mode: String,
     /// Compute threads of each rank (its own pool).
@@ -659,7 +660,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
             let sent: u64 = run.reports.iter().map(|r| r.traffic.bytes_sent()).sum();
             let (halo_sent, halo_reused, map_sent, halo_ms) =
                 run.reports.iter().fold((0, 0, 0, 0.0), |acc, r| match &r.strategy {
-                    StrategyReport::Shard { traffic, .. } => (
+                    StrategyReport::Shard { traffic, .. } | StrategyReport::Blocks { traffic, .. } => (
                         acc.0 + traffic.halo_bytes_sent,
                         acc.1 + traffic.halo_bytes_reused,
                         acc.2 + traffic.map_bytes_sent,

@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::{Direction, Execution, LoadedVae, ModelError, TileOverrides};
-use vae_runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, StrategyChoice};
+use vae_runtime::{
+    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
+};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -53,11 +55,21 @@ pub struct RequestOptions {
     pub latents_normalized: bool,
     /// Who receives the output; `None` = the family's contract.
     pub placement: Option<OutputPlacement>,
+    /// `--shard-grid`: the `[R, C]` grid of blocks of `spatial_shard_2d`; `None`: the
+    /// factorisation of the parallel size whose blocks are closest to square. A grid that
+    /// does not fit the input or the ranks is an error (the default grid falls back to tiles).
+    pub shard_grid: Option<[usize; 2]>,
 }
 
 impl Default for RequestOptions {
     fn default() -> Self {
-        Self { mode: ParallelMode::Tile, use_tiling: false, latents_normalized: false, placement: None }
+        Self {
+            mode: ParallelMode::Tile,
+            use_tiling: false,
+            latents_normalized: false,
+            placement: None,
+            shard_grid: None,
+        }
     }
 }
 
@@ -241,7 +253,7 @@ impl Engine {
             return Ok(None);
         }
         let choice = self.model.strategy(Direction::Decode, options.mode, z.dims(), executor.parallel_size());
-        let choice = announce(executor, choice);
+        let choice = announce(executor, Self::with_grid(choice, options)?);
         let run = Execution {
             executor,
             direction: Direction::Decode,
@@ -263,7 +275,7 @@ impl Engine {
         options: &RequestOptions,
     ) -> Result<ExecOutput, EngineError> {
         let choice = self.model.strategy(direction, options.mode, input.dims(), executor.parallel_size());
-        let choice = announce(executor, choice);
+        let choice = announce(executor, Self::with_grid(choice, options)?);
         let out = self.model.execute(Execution {
             executor,
             direction,
@@ -273,6 +285,35 @@ impl Engine {
             placement: self.placement(direction, options),
         })?;
         Ok(with_reason(out, choice))
+    }
+
+    /// The family's choice with the grid the request names: a 2-D shard on `options.shard_grid`
+    /// (the family chose its default grid, or fell back to tiles: a named grid is then an error,
+    /// as it is with any other mode, since the grid would silently not apply).
+    fn with_grid(mut choice: StrategyChoice, options: &RequestOptions) -> Result<StrategyChoice, EngineError> {
+        let Some(grid) = options.shard_grid else { return Ok(choice) };
+        match choice.strategy {
+            Strategy::Shard2d(_) => {
+                choice.strategy = Strategy::Shard2d(grid);
+                choice.reason = format!(
+                    "{} requested: {} × {} blocks (--shard-grid)",
+                    ParallelMode::SpatialShard2d,
+                    grid[0],
+                    grid[1]
+                );
+                Ok(choice)
+            }
+            _ if options.mode != ParallelMode::SpatialShard2d => Err(ModelError::InvalidInput(format!(
+                "--shard-grid applies to --vae-parallel-mode spatial_shard_2d, not {}",
+                options.mode
+            ))
+            .into()),
+            _ => Err(ModelError::InvalidInput(format!(
+                "{} with a {} × {} grid: {}",
+                options.mode, grid[0], grid[1], choice.reason
+            ))
+            .into()),
+        }
     }
 
     /// Encodes an image in [-1, 1] over the executor's ranks; every rank calls it.

@@ -30,10 +30,15 @@ pub struct ParallelArgs {
     /// of ranks started, unless --ranks says otherwise.
     #[arg(long)]
     vae_patch_parallel_size: Option<usize>,
-    /// `tile` (default), `auto`, `spatial_shard_height`, `spatial_shard_width` or `pipeline`
-    /// (video decode: the decoder's layers in stages over the ranks, frame by frame).
+    /// `tile` (default), `auto`, `spatial_shard_height`, `spatial_shard_width`,
+    /// `spatial_shard_2d` (AutoencoderKL and FLUX.2: a grid of blocks, halos along both axes) or
+    /// `pipeline` (video decode: the decoder's layers in stages over the ranks, frame by frame).
     #[arg(long)]
     vae_parallel_mode: Option<String>,
+    /// `spatial_shard_2d`: the grid of blocks, `RxC` (R rows of blocks by C columns; R·C ranks;
+    /// default: the factorisation of the parallel size whose blocks are closest to square).
+    #[arg(long)]
+    shard_grid: Option<String>,
     /// Tile large inputs as diffusers' `enable_tiling()` does (forced on by a parallel size > 1).
     #[arg(long)]
     vae_use_tiling: bool,
@@ -115,6 +120,7 @@ pub struct ParallelArgs {
 struct FileConfig {
     vae_patch_parallel_size: Option<usize>,
     vae_parallel_mode: Option<String>,
+    shard_grid: Option<String>,
     vae_use_tiling: Option<bool>,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
@@ -170,6 +176,12 @@ impl ParallelArgs {
         }
         let mode: ParallelMode =
             self.vae_parallel_mode.clone().or(file.vae_parallel_mode).unwrap_or_else(|| "tile".into()).parse()?;
+        let shard_grid = match self.shard_grid.clone().or(file.shard_grid) {
+            None => None,
+            Some(text) => {
+                Some(vae_parallel::planner::parse_grid(&text).map_err(|e| anyhow::anyhow!("--shard-grid: {e}"))?)
+            }
+        };
         let placement = match self.placement.clone().or(file.placement).as_deref() {
             None => None,
             Some("owner") => Some(OutputPlacement::OwnerOnly),
@@ -211,6 +223,7 @@ impl ParallelArgs {
                 use_tiling: self.vae_use_tiling || file.vae_use_tiling.unwrap_or(false),
                 latents_normalized: self.latents_normalized || file.latents_normalized.unwrap_or(false),
                 placement,
+                shard_grid,
             },
             tiling: TileOverrides {
                 sample_min_size: self.tile_sample_min_size.or(file.tile_sample_min_size),

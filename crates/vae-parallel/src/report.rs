@@ -53,6 +53,10 @@ pub struct RankSummary {
     /// Shard mode: this rank's latent rows (or columns) `[start, end)`; absent on idle ranks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub band: Option<[usize; 2]>,
+    /// 2-D shard: this rank's latent rows and columns `[[start, end], [start, end]]`; absent on
+    /// idle ranks and in other modes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<[[usize; 2]; 2]>,
     /// Shard mode: halo rows sent, bytes.
     #[serde(default)]
     pub halo_bytes_sent: u64,
@@ -171,6 +175,12 @@ impl From<&RankReport> for RankSummary {
                 StrategyReport::Shard { band: Some(b), .. } => Some([b.start, b.end]),
                 _ => None,
             },
+            block: match &r.strategy {
+                StrategyReport::Blocks { block: Some([rows, cols]), .. } => {
+                    Some([[rows.start, rows.end], [cols.start, cols.end]])
+                }
+                _ => None,
+            },
             halo_bytes_sent: shard_traffic(r).map_or(0, |t| t.halo_bytes_sent),
             halo_exchanges: shard_traffic(r).map_or(0, |t| t.halo_exchanges),
             map_bytes_sent: shard_traffic(r).map_or(0, |t| t.map_bytes_sent),
@@ -197,7 +207,7 @@ impl From<&RankReport> for RankSummary {
 
 fn shard_traffic(r: &RankReport) -> Option<vae_runtime::ShardTraffic> {
     match &r.strategy {
-        StrategyReport::Shard { traffic, .. } => Some(*traffic),
+        StrategyReport::Shard { traffic, .. } | StrategyReport::Blocks { traffic, .. } => Some(*traffic),
         StrategyReport::Tile | StrategyReport::Pipeline(_) => None,
     }
 }
@@ -207,7 +217,7 @@ fn shard_traffic(r: &RankReport) -> Option<vae_runtime::ShardTraffic> {
 pub struct RequestReport {
     /// The mode the request asked for (`tile`, `auto`, `spatial_shard_height`, ...).
     pub mode: String,
-    /// What ran: `tile`, `shard-height`, `shard-width` or `pipeline`.
+    /// What ran: `tile`, `shard-height`, `shard-width`, `shard-RxC` (blocks) or `pipeline`.
     pub strategy: String,
     /// Why (the model family's choice or fallback).
     pub reason: String,
@@ -246,6 +256,9 @@ impl RequestReport {
     fn work_of(&self, rank: &RankSummary) -> String {
         if let Some(StageSummary { stage: Some(_), steps: [a, b], .. }) = &rank.pipeline {
             return format!("steps {a}..{b}");
+        }
+        if let Some([[r0, r1], [c0, c1]]) = rank.block {
+            return format!("{r0}..{r1} × {c0}..{c1}");
         }
         match (rank.band, self.strategy.as_str()) {
             (Some([a, b]), "shard-width") => format!("cols {a}..{b}"),

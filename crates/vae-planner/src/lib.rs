@@ -11,7 +11,8 @@
 //! * who runs which tile ([`balance`]), decided identically everywhere
 //!   without communication;
 //! * the executor's task/grid description ([`grid`]);
-//! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]);
+//! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]),
+//!   or its block of a 2-D grid ([`blocks`]);
 //! * for a pipeline over frames, the layers each rank runs ([`stages`]).
 //!
 //! This crate is deliberately pure: no tensors, no I/O, no threads. It is
@@ -36,6 +37,7 @@
 pub mod balance;
 pub mod bands;
 pub mod blend;
+pub mod blocks;
 pub mod error;
 pub mod grid;
 pub mod stages;
@@ -44,6 +46,7 @@ pub mod tiling;
 pub use balance::{Assignment, lpt_assign};
 pub use bands::{BandPartition, ShardAxis, halo_width};
 pub use blend::{BlendRamp, blend_value};
+pub use blocks::{BlockGrid, parse_grid, square_grid};
 pub use error::PlanError;
 pub use grid::{GridCoord, GridSpec, TileTask, grid_shape_from_last, workloads};
 pub use stages::StagePartition;

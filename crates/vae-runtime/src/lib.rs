@@ -4,7 +4,8 @@
 //! ranks of a [`vae_transport::Communicator`]: every rank splits, assigns tiles with LPT,
 //! executes its own, and the owner merges what it gathered. [`DistributedVaeExecutor::execute_sharded`]
 //! runs a model's [`ShardOperator`] instead: the input cut into bands, one per rank, with halo
-//! exchanges between neighbours ([`shard`]); [`DistributedVaeExecutor::execute_pipeline`]
+//! exchanges between neighbours ([`shard`]), or over a 2-D grid of blocks
+//! ([`DistributedVaeExecutor::execute_sharded_blocks`]); [`DistributedVaeExecutor::execute_pipeline`]
 //! runs a [`PipelineOperator`]'s layers as stages, one per rank, over runs of frames
 //! ([`pipeline`]). [`stitch`] is the diffusers-style
 //! blend-and-crop merge that the tiled VAEs share; [`progress`] carries how far a request has

@@ -16,6 +16,9 @@ pub enum ParallelMode {
     SpatialShardHeight,
     /// Spatial shard along the width, with halo exchange.
     SpatialShardWidth,
+    /// Spatial shard over a 2-D grid of blocks, with halo exchange along both axes (corners
+    /// included; not in the specification, which lets families add spatial strategies).
+    SpatialShard2d,
     /// A video decoder's layers cut into stages, one per rank, each latent frame passed from
     /// stage to stage (video decode only; not in the specification, which lets families add
     /// strategies).
@@ -24,8 +27,14 @@ pub enum ParallelMode {
 
 impl ParallelMode {
     /// Every mode, in the order the CLI lists them.
-    pub const ALL: [ParallelMode; 5] =
-        [Self::Tile, Self::Auto, Self::SpatialShardHeight, Self::SpatialShardWidth, Self::Pipeline];
+    pub const ALL: [ParallelMode; 6] = [
+        Self::Tile,
+        Self::Auto,
+        Self::SpatialShardHeight,
+        Self::SpatialShardWidth,
+        Self::SpatialShard2d,
+        Self::Pipeline,
+    ];
 
     /// The name used in flags and configs.
     pub fn as_str(self) -> &'static str {
@@ -34,6 +43,7 @@ impl ParallelMode {
             Self::Auto => "auto",
             Self::SpatialShardHeight => "spatial_shard_height",
             Self::SpatialShardWidth => "spatial_shard_width",
+            Self::SpatialShard2d => "spatial_shard_2d",
             Self::Pipeline => "pipeline",
         }
     }
@@ -47,7 +57,9 @@ impl fmt::Display for ParallelMode {
 
 /// An unknown mode name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown VAE parallel mode {0:?} (expected tile, auto, spatial_shard_height, spatial_shard_width or pipeline)")]
+#[error(
+    "unknown VAE parallel mode {0:?} (expected tile, auto, spatial_shard_height, spatial_shard_width, spatial_shard_2d or pipeline)"
+)]
 pub struct UnknownMode(pub String);
 
 impl FromStr for ParallelMode {
@@ -65,6 +77,8 @@ pub enum Strategy {
     Tile,
     /// Spatial shard along the axis.
     Shard(vae_planner::ShardAxis),
+    /// Spatial shard over an `[R, C]` grid of blocks.
+    Shard2d([usize; 2]),
     /// Pipeline stages over latent frames.
     Pipeline,
 }
@@ -107,6 +121,32 @@ impl StrategyChoice {
             Err(why) if well_formed => Self::fallback_to_tile(format!("{mode}: {why}; {verb} with tiles")),
             _ => Self::chosen(Strategy::Shard(axis), format!("{mode} requested")),
         }
+    }
+
+    /// A forced 2-D shard's choice for an `h × w` input (in whole units) over `ranks` ranks:
+    /// the grid whose blocks are closest to square ([`vae_planner::square_grid`]) when every
+    /// block gets a unit along both axes; tiles flagged as a fallback otherwise. `verb` says
+    /// what the tiles do ("decoding").
+    pub fn forced_blocks(h: usize, w: usize, ranks: usize, verb: &str) -> Self {
+        let mode = ParallelMode::SpatialShard2d;
+        match vae_planner::square_grid(ranks, h, w) {
+            Some(grid) => Self::chosen(
+                Strategy::Shard2d(grid),
+                format!("{mode} requested: {} × {} blocks, the closest to square", grid[0], grid[1]),
+            ),
+            None => Self::fallback_to_tile(format!(
+                "{mode}: {ranks} rank(s) cannot cut a {h}x{w} input into a grid of blocks of a latent row and column each; {verb} with tiles"
+            )),
+        }
+    }
+
+    /// A forced 2-D shard on a family that shards along one axis only: tiles, flagged as a
+    /// fallback, naming the family (`class`).
+    pub fn blocks_unsupported(class: &str, verb: &str) -> Self {
+        Self::fallback_to_tile(format!(
+            "{}: {class} shards along one axis only (spatial_shard_height or spatial_shard_width); {verb} with tiles",
+            ParallelMode::SpatialShard2d
+        ))
     }
 
     /// `auto`'s choice of axis for an `h × w` input: the longer axis of those `fits` accepts

@@ -1,19 +1,20 @@
 //! Spatial-shard execution (the second strategy of the specification): the input is cut into
-//! bands along one spatial axis, one per rank, and every feature map stays sharded the same way
-//! through the whole network. Each convolution takes its missing neighbour rows (the halo) from
-//! the adjacent ranks; per-pixel ops run locally; ops that need the whole map (attention) gather
-//! it. The output equals the single-device direct (untiled) computation: there are no tiles,
-//! seams or blends.
+//! bands along one spatial axis, or into the blocks of a 2-D grid, one per rank, and every
+//! feature map stays sharded the same way through the whole network. Each convolution takes its
+//! missing neighbour rows (the halo) from the adjacent ranks, and on a grid the columns and
+//! corners too; per-pixel ops run locally; GroupNorm exchanges exact statistics; ops that need
+//! the whole map (attention) gather it. The output equals the single-device direct (untiled)
+//! computation: there are no tiles, seams or blends.
 //!
-//! This module is mechanism only: [`ShardContext`] carries the request-scoped state (the axis,
-//! the band table, halo statistics) and the communication primitives a model's sharded forward
-//! calls; [`ShardOperator`] is what a model implements. Which requests shard, along which axis,
-//! is model policy and lives in the adapters.
+//! This module is mechanism only: [`ShardContext`] carries the request-scoped state (the bands
+//! or the grid, halo statistics) and the communication primitives a model's sharded forward
+//! calls; [`ShardOperator`] is what a model implements. Which requests shard, along which axis
+//! or on which grid, is model policy and lives in the adapters.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use vae_planner::{BandPartition, ShardAxis};
+use vae_planner::{BandPartition, BlockGrid, ShardAxis};
 use vae_tensor::{DType, Device, DeviceMemory, GroupExtrema, GroupMoments, GroupPartial, Shape, Tensor};
 use vae_transport::wire::{Reader, Writer};
 use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
@@ -52,6 +53,14 @@ pub trait ShardOperator {
     /// The device the operator computes on (its model's): in-process ranks that share a GPU
     /// each get a stream of their own there for the request.
     fn device(&self) -> Device;
+
+    /// Whether [`exec`](Self::exec) handles a block of a 2-D grid
+    /// ([`ShardContext::halo_axes`] both true, [`ShardContext::axis`] `None`): its convolutions
+    /// then take halos along both axes and pad neither. `false`, the default, refuses the
+    /// 2-D shard with an agreed error before any work.
+    fn splits_blocks(&self) -> bool {
+        false
+    }
 
     /// For a streamed computation ([`exec_streaming`](Self::exec_streaming)): how many runs
     /// of frames it emits for `input`, and how many output frames they make in all (after
@@ -117,27 +126,32 @@ impl ShardTraffic {
     }
 }
 
-/// The request-scoped state of one rank's sharded computation: the split axis, the band table
-/// and the traffic counters. Created by the executor for one request and dropped after it, so
+/// The request-scoped state of one rank's sharded computation: the split axis and the band
+/// table (or the grid of blocks) and the traffic counters. Created by the executor for one request and dropped after it, so
 /// nothing outlives a request (one loaded model serves tile, shard and direct requests in any
 /// order).
 pub struct ShardContext<'c> {
     comm: &'c dyn Communicator,
-    axis: ShardAxis,
-    bands: BandPartition,
+    split: Split,
     /// Input rows per band row ([`ShardGeometry::unit`]).
     unit: usize,
     rank: usize,
     traffic: ShardTraffic,
 }
 
+/// How the map is cut: bands along one axis, or blocks of a 2-D grid.
+#[derive(Debug, Clone)]
+enum Split {
+    Bands { axis: ShardAxis, bands: BandPartition },
+    Blocks(BlockGrid),
+}
+
+/// The two spatial axes, in the order of [`BlockGrid`]'s extents.
+const AXES: [ShardAxis; 2] = [ShardAxis::Height, ShardAxis::Width];
+
 impl std::fmt::Debug for ShardContext<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardContext")
-            .field("rank", &self.rank)
-            .field("axis", &self.axis)
-            .field("bands", &self.bands)
-            .finish()
+        f.debug_struct("ShardContext").field("rank", &self.rank).field("split", &self.split).finish()
     }
 }
 
@@ -149,10 +163,17 @@ impl<'c> ShardContext<'c> {
     /// A context for `rank` of the ranks `0..bands.len()` of `comm`, splitting `axis` as
     /// `bands` (at the input's resolution) says.
     pub(crate) fn new(comm: &'c dyn Communicator, axis: ShardAxis, bands: BandPartition, rank: usize) -> Self {
-        Self { comm, axis, bands, unit: 1, rank, traffic: ShardTraffic::default() }
+        Self { comm, split: Split::Bands { axis, bands }, unit: 1, rank, traffic: ShardTraffic::default() }
     }
 
-    /// The same context over an input of `unit` rows per band row ([`ShardGeometry::unit`]).
+    /// A context for `rank` of the ranks `0..grid.ranks()` of `comm`, holding its block of
+    /// `grid` (at the input's resolution).
+    pub(crate) fn blocks(comm: &'c dyn Communicator, grid: BlockGrid, rank: usize) -> Self {
+        Self { comm, split: Split::Blocks(grid), unit: 1, rank, traffic: ShardTraffic::default() }
+    }
+
+    /// The same context over an input of `unit` rows (and columns) per band row
+    /// ([`ShardGeometry::unit`]).
     pub(crate) fn with_unit(self, unit: usize) -> Self {
         Self { unit: unit.max(1), ..self }
     }
@@ -164,22 +185,29 @@ impl<'c> ShardContext<'c> {
 
     /// Ranks taking part.
     pub fn ranks(&self) -> usize {
-        self.bands.len()
+        match &self.split {
+            Split::Bands { bands, .. } => bands.len(),
+            Split::Blocks(grid) => grid.ranks(),
+        }
     }
 
-    /// The split axis.
-    pub fn axis(&self) -> ShardAxis {
-        self.axis
+    /// The split axis of a context of bands; `None` for blocks of a 2-D grid, which are cut
+    /// along both ([`Self::halo_axes`]).
+    pub fn axis(&self) -> Option<ShardAxis> {
+        match &self.split {
+            Split::Bands { axis, .. } => Some(*axis),
+            Split::Blocks(_) => None,
+        }
     }
 
-    /// The band table at the input's resolution.
-    pub fn bands(&self) -> &BandPartition {
-        &self.bands
-    }
-
-    /// This rank's rows of the input.
-    pub fn band(&self) -> Range<usize> {
-        self.bands.band(self.rank).expect("the rank takes part")
+    /// Whether the map is cut along the height and along the width: the axes along which
+    /// [`Self::with_halo`] brings the neighbours' rows, so that a convolution must not pad them.
+    pub fn halo_axes(&self) -> [bool; 2] {
+        match &self.split {
+            Split::Bands { axis: ShardAxis::Height, .. } => [true, false],
+            Split::Bands { axis: ShardAxis::Width, .. } => [false, true],
+            Split::Blocks(_) => [true, true],
+        }
     }
 
     /// The traffic so far.
@@ -187,41 +215,62 @@ impl<'c> ShardContext<'c> {
         self.traffic
     }
 
-    fn dim(&self, x: &Tensor) -> Result<usize, RuntimeError> {
-        self.axis.dim_in(x.rank()).ok_or_else(|| invalid(format!("cannot shard the {} of {}", self.axis, x.shape())))
+    /// The tensor dimension of `axis` in `x`.
+    fn dim_of(&self, x: &Tensor, axis: ShardAxis) -> Result<usize, RuntimeError> {
+        axis.dim_in(x.rank()).ok_or_else(|| invalid(format!("cannot shard the {axis} of {}", x.shape())))
     }
 
-    /// How many rows each input row has become in `x`, a local band (nearest upsampling scales
-    /// every band alike).
-    fn scale_of(&self, x: &Tensor) -> Result<usize, RuntimeError> {
-        let local = x.dims()[self.dim(x)?];
-        let band = self.band().len();
+    /// This rank's part of each split axis at the input's resolution: `(axis, its band, the
+    /// whole extent)`.
+    fn parts(&self) -> Vec<(ShardAxis, Range<usize>, usize)> {
+        match &self.split {
+            Split::Bands { axis, bands } => {
+                vec![(*axis, bands.band(self.rank).expect("the rank takes part"), bands.extent())]
+            }
+            Split::Blocks(grid) => {
+                let block = grid.block(self.rank).expect("the rank takes part");
+                let extents = grid.extents();
+                AXES.into_iter().zip(block).zip(extents).map(|((a, b), e)| (a, b, e)).collect()
+            }
+        }
+    }
+
+    /// How many rows each input row has become in `x`, a local band or block, along `axis`
+    /// (nearest upsampling scales every band alike).
+    fn scale_along(&self, x: &Tensor, axis: ShardAxis, band: usize) -> Result<usize, RuntimeError> {
+        let local = x.dims()[self.dim_of(x, axis)?];
         if local == 0 || !local.is_multiple_of(band) {
             return Err(invalid(format!(
-                "rank {}'s band of {local} rows is not a whole multiple of its input band of {band}",
+                "rank {}'s {axis} of {local} is not a whole multiple of its input band of {band}",
                 self.rank
             )));
         }
         Ok(local / band)
     }
 
-    /// This rank's band of the input along the axis.
+    /// This rank's band (or block) of the input.
     pub fn local_input(&self, input: &Tensor) -> Result<Tensor, RuntimeError> {
-        let dim = self.dim(input)?;
-        let band = self.band();
-        if input.dims()[dim] != self.bands.extent() * self.unit {
-            return Err(invalid(format!(
-                "input {} does not have the planned extent {}",
-                input.shape(),
-                self.bands.extent() * self.unit
-            )));
+        let mut local = input.clone();
+        for (axis, band, extent) in self.parts() {
+            let dim = self.dim_of(input, axis)?;
+            if input.dims()[dim] != extent * self.unit {
+                return Err(invalid(format!(
+                    "input {} does not have the planned {axis} {}",
+                    input.shape(),
+                    extent * self.unit
+                )));
+            }
+            local = local.narrow(dim, band.start * self.unit, band.len() * self.unit)?;
         }
-        Ok(input.narrow(dim, band.start * self.unit, band.len() * self.unit)?)
+        Ok(local)
     }
 
     /// `x` (this rank's band) with `halo` rows of each neighbour on either side along the axis,
     /// and zero rows at the global edges: the input of a convolution whose padding along the
-    /// axis is then 0. Written into one buffer of the padded size.
+    /// axis is then 0. Written into one buffer of the padded size. For a block of a 2-D grid,
+    /// the same along both axes: the rows of the blocks above and below first, then the columns
+    /// of the blocks left and right of those padded rows, so the corners come from the
+    /// diagonal blocks.
     ///
     /// Every rank taking part must call it in the same order with the same `halo`.
     pub fn with_halo(&mut self, x: &Tensor, halo: usize) -> Result<Tensor, RuntimeError> {
@@ -229,21 +278,57 @@ impl<'c> ShardContext<'c> {
             return Ok(x.clone());
         }
         let clock = Instant::now();
-        let dim = self.dim(x)?;
+        let (rank, ranks) = (self.rank, self.ranks());
+        let steps: Vec<(ShardAxis, Option<usize>, Option<usize>)> = match &self.split {
+            Split::Bands { axis, .. } => {
+                vec![(*axis, rank.checked_sub(1), (rank + 1 < ranks).then_some(rank + 1))]
+            }
+            Split::Blocks(grid) => {
+                let [i, j] = grid.coord(rank).expect("the rank takes part");
+                let at = |i: Option<usize>, j: Option<usize>| grid.rank_at([i?, j?]);
+                vec![
+                    (ShardAxis::Height, at(i.checked_sub(1), Some(j)), at(Some(i + 1), Some(j))),
+                    (ShardAxis::Width, at(Some(i), j.checked_sub(1)), at(Some(i), Some(j + 1))),
+                ]
+            }
+        };
+        let mut padded = x.clone();
+        let mut sent = 0;
+        for (axis, prev, next) in steps {
+            let (out, bytes) = self.pad_along(&padded, axis, halo, prev, next)?;
+            padded = out;
+            sent += bytes;
+        }
+        self.traffic.halo_exchanges += 1;
+        self.traffic.halo_bytes_sent += sent;
+        self.traffic.halo_time += clock.elapsed();
+        Ok(padded)
+    }
+
+    /// `x` with `halo` rows along `axis` from `prev` and `next` (zeros where there is none).
+    fn pad_along(
+        &mut self,
+        x: &Tensor,
+        axis: ShardAxis,
+        halo: usize,
+        prev: Option<usize>,
+        next: Option<usize>,
+    ) -> Result<(Tensor, u64), RuntimeError> {
+        let dim = self.dim_of(x, axis)?;
         let len = x.dims()[dim];
         if len < halo {
-            return Err(invalid(format!("rank {}'s band of {len} rows is narrower than the halo {halo}", self.rank)));
+            return Err(invalid(format!("rank {}'s {axis} of {len} is narrower than the halo {halo}", self.rank)));
         }
-        let (has_prev, has_next) = (self.rank > 0, self.rank + 1 < self.ranks());
         let mut halo_dims = x.dims().to_vec();
         halo_dims[dim] = halo;
         let mut legs = Vec::with_capacity(2);
-        if has_prev {
-            legs.push((self.rank - 1, x.narrow(dim, 0, halo)?, halo_dims.clone()));
+        if let Some(peer) = prev {
+            legs.push((peer, x.narrow(dim, 0, halo)?, halo_dims.clone()));
         }
-        if has_next {
-            legs.push((self.rank + 1, x.narrow(dim, len - halo, halo)?, halo_dims.clone()));
+        if let Some(peer) = next {
+            legs.push((peer, x.narrow(dim, len - halo, halo)?, halo_dims.clone()));
         }
+        legs.sort_by_key(|(peer, _, _)| *peer);
         let (received, sent) = self.swap(x, legs)?;
         let mut padded_dims = x.dims().to_vec();
         padded_dims[dim] = len + 2 * halo;
@@ -254,47 +339,79 @@ impl<'c> ShardContext<'c> {
         at[dim] = halo;
         padded.copy_box_from(&at, x, &origin, x.dims())?;
         for (peer, rows) in received {
-            at[dim] = if peer < self.rank { 0 } else { len + halo };
+            at[dim] = if Some(peer) == prev { 0 } else { len + halo };
             padded.copy_box_from(&at, &rows, &origin, &halo_dims)?;
         }
-        self.traffic.halo_exchanges += 1;
-        self.traffic.halo_bytes_sent += sent;
-        self.traffic.halo_time += clock.elapsed();
-        Ok(padded)
+        Ok((padded, sent))
     }
 
     /// Records that `cached`, a conv input kept from an earlier chunk with its `halo` rows
     /// already in place, was not exchanged again (for the traffic report).
     pub fn note_reused_halo(&mut self, cached: &Tensor, halo: usize) {
-        let Ok(dim) = self.dim(cached) else { return };
-        let rows = cached.dims()[dim];
-        if halo == 0 || rows == 0 {
+        if halo == 0 {
             return;
         }
-        let neighbours = usize::from(self.rank > 0) + usize::from(self.rank + 1 < self.ranks());
-        self.traffic.halo_bytes_reused += (neighbours * halo * (cached.size_in_bytes() / rows)) as u64;
+        let (rank, ranks) = (self.rank, self.ranks());
+        let neighbours: Vec<(ShardAxis, usize)> = match &self.split {
+            Split::Bands { axis, .. } => vec![(*axis, usize::from(rank > 0) + usize::from(rank + 1 < ranks))],
+            Split::Blocks(grid) => {
+                let [i, j] = grid.coord(rank).expect("the rank takes part");
+                let [r, c] = grid.grid();
+                vec![
+                    (ShardAxis::Height, usize::from(i > 0) + usize::from(i + 1 < r)),
+                    (ShardAxis::Width, usize::from(j > 0) + usize::from(j + 1 < c)),
+                ]
+            }
+        };
+        let mut reused = 0;
+        for (axis, count) in neighbours {
+            let Ok(dim) = self.dim_of(cached, axis) else { return };
+            let row_bytes = cached.size_in_bytes().checked_div(cached.dims()[dim]).unwrap_or(0);
+            reused += count * halo * row_bytes;
+        }
+        self.traffic.halo_bytes_reused += reused as u64;
     }
 
-    /// The whole map along the axis on every rank taking part: each band sent to every other
-    /// rank, concatenated in rank order. Every rank taking part must call it at the same point.
+    /// Where every rank's part of a map lies, given `x`, this rank's part: per rank, its dims
+    /// (`x`'s, with the split axes set to that rank's share: nearest upsampling scales every
+    /// band alike) and its offset in the whole map; and the whole map's dims.
+    #[allow(clippy::type_complexity)] // (dims, offsets) per rank
+    fn layout_of(&self, x: &Tensor) -> Result<(Vec<(Vec<usize>, Vec<usize>)>, Vec<usize>), RuntimeError> {
+        let mut per_rank = vec![(x.dims().to_vec(), vec![0; x.rank()]); self.ranks()];
+        let mut whole = x.dims().to_vec();
+        for (axis, band, extent) in self.parts() {
+            let (dim, scale) = (self.dim_of(x, axis)?, self.scale_along(x, axis, band.len())?);
+            whole[dim] = extent * scale;
+            let bands: Vec<Range<usize>> = match &self.split {
+                Split::Bands { bands, .. } => bands.bands().to_vec(),
+                Split::Blocks(grid) => (0..grid.ranks())
+                    .map(|r| grid.block(r).expect("in the grid")[usize::from(axis == ShardAxis::Width)].clone())
+                    .collect(),
+            };
+            for ((dims, offsets), band) in per_rank.iter_mut().zip(bands) {
+                dims[dim] = band.len() * scale;
+                offsets[dim] = band.start * scale;
+            }
+        }
+        Ok((per_rank, whole))
+    }
+
+    /// The whole map on every rank taking part: each band (or block) sent to every other rank
+    /// and put in its place. Every rank taking part must call it at the same point.
     pub fn all_gather_map(&mut self, x: &Tensor) -> Result<Tensor, RuntimeError> {
         let clock = Instant::now();
-        let dim = self.dim(x)?;
-        let scale = self.scale_of(x)?;
-        let bands = self.bands.scaled(scale);
+        let (layout, whole) = self.layout_of(x)?;
         let legs = (0..self.ranks())
             .filter(|&peer| peer != self.rank)
-            .map(|peer| {
-                let mut dims = x.dims().to_vec();
-                dims[dim] = bands.bands()[peer].len();
-                (peer, x.clone(), dims)
-            })
+            .map(|peer| (peer, x.clone(), layout[peer].0.clone()))
             .collect();
         let (received, sent) = self.swap(x, legs)?;
-        let mut parts: Vec<Tensor> = received.into_iter().map(|(_, t)| t).collect();
-        parts.insert(self.rank, x.clone());
-        let refs: Vec<&Tensor> = parts.iter().collect();
-        let full = Tensor::cat(&refs, dim)?;
+        let mut full = Tensor::zeros(whole, x.dtype(), &x.device())?;
+        let origin = vec![0; x.rank()];
+        full.copy_box_from(&layout[self.rank].1, x, &origin, x.dims())?;
+        for (peer, part) in received {
+            full.copy_box_from(&layout[peer].1, &part, &origin, part.dims())?;
+        }
         self.traffic.map_gathers += 1;
         self.traffic.map_bytes_sent += sent;
         self.traffic.map_time += clock.elapsed();
@@ -304,7 +421,7 @@ impl<'c> ShardContext<'c> {
     /// GroupNorm (then SiLU, if `silu`) of the whole map of which `x` is this rank's band, on
     /// this band: the statistics are the whole map's, exchanged between the ranks taking part
     /// ([`GroupMoments::compute`]: fixed-point sums, so the result is bit-identical to
-    /// [`Tensor::group_norm`] of the whole map, whatever the bands). CPU tensors only.
+    /// [`Tensor::group_norm`] of the whole map, whatever the bands or blocks). CPU tensors only.
     ///
     /// Every rank taking part must call it at the same point with the same parameters.
     pub fn group_norm(
@@ -316,10 +433,12 @@ impl<'c> ShardContext<'c> {
         eps: f32,
         silu: bool,
     ) -> Result<Tensor, RuntimeError> {
-        let dim = self.dim(x)?;
-        let scale = self.scale_of(x)?;
-        let local = x.group_len(num_groups)?;
-        let count = if x.dims()[dim] == 0 { 0 } else { local / x.dims()[dim] * self.bands.extent() * scale };
+        let mut count = x.group_len(num_groups)?;
+        for (axis, band, extent) in self.parts() {
+            let len = x.dims()[self.dim_of(x, axis)?];
+            let scale = self.scale_along(x, axis, band.len())?;
+            count = count.checked_div(len).map_or(0, |per_row| per_row * extent * scale);
+        }
         let moments = GroupMoments::compute(x, num_groups, eps, count as u64, |own| self.merge_partials(own))?;
         Ok(x.group_norm_with(num_groups, weight, bias, &moments, silu)?)
     }
@@ -367,15 +486,19 @@ impl<'c> ShardContext<'c> {
         Ok(merged)
     }
 
-    /// This rank's band of a whole map (the inverse of [`Self::all_gather_map`]).
+    /// This rank's band (or block) of a whole map (the inverse of [`Self::all_gather_map`]).
     pub fn own_band(&self, full: &Tensor) -> Result<Tensor, RuntimeError> {
-        let dim = self.dim(full)?;
-        let extent = full.dims()[dim];
-        if extent == 0 || !extent.is_multiple_of(self.bands.extent()) {
-            return Err(invalid(format!("a map of {extent} rows is not a multiple of the input extent")));
+        let mut own = full.clone();
+        for (axis, band, extent) in self.parts() {
+            let dim = self.dim_of(full, axis)?;
+            let len = full.dims()[dim];
+            if len == 0 || !len.is_multiple_of(extent) {
+                return Err(invalid(format!("a map {axis} of {len} is not a multiple of the input's {extent}")));
+            }
+            let scale = len / extent;
+            own = own.narrow(dim, band.start * scale, band.len() * scale)?;
         }
-        let band = self.bands.scaled(extent / self.bands.extent()).bands()[self.rank].clone();
-        Ok(full.narrow(dim, band.start, band.len())?)
+        Ok(own)
     }
 
     /// Sends each leg's tensor to its peer and receives a tensor of the leg's dims from it
@@ -516,13 +639,13 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
-        /// The distributed GroupNorm of bands, on any number of ranks and along either axis,
-        /// is the whole map's GroupNorm bit for bit.
+        /// The distributed GroupNorm of bands, on any number of ranks and along either axis, or
+        /// of blocks of a grid, is the whole map's GroupNorm bit for bit.
         #[test]
         fn a_banded_group_norm_is_the_whole_maps(
             ranks in 1usize..5, groups in 1usize..4, per_group in 1usize..3, n in 1usize..3,
             h in 4usize..14, w in 4usize..14, seed in 0u64..1000, width in proptest::prelude::any::<bool>(),
-            big in proptest::prelude::any::<bool>(),
+            big in proptest::prelude::any::<bool>(), blocks in proptest::prelude::any::<bool>(),
         ) {
             let c = groups * per_group;
             let (lo, hi) = if big { (-4e4, 1e5) } else { (-1.0, 3.0) };
@@ -533,20 +656,79 @@ mod tests {
             let (axis, extent, dim) = if width { (ShardAxis::Width, w, 3) } else { (ShardAxis::Height, h, 2) };
             let ranks = ranks.min(extent);
             let bands = BandPartition::new(extent, ranks, 1).unwrap();
+            // Or blocks of the grid closest to square, over the same ranks.
+            let grid = BlockGrid::new([h, w], vae_planner::square_grid(ranks, h, w).unwrap(), [1, 1]).unwrap();
             let results = run_local(ranks, TransportConfig::default(), |comm| {
                 let rank = comm.rank();
-                let mut ctx = ShardContext::new(&comm, axis, bands.clone(), rank);
+                let mut ctx = if blocks {
+                    ShardContext::blocks(&comm, grid.clone(), rank)
+                } else {
+                    ShardContext::new(&comm, axis, bands.clone(), rank)
+                };
                 let band = ctx.local_input(&map).unwrap();
                 (ctx.group_norm(&band, groups, &gamma, &beta, 1e-6, true).unwrap(), ctx.traffic())
             })
             .unwrap();
             for (rank, result) in results.into_iter().enumerate() {
                 let (got, traffic) = result.unwrap();
-                let range = bands.bands()[rank].clone();
-                let want = whole.narrow(dim, range.start, range.len()).unwrap();
+                let want = if blocks {
+                    let [rows, cols] = grid.block(rank).unwrap();
+                    whole.narrow(2, rows.start, rows.len()).unwrap().narrow(3, cols.start, cols.len()).unwrap()
+                } else {
+                    let range = bands.bands()[rank].clone();
+                    whole.narrow(dim, range.start, range.len()).unwrap()
+                };
                 proptest::prop_assert!(got.bit_eq(&want), "rank {} of {}", rank, ranks);
                 // Sums, squares, and the sums again where values pass the fixed range.
                 proptest::prop_assert_eq!(traffic.norm_exchanges, if big { 3 } else { 2 });
+            }
+        }
+    }
+
+    /// A block of a 2 × 3 grid with a halo of 2 is the global map's window around the block,
+    /// corners included (from the diagonal blocks), zeros past the global edges; the gathered
+    /// map is the global one and each rank's own block comes back from it; on the mailbox and
+    /// the byte path alike.
+    #[test]
+    fn a_blocks_halo_is_the_window_around_it_corners_included() {
+        let global = Tensor::seeded_uniform(vec![1, 2, 7, 8], 4, -1.0, 1.0, &Device::Cpu).unwrap();
+        let grid = BlockGrid::new([7, 8], [2, 3], [2, 2]).unwrap();
+        let halo = 2;
+        let run = |comm: &dyn Communicator| {
+            let rank = comm.rank();
+            let mut ctx = ShardContext::blocks(comm, grid.clone(), rank);
+            assert_eq!((ctx.axis(), ctx.halo_axes(), ctx.ranks()), (None, [true, true], 6));
+            let block = ctx.local_input(&global).unwrap();
+            let padded = ctx.with_halo(&block, halo).unwrap();
+            let map = ctx.all_gather_map(&block).unwrap();
+            assert!(map.bit_eq(&global), "rank {rank}: the gathered map is the global one");
+            assert!(ctx.own_band(&map).unwrap().bit_eq(&block), "rank {rank}: its own block back");
+            (padded, ctx.traffic())
+        };
+        let by_mailbox = run_local(6, TransportConfig::default(), |comm| run(&comm)).unwrap();
+        let by_bytes = run_local(6, TransportConfig::default(), |comm| run(&BytePathOnly(comm))).unwrap();
+        for (rank, (m, b)) in by_mailbox.into_iter().zip(by_bytes).enumerate() {
+            let ((padded, traffic), (bytes_padded, _)) = (m.unwrap(), b.unwrap());
+            assert!(padded.bit_eq(&bytes_padded), "rank {rank}: the same on both paths");
+            assert_eq!(traffic.halo_exchanges, 1);
+            let [rows, cols] = grid.block(rank).unwrap();
+            assert_eq!(padded.dims(), &[1, 2, rows.len() + 2 * halo, cols.len() + 2 * halo]);
+            let values = padded.to_vec_f32().unwrap();
+            let whole = global.to_vec_f32().unwrap();
+            let (ph, pw) = (rows.len() + 2 * halo, cols.len() + 2 * halo);
+            for c in 0..2 {
+                for y in 0..ph {
+                    for x in 0..pw {
+                        let (gy, gx) = ((rows.start + y) as isize - 2, (cols.start + x) as isize - 2);
+                        let want = if (0..7).contains(&gy) && (0..8).contains(&gx) {
+                            whole[(c * 7 + gy as usize) * 8 + gx as usize]
+                        } else {
+                            0.0
+                        };
+                        let got = values[(c * ph + y) * pw + x];
+                        assert_eq!(got.to_bits(), want.to_bits(), "rank {rank}, channel {c}, global ({gy}, {gx})");
+                    }
+                }
             }
         }
     }

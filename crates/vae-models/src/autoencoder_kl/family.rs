@@ -98,6 +98,10 @@ impl LoadedVae for AutoencoderKl {
                 let op = KlShardOperator::new(self, task, run.executor.parallel_size());
                 Ok(run.executor.execute_sharded(run.input, &op, axis, run.placement)?)
             }
+            Strategy::Shard2d(grid) => {
+                let op = KlShardOperator::new(self, task, run.executor.parallel_size());
+                Ok(run.executor.execute_sharded_blocks(run.input, &op, grid, run.placement)?)
+            }
             Strategy::Pipeline => Err(ModelError::Unsupported(format!(
                 "{} has no pipeline strategy (an image has no frames to pipeline)",
                 self.class_name()

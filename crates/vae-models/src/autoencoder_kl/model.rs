@@ -368,7 +368,7 @@ impl AutoencoderKl {
         if mode == ParallelMode::Pipeline {
             return Err(ModelError::Unsupported(format!(
                 "{} decodes images: pipeline mode passes a video decoder's latent frames from stage to \
-                 stage (use tile, auto, spatial_shard_height or spatial_shard_width)",
+                 stage (use tile, auto, spatial_shard_height, spatial_shard_width or spatial_shard_2d)",
                 self.config.variant.class_name()
             )));
         }
@@ -405,6 +405,23 @@ impl AutoencoderKl {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 let fit = self.shard_fits(direction, input_dims, axis, ranks);
                 StrategyChoice::forced_shard(mode, axis, fit, input_dims.len() == 4, verb)
+            }
+            ParallelMode::SpatialShard2d => {
+                let unit = match direction {
+                    Direction::Decode => 1,
+                    Direction::Encode => self.config.spatial_scale(),
+                };
+                match *input_dims {
+                    // A malformed input goes to the shard path, whose input check names it; an
+                    // image that is not whole latent rows falls back as the 1-D modes do.
+                    [_, _, h, w] if h % unit == 0 && w % unit == 0 => {
+                        StrategyChoice::forced_blocks(h / unit, w / unit, ranks, verb)
+                    }
+                    [_, _, h, w] => StrategyChoice::fallback_to_tile(format!(
+                        "{mode}: an image of {h}x{w} is not whole latent rows and columns of {unit}; {verb} with tiles"
+                    )),
+                    _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
+                }
             }
         }
     }

@@ -212,4 +212,11 @@ impl ShardOperator for KlShardOperator<'_> {
     fn device(&self) -> Device {
         self.model.device()
     }
+
+    /// Its layers ([`crate::layers`]) take halos along both axes of a block: square 3×3
+    /// convolutions, the stride-2 downsample on even blocks, GroupNorm statistics and the
+    /// attention's gathered map over the whole grid.
+    fn splits_blocks(&self) -> bool {
+        true
+    }
 }

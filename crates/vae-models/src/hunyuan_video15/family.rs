@@ -48,6 +48,9 @@ impl LoadedVae for HunyuanVideo15Vae {
                  frame of the clip at once, so it does not run a frame at a time (use tile, auto or a \
                  spatial shard mode)"
             ))),
+            ParallelMode::SpatialShard2d => Err(ModelError::Unsupported(format!(
+                "{CLASS_NAME} shards along one axis only: use spatial_shard_height or spatial_shard_width"
+            ))),
             _ => Ok(()),
         }
     }
@@ -77,6 +80,7 @@ impl LoadedVae for HunyuanVideo15Vae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, verb)
             }
+            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(CLASS_NAME, verb),
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {
@@ -154,6 +158,9 @@ impl LoadedVae for HunyuanVideo15Vae {
             }
             Strategy::Pipeline => {
                 Err(ModelError::Unsupported(format!("{CLASS_NAME} does not run as a pipeline over frames")))
+            }
+            Strategy::Shard2d(_) => {
+                Err(ModelError::Unsupported(format!("{CLASS_NAME} shards along one axis only, not over a 2-D grid")))
             }
         }
     }

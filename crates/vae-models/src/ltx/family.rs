@@ -62,6 +62,10 @@ impl LoadedVae for LtxVae {
                      run a frame at a time"
                 }
             ))),
+            ParallelMode::SpatialShard2d => Err(ModelError::Unsupported(format!(
+                "{} shards along one axis only: use spatial_shard_height or spatial_shard_width",
+                self.class_name()
+            ))),
             _ => Ok(()),
         }
     }
@@ -103,6 +107,7 @@ impl LoadedVae for LtxVae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, verb)
             }
+            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class_name(), verb),
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {
@@ -198,6 +203,10 @@ impl LoadedVae for LtxVae {
             Strategy::Pipeline => {
                 Err(ModelError::Unsupported(format!("{} does not run as a pipeline over frames", self.class_name())))
             }
+            Strategy::Shard2d(_) => Err(ModelError::Unsupported(format!(
+                "{} shards along one axis only, not over a 2-D grid",
+                self.class_name()
+            ))),
         }
     }
 

@@ -69,7 +69,9 @@ impl<'b, 'c> Pass<'b, 'c> {
         };
         let (x, axis) = match self.band.as_deref_mut() {
             Some(ctx) => {
-                let axis = ctx.axis();
+                let axis = ctx.axis().ok_or_else(|| {
+                    crate::ModelError::Unsupported("Wan's convolutions on a block of a 2-D grid".into())
+                })?;
                 haloed = ctx.with_halo(x, conv.halo(axis))?;
                 if let Some(cached) = previous {
                     ctx.note_reused_halo(cached, conv.halo(axis));

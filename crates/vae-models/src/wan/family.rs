@@ -121,6 +121,12 @@ impl LoadedVae for WanVae {
             (Direction::Encode, Strategy::Pipeline) => {
                 return Err(ModelError::Unsupported("the encoder does not run as a pipeline".into()));
             }
+            (_, Strategy::Shard2d(_)) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{} shards along one axis only, not over a 2-D grid",
+                    self.class_name()
+                )));
+            }
         })
     }
 
@@ -155,6 +161,10 @@ impl LoadedVae for WanVae {
                 Ok(run.executor.execute_pipeline_streaming(run.input, &op, sink)?)
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
+            (Direction::Decode, Strategy::Shard2d(_)) => Err(ModelError::Unsupported(format!(
+                "{} shards along one axis only, not over a 2-D grid",
+                self.class_name()
+            ))),
         }
     }
 

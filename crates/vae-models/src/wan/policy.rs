@@ -7,14 +7,20 @@ use super::model::WanVae;
 use crate::Result;
 
 impl WanVae {
-    /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
-    /// band needs no statistics from the others, and the decoder is causal, one latent frame
-    /// at a time, so its layers pipeline over frames.
+    /// Every parallel mode but the 2-D shard is available: the decoder's norms are per-pixel
+    /// RMS norms, so a band needs no statistics from the others, and the decoder is causal, one
+    /// latent frame at a time, so its layers pipeline over frames. Its causal convolutions keep
+    /// cached frames with the halo rows of one axis; a grid of blocks is not built for them yet.
     ///
     /// A model that kept only a pipeline stage's weights runs the pipeline mode alone.
     pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         match mode {
             ParallelMode::Pipeline => Ok(()),
+            ParallelMode::SpatialShard2d => Err(crate::ModelError::Unsupported(format!(
+                "{} shards along one axis only: use spatial_shard_height or spatial_shard_width \
+                 (spatial_shard_2d is AutoencoderKL's and FLUX.2's for now)",
+                self.class.class_name()
+            ))),
             _ => self.check_whole(),
         }
     }
@@ -46,6 +52,7 @@ impl WanVae {
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
             ParallelMode::Pipeline => StrategyChoice::chosen(Strategy::Pipeline, "pipeline requested"),
+            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class.class_name(), "decoding"),
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 if latent_dims.len() != 5 || fits(axis) {
@@ -108,6 +115,7 @@ impl WanVae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, "encoding")
             }
+            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class.class_name(), "encoding"),
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {

@@ -107,7 +107,9 @@ impl Upsample {
         let up = match pass.band.as_deref_mut() {
             None => self.conv.forward_upsampled(&frames)?,
             Some(ctx) => {
-                let axis = ctx.axis();
+                let axis = ctx.axis().ok_or_else(|| {
+                    crate::ModelError::Unsupported("Wan's upsampling on a block of a 2-D grid".into())
+                })?;
                 let upsampled = frames.upsample_nearest2d(2)?;
                 let haloed = ctx.with_halo(&upsampled, self.halo(axis))?;
                 let [top, bottom, left, right] = self.conv.params().padding;

@@ -212,6 +212,7 @@ mod tests {
             start_bytes: 1 << 20,
             device_peak_bytes: 0,
             band: None,
+            block: None,
             pipeline: None,
             halo_bytes_sent: 0,
             halo_exchanges: 0,

@@ -14,6 +14,7 @@
 //! the others its verdict ([`verdict`]), so a request costs O(N) messages on N ranks, never
 //! the N² of every rank judging an all_gather for itself.
 
+mod blocked;
 mod failure;
 mod pipelined;
 mod report;
@@ -196,6 +197,24 @@ impl DistributedVaeExecutor {
         placement: OutputPlacement,
     ) -> Result<ExecOutput, RuntimeError> {
         self.abort_unless_known(self.run_request(input, &ShardStrategy { op, axis }, op.device(), placement))
+    }
+
+    /// [`execute_sharded`](Self::execute_sharded) over a 2-D grid: the input cut into `grid`
+    /// (`[R, C]`) blocks, rank `r` holding block `(r / C, r % C)` through every layer, each
+    /// convolution taking its halo rows and columns (and corners) from the neighbouring blocks.
+    /// The output is the direct computation's, bit for bit. The operator must say it handles
+    /// blocks ([`ShardOperator::splits_blocks`]), the grid must fit in the parallel size
+    /// (ranks beyond it join the agreement, gather and broadcast) and every block must be at
+    /// least the widest halo along both axes; otherwise an agreed error. Errors otherwise as for
+    /// `execute_sharded`.
+    pub fn execute_sharded_blocks<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        grid: [usize; 2],
+        placement: OutputPlacement,
+    ) -> Result<ExecOutput, RuntimeError> {
+        self.abort_unless_known(self.run_request(input, &blocked::BlockStrategy { op, grid }, op.device(), placement))
     }
 
     /// [`execute_sharded`](Self::execute_sharded) with the output streamed: every rank

@@ -104,16 +104,26 @@ pub enum StrategyReport {
         /// Communication inside the computation.
         traffic: ShardTraffic,
     },
+    /// Spatial shard over a 2-D grid of blocks.
+    Blocks {
+        /// `[R, C]`.
+        grid: [usize; 2],
+        /// This rank's rows and columns of the input (`None` on ranks beyond the grid).
+        block: Option<[Range<usize>; 2]>,
+        /// Communication inside the computation.
+        traffic: ShardTraffic,
+    },
     /// A pipeline over runs of frames: this rank's stage.
     Pipeline(PipelineStage),
 }
 
 impl StrategyReport {
-    /// "tile", "shard-height", "shard-width" or "pipeline".
+    /// "tile", "shard-height", "shard-width", "shard-RxC" (blocks) or "pipeline".
     pub fn label(&self) -> String {
         match self {
             Self::Tile => "tile".into(),
             Self::Shard { axis, .. } => format!("shard-{axis}"),
+            Self::Blocks { grid: [r, c], .. } => format!("shard-{r}x{c}"),
             Self::Pipeline(_) => "pipeline".into(),
         }
     }

@@ -1,0 +1,144 @@
+//! The 2-D spatial shard (`spatial_shard_2d`): the GroupNorm families (AutoencoderKL: SD,
+//! FLUX.1, Z-Image; and FLUX.2) on grids of blocks, each rank holding one block through every
+//! layer with halos along both axes and corners from the diagonal neighbours, against the
+//! single-rank direct decode and encode: bit for bit on every grid.
+
+use vae_integration_tests::{blocks_on_local_ranks, fixtures_dir, random_tensor};
+use vae_models::autoencoder_kl::{AutoencoderKl, KlShardOperator, KlTask};
+use vae_parallel::io::read_npy;
+use vae_runtime::{RankReport, ShardAxis, ShardTraffic, StrategyReport};
+use vae_tensor::Tensor;
+
+const MODELS: [&str; 3] = ["sd_like", "flux1_like", "flux2_like"];
+
+/// Grids of 2 to 6 ranks, both orientations of the 1-D cuts among them.
+const GRIDS: [[usize; 2]; 4] = [[1, 2], [2, 1], [2, 2], [2, 3]];
+
+fn load(name: &str) -> AutoencoderKl {
+    AutoencoderKl::load(&fixtures_dir().join("autoencoder_kl").join(name)).unwrap()
+}
+
+fn blocks(model: &AutoencoderKl, task: KlTask, input: &Tensor, grid: [usize; 2]) -> (Tensor, Vec<RankReport>) {
+    let world = grid[0] * grid[1];
+    blocks_on_local_ranks(&KlShardOperator::new(model, task, world), input, grid, world)
+}
+
+/// Every rank's block and traffic, checked to be a block of `grid`.
+fn traffic_of(reports: &[RankReport], grid: [usize; 2]) -> Vec<ShardTraffic> {
+    reports
+        .iter()
+        .map(|r| match &r.strategy {
+            StrategyReport::Blocks { grid: g, block: Some([rows, cols]), traffic } => {
+                assert_eq!(*g, grid);
+                assert!(!rows.is_empty() && !cols.is_empty(), "rank {}: an empty block", r.rank);
+                *traffic
+            }
+            other => panic!("rank {} ran {other:?}", r.rank),
+        })
+        .collect()
+}
+
+#[test]
+fn block_decode_equals_the_direct_decode_bit_for_bit_on_every_grid() {
+    let mut cases = 0;
+    for name in MODELS {
+        let model = load(name);
+        let cfg = model.config();
+        let norms = 4 + cfg.decoder_block_out_channels.len() * (cfg.layers_per_block + 1) * 2 + 1;
+        // Batch 2; extents that do not divide by the grid (uneven blocks).
+        for (h, w) in [(7, 10), (5, 7)] {
+            let z = random_tensor(&[2, cfg.latent_channels, h, w], 5);
+            let direct = model.decode(&z).unwrap();
+            for grid in GRIDS {
+                let (got, reports) = blocks(&model, KlTask::Decode, &z, grid);
+                let diff = got.max_abs_diff(&direct).unwrap();
+                assert!(got.bit_eq(&direct), "{name} {h}x{w} on {grid:?}: max |blocks - direct| = {diff}");
+                for (rank, t) in traffic_of(&reports, grid).iter().enumerate() {
+                    assert_eq!(t.norm_exchanges, 2 * norms as u64, "{name} rank {rank}: {t:?}");
+                    assert_eq!(t.map_gathers, 1, "{name} rank {rank}");
+                    assert!(t.halo_bytes_sent > 0, "{name} rank {rank}");
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 2 * GRIDS.len());
+}
+
+/// The encoder's strided convolutions on blocks of whole latent rows and columns: the moments
+/// of the untiled encode, bit for bit.
+#[test]
+fn block_encode_equals_the_direct_encode_bit_for_bit_on_every_grid() {
+    for name in MODELS {
+        let model = load(name);
+        let scale = model.config().spatial_scale();
+        let x = random_tensor(&[2, model.config().in_channels, 5 * scale, 7 * scale], 3);
+        let direct = model.encode_moments(&x).unwrap();
+        for grid in GRIDS {
+            let (got, _) = blocks(&model, KlTask::Encode, &x, grid);
+            assert!(got.bit_eq(&direct), "{name} encode on {grid:?}: {}", got.max_abs_diff(&direct).unwrap());
+        }
+    }
+}
+
+/// Within 1e-4 of diffusers' untiled decode (the fixture), as the direct decode is.
+#[test]
+fn block_decode_matches_the_diffusers_fixture() {
+    for name in MODELS {
+        let model = load(name);
+        let dir = fixtures_dir().join("autoencoder_kl");
+        let z = read_npy(&dir.join(format!("{name}.decode.in.npy"))).unwrap();
+        let want = read_npy(&dir.join(format!("{name}.decode.out.npy"))).unwrap();
+        let (got, _) = blocks(&model, KlTask::Decode, &z, [2, 2]);
+        let diff = got.max_abs_diff(&want).unwrap();
+        assert!(diff <= 1e-4, "{name}: max |blocks - diffusers| = {diff}");
+    }
+}
+
+/// On 4 ranks and a square latent, 2 × 2 blocks make the busiest rank send about half the
+/// halo bytes of 4 row bands (an inner band sends two full-width edges per convolution, a
+/// block a half-width edge and a half-height edge), and fewer halo bytes in all.
+#[test]
+fn a_two_by_two_grid_halves_the_busiest_ranks_halo_bytes_of_four_bands() {
+    let model = load("sd_like");
+    let z = random_tensor(&[1, model.config().latent_channels, 16, 16], 2);
+    let (bands, band_reports) = vae_integration_tests::shard_on_local_ranks(
+        &KlShardOperator::new(&model, KlTask::Decode, 4),
+        &z,
+        ShardAxis::Height,
+        4,
+    );
+    let (grid, grid_reports) = blocks(&model, KlTask::Decode, &z, [2, 2]);
+    assert!(grid.bit_eq(&bands));
+    let halo = |r: &RankReport| match &r.strategy {
+        StrategyReport::Shard { traffic, .. } | StrategyReport::Blocks { traffic, .. } => traffic.halo_bytes_sent,
+        _ => 0,
+    };
+    let busiest = |rs: &[RankReport]| rs.iter().map(halo).max().unwrap();
+    let total = |rs: &[RankReport]| rs.iter().map(halo).sum::<u64>();
+    let (b, g) = (busiest(&band_reports), busiest(&grid_reports));
+    let ratio = g as f64 / b as f64;
+    assert!((0.45..0.6).contains(&ratio), "busiest rank: {g} bytes on 2x2 blocks, {b} on 4 bands ({ratio:.2})");
+    assert!(total(&grid_reports) < total(&band_reports));
+}
+
+/// A grid larger than the parallel size, a block narrower than a latent row, and a family that
+/// shards along one axis only: agreed errors on every rank, before any work.
+#[test]
+fn a_grid_that_cannot_run_is_an_error_on_every_rank() {
+    use vae_runtime::{DistributedVaeExecutor, FailureKind, OutputPlacement, RuntimeError};
+    let model = load("sd_like");
+    let op = KlShardOperator::new(&model, KlTask::Decode, 4);
+    let z = random_tensor(&[1, model.config().latent_channels, 3, 8], 1);
+    for (grid, kind) in [([2, 3], FailureKind::InvalidInput), ([4, 1], FailureKind::Failed)] {
+        let results = vae_transport::run_local(4, vae_transport::TransportConfig::default(), |comm| {
+            let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), 4).unwrap();
+            exec.execute_sharded_blocks(&z, &op, grid, OutputPlacement::OwnerOnly).map(|_| ())
+        })
+        .unwrap();
+        for r in results {
+            let err = r.unwrap().unwrap_err();
+            assert!(matches!(&err, RuntimeError::Operator { kind: k, .. } if *k == kind), "{grid:?}: {err:?}");
+        }
+    }
+}
