@@ -1,7 +1,8 @@
 //! The 2-D spatial shard (`spatial_shard_2d`): the GroupNorm families (AutoencoderKL: SD,
-//! FLUX.1, Z-Image; and FLUX.2) on grids of blocks, each rank holding one block through every
-//! layer with halos along both axes and corners from the diagonal neighbours, against the
-//! single-rank direct decode and encode: bit for bit on every grid.
+//! FLUX.1, Z-Image; and FLUX.2) and the video families with per-pixel norms (Wan2.1, Wan2.2,
+//! Qwen-Image) on grids of blocks, each rank holding one block through every layer with halos
+//! along both axes and corners from the diagonal neighbours, against the single-rank direct
+//! decode and encode: bit for bit on every grid.
 
 use vae_integration_tests::{blocks_on_local_ranks, fixtures_dir, random_tensor};
 use vae_models::autoencoder_kl::{AutoencoderKl, KlShardOperator, KlTask};
@@ -141,4 +142,82 @@ fn a_grid_that_cannot_run_is_an_error_on_every_rank() {
             assert!(matches!(&err, RuntimeError::Operator { kind: k, .. } if *k == kind), "{grid:?}: {err:?}");
         }
     }
+}
+
+/// The video families of the fixtures (Wan2.1, Wan2.2 with its patchified input and output,
+/// Qwen-Image): (directory, model).
+const VIDEO_MODELS: [(&str, &str); 3] =
+    [("wan", "wan21_like"), ("wan", "wan22_like"), ("qwen_image", "qwen_image_like")];
+
+/// Wan / Qwen-Image decode on grids of blocks: each causal convolution's cached frames keep the
+/// halos of both axes (corners included), the attention runs on the gathered map. Held to the
+/// 1-D shard's contract (within 1e-5 of the direct decode) and asserted bit-identical, which it
+/// is on every grid here.
+#[test]
+fn video_block_decode_equals_the_direct_decode_on_every_grid() {
+    use vae_models::wan::{WanShardDecodeOperator, WanVae};
+    for (family, name) in VIDEO_MODELS {
+        let model = WanVae::load(&fixtures_dir().join(family).join(name)).unwrap();
+        let z = random_tensor(&[1, model.config().z_dim, 3, 7, 10], 11);
+        let direct = model.decode(&z).unwrap();
+        for grid in GRIDS {
+            let world = grid[0] * grid[1];
+            let (got, reports) = blocks_on_local_ranks(&WanShardDecodeOperator::new(&model), &z, grid, world);
+            let diff = got.max_abs_diff(&direct).unwrap();
+            assert!(got.bit_eq(&direct), "{name} on {grid:?}: max |blocks - direct| = {diff}");
+            for (rank, t) in traffic_of(&reports, grid).iter().enumerate() {
+                assert!(t.halo_exchanges > 0 && t.halo_bytes_sent > 0, "{name} rank {rank}");
+                assert_eq!(t.map_gathers, 3, "{name}: one attention gather per latent frame");
+            }
+        }
+    }
+}
+
+/// The video encode on blocks of whole latent rows and columns (8 pixels; 16 for Wan2.2's
+/// patchified input): the direct encode's moments, bit for bit.
+#[test]
+fn video_block_encode_equals_the_direct_encode_on_every_grid() {
+    use vae_models::wan::{WanShardEncodeOperator, WanVae};
+    for (family, name) in VIDEO_MODELS {
+        let model = WanVae::load(&fixtures_dir().join(family).join(name)).unwrap();
+        let unit = 8 * model.config().patch_size.filter(|p| *p > 1).unwrap_or(1);
+        let x = random_tensor(&[1, 3, 5, 5 * unit, 7 * unit], 4);
+        let direct = model.encode_moments(&x).unwrap();
+        for grid in GRIDS {
+            let world = grid[0] * grid[1];
+            let (got, _) = blocks_on_local_ranks(&WanShardEncodeOperator::new(&model), &x, grid, world);
+            assert!(got.bit_eq(&direct), "{name} encode on {grid:?}: {}", got.max_abs_diff(&direct).unwrap());
+        }
+    }
+}
+
+/// The forced 2-D mode takes the grid closest to square when every block gets a latent row and
+/// column (for Wan, the decoder's widest halo), whole latent rows and columns for an encode, and
+/// falls back to tiles, saying why, otherwise.
+#[test]
+fn the_policy_picks_the_squarest_grid_that_fits() {
+    use vae_models::family::Direction;
+    use vae_runtime::{ParallelMode, Strategy};
+    let kl = load("sd_like");
+    let decode = |dims: &[usize], ranks| kl.strategy(Direction::Decode, ParallelMode::SpatialShard2d, dims, ranks);
+    assert_eq!(decode(&[1, 4, 16, 16], 4).strategy, Strategy::Shard2d([2, 2]));
+    assert_eq!(decode(&[1, 4, 8, 32], 4).strategy, Strategy::Shard2d([1, 4]));
+    assert_eq!(decode(&[1, 4, 60, 104], 6).strategy, Strategy::Shard2d([2, 3]));
+    let none = decode(&[1, 4, 2, 2], 5);
+    assert!(none.strategy == Strategy::Tile && none.fallback, "{}", none.reason);
+    let encode = |dims: &[usize], ranks| kl.strategy(Direction::Encode, ParallelMode::SpatialShard2d, dims, ranks);
+    assert_eq!(encode(&[1, 3, 64, 64], 4).strategy, Strategy::Shard2d([2, 2]));
+    let odd = encode(&[1, 3, 64, 60], 4);
+    assert!(
+        odd.strategy == Strategy::Tile && odd.fallback && odd.reason.contains("whole latent rows"),
+        "{}",
+        odd.reason
+    );
+
+    let wan = vae_models::wan::WanVae::load(&fixtures_dir().join("wan/wan21_like")).unwrap();
+    let z_dim = wan.config().z_dim;
+    let chosen = wan.decode_strategy(ParallelMode::SpatialShard2d, &[1, z_dim, 3, 7, 10], 4);
+    assert_eq!(chosen.strategy, Strategy::Shard2d([2, 2]));
+    let narrow = wan.decode_strategy(ParallelMode::SpatialShard2d, &[1, z_dim, 3, 1, 3], 4);
+    assert!(narrow.strategy == Strategy::Tile && narrow.fallback, "{}", narrow.reason);
 }

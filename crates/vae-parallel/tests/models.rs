@@ -997,10 +997,11 @@ fn a_two_dimensional_shard_runs_through_the_cli() {
     assert_clean_failure("malformed grid", &args, "--shard-grid");
     assert!(!out.exists());
 
-    // inspect lists the mode for AutoencoderKL; Wan refuses it with a typed error.
+    // inspect lists the mode for AutoencoderKL; Wan decodes on blocks over socket processes, the
+    // direct decode's bytes; HunyuanVideo-1.5 refuses the mode with a typed error.
     let (ok, text) = cli(&["inspect", "--model", s(&model)]);
     assert!(ok && text.contains("spatial_shard_width, spatial_shard_2d"), "{text}");
-    let wan21 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan/wan21_like");
+    let video = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
     let wan_latent = dir.join("wan.npy");
     let z = vae_parallel::tensor::Tensor::seeded_uniform(
         vec![1, 16, 2, 6, 6],
@@ -1011,6 +1012,14 @@ fn a_two_dimensional_shard_runs_through_the_cli() {
     )
     .unwrap();
     std::fs::write(&wan_latent, vae_parallel::io::npy_bytes(&z).unwrap()).unwrap();
-    let args = decode_on("4", s(&wan21), s(&wan_latent), s(&out), &["--vae-parallel-mode", "spatial_shard_2d"]);
-    assert_clean_failure("wan 2-D", &args, "shards along one axis only");
+    let wan21 = video.join("wan/wan21_like");
+    let (wan_direct, wan_blocks) = (dir.join("wan-direct.npy"), dir.join("wan-blocks.npy"));
+    let (ok, text) = cli(&decode_on("1", s(&wan21), s(&wan_latent), s(&wan_direct), &[]));
+    assert!(ok, "{text}");
+    let (ok, text) = cli(&decode_on("4", s(&wan21), s(&wan_latent), s(&wan_blocks), &grid));
+    assert!(ok && text.contains("shard-2x2"), "{text}");
+    assert_eq!(std::fs::read(&wan_direct).unwrap(), std::fs::read(&wan_blocks).unwrap(), "Wan 2 × 2 = direct");
+    let hv15 = video.join("hunyuan_video15/hunyuan_video15_like");
+    let args = decode_on("4", s(&hv15), s(&wan_latent), s(&out), &["--vae-parallel-mode", "spatial_shard_2d"]);
+    assert_clean_failure("hunyuan 2-D", &args, "shards along one axis only");
 }

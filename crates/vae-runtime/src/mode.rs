@@ -128,14 +128,24 @@ impl StrategyChoice {
     /// block gets a unit along both axes; tiles flagged as a fallback otherwise. `verb` says
     /// what the tiles do ("decoding").
     pub fn forced_blocks(h: usize, w: usize, ranks: usize, verb: &str) -> Self {
+        Self::forced_blocks_of(h, w, ranks, [1, 1], verb)
+    }
+
+    /// [`Self::forced_blocks`] for a network whose widest halo is `halo` (`[rows, columns]`):
+    /// the square grid must give every block at least that along both axes.
+    pub fn forced_blocks_of(h: usize, w: usize, ranks: usize, halo: [usize; 2], verb: &str) -> Self {
         let mode = ParallelMode::SpatialShard2d;
-        match vae_planner::square_grid(ranks, h, w) {
+        let grid = vae_planner::square_grid(ranks, h, w)
+            .filter(|g| vae_planner::BlockGrid::fits([h, w], *g, [halo[0].max(1), halo[1].max(1)]));
+        match grid {
             Some(grid) => Self::chosen(
                 Strategy::Shard2d(grid),
                 format!("{mode} requested: {} × {} blocks, the closest to square", grid[0], grid[1]),
             ),
             None => Self::fallback_to_tile(format!(
-                "{mode}: {ranks} rank(s) cannot cut a {h}x{w} input into a grid of blocks of a latent row and column each; {verb} with tiles"
+                "{mode}: {ranks} rank(s) cannot cut a {h}x{w} input into a grid of blocks of at least {} × {} each; {verb} with tiles",
+                halo[0].max(1),
+                halo[1].max(1)
             )),
         }
     }

@@ -384,6 +384,8 @@ impl AutoencoderKl {
     /// - `auto`: where tiling would otherwise be used (two ranks or more, an input larger than a
     ///   tile, on the CPU), the shard along the longer axis that fits (width on ties): the exact
     ///   untiled result, without seams; otherwise tiles.
+    /// - `spatial_shard_2d`: the grid of blocks closest to square that gives every block a latent
+    ///   row and column (whole ones for an encode); otherwise tiles, flagged as a fallback.
     /// - `tile`: tiles.
     pub fn strategy(
         &self,

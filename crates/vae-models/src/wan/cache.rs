@@ -67,21 +67,19 @@ impl<'b, 'c> Pass<'b, 'c> {
             Slot::Frames(t) => Some(&*t),
             _ => None,
         };
-        let (x, axis) = match self.band.as_deref_mut() {
+        let (x, halo_axes) = match self.band.as_deref_mut() {
             Some(ctx) => {
-                let axis = ctx.axis().ok_or_else(|| {
-                    crate::ModelError::Unsupported("Wan's convolutions on a block of a 2-D grid".into())
-                })?;
-                haloed = ctx.with_halo(x, conv.halo(axis))?;
+                let halo = conv.band_halo(ctx.halo_axes())?;
+                haloed = ctx.with_halo(x, halo)?;
                 if let Some(cached) = previous {
-                    ctx.note_reused_halo(cached, conv.halo(axis));
+                    ctx.note_reused_halo(cached, halo);
                 }
-                (&haloed, Some(axis))
+                (&haloed, ctx.halo_axes())
             }
-            None => (x, None),
+            None => (x, [false, false]),
         };
         let to_cache = frames_to_cache(x, previous)?;
-        let out = conv.forward_haloed(x, previous, axis)?;
+        let out = conv.forward_haloed(x, previous, halo_axes)?;
         *slot = Slot::Frames(to_cache);
         Ok(out)
     }

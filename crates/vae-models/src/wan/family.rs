@@ -121,11 +121,11 @@ impl LoadedVae for WanVae {
             (Direction::Encode, Strategy::Pipeline) => {
                 return Err(ModelError::Unsupported("the encoder does not run as a pipeline".into()));
             }
-            (_, Strategy::Shard2d(_)) => {
-                return Err(ModelError::Unsupported(format!(
-                    "{} shards along one axis only, not over a 2-D grid",
-                    self.class_name()
-                )));
+            (Direction::Decode, Strategy::Shard2d(grid)) => {
+                executor.execute_sharded_blocks(input, &WanShardDecodeOperator::new(self), grid, placement)?
+            }
+            (Direction::Encode, Strategy::Shard2d(grid)) => {
+                executor.execute_sharded_blocks(input, &WanShardEncodeOperator::new(self), grid, placement)?
             }
         })
     }
@@ -162,7 +162,7 @@ impl LoadedVae for WanVae {
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
             (Direction::Decode, Strategy::Shard2d(_)) => Err(ModelError::Unsupported(format!(
-                "{} shards along one axis only, not over a 2-D grid",
+                "{} streams a 1-D shard (spatial_shard_height or spatial_shard_width), not a 2-D grid of blocks yet",
                 self.class_name()
             ))),
         }

@@ -40,12 +40,18 @@ impl CausalConv3d {
     }
 
     pub(super) fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_haloed(x, cache, None)
+        self.forward_haloed(x, cache, [false, false])
     }
 
     /// Rows each neighbour must supply along `axis` (the kernel's halo).
     pub(super) fn halo(&self, axis: ShardAxis) -> usize {
         kernel_halo(&self.weight, axis)
+    }
+
+    /// The halo a band (or block) cut along `halo_axes` (height, width) exchanges: the kernel's
+    /// along the cut axis; a block's must be the same along both (every Wan kernel is square).
+    pub(super) fn band_halo(&self, halo_axes: [bool; 2]) -> Result<usize> {
+        square_halo(&self.weight, halo_axes)
     }
 
     /// The weight's elements: multiply-adds per output pixel and frame.
@@ -65,14 +71,9 @@ impl CausalConv3d {
         self.weight.dtype()
     }
 
-    /// [`Self::forward`] for an input (and cache) that already carries its halo rows along
-    /// `halo_axis`, so that axis is not padded again.
-    pub(super) fn forward_haloed(
-        &self,
-        x: &Tensor,
-        cache: Option<&Tensor>,
-        halo_axis: Option<ShardAxis>,
-    ) -> Result<Tensor> {
+    /// [`Self::forward`] for an input (and cache) that already carries its halo rows along the
+    /// axes `halo_axes` marks (height, width), which are not padded again.
+    pub(super) fn forward_haloed(&self, x: &Tensor, cache: Option<&Tensor>, halo_axes: [bool; 2]) -> Result<Tensor> {
         let mut front = 2 * self.pad[0];
         let cached = match cache {
             Some(c) if front > 0 => {
@@ -81,12 +82,8 @@ impl CausalConv3d {
             }
             _ => None,
         };
-        let [_, mut ph, mut pw] = self.pad;
-        match halo_axis {
-            Some(ShardAxis::Height) => ph = 0,
-            Some(ShardAxis::Width) => pw = 0,
-            None => {}
-        }
+        let [_, ph, pw] = self.pad;
+        let (ph, pw) = (if halo_axes[0] { 0 } else { ph }, if halo_axes[1] { 0 } else { pw });
         let params =
             Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]).band_aligned(self.band_align);
         // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
@@ -95,6 +92,27 @@ impl CausalConv3d {
             Some(c) => x.conv3d_after(c, &self.weight, Some(&self.bias), &params)?,
             None => x.conv3d(&self.weight, Some(&self.bias), &params)?,
         })
+    }
+}
+
+/// The halo of a conv weight along the axes `halo_axes` cuts (height, width): the one halo
+/// [`vae_runtime::ShardContext::with_halo`] exchanges along all of them, or an error for a
+/// kernel whose halos differ along two cut axes.
+pub(super) fn square_halo(weight: &Tensor, halo_axes: [bool; 2]) -> Result<usize> {
+    let halos: Vec<usize> = [ShardAxis::Height, ShardAxis::Width]
+        .into_iter()
+        .zip(halo_axes)
+        .filter(|(_, cut)| *cut)
+        .map(|(axis, _)| kernel_halo(weight, axis))
+        .collect();
+    match halos.as_slice() {
+        [] => Ok(0),
+        [h] => Ok(*h),
+        [h, w] if h == w => Ok(*h),
+        _ => Err(crate::ModelError::Unsupported(format!(
+            "a {:?} kernel on a block of a 2-D grid (its halos differ along the two axes)",
+            weight.dims()
+        ))),
     }
 }
 

@@ -218,6 +218,12 @@ impl ShardOperator for WanShardDecodeOperator<'_> {
         self.model.device()
     }
 
+    /// Square kernels (halos alike along both axes), stride-2 downsamples on blocks of whole
+    /// latent rows and columns, per-pixel norms, and the attention on the gathered map.
+    fn splits_blocks(&self) -> bool {
+        true
+    }
+
     /// One run per latent frame.
     fn stream_runs(&self, z: &Tensor) -> Option<StreamRuns> {
         let latent_frames = *z.dims().get(2)?;
@@ -338,5 +344,11 @@ impl ShardOperator for WanShardEncodeOperator<'_> {
 
     fn device(&self) -> Device {
         self.model.device()
+    }
+
+    /// Square kernels (halos alike along both axes), stride-2 downsamples on blocks of whole
+    /// latent rows and columns, per-pixel norms, and the attention on the gathered map.
+    fn splits_blocks(&self) -> bool {
+        true
     }
 }

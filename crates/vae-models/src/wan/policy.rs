@@ -7,20 +7,14 @@ use super::model::WanVae;
 use crate::Result;
 
 impl WanVae {
-    /// Every parallel mode but the 2-D shard is available: the decoder's norms are per-pixel
-    /// RMS norms, so a band needs no statistics from the others, and the decoder is causal, one
-    /// latent frame at a time, so its layers pipeline over frames. Its causal convolutions keep
-    /// cached frames with the halo rows of one axis; a grid of blocks is not built for them yet.
+    /// Every parallel mode is available: the decoder's norms are per-pixel RMS norms, so a
+    /// band (or a block of a 2-D grid) needs no statistics from the others, and the decoder is
+    /// causal, one latent frame at a time, so its layers pipeline over frames.
     ///
     /// A model that kept only a pipeline stage's weights runs the pipeline mode alone.
     pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         match mode {
             ParallelMode::Pipeline => Ok(()),
-            ParallelMode::SpatialShard2d => Err(crate::ModelError::Unsupported(format!(
-                "{} shards along one axis only: use spatial_shard_height or spatial_shard_width \
-                 (spatial_shard_2d is AutoencoderKL's and FLUX.2's for now)",
-                self.class.class_name()
-            ))),
             _ => self.check_whole(),
         }
     }
@@ -37,6 +31,8 @@ impl WanVae {
     ///   band (width on ties); tile when neither can. (It does not choose the pipeline: that
     ///   needs a cost model that compares it with the shard.)
     /// - `pipeline`: the decoder's layers in stages over the ranks, for any video latent.
+    /// - `spatial_shard_2d`: the grid of blocks closest to square whose blocks are at least the
+    ///   decoder's widest halo along both axes; otherwise tile, flagged as a fallback.
     pub fn decode_strategy(&self, mode: ParallelMode, latent_dims: &[usize], ranks: usize) -> StrategyChoice {
         let extent = |axis: ShardAxis| axis.dim_in(latent_dims.len()).map(|d| latent_dims[d]).unwrap_or(0);
         let fits = |axis: ShardAxis| {
@@ -52,7 +48,15 @@ impl WanVae {
         match mode {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
             ParallelMode::Pipeline => StrategyChoice::chosen(Strategy::Pipeline, "pipeline requested"),
-            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class.class_name(), "decoding"),
+            // Blocks at least the decoder's widest halo along both axes.
+            ParallelMode::SpatialShard2d => match *latent_dims {
+                [_, _, _, h, w] => {
+                    let halo = [ShardAxis::Height, ShardAxis::Width].map(|a| self.decoder.widest_halo(a));
+                    StrategyChoice::forced_blocks_of(h, w, ranks, halo, "decoding")
+                }
+                // A malformed latent goes to the shard path, whose input check names it.
+                _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
+            },
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 if latent_dims.len() != 5 || fits(axis) {
@@ -115,7 +119,15 @@ impl WanVae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, "encoding")
             }
-            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class.class_name(), "encoding"),
+            ParallelMode::SpatialShard2d => match *dims {
+                [_, _, _, h, w] if h % unit == 0 && w % unit == 0 => {
+                    StrategyChoice::forced_blocks(h / unit, w / unit, ranks, "encoding")
+                }
+                [_, _, _, h, w] => StrategyChoice::fallback_to_tile(format!(
+                    "{mode}: a video of {h}x{w} is not whole latent rows and columns of {unit}; encoding with tiles"
+                )),
+                _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
+            },
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {

@@ -107,16 +107,17 @@ impl Upsample {
         let up = match pass.band.as_deref_mut() {
             None => self.conv.forward_upsampled(&frames)?,
             Some(ctx) => {
-                let axis = ctx.axis().ok_or_else(|| {
-                    crate::ModelError::Unsupported("Wan's upsampling on a block of a 2-D grid".into())
-                })?;
+                let [cut_h, cut_w] = ctx.halo_axes();
+                let halo = super::layers::square_halo(self.conv.weight(), [cut_h, cut_w])?;
                 let upsampled = frames.upsample_nearest2d(2)?;
-                let haloed = ctx.with_halo(&upsampled, self.halo(axis))?;
+                let haloed = ctx.with_halo(&upsampled, halo)?;
                 let [top, bottom, left, right] = self.conv.params().padding;
-                let padding = match axis {
-                    ShardAxis::Height => [0, 0, left, right],
-                    ShardAxis::Width => [top, bottom, 0, 0],
-                };
+                let padding = [
+                    if cut_h { 0 } else { top },
+                    if cut_h { 0 } else { bottom },
+                    if cut_w { 0 } else { left },
+                    if cut_w { 0 } else { right },
+                ];
                 let params = Conv2dParams::new(1, padding).band_aligned(self.band_align);
                 self.conv.forward_with(&haloed, &params)?
             }
