@@ -177,6 +177,25 @@ fn shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
     }
 }
 
+/// The 2-D shard on CUDA: device halos along both axes (the corners through the rows padded
+/// first) on a 2 × 2 grid of blocks, as close to the direct decode on CUDA as the 1-D shard is.
+#[test]
+fn block_shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
+    let Some(device) = cuda("2-D shard on CUDA") else { return };
+    let model = WanVae::load_on(&fixtures_dir().join("wan").join("wan21_like"), device).unwrap();
+    let z = random_tensor(&[1, 16, 2, 7, 10], 4);
+    let direct = model.decode(&z).unwrap();
+    let op = WanShardDecodeOperator::new(&model);
+    let results = run_local(4, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
+        exec.execute_sharded_blocks(&z, &op, [2, 2], OutputPlacement::OwnerOnly).unwrap().tensor
+    })
+    .unwrap();
+    let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
+    let diff = got.max_abs_diff(&direct).unwrap();
+    assert!(diff <= 1e-5, "2 x 2 blocks: max |blocks - direct| on CUDA = {diff}");
+}
+
 #[test]
 fn without_a_usable_gpu_loading_onto_cuda_is_a_typed_error() {
     if cuda("CUDA load errors (this machine has a GPU)").is_some() {
