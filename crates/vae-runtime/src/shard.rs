@@ -268,8 +268,8 @@ impl<'c> ShardContext<'c> {
     /// `x` (this rank's band) with `halo` rows of each neighbour on either side along the axis,
     /// and zero rows at the global edges: the input of a convolution whose padding along the
     /// axis is then 0. Written into one buffer of the padded size. For a block of a 2-D grid,
-    /// the same along both axes: the rows of the blocks above and below first, then the columns
-    /// of the blocks left and right of those padded rows, so the corners come from the
+    /// the same along both axes in one exchange with up to eight neighbours: rows from the
+    /// blocks above and below, columns from those left and right, and the corners from the
     /// diagonal blocks.
     ///
     /// Every rank taking part must call it in the same order with the same `halo`.
@@ -279,30 +279,86 @@ impl<'c> ShardContext<'c> {
         }
         let clock = Instant::now();
         let (rank, ranks) = (self.rank, self.ranks());
-        let steps: Vec<(ShardAxis, Option<usize>, Option<usize>)> = match &self.split {
+        let (padded, sent) = match &self.split {
             Split::Bands { axis, .. } => {
-                vec![(*axis, rank.checked_sub(1), (rank + 1 < ranks).then_some(rank + 1))]
+                let (prev, next) = (rank.checked_sub(1), (rank + 1 < ranks).then_some(rank + 1));
+                let axis = *axis;
+                self.pad_along(x, axis, halo, prev, next)?
             }
             Split::Blocks(grid) => {
-                let [i, j] = grid.coord(rank).expect("the rank takes part");
-                let at = |i: Option<usize>, j: Option<usize>| grid.rank_at([i?, j?]);
-                vec![
-                    (ShardAxis::Height, at(i.checked_sub(1), Some(j)), at(Some(i + 1), Some(j))),
-                    (ShardAxis::Width, at(Some(i), j.checked_sub(1)), at(Some(i), Some(j + 1))),
-                ]
+                let grid = grid.clone();
+                self.pad_block(x, &grid, halo)?
             }
         };
-        let mut padded = x.clone();
-        let mut sent = 0;
-        for (axis, prev, next) in steps {
-            let (out, bytes) = self.pad_along(&padded, axis, halo, prev, next)?;
-            padded = out;
-            sent += bytes;
-        }
         self.traffic.halo_exchanges += 1;
         self.traffic.halo_bytes_sent += sent;
         self.traffic.halo_time += clock.elapsed();
         Ok(padded)
+    }
+
+    /// `x`, a block of `grid`, with `halo` rows and columns of its up to eight neighbours in
+    /// one exchange: the edge rows of the blocks above and below, the edge columns of those
+    /// left and right, and an `halo × halo` corner of each diagonal block; zeros past the
+    /// global edges.
+    fn pad_block(&mut self, x: &Tensor, grid: &BlockGrid, halo: usize) -> Result<(Tensor, u64), RuntimeError> {
+        let [hd, wd] = [self.dim_of(x, ShardAxis::Height)?, self.dim_of(x, ShardAxis::Width)?];
+        let (len_h, len_w) = (x.dims()[hd], x.dims()[wd]);
+        if len_h < halo || len_w < halo {
+            return Err(invalid(format!(
+                "rank {}'s block of {len_h} × {len_w} is narrower than the halo {halo}",
+                self.rank
+            )));
+        }
+        let [i, j] = grid.coord(self.rank).expect("the rank takes part");
+        // Along one axis, for a neighbour at offset d (-1, 0, 1): which of this block's rows it
+        // gets (start, len), and where its own rows land in the padded block.
+        let part = |d: isize, len: usize| match d {
+            -1 => (0, halo),
+            0 => (0, len),
+            _ => (len - halo, halo),
+        };
+        let place = |d: isize, len: usize| match d {
+            -1 => 0,
+            0 => halo,
+            _ => halo + len,
+        };
+        let mut legs = Vec::with_capacity(8);
+        let mut places = Vec::with_capacity(8);
+        for di in -1isize..=1 {
+            for dj in -1isize..=1 {
+                let (Some(ni), Some(nj)) = (i.checked_add_signed(di), j.checked_add_signed(dj)) else { continue };
+                let Some(peer) = grid.rank_at([ni, nj]).filter(|&p| p != self.rank) else { continue };
+                let ((rs, rl), (cs, cl)) = (part(di, len_h), part(dj, len_w));
+                let piece = x.narrow(hd, rs, rl)?.narrow(wd, cs, cl)?;
+                // What comes back is the neighbour's matching piece: the same extents.
+                legs.push((peer, piece, {
+                    let mut dims = x.dims().to_vec();
+                    dims[hd] = rl;
+                    dims[wd] = cl;
+                    dims
+                }));
+                places.push((peer, place(di, len_h), place(dj, len_w)));
+            }
+        }
+        legs.sort_by_key(|(peer, _, _)| *peer);
+        let (received, sent) = self.swap(x, legs)?;
+        let mut padded_dims = x.dims().to_vec();
+        padded_dims[hd] = len_h + 2 * halo;
+        padded_dims[wd] = len_w + 2 * halo;
+        // Zero-initialised: what no neighbour fills is the global zero padding.
+        let mut padded = Tensor::zeros(padded_dims, x.dtype(), &x.device())?;
+        let origin = vec![0; x.rank()];
+        let mut at = origin.clone();
+        at[hd] = halo;
+        at[wd] = halo;
+        padded.copy_box_from(&at, x, &origin, x.dims())?;
+        for (peer, piece) in received {
+            let &(_, row, col) = places.iter().find(|(p, _, _)| *p == peer).expect("a neighbour's piece");
+            at[hd] = row;
+            at[wd] = col;
+            padded.copy_box_from(&at, &piece, &origin, piece.dims())?;
+        }
+        Ok((padded, sent))
     }
 
     /// `x` with `halo` rows along `axis` from `prev` and `next` (zeros where there is none).
