@@ -162,10 +162,32 @@ fn wan22_plain_and_tiled_decode_match_diffusers() {
     model.set_tiling([32, 48], [16, 32]).unwrap();
     let z = read_npy(&dir.join("wan22_like.decode_tiled.in.npy")).unwrap();
     let expected = read_npy(&dir.join("wan22_like.decode_tiled.out.npy")).unwrap();
-    let got = execute_serial(&WanDecodeOperator::new(&model, true), &z).unwrap();
+    let op = WanDecodeOperator::new(&model, true);
+    let got = execute_serial(&op, &z).unwrap();
     assert_eq!(got.dims(), expected.dims());
     let diff = got.max_abs_diff(&expected).unwrap();
     assert!(diff <= 1e-4, "tiled: {diff}");
+    // Tiles stitched on the owner as they arrive, unpatchified after: the serial bits.
+    for world in 1..=3 {
+        assert!(tiles_on_local_ranks(&op, &z, world).bit_eq(&got), "{world} ranks");
+    }
+}
+
+/// `op` on `world` local ranks, the owner's output.
+fn tiles_on_local_ranks<O: vae_runtime::TileOperator + Sync>(
+    op: &O,
+    x: &vae_tensor::Tensor,
+    world: usize,
+) -> vae_tensor::Tensor {
+    use std::sync::Arc;
+    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
+    use vae_transport::{TransportConfig, run_local};
+    let results = run_local(world, TransportConfig::default(), |comm| {
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
+        exec.execute(x, op, OutputPlacement::OwnerOnly).unwrap().tensor
+    })
+    .unwrap();
+    results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output")
 }
 
 #[test]
@@ -187,10 +209,14 @@ fn wan22_plain_and_tiled_encode_match_diffusers() {
     model.set_tiling([16, 16], [8, 8]).unwrap();
     let x = read_npy(&dir.join("wan22_like.encode_f5.in.npy")).unwrap();
     let expected = read_npy(&dir.join("wan22_like.encode_tiled_f5_moments.out.npy")).unwrap();
-    let got = execute_serial(&WanEncodeOperator::new(&model, true), &x).unwrap();
+    let op = WanEncodeOperator::new(&model, true);
+    let got = execute_serial(&op, &x).unwrap();
     assert_eq!(got.dims(), expected.dims());
     let diff = got.max_abs_diff(&expected).unwrap();
     assert!(diff <= 1e-4, "tiled: {diff}");
+    for world in 1..=3 {
+        assert!(tiles_on_local_ranks(&op, &x, world).bit_eq(&got), "{world} ranks");
+    }
     assert!(model.encode_moments(&x).unwrap().max_abs_diff(&expected).unwrap() > 1e-4, "the tiled path differs");
 }
 

@@ -287,33 +287,24 @@ impl Engine {
         Ok(with_reason(out, choice))
     }
 
-    /// The family's choice with the grid the request names: a 2-D shard on `options.shard_grid`
-    /// (the family chose its default grid, or fell back to tiles: a named grid is then an error,
-    /// as it is with any other mode, since the grid would silently not apply).
+    /// The family's choice with the grid the request names: a 2-D shard on `options.shard_grid`,
+    /// whatever the family would have chosen by default (its default grid, or tiles when that
+    /// grid does not fit). The executor checks the named grid against the input and the ranks
+    /// and refuses one that does not fit with an agreed error, rather than tiling silently. A
+    /// grid with another mode is an error.
     fn with_grid(mut choice: StrategyChoice, options: &RequestOptions) -> Result<StrategyChoice, EngineError> {
         let Some(grid) = options.shard_grid else { return Ok(choice) };
-        match choice.strategy {
-            Strategy::Shard2d(_) => {
-                choice.strategy = Strategy::Shard2d(grid);
-                choice.reason = format!(
-                    "{} requested: {} × {} blocks (--shard-grid)",
-                    ParallelMode::SpatialShard2d,
-                    grid[0],
-                    grid[1]
-                );
-                Ok(choice)
-            }
-            _ if options.mode != ParallelMode::SpatialShard2d => Err(ModelError::InvalidInput(format!(
+        if options.mode != ParallelMode::SpatialShard2d {
+            return Err(ModelError::InvalidInput(format!(
                 "--shard-grid applies to --vae-parallel-mode spatial_shard_2d, not {}",
                 options.mode
             ))
-            .into()),
-            _ => Err(ModelError::InvalidInput(format!(
-                "{} with a {} × {} grid: {}",
-                options.mode, grid[0], grid[1], choice.reason
-            ))
-            .into()),
+            .into());
         }
+        choice.fallback = false;
+        choice.strategy = Strategy::Shard2d(grid);
+        choice.reason = format!("{} requested: {} × {} blocks (--shard-grid)", options.mode, grid[0], grid[1]);
+        Ok(choice)
     }
 
     /// Encodes an image in [-1, 1] over the executor's ranks; every rank calls it.

@@ -932,10 +932,10 @@ fn a_request_that_cannot_fit_is_refused_before_any_work() {
     assert!(!out.exists());
 }
 
-/// `spatial_shard_2d` through the CLI: AutoencoderKL decode and encode on a 2 × 2 grid of
-/// blocks over socket processes, byte for byte the direct results; `--shard-grid` picks the
-/// grid (also from the config file) and is a clean error where it cannot apply; the video
-/// families refuse the mode.
+/// `spatial_shard_2d` through the CLI: AutoencoderKL decode and encode and the Wan decode on a
+/// 2 × 2 grid of blocks over socket processes, byte for byte the direct results; `--shard-grid`
+/// picks the grid (also from the config file) and is a clean error where it cannot apply;
+/// HunyuanVideo-1.5 refuses the mode.
 #[test]
 fn a_two_dimensional_shard_runs_through_the_cli() {
     let dir = scratch("shard-2d");
@@ -967,9 +967,37 @@ fn a_two_dimensional_shard_runs_through_the_cli() {
     let (enc_direct, enc_blocks) = (dir.join("enc-direct.npy"), dir.join("enc-blocks.npy"));
     let (ok, text) = encode("1", &enc_direct, &[]);
     assert!(ok, "{text}");
-    let (ok, text) = encode("4", &enc_blocks, &["--vae-parallel-mode", "spatial_shard_2d", "--shard-grid", "2x2"]);
+    let blocks_over_sockets =
+        ["--vae-parallel-mode", "spatial_shard_2d", "--shard-grid", "2x2", "--transport", "socket"];
+    let (ok, text) = encode("4", &enc_blocks, &blocks_over_sockets);
     assert!(ok && text.contains("shard-2x2"), "{text}");
     assert_eq!(std::fs::read(&enc_direct).unwrap(), std::fs::read(&enc_blocks).unwrap(), "2 × 2 encode = direct");
+
+    // A named grid runs where the default grid does not fit: a 2 × 2 latent on 3 ranks has no
+    // grid of 3 blocks (the default falls back to tiles), but 1 × 2 blocks fit, the third rank idle.
+    let small = dir.join("small.npy");
+    let z = vae_parallel::tensor::Tensor::seeded_uniform(
+        vec![1, 4, 2, 2],
+        2,
+        -1.0,
+        1.0,
+        &vae_parallel::tensor::Device::Cpu,
+    )
+    .unwrap();
+    std::fs::write(&small, vae_parallel::io::npy_bytes(&z).unwrap()).unwrap();
+    let (small_direct, small_blocks) = (dir.join("small-direct.npy"), dir.join("small-blocks.npy"));
+    let (ok, text) = cli(&decode_on("1", s(&model), s(&small), s(&small_direct), &[]));
+    assert!(ok, "{text}");
+    let mode = ["--vae-parallel-mode", "spatial_shard_2d"];
+    let (ok, text) = cli(&decode_on("3", s(&model), s(&small), s(&small_blocks), &mode));
+    assert!(
+        ok && text.contains("tile") && text.contains("cannot cut a 2x2 input"),
+        "the default grid falls back: {text}"
+    );
+    let named = ["--vae-parallel-mode", "spatial_shard_2d", "--shard-grid", "1x2"];
+    let (ok, text) = cli(&decode_on("3", s(&model), s(&small), s(&small_blocks), &named));
+    assert!(ok && text.contains("shard-1x2"), "{text}");
+    assert_eq!(std::fs::read(&small_direct).unwrap(), std::fs::read(&small_blocks).unwrap(), "1 × 2 = direct");
 
     // Clean errors: a grid without the 2-D mode, a grid larger than the ranks, a malformed grid.
     let out = dir.join("never.npy");

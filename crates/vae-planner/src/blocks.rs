@@ -85,17 +85,17 @@ impl BlockGrid {
 
 /// The `R × C` factorisation of `ranks` whose blocks of an `h × w` map are closest to square
 /// (the ratio of the longer block side to the shorter is smallest; more columns on ties, as
-/// the 1-D `auto` prefers the width), among those that give every block at least one row and
-/// one column. `None` when no factorisation does.
-pub fn square_grid(ranks: usize, h: usize, w: usize) -> Option<[usize; 2]> {
+/// the 1-D `auto` prefers the width), among those whose every block holds `min_block` (`[rows,
+/// columns]`, at least one of each). `None` when no factorisation does.
+pub fn square_grid(ranks: usize, h: usize, w: usize, min_block: [usize; 2]) -> Option<[usize; 2]> {
     (1..=ranks)
         .filter(|r| ranks.is_multiple_of(*r))
         .map(|r| [r, ranks / r])
-        .filter(|&[r, c]| r <= h && c <= w)
+        .filter(|&g| BlockGrid::fits([h, w], g, min_block))
         // Block sides are h / R and w / C: compare (h·C) against (w·R), longer over shorter,
         // as exact fractions.
         .map(|[r, c]| {
-            let (a, b) = ((h * c) as u128, (w * r) as u128);
+            let (a, b) = (h as u128 * c as u128, w as u128 * r as u128);
             ([r, c], if a >= b { (a, b) } else { (b, a) })
         })
         .min_by(|(ga, (na, da)), (gb, (nb, db))| (na * db).cmp(&(nb * da)).then(gb[1].cmp(&ga[1])))
@@ -143,13 +143,17 @@ mod tests {
 
     #[test]
     fn the_default_grid_makes_blocks_closest_to_square() {
-        assert_eq!(square_grid(4, 64, 64), Some([2, 2]));
-        assert_eq!(square_grid(2, 64, 64), Some([1, 2]));
-        assert_eq!(square_grid(4, 32, 128), Some([1, 4]));
-        assert_eq!(square_grid(6, 60, 104), Some([2, 3]));
-        assert_eq!(square_grid(4, 1, 8), Some([1, 4]));
-        assert_eq!(square_grid(5, 2, 2), None);
-        assert_eq!(square_grid(1, 3, 3), Some([1, 1]));
+        let one = [1, 1];
+        assert_eq!(square_grid(4, 64, 64, one), Some([2, 2]));
+        assert_eq!(square_grid(2, 64, 64, one), Some([1, 2]));
+        assert_eq!(square_grid(4, 32, 128, one), Some([1, 4]));
+        assert_eq!(square_grid(6, 60, 104, one), Some([2, 3]));
+        assert_eq!(square_grid(4, 1, 8, one), Some([1, 4]));
+        assert_eq!(square_grid(5, 2, 2, one), None);
+        assert_eq!(square_grid(1, 3, 3, one), Some([1, 1]));
+        // The squarest grid (2 × 2: blocks of 2 × 2) cannot hold 3 rows; 1 × 4 (4 × 1) can.
+        assert_eq!(square_grid(4, 4, 4, [3, 1]), Some([1, 4]));
+        assert_eq!(square_grid(4, 4, 4, [3, 3]), None);
     }
 
     #[test]

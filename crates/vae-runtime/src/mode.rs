@@ -124,20 +124,18 @@ impl StrategyChoice {
     }
 
     /// A forced 2-D shard's choice for an `h × w` input (in whole units) over `ranks` ranks:
-    /// the grid whose blocks are closest to square ([`vae_planner::square_grid`]) when every
-    /// block gets a unit along both axes; tiles flagged as a fallback otherwise. `verb` says
+    /// the grid whose blocks are closest to square ([`vae_planner::square_grid`]) among those
+    /// that give every block a unit along both axes; tiles flagged as a fallback otherwise. `verb` says
     /// what the tiles do ("decoding").
     pub fn forced_blocks(h: usize, w: usize, ranks: usize, verb: &str) -> Self {
         Self::forced_blocks_of(h, w, ranks, [1, 1], verb)
     }
 
     /// [`Self::forced_blocks`] for a network whose widest halo is `halo` (`[rows, columns]`):
-    /// the square grid must give every block at least that along both axes.
+    /// the squarest grid among those that give every block at least that along both axes.
     pub fn forced_blocks_of(h: usize, w: usize, ranks: usize, halo: [usize; 2], verb: &str) -> Self {
         let mode = ParallelMode::SpatialShard2d;
-        let grid = vae_planner::square_grid(ranks, h, w)
-            .filter(|g| vae_planner::BlockGrid::fits([h, w], *g, [halo[0].max(1), halo[1].max(1)]));
-        match grid {
+        match vae_planner::square_grid(ranks, h, w, [halo[0].max(1), halo[1].max(1)]) {
             Some(grid) => Self::chosen(
                 Strategy::Shard2d(grid),
                 format!("{mode} requested: {} × {} blocks, the closest to square", grid[0], grid[1]),

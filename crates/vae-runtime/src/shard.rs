@@ -286,8 +286,8 @@ impl<'c> ShardContext<'c> {
                 self.pad_along(x, axis, halo, prev, next)?
             }
             Split::Blocks(grid) => {
-                let grid = grid.clone();
-                self.pad_block(x, &grid, halo)?
+                let (coord, shape) = (grid.coord(rank).expect("the rank takes part"), grid.grid());
+                self.pad_block(x, coord, shape, halo)?
             }
         };
         self.traffic.halo_exchanges += 1;
@@ -296,11 +296,17 @@ impl<'c> ShardContext<'c> {
         Ok(padded)
     }
 
-    /// `x`, a block of `grid`, with `halo` rows and columns of its up to eight neighbours in
-    /// one exchange: the edge rows of the blocks above and below, the edge columns of those
-    /// left and right, and an `halo × halo` corner of each diagonal block; zeros past the
-    /// global edges.
-    fn pad_block(&mut self, x: &Tensor, grid: &BlockGrid, halo: usize) -> Result<(Tensor, u64), RuntimeError> {
+    /// `x`, this rank's block at `[i, j]` of an `[R, C]` grid (rank `r` holds `(r / C, r % C)`),
+    /// with `halo` rows and columns of its up to eight neighbours in one exchange: the edge rows
+    /// of the blocks above and below, the edge columns of those left and right, and an
+    /// `halo × halo` corner of each diagonal block; zeros past the global edges.
+    fn pad_block(
+        &mut self,
+        x: &Tensor,
+        [i, j]: [usize; 2],
+        [rows, cols]: [usize; 2],
+        halo: usize,
+    ) -> Result<(Tensor, u64), RuntimeError> {
         let [hd, wd] = [self.dim_of(x, ShardAxis::Height)?, self.dim_of(x, ShardAxis::Width)?];
         let (len_h, len_w) = (x.dims()[hd], x.dims()[wd]);
         if len_h < halo || len_w < halo {
@@ -309,7 +315,6 @@ impl<'c> ShardContext<'c> {
                 self.rank
             )));
         }
-        let [i, j] = grid.coord(self.rank).expect("the rank takes part");
         // Along one axis, for a neighbour at offset d (-1, 0, 1): which of this block's rows it
         // gets (start, len), and where its own rows land in the padded block.
         let part = |d: isize, len: usize| match d {
@@ -327,7 +332,10 @@ impl<'c> ShardContext<'c> {
         for di in -1isize..=1 {
             for dj in -1isize..=1 {
                 let (Some(ni), Some(nj)) = (i.checked_add_signed(di), j.checked_add_signed(dj)) else { continue };
-                let Some(peer) = grid.rank_at([ni, nj]).filter(|&p| p != self.rank) else { continue };
+                if (di, dj) == (0, 0) || ni >= rows || nj >= cols {
+                    continue;
+                }
+                let peer = ni * cols + nj;
                 let ((rs, rl), (cs, cl)) = (part(di, len_h), part(dj, len_w));
                 let piece = x.narrow(hd, rs, rl)?.narrow(wd, cs, cl)?;
                 // What comes back is the neighbour's matching piece: the same extents.
@@ -713,7 +721,7 @@ mod tests {
             let ranks = ranks.min(extent);
             let bands = BandPartition::new(extent, ranks, 1).unwrap();
             // Or blocks of the grid closest to square, over the same ranks.
-            let grid = BlockGrid::new([h, w], vae_planner::square_grid(ranks, h, w).unwrap(), [1, 1]).unwrap();
+            let grid = BlockGrid::new([h, w], vae_planner::square_grid(ranks, h, w, [1, 1]).unwrap(), [1, 1]).unwrap();
             let results = run_local(ranks, TransportConfig::default(), |comm| {
                 let rank = comm.rank();
                 let mut ctx = if blocks {

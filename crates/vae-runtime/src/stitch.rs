@@ -306,8 +306,24 @@ pub fn merge_plan(
 ) -> Result<Tensor, RuntimeError> {
     match &grid.tile_spec {
         None => tiles.take(&[0, 0]).ok_or_else(|| RuntimeError::Config("the single tile is missing".into())),
-        Some(layout) => stitch(tiles, layout.grid_shape(), &layout.spec),
+        Some(layout) => stitch_layout(tiles, layout),
     }
+}
+
+/// [`stitch`] with the extents `layout` predicts rather than those the tiles have: the same
+/// contract as a [`Stitcher`] merging them one by one (a tile of another size is an error), so a
+/// serial merge and a distributed one accept and refuse the same tiles.
+pub fn stitch_layout(mut tiles: TileMap, layout: &StitchLayout) -> Result<Tensor, RuntimeError> {
+    let [rows, cols] = layout.grid_shape();
+    let mut stitcher = Stitcher::new(layout)?;
+    for i in 0..rows {
+        for j in 0..cols {
+            let tile =
+                tiles.take(&[i, j]).ok_or_else(|| RuntimeError::Config(format!("tile [{i}, {j}] is missing")))?;
+            stitcher.push([i, j], tile)?;
+        }
+    }
+    stitcher.finish()
 }
 
 #[cfg(test)]

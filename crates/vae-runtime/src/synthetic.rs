@@ -4,7 +4,7 @@
 //!
 //! Each tile is upsampled by `scale` (nearest), doubled, and shifted by `tile_id ×
 //! tile_offset`, so overlapping tiles disagree and the blend visibly matters; tiles are merged
-//! with [`crate::stitch::stitch`] using Wan-style geometry (blend the overlap, keep the
+//! with [`crate::stitch::stitch_layout`] using Wan-style geometry (blend the overlap, keep the
 //! stride, crop to the full size).
 
 use std::ops::Range;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use vae_planner::{AxisTiling, GridSpec, MergeRule, TileTask};
 use vae_tensor::{DType, Device, Tensor};
 
-use crate::stitch::{StitchLayout, StitchSpec, stitch};
+use crate::stitch::{StitchLayout, StitchSpec, stitch_layout};
 use crate::{OperatorError, TileMap, TileOperator, TilePlan};
 
 /// The synthetic "decoder" (see the module docs).
@@ -105,8 +105,7 @@ impl TileOperator for SyntheticDecoder {
     }
 
     fn merge(&self, tiles: TileMap, grid: &GridSpec<StitchLayout, DType>) -> Result<Tensor, OperatorError> {
-        let shape = [grid.grid_shape[0], grid.grid_shape[1]];
-        Ok(stitch(tiles, shape, &grid.tile_spec.spec)?)
+        Ok(stitch_layout(tiles, &grid.tile_spec)?)
     }
 
     fn stitch_layout<'g>(&self, grid: &'g GridSpec<StitchLayout, DType>) -> Option<&'g StitchLayout> {

@@ -471,7 +471,11 @@ fn stitched_tiles_keep_a_non_owner_ranks_memory_flat_in_the_image_size() {
     let (small, large) = (input(&[1, 1, 20, 20], 4), input(&[1, 1, 80, 80], 4));
     let (s, l) = (held(&small, true), held(&large, true));
     assert!(l[1].1 > 4 * s[1].1, "the large image has many more tiles: {s:?} {l:?}");
-    assert_eq!(s[1].0, l[1].0, "a non-owner rank's peak is one tile's work, whatever the image");
+    let (small_peak, large_peak) = (s[1].0 as f64, l[1].0 as f64);
+    assert!(
+        (0.9 * small_peak..=1.1 * small_peak).contains(&large_peak),
+        "a non-owner rank's peak is one tile's work, whatever the image: {s:?} {l:?}"
+    );
     let tile_bytes = (op.tile * op.scale).pow(2) * 4;
     let output_bytes = (80 * op.scale).pow(2) * 4;
     let edge_row_bytes = 80 * op.scale * (op.tile - op.stride) * op.scale * 4;

@@ -99,7 +99,8 @@ impl LoadedVae for AutoencoderKl {
                 Ok(run.executor.execute_sharded(run.input, &op, axis, run.placement)?)
             }
             Strategy::Shard2d(grid) => {
-                let op = KlShardOperator::new(self, task, run.executor.parallel_size());
+                // Its memory check counts a block of the grid's ranks, not of the parallel size.
+                let op = KlShardOperator::new(self, task, grid[0].saturating_mul(grid[1]).max(1));
                 Ok(run.executor.execute_sharded_blocks(run.input, &op, grid, run.placement)?)
             }
             Strategy::Pipeline => Err(ModelError::Unsupported(format!(

@@ -47,25 +47,26 @@ impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
                 "this model cannot shard a 2-D grid of blocks yet (shard along the height or the width)".to_string(),
             ));
         }
-        if r * c > exec.parallel_size {
+        if r.checked_mul(c).is_none_or(|n| n > exec.parallel_size) {
             return Err(Failure::new(
                 FailureKind::InvalidInput,
                 format!(
                     "a {r} × {c} grid of blocks needs {} ranks; the parallel size is {}",
-                    r * c,
+                    r.saturating_mul(c),
                     exec.parallel_size
                 ),
             ));
         }
         let mut extents = [0; 2];
         let mut min_block = [0; 2];
-        let mut unit = 1;
+        let mut units = [1; 2];
         for (a, axis) in [ShardAxis::Height, ShardAxis::Width].into_iter().enumerate() {
             let geometry = guarded(|| self.op.geometry(input, axis))?;
             let dim = axis
                 .dim_in(input.rank())
                 .ok_or_else(|| format!("cannot shard the {axis} of an input of shape {}", input.shape()))?;
-            unit = geometry.unit.max(1);
+            let unit = geometry.unit.max(1);
+            units[a] = unit;
             let extent = input.dims()[dim];
             if !extent.is_multiple_of(unit) {
                 return Err(format!("an input {axis} of {extent} is not a whole number of bands of {unit}").into());
@@ -73,8 +74,13 @@ impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
             extents[a] = extent / unit;
             min_block[a] = geometry.min_band;
         }
+        // The context cuts both axes in one unit (the encoders halve H and W alike).
+        if units[0] != units[1] {
+            let message = format!("blocks of {} rows by {} columns per latent pixel", units[0], units[1]);
+            return Err(Failure::new(FailureKind::Unsupported, message));
+        }
         let grid = BlockGrid::new(extents, self.grid, min_block).map_err(|e| e.to_string())?;
-        Ok(BlockPlan { grid, unit })
+        Ok(BlockPlan { grid, unit: units[0] })
     }
 
     fn plan_size(plan: &BlockPlan) -> usize {

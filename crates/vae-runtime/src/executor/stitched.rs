@@ -5,9 +5,9 @@
 //! diffusers' row-major order has come, and frees it.
 //!
 //! A rank other than the owner so holds one tile output at a time instead of all of its tiles,
-//! and the owner the output, the tiles of one round, the few that arrived ahead of their turn
-//! and the `blend` rows and columns their neighbours read: memory no longer grows with the
-//! number of tiles beyond the output itself. The tiles are dealt by LPT as in the whole-map
+//! and the owner the output, the tiles of one round, any that arrived ahead of their turn (how
+//! many depends on how LPT spread the tiles; in row-major rounds, few) and the `blend` rows of
+//! one row of tiles that their lower neighbours read (growing with the width, not the area). The tiles are dealt by LPT as in the whole-map
 //! merge and computed exactly as alone, and the stitch replays diffusers' order, so the output
 //! is bit for bit the same for any number of ranks.
 
@@ -18,7 +18,7 @@ use vae_tensor::Tensor;
 use vae_transport::CommunicatorExt;
 
 use super::failure::Failure;
-use super::tile::{TileOutputs, cast_output, decode_summary, summary_message};
+use super::tile::{TileOutputs, cast_output, decode_summary, exec_tile, summary_message};
 use super::{DistributedVaeExecutor, OWNER, guarded, inconsistent};
 use crate::progress::{self, Progress};
 use crate::stitch::{StitchLayout, Stitcher};
@@ -59,17 +59,8 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
         let clock = Instant::now();
         let mut local = TileOutputs { outputs: Vec::with_capacity(1), error: None };
         if let Some(&tile_id) = mine.get(round).filter(|_| !failed) {
-            match guarded(|| op.exec(input, &plan.tasks[tile_id])) {
-                Ok(out) if out.rank() == input.rank() => local.outputs.push((tile_id, out)),
-                Ok(out) => {
-                    let message = format!(
-                        "tile output has rank {} ({}), the input has rank {}",
-                        out.rank(),
-                        out.shape(),
-                        input.rank()
-                    );
-                    local.error = Some((tile_id, message.into()));
-                }
+            match exec_tile(op, input, &plan.tasks[tile_id]) {
+                Ok(out) => local.outputs.push((tile_id, out)),
                 Err(failure) => local.error = Some((tile_id, failure)),
             }
             failed = local.error.is_some();
@@ -161,13 +152,21 @@ impl OwnerMerge {
                         ))),
                     }
                 } else {
-                    // Shapes were checked for overflow when the summary was decoded.
+                    // Each shape was checked for overflow when the summary was decoded; their sum
+                    // is checked here.
                     let len = shape.elem_count() * dtype.size_in_bytes();
-                    let bytes = at.checked_add(len).and_then(|end| payload.get(at..end));
-                    at += len;
-                    match bytes {
-                        Some(bytes) => Tensor::from_bytes(dtype, shape, bytes, device).map_err(RuntimeError::from),
-                        None => Err(RuntimeError::Inconsistent(format!("rank {r} sent too few bytes"))),
+                    match at.checked_add(len).and_then(|end| Some((end, payload.get(at..end)?))) {
+                        Some((end, bytes)) => {
+                            at = end;
+                            if self.failed() {
+                                continue;
+                            }
+                            Tensor::from_bytes(dtype, shape, bytes, device).map_err(RuntimeError::from)
+                        }
+                        None => {
+                            self.fail(RuntimeError::Inconsistent(format!("rank {r} sent too few bytes for its tiles")));
+                            break;
+                        }
                     }
                 };
                 match tensor.and_then(|t| self.coord_of(plan, r, tile_id).map(|c| (c, t))) {
@@ -175,7 +174,7 @@ impl OwnerMerge {
                     Err(err) => self.fail(err),
                 }
             }
-            if r != OWNER && at != payload.len() && self.stitcher.is_ok() {
+            if r != OWNER && at != payload.len() && !self.failed() {
                 self.fail(RuntimeError::Inconsistent(format!(
                     "rank {r} sent {} bytes, its tiles need {at}",
                     payload.len()
@@ -197,6 +196,11 @@ impl OwnerMerge {
         }
     }
 
+    /// Whether the request has already failed (a tile on any rank, or the merge).
+    fn failed(&self) -> bool {
+        self.stitcher.is_err() || self.exec_failures.iter().any(Option::is_some)
+    }
+
     /// Merges a tile, unless the request has already failed.
     fn stitch(&mut self, coord: [usize; 2], tile: Tensor) {
         if self.exec_failures.iter().any(Option::is_some) {
@@ -216,8 +220,10 @@ impl OwnerMerge {
         }
     }
 
-    /// The stitched output; a tile failure on any rank first (the lowest rank's), then a
-    /// merge failure, then a tile that never came.
+    /// The stitched output; a tile failure on any rank first (the lowest rank's, as the
+    /// whole-map merge reports), then the first merge or protocol failure in arrival order, then
+    /// a tile that never came. (The whole-map merge, which reads every summary at once, reports
+    /// a malformed summary before a later rank's tile failure; here a tile failure wins.)
     fn finish(self) -> Result<Tensor, RuntimeError> {
         if let Some(err) = self.exec_failures.into_iter().flatten().next() {
             return Err(err);

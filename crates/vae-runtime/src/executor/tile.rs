@@ -220,20 +220,10 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         for &tile_id in mine {
             // A failed group stops this rank between tiles, not after its last.
             crate::cancel::check()?;
-            match guarded(|| self.op.exec(input, &plan.tasks[tile_id])) {
-                Ok(out) if out.rank() == input.rank() => {
+            match exec_tile(self.op, input, &plan.tasks[tile_id]) {
+                Ok(out) => {
                     local.outputs.push((tile_id, out));
                     progress::report(Progress::Tiles { done: local.outputs.len(), total: mine.len() });
-                }
-                Ok(out) => {
-                    let message = format!(
-                        "tile output has rank {} ({}), the input has rank {}",
-                        out.rank(),
-                        out.shape(),
-                        input.rank()
-                    );
-                    local.error = Some((tile_id, message.into()));
-                    break;
                 }
                 Err(failure) => {
                     local.error = Some((tile_id, failure));
@@ -262,6 +252,22 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
             TileLocal::Stitched(outcome) => Ok(outcome),
         }
     }
+}
+
+/// Computes one tile, its errors and panics caught; an output of another rank than the input's
+/// is a failure too.
+pub(super) fn exec_tile<O: TileOperator>(
+    op: &O,
+    input: &Tensor,
+    task: &TileTask<O::Payload>,
+) -> Result<Tensor, Failure> {
+    let out = guarded(|| op.exec(input, task))?;
+    if out.rank() != input.rank() {
+        let message =
+            format!("tile output has rank {} ({}), the input has rank {}", out.rank(), out.shape(), input.rank());
+        return Err(message.into());
+    }
+    Ok(out)
 }
 
 /// [`TileStrategy::collect`]: one gather of every rank's tile summary and bytes to the owner,
