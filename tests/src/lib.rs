@@ -168,24 +168,15 @@ pub fn kl_case_output(
     }
 }
 
-/// Runs `op` as a spatial shard of `input` along `axis` on `world` local ranks (owner-only
-/// output); returns the owner's output and every rank's report.
+/// Shard-runs `op` on `input` along `axis` over `world` local ranks (parallel size `world`,
+/// output on the owner); returns the owner's output and every rank's report.
 pub fn shard_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     op: &O,
     input: &vae_tensor::Tensor,
     axis: vae_runtime::ShardAxis,
     world: usize,
 ) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
-    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
-    let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
-        let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
-        exec.execute_sharded(input, op, axis, OutputPlacement::OwnerOnly).unwrap()
-    })
-    .unwrap();
-    let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    let tensor = outs[0].tensor.take().expect("rank 0 owns the output");
-    assert!(outs[1..].iter().all(|o| o.tensor.is_none()), "owner-only placement");
-    (tensor, outs.into_iter().map(|o| o.report).collect())
+    on_local_ranks(world, |exec| exec.execute_sharded(input, op, axis, vae_runtime::OutputPlacement::OwnerOnly))
 }
 
 /// [`shard_on_local_ranks`] over a 2-D `grid` of blocks ([`vae_runtime::DistributedVaeExecutor::execute_sharded_blocks`]).
@@ -195,10 +186,19 @@ pub fn blocks_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     grid: [usize; 2],
     world: usize,
 ) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
-    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
+    on_local_ranks(world, |exec| exec.execute_sharded_blocks(input, op, grid, vae_runtime::OutputPlacement::OwnerOnly))
+}
+
+/// Runs `request` on `world` local ranks with an executor of parallel size `world`; returns the
+/// owner's output (checked to be the owner's alone) and every rank's report.
+fn on_local_ranks(
+    world: usize,
+    request: impl Fn(&vae_runtime::DistributedVaeExecutor) -> Result<vae_runtime::ExecOutput, vae_runtime::RuntimeError>
+    + Sync,
+) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
-        let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
-        exec.execute_sharded_blocks(input, op, grid, OutputPlacement::OwnerOnly).unwrap()
+        let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
+        request(&exec).unwrap()
     })
     .unwrap();
     let mut outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();

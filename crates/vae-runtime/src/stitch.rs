@@ -30,7 +30,7 @@ pub struct StitchSpec {
 /// Merges a `grid_shape[0] × grid_shape[1]` grid of tile outputs (coordinates `[i, j]`)
 /// exactly as diffusers' `tiled_decode` / `tiled_encode` loops do, with the tiles' actual
 /// output extents (heights from the first column, widths from the first row).
-pub fn stitch(mut tiles: TileMap, grid_shape: [usize; 2], spec: &StitchSpec) -> Result<Tensor, RuntimeError> {
+pub fn stitch(tiles: TileMap, grid_shape: [usize; 2], spec: &StitchSpec) -> Result<Tensor, RuntimeError> {
     let [rows, cols] = grid_shape;
     let [vdim, hdim] = spec.dims;
     if rows == 0 || cols == 0 {
@@ -44,15 +44,7 @@ pub fn stitch(mut tiles: TileMap, grid_shape: [usize; 2], spec: &StitchSpec) -> 
     };
     let heights = (0..rows).map(|i| extent([i, 0], vdim)).collect::<Result<Vec<_>, _>>()?;
     let widths = (0..cols).map(|j| extent([0, j], hdim)).collect::<Result<Vec<_>, _>>()?;
-    let mut stitcher = Stitcher::new(&StitchLayout { spec: *spec, tile_extents: [heights, widths] })?;
-    for i in 0..rows {
-        for j in 0..cols {
-            let tile =
-                tiles.take(&[i, j]).ok_or_else(|| RuntimeError::Config(format!("tile [{i}, {j}] is missing")))?;
-            stitcher.push([i, j], tile)?;
-        }
-    }
-    stitcher.finish()
+    stitch_layout(tiles, &StitchLayout { spec: *spec, tile_extents: [heights, widths] })
 }
 
 /// A diffusers 2-D tiling's merge with the output extent of every row and column of tiles

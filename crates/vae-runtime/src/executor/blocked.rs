@@ -14,7 +14,7 @@ use vae_transport::wire::Reader;
 
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
-use super::sharded::{abort_shard, band_message};
+use super::sharded::{band_message, exec_part};
 use super::{DistributedVaeExecutor, OWNER, RankWork, RequestStrategy, guarded, read_tensor_header};
 use crate::shard::{ShardContext, ShardOperator, ShardTraffic};
 use crate::{FailureKind, RuntimeError, Stage};
@@ -104,22 +104,12 @@ impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
         let clock = Instant::now();
         let rank = exec.comm.rank();
         let block = plan.grid.block(rank);
-        let mut traffic = ShardTraffic::default();
-        let local = match block {
-            None => None,
+        let (local, traffic) = match block {
+            None => (None, ShardTraffic::default()),
             Some(_) => {
-                let mut ctx = ShardContext::blocks(exec.comm.as_ref(), plan.grid.clone(), rank).with_unit(plan.unit);
-                let out = guarded(|| self.op.exec(input, &mut ctx));
-                traffic = ctx.traffic();
-                match out {
-                    Ok(out) if out.rank() == input.rank() => Some(out),
-                    Ok(out) => {
-                        let message =
-                            format!("block output has rank {}, the input has rank {}", out.rank(), input.rank());
-                        return Err(abort_shard(exec, rank, message.into()));
-                    }
-                    Err(failure) => return Err(abort_shard(exec, rank, failure)),
-                }
+                let ctx = ShardContext::blocks(exec.comm.as_ref(), plan.grid.clone(), rank).with_unit(plan.unit);
+                let (out, traffic) = exec_part(self.op, exec, input, ctx)?;
+                (Some(out), traffic)
             }
         };
         timings.halo = traffic.comm_time();

@@ -76,23 +76,13 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         let clock = Instant::now();
         let rank = exec.comm.rank();
         let band = plan.bands.band(rank);
-        let mut traffic = ShardTraffic::default();
-        let local = match band {
-            None => None,
+        let (local, traffic) = match band {
+            None => (None, ShardTraffic::default()),
             Some(_) => {
-                let mut ctx =
+                let ctx =
                     ShardContext::new(exec.comm.as_ref(), self.axis, plan.bands.clone(), rank).with_unit(plan.unit);
-                let out = guarded(|| self.op.exec(input, &mut ctx));
-                traffic = ctx.traffic();
-                match out {
-                    Ok(out) if out.rank() == input.rank() => Some(out),
-                    Ok(out) => {
-                        let message =
-                            format!("band output has rank {}, the input has rank {}", out.rank(), input.rank());
-                        return Err(abort_shard(exec, rank, message.into()));
-                    }
-                    Err(failure) => return Err(abort_shard(exec, rank, failure)),
-                }
+                let (out, traffic) = exec_part(self.op, exec, input, ctx)?;
+                (Some(out), traffic)
             }
         };
         timings.halo = traffic.comm_time();
@@ -151,6 +141,27 @@ pub(super) fn band_message(band: Option<&Tensor>, rank: usize) -> Result<Writer,
         }
     }
     Ok(message)
+}
+
+/// Runs `op` on this rank's band (or block) with `ctx`: its output, which must have the input's
+/// rank, and the traffic inside. A failure aborts the group ([`abort_shard`]).
+pub(super) fn exec_part<O: ShardOperator>(
+    op: &O,
+    exec: &DistributedVaeExecutor,
+    input: &Tensor,
+    mut ctx: ShardContext<'_>,
+) -> Result<(Tensor, ShardTraffic), RuntimeError> {
+    let rank = exec.comm.rank();
+    let out = guarded(|| op.exec(input, &mut ctx));
+    let traffic = ctx.traffic();
+    match out {
+        Ok(out) if out.rank() == input.rank() => Ok((out, traffic)),
+        Ok(out) => {
+            let message = format!("the shard's output has rank {}, the input has rank {}", out.rank(), input.rank());
+            Err(abort_shard(exec, rank, message.into()))
+        }
+        Err(failure) => Err(abort_shard(exec, rank, failure)),
+    }
 }
 
 /// A failure inside a sharded computation: the neighbours may be waiting for this rank's
