@@ -113,6 +113,18 @@ impl std::fmt::Debug for Execution<'_> {
     }
 }
 
+/// The cost model's view of one request ([`vae_planner::cost`]): the pass over the whole input,
+/// and each tile's pass when the input is larger than one tile (empty otherwise).
+#[derive(Debug, Clone)]
+pub struct CostNetworks {
+    /// The direct pass over the whole input (a shard runs it on parts of every map).
+    pub whole: vae_planner::cost::Network,
+    /// Each tile's pass, in the tile plan's order.
+    pub tiles: Vec<vae_planner::cost::Network>,
+    /// Whether the owner stitches tiles as they arrive (rather than gathering them all).
+    pub stitched: bool,
+}
+
 /// A loaded VAE of any family: what serving a request needs from it.
 ///
 /// Policy methods ([`check_mode`](Self::check_mode), [`strategy`](Self::strategy)) must be
@@ -132,6 +144,12 @@ pub trait LoadedVae: Send + Sync {
     /// (which [`check_mode`](Self::check_mode) accepted): tiles or a spatial shard, with the
     /// reason, flagged when a forced mode fell back.
     fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice;
+    /// The cost model's passes for a request on an `input_dims` input, or None where the
+    /// family has no cost model (or the shape is not its input's): `auto` then follows the
+    /// family's rules alone.
+    fn cost_networks(&self, _direction: Direction, _input_dims: &[usize]) -> Option<CostNetworks> {
+        None
+    }
     /// Who receives the result when the request does not say: the reference system's contract
     /// for this class.
     fn default_placement(&self, direction: Direction) -> OutputPlacement;

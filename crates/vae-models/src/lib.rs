@@ -21,4 +21,4 @@ pub mod wan;
 pub mod weights;
 
 pub use error::{ModelError, Result};
-pub use family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+pub use family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};

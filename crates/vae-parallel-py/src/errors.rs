@@ -38,6 +38,7 @@ pub(crate) fn engine_error(err: &EngineError) -> PyErr {
         EngineError::Model(VaeModelError::Unsupported(_)) => ConfigError::new_err(text),
         EngineError::Model(VaeModelError::Sink(_)) => ExecutionError::new_err(text),
         EngineError::Model(_) => ModelError::new_err(text),
+        EngineError::Cost(_) => ConfigError::new_err(text),
         EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
         EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),
         // A model's refusal inside the executor reaches every rank with its kind; any other

@@ -21,8 +21,10 @@ use std::sync::{Arc, Mutex};
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use vae_parallel::cost::CostSettings;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
 use vae_parallel::models::{Direction, TileOverrides};
+use vae_parallel::planner::cost::Placement;
 use vae_parallel::report::RequestReport;
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::{DType, Device, Tensor};
@@ -42,6 +44,8 @@ struct Vae {
     mode: ParallelMode,
     /// `shard_grid`: the grid of blocks of `spatial_shard_2d`.
     shard_grid: Option<[usize; 2]>,
+    /// `max_memory_per_rank`, bytes: `auto`'s cap on the predicted peak per rank.
+    max_memory_per_rank: Option<u64>,
     /// The report of the last request that succeeded (rank 0's view of every rank).
     last_report: Mutex<Option<RequestReport>>,
 }
@@ -67,13 +71,17 @@ struct Vae {
 ///   (HunyuanVideo-1.5), `tile_sample_min_num_frames`, `tile_sample_stride_num_frames` (LTX;
 ///   giving one tiles the frames): the diffusers tiling keywords.
 /// - `decode_timestep`: the timestep a timestep-conditioned decoder (LTX-Video) decodes at.
+/// - `max_memory_per_rank`: bytes (an int) or a size such as `"512M"`: under `auto`, the
+///   fastest strategy whose predicted peak per rank fits; `profile`: the device profile
+///   `vae-parallel calibrate` wrote (default: the one in the default place, else built-in
+///   constants). Every report carries the prediction for the strategy that ran.
 #[pyfunction]
 #[pyo3(signature = (
     model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
     shard_grid = None, tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
     tile_latent_min_height = None, tile_latent_min_width = None, tile_sample_min_num_frames = None,
-    tile_sample_stride_num_frames = None, decode_timestep = None,
+    tile_sample_stride_num_frames = None, decode_timestep = None, max_memory_per_rank = None, profile = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn load(
@@ -96,6 +104,8 @@ fn load(
     tile_sample_min_num_frames: Option<usize>,
     tile_sample_stride_num_frames: Option<usize>,
     decode_timestep: Option<f64>,
+    max_memory_per_rank: Option<Bound<'_, PyAny>>,
+    profile: Option<PathBuf>,
 ) -> PyResult<Vae> {
     if ranks == Some(0) {
         return Err(ConfigError::new_err("ranks must be at least 1"));
@@ -125,6 +135,20 @@ fn load(
         sample_min_num_frames: tile_sample_min_num_frames,
         sample_stride_num_frames: tile_sample_stride_num_frames,
     };
+    let max_memory_per_rank = match max_memory_per_rank {
+        None => None,
+        Some(v) => Some(match v.extract::<u64>() {
+            Ok(0) => return Err(ConfigError::new_err("max_memory_per_rank must be positive")),
+            Ok(bytes) => bytes,
+            Err(_) => {
+                let text: String = v.extract().map_err(|_| {
+                    ConfigError::new_err("max_memory_per_rank must be bytes (an int) or a size such as \"512M\"")
+                })?;
+                vae_parallel::cost::parse_size(&text).map_err(config_error)?
+            }
+        }),
+    };
+    let cost_profile = vae_parallel::cost::load_profile(profile.as_deref()).map_err(config_error)?;
     let config = TransportConfig::from_env().map_err(config_error)?;
     let group = match transport {
         "local" => Group::Local(ranks.unwrap_or(1), config),
@@ -140,8 +164,15 @@ fn load(
         }
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };
+    let threads = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let placement = match &group {
+        Group::Local(n, _) => Placement { threads_per_rank: threads / (*n).max(1) as f64, ranks_per_host: *n },
+        Group::Socket(comm) => Placement { threads_per_rank: threads, ranks_per_host: comm.size() },
+    };
+    let cost = CostSettings { profile: cost_profile, placement, max_memory_per_rank };
     let engine = py.detach(|| -> Result<Engine, EngineError> {
         let mut engine = Engine::load_on(&model, &tiling, device, dtype)?;
+        engine.set_cost(Some(cost));
         if let Some(t) = decode_timestep {
             engine.set_decode_timestep(t)?;
         }
@@ -149,7 +180,7 @@ fn load(
         Ok(engine)
     });
     let engine = engine.map_err(|e| engine_error(&e))?;
-    Ok(Vae { engine, group, mode, shard_grid, last_report: Mutex::new(None) })
+    Ok(Vae { engine, group, mode, shard_grid, max_memory_per_rank, last_report: Mutex::new(None) })
 }
 
 /// A request's input on the host, and where its output goes back to: a torch tensor's device,
@@ -211,7 +242,14 @@ impl Vae {
         };
         // The grid goes with the 2-D mode only: a request in another mode ignores it.
         let shard_grid = self.shard_grid.filter(|_| mode == ParallelMode::SpatialShard2d);
-        Ok(RequestOptions { mode, use_tiling, latents_normalized, placement: None, shard_grid })
+        Ok(RequestOptions {
+            mode,
+            use_tiling,
+            latents_normalized,
+            placement: None,
+            max_memory_per_rank: self.max_memory_per_rank,
+            shard_grid,
+        })
     }
 
     /// Runs a request on the group: this process's output (`None` on a socket rank the output

@@ -189,15 +189,8 @@ impl Group {
             // Every rank's summary to rank 0, as the CLI's report.
             let ranks = gather_summaries(comm.as_ref(), 0, &out.report)
                 .map_err(|e| ExecutionError::new_err(format!("gathering the report: {}", one_line(&e))))?;
-            let report = ranks.map(|ranks| RequestReport {
-                mode: mode.to_string(),
-                strategy: out.report.strategy.label(),
-                reason: out.report.reason.clone().unwrap_or_default(),
-                backend: comm.backend().to_string(),
-                world_size: comm.size(),
-                parallel_size,
-                tile_count: out.report.tile_count,
-                ranks,
+            let report = ranks.map(|ranks| {
+                RequestReport::from_owner(&mode.to_string(), &out.report, comm.as_ref(), parallel_size, ranks)
             });
             Ok(Finished { tensor: out.tensor, report })
         };

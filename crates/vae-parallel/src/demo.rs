@@ -173,6 +173,8 @@ fn run_and_compare<O: TileOperator + Sync>(
             world_size: world,
             parallel_size: executor.parallel_size(),
             tile_count: out.report.tile_count,
+            predicted_ms: None,
+            predicted_peak_bytes: None,
             ranks: summaries,
         },
         output_dims: merged.dims().to_vec(),

@@ -8,8 +8,11 @@ use std::path::{Path, PathBuf};
 
 use vae_models::{Direction, Execution, LoadedVae, ModelError, TileOverrides};
 use vae_runtime::{
-    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, RuntimeError, Strategy, StrategyChoice,
+    DistributedVaeExecutor, ExecOutput, OutputPlacement, ParallelMode, Predicted, RuntimeError, Strategy,
+    StrategyChoice,
 };
+
+use crate::cost::{self, CostSettings};
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -18,6 +21,9 @@ pub enum EngineError {
     /// The model could not be loaded or refused the request.
     #[error(transparent)]
     Model(ModelError),
+    /// The cost model refused the request (nothing fits the memory cap).
+    #[error(transparent)]
+    Cost(#[from] crate::cost::CostError),
     /// The distributed run failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
@@ -55,6 +61,9 @@ pub struct RequestOptions {
     pub latents_normalized: bool,
     /// Who receives the output; `None` = the family's contract.
     pub placement: Option<OutputPlacement>,
+    /// `--max-memory-per-rank`, bytes: `auto` runs the fastest predicted strategy whose
+    /// predicted peak per rank fits (needs the engine's cost settings, [`Engine::set_cost`]).
+    pub max_memory_per_rank: Option<u64>,
     /// `--shard-grid`: the `[R, C]` grid of blocks of `spatial_shard_2d`; `None`: the
     /// factorisation of the parallel size whose blocks are closest to square. A grid that
     /// does not fit the input or the ranks is an error (the default grid falls back to tiles).
@@ -68,6 +77,7 @@ impl Default for RequestOptions {
             use_tiling: false,
             latents_normalized: false,
             placement: None,
+            max_memory_per_rank: None,
             shard_grid: None,
         }
     }
@@ -92,6 +102,9 @@ pub struct Engine {
     /// A CPU model loaded for bf16: f32 weights and activations, convolutions with bf16
     /// products ([`vae_tensor::CpuBf16Scope`]) on the threads that run requests.
     cpu_bf16: bool,
+    /// The cost model's device constants and placement: predictions in every report, and
+    /// `auto` choosing by them.
+    cost: Option<CostSettings>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -126,13 +139,25 @@ impl Engine {
         let dtype = if cpu_bf16 { vae_tensor::DType::F32 } else { dtype };
         let mut model = vae_models::family::load(dir, device, dtype)?;
         model.enable_tiling(tiling)?;
-        Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false, cpu_bf16 })
+        Ok(Self { model, dir: dir.to_path_buf(), tf32_convolutions: false, cpu_bf16, cost: None })
     }
 
     /// The timestep a timestep-conditioned decoder decodes at (LTX-Video's `decode_timestep`);
     /// refused, with a typed error, for a model whose decoder takes none.
     pub fn set_decode_timestep(&mut self, timestep: f64) -> Result<(), EngineError> {
         Ok(self.model.set_decode_timestep(timestep)?)
+    }
+
+    /// The cost model's settings (device profile, threads and ranks per host): with them every
+    /// report carries the prediction for the strategy that ran, and `auto` runs the fastest
+    /// predicted strategy (that fits `--max-memory-per-rank`) for a family with a cost model.
+    pub fn set_cost(&mut self, settings: Option<CostSettings>) {
+        self.cost = settings;
+    }
+
+    /// The cost settings, if any.
+    pub fn cost(&self) -> Option<&CostSettings> {
+        self.cost.as_ref()
     }
 
     /// TF32 mode for the f32 convolutions of every request (see [`vae_tensor::Tf32Scope`]): what
@@ -252,18 +277,17 @@ impl Engine {
             self.model.decode_streaming(z, sink)?;
             return Ok(None);
         }
-        let choice = self.model.strategy(Direction::Decode, options.mode, z.dims(), executor.parallel_size());
-        let choice = announce(executor, Self::with_grid(choice, options)?);
+        let (choice, use_tiling, predicted) = self.choose(executor, Direction::Decode, z.dims(), options)?;
         let run = Execution {
             executor,
             direction: Direction::Decode,
             input: z,
             strategy: choice.strategy,
-            use_tiling: options.use_tiling || executor.parallel_size() > 1,
+            use_tiling,
             placement: OutputPlacement::OwnerOnly,
         };
         let out = self.model.execute_streaming(run, sink)?;
-        Ok(Some(with_reason(out, choice)))
+        Ok(Some(with_reason(out, choice, predicted)))
     }
 
     /// One request, in the strategy the family chooses for it.
@@ -274,17 +298,73 @@ impl Engine {
         input: &Tensor,
         options: &RequestOptions,
     ) -> Result<ExecOutput, EngineError> {
-        let choice = self.model.strategy(direction, options.mode, input.dims(), executor.parallel_size());
-        let choice = announce(executor, Self::with_grid(choice, options)?);
+        let (choice, use_tiling, predicted) = self.choose(executor, direction, input.dims(), options)?;
         let out = self.model.execute(Execution {
             executor,
             direction,
             input,
             strategy: choice.strategy,
-            use_tiling: options.use_tiling || executor.parallel_size() > 1,
+            use_tiling,
             placement: self.placement(direction, options),
         })?;
-        Ok(with_reason(out, choice))
+        Ok(with_reason(out, choice, predicted))
+    }
+
+    /// The strategy for one request, whether it tiles, and the cost model's prediction for it:
+    /// the family's choice (with the grid the request names), or under `auto` with cost
+    /// settings and a family that has a cost model, the fastest predicted strategy whose peak
+    /// fits `--max-memory-per-rank`. The same on every rank (global quantities only).
+    fn choose(
+        &self,
+        executor: &DistributedVaeExecutor,
+        direction: Direction,
+        dims: &[usize],
+        options: &RequestOptions,
+    ) -> Result<(StrategyChoice, bool, Option<Predicted>), EngineError> {
+        let ranks = executor.parallel_size();
+        let mut choice = self.model.strategy(direction, options.mode, dims, ranks);
+        let mut use_tiling = options.use_tiling || ranks > 1;
+        let predicted = |c: &cost::Candidate| Predicted { ms: c.prediction.ms, peak_bytes: c.prediction.peak_bytes };
+        let Some(settings) = &self.cost else {
+            if options.max_memory_per_rank.is_some() {
+                return Err(ModelError::InvalidInput(
+                    "--max-memory-per-rank needs the cost model's settings (a device profile)".into(),
+                )
+                .into());
+            }
+            return Ok((announce(executor, Self::with_grid(choice, options)?), use_tiling, None));
+        };
+        let model = self.model.as_ref();
+        if options.mode == ParallelMode::Auto {
+            match cost::candidates(model, direction, dims, ranks, settings) {
+                Some(candidates) if !candidates.is_empty() => {
+                    let best = cost::choose(&candidates, options.max_memory_per_rank, ranks)?;
+                    let cap =
+                        options.max_memory_per_rank.map(|c| format!(" within {}", cost::human(c))).unwrap_or_default();
+                    choice = StrategyChoice::chosen(
+                        best.strategy,
+                        format!(
+                            "auto: {}, the fastest predicted{cap} ({:.0} ms, {} per rank)",
+                            best.label,
+                            best.prediction.ms,
+                            cost::human(best.prediction.peak_bytes)
+                        ),
+                    );
+                    use_tiling = best.use_tiling;
+                    return Ok((announce(executor, choice), use_tiling, Some(predicted(best))));
+                }
+                _ if options.max_memory_per_rank.is_some() => {
+                    return Err(
+                        cost::CostError::NoModel { class: model.class_name().into(), dims: dims.to_vec() }.into()
+                    );
+                }
+                _ => {}
+            }
+        }
+        let choice = announce(executor, Self::with_grid(choice, options)?);
+        let prediction = cost::predict_strategy(model, direction, dims, ranks, choice.strategy, use_tiling, settings);
+        let predicted = prediction.map(|p| Predicted { ms: p.ms, peak_bytes: p.peak_bytes });
+        Ok((choice, use_tiling, predicted))
     }
 
     /// The family's choice with the grid the request names: a 2-D shard on `options.shard_grid`,
@@ -350,8 +430,10 @@ fn announce(executor: &DistributedVaeExecutor, choice: StrategyChoice) -> Strate
     choice
 }
 
-/// The report carries the family's reason for the strategy it ran.
-fn with_reason(mut out: ExecOutput, choice: StrategyChoice) -> ExecOutput {
+/// The report carries the family's reason for the strategy it ran, and the cost model's
+/// prediction for it.
+fn with_reason(mut out: ExecOutput, choice: StrategyChoice, predicted: Option<Predicted>) -> ExecOutput {
     out.report.reason = Some(choice.reason);
+    out.report.predicted = predicted;
     out
 }

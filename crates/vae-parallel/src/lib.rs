@@ -9,6 +9,7 @@
 //! (pure tile geometry and balancing), [`runtime`] (the distributed executor), [`models`] (VAE
 //! families and their policies).
 
+pub mod cost;
 pub mod engine;
 pub mod group;
 pub mod io;

@@ -3,9 +3,11 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)] // the CLI owns the terminal
 
 mod bench;
+mod calibrate;
 mod demo;
 mod kernel_bench;
 mod model_cmds;
+mod plan_cmd;
 mod progress_bar;
 mod ranks;
 
@@ -37,6 +39,12 @@ enum Command {
     Encode(model_cmds::EncodeArgs),
     /// Describe a diffusers VAE directory.
     Inspect(model_cmds::InspectArgs),
+    /// The cost model's table for one request: every strategy with its predicted latency and
+    /// peak memory per rank, and what `auto` would run (`--measure` also runs each).
+    Plan(plan_cmd::PlanArgs),
+    /// Measure this machine's constants for the cost model (convolution, element-wise,
+    /// attention and link rates) and write them as a TOML profile.
+    Calibrate(calibrate::CalibrateArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -74,6 +82,8 @@ fn main() -> ExitCode {
         Command::Decode(args) => model_cmds::decode(&args),
         Command::Encode(args) => model_cmds::encode(&args),
         Command::Inspect(args) => model_cmds::inspect(&args),
+        Command::Plan(args) => plan_cmd::plan(&args),
+        Command::Calibrate(args) => calibrate::calibrate(&args),
         Command::Bench(which) => bench::run(&which),
         Command::Devices => devices(),
     };

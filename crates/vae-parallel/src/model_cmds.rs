@@ -8,10 +8,12 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use serde::Deserialize;
+use vae_parallel::cost::{self, CostSettings};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io;
 use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::output::{self, Staged};
+use vae_parallel::planner::cost::Placement;
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
 use vae_parallel::transport::Communicator;
@@ -107,6 +109,15 @@ pub struct ParallelArgs {
     /// an f32 model on a GPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// `auto`: run the fastest strategy whose predicted peak memory per rank (the request's own
+    /// tensors, beyond the weights and the input) fits this size, e.g. `512M`, `2G`; an error
+    /// naming the smallest predicted peak when none does (see `vae-parallel plan`).
+    #[arg(long)]
+    max_memory_per_rank: Option<String>,
+    /// The device profile `vae-parallel calibrate` wrote (default: the one in the default
+    /// place, else built-in constants) for the cost model's predictions.
+    #[arg(long)]
+    profile: Option<PathBuf>,
     /// TOML file with any of the settings above.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -141,18 +152,20 @@ struct FileConfig {
     threads: Option<usize>,
     device: Option<String>,
     dtype: Option<String>,
+    max_memory_per_rank: Option<String>,
+    profile: Option<PathBuf>,
 }
 
 /// Flags over the config file over defaults.
-struct Resolved {
+pub(crate) struct Resolved {
     model: PathBuf,
     /// Where the model computes (after the CUDA probe).
     device: vae_parallel::tensor::Device,
     /// What it computes in.
     compute: ComputeType,
-    parallel_size: usize,
-    group: GroupArgs,
-    options: RequestOptions,
+    pub(crate) parallel_size: usize,
+    pub(crate) group: GroupArgs,
+    pub(crate) options: RequestOptions,
     /// The tile geometry given (each family takes the keywords its class has).
     tiling: TileOverrides,
     /// `--decode-timestep`, for a timestep-conditioned decoder.
@@ -160,10 +173,12 @@ struct Resolved {
     report: Option<PathBuf>,
     /// The `--config` file, if any.
     config: Option<PathBuf>,
+    /// The cost model's settings.
+    pub(crate) cost: CostSettings,
 }
 
 impl ParallelArgs {
-    fn resolve(&self) -> anyhow::Result<Resolved> {
+    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
         let file: FileConfig = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -196,7 +211,8 @@ impl ParallelArgs {
             // Only the first configuration takes effect; later calls in one process are no-ops.
             let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
         }
-        let transport = self.transport.clone().or(file.transport).unwrap_or_else(|| "local".into()).parse()?;
+        let transport: vae_parallel::group::TransportKind =
+            self.transport.clone().or(file.transport).unwrap_or_else(|| "local".into()).parse()?;
         let requested: vae_parallel::tensor::Device =
             self.device.clone().or(file.device).unwrap_or_else(|| "cpu".into()).parse()?;
         let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(requested);
@@ -205,6 +221,21 @@ impl ParallelArgs {
         }
         let compute = compute_type(&self.dtype.clone().or(file.dtype).unwrap_or_else(|| "f32".into()), device)?;
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
+        let max_memory_per_rank = match self.max_memory_per_rank.clone().or(file.max_memory_per_rank) {
+            None => None,
+            Some(text) => Some(cost::parse_size(&text).map_err(|e| anyhow::anyhow!("--max-memory-per-rank: {e}"))?),
+        };
+        let profile = cost::load_profile(self.profile.clone().or(file.profile).as_deref())?;
+        let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads) as f64;
+        let cost = CostSettings {
+            profile,
+            placement: Placement {
+                // Local ranks share this process's pool; socket ranks each have their own.
+                threads_per_rank: if transport.is_multi_process() { threads } else { threads / ranks.max(1) as f64 },
+                ranks_per_host: ranks,
+            },
+            max_memory_per_rank,
+        };
         if transport == vae_parallel::group::TransportKind::Nccl {
             if requested != vae_parallel::tensor::Device::Cuda(0) {
                 bail!("--transport nccl runs rank r on cuda:r: pass --device cuda, not {requested}");
@@ -224,6 +255,7 @@ impl ParallelArgs {
                 use_tiling: self.vae_use_tiling || file.vae_use_tiling.unwrap_or(false),
                 latents_normalized: self.latents_normalized || file.latents_normalized.unwrap_or(false),
                 placement,
+                max_memory_per_rank,
                 shard_grid,
             },
             tiling: TileOverrides {
@@ -241,11 +273,17 @@ impl ParallelArgs {
             decode_timestep: self.decode_timestep.or(file.decode_timestep),
             report: self.report.clone(),
             config: self.config.clone(),
+            cost,
         })
     }
 }
 
 impl Resolved {
+    /// The model directory.
+    pub(crate) fn model_dir(&self) -> &Path {
+        &self.model
+    }
+
     /// [`refuse_overwriting`] for a command reading `input` and writing `out` (and the report).
     /// Before any work: no output names an input ([`refuse_overwriting`]), and a file can be
     /// created where each output goes.
@@ -263,16 +301,17 @@ impl Resolved {
 
     /// Local ranks are threads of this process: they share one loaded model (weights in memory
     /// once). Socket ranks are processes and load their own.
-    fn shared_engine(&self) -> anyhow::Result<Option<Engine>> {
+    pub(crate) fn shared_engine(&self) -> anyhow::Result<Option<Engine>> {
         if self.group.transport.is_multi_process() {
             return Ok(None);
         }
         Ok(Some(self.load_engine(self.device)?))
     }
 
-    fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
+    pub(crate) fn load_engine(&self, device: vae_parallel::tensor::Device) -> anyhow::Result<Engine> {
         let mut engine = Engine::load_on(&self.model, &self.tiling, device, self.compute.dtype)?;
         engine.set_tf32_convolutions(self.compute.tf32);
+        engine.set_cost(Some(self.cost.clone()));
         if let Some(t) = self.decode_timestep {
             engine.set_decode_timestep(t)?;
         }
@@ -478,16 +517,13 @@ fn finish_rank(
     let seconds = started.elapsed().as_secs_f64();
     let Some(ranks) = gather_summaries(comm.as_ref(), 0, &out.report)? else { return Ok(None) };
     Ok(Some(Done {
-        report: RequestReport {
-            mode: mode.to_string(),
-            strategy: out.report.strategy.label(),
-            reason: out.report.reason.clone().unwrap_or_default(),
-            backend: comm.backend().to_string(),
-            world_size: comm.size(),
-            parallel_size: executor.parallel_size(),
-            tile_count: out.report.tile_count,
+        report: RequestReport::from_owner(
+            &mode.to_string(),
+            &out.report,
+            comm.as_ref(),
+            executor.parallel_size(),
             ranks,
-        },
+        ),
         staged,
         seconds,
     }))

@@ -229,11 +229,43 @@ pub struct RequestReport {
     pub parallel_size: usize,
     /// Tiles in the plan (0 for a shard request).
     pub tile_count: usize,
+    /// The cost model's predicted latency for the strategy that ran, milliseconds (compare
+    /// with the ranks' `phase_ms.total`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_ms: Option<f64>,
+    /// Its predicted peak bytes on the busiest rank, above what was alive when the request
+    /// started (compare with the ranks' `peak_bytes - start_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_peak_bytes: Option<u64>,
     /// Per rank, in rank order.
     pub ranks: Vec<RankSummary>,
 }
 
 impl RequestReport {
+    /// The report of a request in `mode` from the owner's own [`RankReport`] (strategy, reason,
+    /// prediction) and every rank's summary, on a group of `comm` with `parallel_size` ranks
+    /// executing.
+    pub fn from_owner(
+        mode: &str,
+        owner: &RankReport,
+        comm: &dyn Communicator,
+        parallel_size: usize,
+        ranks: Vec<RankSummary>,
+    ) -> Self {
+        Self {
+            mode: mode.to_string(),
+            strategy: owner.strategy.label(),
+            reason: owner.reason.clone().unwrap_or_default(),
+            backend: comm.backend().to_string(),
+            world_size: comm.size(),
+            parallel_size,
+            tile_count: owner.tile_count,
+            predicted_ms: owner.predicted.map(|p| p.ms),
+            predicted_peak_bytes: owner.predicted.map(|p| p.peak_bytes),
+            ranks,
+        }
+    }
+
     /// What a report file at `path` holds: the SVG plot for a `.svg` name, JSON otherwise.
     pub fn file_bytes(&self, path: &Path) -> Result<Vec<u8>, serde_json::Error> {
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")) {

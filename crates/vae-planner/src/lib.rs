@@ -38,6 +38,7 @@ pub mod balance;
 pub mod bands;
 pub mod blend;
 pub mod blocks;
+pub mod cost;
 pub mod error;
 pub mod grid;
 pub mod stages;

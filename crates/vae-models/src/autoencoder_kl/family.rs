@@ -10,7 +10,7 @@ use vae_tensor::{DType, Device, Tensor};
 use super::config::KlVariant;
 use super::model::AutoencoderKl;
 use super::operator::{KlOperator, KlShardOperator, KlTask};
-use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
 /// `AutoencoderKL` and `AutoencoderKLFlux2`.
@@ -48,6 +48,10 @@ impl LoadedVae for AutoencoderKl {
 
     fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice {
         AutoencoderKl::strategy(self, direction, mode, input_dims, ranks)
+    }
+
+    fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        AutoencoderKl::cost_networks(self, direction, input_dims)
     }
 
     /// Decoded pixels go to the owner for AutoencoderKL (the pipeline post-processes on rank

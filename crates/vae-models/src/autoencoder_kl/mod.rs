@@ -7,6 +7,7 @@
 //! owner for AutoencoderKL and to every rank for FLUX.2, encoded latents to every rank.
 
 mod config;
+mod cost;
 mod family;
 mod model;
 mod operator;

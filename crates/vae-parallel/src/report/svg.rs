@@ -231,6 +231,8 @@ mod tests {
             world_size: 2,
             parallel_size: 2,
             tile_count: 4,
+            predicted_ms: None,
+            predicted_peak_bytes: None,
             ranks: vec![rank(0, 97.0, 20.0), rank(1, 47.0, 0.0)],
         }
     }

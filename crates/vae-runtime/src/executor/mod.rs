@@ -35,7 +35,7 @@ use vae_transport::{Communicator, CommunicatorExt};
 
 use failure::Failure;
 pub use failure::{Classified, FailureKind};
-pub use report::{ExecOutput, OutputPlacement, PhaseTimings, RankReport, StrategyReport};
+pub use report::{ExecOutput, OutputPlacement, PhaseTimings, Predicted, RankReport, StrategyReport};
 use sharded::ShardStrategy;
 use tile::TileStrategy;
 pub use tile::{TileMap, TileOperator, TilePlan, TileStream, execute_serial};
@@ -349,6 +349,7 @@ impl DistributedVaeExecutor {
             device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
             strategy: work.strategy,
             reason: None,
+            predicted: None,
         };
         Ok(ExecOutput { tensor, report })
     }

@@ -88,6 +88,17 @@ pub struct RankReport {
     pub strategy: StrategyReport,
     /// Why that strategy: the model policy's choice or fallback (set by the caller that chose).
     pub reason: Option<String>,
+    /// The cost model's figures for the strategy that ran (set by the caller that has one).
+    pub predicted: Option<Predicted>,
+}
+
+/// A cost model's prediction for one request (`vae_planner::cost`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Predicted {
+    /// End-to-end latency, milliseconds.
+    pub ms: f64,
+    /// The busiest rank's peak bytes above what was alive when the request started.
+    pub peak_bytes: u64,
 }
 
 /// How a request was computed, for the report.

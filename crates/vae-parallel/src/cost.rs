@@ -1,0 +1,300 @@
+//! The cost model on a loaded model ([`vae_planner::cost`]): the strategies a request could
+//! run, each one's predicted latency and per-rank peak memory, and `auto`'s choice under a
+//! memory cap. `vae-parallel plan` prints the same table without running anything.
+
+use std::path::{Path, PathBuf};
+
+use vae_models::{CostNetworks, Direction, LoadedVae};
+use vae_planner::cost::{DeviceProfile, Layout, Placement, Prediction, predict};
+use vae_runtime::{ParallelMode, Strategy};
+
+/// Errors of the cost model.
+#[derive(Debug, thiserror::Error)]
+pub enum CostError {
+    /// No strategy's predicted peak fits the cap.
+    #[error(
+        "no strategy fits --max-memory-per-rank {cap}: the smallest predicted peak per rank is {smallest} ({strategy}); {advice}",
+        cap = human(*cap), smallest = human(*smallest)
+    )]
+    NothingFits {
+        /// The cap, bytes.
+        cap: u64,
+        /// The smallest predicted peak, bytes.
+        smallest: u64,
+        /// The strategy that has it.
+        strategy: String,
+        /// What would fit: more ranks or smaller tiles.
+        advice: String,
+    },
+    /// The family has no cost model for this input.
+    #[error("{class} has no cost model for an input of {dims:?}: --max-memory-per-rank needs one")]
+    NoModel {
+        /// The diffusers class.
+        class: String,
+        /// The input's shape.
+        dims: Vec<usize>,
+    },
+    /// A profile file could not be read or parsed.
+    #[error("device profile {path}: {message}")]
+    Profile {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// What the cost model needs beyond the model and the request: the device's constants, how
+/// the ranks share the cores, and the memory cap.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostSettings {
+    /// The device's calibration constants.
+    pub profile: DeviceProfile,
+    /// Compute threads per rank and ranks per host.
+    pub placement: Placement,
+    /// `--max-memory-per-rank`, bytes: the most a request may hold on one rank above the
+    /// weights and the input (`auto` only).
+    pub max_memory_per_rank: Option<u64>,
+}
+
+/// One strategy a request could run, with its prediction.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Whether the request tiles (one rank: tiles rather than the direct pass).
+    pub use_tiling: bool,
+    /// Its name in tables and reports (`direct`, `tile`, `shard-height`, `shard-2x2`, ...).
+    pub label: String,
+    /// What the model predicts.
+    pub prediction: Prediction,
+}
+
+/// The strategies a `direction` request on an `input_dims` input over `ranks` ranks could run
+/// on `model` (what its policy accepts without falling back), each predicted; None when the
+/// family has no cost model for the input.
+pub fn candidates(
+    model: &dyn LoadedVae,
+    direction: Direction,
+    input_dims: &[usize],
+    ranks: usize,
+    settings: &CostSettings,
+) -> Option<Vec<Candidate>> {
+    let nets = model.cost_networks(direction, input_dims)?;
+    let mut options = Vec::new();
+    if ranks <= 1 {
+        options.push((Strategy::Tile, false));
+        if !nets.tiles.is_empty() {
+            options.push((Strategy::Tile, true));
+        }
+    } else {
+        options.push((Strategy::Tile, true));
+        for mode in [ParallelMode::SpatialShardHeight, ParallelMode::SpatialShardWidth, ParallelMode::SpatialShard2d] {
+            if model.check_mode(mode).is_err() {
+                continue;
+            }
+            let choice = model.strategy(direction, mode, input_dims, ranks);
+            if !choice.fallback && choice.strategy != Strategy::Tile {
+                options.push((choice.strategy, true));
+            }
+        }
+    }
+    let out = options
+        .into_iter()
+        .filter_map(|(strategy, use_tiling)| {
+            let prediction = predict_on(&nets, strategy, use_tiling, ranks, settings)?;
+            Some(Candidate { strategy, use_tiling, label: label(&nets, strategy, use_tiling, ranks), prediction })
+        })
+        .collect();
+    Some(out)
+}
+
+/// The prediction for one strategy (a 2-D grid named by the request included); None where the
+/// family has no cost model for the input or the strategy is not modelled (the pipeline).
+pub fn predict_strategy(
+    model: &dyn LoadedVae,
+    direction: Direction,
+    input_dims: &[usize],
+    ranks: usize,
+    strategy: Strategy,
+    use_tiling: bool,
+    settings: &CostSettings,
+) -> Option<Prediction> {
+    predict_on(&model.cost_networks(direction, input_dims)?, strategy, use_tiling, ranks, settings)
+}
+
+fn predict_on(
+    nets: &CostNetworks,
+    strategy: Strategy,
+    use_tiling: bool,
+    ranks: usize,
+    settings: &CostSettings,
+) -> Option<Prediction> {
+    let layout = match strategy {
+        // One rank without tiling, or an input that fits one tile: the direct pass.
+        Strategy::Tile if (ranks <= 1 && !use_tiling) || nets.tiles.is_empty() => Layout::Direct,
+        Strategy::Tile => Layout::Tiles { tiles: &nets.tiles, ranks, stitched: nets.stitched },
+        Strategy::Shard(axis) => Layout::Bands { axis, ranks },
+        Strategy::Shard2d(grid) => Layout::Blocks { grid },
+        Strategy::Pipeline => return None,
+    };
+    predict(&nets.whole, layout, settings.placement, &settings.profile).ok()
+}
+
+/// A strategy's name in tables: `direct`, `tile`, `shard-height`, `shard-2x2`.
+fn label(nets: &CostNetworks, strategy: Strategy, use_tiling: bool, ranks: usize) -> String {
+    match strategy {
+        Strategy::Tile if (ranks <= 1 && !use_tiling) || nets.tiles.is_empty() => "direct".into(),
+        Strategy::Tile => format!("tile ({})", nets.tiles.len()),
+        Strategy::Shard(axis) => format!("shard-{axis}"),
+        Strategy::Shard2d([r, c]) => format!("shard-{r}x{c}"),
+        Strategy::Pipeline => "pipeline".into(),
+    }
+}
+
+/// `auto`'s choice: the fastest candidate whose predicted peak fits `cap` (any without one);
+/// when none fits, an error naming the smallest peak and what would fit.
+pub fn choose(candidates: &[Candidate], cap: Option<u64>, ranks: usize) -> Result<&Candidate, CostError> {
+    let fits = |c: &&Candidate| cap.is_none_or(|cap| c.prediction.peak_bytes <= cap);
+    if let Some(best) = candidates.iter().filter(fits).min_by(|a, b| a.prediction.ms.total_cmp(&b.prediction.ms)) {
+        return Ok(best);
+    }
+    let smallest = candidates.iter().min_by_key(|c| c.prediction.peak_bytes);
+    let (smallest, strategy) = smallest.map_or((0, "none".to_string()), |c| (c.prediction.peak_bytes, c.label.clone()));
+    let cap = cap.unwrap_or(0);
+    // A shard's peak shrinks about as 1 / ranks; tiles' does not.
+    let shard_peak = candidates
+        .iter()
+        .filter(|c| matches!(c.strategy, Strategy::Shard(_) | Strategy::Shard2d(_)))
+        .map(|c| c.prediction.peak_bytes)
+        .min();
+    let advice = match shard_peak {
+        Some(peak) => {
+            let more = (ranks.max(1) as f64 * peak as f64 / cap.max(1) as f64).ceil() as usize;
+            format!("about {more} ranks might fit a shard, or smaller tiles (--tile-sample-min-size) the tile mode")
+        }
+        None => "smaller tiles (--tile-sample-min-size) might fit the tile mode".to_string(),
+    };
+    Err(CostError::NothingFits { cap, smallest, strategy, advice })
+}
+
+/// Reads a profile written by `vae-parallel calibrate`.
+pub fn read_profile(path: &Path) -> Result<DeviceProfile, CostError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CostError::Profile { path: path.to_path_buf(), message: e.to_string() })?;
+    toml::from_str(&text).map_err(|e| CostError::Profile { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Where `calibrate` writes the CPU profile by default and the other commands look for it:
+/// `$XDG_CONFIG_HOME/vae-parallel/cpu-profile.toml` (or under `~/.config`).
+pub fn default_profile_path() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
+    Some(base.join("vae-parallel").join("cpu-profile.toml"))
+}
+
+/// The profile at `path`, else the default path's when a file is there, else the built-in
+/// defaults.
+pub fn load_profile(path: Option<&Path>) -> Result<DeviceProfile, CostError> {
+    if let Some(path) = path {
+        return read_profile(path);
+    }
+    match default_profile_path() {
+        Some(p) if p.is_file() => read_profile(&p),
+        _ => Ok(DeviceProfile::builtin_cpu()),
+    }
+}
+
+/// Parses a size: bytes, or a number with `K`, `M`, `G` or `T` (binary: KiB, MiB, ...; an
+/// optional `iB` or `B`).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G, 1.5GiB)"))?;
+    let shift = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (K, M, G or T)")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("{text:?} is not a positive size"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Bytes for people: `1.5 GiB`.
+pub fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else if b >= (1u64 << 20) as f64 {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vae_planner::ShardAxis;
+
+    fn candidate(label: &str, strategy: Strategy, ms: f64, peak_bytes: u64) -> Candidate {
+        Candidate {
+            strategy,
+            use_tiling: true,
+            label: label.into(),
+            prediction: Prediction { ms, peak_bytes, ranks: Vec::new() },
+        }
+    }
+
+    #[test]
+    fn auto_takes_the_fastest_strategy_that_fits_the_cap() {
+        let all = [
+            candidate("tile", Strategy::Tile, 900.0, 100 << 20),
+            candidate("shard-height", Strategy::Shard(ShardAxis::Height), 500.0, 400 << 20),
+            candidate("shard-2x2", Strategy::Shard2d([2, 2]), 600.0, 200 << 20),
+        ];
+        assert_eq!(choose(&all, None, 4).unwrap().label, "shard-height");
+        assert_eq!(choose(&all, Some(300 << 20), 4).unwrap().label, "shard-2x2");
+        assert_eq!(choose(&all, Some(100 << 20), 4).unwrap().label, "tile");
+        let refused = choose(&all, Some(50 << 20), 4).unwrap_err().to_string();
+        assert!(refused.contains("50.0 MiB") && refused.contains("100.0 MiB (tile)"), "{refused}");
+        // The 2-D shard's 200 MiB over 4 ranks: about 16 ranks for 50 MiB.
+        assert!(refused.contains("about 16 ranks"), "{refused}");
+    }
+
+    #[test]
+    fn a_profile_survives_its_toml_file() {
+        let profile = DeviceProfile::builtin_cpu();
+        let text = toml::to_string_pretty(&profile).unwrap();
+        let back: DeviceProfile = toml::from_str(&text).unwrap();
+        assert_eq!(back, profile);
+        let dir = std::env::temp_dir().join(format!("vae-cost-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.toml");
+        std::fs::write(&path, "device = 3").unwrap();
+        let err = read_profile(&path).unwrap_err().to_string();
+        assert!(err.contains("p.toml"), "{err}");
+        std::fs::write(&path, &text).unwrap();
+        assert_eq!(load_profile(Some(&path)).unwrap(), profile);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sizes_parse_in_binary_units_and_refuse_nonsense() {
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("lots").is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! `plan`: the cost model's table for one request (every strategy the model could run, with
+//! its predicted latency and peak memory per rank, and `auto`'s choice) without running it;
+//! with `--measure`, each strategy also runs once on local ranks beside its prediction.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use vae_parallel::cost::{self, Candidate};
+use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
+use vae_parallel::models::Direction;
+use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode, Strategy};
+use vae_parallel::tensor::{Device, Tensor};
+use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+
+use crate::model_cmds::ParallelArgs;
+
+/// `vae-parallel plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    parallel: ParallelArgs,
+    /// The input's shape, comma-separated: the latent `B,C,H,W` (video `B,C,T,H,W`) to decode,
+    /// or with --encode the image (video) to encode.
+    #[arg(long)]
+    shape: String,
+    /// Plan an encode instead of a decode.
+    #[arg(long)]
+    encode: bool,
+    /// Also run every strategy on local ranks (a random input, this process's threads shared
+    /// as `decode` shares them) and print the measured latency and peak beside the prediction.
+    #[arg(long)]
+    measure: bool,
+    /// With --measure: runs per strategy, the fastest kept (the first also warms the buffers).
+    #[arg(long, default_value_t = 2)]
+    runs: usize,
+}
+
+/// What one measured run gave: the slowest rank's seconds and the largest request peak.
+struct Measured {
+    seconds: f64,
+    peak_bytes: u64,
+}
+
+/// `vae-parallel plan`.
+pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
+    let r = args.parallel.resolve()?;
+    let dims = args
+        .shape
+        .split(',')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--shape {:?} is not a comma-separated list of sizes", args.shape))?;
+    anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
+    let direction = if args.encode { Direction::Encode } else { Direction::Decode };
+    let engine = r.load_engine(Device::Cpu)?;
+    let model = engine.model();
+    let ranks = r.parallel_size;
+    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, &r.cost) else {
+        anyhow::bail!("{} has no cost model for an input of {dims:?}", model.class_name());
+    };
+    anyhow::ensure!(!candidates.is_empty(), "no strategy is modelled for an input of {dims:?} on {ranks} rank(s)");
+    let profile = &r.cost.profile;
+    println!("model     {} ({})", r.model_dir().display(), model.class_name());
+    println!("request   {} {dims:?} on {ranks} rank(s)", if args.encode { "encode" } else { "decode" });
+    println!("device    {} [{}]", profile.device, profile.source);
+    println!(
+        "threads   {:.2} per rank, {} rank(s) sharing {} core(s)",
+        r.cost.placement.threads_per_rank, r.cost.placement.ranks_per_host, profile.cores
+    );
+    if let Some(cap) = r.options.max_memory_per_rank {
+        println!("cap       {} per rank", cost::human(cap));
+    }
+    let choice = cost::choose(&candidates, r.options.max_memory_per_rank, ranks);
+    let input = args.measure.then(|| Tensor::seeded_uniform(dims.clone(), 0, -1.0, 1.0, &Device::Cpu)).transpose()?;
+    println!();
+    print!("{:<16} {:>12} {:>14} {:>6}", "strategy", "predicted ms", "peak per rank", "fits");
+    if input.is_some() {
+        print!(" {:>11} {:>7} {:>14} {:>7}", "measured ms", "ratio", "measured peak", "ratio");
+    }
+    println!();
+    for c in &candidates {
+        let fits = r.options.max_memory_per_rank.is_none_or(|cap| c.prediction.peak_bytes <= cap);
+        let chosen = matches!(&choice, Ok(best) if std::ptr::eq(*best, c));
+        print!(
+            "{:<16} {:>12.0} {:>14} {:>6}",
+            format!("{}{}", c.label, if chosen { " *" } else { "" }),
+            c.prediction.ms,
+            cost::human(c.prediction.peak_bytes),
+            if fits { "yes" } else { "no" }
+        );
+        if let Some(input) = &input {
+            let m = measure(&engine, direction, input, c, ranks, args.runs, &r.options)?;
+            print!(
+                " {:>11.0} {:>7.2} {:>14} {:>7.2}",
+                m.seconds * 1e3,
+                c.prediction.ms / (m.seconds * 1e3),
+                cost::human(m.peak_bytes),
+                c.prediction.peak_bytes as f64 / m.peak_bytes.max(1) as f64
+            );
+        }
+        println!();
+    }
+    println!();
+    match choice {
+        Ok(best) => println!("auto would run: {}", best.label),
+        Err(e) => println!("auto would refuse: {e}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `candidate` on `ranks` local ranks `runs` times; the fastest run's time and the
+/// largest peak (above each rank's start).
+fn measure(
+    engine: &Engine,
+    direction: Direction,
+    input: &Tensor,
+    candidate: &Candidate,
+    ranks: usize,
+    runs: usize,
+    base: &RequestOptions,
+) -> anyhow::Result<Measured> {
+    let (mode, shard_grid) = match candidate.strategy {
+        Strategy::Tile | Strategy::Pipeline => (ParallelMode::Tile, None),
+        Strategy::Shard(axis) => (
+            if axis == vae_parallel::planner::ShardAxis::Height {
+                ParallelMode::SpatialShardHeight
+            } else {
+                ParallelMode::SpatialShardWidth
+            },
+            None,
+        ),
+        Strategy::Shard2d(grid) => (ParallelMode::SpatialShard2d, Some(grid)),
+    };
+    let options = RequestOptions {
+        mode,
+        shard_grid,
+        use_tiling: candidate.use_tiling,
+        max_memory_per_rank: None,
+        ..base.clone()
+    };
+    let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
+    let mut best = Measured { seconds: f64::INFINITY, peak_bytes: 0 };
+    for _ in 0..runs {
+        let results = run_local(ranks, config, |comm| -> anyhow::Result<(f64, u64)> {
+            let comm: Arc<dyn Communicator> = Arc::new(comm);
+            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
+            comm.barrier()?;
+            let started = Instant::now();
+            let out = match direction {
+                Direction::Decode => engine.decode(&executor, input, &options)?,
+                Direction::Encode => engine.encode(&executor, input, &options, EncodeOutput::Moments)?,
+            };
+            let peak = out.report.peak_bytes.saturating_sub(out.report.start_bytes) as u64;
+            Ok((started.elapsed().as_secs_f64(), peak))
+        })?;
+        let mut seconds = 0.0f64;
+        let mut peak = 0u64;
+        for result in results {
+            let (s, p) = result.map_err(|panic| anyhow::anyhow!("a rank panicked: {panic}"))??;
+            seconds = seconds.max(s);
+            peak = peak.max(p);
+        }
+        best.seconds = best.seconds.min(seconds);
+        best.peak_bytes = best.peak_bytes.max(peak);
+    }
+    Ok(best)
+}

@@ -1,0 +1,138 @@
+//! The cost model through the CLI: `plan` (and `--measure`), `calibrate`, `auto` under
+//! `--max-memory-per-rank`, and the prediction in every report.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use support::{cli, read_npy_f32, wan21_fixture};
+
+fn kl() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/autoencoder_kl")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vae-cost-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `plan` arguments for the SD-like fixture's tiled latent on `ranks` ranks.
+fn plan_args<'a>(model: &'a str, ranks: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["plan", "--model", model, "--shape", "1,4,9,14", "--vae-patch-parallel-size", ranks];
+    v.extend_from_slice(extra);
+    v
+}
+
+#[test]
+fn plan_prints_every_strategy_with_its_prediction_and_autos_choice() {
+    let model = kl().join("sd_like");
+    let (ok, text) = cli(&plan_args(s(&model), "2", &[]));
+    assert!(ok, "{text}");
+    for row in ["tile (", "shard-height", "shard-width", "shard-1x2"] {
+        assert!(text.lines().any(|l| l.starts_with(row)), "no {row:?} row:\n{text}");
+    }
+    assert!(text.contains("auto would run: "), "{text}");
+    assert_eq!(text.lines().filter(|l| l.ends_with(" yes") && l.contains(" *")).count(), 1, "{text}");
+
+    // One rank: the direct pass, and tiles since the latent is larger than one.
+    let (ok, text) = cli(&plan_args(s(&model), "1", &[]));
+    assert!(ok && text.lines().any(|l| l.starts_with("direct")) && text.contains("tile ("), "{text}");
+
+    // A cap nothing fits: the refusal names the smallest peak.
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--max-memory-per-rank", "1K"]));
+    assert!(ok && text.contains("auto would refuse: no strategy fits --max-memory-per-rank 1.0 KiB"), "{text}");
+    assert!(!text.contains(" *"), "nothing is chosen: {text}");
+
+    // Bad input.
+    let (ok, text) = cli(&["plan", "--model", s(&model), "--shape", "1,4,x"]);
+    assert!(!ok && text.contains("--shape"), "{text}");
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--max-memory-per-rank", "lots"]));
+    assert!(!ok && text.contains("--max-memory-per-rank") && !text.contains("panicked"), "{text}");
+}
+
+#[test]
+fn plan_measure_runs_every_strategy_beside_its_prediction() {
+    let model = kl().join("sd_like");
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--measure", "--runs", "1"]));
+    assert!(ok, "{text}");
+    assert!(text.contains("measured ms") && text.contains("measured peak"), "{text}");
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("tile (") || l.starts_with("shard-")).collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    for row in rows {
+        // strategy, predicted ms, peak (2 words), fits, measured ms, ratio, peak (2 words), ratio.
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        let ratio: f64 = fields[fields.len() - 1].parse().unwrap_or(0.0);
+        assert!(ratio > 0.0, "{row}");
+    }
+}
+
+#[test]
+fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
+    let dir = scratch("cap");
+    let model = kl().join("sd_like");
+    let latent = kl().join("sd_like.decode_tiled.in.npy");
+    let out = dir.join("out.npy");
+    let report = dir.join("r.json");
+    let decode = |extra: &[&str]| {
+        let mut v = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out)];
+        v.extend(["--vae-patch-parallel-size", "2", "--report", s(&report)]);
+        v.extend_from_slice(extra);
+        cli(&v)
+    };
+    let (ok, text) = decode(&["--vae-parallel-mode", "auto", "--max-memory-per-rank", "1K"]);
+    assert!(!ok && text.contains("no strategy fits --max-memory-per-rank 1.0 KiB"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.starts_with("error:")).count(), 1, "{text}");
+    assert!(!out.exists() && !report.exists());
+
+    let (ok, text) = decode(&["--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
+    assert!(ok && text.contains("the fastest predicted within 1.00 GiB"), "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(json["predicted_ms"].as_f64().unwrap() > 0.0, "{json}");
+    assert!(json["predicted_peak_bytes"].as_u64().unwrap() > 0, "{json}");
+    // Whatever auto chose is exact: tiles give diffusers' tiled decode (a shard the untiled
+    // one, which the shard tests check).
+    if json["strategy"] == "tile" {
+        let (g, e) = (read_npy_f32(&out), read_npy_f32(&kl().join("sd_like.decode_tiled.out.npy")));
+        let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
+    }
+
+    // Any mode's report carries the prediction for what ran.
+    std::fs::remove_file(&out).unwrap();
+    let (ok, text) = decode(&["--vae-parallel-mode", "spatial_shard_height"]);
+    assert!(ok, "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(json["strategy"], "shard-height");
+    assert!(json["predicted_ms"].as_f64().unwrap() > 0.0 && json["predicted_peak_bytes"].as_u64().unwrap() > 0);
+
+    // A family without a cost model cannot honour a cap.
+    let (wan, wan_latent) = wan21_fixture();
+    let mut v = vec!["decode", "--model", s(&wan), "--latent", s(&wan_latent), "--out", s(&out)];
+    v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
+    std::fs::remove_file(&out).ok();
+    let (ok, text) = cli(&v);
+    assert!(!ok && text.contains("has no cost model"), "{text}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn calibrate_writes_a_profile_that_plan_reads() {
+    let dir = scratch("calibrate");
+    let profile = dir.join("sub").join("cpu.toml");
+    let (ok, text) = cli(&["calibrate", "--quick", "--threads", "1", "--out", s(&profile)]);
+    assert!(ok && profile.is_file(), "{text}");
+    let toml = std::fs::read_to_string(&profile).unwrap();
+    assert!(toml.contains("[[convs]]") && toml.contains("link_gbps"), "{toml}");
+    let model = kl().join("sd_like");
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--profile", s(&profile)]));
+    assert!(ok && text.contains("[vae-parallel calibrate"), "{text}");
+    std::fs::write(&profile, "cores = \"two\"").unwrap();
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--profile", s(&profile)]));
+    assert!(!ok && text.contains("cpu.toml") && !text.contains("panicked"), "{text}");
+}

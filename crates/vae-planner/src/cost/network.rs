@@ -1,0 +1,248 @@
+//! A network as the cost model sees it: the steps of one forward pass over a whole map, each
+//! with the shapes it reads and writes, in execution order.
+//!
+//! A family describes its encoder or decoder once, in these terms, from its config and the
+//! input's shape; the model then derives every strategy's work, traffic and memory from it
+//! (a band or block of the map runs the same steps on a part of every map).
+
+/// What a step does, as far as its cost goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// A convolution with a `[frames, rows, columns]` kernel. A part of the map takes
+    /// `kernel / 2` rows (columns) from each neighbour first, and the convolution pads a copy
+    /// of its input.
+    Conv {
+        /// Kernel extent along frames, rows and columns.
+        kernel: [usize; 3],
+        /// The rows one latent row spans where it runs (its band alignment: 1, 2, or 4 and
+        /// more), which decides its algorithm on the CPU (direct, Winograd F(2×2), F(4×4)).
+        align: usize,
+    },
+    /// A normalisation (then, usually, SiLU) into a new map. `grouped`: GroupNorm, whose
+    /// statistics span the whole map (one small all-reduce in a shard); otherwise per pixel.
+    Norm {
+        /// Whether the statistics span the map (GroupNorm) rather than one pixel (RMS norm).
+        grouped: bool,
+    },
+    /// An element-wise pass: a residual addition in place (no new map) or a copy such as a
+    /// nearest upsampling (a new map).
+    Elementwise {
+        /// Whether it writes into its input (no new map).
+        in_place: bool,
+    },
+    /// Attention from every position to every other: a shard gathers the whole map, and every
+    /// rank computes the whole attention.
+    Attention,
+}
+
+/// One step: its kind, its input and output maps, and the other maps that stay alive while it
+/// runs (a residual block's input), all over the whole map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// What the step does.
+    pub kind: StepKind,
+    /// Channels read.
+    pub in_channels: usize,
+    /// Channels written.
+    pub out_channels: usize,
+    /// The input map's `[frames, height, width]`.
+    pub input: [usize; 3],
+    /// The output map's `[frames, height, width]`.
+    pub output: [usize; 3],
+    /// Elements of other maps alive during the step, over the whole map (they shrink with a
+    /// part of the map as the output does).
+    pub resident: u64,
+}
+
+impl Step {
+    /// Elements of the whole input map (batch of one).
+    pub fn input_elems(&self) -> u64 {
+        self.in_channels as u64 * self.input.iter().map(|&d| d as u64).product::<u64>()
+    }
+
+    /// Elements of the whole output map (batch of one).
+    pub fn output_elems(&self) -> u64 {
+        self.out_channels as u64 * self.output.iter().map(|&d| d as u64).product::<u64>()
+    }
+
+    /// Multiply-adds of the whole step (batch of one): a convolution's
+    /// `out pixels · C_in · C_out · kernel volume`, attention's projections and its two
+    /// products; zero for element-wise steps and norms.
+    pub fn macs(&self) -> u64 {
+        let pixels = |d: [usize; 3]| d.iter().map(|&x| x as u64).product::<u64>();
+        match self.kind {
+            StepKind::Conv { kernel, .. } => {
+                let k: u64 = kernel.iter().map(|&x| x as u64).product();
+                pixels(self.output) * self.in_channels as u64 * self.out_channels as u64 * k
+            }
+            StepKind::Attention => {
+                let (n, c) = (pixels(self.input), self.in_channels as u64);
+                // q, k, v and the output projection, then Q·Kᵀ and P·V.
+                4 * n * c * c + 2 * n * n * c
+            }
+            StepKind::Norm { .. } | StepKind::Elementwise { .. } => 0,
+        }
+    }
+
+    /// Rows (columns) the step needs from each neighbour of a part along an axis: half the
+    /// kernel for a convolution, none otherwise.
+    pub fn halo(&self) -> [usize; 2] {
+        match self.kind {
+            StepKind::Conv { kernel, .. } => [kernel[1] / 2, kernel[2] / 2],
+            _ => [0, 0],
+        }
+    }
+}
+
+/// One forward pass over a whole input, batch of one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Network {
+    /// The steps in execution order.
+    pub steps: Vec<Step>,
+    /// The latent extent `[height, width]` in the units a shard cuts (latent rows and
+    /// columns): a part of `[a, b)` latent rows holds `(b − a) / height` of every map's rows.
+    pub latent: [usize; 2],
+    /// Elements of the input (batch of one).
+    pub input_elems: u64,
+    /// Elements of the output (batch of one).
+    pub output_elems: u64,
+    /// Bytes per element of the maps.
+    pub elem_bytes: u64,
+    /// The batch: every map holds this many inputs.
+    pub batch: usize,
+}
+
+impl Network {
+    /// Multiply-adds of the whole pass (the batch included).
+    pub fn macs(&self) -> u64 {
+        self.batch as u64 * self.steps.iter().map(Step::macs).sum::<u64>()
+    }
+
+    /// Bytes of the input (the batch included).
+    pub fn input_bytes(&self) -> u64 {
+        self.batch as u64 * self.input_elems * self.elem_bytes
+    }
+
+    /// Bytes of the output (the batch included).
+    pub fn output_bytes(&self) -> u64 {
+        self.batch as u64 * self.output_elems * self.elem_bytes
+    }
+}
+
+/// The alignment classes the CPU's algorithms tell apart: 1 (direct), 2 (F(2×2)), 4 (F(4×4),
+/// for any multiple of 4).
+pub fn align_class(align: usize) -> usize {
+    if align.is_multiple_of(4) && align > 0 {
+        4
+    } else if align.is_multiple_of(2) && align > 0 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Builds a [`Network`] step by step while tracking the current map, so a family writes its
+/// forward pass once, in the order it runs.
+#[derive(Debug, Clone)]
+pub struct NetworkBuilder {
+    steps: Vec<Step>,
+    channels: usize,
+    dims: [usize; 3],
+    latent: [usize; 2],
+    input_elems: u64,
+    elem_bytes: u64,
+    batch: usize,
+}
+
+impl NetworkBuilder {
+    /// A pass over an input of `channels × [frames, height, width]`, cut by a shard in units of
+    /// `latent` rows and columns, with `elem_bytes` per element and `batch` inputs.
+    pub fn new(channels: usize, dims: [usize; 3], latent: [usize; 2], elem_bytes: u64, batch: usize) -> Self {
+        let input_elems = channels as u64 * dims.iter().map(|&d| d as u64).product::<u64>();
+        Self { steps: Vec::new(), channels, dims, latent, input_elems, elem_bytes, batch }
+    }
+
+    /// The current map's channels.
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// The current map's `[frames, height, width]`.
+    pub fn dims(&self) -> [usize; 3] {
+        self.dims
+    }
+
+    /// Elements of the current map.
+    pub fn map_elems(&self) -> u64 {
+        self.channels as u64 * self.dims.iter().map(|&d| d as u64).product::<u64>()
+    }
+
+    /// Appends a step from the current map to `out_channels × output`, with `resident` other
+    /// elements alive; the output becomes the current map.
+    pub fn push(&mut self, kind: StepKind, out_channels: usize, output: [usize; 3], resident: u64) -> &mut Self {
+        self.steps.push(Step { kind, in_channels: self.channels, out_channels, input: self.dims, output, resident });
+        self.channels = out_channels;
+        self.dims = output;
+        self
+    }
+
+    /// Appends a step that reads another map of the current size with `in_channels` channels
+    /// (a residual block's shortcut reads the block's input), writing `out_channels × output`.
+    pub fn push_from(
+        &mut self,
+        in_channels: usize,
+        kind: StepKind,
+        out_channels: usize,
+        output: [usize; 3],
+        resident: u64,
+    ) -> &mut Self {
+        self.channels = in_channels;
+        self.push(kind, out_channels, output, resident)
+    }
+
+    /// A same-size convolution of kernel `[kt, k, k]` to `out_channels`, with band alignment
+    /// `align` (see [`StepKind::Conv`]).
+    pub fn conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
+        self.push(StepKind::Conv { kernel, align: align_class(align) }, out_channels, self.dims, resident)
+    }
+
+    /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
+    pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
+        let [t, h, w] = self.dims;
+        self.push(StepKind::Conv { kernel: [1, 3, 3], align: 1 }, out_channels, [t, h / 2, w / 2], 0)
+    }
+
+    /// A nearest 2× upsampling of rows and columns into a new map.
+    pub fn upsample(&mut self) -> &mut Self {
+        let [t, h, w] = self.dims;
+        self.push(StepKind::Elementwise { in_place: false }, self.channels, [t, 2 * h, 2 * w], 0)
+    }
+
+    /// A norm into a new map.
+    pub fn norm(&mut self, grouped: bool, resident: u64) -> &mut Self {
+        self.push(StepKind::Norm { grouped }, self.channels, self.dims, resident)
+    }
+
+    /// An in-place addition of a map of the same size.
+    pub fn add(&mut self, resident: u64) -> &mut Self {
+        self.push(StepKind::Elementwise { in_place: true }, self.channels, self.dims, resident)
+    }
+
+    /// Attention over every position, with a residual.
+    pub fn attention(&mut self) -> &mut Self {
+        self.push(StepKind::Attention, self.channels, self.dims, 0)
+    }
+
+    /// The network; its output is the current map.
+    pub fn finish(self) -> Network {
+        let output_elems = self.map_elems();
+        Network {
+            steps: self.steps,
+            latent: self.latent,
+            input_elems: self.input_elems,
+            output_elems,
+            elem_bytes: self.elem_bytes,
+            batch: self.batch,
+        }
+    }
+}

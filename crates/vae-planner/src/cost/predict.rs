@@ -1,0 +1,482 @@
+//! Predicted latency and per-rank peak memory of one request under one strategy.
+//!
+//! Every strategy runs a [`Network`]'s steps on parts of the maps: the whole map (direct),
+//! a band of latent rows or columns, a block of a grid, or one tile at a time. Per step and
+//! part the model counts
+//!
+//! * compute: a convolution's multiply-adds at the profile's rate for its shape, an
+//!   attention's at the attention rate, and the bytes a norm or element-wise pass reads and
+//!   writes at the element-wise rate, each sped up by the threads the rank really gets;
+//! * traffic: one message per halo exchange (the rows, columns and corners of the neighbours),
+//!   two latencies per sharded GroupNorm (its statistics), the whole map per sharded attention
+//!   (every rank gathers it), and the outputs gathered to the owner;
+//! * memory: what is alive at once while the step runs, as the layers keep it: its input (on
+//!   a part, its copy with the neighbours' rows), its output, the maps the family marks
+//!   resident (a residual block's input), and a convolution's packed weights and scratch.
+//!
+//! Ranks wait for each other at every exchange, so a sharded request takes, step by step, its
+//! slowest rank's time. Memory is the request's own (above what was alive when it started: the
+//! weights and the input), per rank; the busiest rank's is the prediction.
+
+use std::ops::Range;
+
+use super::network::{Network, Step, StepKind};
+use super::profile::DeviceProfile;
+use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign};
+
+/// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
+const SCORE_BLOCK_ELEMS: f64 = (1u64 << 22) as f64;
+const SCORE_MIN_ROWS: f64 = 32.0;
+const SCORE_MAX_ROWS: f64 = 1024.0;
+
+/// How one request's work is laid over the ranks.
+#[derive(Debug, Clone, Copy)]
+pub enum Layout<'a> {
+    /// One rank, the whole map at once.
+    Direct,
+    /// `ranks` bands of latent rows (or columns), exchanging halos.
+    Bands {
+        /// The cut axis.
+        axis: ShardAxis,
+        /// Ranks (bands).
+        ranks: usize,
+    },
+    /// An `[R, C]` grid of blocks, exchanging halos with up to eight neighbours.
+    Blocks {
+        /// Rows and columns of blocks.
+        grid: [usize; 2],
+    },
+    /// Tiles computed whole, dealt over `ranks` by LPT, gathered to the owner.
+    Tiles {
+        /// Each tile's pass, in the plan's order.
+        tiles: &'a [Network],
+        /// Ranks.
+        ranks: usize,
+        /// Whether the owner stitches tiles as they arrive (memory: one round of tiles) rather
+        /// than gathering every tile first.
+        stitched: bool,
+    },
+}
+
+/// Where the ranks run: threads per rank, and how many ranks share one host's cores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    /// Compute threads each rank uses (a fraction where the ranks share one thread pool).
+    pub threads_per_rank: f64,
+    /// Ranks on one host (sharing its cores).
+    pub ranks_per_host: usize,
+}
+
+/// One rank's predicted share.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankPrediction {
+    /// Seconds computing.
+    pub compute_s: f64,
+    /// Seconds in messages (halos, statistics, gathers).
+    pub comm_s: f64,
+    /// Peak bytes the request itself holds on the rank.
+    pub peak_bytes: u64,
+    /// Bytes it receives.
+    pub received_bytes: u64,
+}
+
+/// A strategy's predicted figures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// End-to-end latency, milliseconds.
+    pub ms: f64,
+    /// The busiest rank's peak bytes (above what was alive when the request started).
+    pub peak_bytes: u64,
+    /// Every rank's share.
+    pub ranks: Vec<RankPrediction>,
+}
+
+/// A part of the latent and the sides on which it has neighbours.
+#[derive(Debug, Clone)]
+struct Part {
+    rows: Range<usize>,
+    cols: Range<usize>,
+    /// Neighbours above, below, left, right.
+    sides: [bool; 4],
+    /// Diagonal neighbours.
+    corners: usize,
+}
+
+/// One step's cost on one part.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepCost {
+    compute_s: f64,
+    comm_s: f64,
+    live_bytes: f64,
+    received_bytes: f64,
+}
+
+/// Predicts `network` under `layout` on `profile`'s device.
+pub fn predict(
+    network: &Network,
+    layout: Layout<'_>,
+    placement: Placement,
+    profile: &DeviceProfile,
+) -> Result<Prediction, PlanError> {
+    match layout {
+        Layout::Direct => {
+            let whole = Part { rows: 0..network.latent[0], cols: 0..network.latent[1], sides: [false; 4], corners: 0 };
+            Ok(sharded(network, &[whole], 1, placement, profile))
+        }
+        Layout::Bands { axis, ranks } => {
+            let d = usize::from(axis == ShardAxis::Width);
+            let bands = BandPartition::new(network.latent[d], ranks, 1)?;
+            let parts: Vec<Part> = bands
+                .bands()
+                .iter()
+                .enumerate()
+                .map(|(r, band)| {
+                    let (before, after) = (r > 0, r + 1 < ranks);
+                    match axis {
+                        ShardAxis::Height => Part {
+                            rows: band.clone(),
+                            cols: 0..network.latent[1],
+                            sides: [before, after, false, false],
+                            corners: 0,
+                        },
+                        ShardAxis::Width => Part {
+                            rows: 0..network.latent[0],
+                            cols: band.clone(),
+                            sides: [false, false, before, after],
+                            corners: 0,
+                        },
+                    }
+                })
+                .collect();
+            Ok(sharded(network, &parts, placement.ranks_per_host.min(parts.len()), placement, profile))
+        }
+        Layout::Blocks { grid } => {
+            let blocks = BlockGrid::new(network.latent, grid, [1, 1])?;
+            let parts: Vec<Part> = (0..blocks.ranks())
+                .map(|r| {
+                    let [i, j] = blocks.coord(r).unwrap_or([0, 0]);
+                    let [rows, cols] = blocks.block(r).unwrap_or([0..0, 0..0]);
+                    let sides = [i > 0, i + 1 < grid[0], j > 0, j + 1 < grid[1]];
+                    let corners =
+                        [(sides[0], sides[2]), (sides[0], sides[3]), (sides[1], sides[2]), (sides[1], sides[3])]
+                            .iter()
+                            .filter(|(a, b)| *a && *b)
+                            .count();
+                    Part { rows, cols, sides, corners }
+                })
+                .collect();
+            Ok(sharded(network, &parts, placement.ranks_per_host.min(parts.len()), placement, profile))
+        }
+        Layout::Tiles { tiles, ranks, stitched } => tiled(network, tiles, ranks, stitched, placement, profile),
+    }
+}
+
+/// A sharded pass (one part per rank; a single part is the direct pass) with `concurrent`
+/// ranks computing at once on one host, then the gather of the output parts to rank 0.
+fn sharded(
+    network: &Network,
+    parts: &[Part],
+    concurrent: usize,
+    placement: Placement,
+    profile: &DeviceProfile,
+) -> Prediction {
+    let ranks = parts.len();
+    let speed = profile.speedup(placement.threads_per_rank, concurrent);
+    let mut per_rank = vec![RankPrediction::default(); ranks];
+    let mut peaks = vec![0f64; ranks];
+    let mut elapsed = 0.0;
+    for step in &network.steps {
+        let mut slowest: f64 = 0.0;
+        for (r, part) in parts.iter().enumerate() {
+            let cost = step_cost(step, part, network, ranks > 1, speed, profile);
+            per_rank[r].compute_s += cost.compute_s;
+            per_rank[r].comm_s += cost.comm_s;
+            per_rank[r].received_bytes += cost.received_bytes as u64;
+            peaks[r] = peaks[r].max(cost.live_bytes);
+            slowest = slowest.max(cost.compute_s + cost.comm_s);
+        }
+        elapsed += slowest;
+    }
+    // The owner gathers every other part's output, then holds the whole output besides them.
+    let output = network.output_bytes() as f64;
+    if ranks > 1 {
+        let own = fraction(network, &parts[0]) * output;
+        let gather = profile.message_s(output - own);
+        per_rank[0].comm_s += gather;
+        per_rank[0].received_bytes += (output - own) as u64;
+        peaks[0] = peaks[0].max(2.0 * output);
+        elapsed += gather;
+    }
+    for (r, part) in parts.iter().enumerate() {
+        peaks[r] = peaks[r].max(fraction(network, part) * output);
+        per_rank[r].peak_bytes = peaks[r] as u64;
+    }
+    finish(elapsed, per_rank)
+}
+
+/// The tile strategy: each rank runs its tiles whole (LPT by their work), one after another;
+/// the owner receives the others' tiles and blends them into the output.
+fn tiled(
+    network: &Network,
+    tiles: &[Network],
+    ranks: usize,
+    stitched: bool,
+    placement: Placement,
+    profile: &DeviceProfile,
+) -> Result<Prediction, PlanError> {
+    // The ranks of one host that compute tiles at once.
+    let concurrent = placement.ranks_per_host.min(ranks).min(tiles.len()).max(1);
+    let alone = |tile: &Network| {
+        let whole = Part { rows: 0..tile.latent[0], cols: 0..tile.latent[1], sides: [false; 4], corners: 0 };
+        sharded(tile, &[whole], concurrent, placement, profile)
+    };
+    let costs: Vec<Prediction> = tiles.iter().map(alone).collect();
+    let workloads: Vec<u64> = tiles.iter().map(Network::macs).collect();
+    let assignment = lpt_assign(&workloads, ranks)?;
+    let output = network.output_bytes() as f64;
+    let mut per_rank = vec![RankPrediction::default(); ranks];
+    let mut slowest: f64 = 0.0;
+    for (r, mine) in assignment.per_rank.iter().enumerate() {
+        let rank = &mut per_rank[r];
+        let mut held = 0.0;
+        let mut peak: f64 = 0.0;
+        for &t in mine {
+            rank.compute_s += costs[t].ranks[0].compute_s;
+            let out = tiles[t].output_bytes() as f64;
+            // A stitched rank sends each tile as it finishes; otherwise it keeps them all.
+            peak = peak.max(held + costs[t].peak_bytes as f64);
+            if !stitched {
+                held += out;
+            }
+        }
+        rank.peak_bytes = peak as u64;
+        slowest = slowest.max(rank.compute_s);
+    }
+    // The owner receives every other rank's tiles and blends each into the output.
+    let mut received = 0.0;
+    let mut messages = 0usize;
+    for mine in assignment.per_rank.iter().skip(1) {
+        for &t in mine {
+            received += tiles[t].output_bytes() as f64;
+        }
+        messages += usize::from(!mine.is_empty()) * if stitched { mine.len() } else { 1 };
+    }
+    let speed = profile.speedup(placement.threads_per_rank, 1);
+    let all_tiles: f64 = tiles.iter().map(|t| t.output_bytes() as f64).sum();
+    let blend_s = profile.elementwise_s(2.0 * all_tiles) / speed;
+    let gather_s = messages as f64 * profile.link_latency_us * 1e-6 + received / (profile.link_gbps * 1e9);
+    let owner = &mut per_rank[0];
+    owner.comm_s += gather_s;
+    owner.compute_s += blend_s;
+    owner.received_bytes += received as u64;
+    let largest_tile = tiles.iter().map(|t| t.output_bytes() as f64).fold(0.0, f64::max);
+    let owner_extra = if stitched {
+        // The output, this round's tiles and one row of blend edges.
+        output + ranks as f64 * largest_tile
+    } else {
+        // The output and every tile.
+        output + all_tiles
+    };
+    owner.peak_bytes = owner.peak_bytes.max((owner_extra + largest_tile) as u64);
+    let elapsed = slowest + gather_s + blend_s;
+    Ok(finish(elapsed, per_rank))
+}
+
+fn finish(elapsed_s: f64, ranks: Vec<RankPrediction>) -> Prediction {
+    let peak_bytes = ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
+    Prediction { ms: elapsed_s * 1e3, peak_bytes, ranks }
+}
+
+/// The share of every map a part holds.
+fn fraction(network: &Network, part: &Part) -> f64 {
+    let [h, w] = network.latent;
+    (part.rows.len() as f64 / h.max(1) as f64) * (part.cols.len() as f64 / w.max(1) as f64)
+}
+
+/// One step on one part: compute, traffic and the bytes alive while it runs.
+fn step_cost(
+    step: &Step,
+    part: &Part,
+    network: &Network,
+    shared: bool,
+    speed: f64,
+    profile: &DeviceProfile,
+) -> StepCost {
+    let [lh, lw] = network.latent;
+    let fh = part.rows.len() as f64 / lh.max(1) as f64;
+    let fw = part.cols.len() as f64 / lw.max(1) as f64;
+    let batch = network.batch as f64;
+    let bytes = network.elem_bytes as f64 * batch;
+    let local = |d: [usize; 3], channels: usize| channels as f64 * d[0] as f64 * d[1] as f64 * fh * d[2] as f64 * fw;
+    let input = local(step.input, step.in_channels);
+    let output = local(step.output, step.out_channels);
+    let resident = step.resident as f64 * fh * fw;
+    let whole_input = step.input_elems() as f64;
+    match step.kind {
+        StepKind::Conv { kernel, align } => {
+            let [hh, hw] = step.halo().map(|h| h as f64);
+            let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
+            let c = step.in_channels as f64;
+            let [up, down, left, right] = part.sides.map(f64::from);
+            let halo = c * t * ((up + down) * hh * w + (left + right) * hw * h + part.corners as f64 * hh * hw) * bytes;
+            // A part's convolution reads a copy of its input with the neighbours' rows (the
+            // layers drop the input itself where they own it); the kernels pad as they read.
+            let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
+            let rate = profile.conv_macs_per_s(kernel, align, step.in_channels, step.out_channels).unwrap_or(1e9);
+            let macs = step.macs() as f64 * fh * fw * batch;
+            let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
+            // The weights as the kernel packs them (Winograd F(4×4) transforms each 3×3 kernel
+            // into 36 values, F(2×2) into 16), and its fixed scratch.
+            let taps = match (kernel, align) {
+                ([1, 3, 3], 4) => 36.0,
+                ([1, 3, 3], 2) => 16.0,
+                _ => kernel.iter().product::<usize>() as f64,
+            };
+            let packed = (step.in_channels * step.out_channels) as f64 * taps * 4.0;
+            // While the copy is made, the input is alive beside it.
+            let copying = if exchanges { with_halo + input } else { 0.0 };
+            let computing = (with_halo + output) * bytes + packed + profile.conv_scratch_bytes as f64;
+            StepCost {
+                compute_s: macs / (rate * speed),
+                comm_s: if exchanges { profile.message_s(halo) } else { 0.0 },
+                live_bytes: (copying * bytes).max(computing) + resident * bytes,
+                received_bytes: halo,
+            }
+        }
+        StepKind::Norm { grouped } => StepCost {
+            compute_s: profile.elementwise_s((input + output) * bytes) / speed,
+            comm_s: if grouped && shared { 2.0 * profile.link_latency_us * 1e-6 } else { 0.0 },
+            live_bytes: (input + output + resident) * bytes,
+            received_bytes: 0.0,
+        },
+        StepKind::Elementwise { in_place } => StepCost {
+            compute_s: profile.elementwise_s(if in_place { 3.0 * input } else { input + output } * bytes) / speed,
+            comm_s: 0.0,
+            live_bytes: (input + if in_place { 0.0 } else { output } + resident) * bytes,
+            received_bytes: 0.0,
+        },
+        StepKind::Attention => {
+            let n = step.input[0] as f64 * step.input[1] as f64 * step.input[2] as f64;
+            let rows = (SCORE_BLOCK_ELEMS / n.max(1.0)).clamp(SCORE_MIN_ROWS, SCORE_MAX_ROWS).min(n);
+            let gathered = if shared { (whole_input - input) * bytes } else { 0.0 };
+            let rate = profile.attention_gmacs * 1e9;
+            StepCost {
+                compute_s: step.macs() as f64 * batch / (rate * speed),
+                comm_s: if shared { profile.message_s(gathered) } else { 0.0 },
+                // The part, the gathered map, q, k, v and the attended map, one block of scores.
+                live_bytes: (input + if shared { whole_input } else { 0.0 } + 4.0 * whole_input + resident) * bytes
+                    + rows * n * 4.0,
+                received_bytes: gathered,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{ConvRate, NetworkBuilder};
+
+    /// One conv rate for every shape, 1 GB/s element-wise, free links: predictions by hand.
+    fn profile(cores: usize) -> DeviceProfile {
+        DeviceProfile {
+            device: "test".into(),
+            source: "test".into(),
+            cores,
+            threads: cores,
+            thread_efficiency: 0.5,
+            convs: vec![ConvRate { kernel: [1, 3, 3], align: 1, in_channels: 8, out_channels: 8, gmacs: 1.0 }],
+            elementwise_gbps: 1.0,
+            attention_gmacs: 1.0,
+            link_latency_us: 0.0,
+            link_gbps: 1e6,
+            conv_scratch_bytes: 0,
+        }
+    }
+
+    /// Two 3×3 convolutions of 8 channels on a 16×16 latent, f32.
+    fn two_convs(h: usize, w: usize) -> Network {
+        let mut b = NetworkBuilder::new(8, [1, h, w], [h, w], 4, 1);
+        b.conv(8, [1, 3, 3], 1, 0).conv(8, [1, 3, 3], 1, 0);
+        b.finish()
+    }
+
+    const ONE: Placement = Placement { threads_per_rank: 1.0, ranks_per_host: 1 };
+
+    #[test]
+    fn the_direct_pass_costs_its_multiply_adds_at_the_profiles_rate() {
+        let net = two_convs(16, 16);
+        assert_eq!(net.macs(), 2 * 16 * 16 * 8 * 8 * 9);
+        let p = predict(&net, Layout::Direct, ONE, &profile(1)).unwrap();
+        assert!((p.ms - net.macs() as f64 / 1e9 * 1e3).abs() < 1e-9, "{p:?}");
+        // Input, output and the packed weights of the convolution.
+        assert_eq!(p.peak_bytes, (2 * 8 * 16 * 16 * 4 + 8 * 8 * 9 * 4) as u64);
+        assert_eq!(p.ranks[0].received_bytes, 0);
+    }
+
+    #[test]
+    fn bands_split_the_work_and_exchange_one_halo_row_per_neighbour() {
+        let net = two_convs(16, 16);
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2 };
+        let p = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &profile(2)).unwrap();
+        // Each rank has half the work; two ranks on two cores at efficiency 0.5 share 1.5×.
+        let half = net.macs() as f64 / 2.0 / 1e9 / 0.75;
+        for rank in &p.ranks {
+            assert!((rank.compute_s - half).abs() < 1e-12, "{rank:?}");
+        }
+        // One row of 16 columns × 8 channels per convolution, and the owner gathers the
+        // other band's output (8 rows).
+        assert_eq!(p.ranks[1].received_bytes, 2 * 16 * 8 * 4);
+        assert_eq!(p.ranks[0].received_bytes, 2 * 16 * 8 * 4 + 8 * 16 * 8 * 4);
+        let direct = predict(&net, Layout::Direct, ONE, &profile(2)).unwrap();
+        assert!(p.ranks[1].peak_bytes < direct.peak_bytes, "{p:?} vs {direct:?}");
+    }
+
+    #[test]
+    fn two_by_two_blocks_send_about_half_the_busiest_ranks_halo_of_four_bands() {
+        let net = two_convs(64, 64);
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 4 };
+        let bands = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 4 }, placement, &profile(4)).unwrap();
+        let blocks = predict(&net, Layout::Blocks { grid: [2, 2] }, placement, &profile(4)).unwrap();
+        let busiest = |p: &Prediction| p.ranks.iter().skip(1).map(|r| r.received_bytes).max().unwrap();
+        let ratio = busiest(&blocks) as f64 / busiest(&bands) as f64;
+        // A block receives 32 + 32 edge values and one corner per convolution; a middle band
+        // two rows of 64.
+        assert!((ratio - 65.0 / 128.0).abs() < 1e-9, "{ratio}");
+    }
+
+    #[test]
+    fn tiles_are_dealt_by_their_work_and_the_owner_holds_the_output() {
+        let whole = two_convs(32, 32);
+        let tiles: Vec<Network> = (0..4).map(|_| two_convs(16, 16)).collect();
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2 };
+        let layout = Layout::Tiles { tiles: &tiles, ranks: 2, stitched: true };
+        let p = predict(&whole, layout, placement, &profile(2)).unwrap();
+        let tile_s = tiles[0].macs() as f64 / 1e9 / 0.75;
+        assert!((p.ranks[1].compute_s - 2.0 * tile_s).abs() < 1e-12, "{p:?}");
+        assert!(p.ranks[0].peak_bytes >= whole.output_bytes(), "{p:?}");
+        assert_eq!(p.ranks[0].received_bytes, 2 * tiles[0].output_bytes());
+        // Gathering every tile first holds more on the owner than stitching them as they come.
+        let gathered = Layout::Tiles { tiles: &tiles, ranks: 2, stitched: false };
+        let q = predict(&whole, gathered, placement, &profile(2)).unwrap();
+        assert!(q.ranks[0].peak_bytes > p.ranks[0].peak_bytes);
+    }
+
+    #[test]
+    fn ranks_that_share_cores_share_their_speed() {
+        let p = profile(2);
+        assert_eq!(p.speedup(1.0, 1), 1.0);
+        assert_eq!(p.speedup(2.0, 1), 1.5);
+        assert_eq!(p.speedup(1.0, 2), 0.75);
+        // Four ranks on a pool of two threads: half a thread each, the pool's 1.5× shared.
+        assert_eq!(p.speedup(0.5, 4), 0.375);
+    }
+
+    #[test]
+    fn a_grid_or_a_band_count_that_cannot_cut_the_latent_is_an_error() {
+        let net = two_convs(2, 2);
+        assert!(predict(&net, Layout::Bands { axis: ShardAxis::Width, ranks: 3 }, ONE, &profile(1)).is_err());
+        assert!(predict(&net, Layout::Blocks { grid: [3, 1] }, ONE, &profile(1)).is_err());
+        assert!(predict(&net, Layout::Tiles { tiles: &[], ranks: 0, stitched: true }, ONE, &profile(1)).is_err());
+    }
+}

@@ -1,0 +1,141 @@
+//! A device's calibration constants: what one rank's kernels sustain, measured once per
+//! device by `vae-parallel calibrate` and kept as a small TOML file.
+
+use serde::{Deserialize, Serialize};
+
+fn one() -> usize {
+    1
+}
+
+/// The sustained rate of one convolution shape on one thread.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConvRate {
+    /// Kernel extent along frames, rows and columns.
+    pub kernel: [usize; 3],
+    /// Its alignment class (1 direct, 2 and 4 Winograd; see
+    /// [`StepKind::Conv`](super::StepKind::Conv)).
+    #[serde(default = "one")]
+    pub align: usize,
+    /// Channels read.
+    pub in_channels: usize,
+    /// Channels written.
+    pub out_channels: usize,
+    /// Multiply-adds per second, in billions, on one thread.
+    pub gmacs: f64,
+}
+
+/// One device's constants. Rates are per thread; [`DeviceProfile::speedup`] scales them to the
+/// threads a rank really gets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceProfile {
+    /// The device, in words (CPU model and the SIMD features it was measured with).
+    pub device: String,
+    /// Where the constants come from (a calibration's date, or the built-in defaults).
+    pub source: String,
+    /// Cores the ranks of one host share.
+    pub cores: usize,
+    /// Threads the multi-thread measurement used.
+    pub threads: usize,
+    /// `e` in `speedup(t) = 1 + (t − 1)·e`: the share of each extra thread that turns into
+    /// speed.
+    pub thread_efficiency: f64,
+    /// Measured convolution shapes.
+    pub convs: Vec<ConvRate>,
+    /// Norms, SiLU, additions and copies: bytes read plus written per second, in billions, on
+    /// one thread.
+    pub elementwise_gbps: f64,
+    /// Attention: multiply-adds per second, in billions, on one thread.
+    pub attention_gmacs: f64,
+    /// One message's fixed cost between ranks, microseconds.
+    pub link_latency_us: f64,
+    /// Bytes per second between two ranks, in billions.
+    pub link_gbps: f64,
+    /// Scratch a convolution holds beyond its output and its packed weights (row buffers,
+    /// transformed blocks), bytes, as the rank's account sees it.
+    pub conv_scratch_bytes: u64,
+}
+
+impl DeviceProfile {
+    /// How much faster than one thread alone a rank runs with `threads` threads (a fraction
+    /// where ranks share one pool) while `ranks` ranks work at once on this host: together they
+    /// use at most its cores, at `1 + (T − 1)·e` times one thread's speed for `T` threads, and
+    /// share that equally.
+    pub fn speedup(&self, threads: f64, ranks: usize) -> f64 {
+        let ranks = ranks.max(1) as f64;
+        let total = (threads.max(0.0) * ranks).min(self.cores.max(1) as f64);
+        let speed = if total < 1.0 { total } else { 1.0 + (total - 1.0) * self.thread_efficiency };
+        speed / ranks
+    }
+
+    /// One-thread multiply-adds per second of a convolution: the measured shape, or the
+    /// nearest one (same kernel and alignment class first, then the closest `C_in · C_out`).
+    /// None without any measurement.
+    pub fn conv_macs_per_s(
+        &self,
+        kernel: [usize; 3],
+        align: usize,
+        in_channels: usize,
+        out_channels: usize,
+    ) -> Option<f64> {
+        let volume = |k: [usize; 3]| k.iter().product::<usize>();
+        let size = |cin: usize, cout: usize| ((cin.max(1) * cout.max(1)) as f64).ln();
+        let distance = |r: &ConvRate| {
+            let kernel_miss = if r.kernel == kernel {
+                0.0
+            } else if volume(r.kernel) == volume(kernel) {
+                1.0
+            } else {
+                4.0
+            };
+            let align_miss = if r.align == align { 0.0 } else { 2.0 };
+            kernel_miss + align_miss + (size(r.in_channels, r.out_channels) - size(in_channels, out_channels)).abs()
+        };
+        self.convs.iter().min_by(|a, b| distance(a).total_cmp(&distance(b))).map(|r| r.gmacs * 1e9)
+    }
+
+    /// Seconds for `bytes` of element-wise traffic on one thread.
+    pub fn elementwise_s(&self, bytes: f64) -> f64 {
+        bytes / (self.elementwise_gbps * 1e9)
+    }
+
+    /// Seconds for one message of `bytes` between two ranks.
+    pub fn message_s(&self, bytes: f64) -> f64 {
+        self.link_latency_us * 1e-6 + bytes / (self.link_gbps * 1e9)
+    }
+
+    /// The constants of the 2-vCPU AVX-512/AMX Xeon guest this project is developed on (f32),
+    /// for a device nobody calibrated: predictions then rank strategies but their absolute
+    /// figures belong to that machine.
+    pub fn builtin_cpu() -> Self {
+        let conv = |kernel: [usize; 3], align: usize, in_channels: usize, out_channels: usize, gmacs: f64| ConvRate {
+            kernel,
+            align,
+            in_channels,
+            out_channels,
+            gmacs,
+        };
+        Self {
+            device: "cpu: built-in defaults (Intel Xeon guest, AVX-512 + AMX, f32)".into(),
+            source: "built-in defaults; run `vae-parallel calibrate` for this device".into(),
+            cores: 2,
+            threads: 2,
+            thread_efficiency: 0.9,
+            convs: vec![
+                conv([1, 3, 3], 1, 512, 512, 60.0),
+                conv([1, 3, 3], 1, 256, 256, 60.0),
+                conv([1, 3, 3], 1, 128, 128, 55.0),
+                conv([1, 3, 3], 1, 128, 3, 8.0),
+                conv([1, 3, 3], 1, 16, 512, 20.0),
+                conv([1, 1, 1], 1, 512, 512, 60.0),
+                conv([3, 3, 3], 1, 384, 384, 60.0),
+                conv([3, 3, 3], 1, 192, 192, 55.0),
+                conv([3, 3, 3], 1, 96, 96, 50.0),
+            ],
+            elementwise_gbps: 8.0,
+            attention_gmacs: 50.0,
+            link_latency_us: 30.0,
+            link_gbps: 4.0,
+            conv_scratch_bytes: 2 << 20,
+        }
+    }
+}
