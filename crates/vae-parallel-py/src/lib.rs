@@ -166,8 +166,12 @@ fn load(
     };
     let threads = std::thread::available_parallelism().map_or(1, usize::from) as f64;
     let placement = match &group {
-        Group::Local(n, _) => Placement { threads_per_rank: threads / (*n).max(1) as f64, ranks_per_host: *n },
-        Group::Socket(comm) => Placement { threads_per_rank: threads, ranks_per_host: comm.size() },
+        Group::Local(n, _) => {
+            Placement { threads_per_rank: threads / (*n).max(1) as f64, ranks_per_host: *n, threads_alone: threads }
+        }
+        Group::Socket(comm) => {
+            Placement { threads_per_rank: threads, ranks_per_host: comm.size(), threads_alone: threads }
+        }
     };
     let cost = CostSettings { profile: cost_profile, placement, max_memory_per_rank };
     let engine = py.detach(|| -> Result<Engine, EngineError> {

@@ -8,13 +8,15 @@ use vae_models::{CostNetworks, Direction, LoadedVae};
 use vae_planner::cost::{DeviceProfile, Layout, Placement, Prediction, predict};
 use vae_runtime::{ParallelMode, Strategy};
 
+use crate::report::human_bytes;
+
 /// Errors of the cost model.
 #[derive(Debug, thiserror::Error)]
 pub enum CostError {
     /// No strategy's predicted peak fits the cap.
     #[error(
         "no strategy fits --max-memory-per-rank {cap}: the smallest predicted peak per rank is {smallest} ({strategy}); {advice}",
-        cap = human(*cap), smallest = human(*smallest)
+        cap = human_bytes(*cap), smallest = human_bytes(*smallest)
     )]
     NothingFits {
         /// The cap, bytes.
@@ -226,18 +228,6 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         return Err(format!("{text:?} is not a positive size"));
     }
     Ok(bytes as u64)
-}
-
-/// Bytes for people: `1.5 GiB`.
-pub fn human(bytes: u64) -> String {
-    let b = bytes as f64;
-    if b >= (1u64 << 30) as f64 {
-        format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else if b >= (1u64 << 20) as f64 {
-        format!("{:.1} MiB", b / (1u64 << 20) as f64)
-    } else {
-        format!("{:.1} KiB", b / 1024.0)
-    }
 }
 
 #[cfg(test)]

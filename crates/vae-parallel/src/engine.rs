@@ -339,15 +339,17 @@ impl Engine {
             match cost::candidates(model, direction, dims, ranks, settings) {
                 Some(candidates) if !candidates.is_empty() => {
                     let best = cost::choose(&candidates, options.max_memory_per_rank, ranks)?;
-                    let cap =
-                        options.max_memory_per_rank.map(|c| format!(" within {}", cost::human(c))).unwrap_or_default();
+                    let cap = options
+                        .max_memory_per_rank
+                        .map(|c| format!(" within {}", crate::report::human_bytes(c)))
+                        .unwrap_or_default();
                     choice = StrategyChoice::chosen(
                         best.strategy,
                         format!(
                             "auto: {}, the fastest predicted{cap} ({:.0} ms, {} per rank)",
                             best.label,
                             best.prediction.ms,
-                            cost::human(best.prediction.peak_bytes)
+                            crate::report::human_bytes(best.prediction.peak_bytes)
                         ),
                     );
                     use_tiling = best.use_tiling;

@@ -233,6 +233,7 @@ impl ParallelArgs {
                 // Local ranks share this process's pool; socket ranks each have their own.
                 threads_per_rank: if transport.is_multi_process() { threads } else { threads / ranks.max(1) as f64 },
                 ranks_per_host: ranks,
+                threads_alone: threads,
             },
             max_memory_per_rank,
         };

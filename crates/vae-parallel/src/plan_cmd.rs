@@ -36,6 +36,11 @@ pub struct PlanArgs {
     /// With --measure: runs per strategy, the fastest kept (the first also warms the buffers).
     #[arg(long, default_value_t = 2)]
     runs: usize,
+    /// Ranks per host sharing its cores (default: every rank on this host, as `decode` starts
+    /// them). `--ranks-per-host 1` predicts ranks that each have a device of the profile's
+    /// kind to themselves (a cluster of such machines).
+    #[arg(long)]
+    ranks_per_host: Option<usize>,
 }
 
 /// What one measured run gave: the slowest rank's seconds and the largest request peak.
@@ -46,7 +51,16 @@ struct Measured {
 
 /// `vae-parallel plan`.
 pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
-    let r = args.parallel.resolve()?;
+    let mut r = args.parallel.resolve()?;
+    if let Some(n) = args.ranks_per_host {
+        anyhow::ensure!(n >= 1, "--ranks-per-host must be at least 1");
+        anyhow::ensure!(!args.measure, "--measure runs the ranks on this host: leave --ranks-per-host out");
+        r.cost.placement = vae_parallel::planner::cost::Placement {
+            threads_per_rank: r.cost.profile.threads as f64,
+            ranks_per_host: n,
+            threads_alone: r.cost.profile.threads as f64,
+        };
+    }
     let dims = args
         .shape
         .split(',')
@@ -71,7 +85,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         r.cost.placement.threads_per_rank, r.cost.placement.ranks_per_host, profile.cores
     );
     if let Some(cap) = r.options.max_memory_per_rank {
-        println!("cap       {} per rank", cost::human(cap));
+        println!("cap       {} per rank", vae_parallel::report::human_bytes(cap));
     }
     let choice = cost::choose(&candidates, r.options.max_memory_per_rank, ranks);
     let input = args.measure.then(|| Tensor::seeded_uniform(dims.clone(), 0, -1.0, 1.0, &Device::Cpu)).transpose()?;
@@ -88,7 +102,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             "{:<16} {:>12.0} {:>14} {:>6}",
             format!("{}{}", c.label, if chosen { " *" } else { "" }),
             c.prediction.ms,
-            cost::human(c.prediction.peak_bytes),
+            vae_parallel::report::human_bytes(c.prediction.peak_bytes),
             if fits { "yes" } else { "no" }
         );
         if let Some(input) = &input {
@@ -97,7 +111,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
                 " {:>11.0} {:>7.2} {:>14} {:>7.2}",
                 m.seconds * 1e3,
                 c.prediction.ms / (m.seconds * 1e3),
-                cost::human(m.peak_bytes),
+                vae_parallel::report::human_bytes(m.peak_bytes),
                 c.prediction.peak_bytes as f64 / m.peak_bytes.max(1) as f64
             );
         }

@@ -91,7 +91,7 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     assert!(!out.exists() && !report.exists());
 
     let (ok, text) = decode(&["--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
-    assert!(ok && text.contains("the fastest predicted within 1.00 GiB"), "{text}");
+    assert!(ok && text.contains("the fastest predicted within 1.0 GiB"), "{text}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert!(json["predicted_ms"].as_f64().unwrap() > 0.0, "{json}");
     assert!(json["predicted_peak_bytes"].as_u64().unwrap() > 0, "{json}");
@@ -111,14 +111,32 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     assert_eq!(json["strategy"], "shard-height");
     assert!(json["predicted_ms"].as_f64().unwrap() > 0.0 && json["predicted_peak_bytes"].as_u64().unwrap() > 0);
 
-    // A family without a cost model cannot honour a cap.
-    let (wan, wan_latent) = wan21_fixture();
-    let mut v = vec!["decode", "--model", s(&wan), "--latent", s(&wan_latent), "--out", s(&out)];
+    // A request without a cost model (the Wan encoder's) cannot honour a cap.
+    let (wan, _) = wan21_fixture();
+    let video = wan.parent().unwrap().join("wan21_like.encode_f5.in.npy");
+    let mut v = vec!["encode", "--model", s(&wan), "--input", s(&video), "--out", s(&out)];
     v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
     std::fs::remove_file(&out).ok();
     let (ok, text) = cli(&v);
     assert!(!ok && text.contains("has no cost model"), "{text}");
     assert!(!out.exists());
+}
+
+#[test]
+fn the_wan_decoder_has_a_cost_model_too() {
+    let (wan, latent) = wan21_fixture();
+    let mut args = vec!["plan", "--model", s(&wan), "--shape", "1,16,3,2,3", "--vae-patch-parallel-size", "2"];
+    args.extend(["--measure", "--runs", "1"]);
+    let (ok, text) = cli(&args);
+    assert!(ok && text.contains("shard-width") && text.contains("auto would run"), "{text}");
+    let dir = scratch("wan");
+    let (out, report) = (dir.join("out.npy"), dir.join("r.json"));
+    let mut v = vec!["decode", "--model", s(&wan), "--latent", s(&latent), "--out", s(&out), "--report", s(&report)];
+    v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
+    let (ok, text) = cli(&v);
+    assert!(ok && text.contains("the fastest predicted"), "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(json["predicted_peak_bytes"].as_u64().unwrap() > 0, "{json}");
 }
 
 #[test]

@@ -711,16 +711,16 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     let report = dir.join("report.json");
     let (model, latent) = (wan.join("wan21_like"), wan.join("wan21_like.decode_t3.in.npy"));
     // The plain 3-frame fixture (latent 2x3), width-sharded over 3 ranks: one column each.
-    let (ok, text) =
-        cli(&decode_on("3", s(&model), s(&latent), s(&out), &["--vae-parallel-mode", "auto", "--report", s(&report)]));
+    let mode = ["--vae-parallel-mode", "spatial_shard_width", "--report", s(&report)];
+    let (ok, text) = cli(&decode_on("3", s(&model), s(&latent), s(&out), &mode));
     assert!(ok, "{text}");
-    assert!(text.contains("shard-width (mode auto: auto: width, the only axis that fits 3 ranks)"), "{text}");
+    assert!(text.contains("shard-width (mode spatial_shard_width: spatial_shard_width requested)"), "{text}");
     assert!(text.contains("cols 0..1") && text.contains("cols 2..3"), "bands of a width shard are columns: {text}");
     let (g, e) = (read_npy_f32(&out), read_npy_f32(&wan.join("wan21_like.decode_t3.out.npy")));
     let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    assert_eq!(json["mode"], "auto");
+    assert_eq!(json["mode"], "spatial_shard_width");
     assert_eq!(json["strategy"], "shard-width");
     let ranks = json["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 3);

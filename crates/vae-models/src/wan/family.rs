@@ -10,7 +10,7 @@ use super::model::{VideoVaeClass, WanVae};
 use super::operators::{
     WanDecodeOperator, WanEncodeOperator, WanPipelineDecodeOperator, WanShardDecodeOperator, WanShardEncodeOperator,
 };
-use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
 /// `AutoencoderKLWan` and `AutoencoderKLQwenImage`.
@@ -43,6 +43,10 @@ impl LoadedVae for WanVae {
 
     fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         WanVae::check_mode(self, mode)
+    }
+
+    fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        WanVae::cost_networks(self, direction, input_dims)
     }
 
     fn strategy(&self, direction: Direction, mode: ParallelMode, input_dims: &[usize], ranks: usize) -> StrategyChoice {

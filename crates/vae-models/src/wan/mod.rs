@@ -11,6 +11,7 @@
 
 mod cache;
 mod config;
+mod cost;
 mod decoder;
 mod encoder;
 mod family;

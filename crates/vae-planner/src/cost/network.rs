@@ -17,6 +17,9 @@ pub enum StepKind {
         /// The rows one latent row spans where it runs (its band alignment: 1, 2, or 4 and
         /// more), which decides its algorithm on the CPU (direct, Winograd F(2×2), F(4×4)).
         align: usize,
+        /// Whether the layer lets go of its input once a part's halo'd copy exists (otherwise
+        /// both live through the convolution).
+        owned: bool,
     },
     /// A normalisation (then, usually, SiLU) into a new map. `grouped`: GroupNorm, whose
     /// statistics span the whole map (one small all-reduce in a shard); otherwise per pixel.
@@ -200,16 +203,32 @@ impl NetworkBuilder {
         self.push(kind, out_channels, output, resident)
     }
 
+    /// Makes `channels × dims` the current map without a step (a layer that reads another map
+    /// than the last step's output: a residual block's main path after its shortcut, the next
+    /// chunk of a video decoded frame by frame).
+    pub fn restart(&mut self, channels: usize, dims: [usize; 3]) -> &mut Self {
+        self.channels = channels;
+        self.dims = dims;
+        self
+    }
+
     /// A same-size convolution of kernel `[kt, k, k]` to `out_channels`, with band alignment
     /// `align` (see [`StepKind::Conv`]).
     pub fn conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        self.push(StepKind::Conv { kernel, align: align_class(align) }, out_channels, self.dims, resident)
+        self.push(StepKind::Conv { kernel, align: align_class(align), owned: true }, out_channels, self.dims, resident)
+    }
+
+    /// [`Self::conv`] by a layer that keeps its input alive through the convolution (a part's
+    /// halo'd copy lives beside it).
+    pub fn conv_keeping(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
+        let kind = StepKind::Conv { kernel, align: align_class(align), owned: false };
+        self.push(kind, out_channels, self.dims, resident)
     }
 
     /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
     pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
         let [t, h, w] = self.dims;
-        self.push(StepKind::Conv { kernel: [1, 3, 3], align: 1 }, out_channels, [t, h / 2, w / 2], 0)
+        self.push(StepKind::Conv { kernel: [1, 3, 3], align: 1, owned: true }, out_channels, [t, h / 2, w / 2], 0)
     }
 
     /// A nearest 2× upsampling of rows and columns into a new map.

@@ -65,6 +65,9 @@ pub struct Placement {
     pub threads_per_rank: f64,
     /// Ranks on one host (sharing its cores).
     pub ranks_per_host: usize,
+    /// Threads one rank uses while the others of its host are idle: the whole pool where the
+    /// ranks share one (threads of one process), its own threads otherwise.
+    pub threads_alone: f64,
 }
 
 /// One rank's predicted share.
@@ -224,24 +227,33 @@ fn tiled(
     placement: Placement,
     profile: &DeviceProfile,
 ) -> Result<Prediction, PlanError> {
-    // The ranks of one host that compute tiles at once.
-    let concurrent = placement.ranks_per_host.min(ranks).min(tiles.len()).max(1);
+    // Each tile's work in one thread's seconds, its memory as it runs alone.
+    let unit = Placement { threads_per_rank: 1.0, ranks_per_host: 1, threads_alone: 1.0 };
     let alone = |tile: &Network| {
         let whole = Part { rows: 0..tile.latent[0], cols: 0..tile.latent[1], sides: [false; 4], corners: 0 };
-        sharded(tile, &[whole], concurrent, placement, profile)
+        sharded(tile, &[whole], 1, unit, profile)
     };
     let costs: Vec<Prediction> = tiles.iter().map(alone).collect();
     let workloads: Vec<u64> = tiles.iter().map(Network::macs).collect();
     let assignment = lpt_assign(&workloads, ranks)?;
     let output = network.output_bytes() as f64;
+    // The ranks of one host that compute tiles at once share its cores while all are busy; a
+    // rank left alone with its last tiles gets what it can use alone.
+    let busy = assignment.per_rank.iter().filter(|t| !t.is_empty()).count().max(1);
+    let concurrent = placement.ranks_per_host.min(busy).max(1);
+    // Where the ranks share one pool, the busy ones share all of it.
+    let threads = placement.threads_per_rank.max(placement.threads_alone / concurrent as f64);
+    let speed_shared = profile.speedup(threads, concurrent);
+    let speed_alone = profile.speedup(placement.threads_alone.max(placement.threads_per_rank), 1);
     let mut per_rank = vec![RankPrediction::default(); ranks];
-    let mut slowest: f64 = 0.0;
+    let (mut total_work, mut longest): (f64, f64) = (0.0, 0.0);
     for (r, mine) in assignment.per_rank.iter().enumerate() {
         let rank = &mut per_rank[r];
         let mut held = 0.0;
         let mut peak: f64 = 0.0;
+        let mut work = 0.0;
         for &t in mine {
-            rank.compute_s += costs[t].ranks[0].compute_s;
+            work += costs[t].ranks[0].compute_s;
             let out = tiles[t].output_bytes() as f64;
             // A stitched rank sends each tile as it finishes; otherwise it keeps them all.
             peak = peak.max(held + costs[t].peak_bytes as f64);
@@ -249,9 +261,15 @@ fn tiled(
                 held += out;
             }
         }
+        rank.compute_s = work / speed_shared;
         rank.peak_bytes = peak as u64;
-        slowest = slowest.max(rank.compute_s);
+        total_work += work;
+        longest = longest.max(work);
     }
+    // Hosts work through the tiles together (at most `concurrent` ranks' speed at once), and no
+    // faster than the rank with the most work alone.
+    let hosts = ranks.div_ceil(placement.ranks_per_host.max(1)).max(1) as f64;
+    let slowest = (total_work / (speed_shared * concurrent as f64 * hosts)).max(longest / speed_alone);
     // The owner receives every other rank's tiles and blends each into the output.
     let mut received = 0.0;
     let mut messages = 0usize;
@@ -261,7 +279,7 @@ fn tiled(
         }
         messages += usize::from(!mine.is_empty()) * if stitched { mine.len() } else { 1 };
     }
-    let speed = profile.speedup(placement.threads_per_rank, 1);
+    let speed = speed_alone;
     let all_tiles: f64 = tiles.iter().map(|t| t.output_bytes() as f64).sum();
     let blend_s = profile.elementwise_s(2.0 * all_tiles) / speed;
     let gather_s = messages as f64 * profile.link_latency_us * 1e-6 + received / (profile.link_gbps * 1e9);
@@ -271,8 +289,8 @@ fn tiled(
     owner.received_bytes += received as u64;
     let largest_tile = tiles.iter().map(|t| t.output_bytes() as f64).fold(0.0, f64::max);
     let owner_extra = if stitched {
-        // The output, this round's tiles and one row of blend edges.
-        output + ranks as f64 * largest_tile
+        // The output and this round's tiles (one per rank that has any).
+        output + ranks.min(tiles.len()) as f64 * largest_tile
     } else {
         // The output and every tile.
         output + all_tiles
@@ -313,7 +331,7 @@ fn step_cost(
     let resident = step.resident as f64 * fh * fw;
     let whole_input = step.input_elems() as f64;
     match step.kind {
-        StepKind::Conv { kernel, align } => {
+        StepKind::Conv { kernel, align, owned } => {
             let [hh, hw] = step.halo().map(|h| h as f64);
             let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
             let c = step.in_channels as f64;
@@ -333,9 +351,11 @@ fn step_cost(
                 _ => kernel.iter().product::<usize>() as f64,
             };
             let packed = (step.in_channels * step.out_channels) as f64 * taps * 4.0;
-            // While the copy is made, the input is alive beside it.
+            // While the copy is made, the input is alive beside it (and after, unless the layer
+            // lets it go).
             let copying = if exchanges { with_halo + input } else { 0.0 };
-            let computing = (with_halo + output) * bytes + packed + profile.conv_scratch_bytes as f64;
+            let kept = if exchanges && !owned { input } else { 0.0 };
+            let computing = (with_halo + kept + output) * bytes + packed + profile.conv_scratch_bytes as f64;
             StepCost {
                 compute_s: macs / (rate * speed),
                 comm_s: if exchanges { profile.message_s(halo) } else { 0.0 },
@@ -401,7 +421,7 @@ mod tests {
         b.finish()
     }
 
-    const ONE: Placement = Placement { threads_per_rank: 1.0, ranks_per_host: 1 };
+    const ONE: Placement = Placement { threads_per_rank: 1.0, ranks_per_host: 1, threads_alone: 1.0 };
 
     #[test]
     fn the_direct_pass_costs_its_multiply_adds_at_the_profiles_rate() {
@@ -417,10 +437,10 @@ mod tests {
     #[test]
     fn bands_split_the_work_and_exchange_one_halo_row_per_neighbour() {
         let net = two_convs(16, 16);
-        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2 };
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
         let p = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &profile(2)).unwrap();
-        // Each rank has half the work; two ranks on two cores at efficiency 0.5 share 1.5×.
-        let half = net.macs() as f64 / 2.0 / 1e9 / 0.75;
+        // Each rank has half the work, on a core of its own.
+        let half = net.macs() as f64 / 2.0 / 1e9;
         for rank in &p.ranks {
             assert!((rank.compute_s - half).abs() < 1e-12, "{rank:?}");
         }
@@ -435,7 +455,7 @@ mod tests {
     #[test]
     fn two_by_two_blocks_send_about_half_the_busiest_ranks_halo_of_four_bands() {
         let net = two_convs(64, 64);
-        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 4 };
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 4, threads_alone: 1.0 };
         let bands = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 4 }, placement, &profile(4)).unwrap();
         let blocks = predict(&net, Layout::Blocks { grid: [2, 2] }, placement, &profile(4)).unwrap();
         let busiest = |p: &Prediction| p.ranks.iter().skip(1).map(|r| r.received_bytes).max().unwrap();
@@ -449,10 +469,10 @@ mod tests {
     fn tiles_are_dealt_by_their_work_and_the_owner_holds_the_output() {
         let whole = two_convs(32, 32);
         let tiles: Vec<Network> = (0..4).map(|_| two_convs(16, 16)).collect();
-        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2 };
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
         let layout = Layout::Tiles { tiles: &tiles, ranks: 2, stitched: true };
         let p = predict(&whole, layout, placement, &profile(2)).unwrap();
-        let tile_s = tiles[0].macs() as f64 / 1e9 / 0.75;
+        let tile_s = tiles[0].macs() as f64 / 1e9;
         assert!((p.ranks[1].compute_s - 2.0 * tile_s).abs() < 1e-12, "{p:?}");
         assert!(p.ranks[0].peak_bytes >= whole.output_bytes(), "{p:?}");
         assert_eq!(p.ranks[0].received_bytes, 2 * tiles[0].output_bytes());
@@ -467,9 +487,11 @@ mod tests {
         let p = profile(2);
         assert_eq!(p.speedup(1.0, 1), 1.0);
         assert_eq!(p.speedup(2.0, 1), 1.5);
-        assert_eq!(p.speedup(1.0, 2), 0.75);
-        // Four ranks on a pool of two threads: half a thread each, the pool's 1.5× shared.
-        assert_eq!(p.speedup(0.5, 4), 0.375);
+        assert_eq!(p.speedup(1.0, 2), 1.0);
+        // Four ranks on a pool of two threads: half a thread each.
+        assert_eq!(p.speedup(0.5, 4), 0.5);
+        // Four ranks of two threads each on two cores: a quarter of 1.5× each.
+        assert_eq!(p.speedup(2.0, 4), 0.375);
     }
 
     #[test]

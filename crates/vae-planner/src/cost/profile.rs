@@ -57,14 +57,15 @@ pub struct DeviceProfile {
 
 impl DeviceProfile {
     /// How much faster than one thread alone a rank runs with `threads` threads (a fraction
-    /// where ranks share one pool) while `ranks` ranks work at once on this host: together they
-    /// use at most its cores, at `1 + (T − 1)·e` times one thread's speed for `T` threads, and
-    /// share that equally.
+    /// where ranks share one pool) while `ranks` ranks work at once on this host. Ranks are
+    /// independent, so they add up; a rank's own threads give `1 + (t − 1)·e` times one
+    /// thread's speed; past the host's cores, everything slows in proportion.
     pub fn speedup(&self, threads: f64, ranks: usize) -> f64 {
-        let ranks = ranks.max(1) as f64;
-        let total = (threads.max(0.0) * ranks).min(self.cores.max(1) as f64);
-        let speed = if total < 1.0 { total } else { 1.0 + (total - 1.0) * self.thread_efficiency };
-        speed / ranks
+        let t = threads.max(0.0);
+        let own = if t < 1.0 { t } else { 1.0 + (t - 1.0) * self.thread_efficiency };
+        let demand = t * ranks.max(1) as f64;
+        let cores = self.cores.max(1) as f64;
+        if demand > cores { own * cores / demand } else { own }
     }
 
     /// One-thread multiply-adds per second of a convolution: the measured shape, or the
@@ -103,8 +104,8 @@ impl DeviceProfile {
         self.link_latency_us * 1e-6 + bytes / (self.link_gbps * 1e9)
     }
 
-    /// The constants of the 2-vCPU AVX-512/AMX Xeon guest this project is developed on (f32),
-    /// for a device nobody calibrated: predictions then rank strategies but their absolute
+    /// The constants `vae-parallel calibrate` measured on the 2-vCPU AVX-512/AMX Xeon guest
+    /// this project is developed on (f32, 2026-12-03), for a device nobody calibrated: predictions then rank strategies but their absolute
     /// figures belong to that machine.
     pub fn builtin_cpu() -> Self {
         let conv = |kernel: [usize; 3], align: usize, in_channels: usize, out_channels: usize, gmacs: f64| ConvRate {
@@ -119,23 +120,41 @@ impl DeviceProfile {
             source: "built-in defaults; run `vae-parallel calibrate` for this device".into(),
             cores: 2,
             threads: 2,
-            thread_efficiency: 0.9,
+            thread_efficiency: 0.73,
             convs: vec![
-                conv([1, 3, 3], 1, 512, 512, 60.0),
-                conv([1, 3, 3], 1, 256, 256, 60.0),
-                conv([1, 3, 3], 1, 128, 128, 55.0),
-                conv([1, 3, 3], 1, 128, 3, 8.0),
-                conv([1, 3, 3], 1, 16, 512, 20.0),
-                conv([1, 1, 1], 1, 512, 512, 60.0),
-                conv([3, 3, 3], 1, 384, 384, 60.0),
-                conv([3, 3, 3], 1, 192, 192, 55.0),
-                conv([3, 3, 3], 1, 96, 96, 50.0),
+                conv([1, 3, 3], 1, 16, 512, 46.6),
+                conv([1, 3, 3], 1, 512, 512, 55.9),
+                conv([1, 3, 3], 2, 512, 512, 105.5),
+                conv([1, 3, 3], 4, 512, 512, 136.5),
+                conv([1, 3, 3], 4, 512, 256, 125.2),
+                conv([1, 3, 3], 4, 256, 256, 129.5),
+                conv([1, 3, 3], 4, 256, 128, 144.6),
+                conv([1, 3, 3], 4, 128, 128, 144.9),
+                conv([1, 3, 3], 4, 128, 3, 17.8),
+                conv([1, 3, 3], 4, 3, 128, 14.3),
+                conv([1, 3, 3], 2, 256, 512, 101.9),
+                conv([1, 3, 3], 1, 512, 32, 31.6),
+                conv([1, 3, 3], 1, 128, 128, 52.9),
+                conv([1, 1, 1], 1, 512, 256, 48.4),
+                conv([1, 1, 1], 1, 256, 128, 42.4),
+                conv([3, 3, 3], 1, 16, 384, 55.0),
+                conv([3, 3, 3], 1, 384, 384, 52.1),
+                conv([3, 3, 3], 2, 384, 384, 107.9),
+                conv([3, 3, 3], 2, 192, 384, 108.4),
+                conv([3, 3, 3], 4, 192, 192, 140.7),
+                conv([3, 3, 3], 4, 96, 96, 132.5),
+                conv([3, 3, 3], 4, 96, 3, 16.5),
+                conv([3, 1, 1], 1, 384, 768, 51.1),
+                conv([1, 3, 3], 2, 384, 192, 70.9),
+                conv([1, 3, 3], 4, 384, 192, 119.3),
+                conv([1, 3, 3], 4, 192, 96, 134.5),
+                conv([1, 1, 1], 1, 192, 384, 44.2),
             ],
-            elementwise_gbps: 8.0,
-            attention_gmacs: 50.0,
-            link_latency_us: 30.0,
-            link_gbps: 4.0,
-            conv_scratch_bytes: 2 << 20,
+            elementwise_gbps: 4.5,
+            attention_gmacs: 44.2,
+            link_latency_us: 5.9,
+            link_gbps: 2.16,
+            conv_scratch_bytes: 7 << 20,
         }
     }
 }

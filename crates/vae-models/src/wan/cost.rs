@@ -1,0 +1,223 @@
+//! The Wan2.1 / Qwen-Image decoder as the cost model sees it ([`vae_planner::cost`]): one
+//! latent frame at a time through the causal cache, in the order `decoder.rs` runs its layers,
+//! with the maps each layer keeps alive.
+//!
+//! A decode is the first chunk (one frame at every level) followed by the others (frames
+//! doubled by each temporal upsampler), so the pass is the chunks' steps one after another:
+//! time adds up over them, and memory is the most any step holds, with the causal convs'
+//! caches (each one's last two input frames) and the output frames decoded so far alive
+//! beside it.
+
+use vae_planner::cost::{Network, NetworkBuilder, StepKind};
+
+use super::cache::CACHE_T;
+use super::config::WanConfig;
+use super::model::WanVae;
+use crate::family::{CostNetworks, Direction};
+
+/// The walk over a decode: the builder, and the cache slots of the previous chunk and this one.
+struct Walk {
+    b: NetworkBuilder,
+    /// Cache elements the previous chunk left, per slot in visit order.
+    previous: Vec<u64>,
+    /// Cache elements this chunk has written so far, per slot.
+    current: Vec<u64>,
+    /// Caches alive now: the previous chunk's not yet replaced, and this chunk's.
+    caches: u64,
+    /// Output elements decoded by the earlier chunks.
+    decoded: u64,
+    /// Whether this is the first chunk (its caches hold the one frame it has).
+    first: bool,
+}
+
+impl Walk {
+    /// Elements alive beside every step: the caches and the decoded output.
+    fn carried(&self) -> u64 {
+        self.caches + self.decoded
+    }
+
+    /// A cache slot written: the previous chunk's entry gives way to this chunk's.
+    fn write_cache(&mut self, elems: u64) {
+        let slot = self.current.len();
+        self.caches = self.caches - self.previous.get(slot).copied().unwrap_or(0) + elems;
+        self.current.push(elems);
+    }
+
+    /// The cache a layer keeps of its current input: its last frames (two after the first chunk).
+    fn cache_of_input(&self) -> u64 {
+        let [t, h, w] = self.b.dims();
+        let frames = if self.first { t.min(CACHE_T) } else { CACHE_T };
+        (self.b.channels() * frames * h * w) as u64
+    }
+
+    /// A causal conv fed through the cache; the layer keeps its input.
+    fn cached_conv(&mut self, out: usize, kernel: [usize; 3], align: usize, resident: u64) {
+        let cache = self.cache_of_input();
+        self.b.conv_keeping(out, kernel, align, resident + self.carried());
+        self.write_cache(cache);
+    }
+
+    /// `WanResidualBlock::forward`: every intermediate lives until the block returns.
+    fn resnet(&mut self, out: usize, align: usize) {
+        let cin = self.b.channels();
+        let dims = self.b.dims();
+        let x = self.b.map_elems();
+        // The shortcut's map: the 1×1×1 conv's output, or a copy of the input (`x.clone()`).
+        let shortcut;
+        if cin != out {
+            self.b.conv_keeping(out, [1, 1, 1], 1, self.carried());
+            shortcut = self.b.map_elems();
+            self.b.restart(cin, dims);
+        } else {
+            shortcut = x;
+        }
+        self.b.norm(false, shortcut + self.carried());
+        let y1 = self.b.map_elems();
+        self.cached_conv(out, [3, 3, 3], align, x + shortcut);
+        let y2 = self.b.map_elems();
+        self.b.norm(false, x + shortcut + y1 + self.carried());
+        let y3 = self.b.map_elems();
+        self.cached_conv(out, [3, 3, 3], align, x + shortcut + y1 + y2);
+        self.b.add(x + shortcut + y1 + y2 + y3 + self.carried());
+    }
+
+    /// `Upsample::forward` at up block `i`: the time conv and the frames interleaved (temporal,
+    /// after the first chunk), the frames laid out one by one, upsampled, the 3×3 conv to half
+    /// the channels, and back to the video layout.
+    fn upsample(&mut self, temporal: bool, align: usize) {
+        let c = self.b.channels();
+        // The caller's input and the copy the layer starts from (`x.clone()`), both alive
+        // until it returns.
+        let before = 2 * self.b.map_elems();
+        if temporal {
+            let cache = self.cache_of_input();
+            let [t, h, w] = self.b.dims();
+            if self.first {
+                // The first chunk only marks the slot.
+                self.write_cache(0);
+            } else {
+                self.b.conv_keeping(2 * c, [3, 1, 1], 1, self.carried());
+                self.write_cache(cache);
+                self.b.push(StepKind::Elementwise { in_place: false }, c, [2 * t, h, w], before + self.carried());
+            }
+        }
+        let dims = self.b.dims();
+        self.b.push(StepKind::Elementwise { in_place: false }, c, dims, before + self.carried());
+        let frames = self.b.map_elems();
+        self.b.upsample();
+        self.b.conv(c / 2, [1, 3, 3], align, before + frames + self.carried());
+        let up = self.b.dims();
+        self.b.push(StepKind::Elementwise { in_place: false }, c / 2, up, before + frames + self.carried());
+    }
+
+    /// One chunk's steps from its latent frame.
+    fn chunk(&mut self, c: &WanConfig) {
+        let dim = c.decoder_base_dim.unwrap_or(c.base_dim);
+        let last = *c.dim_mult.last().unwrap_or(&1);
+        let dims: Vec<usize> = std::iter::once(last).chain(c.dim_mult.iter().rev().copied()).map(|u| dim * u).collect();
+        let up_temporal: Vec<bool> = c.temperal_downsample.iter().rev().copied().collect();
+        self.cached_conv(dims[0], [3, 3, 3], 1, 0);
+        self.resnet(dims[0], 1);
+        // Attention over each frame's positions, with a residual.
+        let dims_now = self.b.dims();
+        self.b.push(StepKind::Attention, dims[0], dims_now, self.carried());
+        self.resnet(dims[0], 1);
+        let mut align = 1;
+        for i in 0..c.dim_mult.len() {
+            for _ in 0..=c.num_res_blocks {
+                self.resnet(dims[i + 1], align);
+            }
+            if i + 1 < c.dim_mult.len() {
+                align *= 2;
+                self.upsample(*up_temporal.get(i).unwrap_or(&false), align);
+            }
+        }
+        self.b.norm(false, self.carried());
+        let normed = self.b.map_elems();
+        self.cached_conv(c.out_channels, [3, 3, 3], align, normed);
+    }
+}
+
+/// The decoder over `frames` latent frames of `[h, w]` (after `post_quant_conv`), then the
+/// chunks' outputs concatenated and clamped.
+fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
+    let b = NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch);
+    let mut walk = Walk { b, previous: Vec::new(), current: Vec::new(), caches: 0, decoded: 0, first: true };
+    walk.b.conv_keeping(c.z_dim, [1, 1, 1], 1, 0);
+    for i in 0..frames {
+        walk.first = i == 0;
+        walk.b.restart(c.z_dim, [1, h, w]);
+        walk.current = Vec::new();
+        walk.chunk(c);
+        walk.previous = std::mem::take(&mut walk.current);
+        walk.decoded += walk.b.map_elems();
+    }
+    // `Tensor::cat` of the chunks, then the clamp.
+    let [_, ho, wo] = walk.b.dims();
+    let total = walk.decoded;
+    let out_frames = (total / (c.out_channels * ho * wo).max(1) as u64) as usize;
+    walk.caches = 0;
+    walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], total);
+    walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], 0);
+    walk.b.finish()
+}
+
+impl WanVae {
+    /// The cost model's passes for a decode of an `input_dims` latent (`[B, C, T, H, W]`): the
+    /// whole latent's, and each tile's when it is larger than one tile. None for an encode, a
+    /// residual (Wan2.2) decoder or a patchified output: not modelled yet.
+    pub fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        let &[batch, _, frames, h, w] = input_dims else { return None };
+        let c = self.config();
+        if direction != Direction::Decode || c.is_residual || c.patch_size.is_some_and(|p| p > 1) {
+            return None;
+        }
+        let elem = self.dtype().size_in_bytes() as u64;
+        let pass = |extent: [usize; 2]| decoder(c, frames, extent, elem, batch);
+        let tiles = if self.tiling().needs_tiling_decode(h, w).ok()? {
+            let layout = self.tiling().decode_layout(h, w).ok()?;
+            layout.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()
+        } else {
+            Vec::new()
+        };
+        Some(CostNetworks { whole: pass([h, w]), tiles, stitched: true })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn fixture() -> WanVae {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan/wan21_like");
+        WanVae::load(&dir).expect("the Wan2.1-like fixture loads")
+    }
+
+    /// A steady chunk (a latent frame after the first) costs the multiply-adds the pipeline's
+    /// stage balancing counts for it, layer by layer from the weights.
+    #[test]
+    fn a_chunk_costs_what_the_decoders_own_count_says() {
+        let vae = fixture();
+        let (h, w) = (6, 10);
+        let macs = |frames| vae.cost_networks(Direction::Decode, &[1, 16, frames, h, w]).unwrap().whole.macs();
+        let steady = macs(3) - macs(2);
+        let counted: u64 = vae.decoder.step_costs(h, w).iter().sum();
+        // The walk also counts post_quant_conv (z_dim² per latent pixel) per latent frame.
+        let post_quant = (16 * 16 * h * w) as u64;
+        assert_eq!(steady, counted + post_quant);
+    }
+
+    #[test]
+    fn the_decode_ends_with_the_whole_video_and_encodes_are_not_modelled() {
+        let vae = fixture();
+        let nets = vae.cost_networks(Direction::Decode, &[2, 16, 3, 4, 6]).unwrap();
+        // 1 + 2 × 4 frames of 3 channels at 8× the latent, batch 2.
+        assert_eq!(nets.whole.output_elems, 3 * 9 * 32 * 48);
+        assert_eq!(nets.whole.batch, 2);
+        assert!(nets.tiles.is_empty());
+        assert!(vae.cost_networks(Direction::Encode, &[1, 3, 5, 32, 48]).is_none());
+        assert!(vae.cost_networks(Direction::Decode, &[1, 16, 4, 6]).is_none());
+    }
+}
