@@ -173,7 +173,7 @@ fn load(
             Placement { threads_per_rank: threads, ranks_per_host: comm.size(), threads_alone: threads }
         }
     };
-    let cost = CostSettings { profile: cost_profile, placement, max_memory_per_rank };
+    let cost = CostSettings { profile: cost_profile, placement };
     let engine = py.detach(|| -> Result<Engine, EngineError> {
         let mut engine = Engine::load_on(&model, &tiling, device, dtype)?;
         engine.set_cost(Some(cost));

@@ -36,7 +36,7 @@ pub enum CostError {
         /// The input's shape.
         dims: Vec<usize>,
     },
-    /// A profile file could not be read or parsed.
+    /// A profile file could not be read or parsed, or holds impossible constants.
     #[error("device profile {path}: {message}")]
     Profile {
         /// The file.
@@ -44,19 +44,28 @@ pub enum CostError {
         /// What was wrong.
         message: String,
     },
+    /// A size could not be read.
+    #[error("{text:?} is not a size ({reason}; e.g. 512M, 2G, 1.5GiB)")]
+    Size {
+        /// What was given.
+        text: String,
+        /// Why it is not a size.
+        reason: String,
+    },
+    /// Rank 0, which decides for the group, found nothing that fits the cap.
+    #[error("rank 0 found no strategy that fits --max-memory-per-rank (its error says which)")]
+    RefusedByOwner,
 }
 
-/// What the cost model needs beyond the model and the request: the device's constants, how
-/// the ranks share the cores, and the memory cap.
+/// What the cost model needs beyond the model and the request: the device's constants and how
+/// the ranks share the cores. (The memory cap is the request's:
+/// [`RequestOptions::max_memory_per_rank`](crate::engine::RequestOptions::max_memory_per_rank).)
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostSettings {
     /// The device's calibration constants.
     pub profile: DeviceProfile,
     /// Compute threads per rank and ranks per host.
     pub placement: Placement,
-    /// `--max-memory-per-rank`, bytes: the most a request may hold on one rank above the
-    /// weights and the input (`auto` only).
-    pub max_memory_per_rank: Option<u64>,
 }
 
 /// One strategy a request could run, with its prediction.
@@ -73,19 +82,25 @@ pub struct Candidate {
 }
 
 /// The strategies a `direction` request on an `input_dims` input over `ranks` ranks could run
-/// on `model` (what its policy accepts without falling back), each predicted; None when the
-/// family has no cost model for the input.
+/// on `model` (what its policy accepts without falling back; on one rank with `use_tiling`,
+/// tiles only), each predicted; None when the family has no cost model for the input. A
+/// strategy the model cannot predict (a grid that does not cut the latent) is left out.
 pub fn candidates(
     model: &dyn LoadedVae,
     direction: Direction,
     input_dims: &[usize],
     ranks: usize,
+    use_tiling: bool,
     settings: &CostSettings,
 ) -> Option<Vec<Candidate>> {
     let nets = model.cost_networks(direction, input_dims)?;
     let mut options = Vec::new();
     if ranks <= 1 {
-        options.push((Strategy::Tile, false));
+        // One rank tiles only when the request asks for it (`--vae-use-tiling`) or the cap
+        // needs it.
+        if !use_tiling || nets.tiles.is_empty() {
+            options.push((Strategy::Tile, false));
+        }
         if !nets.tiles.is_empty() {
             options.push((Strategy::Tile, true));
         }
@@ -140,7 +155,9 @@ fn predict_on(
         Strategy::Shard2d(grid) => Layout::Blocks { grid },
         Strategy::Pipeline => return None,
     };
-    predict(&nets.whole, layout, settings.placement, &settings.profile).ok()
+    predict(&nets.whole, layout, settings.placement, &settings.profile)
+        .map_err(|e| tracing::debug!(?strategy, "not predicted: {e}"))
+        .ok()
 }
 
 /// A strategy's name in tables: `direct`, `tile`, `shard-height`, `shard-2x2`.
@@ -152,6 +169,15 @@ fn label(nets: &CostNetworks, strategy: Strategy, use_tiling: bool, ranks: usize
         Strategy::Shard2d([r, c]) => format!("shard-{r}x{c}"),
         Strategy::Pipeline => "pipeline".into(),
     }
+}
+
+/// The candidate for `strategy` run with `use_tiling` (or, for a strategy that does not
+/// depend on it, the one listed).
+pub fn prediction_of(candidates: &[Candidate], strategy: Strategy, use_tiling: bool) -> Option<&Candidate> {
+    candidates
+        .iter()
+        .find(|c| c.strategy == strategy && c.use_tiling == use_tiling)
+        .or_else(|| candidates.iter().find(|c| c.strategy == strategy))
 }
 
 /// `auto`'s choice: the fastest candidate whose predicted peak fits `cap` (any without one);
@@ -184,7 +210,10 @@ pub fn choose(candidates: &[Candidate], cap: Option<u64>, ranks: usize) -> Resul
 pub fn read_profile(path: &Path) -> Result<DeviceProfile, CostError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CostError::Profile { path: path.to_path_buf(), message: e.to_string() })?;
-    toml::from_str(&text).map_err(|e| CostError::Profile { path: path.to_path_buf(), message: e.to_string() })
+    let profile: DeviceProfile =
+        toml::from_str(&text).map_err(|e| CostError::Profile { path: path.to_path_buf(), message: e.to_string() })?;
+    profile.validate().map_err(|message| CostError::Profile { path: path.to_path_buf(), message })?;
+    Ok(profile)
 }
 
 /// Where `calibrate` writes the CPU profile by default and the other commands look for it:
@@ -196,36 +225,41 @@ pub fn default_profile_path() -> Option<PathBuf> {
     Some(base.join("vae-parallel").join("cpu-profile.toml"))
 }
 
-/// The profile at `path`, else the default path's when a file is there, else the built-in
+/// The profile at `path` (an error if it cannot be used), else the default path's when a
+/// usable file is there (one that is not is logged and passed over), else the built-in
 /// defaults.
 pub fn load_profile(path: Option<&Path>) -> Result<DeviceProfile, CostError> {
     if let Some(path) = path {
         return read_profile(path);
     }
     match default_profile_path() {
-        Some(p) if p.is_file() => read_profile(&p),
+        Some(p) if p.is_file() => Ok(read_profile(&p).unwrap_or_else(|e| {
+            tracing::warn!("{e}; using the built-in constants (run `vae-parallel calibrate` again)");
+            DeviceProfile::builtin_cpu()
+        })),
         _ => Ok(DeviceProfile::builtin_cpu()),
     }
 }
 
 /// Parses a size: bytes, or a number with `K`, `M`, `G` or `T` (binary: KiB, MiB, ...; an
 /// optional `iB` or `B`).
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, CostError> {
+    let bad = |reason: &str| CostError::Size { text: text.to_string(), reason: reason.to_string() };
     let t = text.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a size (e.g. 512M, 2G, 1.5GiB)"))?;
+    let value: f64 = number.parse().map_err(|_| bad("no number"))?;
     let shift = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
         "" => 0,
         "K" => 10,
         "M" => 20,
         "G" => 30,
         "T" => 40,
-        other => return Err(format!("{text:?}: unknown unit {other:?} (K, M, G or T)")),
+        _ => return Err(bad("the unit is not K, M, G or T")),
     };
     let bytes = value * (1u64 << shift) as f64;
     if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
-        return Err(format!("{text:?} is not a positive size"));
+        return Err(bad("not a positive size"));
     }
     Ok(bytes as u64)
 }
@@ -279,10 +313,10 @@ mod tests {
 
     #[test]
     fn sizes_parse_in_binary_units_and_refuse_nonsense() {
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
-        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
         assert!(parse_size("0").is_err());
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("lots").is_err());

@@ -151,6 +151,7 @@ impl Engine {
     /// The cost model's settings (device profile, threads and ranks per host): with them every
     /// report carries the prediction for the strategy that ran, and `auto` runs the fastest
     /// predicted strategy (that fits `--max-memory-per-rank`) for a family with a cost model.
+    /// Profiles describe CPUs: a model on a GPU keeps its family's rules (and refuses a cap).
     pub fn set_cost(&mut self, settings: Option<CostSettings>) {
         self.cost = settings;
     }
@@ -313,7 +314,9 @@ impl Engine {
     /// The strategy for one request, whether it tiles, and the cost model's prediction for it:
     /// the family's choice (with the grid the request names), or under `auto` with cost
     /// settings and a family that has a cost model, the fastest predicted strategy whose peak
-    /// fits `--max-memory-per-rank`. The same on every rank (global quantities only).
+    /// fits `--max-memory-per-rank`. The family's choice depends on global quantities only;
+    /// the cost model's inputs (a rank's profile and threads) may differ between ranks, so rank
+    /// 0's choice is broadcast to the group and every rank runs it.
     fn choose(
         &self,
         executor: &DistributedVaeExecutor,
@@ -323,37 +326,50 @@ impl Engine {
     ) -> Result<(StrategyChoice, bool, Option<Predicted>), EngineError> {
         let ranks = executor.parallel_size();
         let mut choice = self.model.strategy(direction, options.mode, dims, ranks);
-        let mut use_tiling = options.use_tiling || ranks > 1;
+        let use_tiling = options.use_tiling || ranks > 1;
         let predicted = |c: &cost::Candidate| Predicted { ms: c.prediction.ms, peak_bytes: c.prediction.peak_bytes };
-        let Some(settings) = &self.cost else {
-            if options.max_memory_per_rank.is_some() {
-                return Err(ModelError::InvalidInput(
-                    "--max-memory-per-rank needs the cost model's settings (a device profile)".into(),
-                )
-                .into());
-            }
-            return Ok((announce(executor, Self::with_grid(choice, options)?), use_tiling, None));
-        };
+        let human_bytes = crate::report::human_bytes;
         let model = self.model.as_ref();
+        // A grid named with another mode is an error in every mode, `auto` included.
+        choice = Self::with_grid(choice, options)?;
+        // The profiles describe CPUs: a model on another device runs by the family's rules.
+        let settings = self.cost.as_ref().filter(|_| model.device().is_cpu());
+        let Some(settings) = settings else {
+            if options.max_memory_per_rank.is_some() {
+                return Err(match &self.cost {
+                    None => ModelError::InvalidInput(
+                        "--max-memory-per-rank needs the cost model's settings (a device profile)".into(),
+                    )
+                    .into(),
+                    Some(_) => cost::CostError::NoModel {
+                        class: format!("{} on {}", model.class_name(), model.device()),
+                        dims: dims.to_vec(),
+                    }
+                    .into(),
+                });
+            }
+            return Ok((announce(executor, choice), use_tiling, None));
+        };
         if options.mode == ParallelMode::Auto {
-            match cost::candidates(model, direction, dims, ranks, settings) {
+            let candidates = cost::candidates(model, direction, dims, ranks, options.use_tiling, settings);
+            match candidates {
                 Some(candidates) if !candidates.is_empty() => {
-                    let best = cost::choose(&candidates, options.max_memory_per_rank, ranks)?;
-                    let cap = options
-                        .max_memory_per_rank
-                        .map(|c| format!(" within {}", crate::report::human_bytes(c)))
-                        .unwrap_or_default();
-                    choice = StrategyChoice::chosen(
-                        best.strategy,
-                        format!(
-                            "auto: {}, the fastest predicted{cap} ({:.0} ms, {} per rank)",
-                            best.label,
-                            best.prediction.ms,
-                            crate::report::human_bytes(best.prediction.peak_bytes)
-                        ),
-                    );
-                    use_tiling = best.use_tiling;
-                    return Ok((announce(executor, choice), use_tiling, Some(predicted(best))));
+                    // Each rank's profile and threads are its own: rank 0 decides for the group.
+                    let local = cost::choose(&candidates, options.max_memory_per_rank, ranks);
+                    let agreed = agree_on_choice(executor, local.as_ref().ok().map(|c| (c.strategy, c.use_tiling)))?;
+                    let Some((strategy, tiling)) = agreed else {
+                        return Err(local.err().unwrap_or(cost::CostError::RefusedByOwner).into());
+                    };
+                    let prediction = cost::prediction_of(&candidates, strategy, tiling);
+                    let cap =
+                        options.max_memory_per_rank.map(|c| format!(" within {}", human_bytes(c))).unwrap_or_default();
+                    let figures = prediction.map_or_else(String::new, |p| {
+                        format!(" ({:.0} ms, {} per rank)", p.prediction.ms, human_bytes(p.prediction.peak_bytes))
+                    });
+                    let label = prediction.map_or_else(|| format!("{strategy:?}"), |p| p.label.clone());
+                    choice =
+                        StrategyChoice::chosen(strategy, format!("auto: {label}, the fastest predicted{cap}{figures}"));
+                    return Ok((announce(executor, choice), tiling, prediction.map(predicted)));
                 }
                 _ if options.max_memory_per_rank.is_some() => {
                     return Err(
@@ -362,8 +378,10 @@ impl Engine {
                 }
                 _ => {}
             }
+        } else if options.max_memory_per_rank.is_some() {
+            tracing::warn!(mode = %options.mode, "--max-memory-per-rank applies to --vae-parallel-mode auto; ignored");
         }
-        let choice = announce(executor, Self::with_grid(choice, options)?);
+        let choice = announce(executor, choice);
         let prediction = cost::predict_strategy(model, direction, dims, ranks, choice.strategy, use_tiling, settings);
         let predicted = prediction.map(|p| Predicted { ms: p.ms, peak_bytes: p.peak_bytes });
         Ok((choice, use_tiling, predicted))
@@ -430,6 +448,45 @@ fn announce(executor: &DistributedVaeExecutor, choice: StrategyChoice) -> Strate
         }
     }
     choice
+}
+
+/// Rank 0's cost-model choice (`None`: it found nothing that fits), the same on every rank:
+/// one broadcast of `[found, kind, rows, columns, tiles]` over the group.
+fn agree_on_choice(
+    executor: &DistributedVaeExecutor,
+    mine: Option<(Strategy, bool)>,
+) -> Result<Option<(Strategy, bool)>, EngineError> {
+    use vae_planner::ShardAxis;
+    use vae_transport::CommunicatorExt;
+    let comm = executor.communicator();
+    let mut word: Vec<u64> = match mine {
+        None => vec![0; 5],
+        Some((strategy, tiling)) => {
+            let (kind, [r, c]) = match strategy {
+                Strategy::Tile => (1, [0, 0]),
+                Strategy::Shard(ShardAxis::Height) => (2, [0, 0]),
+                Strategy::Shard(ShardAxis::Width) => (3, [0, 0]),
+                Strategy::Shard2d(grid) => (4, grid),
+                Strategy::Pipeline => (5, [0, 0]),
+            };
+            vec![1, kind, r as u64, c as u64, u64::from(tiling)]
+        }
+    };
+    if comm.size() > 1 {
+        comm.broadcast(0, &mut word).map_err(RuntimeError::from)?;
+    }
+    let strategy = match word.as_slice() {
+        [0, ..] => return Ok(None),
+        [1, 1, ..] => Strategy::Tile,
+        [1, 2, ..] => Strategy::Shard(ShardAxis::Height),
+        [1, 3, ..] => Strategy::Shard(ShardAxis::Width),
+        [1, 4, r, c, _] => Strategy::Shard2d([*r as usize, *c as usize]),
+        [1, 5, ..] => Strategy::Pipeline,
+        other => {
+            return Err(ModelError::InvalidInput(format!("rank 0 sent an unreadable strategy {other:?}")).into());
+        }
+    };
+    Ok(Some((strategy, word[4] == 1)))
 }
 
 /// The report carries the family's reason for the strategy it ran, and the cost model's

@@ -223,7 +223,7 @@ impl ParallelArgs {
         let ranks = self.ranks.or(file.ranks).unwrap_or(parallel_size);
         let max_memory_per_rank = match self.max_memory_per_rank.clone().or(file.max_memory_per_rank) {
             None => None,
-            Some(text) => Some(cost::parse_size(&text).map_err(|e| anyhow::anyhow!("--max-memory-per-rank: {e}"))?),
+            Some(text) => Some(cost::parse_size(&text).context("--max-memory-per-rank")?),
         };
         let profile = cost::load_profile(self.profile.clone().or(file.profile).as_deref())?;
         let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads) as f64;
@@ -235,7 +235,6 @@ impl ParallelArgs {
                 ranks_per_host: ranks,
                 threads_alone: threads,
             },
-            max_memory_per_rank,
         };
         if transport == vae_parallel::group::TransportKind::Nccl {
             if requested != vae_parallel::tensor::Device::Cuda(0) {

@@ -72,7 +72,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let engine = r.load_engine(Device::Cpu)?;
     let model = engine.model();
     let ranks = r.parallel_size;
-    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, &r.cost) else {
+    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, r.options.use_tiling, &r.cost) else {
         anyhow::bail!("{} has no cost model for an input of {dims:?}", model.class_name());
     };
     anyhow::ensure!(!candidates.is_empty(), "no strategy is modelled for an input of {dims:?} on {ranks} rank(s)");

@@ -154,3 +154,57 @@ fn calibrate_writes_a_profile_that_plan_reads() {
     let (ok, text) = cli(&plan_args(s(&model), "2", &["--profile", s(&profile)]));
     assert!(!ok && text.contains("cpu.toml") && !text.contains("panicked"), "{text}");
 }
+
+/// Each rank's profile and threads are its own, so `auto` under the cost model could decide
+/// differently per rank: rank 0 decides for the group. Here rank 1's profile makes every
+/// message cost an hour, so alone it would tile; it runs rank 0's shard instead.
+#[test]
+fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
+    use std::sync::Arc;
+
+    use vae_parallel::cost::CostSettings;
+    use vae_parallel::engine::{Engine, RequestOptions};
+    use vae_parallel::models::TileOverrides;
+    use vae_parallel::planner::cost::{DeviceProfile, Placement};
+    use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode};
+    use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+
+    let model = kl().join("sd_like");
+    let latent = vae_parallel::io::read_tensor(&kl().join("sd_like.decode_tiled.in.npy")).unwrap();
+    let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 2.0 };
+    let slow_links = DeviceProfile { link_latency_us: 3.6e9, ..DeviceProfile::builtin_cpu() };
+    let engines: Vec<Engine> = [DeviceProfile::builtin_cpu(), slow_links]
+        .into_iter()
+        .map(|profile| {
+            let mut e = Engine::load(&model, &TileOverrides::default()).unwrap();
+            e.set_cost(Some(CostSettings { profile, placement }));
+            e
+        })
+        .collect();
+    let options = RequestOptions { mode: ParallelMode::Auto, ..RequestOptions::default() };
+    // Alone, each would choose differently.
+    let alone: Vec<String> = engines
+        .iter()
+        .map(|e| {
+            let all = vae_parallel::cost::candidates(
+                e.model(),
+                vae_parallel::models::Direction::Decode,
+                latent.dims(),
+                2,
+                false,
+                e.cost().unwrap(),
+            )
+            .unwrap();
+            vae_parallel::cost::choose(&all, None, 2).unwrap().label.clone()
+        })
+        .collect();
+    assert!(alone[0].starts_with("shard") && alone[1].starts_with("tile"), "{alone:?}");
+    let results = run_local(2, TransportConfig::default(), |comm| {
+        let rank = comm.rank();
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+        engines[rank].decode(&exec, &latent, &options).unwrap().report.strategy.label()
+    })
+    .unwrap();
+    let ran: Vec<String> = results.into_iter().map(Result::unwrap).collect();
+    assert_eq!(ran, vec![alone[0].clone(), alone[0].clone()]);
+}

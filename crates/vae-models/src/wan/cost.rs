@@ -39,7 +39,7 @@ impl Walk {
     /// A cache slot written: the previous chunk's entry gives way to this chunk's.
     fn write_cache(&mut self, elems: u64) {
         let slot = self.current.len();
-        self.caches = self.caches - self.previous.get(slot).copied().unwrap_or(0) + elems;
+        self.caches = (self.caches + elems).saturating_sub(self.previous.get(slot).copied().unwrap_or(0));
         self.current.push(elems);
     }
 

@@ -13,8 +13,12 @@ pub fn cli(args: &[&str]) -> (bool, String) {
 
 /// [`cli`] with extra environment variables.
 pub fn cli_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    // A profile `calibrate` wrote under the developer's config must not change what the
+    // tests see: the built-in constants, unless a test names a profile.
+    let config_home = std::env::temp_dir().join(format!("vae-parallel-tests-config-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
         .args(args)
+        .env("XDG_CONFIG_HOME", &config_home)
         .envs(env.iter().copied())
         .output()
         .expect("run vae-parallel");

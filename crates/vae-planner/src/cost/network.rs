@@ -68,7 +68,7 @@ impl Step {
         self.out_channels as u64 * self.output.iter().map(|&d| d as u64).product::<u64>()
     }
 
-    /// Multiply-adds of the whole step (batch of one): a convolution's
+    /// Multiply-adds of the whole step (batch of one; saturating): a convolution's
     /// `out pixels · C_in · C_out · kernel volume`, attention's projections and its two
     /// products; zero for element-wise steps and norms.
     pub fn macs(&self) -> u64 {
@@ -76,12 +76,12 @@ impl Step {
         match self.kind {
             StepKind::Conv { kernel, .. } => {
                 let k: u64 = kernel.iter().map(|&x| x as u64).product();
-                pixels(self.output) * self.in_channels as u64 * self.out_channels as u64 * k
+                pixels(self.output).saturating_mul(self.in_channels as u64 * self.out_channels as u64 * k)
             }
             StepKind::Attention => {
                 let (n, c) = (pixels(self.input), self.in_channels as u64);
                 // q, k, v and the output projection, then Q·Kᵀ and P·V.
-                4 * n * c * c + 2 * n * n * c
+                (4 * c * c).saturating_mul(n).saturating_add(n.saturating_mul(n).saturating_mul(2 * c))
             }
             StepKind::Norm { .. } | StepKind::Elementwise { .. } => 0,
         }
@@ -116,9 +116,10 @@ pub struct Network {
 }
 
 impl Network {
-    /// Multiply-adds of the whole pass (the batch included).
+    /// Multiply-adds of the whole pass (the batch included; saturating).
     pub fn macs(&self) -> u64 {
-        self.batch as u64 * self.steps.iter().map(Step::macs).sum::<u64>()
+        let pass = self.steps.iter().map(Step::macs).fold(0u64, u64::saturating_add);
+        pass.saturating_mul(self.batch as u64)
     }
 
     /// Bytes of the input (the batch included).

@@ -56,6 +56,34 @@ pub struct DeviceProfile {
 }
 
 impl DeviceProfile {
+    /// Checks that the constants can predict anything: at least one core, thread and
+    /// convolution rate, every rate positive and finite, the thread efficiency in `[0, 1]`;
+    /// the reason otherwise.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 { Ok(()) } else { Err(format!("{name} must be positive and finite, not {v}")) }
+        };
+        if self.cores == 0 || self.threads == 0 {
+            return Err("cores and threads must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.thread_efficiency) {
+            return Err(format!("thread_efficiency must be in [0, 1], not {}", self.thread_efficiency));
+        }
+        if self.convs.is_empty() {
+            return Err("no convolution rates (convs)".into());
+        }
+        for c in &self.convs {
+            positive("a convolution's gmacs", c.gmacs)?;
+        }
+        positive("elementwise_gbps", self.elementwise_gbps)?;
+        positive("attention_gmacs", self.attention_gmacs)?;
+        positive("link_gbps", self.link_gbps)?;
+        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
+            return Err(format!("link_latency_us must be finite and not negative, not {}", self.link_latency_us));
+        }
+        Ok(())
+    }
+
     /// How much faster than one thread alone a rank runs with `threads` threads (a fraction
     /// where ranks share one pool) while `ranks` ranks work at once on this host. Ranks are
     /// independent, so they add up; a rank's own threads give `1 + (t − 1)·e` times one
