@@ -402,29 +402,22 @@ import os, signal, sys, threading, time
 import numpy as np
 import vae_parallel as vp
 
+# A shell that starts a command in the background without job control has it ignore SIGINT,
+# and Python then leaves it ignored: restore the handler the test exercises.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 vae = vp.load(sys.argv[1], ranks=2, tile_sample_min_size=32)
 z = np.random.default_rng(0).standard_normal((1, 16, 96, 96), dtype=np.float32)  # ~100 tiles
-vae.decode(z, use_tiling=True)  # warm
-full = float("inf")
-for _ in range(2):  # the faster of two: a slow outlier would time the signal past the request
-    started = time.perf_counter()
+started = time.perf_counter()
+vae.decode(z, use_tiling=True)
+full = time.perf_counter() - started
+threading.Timer(0.2 * full, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+started = time.perf_counter()
+try:
     vae.decode(z, use_tiling=True)
-    full = min(full, time.perf_counter() - started)
-for attempt in range(3):  # a request that still outran the signal is tried again
-    timer = threading.Timer(0.2 * full, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    started = time.perf_counter()
-    returned = False
-    try:
-        vae.decode(z, use_tiling=True)
-        returned = True
-        timer.join()
-        time.sleep(0.1)  # a signal that came after the request is taken here, outside it
-    except KeyboardInterrupt:
-        if not returned:
-            print(f"interrupted after {time.perf_counter() - started:.3f} s of {full:.3f} s")
-            break
     print("not interrupted")
+except KeyboardInterrupt:
+    print(f"interrupted after {time.perf_counter() - started:.3f} s of {full:.3f} s")
 small = vae.decode(z[:, :, :8, :8])  # the model still serves requests
 print("served", small.shape)
 """
@@ -437,7 +430,7 @@ def test_ctrl_c_stops_a_request_and_the_model_serves_the_next():
     done = subprocess.run([sys.executable, "-c", INTERRUPT_SCRIPT, str(FIXTURES / "autoencoder_kl/flux1_like")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.search(r"^interrupted after ([0-9.]+) s of ([0-9.]+) s", done.stdout, re.M)
+    found = re.search(r"interrupted after ([0-9.]+) s of ([0-9.]+) s", done.stdout)
     assert found, done.stdout + done.stderr
     after, full = float(found.group(1)), float(found.group(2))
     # Sent at a fifth of the full decode's time; stopped well before its end.
