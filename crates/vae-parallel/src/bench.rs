@@ -621,12 +621,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     let latent = match &args.latent {
         Some(path) => vae_parallel::io::read_tensor(path)?,
         None => {
-            let dims = args
-                .shape
-                .split(',')
-                .map(|d| d.trim().parse::<usize>())
-                .collect::<Result<Vec<_>, _>>()
-                .with_context(|| format!("--shape {:?} is not B,C,T,H,W", args.shape))?;
+            let dims = crate::parse_shape(&args.shape, "B,C,T,H,W")?;
             // Seed 0: the latent every `bench shard` run has used.
             Tensor::seeded_uniform(dims, 0, -2.0, 2.0, &Device::Cpu)?
         }

@@ -66,6 +66,16 @@ fn map_large_allocations() {
     }
 }
 
+/// A `--shape` flag's sizes, comma-separated (`1,16,64,64`); `what` names the expected layout in
+/// the error.
+fn parse_shape(text: &str, what: &str) -> anyhow::Result<Vec<usize>> {
+    use anyhow::Context;
+    text.split(',')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--shape {text:?} is not {what}"))
+}
+
 fn main() -> ExitCode {
     map_large_allocations();
     let cli = Cli::parse();

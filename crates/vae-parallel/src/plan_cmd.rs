@@ -6,7 +6,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::Args;
 use vae_parallel::cost::{self, Candidate};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
@@ -61,12 +60,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             threads_alone: r.cost.profile.threads as f64,
         };
     }
-    let dims = args
-        .shape
-        .split(',')
-        .map(|d| d.trim().parse::<usize>())
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("--shape {:?} is not a comma-separated list of sizes", args.shape))?;
+    let dims = crate::parse_shape(&args.shape, "a comma-separated list of sizes")?;
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
     let direction = if args.encode { Direction::Encode } else { Direction::Decode };
     let engine = r.load_engine(Device::Cpu)?;
