@@ -212,6 +212,54 @@ impl Tensor {
         }
     }
 
+    /// The outputs of [`Tensor::conv3d_after`] (of [`Tensor::conv3d`] without `front`) in
+    /// `target`'s window, written into its destination (see [`crate::ConvTarget`]). CPU tensors
+    /// only.
+    pub fn conv3d_into(
+        &self,
+        front: Option<&Tensor>,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv3dParams,
+        target: crate::ConvTarget<'_>,
+    ) -> Result<()> {
+        const OP: &str = "conv3d_into";
+        if target.dest.elem_count() == 0 {
+            let whole = match front {
+                Some(f) => self.conv3d_after(f, weight, bias, params)?,
+                None => self.conv3d(weight, bias, params)?,
+            };
+            if !target.takes_whole(whole.dims()) {
+                return Err(invalid(
+                    OP,
+                    format!("an empty destination for the window {:?} of {}", target.window, whole.shape()),
+                ));
+            }
+            *target.dest = whole;
+            return Ok(());
+        }
+        if self.cuda().is_some() {
+            return Err(invalid(OP, "the CPU only".into()));
+        }
+        let front = match front {
+            Some(f) => {
+                let [n, c, _, h, w] = video_dims(OP, self)?;
+                let [fn_, fc, ft, fh, fw] = video_dims(OP, f)?;
+                if [fn_, fc, fh, fw] != [n, c, h, w] {
+                    return Err(TensorError::ShapeMismatch {
+                        op: OP,
+                        lhs: f.shape().clone(),
+                        rhs: self.shape().clone(),
+                    });
+                }
+                self.check_same_device(OP, f)?;
+                (ft > 0).then_some(f)
+            }
+            None => None,
+        };
+        self.conv3d_target(front, weight, bias, params, Some(target)).map(drop)
+    }
+
     /// [`Tensor::conv3d`] of `self`, or on CUDA of `front` (checked by the caller) followed by
     /// `self` along time.
     fn conv3d_behind(
@@ -221,6 +269,19 @@ impl Tensor {
         bias: Option<&Tensor>,
         params: &Conv3dParams,
     ) -> Result<Tensor> {
+        self.conv3d_target(front, weight, bias, params, None)?
+            .ok_or_else(|| invalid("conv3d", "no output without a target".into()))
+    }
+
+    /// [`Self::conv3d_behind`], or with `target` its window into the target (returning `None`).
+    fn conv3d_target(
+        &self,
+        front: Option<&Tensor>,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv3dParams,
+        target: Option<crate::ConvTarget<'_>>,
+    ) -> Result<Option<Tensor>> {
         const OP: &str = "conv3d";
         let [n, cin, t, h, w] = video_dims(OP, self)?;
         let front_t = front.map_or(0, |f| f.dims()[2]);
@@ -255,6 +316,9 @@ impl Tensor {
         let out_len = checked_len(OP, &[n, cout, to, ho, wo])?;
         let [t_front, _, top, bottom, left, right] = params.padding;
         if let (Some(x), Some(wt)) = (self.cuda(), weight.cuda()) {
+            if target.is_some() {
+                return Err(invalid(OP, "a target window on the CPU only".into()));
+            }
             let b = bias.map(|b| b.cuda().ok_or_else(|| invalid(OP, "bias not on the device".into()))).transpose()?;
             let g = crate::abi::ConvGeom {
                 n: n as u64,
@@ -283,8 +347,12 @@ impl Tensor {
                 )),
                 None => None,
             };
-            return Ok(Tensor::from_cuda(x.conv3d(front, wt, b, g)?, Shape::new([n, cout, to, ho, wo])));
+            return Ok(Some(Tensor::from_cuda(x.conv3d(front, wt, b, g)?, Shape::new([n, cout, to, ho, wo]))));
         }
+        let window = match &target {
+            Some(t) => t.window_of(OP, &[n, cout, to, ho, wo], params.band_align)?,
+            None => crate::ops::conv::OutWindow::whole(ho, wo),
+        };
         let main_t = t - front_t;
         let job = crate::ops::conv::ConvJob {
             frames: crate::ops::conv::Frames {
@@ -306,9 +374,16 @@ impl Tensor {
             band_align: params.band_align,
             bf16: crate::device::cpu_bf16_active(),
             upsample: false,
+            window,
         };
         let _ = out_len; // checked above; the job checks it again
-        Ok(Tensor::from_buffer(job.run(crate::ops::simd::isa())?, Shape::new([n, cout, to, ho, wo])))
+        match target {
+            Some(t) => {
+                job.run_into(crate::ops::simd::isa(), t.dest.as_mut_slice_f32()?)?;
+                Ok(None)
+            }
+            None => Ok(Some(Tensor::from_buffer(job.run(crate::ops::simd::isa())?, Shape::new([n, cout, to, ho, wo])))),
+        }
     }
 
     /// diffusers' `WanRMS_norm`: `F.normalize(x, dim=channel_dim) · sqrt(C) · gamma + bias`,

@@ -19,7 +19,6 @@ use rayon::prelude::*;
 use super::amx;
 use super::microkernel::{self, NR};
 use super::{ConvJob, Frames};
-use crate::Result;
 use crate::memory::Buffer;
 use crate::ops::OutPtr;
 use crate::ops::simd::Isa;
@@ -267,17 +266,19 @@ struct RowRun {
     at: usize,
 }
 
-/// Runs `job` as an implicit GEMM; the result is `[N, Cout, To, Ho, Wo]`.
-pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
+/// Runs `job` as an implicit GEMM: the outputs of its window ([`ConvJob::window`]) into `out`.
+pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out: &mut [f32]) {
     let f: &Frames<'_> = &job.frames;
     let [kt, kh, kw] = job.kernel;
-    let [to, ho, wo] = job.out;
+    let to = job.out[0];
     let (cin, cout) = (f.cin, job.cout);
     let s = job.stride[1];
     let [top, _, left, _] = job.padding;
-    let mut out = Buffer::for_overwrite(out_len);
-    if out_len == 0 {
-        return Ok(out);
+    let window = &job.window;
+    let (r0, c0, wo) = (window.rows.start, window.cols.start, window.cols.len());
+    let plane_out = window.rows.len() * wo;
+    if out.is_empty() || plane_out == 0 {
+        return;
     }
     let ops = Operands::for_direct(job, isa);
     let mr = ops.mr();
@@ -287,7 +288,6 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
     let elems = packed.elems;
     let blocks_of_c = cout.div_ceil(mr);
     let cout_pad = blocks_of_c * mr;
-    let plane_out = ho * wo;
     let blocks: Vec<Block> = (0..f.n)
         .flat_map(|b| (0..to).map(move |o| (b, o)))
         .flat_map(|(b, o)| {
@@ -297,7 +297,7 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
     let ldb = BLOCK_COLS;
     // Per thread: the packed rows, the block of C, and two gathered input rows.
     let scratch = ScratchPool::new(K_CHUNK * ldb + cout_pad * ldb + 2 * ldb + 16, blocks.len());
-    let dst = OutPtr::new(out.as_mut_slice());
+    let dst = OutPtr::new(out);
 
     blocks.par_iter().for_each(|blk| {
         // Temporal taps that read real frames form one contiguous range.
@@ -306,10 +306,11 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
         let e_len = dts.len() * elems;
         let width = blk.q1 - blk.q0;
         let panels = width.div_ceil(NR);
+        // Pixel `q` of the window is output row `r0 + q / wo`, column `c0 + q % wo`.
         let runs: Vec<RowRun> = (blk.q0 / wo..=(blk.q1 - 1) / wo)
-            .map(|oy| {
-                let (x0, x1) = (blk.q0.saturating_sub(oy * wo), (blk.q1 - oy * wo).min(wo));
-                RowRun { oy, x0, x1, at: oy * wo + x0 - blk.q0 }
+            .map(|ry| {
+                let (x0, x1) = (blk.q0.saturating_sub(ry * wo), (blk.q1 - ry * wo).min(wo));
+                RowRun { oy: r0 + ry, x0: c0 + x0, x1: c0 + x1, at: ry * wo + x0 - blk.q0 }
             })
             .collect();
         // Reduction row `k` of temporal tap index `dti`, gathered for the block's pixels.
@@ -382,19 +383,22 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer>
             }
             for co in 0..cout {
                 let bias = job.bias.map_or(0.0, |b| b[co]);
-                let base = ((blk.b * cout + co) * to + blk.o) * plane_out;
-                // SAFETY: pixels `q0..q1` of this frame and channel belong to this block alone.
-                let out = unsafe { dst.slice(base + blk.q0, width) };
-                if e_len == 0 {
-                    out.fill(bias);
-                } else {
-                    let acc = &cblock[co * ldb..][..width];
-                    out.iter_mut().zip(acc).for_each(|(o, &a)| *o = a + bias);
+                let frame = (blk.b * cout + co) * to + blk.o;
+                for run in &runs {
+                    let len = run.x1 - run.x0;
+                    // SAFETY: the window's pixels `q0..q1` of this frame and channel belong to
+                    // this block alone, and distinct outputs go to distinct places.
+                    let out = unsafe { dst.slice(window.index(frame, run.oy, run.x0), len) };
+                    if e_len == 0 {
+                        out.fill(bias);
+                    } else {
+                        let acc = &cblock[co * ldb + run.at..][..len];
+                        out.iter_mut().zip(acc).for_each(|(o, &a)| *o = a + bias);
+                    }
                 }
             }
         });
     });
-    Ok(out)
 }
 
 /// `dst[i] = row[first + i·s − left]`, zero where that index falls outside the row.

@@ -25,6 +25,8 @@ mod microkernel;
 mod testing;
 mod winograd;
 
+use std::ops::Range;
+
 use crate::backend::DeviceConv;
 use crate::memory::Buffer;
 use crate::ops::simd::{self, Isa};
@@ -94,6 +96,66 @@ impl Conv2dParams {
     }
 }
 
+/// Where [`Tensor::conv2d_into`] and [`Tensor::conv3d_into`] write: the output rows and columns
+/// `window` of the convolution (`[rows, columns]`), into `dest` (the output's dims but for a
+/// larger height and width) with the window's first row and column at `at`.
+///
+/// Each output is the one the whole convolution computes, bit for bit: a window starts on the
+/// convolution's band alignment ([`Conv2dParams::band_aligned`]), where the Winograd tiles of
+/// the whole output start anyway. This is how a spatial shard computes the rows of its band
+/// that need no neighbour's rows apart from the others, straight into the band's output.
+///
+/// A destination without elements takes the whole output instead (the window must then be all
+/// of it, at `[0, 0]`), on any device: the convolution made as [`Tensor::conv2d`] makes it.
+#[derive(Debug)]
+pub struct ConvTarget<'a> {
+    /// The output rows and columns to compute.
+    pub window: [Range<usize>; 2],
+    /// The tensor they go into (CPU, f32).
+    pub dest: &'a mut Tensor,
+    /// Where the window's first row and column go in `dest`.
+    pub at: [usize; 2],
+}
+
+impl ConvTarget<'_> {
+    /// Whether the target is an empty destination taking the whole output of `dims`.
+    pub(crate) fn takes_whole(&self, dims: &[usize]) -> bool {
+        let rank = dims.len();
+        self.dest.elem_count() == 0 && self.at == [0, 0] && self.window == [0..dims[rank - 2], 0..dims[rank - 1]]
+    }
+
+    /// Checks the target against an output of `dims` (`[.., Ho, Wo]`) whose cuts are promised
+    /// on multiples of `band_align`, and makes the job's window of it.
+    pub(crate) fn window_of(&self, op: &'static str, dims: &[usize], band_align: usize) -> Result<OutWindow> {
+        let invalid = |reason: String| TensorError::InvalidArgument { op, reason };
+        let rank = dims.len();
+        let d = self.dest.dims();
+        if !self.dest.device().is_cpu() || d.len() != rank || d[..rank - 2] != dims[..rank - 2] {
+            return Err(invalid(format!("a destination {} for an output {dims:?} on the CPU", self.dest.shape())));
+        }
+        let [rows, cols] = &self.window;
+        let (ho, wo) = (dims[rank - 2], dims[rank - 1]);
+        let fits = rows.start <= rows.end
+            && cols.start <= cols.end
+            && rows.end <= ho
+            && cols.end <= wo
+            && self.at[0] + rows.len() <= d[rank - 2]
+            && self.at[1] + cols.len() <= d[rank - 1];
+        if !fits {
+            return Err(invalid(format!(
+                "window {:?} at {:?} of an output {ho} x {wo} into {}",
+                self.window,
+                self.at,
+                self.dest.shape()
+            )));
+        }
+        if !rows.start.is_multiple_of(band_align) || !cols.start.is_multiple_of(band_align) {
+            return Err(invalid(format!("a window {:?} off the band alignment {band_align}", self.window)));
+        }
+        Ok(OutWindow { rows: rows.clone(), cols: cols.clone(), dest: [d[rank - 2], d[rank - 1]], at: self.at })
+    }
+}
+
 impl Tensor {
     /// 2-D cross-correlation, as PyTorch's `F.conv2d`: input `[N, Cin, H, W]`, weight
     /// `[Cout, Cin, kh, kw]`, optional bias `[Cout]`, output `[N, Cout, Ho, Wo]` with
@@ -107,6 +169,50 @@ impl Tensor {
         self.conv2d_of(weight, bias, params, false)
     }
 
+    /// The outputs of [`Tensor::conv2d`] in `target`'s window, written into its destination
+    /// (see [`ConvTarget`]). CPU tensors only.
+    pub fn conv2d_into(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv2dParams,
+        target: ConvTarget<'_>,
+    ) -> Result<()> {
+        const OP: &str = "conv2d_into";
+        if target.dest.elem_count() == 0 {
+            let whole = self.conv2d(weight, bias, params)?;
+            if !target.takes_whole(whole.dims()) {
+                return Err(TensorError::InvalidArgument {
+                    op: OP,
+                    reason: format!("an empty destination for the window {:?} of {}", target.window, whole.shape()),
+                });
+            }
+            *target.dest = whole;
+            return Ok(());
+        }
+        if self.cuda().is_some() {
+            return Err(TensorError::InvalidArgument { op: OP, reason: "the CPU only".into() });
+        }
+        let [n, cin, h, w, cout, kh, kw, ho, wo] = self.conv2d_geometry(weight, bias, params, false)?;
+        let window = target.window_of(OP, &[n, cout, ho, wo], params.band_align)?;
+        let job = ConvJob {
+            frames: Frames { parts: [&[], self.as_slice_f32()?], part_t: [0, 1], n, cin, h, w },
+            weight: weight.as_slice_f32()?,
+            bias: bias.map(|b| b.as_slice_f32()).transpose()?,
+            cout,
+            kernel: [1, kh, kw],
+            stride: [1, params.stride],
+            pad_front: 0,
+            padding: params.padding,
+            out: [1, ho, wo],
+            band_align: params.band_align,
+            bf16: crate::device::cpu_bf16_active(),
+            upsample: false,
+            window,
+        };
+        job.run_into(simd::isa(), target.dest.as_mut_slice_f32()?)
+    }
+
     /// `self.upsample_nearest2d(2)?.conv2d(weight, bias, params)` (diffusers' `Upsample2D`), the
     /// same bits, without the 4× map where the kernel can read the input as if upsampled: bf16
     /// convolutions on AMX (stride 1, `Cin` a multiple of 32) repeat each row and column while
@@ -115,14 +221,15 @@ impl Tensor {
         self.conv2d_of(weight, bias, params, true)
     }
 
-    /// [`Tensor::conv2d`] of `self`, or with `upsample` of `self` upsampled 2× (nearest).
-    fn conv2d_of(
+    /// The checked geometry of a 2-D convolution of `self` (upsampled 2× first with
+    /// `upsample`): `[N, Cin, H, W, Cout, kh, kw, Ho, Wo]`, `H` and `W` the stored input's.
+    fn conv2d_geometry(
         &self,
         weight: &Tensor,
         bias: Option<&Tensor>,
         params: &Conv2dParams,
         upsample: bool,
-    ) -> Result<Tensor> {
+    ) -> Result<[usize; 9]> {
         const OP: &str = "conv2d";
         let &[n, cin, h0, w0] = self.dims() else {
             return Err(TensorError::InvalidArgument {
@@ -155,6 +262,21 @@ impl Tensor {
                 ),
             });
         };
+        Ok([n, cin, h0, w0, cout, kh, kw, ho, wo])
+    }
+
+    /// [`Tensor::conv2d`] of `self`, or with `upsample` of `self` upsampled 2× (nearest).
+    fn conv2d_of(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: &Conv2dParams,
+        upsample: bool,
+    ) -> Result<Tensor> {
+        const OP: &str = "conv2d";
+        let [n, cin, h0, w0, cout, kh, kw, ho, wo] = self.conv2d_geometry(weight, bias, params, upsample)?;
+        // The extent the convolution sees.
+        let (h, w) = if upsample { (2 * h0, 2 * w0) } else { (h0, w0) };
         if upsample && self.cuda().is_some() {
             return self.upsample_nearest2d(2)?.conv2d(weight, bias, params);
         }
@@ -203,6 +325,7 @@ impl Tensor {
             band_align: params.band_align,
             bf16: crate::device::cpu_bf16_active(),
             upsample,
+            window: OutWindow::whole(ho, wo),
         };
         #[cfg(target_arch = "x86_64")]
         let fused = amx_direct::applies(&job);
@@ -266,6 +389,34 @@ pub(crate) struct ConvJob<'a> {
     /// `y`, column `x` is the frames' `(y / 2, x / 2)`. Only [`amx_direct`] reads it this way;
     /// the op builds such a job for it alone.
     pub upsample: bool,
+    /// Which outputs to compute and where they go ([`OutWindow::whole`]: all, as `[N, Cout,
+    /// To, Ho, Wo]`).
+    pub window: OutWindow,
+}
+
+/// The outputs a [`ConvJob`] computes and where it writes them: rows `rows` and columns `cols`
+/// of every output frame, into frames of `dest` (rows, columns) with the window's first row
+/// and column at `at`. Outputs keep the arithmetic of the whole convolution: the window's
+/// start must lie on the job's band alignment (the Winograd tiles are the whole output's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OutWindow {
+    pub rows: Range<usize>,
+    pub cols: Range<usize>,
+    pub dest: [usize; 2],
+    pub at: [usize; 2],
+}
+
+impl OutWindow {
+    /// Every output of an `ho × wo` frame, in place.
+    pub fn whole(ho: usize, wo: usize) -> Self {
+        Self { rows: 0..ho, cols: 0..wo, dest: [ho, wo], at: [0, 0] }
+    }
+
+    /// Where output row `oy`, column `ox` of output frame `frame` (`(b·Cout + co)·To + o`) goes.
+    #[inline]
+    pub fn index(&self, frame: usize, oy: usize, ox: usize) -> usize {
+        (frame * self.dest[0] + oy - self.rows.start + self.at[0]) * self.dest[1] + ox - self.cols.start + self.at[1]
+    }
 }
 
 impl ConvJob<'_> {
@@ -289,6 +440,10 @@ impl ConvJob<'_> {
     /// alignment allows, the direct kernel otherwise.
     pub fn run(&self, isa: Isa) -> Result<Buffer> {
         let out_len = self.out_len()?;
+        let [_, ho, wo] = self.out;
+        if self.window != OutWindow::whole(ho, wo) {
+            return Err(TensorError::InvalidArgument { op: "conv", reason: "a window runs into a destination".into() });
+        }
         #[cfg(target_arch = "x86_64")]
         if self.upsample && amx_direct::applies(self) {
             let _profile = crate::profile::Scope::new("conv.amx_upsample");
@@ -305,12 +460,62 @@ impl ConvJob<'_> {
             let _profile = crate::profile::Scope::new("conv.amx");
             return amx_direct::run(self, out_len);
         }
+        let mut out = Buffer::for_overwrite(out_len);
+        self.run_kernel(isa, out.as_mut_slice());
+        Ok(out)
+    }
+
+    /// Runs the window of the convolution ([`Self::window`]) into `dest`, which holds the
+    /// window's destination frames. The AMX kernel computes whole outputs: its window is cut
+    /// from a whole output made first.
+    pub fn run_into(&self, isa: Isa, dest: &mut [f32]) -> Result<()> {
+        let [to, ho, wo] = self.out;
+        let w = &self.window;
+        let frames = self.frames.n * self.cout * to;
+        if w.rows.end > ho
+            || w.cols.end > wo
+            || w.at[0] + w.rows.len() > w.dest[0]
+            || w.at[1] + w.cols.len() > w.dest[1]
+        {
+            return Err(TensorError::InvalidArgument {
+                op: "conv",
+                reason: format!("window {w:?} of an output of {ho} x {wo}"),
+            });
+        }
+        if dest.len() != frames * w.dest[0] * w.dest[1] || self.upsample {
+            return Err(TensorError::InvalidArgument {
+                op: "conv",
+                reason: format!("a destination of {} values for {frames} frames of {:?}", dest.len(), w.dest),
+            });
+        }
+        if w.rows.is_empty() || w.cols.is_empty() {
+            return Ok(());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if amx_direct::applies(self) {
+            let whole = ConvJob { window: OutWindow::whole(ho, wo), ..*self };
+            let out = whole.run(isa)?;
+            let out = out.as_slice();
+            for frame in 0..frames {
+                for oy in w.rows.clone() {
+                    let from = &out[(frame * ho + oy) * wo + w.cols.start..][..w.cols.len()];
+                    dest[w.index(frame, oy, w.cols.start)..][..w.cols.len()].copy_from_slice(from);
+                }
+            }
+            return Ok(());
+        }
+        self.run_kernel(isa, dest);
+        Ok(())
+    }
+
+    /// The Winograd or the direct kernel, into `dest`.
+    fn run_kernel(&self, isa: Isa, dest: &mut [f32]) {
         if winograd::applies(self) {
             let _profile = crate::profile::Scope::new("conv.winograd");
-            winograd::run(self, isa, out_len)
+            winograd::run(self, isa, dest)
         } else {
             let _profile = crate::profile::Scope::new("conv.direct");
-            direct::run(self, isa, out_len)
+            direct::run(self, isa, dest)
         }
     }
 }
@@ -347,6 +552,80 @@ mod tests {
             x.upsample2x_conv2d(&bad, None, &Conv2dParams::same(3)),
             Err(TensorError::ShapeMismatch { .. })
         ));
+    }
+
+    /// A window computed into a destination holds the whole convolution's bits there and leaves
+    /// the rest of the destination alone: 2-D and 3-D (with frames in front), the direct kernel
+    /// and Winograd F(2×2) and F(4×4), in f32 and with bf16 products; windows off the band
+    /// alignment or outside the output are typed errors.
+    #[test]
+    fn a_window_into_a_destination_is_the_whole_convolutions() {
+        let dev = crate::Device::Cpu;
+        let x = Tensor::from_vec(crate::ops::test_values(2 * 32 * 12 * 16, 1), [2, 32, 12, 16], &dev).unwrap();
+        let w = Tensor::from_vec(crate::ops::test_values(8 * 32 * 9, 2), [8, 32, 3, 3], &dev).unwrap();
+        let b = Tensor::from_vec(crate::ops::test_values(8, 3), [8], &dev).unwrap();
+        let video = x.reshape(vec![1, 32, 2, 12, 16]).unwrap();
+        let front = video.narrow(2, 1, 1).unwrap();
+        let w3 = Tensor::from_vec(crate::ops::test_values(8 * 32 * 27, 4), [8, 32, 3, 3, 3], &dev).unwrap();
+        let sentinel = 7.5f32;
+        // The window of `whole` at `[rows, cols]` equals `dest` at `at`, and the rest is untouched.
+        let check = |whole: &Tensor, dest: &Tensor, [rows, cols]: [Range<usize>; 2], at: [usize; 2], what: &str| {
+            let r = dest.rank();
+            let (dh, dw) = (dest.dims()[r - 2], dest.dims()[r - 1]);
+            let (wh, ww) = (whole.dims()[r - 2], whole.dims()[r - 1]);
+            let (d, v) = (dest.as_slice_f32().unwrap(), whole.as_slice_f32().unwrap());
+            for frame in 0..d.len() / (dh * dw) {
+                for y in 0..dh {
+                    for xx in 0..dw {
+                        let got = d[(frame * dh + y) * dw + xx];
+                        let at_window = (y.checked_sub(at[0]).map(|dy| dy + rows.start))
+                            .zip(xx.checked_sub(at[1]).map(|dx| dx + cols.start))
+                            .filter(|(oy, ox)| rows.contains(oy) && cols.contains(ox));
+                        let want = at_window.map_or(sentinel, |(oy, ox)| v[(frame * wh + oy) * ww + ox]);
+                        assert_eq!(got.to_bits(), want.to_bits(), "{what}: frame {frame}, ({y}, {xx})");
+                    }
+                }
+            }
+        };
+        let run = |what: &str| {
+            for align in [1, 2, 4] {
+                let params = Conv2dParams::same(3).band_aligned(align);
+                let whole = x.conv2d(&w, Some(&b), &params).unwrap();
+                let window = [align..12 - align, 2 * align..16];
+                let mut dest = Tensor::from_vec(vec![sentinel; 2 * 8 * 13 * 17], [2, 8, 13, 17], &dev).unwrap();
+                let target = ConvTarget { window: window.clone(), dest: &mut dest, at: [1, 0] };
+                x.conv2d_into(&w, Some(&b), &params, target).unwrap();
+                check(&whole, &dest, window, [1, 0], &format!("{what} 2-D align {align}"));
+
+                let p3 = crate::Conv3dParams::new([1, 1, 1], [1, 0, 1, 1, 1, 1]).band_aligned(align);
+                let whole = video.conv3d_after(&front, &w3, Some(&b), &p3).unwrap();
+                let window = [0..align, align..16 - align];
+                let mut dest =
+                    Tensor::from_vec(vec![sentinel; 8 * 2 * (align + 2) * 16], [1, 8, 2, align + 2, 16], &dev).unwrap();
+                let target = ConvTarget { window: window.clone(), dest: &mut dest, at: [2, 1] };
+                video.conv3d_into(Some(&front), &w3, Some(&b), &p3, target).unwrap();
+                check(&whole, &dest, window, [2, 1], &format!("{what} 3-D align {align}"));
+            }
+        };
+        run("f32");
+        if crate::CpuBf16Scope::supported() {
+            let _bf16 = crate::CpuBf16Scope::enter().unwrap();
+            run("bf16");
+        }
+        // An empty destination takes the whole output, and only the whole output.
+        let params = Conv2dParams::same(3).band_aligned(4);
+        let mut empty = Tensor::zeros(vec![0; 4], crate::DType::F32, &dev).unwrap();
+        let target = ConvTarget { window: [0..12, 0..16], dest: &mut empty, at: [0, 0] };
+        x.conv2d_into(&w, Some(&b), &params, target).unwrap();
+        assert!(empty.bit_eq(&x.conv2d(&w, Some(&b), &params).unwrap()));
+        let mut empty = Tensor::zeros(vec![0; 4], crate::DType::F32, &dev).unwrap();
+        let target = ConvTarget { window: [0..4, 0..16], dest: &mut empty, at: [0, 0] };
+        assert!(matches!(x.conv2d_into(&w, Some(&b), &params, target), Err(TensorError::InvalidArgument { .. })));
+        let mut dest = Tensor::zeros(vec![2, 8, 12, 16], crate::DType::F32, &dev).unwrap();
+        for window in [[2..12, 0..16], [0..13, 0..16], [0..12, 4..17]] {
+            let target = ConvTarget { window, dest: &mut dest, at: [0, 0] };
+            assert!(matches!(x.conv2d_into(&w, Some(&b), &params, target), Err(TensorError::InvalidArgument { .. })));
+        }
     }
 
     #[test]

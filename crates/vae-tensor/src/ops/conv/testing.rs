@@ -1,6 +1,6 @@
 //! Convolutions the kernels' unit tests share: inputs made from seeds, and the exact result.
 
-use super::{ConvJob, Frames};
+use super::{ConvJob, Frames, OutWindow};
 use crate::ops::test_values as values;
 
 /// A `k × k` (× `kt` in time) stride-1 convolution of an `[n, cin, t, h, w]` input.
@@ -60,6 +60,7 @@ impl Case {
             band_align,
             bf16,
             upsample: false,
+            window: OutWindow::whole(self.out()[1], self.out()[2]),
         }
     }
 

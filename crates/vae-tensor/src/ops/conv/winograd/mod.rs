@@ -23,7 +23,6 @@ use rayon::prelude::*;
 use super::direct::{Operands, ScratchPool, aligned};
 use super::microkernel::{self, NR};
 use super::{ConvJob, Frames};
-use crate::Result;
 use crate::memory::Buffer;
 use crate::ops::OutPtr;
 use crate::ops::lanes::{Lanes, Portable, WideLanes};
@@ -296,9 +295,12 @@ fn transform_block<T: Tile, S: Lanes>(
 
 /// Geometry of one call, shared by the phases.
 struct Plan {
-    /// Tiles per row and column of a frame.
+    /// Tiles per row and column of the window of a frame ([`ConvJob::window`]).
     tw: usize,
     th: usize,
+    /// The output row and column the window's first tile starts at.
+    r0: usize,
+    c0: usize,
     /// Row-buffer width: the padded row plus slack for the last vector's over-read.
     rw: usize,
     /// Stride between `V` / `M` rows (a band's tiles, padded, plus slack for over-writes).
@@ -349,14 +351,14 @@ unsafe fn input_transform<T: Tile, S: Lanes>(
         // The input rows under this tile row, zero outside the image.
         for i in 0..T::A {
             let dst = &mut rows[i * rw + left..][..f.w];
-            match (T::M * ty + i).checked_sub(top).filter(|&y| y < f.h) {
+            match (plan.r0 + T::M * ty + i).checked_sub(top).filter(|&y| y < f.h) {
                 Some(y) => dst.copy_from_slice(&plane[y * f.w..][..f.w]),
                 None => dst.fill(0.0),
             }
         }
         let mut tx = tx0;
         while tx < tx1 {
-            let col = tx * T::M;
+            let col = plan.c0 + tx * T::M;
             // Bᵀ along each row's windows, then along the rows.
             let mut u = [[S::splat(0.0); 6]; 6]; // u[l][i]: phase l of row i
             for i in 0..T::A {
@@ -393,10 +395,12 @@ fn output_transform<T: Tile, S: Lanes>(
     out: OutPtr,
 ) {
     let OutputTask { frame: (b, o), co, tiles: (t0, t1) } = task;
-    let [to, ho, wo] = job.out;
+    let to = job.out[0];
+    let window = &job.window;
+    let (wh, ww) = (window.rows.len(), window.cols.len());
     let bias = S::splat(job.bias.map_or(0.0, |bias| bias[co]));
     let rw = plan.rw;
-    let base = ((b * job.cout + co) * to + o) * ho * wo;
+    let frame = (b * job.cout + co) * to + o;
     for ty in t0 / plan.tw..=(t1 - 1) / plan.tw {
         let tx0 = t0.saturating_sub(ty * plan.tw);
         let tx1 = (t1 - ty * plan.tw).min(plan.tw);
@@ -424,15 +428,16 @@ fn output_transform<T: Tile, S: Lanes>(
             }
             tx += S::L;
         }
-        let (x0, x1) = (tx0 * T::M, (tx1 * T::M).min(wo));
+        let (x0, x1) = (tx0 * T::M, (tx1 * T::M).min(ww));
         for a in 0..T::M {
-            let oy = ty * T::M + a;
-            if oy >= ho || x0 >= x1 {
+            let ry = ty * T::M + a;
+            if ry >= wh || x0 >= x1 {
                 continue;
             }
             // SAFETY: tile row `ty`, columns of tiles `tx0..tx1`, of this frame and channel
-            // belong to this band alone, and each output channel to one task.
-            let dst = unsafe { out.slice(base + oy * wo + x0, x1 - x0) };
+            // belong to this band alone, each output channel to one task, and distinct outputs
+            // go to distinct places.
+            let dst = unsafe { out.slice(window.index(frame, plan.r0 + ry, plan.c0 + x0), x1 - x0) };
             dst.copy_from_slice(&rows[a * rw + x0..][..x1 - x0]);
         }
     }
@@ -481,29 +486,39 @@ transforms!(input_avx2, output_avx2, crate::ops::lanes::Avx2, "avx2,fma");
 /// ten times more than the direct convolution in bf16, and with a quarter of the products it
 /// runs as fast in f32 as F(2×2) in bf16. So a bf16 request gets F(4×4) in f32 where the
 /// alignment allows it, F(2×2) with bf16 products where it allows only that.
-pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out_len: usize) -> Result<Buffer> {
+pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out: &mut [f32]) {
     if job.band_align.is_multiple_of(F4::M) {
-        run_tiles::<F4>(job, Operands::F32(isa), isa, out_len)
+        run_tiles::<F4>(job, Operands::F32(isa), isa, out)
     } else {
-        run_tiles::<F2>(job, Operands::of(job, isa), isa, out_len)
+        run_tiles::<F2>(job, Operands::of(job, isa), isa, out)
     }
 }
 
-fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out_len: usize) -> Result<Buffer> {
+fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out: &mut [f32]) {
     let (m_, a_, p_) = (T::M, T::A, T::P);
     let f = &job.frames;
     let [kt, _, _] = job.kernel;
-    let [to, ho, wo] = job.out;
+    let to = job.out[0];
     let (cin, cout) = (f.cin, job.cout);
-    let mut out = Buffer::for_overwrite(out_len);
-    if out_len == 0 {
-        return Ok(out);
+    // The window's tiles are the whole output's: it starts on the band alignment, a multiple
+    // of the tile (checked by the op).
+    let (rows, cols) = (&job.window.rows, &job.window.cols);
+    if out.is_empty() || rows.is_empty() || cols.is_empty() {
+        return;
     }
-    let (tw, th) = (wo.div_ceil(m_), ho.div_ceil(m_));
+    debug_assert!(rows.start.is_multiple_of(m_) && cols.start.is_multiple_of(m_));
+    let (tw, th) = (cols.len().div_ceil(m_), rows.len().div_ceil(m_));
     let tiles = tw * th;
     let k = kt * cin;
     let band = tiles_per_band(tiles);
-    let plan = Plan { tw, th, rw: m_ * (tw + MAX_LANES) + 4 + f.w, ld: row_stride(band + MAX_LANES) };
+    let plan = Plan {
+        tw,
+        th,
+        r0: rows.start,
+        c0: cols.start,
+        rw: cols.start + m_ * (tw + MAX_LANES) + 4 + f.w,
+        ld: row_stride(band + MAX_LANES),
+    };
     debug_assert!(plan.th > 0);
     let mr = ops.mr();
     // Packed elements per temporal tap: input channels, or pairs of them in bf16.
@@ -529,7 +544,7 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out_len: usize
     // whole, so the two phases keep separate row buffers.
     let in_rows = ScratchPool::new(a_ * plan.rw, cin);
     let out_rows = ScratchPool::new(m_ * plan.rw, cout);
-    let dst = OutPtr::new(out.as_mut_slice());
+    let dst = OutPtr::new(out);
 
     for co0 in (0..cout).step_by(chunk_rows) {
         let blocks = (cout - co0).div_ceil(mr).min(blocks_per_chunk);
@@ -626,7 +641,6 @@ fn run_tiles<T: Tile>(job: &ConvJob<'_>, ops: Operands, isa: Isa, out_len: usize
         };
         bands.iter().for_each(run_band);
     }
-    Ok(out)
 }
 
 /// U's runs of `kt · cin` elements (`[p][block][dt·cin + ci][mr]`) as bf16 pairs of input
