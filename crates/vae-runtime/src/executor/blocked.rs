@@ -107,7 +107,9 @@ impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
         let (local, traffic) = match block {
             None => (None, ShardTraffic::default()),
             Some(_) => {
-                let ctx = ShardContext::blocks(exec.comm.as_ref(), plan.grid.clone(), rank).with_unit(plan.unit);
+                let ctx = ShardContext::blocks(exec.comm.as_ref(), plan.grid.clone(), rank)
+                    .with_unit(plan.unit)
+                    .with_overlap(exec.halo_overlap);
                 let (out, traffic) = exec_part(self.op, exec, input, ctx)?;
                 (Some(out), traffic)
             }

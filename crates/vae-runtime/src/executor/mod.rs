@@ -105,6 +105,9 @@ pub struct DistributedVaeExecutor {
     comm: Arc<dyn Communicator>,
     requested: usize,
     parallel_size: usize,
+    /// Spatial shards overlap each halo exchange with the interior's computation
+    /// ([`crate::ShardContext::conv_with_halo`]).
+    halo_overlap: bool,
 }
 
 impl std::fmt::Debug for DistributedVaeExecutor {
@@ -140,7 +143,16 @@ impl DistributedVaeExecutor {
                 "VAE parallel size {parallel_size} is larger than the group of {world} ranks; using {world}"
             );
         }
-        Ok(Self { comm, requested: parallel_size, parallel_size: effective })
+        Ok(Self { comm, requested: parallel_size, parallel_size: effective, halo_overlap: true })
+    }
+
+    /// The same executor with spatial shards' halo exchanges overlapped with the interior's
+    /// computation (`true`, the default) or made whole before each convolution (`false`: the
+    /// computation waits for its neighbours at every convolution). Every rank of a group must
+    /// choose the same; the outputs are the same bits either way.
+    pub fn with_halo_overlap(mut self, overlap: bool) -> Self {
+        self.halo_overlap = overlap;
+        self
     }
 
     /// The effective parallel size.

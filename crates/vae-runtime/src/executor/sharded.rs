@@ -79,8 +79,9 @@ impl<O: ShardOperator> RequestStrategy for ShardStrategy<'_, O> {
         let (local, traffic) = match band {
             None => (None, ShardTraffic::default()),
             Some(_) => {
-                let ctx =
-                    ShardContext::new(exec.comm.as_ref(), self.axis, plan.bands.clone(), rank).with_unit(plan.unit);
+                let ctx = ShardContext::new(exec.comm.as_ref(), self.axis, plan.bands.clone(), rank)
+                    .with_unit(plan.unit)
+                    .with_overlap(exec.halo_overlap);
                 let (out, traffic) = exec_part(self.op, exec, input, ctx)?;
                 (Some(out), traffic)
             }

@@ -122,8 +122,9 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         };
         match band {
             Some(_) => {
-                let mut ctx =
-                    ShardContext::new(exec.comm.as_ref(), self.axis, plan.0.bands.clone(), rank).with_unit(plan.0.unit);
+                let mut ctx = ShardContext::new(exec.comm.as_ref(), self.axis, plan.0.bands.clone(), rank)
+                    .with_unit(plan.0.unit)
+                    .with_overlap(exec.halo_overlap);
                 let out = guarded(|| {
                     self.op.exec_streaming(input, &mut ctx, &mut |r| run(Some(r)).map_err(|e| Box::new(e) as _))
                 });

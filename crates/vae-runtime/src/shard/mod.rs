@@ -11,6 +11,8 @@
 //! calls; [`ShardOperator`] is what a model implements. Which requests shard, along which axis
 //! or on which grid, is model policy and lives in the adapters.
 
+mod halo;
+
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -21,6 +23,8 @@ use vae_transport::{Communicator, DeviceBytes, DeviceExchange, PeerExchange};
 
 use crate::RuntimeError;
 use crate::executor::OperatorError;
+
+pub use halo::{HaloPiece, HaloWindow};
 
 /// What a model's sharded computation needs to know before it starts, from the (validated)
 /// input alone, so that every rank reaches the same verdict.
@@ -99,8 +103,15 @@ pub struct ShardTraffic {
     pub halo_exchanges: u64,
     /// Bytes this rank sent as halo rows.
     pub halo_bytes_sent: u64,
-    /// Time spent in halo exchanges (packing included).
+    /// Time spent in halo exchanges (packing included; for an overlapped exchange, the time
+    /// the computation waited for it, and the packing and placing of the edge pieces).
     pub halo_time: Duration,
+    /// Of [`Self::halo_time`], the time this rank's computation was blocked waiting for its
+    /// neighbours' rows: a whole blocking exchange, or the wait after an overlapped
+    /// convolution's interior ([`ShardContext::conv_with_halo`]).
+    pub halo_wait: Duration,
+    /// Halo exchanges that ran while the rows needing no halo were computed.
+    pub halo_overlapped: u64,
     /// Halo bytes this rank did not send because the neighbour already had them (rows of
     /// cached frames, which keep their halos); the reference sends them again every chunk.
     pub halo_bytes_reused: u64,
@@ -137,6 +148,9 @@ pub struct ShardContext<'c> {
     unit: usize,
     rank: usize,
     traffic: ShardTraffic,
+    /// Whether [`Self::conv_with_halo`] computes the rows that need no halo while the exchange
+    /// is in flight (on the CPU), or exchanges first.
+    overlap: bool,
 }
 
 /// How the map is cut: bands along one axis, or blocks of a 2-D grid.
@@ -163,19 +177,32 @@ impl<'c> ShardContext<'c> {
     /// A context for `rank` of the ranks `0..bands.len()` of `comm`, splitting `axis` as
     /// `bands` (at the input's resolution) says.
     pub(crate) fn new(comm: &'c dyn Communicator, axis: ShardAxis, bands: BandPartition, rank: usize) -> Self {
-        Self { comm, split: Split::Bands { axis, bands }, unit: 1, rank, traffic: ShardTraffic::default() }
+        Self {
+            comm,
+            split: Split::Bands { axis, bands },
+            unit: 1,
+            rank,
+            traffic: ShardTraffic::default(),
+            overlap: true,
+        }
     }
 
     /// A context for `rank` of the ranks `0..grid.ranks()` of `comm`, holding its block of
     /// `grid` (at the input's resolution).
     pub(crate) fn blocks(comm: &'c dyn Communicator, grid: BlockGrid, rank: usize) -> Self {
-        Self { comm, split: Split::Blocks(grid), unit: 1, rank, traffic: ShardTraffic::default() }
+        Self { comm, split: Split::Blocks(grid), unit: 1, rank, traffic: ShardTraffic::default(), overlap: true }
     }
 
     /// The same context over an input of `unit` rows (and columns) per band row
     /// ([`ShardGeometry::unit`]).
     pub(crate) fn with_unit(self, unit: usize) -> Self {
         Self { unit: unit.max(1), ..self }
+    }
+
+    /// The same context with halo exchanges overlapped with the interior's computation
+    /// (`true`, the default) or made whole before each convolution.
+    pub(crate) fn with_overlap(self, overlap: bool) -> Self {
+        Self { overlap, ..self }
     }
 
     /// This rank.
@@ -265,177 +292,6 @@ impl<'c> ShardContext<'c> {
         Ok(local)
     }
 
-    /// `x` (this rank's band) with `halo` rows of each neighbour on either side along the axis,
-    /// and zero rows at the global edges: the input of a convolution whose padding along the
-    /// axis is then 0. Written into one buffer of the padded size. For a block of a 2-D grid,
-    /// the same along both axes in one exchange with up to eight neighbours: rows from the
-    /// blocks above and below, columns from those left and right, and the corners from the
-    /// diagonal blocks.
-    ///
-    /// Every rank taking part must call it in the same order with the same `halo`.
-    pub fn with_halo(&mut self, x: &Tensor, halo: usize) -> Result<Tensor, RuntimeError> {
-        if halo == 0 {
-            return Ok(x.clone());
-        }
-        let clock = Instant::now();
-        let (rank, ranks) = (self.rank, self.ranks());
-        let (padded, sent) = match &self.split {
-            Split::Bands { axis, .. } => {
-                let (prev, next) = (rank.checked_sub(1), (rank + 1 < ranks).then_some(rank + 1));
-                let axis = *axis;
-                self.pad_along(x, axis, halo, prev, next)?
-            }
-            Split::Blocks(grid) => {
-                let (coord, shape) = (grid.coord(rank).expect("the rank takes part"), grid.grid());
-                self.pad_block(x, coord, shape, halo)?
-            }
-        };
-        self.traffic.halo_exchanges += 1;
-        self.traffic.halo_bytes_sent += sent;
-        self.traffic.halo_time += clock.elapsed();
-        Ok(padded)
-    }
-
-    /// `x`, this rank's block at `[i, j]` of an `[R, C]` grid (rank `r` holds `(r / C, r % C)`),
-    /// with `halo` rows and columns of its up to eight neighbours in one exchange: the edge rows
-    /// of the blocks above and below, the edge columns of those left and right, and an
-    /// `halo × halo` corner of each diagonal block; zeros past the global edges.
-    fn pad_block(
-        &mut self,
-        x: &Tensor,
-        [i, j]: [usize; 2],
-        [rows, cols]: [usize; 2],
-        halo: usize,
-    ) -> Result<(Tensor, u64), RuntimeError> {
-        let [hd, wd] = [self.dim_of(x, ShardAxis::Height)?, self.dim_of(x, ShardAxis::Width)?];
-        let (len_h, len_w) = (x.dims()[hd], x.dims()[wd]);
-        if len_h < halo || len_w < halo {
-            return Err(invalid(format!(
-                "rank {}'s block of {len_h} × {len_w} is narrower than the halo {halo}",
-                self.rank
-            )));
-        }
-        // Along one axis, for a neighbour at offset d (-1, 0, 1): which of this block's rows it
-        // gets (start, len), and where its own rows land in the padded block.
-        let part = |d: isize, len: usize| match d {
-            -1 => (0, halo),
-            0 => (0, len),
-            _ => (len - halo, halo),
-        };
-        let place = |d: isize, len: usize| match d {
-            -1 => 0,
-            0 => halo,
-            _ => halo + len,
-        };
-        let mut legs = Vec::with_capacity(8);
-        let mut places = Vec::with_capacity(8);
-        for di in -1isize..=1 {
-            for dj in -1isize..=1 {
-                let (Some(ni), Some(nj)) = (i.checked_add_signed(di), j.checked_add_signed(dj)) else { continue };
-                if (di, dj) == (0, 0) || ni >= rows || nj >= cols {
-                    continue;
-                }
-                let peer = ni * cols + nj;
-                let ((rs, rl), (cs, cl)) = (part(di, len_h), part(dj, len_w));
-                let piece = x.narrow(hd, rs, rl)?.narrow(wd, cs, cl)?;
-                // What comes back is the neighbour's matching piece: the same extents.
-                legs.push((peer, piece, {
-                    let mut dims = x.dims().to_vec();
-                    dims[hd] = rl;
-                    dims[wd] = cl;
-                    dims
-                }));
-                places.push((peer, place(di, len_h), place(dj, len_w)));
-            }
-        }
-        legs.sort_by_key(|(peer, _, _)| *peer);
-        let (received, sent) = self.swap(x, legs)?;
-        let mut padded_dims = x.dims().to_vec();
-        padded_dims[hd] = len_h + 2 * halo;
-        padded_dims[wd] = len_w + 2 * halo;
-        // Zero-initialised: what no neighbour fills is the global zero padding.
-        let mut padded = Tensor::zeros(padded_dims, x.dtype(), &x.device())?;
-        let origin = vec![0; x.rank()];
-        let mut at = origin.clone();
-        at[hd] = halo;
-        at[wd] = halo;
-        padded.copy_box_from(&at, x, &origin, x.dims())?;
-        for (peer, piece) in received {
-            let &(_, row, col) = places.iter().find(|(p, _, _)| *p == peer).expect("a neighbour's piece");
-            at[hd] = row;
-            at[wd] = col;
-            padded.copy_box_from(&at, &piece, &origin, piece.dims())?;
-        }
-        Ok((padded, sent))
-    }
-
-    /// `x` with `halo` rows along `axis` from `prev` and `next` (zeros where there is none).
-    fn pad_along(
-        &mut self,
-        x: &Tensor,
-        axis: ShardAxis,
-        halo: usize,
-        prev: Option<usize>,
-        next: Option<usize>,
-    ) -> Result<(Tensor, u64), RuntimeError> {
-        let dim = self.dim_of(x, axis)?;
-        let len = x.dims()[dim];
-        if len < halo {
-            return Err(invalid(format!("rank {}'s {axis} of {len} is narrower than the halo {halo}", self.rank)));
-        }
-        let mut halo_dims = x.dims().to_vec();
-        halo_dims[dim] = halo;
-        let mut legs = Vec::with_capacity(2);
-        if let Some(peer) = prev {
-            legs.push((peer, x.narrow(dim, 0, halo)?, halo_dims.clone()));
-        }
-        if let Some(peer) = next {
-            legs.push((peer, x.narrow(dim, len - halo, halo)?, halo_dims.clone()));
-        }
-        legs.sort_by_key(|(peer, _, _)| *peer);
-        let (received, sent) = self.swap(x, legs)?;
-        let mut padded_dims = x.dims().to_vec();
-        padded_dims[dim] = len + 2 * halo;
-        // Zero-initialised: the rows no neighbour fills are the global zero padding.
-        let mut padded = Tensor::zeros(padded_dims, x.dtype(), &x.device())?;
-        let origin = vec![0; x.rank()];
-        let mut at = origin.clone();
-        at[dim] = halo;
-        padded.copy_box_from(&at, x, &origin, x.dims())?;
-        for (peer, rows) in received {
-            at[dim] = if Some(peer) == prev { 0 } else { len + halo };
-            padded.copy_box_from(&at, &rows, &origin, &halo_dims)?;
-        }
-        Ok((padded, sent))
-    }
-
-    /// Records that `cached`, a conv input kept from an earlier chunk with its `halo` rows
-    /// already in place, was not exchanged again (for the traffic report).
-    pub fn note_reused_halo(&mut self, cached: &Tensor, halo: usize) {
-        if halo == 0 {
-            return;
-        }
-        let (rank, ranks) = (self.rank, self.ranks());
-        let neighbours: Vec<(ShardAxis, usize)> = match &self.split {
-            Split::Bands { axis, .. } => vec![(*axis, usize::from(rank > 0) + usize::from(rank + 1 < ranks))],
-            Split::Blocks(grid) => {
-                let [i, j] = grid.coord(rank).expect("the rank takes part");
-                let [r, c] = grid.grid();
-                vec![
-                    (ShardAxis::Height, usize::from(i > 0) + usize::from(i + 1 < r)),
-                    (ShardAxis::Width, usize::from(j > 0) + usize::from(j + 1 < c)),
-                ]
-            }
-        };
-        let mut reused = 0;
-        for (axis, count) in neighbours {
-            let Ok(dim) = self.dim_of(cached, axis) else { return };
-            let row_bytes = cached.size_in_bytes().checked_div(cached.dims()[dim]).unwrap_or(0);
-            reused += count * halo * row_bytes;
-        }
-        self.traffic.halo_bytes_reused += reused as u64;
-    }
-
     /// Where every rank's part of a map lies, given `x`, this rank's part: per rank, its dims
     /// (`x`'s, with the split axes set to that rank's share: nearest upsampling scales every
     /// band alike) and its offset in the whole map; and the whole map's dims.
@@ -469,7 +325,7 @@ impl<'c> ShardContext<'c> {
             .filter(|&peer| peer != self.rank)
             .map(|peer| (peer, x.clone(), layout[peer].0.clone()))
             .collect();
-        let (received, sent) = self.swap(x, legs)?;
+        let (received, sent) = self.swap((&x.device(), x.dtype()), legs)?;
         let mut full = Tensor::zeros(whole, x.dtype(), &x.device())?;
         let origin = vec![0; x.rank()];
         full.copy_box_from(&layout[self.rank].1, x, &origin, x.dims())?;
@@ -567,7 +423,7 @@ impl<'c> ShardContext<'c> {
 
     /// Sends each leg's tensor to its peer and receives a tensor of the leg's dims from it
     /// (legs in ascending peer order; the peers list this rank in turn). Returns what arrived,
-    /// by peer, on `like`'s device in `like`'s type, and the bytes sent.
+    /// by peer, on the device and in the type `like` names, and the bytes sent.
     ///
     /// Ranks that are threads of this process hand each other the tensors themselves through
     /// the group's mailbox, with a token exchange for ordering and failure detection: a device
@@ -578,10 +434,11 @@ impl<'c> ShardContext<'c> {
     /// at 4 bytes per element).
     #[allow(clippy::type_complexity)] // (peer, tensor, dims) legs
     fn swap(
-        &mut self,
-        like: &Tensor,
+        &self,
+        like: (&Device, DType),
         legs: Vec<(usize, Tensor, Vec<usize>)>,
     ) -> Result<(Vec<(usize, Tensor)>, u64), RuntimeError> {
+        let (device, dtype) = like;
         let rank = self.rank;
         let mismatch =
             |peer: usize, what: String| RuntimeError::Protocol(format!("rank {rank} expected {what} from rank {peer}"));
@@ -605,12 +462,12 @@ impl<'c> ShardContext<'c> {
                 if t.dims() != dims.as_slice() {
                     return Err(mismatch(peer, format!("rows {dims:?}, got {}", t.shape())));
                 }
-                let t = if t.device() == like.device() { t } else { t.to_device(&like.device())? };
-                received.push((peer, t.to_dtype(like.dtype())?));
+                let t = if t.device() == *device { t } else { t.to_device(device)? };
+                received.push((peer, t.to_dtype(dtype)?));
             }
             return Ok((received, sent));
         }
-        if let Device::Cuda(ordinal) = like.device()
+        if let Device::Cuda(ordinal) = *device
             && self.comm.exchanges_device_buffers(ordinal)
         {
             return self.swap_on_device(like, legs);
@@ -633,22 +490,22 @@ impl<'c> ShardContext<'c> {
             if bytes.len() != expected {
                 return Err(mismatch(peer, format!("{expected} bytes of {dims:?} rows, got {}", bytes.len())));
             }
-            let t = Tensor::from_bytes(DType::F32, dims, &bytes, &like.device())?.to_dtype(like.dtype())?;
+            let t = Tensor::from_bytes(DType::F32, dims, &bytes, device)?.to_dtype(dtype)?;
             received.push((peer, t));
         }
         Ok((received, sent))
     }
 
     /// [`Self::swap`] over a transport that moves device memory itself: each leg's tensor, on
-    /// `like`'s device in `like`'s type, goes from GPU to GPU; what arrives lands in a fresh
+    /// the device and in the type `like` names, goes from GPU to GPU; what arrives lands in a fresh
     /// tensor of the leg's dims.
     #[allow(clippy::type_complexity)] // as `swap`
     fn swap_on_device(
-        &mut self,
-        like: &Tensor,
+        &self,
+        like: (&Device, DType),
         legs: Vec<(usize, Tensor, Vec<usize>)>,
     ) -> Result<(Vec<(usize, Tensor)>, u64), RuntimeError> {
-        let device = like.device();
+        let (device, dtype) = (*like.0, like.1);
         // vae-tensor names a tensor's memory, vae-transport moves it: the same three fields.
         let bytes = |m: Option<DeviceMemory>| {
             m.map(|m| DeviceBytes { ordinal: m.ordinal, address: m.address, len: m.len })
@@ -659,9 +516,9 @@ impl<'c> ShardContext<'c> {
         for (peer, t, dims) in legs {
             // Converted only where needed: `to_device` and `to_dtype` copy even when nothing changes.
             let t = if t.device() == device { t } else { t.to_device(&device)? };
-            let t = if t.dtype() == like.dtype() { t } else { t.to_dtype(like.dtype())? };
+            let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype)? };
             sends.push((peer, t));
-            recvs.push(Tensor::zeros(dims, like.dtype(), &device)?);
+            recvs.push(Tensor::zeros(dims, dtype, &device)?);
         }
         let mut exchange = Vec::with_capacity(sends.len());
         for ((peer, send), recv) in sends.iter().zip(recvs.iter_mut()) {
@@ -686,20 +543,7 @@ fn on_host(t: Tensor) -> Result<Tensor, RuntimeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vae_transport::{BytePathOnly, TransportConfig, run_local};
-
-    /// Each rank's halo'd band and gathered map of a [1, 2, 7, 5] map split in 3 height bands.
-    fn halos_and_maps(comm: &dyn Communicator) -> (Tensor, Tensor, ShardTraffic) {
-        let global = Tensor::seeded_uniform(vec![1, 2, 7, 5], 3, -1.0, 1.0, &Device::Cpu).unwrap();
-        let bands = BandPartition::new(7, 3, 2).unwrap();
-        let rank = comm.rank();
-        let mut ctx = ShardContext::new(comm, ShardAxis::Height, bands, rank);
-        let band = ctx.local_input(&global).unwrap();
-        let padded = ctx.with_halo(&band, 2).unwrap();
-        let map = ctx.all_gather_map(&band).unwrap();
-        assert!(map.bit_eq(&global), "rank {rank}: the gathered map is the global one");
-        (padded, map, ctx.traffic())
-    }
+    use vae_transport::{TransportConfig, run_local};
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
@@ -745,83 +589,6 @@ mod tests {
                 proptest::prop_assert!(got.bit_eq(&want), "rank {} of {}", rank, ranks);
                 // Sums, squares, and the sums again where values pass the fixed range.
                 proptest::prop_assert_eq!(traffic.norm_exchanges, if big { 3 } else { 2 });
-            }
-        }
-    }
-
-    /// A block of a 2 × 3 grid with a halo of 2 is the global map's window around the block,
-    /// corners included (from the diagonal blocks), zeros past the global edges; the gathered
-    /// map is the global one and each rank's own block comes back from it; on the mailbox and
-    /// the byte path alike.
-    #[test]
-    fn a_blocks_halo_is_the_window_around_it_corners_included() {
-        let global = Tensor::seeded_uniform(vec![1, 2, 7, 8], 4, -1.0, 1.0, &Device::Cpu).unwrap();
-        let grid = BlockGrid::new([7, 8], [2, 3], [2, 2]).unwrap();
-        let halo = 2;
-        let run = |comm: &dyn Communicator| {
-            let rank = comm.rank();
-            let mut ctx = ShardContext::blocks(comm, grid.clone(), rank);
-            assert_eq!((ctx.axis(), ctx.halo_axes(), ctx.ranks()), (None, [true, true], 6));
-            let block = ctx.local_input(&global).unwrap();
-            let padded = ctx.with_halo(&block, halo).unwrap();
-            let map = ctx.all_gather_map(&block).unwrap();
-            assert!(map.bit_eq(&global), "rank {rank}: the gathered map is the global one");
-            assert!(ctx.own_band(&map).unwrap().bit_eq(&block), "rank {rank}: its own block back");
-            (padded, ctx.traffic())
-        };
-        let by_mailbox = run_local(6, TransportConfig::default(), |comm| run(&comm)).unwrap();
-        let by_bytes = run_local(6, TransportConfig::default(), |comm| run(&BytePathOnly(comm))).unwrap();
-        for (rank, (m, b)) in by_mailbox.into_iter().zip(by_bytes).enumerate() {
-            let ((padded, traffic), (bytes_padded, _)) = (m.unwrap(), b.unwrap());
-            assert!(padded.bit_eq(&bytes_padded), "rank {rank}: the same on both paths");
-            assert_eq!(traffic.halo_exchanges, 1);
-            let [rows, cols] = grid.block(rank).unwrap();
-            assert_eq!(padded.dims(), &[1, 2, rows.len() + 2 * halo, cols.len() + 2 * halo]);
-            let values = padded.to_vec_f32().unwrap();
-            let whole = global.to_vec_f32().unwrap();
-            let (ph, pw) = (rows.len() + 2 * halo, cols.len() + 2 * halo);
-            for c in 0..2 {
-                for y in 0..ph {
-                    for x in 0..pw {
-                        let (gy, gx) = ((rows.start + y) as isize - 2, (cols.start + x) as isize - 2);
-                        let want = if (0..7).contains(&gy) && (0..8).contains(&gx) {
-                            whole[(c * 7 + gy as usize) * 8 + gx as usize]
-                        } else {
-                            0.0
-                        };
-                        let got = values[(c * ph + y) * pw + x];
-                        assert_eq!(got.to_bits(), want.to_bits(), "rank {rank}, channel {c}, global ({gy}, {gx})");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_mailbox_and_the_byte_path_give_the_same_halos() {
-        let config = TransportConfig::default();
-        let by_mailbox = run_local(3, config, |comm| {
-            assert!(comm.mailbox().is_some(), "local ranks share a mailbox");
-            halos_and_maps(&comm)
-        })
-        .unwrap();
-        let by_bytes = run_local(3, config, |comm| halos_and_maps(&BytePathOnly(comm))).unwrap();
-        let global = Tensor::seeded_uniform(vec![1, 2, 7, 5], 3, -1.0, 1.0, &Device::Cpu).unwrap();
-        // Bands of 3, 2 and 2 rows; the halo is 2 rows, zeros beyond the global edges.
-        for (rank, (m, b)) in by_mailbox.into_iter().zip(by_bytes).enumerate() {
-            let ((mp, _, mt), (bp, _, bt)) = (m.unwrap(), b.unwrap());
-            assert!(mp.bit_eq(&bp), "rank {rank}: same halo'd band on both paths");
-            assert_eq!((mt.halo_bytes_sent, mt.map_bytes_sent), (bt.halo_bytes_sent, bt.map_bytes_sent));
-            let (start, len) = [(0, 3), (3, 2), (5, 2)][rank];
-            let (lo, hi) = (start as isize - 2, (start + len + 2) as isize);
-            for row in lo..hi {
-                let got = mp.narrow(2, (row - lo) as usize, 1).unwrap();
-                let want = if (0..7).contains(&row) {
-                    global.narrow(2, row as usize, 1).unwrap()
-                } else {
-                    Tensor::zeros(vec![1, 2, 1, 5], DType::F32, &Device::Cpu).unwrap()
-                };
-                assert!(got.bit_eq(&want), "rank {rank}, global row {row}");
             }
         }
     }
