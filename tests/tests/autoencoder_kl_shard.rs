@@ -98,6 +98,11 @@ fn shard_decode_equals_the_direct_decode_bit_for_bit_on_one_to_four_ranks() {
                 if world > 1 {
                     assert!(traffic.halo_bytes_sent > 0 && traffic.norm_bytes_sent > 0, "{name} rank {}", r.rank);
                 }
+                // Bands of three latent rows or more leave an interior to compute while the
+                // halos travel.
+                if world == 2 && (h, w) == (7, 10) {
+                    assert!(traffic.halo_overlapped > 0, "{name} rank {}: {traffic:?}", r.rank);
+                }
             });
         }
     }

@@ -56,6 +56,10 @@ fn shard_decode_equals_the_direct_decode_on_two_to_four_ranks_for_every_family()
                     assert!(!band.is_empty());
                     assert!(traffic.halo_exchanges > 0 && traffic.halo_bytes_sent > 0, "rank {}", r.rank);
                     assert_eq!(traffic.map_gathers, 3, "one attention gather per latent frame");
+                    // Bands of three latent rows or more overlap their exchanges.
+                    if world == 2 {
+                        assert!(traffic.halo_overlapped > 0, "rank {}: {traffic:?}", r.rank);
+                    }
                 }
             }
         }

@@ -2,8 +2,10 @@
 //! `diffusers.models.attention_processor`, `diffusers.models.unets.unet_2d_blocks`), and the RMS
 //! norm of the video VAEs (Wan, Qwen-Image, HunyuanVideo-1.5), loaded by their state-dict names.
 
+use std::borrow::Cow;
+
 use vae_runtime::ShardContext;
-use vae_tensor::{Conv2dParams, Tensor};
+use vae_tensor::{Conv2dParams, ConvTarget, Tensor};
 
 use crate::Result;
 use crate::weights::Weights;
@@ -110,6 +112,12 @@ impl Conv2d {
         Ok(x.conv2d(&self.weight, Some(&self.bias), params)?)
     }
 
+    /// [`Self::forward_with`], computing only `target`'s window of the output into its
+    /// destination ([`Tensor::conv2d_into`]).
+    pub fn forward_into(&self, x: &Tensor, params: &Conv2dParams, target: ConvTarget<'_>) -> Result<()> {
+        Ok(x.conv2d_into(&self.weight, Some(&self.bias), params, target)?)
+    }
+
     /// Applies the convolution to an NCHW tensor.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.conv2d(&self.weight, Some(&self.bias), &self.params)?)
@@ -122,25 +130,35 @@ impl Conv2d {
     }
 
     /// [`Self::forward`] on a map or a band of one: a band takes its neighbours' rows (the
-    /// halo: the padding along the axis), and the convolution pads only the other axis.
-    /// Stride 1 only (every decoder convolution).
+    /// halo: the padding along the axis), and the convolution pads only the other axis; the
+    /// exchange runs while the rows that need no halo are computed
+    /// ([`ShardContext::conv_with_halo`]). Stride 1 only (every decoder convolution).
     pub fn forward_on(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let Some(ctx) = band.as_deref_mut() else { return self.forward(x) };
-        let (x, params) = self.with_halo(x, ctx)?;
-        self.forward_with(&x, &params)
+        self.forward_haloed(Cow::Borrowed(x), ctx)
     }
 
     /// [`Self::forward_on`] of a map the caller no longer needs: a band's map is dropped as soon
-    /// as its halo'd copy exists, so the two do not both live through the convolution.
+    /// as the convolution has what it reads of it, so the map and the output do not both live
+    /// beside a haloed copy.
     pub fn forward_owned(&self, x: Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let Some(ctx) = band.as_deref_mut() else { return self.forward(&x) };
-        let (padded, params) = self.with_halo(&x, ctx)?;
-        drop(x);
-        self.forward_with(&padded, &params)
+        self.forward_haloed(Cow::Owned(x), ctx)
     }
 
-    /// `x` with its neighbours' rows, and the parameters that pad only the other axis.
-    fn with_halo(&self, x: &Tensor, ctx: &mut ShardContext<'_>) -> Result<(Tensor, Conv2dParams)> {
+    /// The convolution of a band with its neighbours' rows.
+    fn forward_haloed(&self, x: Cow<'_, Tensor>, ctx: &mut ShardContext<'_>) -> Result<Tensor> {
+        let halo = self.band_halo(ctx)?;
+        let cout = self.out_channels();
+        let (out, _) = ctx.conv_with_halo(x, halo, self.params.band_align, cout, None, &mut |piece| {
+            let params = Conv2dParams { padding: piece.padding(self.params.padding), ..self.params };
+            self.forward_into(piece.input, &params, piece.target)
+        })?;
+        Ok(out)
+    }
+
+    /// The halo a band (or block) needs from each neighbour: the padding along the cut axes.
+    fn band_halo(&self, ctx: &ShardContext<'_>) -> Result<usize> {
         let [top, bottom, left, right] = self.params.padding;
         if self.params.stride != 1 || top != bottom || left != right {
             return Err(crate::ModelError::Unsupported(format!(
@@ -148,18 +166,15 @@ impl Conv2d {
                 self.params
             )));
         }
-        let (halo, padding) = match ctx.halo_axes() {
-            [true, false] => (top, [0, 0, left, right]),
-            [false, true] => (left, [top, bottom, 0, 0]),
-            _ if top == left => (top, [0; 4]),
-            _ => {
-                return Err(crate::ModelError::Unsupported(format!(
-                    "a convolution on a block of a 2-D grid needs the same padding along both axes, not {:?}",
-                    self.params
-                )));
-            }
-        };
-        Ok((ctx.with_halo(x, halo)?, Conv2dParams { padding, ..self.params }))
+        match ctx.halo_axes() {
+            [true, false] => Ok(top),
+            [false, true] => Ok(left),
+            _ if top == left => Ok(top),
+            _ => Err(crate::ModelError::Unsupported(format!(
+                "a convolution on a block of a 2-D grid needs the same padding along both axes, not {:?}",
+                self.params
+            ))),
+        }
     }
 }
 

@@ -1,6 +1,8 @@
 //! One forward pass's state: the causal feature cache of the request and, on a spatial shard,
 //! this rank's band; and the conv that feeds through the cache.
 
+use std::borrow::Cow;
+
 use vae_runtime::ShardContext;
 use vae_tensor::Tensor;
 
@@ -56,43 +58,57 @@ impl<'b, 'c> Pass<'b, 'c> {
 
     /// A causal conv fed through the cache, as every 3×3×3 conv of the decoder is.
     ///
-    /// On a band, the conv input first gets its halo rows from the neighbours; the cache then
-    /// holds frames with their halos, so only the new frames' rows travel (the cached frames'
-    /// halos arrived with them).
-    pub(super) fn cached_conv(&mut self, conv: &CausalConv3d, x: &Tensor) -> Result<Tensor> {
-        let haloed;
+    /// On a band, the conv input gets its halo rows from the neighbours while the rows that
+    /// need none are computed ([`ShardContext::conv_with_halo`]); the cache then holds frames
+    /// with their halos, so only the new frames' rows travel (the cached frames' halos arrived
+    /// with them).
+    pub(super) fn cached_conv(&mut self, conv: &CausalConv3d, x: Cow<'_, Tensor>) -> Result<Tensor> {
         let at = self.advance();
         let slot = &mut self.slots[at];
         let previous = match slot {
             Slot::Frames(t) => Some(&*t),
             _ => None,
         };
-        let (x, halo_axes) = match self.band.as_deref_mut() {
+        let (out, tail) = match self.band.as_deref_mut() {
             Some(ctx) => {
-                let halo = conv.band_halo(ctx.halo_axes())?;
-                haloed = ctx.with_halo(x, halo)?;
+                let halo_axes = ctx.halo_axes();
+                let halo = conv.band_halo(halo_axes)?;
                 if let Some(cached) = previous {
                     ctx.note_reused_halo(cached, halo);
                 }
-                (&haloed, ctx.halo_axes())
+                let t = x.dims()[2];
+                let keep = (2, t - t.min(CACHE_T)..t);
+                let cout = conv.out_channels();
+                let (out, tail) = ctx.conv_with_halo(x, halo, conv.band_align(), cout, Some(keep), &mut |piece| {
+                    let cached = previous.map(|c| piece.window.narrow(c)).transpose()?;
+                    conv.forward_piece(
+                        piece.input,
+                        cached.as_deref(),
+                        piece.padding(conv.spatial_padding()),
+                        piece.target,
+                    )
+                })?;
+                let tail = tail
+                    .ok_or_else(|| crate::ModelError::Unsupported("a halo conv without its frames to cache".into()))?;
+                (out, tail)
             }
-            None => (x, [false, false]),
+            None => {
+                let t = x.dims()[2];
+                let tail = x.narrow(2, t - t.min(CACHE_T), t.min(CACHE_T))?;
+                (conv.forward(&x, previous)?, tail)
+            }
         };
-        let to_cache = frames_to_cache(x, previous)?;
-        let out = conv.forward_haloed(x, previous, halo_axes)?;
-        *slot = Slot::Frames(to_cache);
+        *slot = Slot::Frames(frames_to_cache(tail, previous)?);
         Ok(out)
     }
 }
 
-/// The last `CACHE_T` frames of `x`, with the previous cache's last frame in front when `x`
-/// has fewer (diffusers' `cache_x` rule).
-fn frames_to_cache(x: &Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
-    let t = x.dims()[2];
-    let keep = t.min(CACHE_T);
-    let tail = x.narrow(2, t - keep, keep)?;
+/// What the cache keeps of a conv input whose last frames (up to `CACHE_T`) are `tail`: the
+/// tail, with the previous cache's last frame in front when it has fewer (diffusers' `cache_x`
+/// rule).
+fn frames_to_cache(tail: Tensor, previous: Option<&Tensor>) -> Result<Tensor> {
     match previous {
-        Some(prev) if keep < CACHE_T => {
+        Some(prev) if tail.dims()[2] < CACHE_T => {
             let last = prev.narrow(2, prev.dims()[2] - 1, 1)?;
             Ok(Tensor::cat(&[&last, &tail], 2)?)
         }

@@ -1,6 +1,8 @@
 //! `WanDecoder3d`: one latent frame at a time through the cache, on the whole map or on this
 //! rank's band of a spatial shard.
 
+use std::borrow::Cow;
+
 use vae_planner::ShardAxis;
 use vae_tensor::Tensor;
 
@@ -156,7 +158,7 @@ impl Decoder {
         for step in steps {
             let x = &carry.x;
             carry.x = match *step {
-                Step::ConvIn => pass.cached_conv(&self.conv_in, x)?,
+                Step::ConvIn => pass.cached_conv(&self.conv_in, Cow::Borrowed(x))?,
                 Step::MidResnet(k) => self.mid_resnets[k].forward(x, pass)?,
                 Step::MidAttention => self.mid_attention.forward_on(x, pass)?,
                 Step::Resnet(b, j) => {
@@ -181,7 +183,7 @@ impl Decoder {
                 }
                 Step::Head => {
                     let x = self.norm_out.forward_silu(x)?;
-                    pass.cached_conv(&self.conv_out, &x)?
+                    pass.cached_conv(&self.conv_out, Cow::Owned(x))?
                 }
             };
         }

@@ -1,5 +1,7 @@
 //! `WanEncoder3d`: video frames → latent moments, one chunk at a time through the cache.
 
+use std::borrow::Cow;
+
 use vae_tensor::Tensor;
 
 use super::cache::Pass;
@@ -119,7 +121,7 @@ impl Encoder {
     /// latent rows): convs take halos through the cache, the downsampling convs one row of the
     /// next band, the attention the gathered map; norms and the AvgDown3D shortcut are local.
     pub(super) fn forward(&self, x: &Tensor, pass: &mut Pass<'_, '_>) -> Result<Tensor> {
-        let mut x = pass.cached_conv(&self.conv_in, x)?;
+        let mut x = pass.cached_conv(&self.conv_in, Cow::Borrowed(x))?;
         for layer in &self.layers {
             x = match layer {
                 DownLayer::Residual(r) => r.forward(&x, pass)?,
@@ -131,6 +133,6 @@ impl Encoder {
         let x = self.mid_attention.forward_on(&x, pass)?;
         let x = self.mid_resnets[1].forward(&x, pass)?;
         let x = self.norm_out.forward_silu(&x)?;
-        pass.cached_conv(&self.conv_out, &x)
+        pass.cached_conv(&self.conv_out, Cow::Owned(x))
     }
 }

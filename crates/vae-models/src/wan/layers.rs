@@ -1,8 +1,10 @@
 //! The Wan blocks by diffusers' state-dict names: the causal 3-D conv, the RMS norm, the
 //! residual block and the mid-block attention (`diffusers.models.autoencoders.autoencoder_kl_wan`).
 
+use std::borrow::Cow;
+
 use vae_planner::{ShardAxis, halo_width};
-use vae_tensor::{Conv3dParams, Tensor};
+use vae_tensor::{Conv3dParams, ConvTarget, Tensor};
 
 use super::cache::Pass;
 use crate::Result;
@@ -40,7 +42,14 @@ impl CausalConv3d {
     }
 
     pub(super) fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_haloed(x, cache, [false, false])
+        let cached = cache.filter(|_| 2 * self.pad[0] > 0);
+        let params = self.params(cached, self.spatial_padding());
+        // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
+        // without the concatenation on CUDA.
+        Ok(match cached {
+            Some(c) => x.conv3d_after(c, &self.weight, Some(&self.bias), &params)?,
+            None => x.conv3d(&self.weight, Some(&self.bias), &params)?,
+        })
     }
 
     /// Rows each neighbour must supply along `axis` (the kernel's halo).
@@ -52,6 +61,47 @@ impl CausalConv3d {
     /// along the cut axis; a block's must be the same along both (every Wan kernel is square).
     pub(super) fn band_halo(&self, halo_axes: [bool; 2]) -> Result<usize> {
         square_halo(&self.weight, halo_axes)
+    }
+
+    /// Output channels.
+    pub(super) fn out_channels(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// The layer's own spatial padding, `[top, bottom, left, right]`.
+    pub(super) fn spatial_padding(&self) -> [usize; 4] {
+        let [_, ph, pw] = self.pad;
+        [ph, ph, pw, pw]
+    }
+
+    /// The conv of `x` behind `cache` (laid out as `x`) with the spatial `padding`, computing
+    /// only `target`'s window of the output into its destination: one piece of a band's
+    /// overlapped convolution ([`vae_runtime::ShardContext::conv_with_halo`]).
+    pub(super) fn forward_piece(
+        &self,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        padding: [usize; 4],
+        target: ConvTarget<'_>,
+    ) -> Result<()> {
+        let params = self.params(cache, padding);
+        let cache = cache.filter(|_| 2 * self.pad[0] > 0);
+        Ok(x.conv3d_into(cache, &self.weight, Some(&self.bias), &params, target)?)
+    }
+
+    /// The parameters behind `cache` (which replaces as many front padding frames as it holds)
+    /// with the spatial `padding`.
+    fn params(&self, cache: Option<&Tensor>, [top, bottom, left, right]: [usize; 4]) -> Conv3dParams {
+        let front = match cache {
+            Some(c) => (2 * self.pad[0]).saturating_sub(c.dims()[2]),
+            None => 2 * self.pad[0],
+        };
+        Conv3dParams::new([self.time_stride, 1, 1], [front, 0, top, bottom, left, right]).band_aligned(self.band_align)
+    }
+
+    /// Rows one latent row has become at this conv's resolution (its band alignment).
+    pub(super) fn band_align(&self) -> usize {
+        self.band_align
     }
 
     /// The weight's elements: multiply-adds per output pixel and frame.
@@ -69,29 +119,6 @@ impl CausalConv3d {
     /// The weight's element type.
     pub(super) fn weight_dtype(&self) -> vae_tensor::DType {
         self.weight.dtype()
-    }
-
-    /// [`Self::forward`] for an input (and cache) that already carries its halo rows along the
-    /// axes `halo_axes` marks (height, width), which are not padded again.
-    pub(super) fn forward_haloed(&self, x: &Tensor, cache: Option<&Tensor>, halo_axes: [bool; 2]) -> Result<Tensor> {
-        let mut front = 2 * self.pad[0];
-        let cached = match cache {
-            Some(c) if front > 0 => {
-                front = front.saturating_sub(c.dims()[2]);
-                Some(c)
-            }
-            _ => None,
-        };
-        let [_, ph, pw] = self.pad;
-        let (ph, pw) = (if halo_axes[0] { 0 } else { ph }, if halo_axes[1] { 0 } else { pw });
-        let params =
-            Conv3dParams::new([self.time_stride, 1, 1], [front, 0, ph, ph, pw, pw]).band_aligned(self.band_align);
-        // The cached frames in front of the new ones (diffusers' `torch.cat([cache_x, x], 2)`),
-        // without the concatenation on CUDA.
-        Ok(match cached {
-            Some(c) => x.conv3d_after(c, &self.weight, Some(&self.bias), &params)?,
-            None => x.conv3d(&self.weight, Some(&self.bias), &params)?,
-        })
     }
 }
 
@@ -170,9 +197,9 @@ impl ResidualBlock {
             None => x.clone(),
         };
         let y = self.norm1.forward_silu(x)?;
-        let y = pass.cached_conv(&self.conv1, &y)?;
+        let y = pass.cached_conv(&self.conv1, Cow::Owned(y))?;
         let y = self.norm2.forward_silu(&y)?;
-        let mut y = pass.cached_conv(&self.conv2, &y)?;
+        let mut y = pass.cached_conv(&self.conv2, Cow::Owned(y))?;
         y.add_assign(&h)?;
         Ok(y)
     }

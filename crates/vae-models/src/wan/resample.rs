@@ -1,6 +1,8 @@
 //! `WanResample`: the decoder's spatial / spatio-temporal upsampling and the encoder's
 //! downsampling.
 
+use std::borrow::Cow;
+
 use vae_planner::ShardAxis;
 use vae_tensor::{Conv2dParams, Tensor};
 
@@ -110,16 +112,14 @@ impl Upsample {
                 let [cut_h, cut_w] = ctx.halo_axes();
                 let halo = super::layers::square_halo(self.conv.weight(), [cut_h, cut_w])?;
                 let upsampled = frames.upsample_nearest2d(2)?;
-                let haloed = ctx.with_halo(&upsampled, halo)?;
-                let [top, bottom, left, right] = self.conv.params().padding;
-                let padding = [
-                    if cut_h { 0 } else { top },
-                    if cut_h { 0 } else { bottom },
-                    if cut_w { 0 } else { left },
-                    if cut_w { 0 } else { right },
-                ];
-                let params = Conv2dParams::new(1, padding).band_aligned(self.band_align);
-                self.conv.forward_with(&haloed, &params)?
+                let own = self.conv.params().padding;
+                let cout = self.conv.out_channels();
+                let (up, _) =
+                    ctx.conv_with_halo(Cow::Owned(upsampled), halo, self.band_align, cout, None, &mut |piece| {
+                        let params = Conv2dParams::new(1, piece.padding(own)).band_aligned(self.band_align);
+                        self.conv.forward_into(piece.input, &params, piece.target)
+                    })?;
+                up
             }
         };
         let co = up.dims()[1];
