@@ -69,8 +69,10 @@ pub struct ShardBenchArgs {
     /// Compute threads of each rank (its own pool).
     #[arg(long, default_value_t = 1)]
     threads_per_rank: usize,
-    /// Which runs, comma-separated, in order: `direct`, `shard`, `tile`, `pipeline` (the
-    /// decoder's layers in stages over the ranks, frame by frame).
+    /// Which runs, comma-separated, in order: `direct`, `shard`, `shard-blocking` (the shard
+    /// with each halo exchange made whole before its convolution instead of overlapped with the
+    /// interior), `tile`, `pipeline` (the decoder's layers in stages over the ranks, frame by
+    /// frame).
     #[arg(long, default_value = "direct,shard,tile")]
     runs: String,
     /// `cpu` (default) or `cuda[:N]`: every rank on that one device (on a GPU, each rank queues
@@ -571,6 +573,7 @@ fn timed_local_decode(
     ranks: usize,
     threads: usize,
     options: &RequestOptions,
+    halo_overlap: bool,
 ) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
     // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
@@ -580,7 +583,7 @@ fn timed_local_decode(
         let account = Account::current();
         pool.install(|| {
             let _charged = account.enter();
-            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
+            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?.with_halo_overlap(halo_overlap);
             comm.barrier()?;
             let started = Instant::now();
             let out = engine.decode(&executor, latent, options)?;
@@ -630,18 +633,20 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     for name in args.runs.split(',').map(str::trim) {
         let (ranks, options) = match name {
             "direct" => (1, RequestOptions { use_tiling: false, ..RequestOptions::default() }),
-            "shard" => (args.ranks, RequestOptions { mode, ..RequestOptions::default() }),
+            "shard" | "shard-blocking" => (args.ranks, RequestOptions { mode, ..RequestOptions::default() }),
             "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
             "pipeline" => (args.ranks, RequestOptions { mode: ParallelMode::Pipeline, ..RequestOptions::default() }),
-            other => anyhow::bail!("unknown run {other:?} (direct, shard, tile or pipeline)"),
+            other => anyhow::bail!("unknown run {other:?} (direct, shard, shard-blocking, tile or pipeline)"),
         };
+        let overlap = name != "shard-blocking";
         eprintln!("running {name} on {ranks} rank(s) x {} thread(s) on {device}...", args.threads_per_rank);
         if !device.is_cpu() {
             // Untimed: the first decode of a shape on a GPU also grows the memory pool and, on
             // the first run, loads the kernels.
-            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options)?;
+            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options, overlap)?;
         }
-        let (seconds, output, reports) = timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options)?;
+        let (seconds, output, reports) =
+            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options, overlap)?;
         runs.push(ShardRun { name: name.to_string(), ranks, seconds, output, reports });
     }
     let direct = runs.iter().find(|r| r.name == "direct");
@@ -653,13 +658,14 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         .map(|run| {
             let peak = run.reports.iter().map(rank_peak).max().unwrap_or(0);
             let sent: u64 = run.reports.iter().map(|r| r.traffic.bytes_sent()).sum();
-            let (halo_sent, halo_reused, map_sent, halo_ms) =
-                run.reports.iter().fold((0, 0, 0, 0.0), |acc, r| match &r.strategy {
+            let (halo_sent, halo_reused, map_sent, halo_ms, wait_ms) =
+                run.reports.iter().fold((0, 0, 0, 0.0, 0.0), |acc, r| match &r.strategy {
                     StrategyReport::Shard { traffic, .. } | StrategyReport::Blocks { traffic, .. } => (
                         acc.0 + traffic.halo_bytes_sent,
                         acc.1 + traffic.halo_bytes_reused,
                         acc.2 + traffic.map_bytes_sent,
                         f64::max(acc.3, traffic.comm_time().as_secs_f64() * 1e3),
+                        f64::max(acc.4, traffic.halo_wait.as_secs_f64() * 1e3),
                     ),
                     // A pipeline's hand-overs (waiting included) are in its per-stage lines.
                     StrategyReport::Pipeline(_) | StrategyReport::Tile => acc,
@@ -708,6 +714,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
                 "halo_bytes_reused_all_ranks": halo_reused,
                 "map_bytes_sent_all_ranks": map_sent,
                 "max_rank_comm_ms": halo_ms,
+                "max_rank_halo_wait_ms": wait_ms,
                 "max_abs_diff_vs_direct": diff,
                 "bit_identical_to_direct": identical,
             })
@@ -731,7 +738,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         args.threads_per_rank
     );
     println!(
-        "{:<7} {:>5}  {:<13} {:>9} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10}  {:>9}",
+        "{:<14} {:>5}  {:<13} {:>9} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10} {:>10}  {:>9}",
         "run",
         "ranks",
         "strategy",
@@ -743,12 +750,13 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         "halo sent",
         "halo saved",
         "comm ms",
+        "halo wait",
         "max diff"
     );
     for row in &rows {
         let opt = |k: &str, f: &dyn Fn(f64) -> String| row[k].as_f64().map_or_else(|| "-".to_string(), f);
         println!(
-            "{:<7} {:>5}  {:<13} {:>9.2} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10.1}  {:>9}",
+            "{:<14} {:>5}  {:<13} {:>9.2} {:>8}  {:>11} {:>7}  {:>11} {:>11} {:>11} {:>10.1} {:>10.1}  {:>9}",
             row["run"].as_str().unwrap_or(""),
             row["ranks"],
             row["strategy"].as_str().unwrap_or(""),
@@ -760,6 +768,7 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
             human_bytes(row["halo_bytes_sent_all_ranks"].as_u64().unwrap_or(0)),
             human_bytes(row["halo_bytes_reused_all_ranks"].as_u64().unwrap_or(0)),
             row["max_rank_comm_ms"].as_f64().unwrap_or(0.0),
+            row["max_rank_halo_wait_ms"].as_f64().unwrap_or(0.0),
             opt("max_abs_diff_vs_direct", &|v| format!("{v:.1e}")),
         );
     }

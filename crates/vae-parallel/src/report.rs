@@ -63,6 +63,14 @@ pub struct RankSummary {
     /// Shard mode: halo exchanges made.
     #[serde(default)]
     pub halo_exchanges: u64,
+    /// Shard mode: of those, the exchanges that ran while the convolution's interior was
+    /// computed.
+    #[serde(default)]
+    pub halo_overlapped: u64,
+    /// Shard mode: milliseconds the computation was blocked waiting for its neighbours' halos
+    /// (part of `phase_ms.halo`).
+    #[serde(default)]
+    pub halo_wait_ms: f64,
     /// Shard mode: bytes sent to assemble full maps (attention).
     #[serde(default)]
     pub map_bytes_sent: u64,
@@ -183,6 +191,8 @@ impl From<&RankReport> for RankSummary {
             },
             halo_bytes_sent: shard_traffic(r).map_or(0, |t| t.halo_bytes_sent),
             halo_exchanges: shard_traffic(r).map_or(0, |t| t.halo_exchanges),
+            halo_overlapped: shard_traffic(r).map_or(0, |t| t.halo_overlapped),
+            halo_wait_ms: shard_traffic(r).map_or(0.0, |t| ms(t.halo_wait)),
             map_bytes_sent: shard_traffic(r).map_or(0, |t| t.map_bytes_sent),
             norm_bytes_sent: shard_traffic(r).map_or(0, |t| t.norm_bytes_sent),
             norm_exchanges: shard_traffic(r).map_or(0, |t| t.norm_exchanges),

@@ -216,6 +216,8 @@ mod tests {
             pipeline: None,
             halo_bytes_sent: 0,
             halo_exchanges: 0,
+            halo_overlapped: 0,
+            halo_wait_ms: 0.0,
             map_bytes_sent: 0,
             norm_bytes_sent: 0,
             norm_exchanges: 0,

@@ -20,6 +20,10 @@ pub enum StepKind {
         /// Whether the layer lets go of its input once a part's halo'd copy exists (otherwise
         /// both live through the convolution).
         owned: bool,
+        /// Whether a part overlaps the exchange with its interior (stride 1 on the CPU:
+        /// `ShardContext::conv_with_halo`), which makes no halo'd copy of the part and hides
+        /// the messages behind the interior's compute.
+        overlapped: bool,
     },
     /// A normalisation (then, usually, SiLU) into a new map. `grouped`: GroupNorm, whose
     /// statistics span the whole map (one small all-reduce in a shard); otherwise per pixel.
@@ -216,20 +220,22 @@ impl NetworkBuilder {
     /// A same-size convolution of kernel `[kt, k, k]` to `out_channels`, with band alignment
     /// `align` (see [`StepKind::Conv`]).
     pub fn conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        self.push(StepKind::Conv { kernel, align: align_class(align), owned: true }, out_channels, self.dims, resident)
+        let kind = StepKind::Conv { kernel, align: align_class(align), owned: true, overlapped: true };
+        self.push(kind, out_channels, self.dims, resident)
     }
 
     /// [`Self::conv`] by a layer that keeps its input alive through the convolution (a part's
     /// halo'd copy lives beside it).
     pub fn conv_keeping(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        let kind = StepKind::Conv { kernel, align: align_class(align), owned: false };
+        let kind = StepKind::Conv { kernel, align: align_class(align), owned: false, overlapped: true };
         self.push(kind, out_channels, self.dims, resident)
     }
 
     /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
     pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
         let [t, h, w] = self.dims;
-        self.push(StepKind::Conv { kernel: [1, 3, 3], align: 1, owned: true }, out_channels, [t, h / 2, w / 2], 0)
+        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, owned: true, overlapped: false };
+        self.push(kind, out_channels, [t, h / 2, w / 2], 0)
     }
 
     /// A nearest 2× upsampling of rows and columns into a new map.

@@ -343,7 +343,7 @@ fn step_cost(
     let resident = step.resident as f64 * fh * fw;
     let whole_input = step.input_elems() as f64;
     match step.kind {
-        StepKind::Conv { kernel, align, owned } => {
+        StepKind::Conv { kernel, align, owned, overlapped } => {
             let [hh, hw] = step.halo().map(|h| h as f64);
             let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
             let c = step.in_channels as f64;
@@ -363,14 +363,24 @@ fn step_cost(
                 _ => kernel.iter().product::<usize>() as f64,
             };
             let packed = (step.in_channels * step.out_channels) as f64 * taps * 4.0;
+            let scratch = packed + profile.conv_scratch_bytes as f64;
+            let compute_s = macs / (rate * speed);
+            if overlapped || !exchanges {
+                // The interior is computed straight from the input into the output while the
+                // rows travel; the edges from small copies: the input and the output live
+                // together, and the messages cost what outlasts the interior.
+                let comm_s = if exchanges { (profile.message_s(halo) - compute_s).max(0.0) } else { 0.0 };
+                let live_bytes = (input + output + resident) * bytes + scratch;
+                return StepCost { compute_s, comm_s, live_bytes, received_bytes: halo };
+            }
             // While the copy is made, the input is alive beside it (and after, unless the layer
             // lets it go).
-            let copying = if exchanges { with_halo + input } else { 0.0 };
-            let kept = if exchanges && !owned { input } else { 0.0 };
-            let computing = (with_halo + kept + output) * bytes + packed + profile.conv_scratch_bytes as f64;
+            let copying = with_halo + input;
+            let kept = if owned { 0.0 } else { input };
+            let computing = (with_halo + kept + output) * bytes + scratch;
             StepCost {
-                compute_s: macs / (rate * speed),
-                comm_s: if exchanges { profile.message_s(halo) } else { 0.0 },
+                compute_s,
+                comm_s: profile.message_s(halo),
                 live_bytes: (copying * bytes).max(computing) + resident * bytes,
                 received_bytes: halo,
             }
