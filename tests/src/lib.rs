@@ -221,7 +221,8 @@ impl vae_runtime::FrameSink for DiscardFrames {
 }
 
 /// Asserts that a streamed request's tensor peak on every one of 2 local ranks grows by at most
-/// 10 % from 2 to 16 latent frames (Wan2.1's 16 channels, `hw` latent pixels): `run` makes the
+/// 10 % from 2 to 16 latent frames, beyond the growth of the latent itself, which a rank holds
+/// its part of (Wan2.1's 16 channels, `hw` latent pixels): `run` makes the
 /// request on one rank, the owner's sink (`Some` on rank 0) keeping nothing, and returns that
 /// rank's report.
 pub fn assert_streamed_peaks_flat<F>(hw: [usize; 2], seed: u64, run: F)
@@ -245,7 +246,11 @@ where
         results.into_iter().map(|r| r.unwrap()).collect()
     };
     let (short, long) = (peaks(2), peaks(16));
+    let latent_growth = (16 - 2) * 16 * hw[0] * hw[1] * std::mem::size_of::<f32>();
     for (rank, (s, l)) in short.iter().zip(&long).enumerate() {
-        assert!(*l as f64 <= 1.10 * *s as f64, "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2");
+        assert!(
+            *l as f64 <= 1.10 * *s as f64 + latent_growth as f64,
+            "rank {rank}: peak {l} B for 16 latent frames, {s} B for 2 (the latent grows by {latent_growth} B)"
+        );
     }
 }

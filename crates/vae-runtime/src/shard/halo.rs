@@ -185,8 +185,8 @@ impl ShardContext<'_> {
             let target = ConvTarget { window, dest: out, at: [0, 0] };
             conv(HaloPiece { input, cut, cut_padding: [0; 4], window: HaloWindow::whole(extent), target })
         };
-        let pieces =
-            output_pieces(lens, halos, self.neighbours(), align).filter(|_| self.overlap && x.device().is_cpu());
+        let pieces = output_pieces(lens, halos, self.neighbours(), align)
+            .filter(|_| self.overlap && x.device().is_cpu() && vae_tensor::conv_windows_in_place());
         if halo == 0 {
             let kept = kept_of(&x)?;
             whole(&x, &mut out)?;
@@ -227,29 +227,47 @@ impl ShardContext<'_> {
                 Ok((assemble(&x, &meet, &[(&x, exchange.origin.as_slice())])?, offset))
             })
             .collect::<Result<Vec<(Tensor, Vec<usize>)>, RuntimeError>>()?;
-        let own_kept = kept_of(&x)?;
         let (device, dtype) = (x.device(), x.dtype());
         let packing = clock.elapsed();
 
         // The interior, straight from the part: padded with the halo's extent along the cut axes
-        // (zeros, which only the rows at a global edge read, as they should).
+        // (zeros, which only the rows at a global edge read, as they should). The helper
+        // thread's buffers count toward this rank's memory.
         let this = &*self;
-        let (interior_done, exchanged, waited) = std::thread::scope(|s| {
-            let helper = s.spawn(|| this.swap((&device, dtype), legs));
+        let account = vae_tensor::memory::Account::current();
+        let (interior_done, own_kept, exchanged, waited) = std::thread::scope(|s| {
+            let helper = std::thread::Builder::new().name("vae-halo".into()).spawn_scoped(s, move || {
+                let _charged = account.enter();
+                this.swap((&device, dtype), legs)
+            });
+            let helper = match helper {
+                Ok(helper) => helper,
+                Err(e) => {
+                    let failed = RuntimeError::Protocol(format!("could not start the halo exchange's thread: {e}"));
+                    return (Ok(()), Ok(None), Err(failed), Duration::ZERO);
+                }
+            };
             let center = HaloWindow { spatial: [0, 1].map(|k| halos[k]..halos[k] + lens[k]), extent };
             let [ph, pw] = halos;
             let target =
                 ConvTarget { window: interior.clone(), dest: &mut out, at: [interior[0].start, interior[1].start] };
             let done = conv(HaloPiece { input: &x, cut, cut_padding: [ph, ph, pw, pw], window: center, target });
-            drop(x);
+            // The kept slice of this rank's part: the part itself where it is all of it.
+            let own_kept = match &keep {
+                Some((dim, range)) if range.start == 0 && x.dims().get(*dim) == Some(&range.len()) => {
+                    Ok(Some(x.into_owned()))
+                }
+                _ => kept_of(&x),
+            };
             let waiting = Instant::now();
             let exchanged = helper
                 .join()
                 .unwrap_or_else(|_| Err(RuntimeError::Protocol("the halo exchange's thread panicked".into())));
-            (done, exchanged, waiting.elapsed())
+            (done, own_kept, exchanged, waiting.elapsed())
         });
         interior_done?;
         let (received, sent) = exchanged?;
+        let own_kept = own_kept?;
 
         let placing = Instant::now();
         let mut sources: Vec<(&Tensor, &[usize])> = strips.iter().map(|(t, at)| (t, at.as_slice())).collect();

@@ -277,7 +277,8 @@ impl<'c> ShardContext<'c> {
 
     /// This rank's band (or block) of the input.
     pub fn local_input(&self, input: &Tensor) -> Result<Tensor, RuntimeError> {
-        let mut local = input.clone();
+        // Borrowed until the first cut: a clone of the whole input would be a copy.
+        let mut local = std::borrow::Cow::Borrowed(input);
         for (axis, band, extent) in self.parts() {
             let dim = self.dim_of(input, axis)?;
             if input.dims()[dim] != extent * self.unit {
@@ -287,9 +288,9 @@ impl<'c> ShardContext<'c> {
                     extent * self.unit
                 )));
             }
-            local = local.narrow(dim, band.start * self.unit, band.len() * self.unit)?;
+            local = std::borrow::Cow::Owned(local.narrow(dim, band.start * self.unit, band.len() * self.unit)?);
         }
-        Ok(local)
+        Ok(local.into_owned())
     }
 
     /// Where every rank's part of a map lies, given `x`, this rank's part: per rank, its dims
@@ -462,8 +463,11 @@ impl<'c> ShardContext<'c> {
                 if t.dims() != dims.as_slice() {
                     return Err(mismatch(peer, format!("rows {dims:?}, got {}", t.shape())));
                 }
+                // Converted only where needed: `to_device` and `to_dtype` copy even when nothing
+                // changes.
                 let t = if t.device() == *device { t } else { t.to_device(device)? };
-                received.push((peer, t.to_dtype(dtype)?));
+                let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype)? };
+                received.push((peer, t));
             }
             return Ok((received, sent));
         }

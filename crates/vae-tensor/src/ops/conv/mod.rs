@@ -117,6 +117,18 @@ pub struct ConvTarget<'a> {
     pub at: [usize; 2],
 }
 
+/// Whether [`Tensor::conv2d_into`] and [`Tensor::conv3d_into`] compute on this thread only the
+/// window they are given. `false` while bf16 products run on a CPU with AMX
+/// ([`crate::CpuBf16Scope`]): the AMX kernel computes whole outputs, so a window costs the whole
+/// convolution and a temporary output beside the destination.
+pub fn conv_windows_in_place() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::device::cpu_bf16_active() && amx::supported() {
+        return false;
+    }
+    true
+}
+
 impl ConvTarget<'_> {
     /// Whether the target is an empty destination taking the whole output of `dims`.
     pub(crate) fn takes_whole(&self, dims: &[usize]) -> bool {
@@ -135,12 +147,13 @@ impl ConvTarget<'_> {
         }
         let [rows, cols] = &self.window;
         let (ho, wo) = (dims[rank - 2], dims[rank - 1]);
+        let within = |at: usize, len: usize, extent: usize| at.checked_add(len).is_some_and(|end| end <= extent);
         let fits = rows.start <= rows.end
             && cols.start <= cols.end
             && rows.end <= ho
             && cols.end <= wo
-            && self.at[0] + rows.len() <= d[rank - 2]
-            && self.at[1] + cols.len() <= d[rank - 1];
+            && within(self.at[0], rows.len(), d[rank - 2])
+            && within(self.at[1], cols.len(), d[rank - 1]);
         if !fits {
             return Err(invalid(format!(
                 "window {:?} at {:?} of an output {ho} x {wo} into {}",
@@ -149,7 +162,12 @@ impl ConvTarget<'_> {
                 self.dest.shape()
             )));
         }
-        if !rows.start.is_multiple_of(band_align) || !cols.start.is_multiple_of(band_align) {
+        // Cuts on the band alignment: a window starts on it and ends on it or at the output's
+        // edge, so the Winograd tiles it computes are the whole output's.
+        let on_grid = |r: &Range<usize>, extent: usize| {
+            r.start.is_multiple_of(band_align) && (r.end == extent || r.end.is_multiple_of(band_align))
+        };
+        if !on_grid(rows, ho) || !on_grid(cols, wo) {
             return Err(invalid(format!("a window {:?} off the band alignment {band_align}", self.window)));
         }
         Ok(OutWindow { rows: rows.clone(), cols: cols.clone(), dest: [d[rank - 2], d[rank - 1]], at: self.at })
@@ -180,14 +198,14 @@ impl Tensor {
     ) -> Result<()> {
         const OP: &str = "conv2d_into";
         if target.dest.elem_count() == 0 {
-            let whole = self.conv2d(weight, bias, params)?;
-            if !target.takes_whole(whole.dims()) {
+            let [n, _, _, _, cout, _, _, ho, wo] = self.conv2d_geometry(weight, bias, params, false)?;
+            if !target.takes_whole(&[n, cout, ho, wo]) {
                 return Err(TensorError::InvalidArgument {
                     op: OP,
-                    reason: format!("an empty destination for the window {:?} of {}", target.window, whole.shape()),
+                    reason: format!("an empty destination for the window {:?} of {ho} x {wo}", target.window),
                 });
             }
-            *target.dest = whole;
+            *target.dest = self.conv2d(weight, bias, params)?;
             return Ok(());
         }
         if self.cuda().is_some() {
@@ -622,8 +640,15 @@ mod tests {
         let target = ConvTarget { window: [0..4, 0..16], dest: &mut empty, at: [0, 0] };
         assert!(matches!(x.conv2d_into(&w, Some(&b), &params, target), Err(TensorError::InvalidArgument { .. })));
         let mut dest = Tensor::zeros(vec![2, 8, 12, 16], crate::DType::F32, &dev).unwrap();
-        for window in [[2..12, 0..16], [0..13, 0..16], [0..12, 4..17]] {
-            let target = ConvTarget { window, dest: &mut dest, at: [0, 0] };
+        // Off the alignment at either end, outside the output, or placed past the destination.
+        for (window, at) in [
+            ([2..12, 0..16], [0, 0]),
+            ([4..10, 0..16], [0, 0]),
+            ([0..13, 0..16], [0, 0]),
+            ([0..12, 4..17], [0, 0]),
+            ([0..4, 0..16], [usize::MAX, 0]),
+        ] {
+            let target = ConvTarget { window, dest: &mut dest, at };
             assert!(matches!(x.conv2d_into(&w, Some(&b), &params, target), Err(TensorError::InvalidArgument { .. })));
         }
     }
