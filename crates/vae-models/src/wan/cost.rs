@@ -50,10 +50,10 @@ impl Walk {
         (self.b.channels() * frames * h * w) as u64
     }
 
-    /// A causal conv fed through the cache; the layer keeps its input.
+    /// A causal conv fed through the cache.
     fn cached_conv(&mut self, out: usize, kernel: [usize; 3], align: usize, resident: u64) {
         let cache = self.cache_of_input();
-        self.b.conv_keeping(out, kernel, align, resident + self.carried());
+        self.b.conv(out, kernel, align, resident + self.carried());
         self.write_cache(cache);
     }
 
@@ -65,7 +65,7 @@ impl Walk {
         // The shortcut's map: the 1×1×1 conv's output, or a copy of the input (`x.clone()`).
         let shortcut;
         if cin != out {
-            self.b.conv_keeping(out, [1, 1, 1], 1, self.carried());
+            self.b.conv(out, [1, 1, 1], 1, self.carried());
             shortcut = self.b.map_elems();
             self.b.restart(cin, dims);
         } else {
@@ -96,7 +96,7 @@ impl Walk {
                 // The first chunk only marks the slot.
                 self.write_cache(0);
             } else {
-                self.b.conv_keeping(2 * c, [3, 1, 1], 1, self.carried());
+                self.b.conv(2 * c, [3, 1, 1], 1, self.carried());
                 self.write_cache(cache);
                 self.b.push(StepKind::Elementwise { in_place: false }, c, [2 * t, h, w], before + self.carried());
             }
@@ -143,7 +143,7 @@ impl Walk {
 fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
     let b = NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch);
     let mut walk = Walk { b, previous: Vec::new(), current: Vec::new(), caches: 0, decoded: 0, first: true };
-    walk.b.conv_keeping(c.z_dim, [1, 1, 1], 1, 0);
+    walk.b.conv(c.z_dim, [1, 1, 1], 1, 0);
     for i in 0..frames {
         walk.first = i == 0;
         walk.b.restart(c.z_dim, [1, h, w]);

@@ -9,17 +9,14 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
     /// A convolution with a `[frames, rows, columns]` kernel. A part of the map takes
-    /// `kernel / 2` rows (columns) from each neighbour first, and the convolution pads a copy
-    /// of its input.
+    /// `kernel / 2` rows (columns) from each neighbour: overlapped with the interior, or first,
+    /// into a copy of its input (see `overlapped`).
     Conv {
         /// Kernel extent along frames, rows and columns.
         kernel: [usize; 3],
         /// The rows one latent row spans where it runs (its band alignment: 1, 2, or 4 and
         /// more), which decides its algorithm on the CPU (direct, Winograd F(2×2), F(4×4)).
         align: usize,
-        /// Whether the layer lets go of its input once a part's halo'd copy exists (otherwise
-        /// both live through the convolution).
-        owned: bool,
         /// Whether a part overlaps the exchange with its interior (stride 1 on the CPU:
         /// `ShardContext::conv_with_halo`), which makes no halo'd copy of the part and hides
         /// the messages behind the interior's compute.
@@ -220,21 +217,14 @@ impl NetworkBuilder {
     /// A same-size convolution of kernel `[kt, k, k]` to `out_channels`, with band alignment
     /// `align` (see [`StepKind::Conv`]).
     pub fn conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        let kind = StepKind::Conv { kernel, align: align_class(align), owned: true, overlapped: true };
-        self.push(kind, out_channels, self.dims, resident)
-    }
-
-    /// [`Self::conv`] by a layer that keeps its input alive through the convolution (a part's
-    /// halo'd copy lives beside it).
-    pub fn conv_keeping(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        let kind = StepKind::Conv { kernel, align: align_class(align), owned: false, overlapped: true };
+        let kind = StepKind::Conv { kernel, align: align_class(align), overlapped: true };
         self.push(kind, out_channels, self.dims, resident)
     }
 
     /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
     pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
         let [t, h, w] = self.dims;
-        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, owned: true, overlapped: false };
+        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false };
         self.push(kind, out_channels, [t, h / 2, w / 2], 0)
     }
 

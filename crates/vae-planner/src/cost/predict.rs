@@ -343,7 +343,7 @@ fn step_cost(
     let resident = step.resident as f64 * fh * fw;
     let whole_input = step.input_elems() as f64;
     match step.kind {
-        StepKind::Conv { kernel, align, owned, overlapped } => {
+        StepKind::Conv { kernel, align, overlapped } => {
             let [hh, hw] = step.halo().map(|h| h as f64);
             let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
             let c = step.in_channels as f64;
@@ -373,11 +373,9 @@ fn step_cost(
                 let live_bytes = (input + output + resident) * bytes + scratch;
                 return StepCost { compute_s, comm_s, live_bytes, received_bytes: halo };
             }
-            // While the copy is made, the input is alive beside it (and after, unless the layer
-            // lets it go).
+            // While the copy is made, the input is alive beside it; the layer lets it go then.
             let copying = with_halo + input;
-            let kept = if owned { 0.0 } else { input };
-            let computing = (with_halo + kept + output) * bytes + scratch;
+            let computing = (with_halo + output) * bytes + scratch;
             StepCost {
                 compute_s,
                 comm_s: profile.message_s(halo),

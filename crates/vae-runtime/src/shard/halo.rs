@@ -105,6 +105,11 @@ struct Exchange {
 }
 
 impl Exchange {
+    /// The whole haloed part, as a range per dimension.
+    fn whole(&self) -> Vec<Range<usize>> {
+        self.dims.iter().map(|&d| 0..d).collect()
+    }
+
     /// Where `peer`'s piece lands.
     fn place(&self, peer: usize) -> Result<&[usize], RuntimeError> {
         self.places
@@ -138,7 +143,7 @@ impl ShardContext<'_> {
         for (peer, piece) in &received {
             sources.push((piece, exchange.place(*peer)?));
         }
-        let whole: Vec<Range<usize>> = exchange.dims.iter().map(|&d| 0..d).collect();
+        let whole = exchange.whole();
         let padded = assemble(x, &whole, &sources)?;
         self.record_halo(sent, clock.elapsed(), waited, false);
         Ok(padded)
@@ -210,7 +215,7 @@ impl ShardContext<'_> {
         // The haloed input a piece of the output reads: every dimension, and as a window.
         let input_of = |piece: &[Range<usize>; 2]| {
             let spatial = [0, 1].map(|i| piece[i].start..piece[i].end + 2 * halos[i]);
-            let mut window: Vec<Range<usize>> = exchange.dims.iter().map(|&d| 0..d).collect();
+            let mut window = exchange.whole();
             window[hw[0]] = spatial[0].clone();
             window[hw[1]] = spatial[1].clone();
             (window, HaloWindow { spatial, extent })
@@ -295,7 +300,7 @@ impl ShardContext<'_> {
                     .collect::<Result<Vec<_>, RuntimeError>>()?;
                 let mut sources = vec![(&own_kept, exchange.origin.as_slice())];
                 sources.extend(cut.iter().map(|(t, at)| (t, *at)));
-                let mut window: Vec<Range<usize>> = exchange.dims.iter().map(|&d| 0..d).collect();
+                let mut window = exchange.whole();
                 window[*dim] = 0..range.len();
                 Some(assemble(&own_kept, &window, &sources)?)
             }

@@ -211,9 +211,34 @@ impl Tensor {
         if self.cuda().is_some() {
             return Err(TensorError::InvalidArgument { op: OP, reason: "the CPU only".into() });
         }
-        let [n, cin, h, w, cout, kh, kw, ho, wo] = self.conv2d_geometry(weight, bias, params, false)?;
+        let geometry = self.conv2d_geometry(weight, bias, params, false)?;
+        let [n, _, _, _, cout, _, _, ho, wo] = geometry;
         let window = target.window_of(OP, &[n, cout, ho, wo], params.band_align)?;
-        let job = ConvJob {
+        let job = self.cpu_conv2d_job(weight, bias, params, geometry, false, window)?;
+        job.run_into(simd::isa(), target.dest.as_mut_slice_f32()?)
+    }
+
+    /// `self.upsample_nearest2d(2)?.conv2d(weight, bias, params)` (diffusers' `Upsample2D`), the
+    /// same bits, without the 4× map where the kernel can read the input as if upsampled: bf16
+    /// convolutions on AMX (stride 1, `Cin` a multiple of 32) repeat each row and column while
+    /// they pack the input into tiles. Elsewhere the upsampled map is made first.
+    pub fn upsample2x_conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv2dParams) -> Result<Tensor> {
+        self.conv2d_of(weight, bias, params, true)
+    }
+
+    /// The CPU job of a 2-D convolution of `self` with the checked `geometry`
+    /// ([`Self::conv2d_geometry`]), reading `self` upsampled 2× with `upsample`, computing
+    /// `window` of the output.
+    fn cpu_conv2d_job<'a>(
+        &'a self,
+        weight: &'a Tensor,
+        bias: Option<&'a Tensor>,
+        params: &Conv2dParams,
+        [n, cin, h, w, cout, kh, kw, ho, wo]: [usize; 9],
+        upsample: bool,
+        window: OutWindow,
+    ) -> Result<ConvJob<'a>> {
+        Ok(ConvJob {
             frames: Frames { parts: [&[], self.as_slice_f32()?], part_t: [0, 1], n, cin, h, w },
             weight: weight.as_slice_f32()?,
             bias: bias.map(|b| b.as_slice_f32()).transpose()?,
@@ -225,18 +250,9 @@ impl Tensor {
             out: [1, ho, wo],
             band_align: params.band_align,
             bf16: crate::device::cpu_bf16_active(),
-            upsample: false,
+            upsample,
             window,
-        };
-        job.run_into(simd::isa(), target.dest.as_mut_slice_f32()?)
-    }
-
-    /// `self.upsample_nearest2d(2)?.conv2d(weight, bias, params)` (diffusers' `Upsample2D`), the
-    /// same bits, without the 4× map where the kernel can read the input as if upsampled: bf16
-    /// convolutions on AMX (stride 1, `Cin` a multiple of 32) repeat each row and column while
-    /// they pack the input into tiles. Elsewhere the upsampled map is made first.
-    pub fn upsample2x_conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: &Conv2dParams) -> Result<Tensor> {
-        self.conv2d_of(weight, bias, params, true)
+        })
     }
 
     /// The checked geometry of a 2-D convolution of `self` (upsampled 2× first with
@@ -330,21 +346,8 @@ impl Tensor {
             let _ = (bottom, right); // implied by the output extents
             return Ok(Tensor::from_cuda(x.conv3d(None, wt, b, g)?, Shape::new([n, cout, ho, wo])));
         }
-        let job = ConvJob {
-            frames: Frames { parts: [&[], self.as_slice_f32()?], part_t: [0, 1], n, cin, h: h0, w: w0 },
-            weight: weight.as_slice_f32()?,
-            bias: bias.map(|b| b.as_slice_f32()).transpose()?,
-            cout,
-            kernel: [1, kh, kw],
-            stride: [1, s],
-            pad_front: 0,
-            padding: params.padding,
-            out: [1, ho, wo],
-            band_align: params.band_align,
-            bf16: crate::device::cpu_bf16_active(),
-            upsample,
-            window: OutWindow::whole(ho, wo),
-        };
+        let geometry = [n, cin, h0, w0, cout, kh, kw, ho, wo];
+        let job = self.cpu_conv2d_job(weight, bias, params, geometry, upsample, OutWindow::whole(ho, wo))?;
         #[cfg(target_arch = "x86_64")]
         let fused = amx_direct::applies(&job);
         #[cfg(not(target_arch = "x86_64"))]
