@@ -215,9 +215,11 @@ fn a_parallel_size_larger_than_the_group_is_clamped() {
     assert!(matches!(zero[0].as_ref().unwrap(), Err(RuntimeError::Config(_))));
 }
 
+/// A merge that gathers every tile deals them by LPT, heaviest first.
 #[test]
 fn lpt_puts_the_big_tiles_first() {
-    let op = small_op();
+    // Not a stitch: every tile is gathered, then merged once.
+    let op = Failing::new(small_op());
     // Rows and columns start at 0, 6, 12: extents 8, 8, 2, so areas
     // [64, 64, 16, 64, 64, 16, 16, 16, 4] in tile order.
     let x = input(&[1, 1, 14, 14], 1);
@@ -226,6 +228,52 @@ fn lpt_puts_the_big_tiles_first() {
     assert_eq!(reports[0].tiles, vec![0, 3, 2, 6, 8]);
     assert_eq!(reports[1].tiles, vec![1, 4, 5, 7]);
     assert_eq!((reports[0].workload, reports[1].workload), (164, 160));
+}
+
+/// A stitch merged by edges deals the tiles round-robin in row-major order, so that each
+/// tile's upper and left neighbours are computed in its round or before; each rank sends the
+/// owner only its tiles' kept parts, which together are the output: nothing overlaps.
+#[test]
+fn a_stitch_merged_by_edges_deals_row_major_and_gathers_only_the_output() {
+    let op = small_op();
+    let x = input(&[1, 1, 14, 14], 1);
+    let reference = serial_reference(&op, &x);
+    let results = run(2, 2, &op, &x, OutputPlacement::OwnerOnly);
+    let outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(outs[0].report.tiles, vec![0, 2, 4, 6, 8]);
+    assert_eq!(outs[1].report.tiles, vec![1, 3, 5, 7]);
+    assert_eq!((outs[0].report.workload, outs[1].report.workload), (164, 160));
+    assert!(outs[0].tensor.as_ref().unwrap().bit_eq(&reference));
+    // Rank 1's kept parts, in latent pixels: tiles 1 and 3 keep 6 × 6, tile 5 keeps 6 × 2 and
+    // tile 7 2 × 6 (16 output pixels per latent pixel, 4 bytes each); the rest of the gathers
+    // is the per-round summaries. Whole tiles would be 8 × 8, 8 × 8, 8 × 2 and 2 × 8.
+    let kept = (6 * 6 + 6 * 6 + 6 * 2 + 2 * 6) * 16 * 4;
+    let sent = outs[1].report.traffic.gather.bytes_sent as usize;
+    assert!(sent >= kept && sent < kept + 1024, "rank 1 gathered {sent} bytes, its kept parts are {kept}");
+    assert!(outs[1].report.traffic.bytes_received() > 0, "the edges of rank 0's tiles reach rank 1");
+}
+
+/// Where a blend ramp reaches past half a tile, a tile's blended edge depends on a chain of
+/// earlier tiles, so the ranks send whole tiles (dealt by LPT) and the owner stitches them in
+/// diffusers' order: the same bits either way.
+#[test]
+fn an_overlap_past_half_a_tile_is_stitched_whole_on_the_owner() {
+    let op = SyntheticDecoder { tile: 8, stride: 3, scale: 2, ..SyntheticDecoder::default() };
+    let x = input(&[1, 2, 17, 13], 3);
+    let reference = serial_reference(&op, &x);
+    for ranks in [2, 3] {
+        let results = run(ranks, ranks, &op, &x, OutputPlacement::OwnerOnly);
+        let outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+        assert!(outs[0].tensor.as_ref().unwrap().bit_eq(&reference), "{ranks} ranks");
+        // Dealt by LPT, not round-robin.
+        let round_robin: Vec<usize> = (0..outs[0].report.tile_count).step_by(ranks).collect();
+        assert_ne!(outs[0].report.tiles, round_robin);
+        // Whole tiles, overlapping by more than half, reach the owner: the other ranks alone
+        // send more than the whole output's bytes.
+        let sent: u64 = outs[1..].iter().map(|o| o.report.traffic.gather.bytes_sent).sum();
+        let output_bytes = (17 * 2 * 13 * 2 * 2 * 4) as u64;
+        assert!(sent > output_bytes, "{sent} bytes sent, the output has {output_bytes}");
+    }
 }
 
 /// Wraps an operator and makes one stage fail, by error or by panic.
@@ -453,8 +501,9 @@ fn a_rank_that_dies_mid_request_fails_the_others_naming_it() {
     }
 }
 
-/// Tiles stitched as they arrive: a rank other than the owner holds one tile output at a time,
-/// so the most it holds does not grow with the image (16 tiles or 169), and the owner holds the
+/// Tiles merged as they are computed: a rank other than the owner holds one tile output at a
+/// time and the edges of its next tiles, so what it holds grows with the image's width (its
+/// share of one row of blend edges), not with its area (16 tiles or 169); the owner holds the
 /// output plus a working set of a few tiles and one row of blend edges. The whole-map merge,
 /// which keeps every tile until one gather, is the contrast that shows the accounting sees them.
 #[test]
@@ -471,14 +520,15 @@ fn stitched_tiles_keep_a_non_owner_ranks_memory_flat_in_the_image_size() {
     let (small, large) = (input(&[1, 1, 20, 20], 4), input(&[1, 1, 80, 80], 4));
     let (s, l) = (held(&small, true), held(&large, true));
     assert!(l[1].1 > 4 * s[1].1, "the large image has many more tiles: {s:?} {l:?}");
-    let (small_peak, large_peak) = (s[1].0 as f64, l[1].0 as f64);
-    assert!(
-        (0.9 * small_peak..=1.1 * small_peak).contains(&large_peak),
-        "a non-owner rank's peak is one tile's work, whatever the image: {s:?} {l:?}"
-    );
     let tile_bytes = (op.tile * op.scale).pow(2) * 4;
     let output_bytes = (80 * op.scale).pow(2) * 4;
-    let edge_row_bytes = 80 * op.scale * (op.tile - op.stride) * op.scale * 4;
+    let blend = (op.tile - op.stride) * op.scale;
+    // The last `blend` rows of a row of tiles, with their corners.
+    let edge_row_bytes = (80 * op.scale + 14 * blend) * blend * 4;
+    assert!(
+        l[1].0 <= s[1].0 + edge_row_bytes,
+        "a non-owner rank's peak is one tile's work and at most a row of edges, whatever the image's area: {s:?} {l:?}"
+    );
     assert!(
         l[0].0 <= output_bytes + 8 * tile_bytes + edge_row_bytes,
         "owner holds {} bytes: output {output_bytes}, tile {tile_bytes}, edge row {edge_row_bytes}",
@@ -509,8 +559,9 @@ fn the_report_accounts_for_the_request() {
 }
 
 /// What a rank other than the owner receives for one request does not grow with the group (it
-/// hears the owner's two verdicts and nothing else), and the owner hears each rank once per
-/// gather: the coordination is linear in the group's size, not quadratic.
+/// hears the owner's two verdicts and the edges its own tiles read, fewer as the group grows),
+/// and the owner hears each rank once per gather: the coordination is linear in the group's
+/// size, not quadratic.
 #[test]
 fn a_request_costs_each_rank_the_same_traffic_whatever_the_group_size() {
     let op = small_op();
@@ -539,7 +590,7 @@ fn a_request_costs_each_rank_the_same_traffic_whatever_the_group_size() {
     }
     let first = received_by_others[0].1;
     assert!(first > 0);
-    assert!(received_by_others.iter().all(|(_, b)| *b == first), "{received_by_others:?}");
+    assert!(received_by_others.iter().all(|(_, b)| *b <= first), "{received_by_others:?}");
 }
 
 /// A group at the size limit runs a request to the same output as one rank (and in about a

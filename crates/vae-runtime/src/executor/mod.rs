@@ -15,6 +15,7 @@
 //! the N² of every rank judging an all_gather for itself.
 
 mod blocked;
+mod edges;
 mod failure;
 mod pipelined;
 mod report;

@@ -1,48 +1,81 @@
-//! The tile strategy with a merge that streams: for an operator whose merge is diffusers' 2-D
-//! stitch ([`TileOperator::stitch_layout`]), the ranks compute their tiles in rounds, one tile
-//! each per round in row-major order, and gather each round's tiles to the owner, which
-//! stitches every tile into an output allocated once ([`Stitcher`]) as soon as its turn in
-//! diffusers' row-major order has come, and frees it.
+//! The tile strategy with a merge that streams, for an operator whose merge is diffusers' 2-D
+//! stitch ([`TileOperator::stitch_layout`]): the ranks compute their tiles in rounds, one tile
+//! each per round in row-major order, and gather each round's results to the owner, which
+//! writes them into an output allocated once and frees them. Two merges:
 //!
-//! A rank other than the owner so holds one tile output at a time instead of all of its tiles,
-//! and the owner the output, the tiles of one round, any that arrived ahead of their turn (how
-//! many depends on how LPT spread the tiles; in row-major rounds, few) and the `blend` rows of
-//! one row of tiles that their lower neighbours read (growing with the width, not the area). The tiles are dealt by LPT as in the whole-map
-//! merge and computed exactly as alone, and the stitch replays diffusers' order, so the output
-//! is bit for bit the same for any number of ranks.
+//! - **By edges** ([`EdgeMerge`], wherever the blend ramps stay within half a tile, as with
+//!   diffusers' quarter-tile overlap): tiles are dealt round-robin in row-major order; after each
+//!   round the ranks exchange their new tiles' raw edges ([`EdgeRounds`]), blend their own tile
+//!   and send the owner only its kept part, disjoint from the others ([`Assembly`]). The owner
+//!   receives the output's size and blends nothing.
+//! - **Whole tiles** (otherwise): tiles are dealt by LPT, whole tiles go to the owner, which
+//!   stitches each as soon as its turn in diffusers' row-major order has come ([`Stitcher`]).
+//!
+//! A rank other than the owner so holds one tile output at a time (and, by edges, the edges of
+//! its next tiles) instead of all of its tiles, and the owner the output, the round's tiles and
+//! the edges of one row of tiles. Each tile is computed exactly as alone and each output element
+//! gets diffusers' blends in diffusers' order, so the output is bit for bit the same for any
+//! number of ranks.
 
 use std::time::{Duration, Instant};
 
-use vae_planner::Assignment;
+use vae_planner::{Assignment, lpt_assign};
 use vae_tensor::Tensor;
 use vae_transport::CommunicatorExt;
 
+use super::edges::EdgeRounds;
 use super::failure::Failure;
 use super::tile::{TileOutputs, cast_output, decode_summary, exec_tile, summary_message};
 use super::{DistributedVaeExecutor, OWNER, guarded, inconsistent};
 use crate::progress::{self, Progress};
-use crate::stitch::{StitchLayout, Stitcher};
+use crate::stitch::{Assembly, EdgeMerge, StitchLayout, Stitcher};
 use crate::{RuntimeError, Stage, TileOperator, TilePlan};
 
 /// Time spent in each part of the rounds, for the rank's report.
 #[derive(Debug, Default)]
 pub(super) struct RoundTimes {
     pub(super) exec: Duration,
+    /// Exchanging edges between the ranks (merge by edges).
+    pub(super) edges: Duration,
     pub(super) gather: Duration,
     pub(super) merge: Duration,
 }
 
+/// How the ranks merge a stitch: by edges, or whole tiles on the owner.
+pub(super) enum Rounds<'l> {
+    Edges(Box<EdgeRounds>),
+    Whole(&'l StitchLayout),
+}
+
+/// Deals `plan`'s tiles to `ranks` ranks: round-robin in row-major order for a merge by edges
+/// (which `layout` allows unless its ramps reach past half a tile), by LPT on `workloads`
+/// otherwise.
+pub(super) fn deal<'l, P, S>(
+    plan: &TilePlan<P, S>,
+    layout: &'l StitchLayout,
+    workloads: &[u64],
+    ranks: usize,
+) -> Result<(Assignment, Rounds<'l>), RuntimeError> {
+    // A layout the merge refuses (an empty grid) is refused by the whole-tile merge, as before.
+    if let Ok(Some(merge)) = EdgeMerge::new(layout)
+        && let Some(rounds) = EdgeRounds::new(merge, plan, ranks)
+    {
+        return Ok((rounds.assignment(plan), Rounds::Edges(Box::new(rounds))));
+    }
+    Ok((lpt_assign(workloads, ranks)?, Rounds::Whole(layout)))
+}
+
 /// Computes this rank's tiles (`assignment`'s, in row-major order) a round at a time and
-/// gathers every round to the owner, which stitches them into the output. Returns the owner's
+/// gathers every round to the owner, which merges them into the output. Returns the owner's
 /// outcome (the finished output, or the agreed error), `None` on the other ranks. A tile that
-/// fails stops this rank's tiles; the owner fails the request with the failure of the lowest
-/// rank that had one, as the whole-map merge does.
+/// fails stops this rank's tiles (and, by edges, those that read it); the owner fails the
+/// request with the failure of the lowest rank that had one, as the whole-map merge does.
 pub(super) fn compute_and_stitch<O: TileOperator>(
     op: &O,
     exec: &DistributedVaeExecutor,
     input: &Tensor,
     plan: &TilePlan<O::Payload, O::TileSpec>,
-    layout: &StitchLayout,
+    mut merge: Rounds<'_>,
     assignment: &Assignment,
     times: &mut RoundTimes,
 ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
@@ -50,7 +83,13 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
     let rank = comm.rank();
     let mine = scan_order(plan, assignment.per_rank.get(rank).map_or(&[], Vec::as_slice));
     let rounds = assignment.per_rank.iter().map(Vec::len).max().unwrap_or(0);
-    let mut owner = (rank == OWNER).then(|| OwnerMerge::new(layout, plan.tasks.len(), comm.size()));
+    let mut owner = (rank == OWNER).then(|| {
+        let sink: Result<Box<dyn Sink>, RuntimeError> = match &merge {
+            Rounds::Edges(edges) => Ok(Box::new(Assembly::new(edges.merge().clone()))),
+            Rounds::Whole(layout) => Stitcher::new(layout).map(|s| Box::new(s) as Box<dyn Sink>),
+        };
+        OwnerMerge::new(sink, plan.tasks.len(), comm.size())
+    });
     let mut failed = false;
     progress::report(Progress::Tiles { done: 0, total: mine.len() });
     for round in 0..rounds {
@@ -69,6 +108,45 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
             }
         }
         times.exec += clock.elapsed();
+
+        if let Rounds::Edges(edges) = &mut merge {
+            let clock = Instant::now();
+            let raw = local.outputs.pop();
+            let raw = match raw.map(|(id, t)| (edges.index_of(id), id, t)) {
+                Some((Some(k), id, t)) => match edges.merge().check_tile(edges.coord_of(k), &t) {
+                    Ok(()) => Some((k, id, t)),
+                    Err(err) => {
+                        local.error = Some((id, Failure::from(err.to_string())));
+                        failed = true;
+                        None
+                    }
+                },
+                Some((None, id, _)) => return Err(RuntimeError::Inconsistent(format!("tile {id} is not in the grid"))),
+                None => None,
+            };
+            edges.exchange(comm, round, raw.as_ref().map(|(_, _, t)| t))?;
+            times.edges += clock.elapsed();
+            let clock = Instant::now();
+            if let Some((k, id, t)) = raw {
+                match edges.take_edges(k)? {
+                    // A neighbour failed: the request fails with its error.
+                    None => failed = true,
+                    Some(mut got) => {
+                        let part = edges.merge().blend_and_crop(edges.coord_of(k), t, |edge| {
+                            got.remove(&edge).ok_or_else(|| RuntimeError::Inconsistent(format!("no {edge:?} edge")))
+                        });
+                        match part {
+                            Ok(part) => local.outputs.push((id, part)),
+                            Err(err) => {
+                                local.error = Some((id, Failure::from(err.to_string())));
+                                failed = true;
+                            }
+                        }
+                    }
+                }
+            }
+            times.merge += clock.elapsed();
+        }
 
         let clock = Instant::now();
         let message = summary_message(&local, rank)?;
@@ -97,6 +175,33 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
     Ok(outcome)
 }
 
+/// What the owner merges each round's results into: whole tiles stitched in turn, or kept
+/// parts copied into place.
+trait Sink {
+    fn push(&mut self, coord: [usize; 2], tile: Tensor) -> Result<(), RuntimeError>;
+    fn finish(self: Box<Self>) -> Result<Tensor, RuntimeError>;
+}
+
+impl Sink for Stitcher {
+    fn push(&mut self, coord: [usize; 2], tile: Tensor) -> Result<(), RuntimeError> {
+        Stitcher::push(self, coord, tile)
+    }
+
+    fn finish(self: Box<Self>) -> Result<Tensor, RuntimeError> {
+        Stitcher::finish(*self)
+    }
+}
+
+impl Sink for Assembly {
+    fn push(&mut self, coord: [usize; 2], part: Tensor) -> Result<(), RuntimeError> {
+        Assembly::push(self, coord, part)
+    }
+
+    fn finish(self: Box<Self>) -> Result<Tensor, RuntimeError> {
+        Assembly::finish(*self)
+    }
+}
+
 /// `tiles` in row-major order of their grid coordinates: the order the owner merges in, so
 /// that every round brings it the next tiles it can merge.
 fn scan_order<P, S>(plan: &TilePlan<P, S>, tiles: &[usize]) -> Vec<usize> {
@@ -105,9 +210,9 @@ fn scan_order<P, S>(plan: &TilePlan<P, S>, tiles: &[usize]) -> Vec<usize> {
     ordered
 }
 
-/// The owner's side of the rounds: the stitch so far, and what went wrong.
+/// The owner's side of the rounds: the merge so far, and what went wrong.
 struct OwnerMerge {
-    stitcher: Result<Stitcher, RuntimeError>,
+    sink: Result<Box<dyn Sink>, RuntimeError>,
     /// Per rank, the first tile that failed there.
     exec_failures: Vec<Option<RuntimeError>>,
     /// Whether each planned tile came back.
@@ -115,9 +220,9 @@ struct OwnerMerge {
 }
 
 impl OwnerMerge {
-    fn new(layout: &StitchLayout, tiles: usize, ranks: usize) -> Self {
-        let stitcher = Stitcher::new(layout).map_err(|e| Failure::from(e.to_string()).at(Stage::Merge, OWNER));
-        Self { stitcher, exec_failures: (0..ranks).map(|_| None).collect(), seen: vec![false; tiles] }
+    fn new(sink: Result<Box<dyn Sink>, RuntimeError>, tiles: usize, ranks: usize) -> Self {
+        let sink = sink.map_err(|e| Failure::from(e.to_string()).at(Stage::Merge, OWNER));
+        Self { sink, exec_failures: (0..ranks).map(|_| None).collect(), seen: vec![false; tiles] }
     }
 
     /// Takes one round's parts (rank order; the owner's own tile apart, unserialised) and
@@ -198,7 +303,7 @@ impl OwnerMerge {
 
     /// Whether the request has already failed (a tile on any rank, or the merge).
     fn failed(&self) -> bool {
-        self.stitcher.is_err() || self.exec_failures.iter().any(Option::is_some)
+        self.sink.is_err() || self.exec_failures.iter().any(Option::is_some)
     }
 
     /// Merges a tile, unless the request has already failed.
@@ -206,8 +311,8 @@ impl OwnerMerge {
         if self.exec_failures.iter().any(Option::is_some) {
             return;
         }
-        if let Ok(stitcher) = &mut self.stitcher
-            && let Err(err) = stitcher.push(coord, tile)
+        if let Ok(sink) = &mut self.sink
+            && let Err(err) = sink.push(coord, tile)
         {
             self.fail(Failure::from(err.to_string()).at(Stage::Merge, OWNER));
         }
@@ -215,8 +320,8 @@ impl OwnerMerge {
 
     /// Records the first merge failure.
     fn fail(&mut self, err: RuntimeError) {
-        if self.stitcher.is_ok() {
-            self.stitcher = Err(err);
+        if self.sink.is_ok() {
+            self.sink = Err(err);
         }
     }
 
@@ -228,10 +333,10 @@ impl OwnerMerge {
         if let Some(err) = self.exec_failures.into_iter().flatten().next() {
             return Err(err);
         }
-        let stitcher = self.stitcher?;
+        let sink = self.sink?;
         if let Some(missing) = self.seen.iter().position(|s| !s) {
             return Err(RuntimeError::Inconsistent(format!("tile {missing} was not executed by any rank")));
         }
-        stitcher.finish().map_err(|e| Failure::from(e.to_string()).at(Stage::Merge, OWNER))
+        sink.finish().map_err(|e| Failure::from(e.to_string()).at(Stage::Merge, OWNER))
     }
 }

@@ -12,7 +12,7 @@ use vae_transport::wire::{Reader, Writer};
 
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
-use super::stitched::{RoundTimes, compute_and_stitch};
+use super::stitched::{RoundTimes, compute_and_stitch, deal};
 use super::{
     DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, guarded, inconsistent, read_tensor_header,
     verdict, write_tensor_header,
@@ -200,7 +200,14 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let clock = std::time::Instant::now();
         let rank = exec.comm.rank();
         let workloads: Vec<u64> = plan.tasks.iter().map(|t| t.workload).collect();
-        let assignment = lpt_assign(&workloads, exec.parallel_size)?;
+        let layout = self.op.stitch_layout(&plan.grid);
+        let (assignment, rounds) = match layout {
+            Some(layout) => {
+                let (assignment, rounds) = deal(plan, layout, &workloads, exec.parallel_size)?;
+                (assignment, Some(rounds))
+            }
+            None => (lpt_assign(&workloads, exec.parallel_size)?, None),
+        };
         let mine: &[usize] = assignment.per_rank.get(rank).map_or(&[], Vec::as_slice);
         let work = RankWork {
             tile_count: plan.tasks.len(),
@@ -208,10 +215,11 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
             workload: assignment.loads.get(rank).copied().unwrap_or(0),
             strategy: StrategyReport::Tile,
         };
-        if let Some(layout) = self.op.stitch_layout(&plan.grid) {
+        if let Some(rounds) = rounds {
             let mut times = RoundTimes::default();
-            let outcome = compute_and_stitch(self.op, exec, input, plan, layout, &assignment, &mut times)?;
-            (timings.exec, timings.gather, timings.merge) = (times.exec, times.gather, times.merge);
+            let outcome = compute_and_stitch(self.op, exec, input, plan, rounds, &assignment, &mut times)?;
+            (timings.exec, timings.halo, timings.gather, timings.merge) =
+                (times.exec, times.edges, times.gather, times.merge);
             tracing::debug!(rank, tiles = ?mine, elapsed = ?clock.elapsed(), "executed and stitched tiles");
             return Ok((TileLocal::Stitched(outcome), work));
         }

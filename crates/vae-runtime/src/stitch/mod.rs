@@ -7,8 +7,13 @@
 //! merge can free each tile as soon as it is merged; [`stitch`] is the same over a whole map
 //! of tiles, with the extents the tiles actually have, as diffusers uses the tensor shapes.
 //!
+//! [`edges`] splits the same merge tile by tile, for ranks that blend their own tiles from
+//! their neighbours' raw edges and send the owner only the disjoint kept parts.
+//!
 //! Tile geometry comes from [`vae_planner`]: blend ramps from [`BlendRamp`], kept lengths and
 //! output offsets from [`AxisMerge`].
+
+mod edges;
 
 use std::collections::BTreeMap;
 
@@ -16,6 +21,8 @@ use vae_planner::{AxisMerge, BlendRamp, MergeRule};
 use vae_tensor::Tensor;
 
 use crate::{RuntimeError, TileMap};
+
+pub use edges::{Assembly, Edge, EdgeMerge};
 
 /// Merge metadata of a diffusers-style tiling over two tensor dimensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
