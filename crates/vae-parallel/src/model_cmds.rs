@@ -15,7 +15,7 @@ use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::output::{self, Staged};
 use vae_parallel::planner::cost::Placement;
 use vae_parallel::report::{RequestReport, gather_summaries};
-use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode};
+use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode, TileMerge};
 use vae_parallel::transport::Communicator;
 
 use crate::progress_bar::ProgressDisplay;
@@ -42,6 +42,12 @@ pub struct ParallelArgs {
     /// default: the factorisation of the parallel size whose blocks are closest to square).
     #[arg(long)]
     shard_grid: Option<String>,
+    /// Tile mode, 2-D tilings: `owner` (default: whole tiles go to the owner, which stitches
+    /// each as it arrives; ranks never wait for each other) or `edges` (CPU: each rank blends
+    /// its own tiles from its neighbours' raw edges and sends the owner only their kept parts:
+    /// the owner receives the output's bytes, but the rounds run in lockstep). Same output.
+    #[arg(long)]
+    tile_merge: Option<String>,
     /// Tile large inputs as diffusers' `enable_tiling()` does (forced on by a parallel size > 1).
     #[arg(long)]
     vae_use_tiling: bool,
@@ -133,6 +139,7 @@ struct FileConfig {
     vae_patch_parallel_size: Option<usize>,
     vae_parallel_mode: Option<String>,
     shard_grid: Option<String>,
+    tile_merge: Option<String>,
     vae_use_tiling: Option<bool>,
     tile_sample_min_size: Option<usize>,
     tile_overlap_factor: Option<f64>,
@@ -164,6 +171,8 @@ pub(crate) struct Resolved {
     /// What it computes in.
     compute: ComputeType,
     pub(crate) parallel_size: usize,
+    /// How stitched tiles are merged.
+    pub(crate) tile_merge: TileMerge,
     pub(crate) group: GroupArgs,
     pub(crate) options: RequestOptions,
     /// The tile geometry given (each family takes the keywords its class has).
@@ -197,6 +206,10 @@ impl ParallelArgs {
             Some(text) => {
                 Some(vae_parallel::planner::parse_grid(&text).map_err(|e| anyhow::anyhow!("--shard-grid: {e}"))?)
             }
+        };
+        let tile_merge: TileMerge = match self.tile_merge.clone().or(file.tile_merge) {
+            None => TileMerge::default(),
+            Some(text) => text.parse().context("--tile-merge")?,
         };
         let placement = match self.placement.clone().or(file.placement).as_deref() {
             None => None,
@@ -249,6 +262,7 @@ impl ParallelArgs {
             device,
             compute,
             parallel_size,
+            tile_merge,
             group: GroupArgs { ranks, transport, rank: None, master_addr: None },
             options: RequestOptions {
                 mode,
@@ -598,7 +612,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         let started = Instant::now();
         let mut loaded = None;
         let latent = io::read_tensor(&args.latent)?;
-        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?.with_tile_merge(r.tile_merge);
         let engine = r.decode_engine(comm.rank(), &shared, &mut loaded, &latent, executor.parallel_size())?;
         let out = engine.decode(&executor, &latent, &r.options)?;
         finish_rank(
@@ -638,7 +652,7 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         let started = Instant::now();
         let mut loaded = None;
         let latent = io::read_tensor(&args.latent)?;
-        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?.with_tile_merge(r.tile_merge);
         let engine = r.decode_engine(comm.rank(), &shared, &mut loaded, &latent, executor.parallel_size())?;
         if comm.size() == 1 && r.report.is_some() {
             bail!("--report is written for a streamed decode over several ranks, not on one rank yet");
@@ -717,7 +731,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
             Some("png") => io::read_png(&args.input)?,
             _ => io::read_tensor(&args.input)?,
         };
-        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), r.parallel_size)?.with_tile_merge(r.tile_merge);
         let out = engine.encode(&executor, &image, &r.options, output)?;
         finish_rank(
             &comm,

@@ -1051,3 +1051,68 @@ fn a_two_dimensional_shard_runs_through_the_cli() {
     let args = decode_on("4", s(&hv15), s(&wan_latent), s(&out), &["--vae-parallel-mode", "spatial_shard_2d"]);
     assert_clean_failure("hunyuan 2-D", &args, "shards along one axis only");
 }
+
+/// `--tile-merge edges` (each rank blends its own tiles from its neighbours' raw edges and
+/// sends the owner only their kept parts) writes the bytes of the owner merge, over socket
+/// processes and local ranks, for an image decode, a video decode and an encode; the config
+/// key says the same, and a merge it does not know is refused.
+#[test]
+fn a_tile_merge_by_edges_writes_the_owner_merges_bytes() {
+    let dir = scratch("tile-merge");
+    let f = fixtures();
+    let wan = f.join("../wan");
+    let paths = [
+        f.join("sd_like"),
+        f.join("sd_like.decode_tiled.in.npy"),
+        wan.join("wan21_like"),
+        wan.join("wan21_like.decode_tiled.in.npy"),
+        f.join("flux1_like"),
+        f.join("flux1_like.encode_tiled.in.npy"),
+    ];
+    let sd = ["decode", "--model", s(&paths[0]), "--latent", s(&paths[1])];
+    let wan_args = [
+        "decode",
+        "--model",
+        s(&paths[2]),
+        "--latent",
+        s(&paths[3]),
+        "--tile-sample-min-height",
+        "16",
+        "--tile-sample-min-width",
+        "24",
+        "--tile-sample-stride-height",
+        "8",
+        "--tile-sample-stride-width",
+        "16",
+    ];
+    let encode = ["encode", "--model", s(&paths[4]), "--input", s(&paths[5]), "--output", "moments"];
+    let config = dir.join("edges.toml");
+    std::fs::write(&config, "tile_merge = \"edges\"\n").unwrap();
+    for (name, base) in [("sd", &sd[..]), ("wan", &wan_args[..]), ("encode", &encode[..])] {
+        let owner = dir.join(format!("{name}-owner.npy"));
+        let (ok, text) = cli(&[base, &["--vae-patch-parallel-size", "3", "--out", s(&owner)]].concat());
+        assert!(ok, "{name}: {text}");
+        for (i, extra) in [
+            vec!["--tile-merge", "edges", "--transport", "socket"],
+            vec!["--tile-merge", "edges", "--vae-patch-parallel-size", "2"],
+            vec!["--config", s(&config)],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let edges = dir.join(format!("{name}-edges-{i}.npy"));
+            let mut args = [base, &["--out", s(&edges)]].concat();
+            if !extra.contains(&"--vae-patch-parallel-size") {
+                args.extend(["--vae-patch-parallel-size", "3"]);
+            }
+            args.extend(extra.iter().copied());
+            let (ok, text) = cli(&args);
+            assert!(ok, "{name} {extra:?}: {text}");
+            assert!(std::fs::read(&owner).unwrap() == std::fs::read(&edges).unwrap(), "{name} {extra:?}");
+        }
+    }
+    let out = dir.join("never.npy");
+    let (ok, text) = cli(&[&sd[..], &["--tile-merge", "ranks", "--out", s(&out)]].concat());
+    assert!(!ok && text.contains("--tile-merge") && text.contains("owner or edges"), "{text}");
+    assert!(!out.exists());
+}

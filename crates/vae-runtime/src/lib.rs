@@ -27,7 +27,7 @@ pub mod synthetic;
 pub use error::{RuntimeError, Stage};
 pub use executor::{
     Classified, DistributedVaeExecutor, ExecOutput, FailureKind, OperatorError, OutputPlacement, PhaseTimings,
-    Predicted, RankReport, StrategyReport, TileMap, TileOperator, TilePlan, TileStream, execute_serial,
+    Predicted, RankReport, StrategyReport, TileMap, TileMerge, TileOperator, TilePlan, TileStream, execute_serial,
 };
 pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands};
 pub use pipeline::{PipelineOperator, PipelineStage, PipelineSteps, StageState};

@@ -46,15 +46,14 @@ pub enum Layout<'a> {
         /// Rows and columns of blocks.
         grid: [usize; 2],
     },
-    /// Tiles computed whole and merged on the owner.
+    /// Tiles computed whole, dealt over `ranks` by LPT, gathered to the owner.
     Tiles {
-        /// Each tile's pass, in the plan's (row-major) order.
+        /// Each tile's pass, in the plan's order.
         tiles: &'a [Network],
         /// Ranks.
         ranks: usize,
-        /// Whether the merge is diffusers' stitch done in rounds by edges (tiles dealt
-        /// round-robin, each rank blending its own and sending the owner only their kept parts)
-        /// rather than every tile dealt by LPT and gathered whole first.
+        /// Whether the owner stitches tiles as they arrive (memory: one round of tiles) rather
+        /// than gathering every tile first.
         stitched: bool,
     },
 }
@@ -224,10 +223,8 @@ fn sharded(
     finish(elapsed, per_rank)
 }
 
-/// The tile strategy: each rank runs its tiles whole, one after another. Stitched, the tiles are
-/// dealt round-robin and each rank blends its own and sends the owner their kept parts (their
-/// share of the output); otherwise they are dealt by LPT on their work and the owner receives
-/// every other rank's tiles whole and blends them all.
+/// The tile strategy: each rank runs its tiles whole (LPT by their work), one after another;
+/// the owner receives the others' tiles and blends them into the output.
 fn tiled(
     network: &Network,
     tiles: &[Network],
@@ -244,15 +241,8 @@ fn tiled(
     };
     let costs: Vec<Prediction> = tiles.iter().map(alone).collect();
     let workloads: Vec<u64> = tiles.iter().map(Network::macs).collect();
-    let assignment =
-        if stitched { round_robin(tiles.len(), &workloads, ranks)? } else { lpt_assign(&workloads, ranks)? };
+    let assignment = lpt_assign(&workloads, ranks)?;
     let output = network.output_bytes() as f64;
-    let all_tiles: f64 = tiles.iter().map(|t| t.output_bytes() as f64).sum();
-    // What of a tile reaches the owner: its kept part (its share of the output) when stitched.
-    let kept = |t: usize| {
-        let out = tiles[t].output_bytes() as f64;
-        if stitched && all_tiles > 0.0 { out * output / all_tiles } else { out }
-    };
     // The ranks of one host that compute tiles at once share its cores while all are busy; a
     // rank left alone with its last tiles gets what it can use alone.
     let busy = assignment.per_rank.iter().filter(|t| !t.is_empty()).count().max(1);
@@ -286,42 +276,27 @@ fn tiled(
     // faster than the rank with the most work alone.
     let hosts = ranks.div_ceil(placement.ranks_per_host.max(1)).max(1) as f64;
     let slowest = (total_work / (speed_shared * concurrent as f64 * hosts)).max(longest / speed_alone);
-    // The owner receives every other rank's tiles (or their kept parts); stitched, the ranks
-    // also exchange edges once a round.
+    // The owner receives every other rank's tiles and blends each into the output.
     let mut received = 0.0;
     let mut messages = 0usize;
     for mine in assignment.per_rank.iter().skip(1) {
         for &t in mine {
-            received += kept(t);
+            received += tiles[t].output_bytes() as f64;
         }
-        messages += usize::from(!mine.is_empty()) * if stitched { 2 * mine.len() } else { 1 };
+        messages += usize::from(!mine.is_empty()) * if stitched { mine.len() } else { 1 };
     }
     let speed = speed_alone;
-    // Blending reads and writes each tile's bytes: every rank its own tiles in parallel when
-    // stitched, the owner all of them otherwise.
-    let blend_s = if stitched {
-        let mut slowest: f64 = 0.0;
-        for (r, mine) in assignment.per_rank.iter().enumerate() {
-            let bytes: f64 = mine.iter().map(|&t| tiles[t].output_bytes() as f64).sum();
-            let s = profile.elementwise_s(2.0 * bytes) / speed;
-            per_rank[r].compute_s += s;
-            slowest = slowest.max(s);
-        }
-        slowest
-    } else {
-        let s = profile.elementwise_s(2.0 * all_tiles) / speed;
-        per_rank[0].compute_s += s;
-        s
-    };
+    let all_tiles: f64 = tiles.iter().map(|t| t.output_bytes() as f64).sum();
+    let blend_s = profile.elementwise_s(2.0 * all_tiles) / speed;
     let gather_s = messages as f64 * profile.link_latency_us * 1e-6 + received / (profile.link_gbps * 1e9);
     let owner = &mut per_rank[0];
     owner.comm_s += gather_s;
+    owner.compute_s += blend_s;
     owner.received_bytes += received as u64;
     let largest_tile = tiles.iter().map(|t| t.output_bytes() as f64).fold(0.0, f64::max);
-    let largest_kept = (0..tiles.len()).map(kept).fold(0.0, f64::max);
     let owner_extra = if stitched {
-        // The output and this round's kept parts (one per rank that has any).
-        output + ranks.min(tiles.len()) as f64 * largest_kept
+        // The output and this round's tiles (one per rank that has any).
+        output + ranks.min(tiles.len()) as f64 * largest_tile
     } else {
         // The output and every tile.
         output + all_tiles
@@ -335,20 +310,6 @@ fn tiled(
     };
     let elapsed = slowest + gather_s + blend_s;
     Ok(finish(elapsed, per_rank))
-}
-
-/// Tile `k` to rank `k % ranks`, as the executor deals a stitch merged by edges.
-fn round_robin(count: usize, workloads: &[u64], ranks: usize) -> Result<crate::Assignment, PlanError> {
-    if ranks == 0 {
-        return Err(PlanError::ZeroRanks);
-    }
-    let mut per_rank = vec![Vec::new(); ranks];
-    let mut loads = vec![0u64; ranks];
-    for k in 0..count {
-        per_rank[k % ranks].push(k);
-        loads[k % ranks] = loads[k % ranks].saturating_add(workloads[k]);
-    }
-    Ok(crate::Assignment { per_rank, loads })
 }
 
 fn finish(elapsed_s: f64, ranks: Vec<RankPrediction>) -> Prediction {
@@ -525,26 +486,14 @@ mod tests {
     }
 
     #[test]
-    fn tiles_are_dealt_as_the_executor_deals_them_and_the_owner_holds_the_output() {
+    fn tiles_are_dealt_by_their_work_and_the_owner_holds_the_output() {
         let whole = two_convs(32, 32);
         let tiles: Vec<Network> = (0..4).map(|_| two_convs(16, 16)).collect();
         let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
         let layout = Layout::Tiles { tiles: &tiles, ranks: 2, stitched: true };
         let p = predict(&whole, layout, placement, &profile(2)).unwrap();
         let tile_s = tiles[0].macs() as f64 / 1e9;
-        // Two tiles, and blending them (each rank blends its own when stitched).
-        let blend_s = profile(2).elementwise_s(2.0 * 2.0 * tiles[0].output_bytes() as f64);
-        assert!((p.ranks[1].compute_s - 2.0 * tile_s - blend_s).abs() < 1e-12, "{p:?}");
-        // Stitched, tiles go round-robin in row-major order (rank 1: tiles 1 and 3, and it blends
-        // them); gathered, by LPT (rank 1: tiles 2 and 3, the owner blends).
-        let uneven: Vec<Network> = [16, 8, 16, 8].into_iter().map(|n| two_convs(n, n)).collect();
-        let work = |n: usize| two_convs(n, n).macs() as f64 / 1e9;
-        let blend = |n: usize| profile(2).elementwise_s(2.0 * two_convs(n, n).output_bytes() as f64);
-        for (stitched, rank1) in [(true, 2.0 * (work(8) + blend(8))), (false, work(16) + work(8))] {
-            let layout = Layout::Tiles { tiles: &uneven, ranks: 2, stitched };
-            let p = predict(&whole, layout, placement, &profile(2)).unwrap();
-            assert!((p.ranks[1].compute_s - rank1).abs() < 1e-12, "stitched {stitched}: {p:?}");
-        }
+        assert!((p.ranks[1].compute_s - 2.0 * tile_s).abs() < 1e-12, "{p:?}");
         // The owner computes its tiles beside the output and a round of tiles.
         let round = 2 * tiles[0].output_bytes();
         assert!(p.ranks[0].peak_bytes >= p.ranks[1].peak_bytes + whole.output_bytes() + round, "{p:?}");

@@ -1,15 +1,16 @@
 //! The tile strategy with a merge that streams, for an operator whose merge is diffusers' 2-D
 //! stitch ([`TileOperator::stitch_layout`]): the ranks compute their tiles in rounds, one tile
-//! each per round in row-major order, and gather each round's results to the owner, which
-//! writes them into an output allocated once and frees them. Two merges:
+//! each per round, and gather each round's results to the owner, which writes them into an
+//! output allocated once and frees them. Two merges ([`TileMerge`]):
 //!
-//! - **By edges** ([`EdgeMerge`], wherever the blend ramps stay within half a tile, as with
-//!   diffusers' quarter-tile overlap): tiles are dealt round-robin in row-major order; after each
-//!   round the ranks exchange their new tiles' raw edges ([`EdgeRounds`]), blend their own tile
-//!   and send the owner only its kept part, disjoint from the others ([`Assembly`]). The owner
-//!   receives the output's size and blends nothing.
-//! - **Whole tiles** (otherwise): tiles are dealt by LPT, whole tiles go to the owner, which
-//!   stitches each as soon as its turn in diffusers' row-major order has come ([`Stitcher`]).
+//! - **Owner** (the default): tiles are dealt by LPT and computed in row-major order; whole
+//!   tiles go to the owner, which stitches each as soon as its turn in diffusers' row-major order
+//!   has come ([`Stitcher`]).
+//! - **By edges** ([`EdgeMerge`], where the blend ramps stay within half a tile, as with
+//!   diffusers' quarter-tile overlap): tiles are scheduled in rounds that follow the blending
+//!   order; after each round the ranks exchange their new tiles' raw edges ([`EdgeRounds`]),
+//!   blend their own tile and send the owner only its kept part, disjoint from the others
+//!   ([`Assembly`]). The owner receives the output's size and blends nothing.
 //!
 //! A rank other than the owner so holds one tile output at a time (and, by edges, the edges of
 //! its next tiles) instead of all of its tiles, and the owner the output, the round's tiles and
@@ -26,7 +27,7 @@ use vae_transport::CommunicatorExt;
 use super::edges::EdgeRounds;
 use super::failure::Failure;
 use super::tile::{TileOutputs, cast_output, decode_summary, exec_tile, summary_message};
-use super::{DistributedVaeExecutor, OWNER, guarded, inconsistent};
+use super::{DistributedVaeExecutor, OWNER, TileMerge, guarded, inconsistent};
 use crate::progress::{self, Progress};
 use crate::stitch::{Assembly, EdgeMerge, StitchLayout, Stitcher};
 use crate::{RuntimeError, Stage, TileOperator, TilePlan};
@@ -47,17 +48,19 @@ pub(super) enum Rounds<'l> {
     Whole(&'l StitchLayout),
 }
 
-/// Deals `plan`'s tiles to `ranks` ranks: round-robin in row-major order for a merge by edges
-/// (which `layout` allows unless its ramps reach past half a tile), by LPT on `workloads`
-/// otherwise.
+/// Deals `plan`'s tiles to `ranks` ranks: for a merge by edges (asked for, and allowed by
+/// `layout` unless its ramps reach past half a tile), in rounds that respect the blending order
+/// ([`EdgeRounds`]); otherwise by LPT on `workloads`.
 pub(super) fn deal<'l, P, S>(
     plan: &TilePlan<P, S>,
     layout: &'l StitchLayout,
+    merge: TileMerge,
     workloads: &[u64],
     ranks: usize,
 ) -> Result<(Assignment, Rounds<'l>), RuntimeError> {
     // A layout the merge refuses (an empty grid) is refused by the whole-tile merge, as before.
-    if let Ok(Some(merge)) = EdgeMerge::new(layout)
+    if merge == TileMerge::Edges
+        && let Ok(Some(merge)) = EdgeMerge::new(layout)
         && let Some(rounds) = EdgeRounds::new(merge, plan, ranks)
     {
         return Ok((rounds.assignment(plan), Rounds::Edges(Box::new(rounds))));
@@ -65,7 +68,8 @@ pub(super) fn deal<'l, P, S>(
     Ok((lpt_assign(workloads, ranks)?, Rounds::Whole(layout)))
 }
 
-/// Computes this rank's tiles (`assignment`'s, in row-major order) a round at a time and
+/// Computes this rank's tiles (`assignment`'s; by edges, in the rounds' order, otherwise in
+/// row-major order) a round at a time and
 /// gathers every round to the owner, which merges them into the output. Returns the owner's
 /// outcome (the finished output, or the agreed error), `None` on the other ranks. A tile that
 /// fails stops this rank's tiles (and, by edges, those that read it); the owner fails the
@@ -82,7 +86,11 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
     let comm = exec.comm.as_ref();
     let rank = comm.rank();
     let mine = scan_order(plan, assignment.per_rank.get(rank).map_or(&[], Vec::as_slice));
-    let rounds = assignment.per_rank.iter().map(Vec::len).max().unwrap_or(0);
+    let rounds = match &merge {
+        Rounds::Edges(edges) => edges.round_count(),
+        Rounds::Whole(_) => assignment.per_rank.iter().map(Vec::len).max().unwrap_or(0),
+    };
+    let mut done = 0;
     let mut owner = (rank == OWNER).then(|| {
         let sink: Result<Box<dyn Sink>, RuntimeError> = match &merge {
             Rounds::Edges(edges) => Ok(Box::new(Assembly::new(edges.merge().clone()))),
@@ -97,14 +105,19 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
         crate::cancel::check()?;
         let clock = Instant::now();
         let mut local = TileOutputs { outputs: Vec::with_capacity(1), error: None };
-        if let Some(&tile_id) = mine.get(round).filter(|_| !failed) {
+        let tile = match &merge {
+            Rounds::Edges(edges) => edges.tile_id_of(rank, round),
+            Rounds::Whole(_) => mine.get(round).copied(),
+        };
+        if let Some(tile_id) = tile.filter(|_| !failed) {
             match exec_tile(op, input, &plan.tasks[tile_id]) {
                 Ok(out) => local.outputs.push((tile_id, out)),
                 Err(failure) => local.error = Some((tile_id, failure)),
             }
             failed = local.error.is_some();
             if !failed {
-                progress::report(Progress::Tiles { done: round + 1, total: mine.len() });
+                done += 1;
+                progress::report(Progress::Tiles { done, total: mine.len() });
             }
         }
         times.exec += clock.elapsed();

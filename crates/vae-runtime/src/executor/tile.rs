@@ -14,8 +14,8 @@ use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::stitched::{RoundTimes, compute_and_stitch, deal};
 use super::{
-    DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, guarded, inconsistent, read_tensor_header,
-    verdict, write_tensor_header,
+    DistributedVaeExecutor, OWNER, OperatorError, RankWork, RequestStrategy, TileMerge, guarded, inconsistent,
+    read_tensor_header, verdict, write_tensor_header,
 };
 use crate::progress::{self, Progress};
 use crate::shard::StreamRuns;
@@ -203,7 +203,10 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let layout = self.op.stitch_layout(&plan.grid);
         let (assignment, rounds) = match layout {
             Some(layout) => {
-                let (assignment, rounds) = deal(plan, layout, &workloads, exec.parallel_size)?;
+                // The merge by edges blends on the host; a GPU operator's tiles are merged on
+                // the owner (the edge path has not run on a GPU).
+                let merge = if self.op.device().is_cpu() { exec.tile_merge } else { TileMerge::Owner };
+                let (assignment, rounds) = deal(plan, layout, merge, &workloads, exec.parallel_size)?;
                 (assignment, Some(rounds))
             }
             None => (lpt_assign(&workloads, exec.parallel_size)?, None),
