@@ -43,9 +43,10 @@ pub struct ParallelArgs {
     #[arg(long)]
     shard_grid: Option<String>,
     /// Tile mode, 2-D tilings: `owner` (default: whole tiles go to the owner, which stitches
-    /// each as it arrives; ranks never wait for each other) or `edges` (CPU: each rank blends
-    /// its own tiles from its neighbours' raw edges and sends the owner only their kept parts:
-    /// the owner receives the output's bytes, but the rounds run in lockstep). Same output.
+    /// each as it arrives; ranks never wait for each other) or `edges` (each rank blends its
+    /// own tiles from its neighbours' raw edges and sends the owner only their kept parts: the
+    /// owner receives the output's bytes, but the rounds run in lockstep; on the CPU, and not
+    /// for a streamed video decode, which keep the owner merge). Same output either way.
     #[arg(long)]
     tile_merge: Option<String>,
     /// Tile large inputs as diffusers' `enable_tiling()` does (forced on by a parallel size > 1).

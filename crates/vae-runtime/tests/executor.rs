@@ -783,3 +783,32 @@ fn a_rank_stops_between_tiles_once_its_group_failed() {
     assert!(rank0 <= 3, "rank 0 executed {rank0} tiles after the group failed");
     assert!(errors[0].to_string().contains("rank 1 lost its GPU"), "{}", errors[0]);
 }
+
+/// Ranks given different tile merges would run different collectives: the agreement refuses
+/// the request on every rank (no hang).
+#[test]
+fn ranks_that_disagree_on_the_tile_merge_are_refused_everywhere() {
+    let x = input(&[1, 1, 14, 20], 2);
+    let reference = serial_reference(&small_op(), &x);
+    let results = run_local(3, config(), |comm| {
+        let merge = if comm.rank() == 2 { TileMerge::Edges } else { TileMerge::Owner };
+        let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().with_tile_merge(merge);
+        exec.execute(&x, &small_op(), OutputPlacement::OwnerOnly)
+    })
+    .unwrap();
+    for r in results {
+        match r.unwrap() {
+            Err(RuntimeError::Inconsistent(message)) => {
+                assert!(message.contains("rank 2") && message.contains("edges"), "{message}")
+            }
+            other => panic!("expected a disagreement, got {other:?}"),
+        }
+    }
+    // Ranks beyond the parallel size join every collective of a merge by edges.
+    let results = run_merged(TileMerge::Edges, 4, 2, &small_op(), &x, OutputPlacement::AllRanks);
+    for (rank, r) in results.into_iter().enumerate() {
+        let out = r.unwrap();
+        assert!(out.tensor.unwrap().bit_eq(&reference), "rank {rank}");
+        assert_eq!(out.report.tiles.is_empty(), rank >= 2, "rank {rank}");
+    }
+}

@@ -13,7 +13,9 @@
 //!
 //! Compared with sending whole tiles to the owner, the owner receives the output's size instead
 //! of whole overlapping tiles and does no blending; each rank holds, besides its tile, the edges
-//! of the tiles it has yet to compute (at most a row of tiles' worth across the group).
+//! of the tiles it has yet to compute (about a row and a column of tiles' worth across the
+//! group: the ragged last column runs last). A malformed or missing edge is a protocol error,
+//! which aborts the group.
 
 use std::collections::BTreeMap;
 
@@ -40,6 +42,9 @@ pub(super) struct EdgeRounds {
     /// Edges that arrived (or that this rank cut from its own tiles) for tiles it has yet to
     /// blend, by the reading tile's row-major index; `None` where the neighbour has no output.
     pending: BTreeMap<(usize, Edge), Option<Tensor>>,
+    /// Whether this rank has stopped computing (a tile of its, or one it reads, failed): it
+    /// keeps exchanging, but holds nothing more.
+    stopped: bool,
 }
 
 impl EdgeRounds {
@@ -61,7 +66,7 @@ impl EdgeRounds {
         }
         let work: Vec<u64> = order.iter().map(|&id| plan.tasks[id].workload).collect();
         let (rounds, rank_of) = schedule(&merge, &work, ranks);
-        Some(Self { merge, order, ranks, rounds, rank_of, pending: BTreeMap::new() })
+        Some(Self { merge, order, ranks, rounds, rank_of, pending: BTreeMap::new(), stopped: false })
     }
 
     /// The number of rounds.
@@ -124,7 +129,8 @@ impl EdgeRounds {
         raw: Option<&Tensor>,
     ) -> Result<(), RuntimeError> {
         let me = comm.rank();
-        let mut outgoing: BTreeMap<usize, Vec<(usize, Edge, Option<Tensor>)>> = BTreeMap::new();
+        // Each peer's message: the edges in it, then their bytes, each written as it is cut.
+        let mut outgoing: BTreeMap<usize, (usize, Writer)> = BTreeMap::new();
         if let Some(k) = self.tile_of(me, round) {
             let readers: Vec<_> = self.merge.readers(self.coord(k)).collect();
             for (to, edge) in readers {
@@ -132,8 +138,18 @@ impl EdgeRounds {
                 let piece = raw.map(|t| self.merge.cut(t, to, edge)).transpose()?;
                 if self.rank_of[reader] == me {
                     self.keep(reader, edge, piece)?;
-                } else {
-                    outgoing.entry(self.rank_of[reader]).or_default().push((reader, edge, piece));
+                    continue;
+                }
+                let (count, w) = outgoing.entry(self.rank_of[reader]).or_insert_with(|| (0, Writer::new()));
+                *count += 1;
+                w.usize(reader).u8(edge.tag());
+                match piece {
+                    None => {
+                        w.u8(0);
+                    }
+                    Some(t) => {
+                        write_tensor_header(w.u8(1), t.dtype(), t.dims()).bytes(t.as_bytes()?);
+                    }
                 }
             }
         }
@@ -146,10 +162,17 @@ impl EdgeRounds {
         if peers.is_empty() {
             return Ok(());
         }
-        let messages = peers
+        let messages: Vec<Writer> = peers
             .iter()
-            .map(|q| edge_message(outgoing.get(q).map_or(&[], Vec::as_slice)))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|q| {
+                let mut w = Writer::new();
+                match outgoing.remove(q) {
+                    Some((count, body)) => w.usize(count).bytes(body.as_slice()),
+                    None => w.usize(0),
+                };
+                w
+            })
+            .collect();
         drop(outgoing);
         let mut recvs = vec![Vec::<u8>::new(); peers.len()];
         let mut legs: Vec<PeerExchange<'_>> = peers
@@ -183,7 +206,7 @@ impl EdgeRounds {
                 }
                 Some(None) => complete = false,
                 None => {
-                    return Err(RuntimeError::Inconsistent(format!(
+                    return Err(RuntimeError::Protocol(format!(
                         "the {edge:?} edge of tile [{}, {}] never arrived",
                         coord[0], coord[1]
                     )));
@@ -198,13 +221,23 @@ impl EdgeRounds {
         self.coord(k)
     }
 
-    /// Holds an edge for this rank's tile `reader`.
+    /// From now on this rank computes nothing more: it drops the edges it holds and those that
+    /// arrive.
+    pub(super) fn stop(&mut self) {
+        self.stopped = true;
+        self.pending.clear();
+    }
+
+    /// Holds an edge for this rank's tile `reader` (unless it has stopped).
     fn keep(&mut self, reader: usize, edge: Edge, piece: Option<Tensor>) -> Result<(), RuntimeError> {
+        if self.stopped {
+            return Ok(());
+        }
         match self.pending.insert((reader, edge), piece) {
             None => Ok(()),
             Some(_) => {
                 let [i, j] = self.coord(reader);
-                Err(RuntimeError::Inconsistent(format!("the {edge:?} edge of tile [{i}, {j}] came twice")))
+                Err(RuntimeError::Protocol(format!("the {edge:?} edge of tile [{i}, {j}] came twice")))
             }
         }
     }
@@ -232,6 +265,15 @@ impl EdgeRounds {
                 0 => None,
                 _ => {
                     let (dtype, dims) = read_tensor_header(&mut rd)?;
+                    let [vdim, hdim] = self.merge.spec().dims;
+                    let expected = self.merge.edge_extents(self.coord(reader), edge);
+                    if dims.len() <= vdim.max(hdim) || [dims[vdim], dims[hdim]] != expected {
+                        return Err(RuntimeError::Protocol(format!(
+                            "rank {q} sent the {edge:?} edge of tile {reader} with shape {dims:?}, not {} × {} \
+                             along dimensions {vdim} and {hdim}",
+                            expected[0], expected[1]
+                        )));
+                    }
                     let shape = Shape::new(dims);
                     let len = shape
                         .checked_elem_count()
@@ -289,31 +331,70 @@ fn schedule(merge: &EdgeMerge, work: &[u64], ranks: usize) -> (Vec<Vec<Option<us
     (rounds, rank_of)
 }
 
-/// The edges one rank sends another in a round: each with the reading tile, the edge, and the
-/// tensor (absent when the sending tile has no output).
-fn edge_message(edges: &[(usize, Edge, Option<Tensor>)]) -> Result<Writer, RuntimeError> {
-    let mut w = Writer::new();
-    w.usize(edges.len());
-    for (reader, edge, piece) in edges {
-        w.usize(*reader).u8(edge.tag());
-        match piece {
-            None => {
-                w.u8(0);
-            }
-            Some(t) => {
-                write_tensor_header(w.u8(1), t.dtype(), t.dims()).bytes(t.as_bytes()?);
-            }
-        }
-    }
-    Ok(w)
-}
-
 #[cfg(test)]
 mod tests {
     use vae_planner::MergeRule;
 
     use super::*;
     use crate::stitch::{StitchLayout, StitchSpec};
+
+    /// A 2 × 2 grid of full tiles on two ranks: rounds [0, 1] and [2, 3], so rank 1 computes
+    /// tiles 1 and 3, and in round 0 rank 0's tile 0 owes rank 1 tile 1's Left edge.
+    fn two_by_two() -> EdgeRounds {
+        let merge = merge(vec![8, 8], vec![8, 8]);
+        let tasks = (0..4).map(|k| vae_planner::TileTask::new(k, vec![k / 2, k % 2], (), 64)).collect();
+        let grid = vae_planner::GridSpec {
+            split_dims: vec![2, 3],
+            grid_shape: vec![2, 2],
+            tile_spec: (),
+            output_dtype: Some(vae_tensor::DType::F32),
+        };
+        EdgeRounds::new(merge, &TilePlan { tasks, grid }, 2).unwrap()
+    }
+
+    fn edge(reader: usize, tag: u8, dims: Option<&[usize]>) -> Writer {
+        let mut w = Writer::new();
+        w.usize(1).usize(reader).u8(tag);
+        match dims {
+            None => {
+                w.u8(0);
+            }
+            Some(dims) => {
+                let t = Tensor::zeros(dims.to_vec(), vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap();
+                write_tensor_header(w.u8(1), t.dtype(), t.dims()).bytes(t.as_bytes().unwrap());
+            }
+        }
+        w
+    }
+
+    /// What a peer sends is checked against what it owes: the tile, the edge, the shape, once.
+    #[test]
+    fn an_edge_not_owed_of_another_shape_or_twice_is_a_protocol_error() {
+        let protocol = |r: Result<(), RuntimeError>| matches!(r, Err(RuntimeError::Protocol(_)));
+        // Tile 1's Left edge: its 6 kept rows (keep 6, ramp 2) by the 2-column ramp.
+        let good = [1, 1, 6, 2];
+        let mut rounds = two_by_two();
+        assert!(rounds.take_message(1, 0, 0, edge(1, Edge::Left.tag(), Some(&good)).as_slice()).is_ok());
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(1, Edge::Left.tag(), Some(&good)).as_slice())));
+        let mut rounds = two_by_two();
+        // Tile 1 reads no Above edge; tile 3 is not read in round 0; tile 9 does not exist.
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(1, Edge::Above.tag(), Some(&good)).as_slice())));
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(3, Edge::Left.tag(), Some(&good)).as_slice())));
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(9, Edge::Left.tag(), None).as_slice())));
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(1, 7, None).as_slice())));
+        // The right tile and edge, with another shape along the tiled dimensions.
+        assert!(protocol(rounds.take_message(1, 0, 0, edge(1, Edge::Left.tag(), Some(&[1, 1, 8, 2])).as_slice())));
+        // Bytes after the edges.
+        let mut trailing = edge(1, Edge::Left.tag(), None);
+        trailing.u8(0);
+        assert!(protocol(rounds.take_message(1, 0, 0, trailing.as_slice())));
+        // An edge that never came.
+        let mut rounds = two_by_two();
+        assert!(protocol(rounds.take_edges(1).map(|_| ())));
+        // A neighbour without output: the reading tile stops, with no error of its own.
+        assert!(rounds.take_message(1, 0, 0, edge(1, Edge::Left.tag(), None).as_slice()).is_ok());
+        assert!(matches!(rounds.take_edges(1), Ok(None)));
+    }
 
     fn merge(heights: Vec<usize>, widths: Vec<usize>) -> EdgeMerge {
         let rule = MergeRule { blend: 2, keep: 6, final_crop: None };

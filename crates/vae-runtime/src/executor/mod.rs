@@ -67,6 +67,11 @@ trait RequestStrategy {
     fn plan_size(plan: &Self::Plan) -> usize;
     /// Why the ranks' plan sizes show a non-deterministic plan, if they do.
     fn disagreement(sizes: &[usize]) -> Option<String>;
+    /// A choice of this rank that every rank must make alike, because it decides which
+    /// collectives the request runs (the tile strategy's merge): agreed with the plan.
+    fn choice(&self, _exec: &DistributedVaeExecutor) -> u8 {
+        0
+    }
     /// Computes this rank's share; sets [`PhaseTimings::exec`] (and `halo`).
     fn compute(
         &self,
@@ -125,8 +130,10 @@ pub enum TileMerge {
     /// Each rank blends its own tiles from its neighbours' raw edges and gathers only their
     /// kept parts: the owner receives the output's bytes and blends nothing. The edges go in a
     /// paired exchange after each round of tiles, which makes the rounds lockstep, and each rank
-    /// holds its share of a row and a column of edges. Where a blend ramp reaches past half a
-    /// tile, and for an operator on a GPU (not run on one yet), the owner merge is used.
+    /// holds its share of a row and a column of edges. Where a tile's blend ramps overlap the
+    /// edges its neighbours read (ramps past half a tile), for an operator on a GPU (not run on
+    /// one yet) and for a streamed tile decode, the owner merge is used. A tile that comes out
+    /// another size fails as that tile (stage exec, its rank), not as the owner's merge.
     Edges,
 }
 
@@ -372,7 +379,7 @@ impl DistributedVaeExecutor {
 
         // 2. Agree: the same input everywhere, and the plan worked everywhere.
         let clock = Instant::now();
-        self.agree(input, plan.as_ref().map(S::plan_size), S::disagreement)?;
+        self.agree(input, plan.as_ref().map(S::plan_size), S::disagreement, strategy.choice(self))?;
         timings.agree = clock.elapsed();
         // The owner's verdict already failed the request on every rank if any plan failed.
         let plan = plan.map_err(|failure| failure.at(Stage::Split, rank))?;
@@ -437,10 +444,11 @@ impl DistributedVaeExecutor {
         input: &Tensor,
         plan: Result<usize, &Failure>,
         disagreement: fn(&[usize]) -> Option<String>,
+        choice: u8,
     ) -> Result<(), RuntimeError> {
         let comm = self.comm.as_ref();
         let mut msg = Writer::new();
-        msg.u64(input.content_hash()?);
+        msg.u64(input.content_hash()?).u8(choice);
         match plan {
             Ok(size) => msg.u8(0).usize(size),
             Err(failure) => verdict::write_kind(msg.u8(1), failure.kind).str(&failure.message),
@@ -517,10 +525,12 @@ fn judge_agreement<'a>(
 ) -> Result<(), RuntimeError> {
     let mut hashes = Vec::new();
     let mut sizes = Vec::new();
+    let mut choices = Vec::new();
     let mut first_split_error = None;
     for (r, part) in parts.enumerate() {
         let mut rd = Reader::new(part, "input agreement");
         hashes.push(rd.u64().map_err(inconsistent)?);
+        choices.push(rd.u8().map_err(inconsistent)?);
         if rd.u8().map_err(inconsistent)? == 1 {
             let kind = verdict::read_kind(&mut rd).map_err(inconsistent)?;
             let failure = Failure::new(kind, rd.str().map_err(inconsistent)?);
@@ -535,10 +545,23 @@ fn judge_agreement<'a>(
     if let Some(err) = first_split_error {
         return Err(err);
     }
+    if let Some(r) = choices.iter().position(|&c| c != choices[0]) {
+        return Err(RuntimeError::Inconsistent(format!(
+            "rank {r} chose another way to run the request than rank 0 (a tile merge of {} against {}): \
+             every rank must be given the same settings",
+            choice_name(choices[r]),
+            choice_name(choices[0])
+        )));
+    }
     match disagreement(&sizes) {
         Some(message) => Err(RuntimeError::Inconsistent(message)),
         None => Ok(()),
     }
+}
+
+/// The tile merge a [`RequestStrategy::choice`] stands for.
+fn choice_name(choice: u8) -> &'static str {
+    if choice == 1 { "edges" } else { "owner" }
 }
 
 /// Writes a tensor's element type and shape (then its bytes follow, or not).

@@ -32,11 +32,12 @@ pub struct PhaseTimings {
     /// (without the communication inside it, which is [`Self::halo`]).
     pub exec: Duration,
     /// Shard mode: communication inside the computation (halo exchanges and full-map gathers);
-    /// pipeline mode: the hand-overs between stages (waiting for the neighbours included).
+    /// pipeline mode: the hand-overs between stages (waiting for the neighbours included); tile
+    /// mode merged by edges: exchanging the tiles' edges (waiting included).
     pub halo: Duration,
     /// Exchanging tile shapes and gathering tiles to the owner.
     pub gather: Duration,
-    /// Merging (owner only).
+    /// Merging: on the owner; in tile mode merged by edges, also each rank blending its tiles.
     pub merge: Duration,
     /// Final status / output broadcast.
     pub broadcast: Duration,

@@ -13,8 +13,8 @@
 //!   ([`Assembly`]). The owner receives the output's size and blends nothing.
 //!
 //! A rank other than the owner so holds one tile output at a time (and, by edges, the edges of
-//! its next tiles) instead of all of its tiles, and the owner the output, the round's tiles and
-//! the edges of one row of tiles. Each tile is computed exactly as alone and each output element
+//! its next tiles) instead of all of its tiles, and the owner the output, the round's tiles (or
+//! kept parts) and, in the owner merge, the edges of one row of tiles. Each tile is computed exactly as alone and each output element
 //! gets diffusers' blends in diffusers' order, so the output is bit for bit the same for any
 //! number of ranks.
 
@@ -72,8 +72,9 @@ pub(super) fn deal<'l, P, S>(
 /// row-major order) a round at a time and
 /// gathers every round to the owner, which merges them into the output. Returns the owner's
 /// outcome (the finished output, or the agreed error), `None` on the other ranks. A tile that
-/// fails stops this rank's tiles (and, by edges, those that read it); the owner fails the
-/// request with the failure of the lowest rank that had one, as the whole-map merge does.
+/// fails stops this rank's tiles (and, by edges, those of every rank that reads an edge it no
+/// longer sends, and so on); the owner fails the request with the failure of the lowest rank
+/// that had one, as the whole-map merge does.
 pub(super) fn compute_and_stitch<O: TileOperator>(
     op: &O,
     exec: &DistributedVaeExecutor,
@@ -131,10 +132,11 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
                     Err(err) => {
                         local.error = Some((id, Failure::from(err.to_string())));
                         failed = true;
+                        edges.stop();
                         None
                     }
                 },
-                Some((None, id, _)) => return Err(RuntimeError::Inconsistent(format!("tile {id} is not in the grid"))),
+                Some((None, id, _)) => return Err(RuntimeError::Protocol(format!("tile {id} is not in the grid"))),
                 None => None,
             };
             edges.exchange(comm, round, raw.as_ref().map(|(_, _, t)| t))?;
@@ -143,7 +145,10 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
             if let Some((k, id, t)) = raw {
                 match edges.take_edges(k)? {
                     // A neighbour failed: the request fails with its error.
-                    None => failed = true,
+                    None => {
+                        failed = true;
+                        edges.stop();
+                    }
                     Some(mut got) => {
                         let part = edges.merge().blend_and_crop(edges.coord_of(k), t, |edge| {
                             got.remove(&edge).ok_or_else(|| RuntimeError::Inconsistent(format!("no {edge:?} edge")))
@@ -153,6 +158,7 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
                             Err(err) => {
                                 local.error = Some((id, Failure::from(err.to_string())));
                                 failed = true;
+                                edges.stop();
                             }
                         }
                     }

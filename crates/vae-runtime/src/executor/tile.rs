@@ -186,6 +186,10 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         Some(format!("the split is not deterministic: rank {r} made {n} tiles, rank 0 made {}", sizes[0]))
     }
 
+    fn choice(&self, exec: &DistributedVaeExecutor) -> u8 {
+        u8::from(self.merge(exec) == TileMerge::Edges)
+    }
+
     /// Assigns (identical on every rank, no communication) and executes this rank's tiles; a
     /// failing tile stops the others and is told to every rank in [`Self::collect`]. A plan
     /// that is a stitch is gathered and merged here too, round by round
@@ -203,10 +207,7 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         let layout = self.op.stitch_layout(&plan.grid);
         let (assignment, rounds) = match layout {
             Some(layout) => {
-                // The merge by edges blends on the host; a GPU operator's tiles are merged on
-                // the owner (the edge path has not run on a GPU).
-                let merge = if self.op.device().is_cpu() { exec.tile_merge } else { TileMerge::Owner };
-                let (assignment, rounds) = deal(plan, layout, merge, &workloads, exec.parallel_size)?;
+                let (assignment, rounds) = deal(plan, layout, self.merge(exec), &workloads, exec.parallel_size)?;
                 (assignment, Some(rounds))
             }
             None => (lpt_assign(&workloads, exec.parallel_size)?, None),
@@ -261,6 +262,21 @@ impl<O: TileOperator> RequestStrategy for TileStrategy<'_, O> {
         match local {
             TileLocal::Held(local) => gather_and_merge(self.op, exec, input, plan, local, timings),
             TileLocal::Stitched(outcome) => Ok(outcome),
+        }
+    }
+}
+
+impl<O: TileOperator> TileStrategy<'_, O> {
+    /// The merge this rank runs stitched tiles with: the executor's, but the owner merge for an
+    /// operator on a GPU (the merge by edges blends on the host and has not run on a GPU).
+    fn merge(&self, exec: &DistributedVaeExecutor) -> TileMerge {
+        if self.op.device().is_cpu() {
+            exec.tile_merge
+        } else {
+            if exec.tile_merge == TileMerge::Edges && exec.comm.rank() == OWNER {
+                tracing::info!("stitched tiles on a GPU are merged on the owner, not by edges");
+            }
+            TileMerge::Owner
         }
     }
 }

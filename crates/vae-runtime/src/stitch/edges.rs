@@ -69,9 +69,11 @@ pub struct EdgeMerge {
 }
 
 impl EdgeMerge {
-    /// The tile-by-tile merge of `layout`, or `None` when a ramp reaches past half a tile, so
-    /// that a blended edge depends on more than the raw edges of three neighbours (then only
-    /// the owner's row-major [`Stitcher`](super::Stitcher) gives diffusers' bits).
+    /// The tile-by-tile merge of `layout`, or `None` when a tile's leading ramp reaches into the
+    /// trailing positions its next neighbour reads (`e(i − 1) + e(i) > out(i − 1)` along either
+    /// axis: ramps past half a tile), so that a blended edge depends on more than the raw edges
+    /// of three neighbours (then only the owner's row-major [`Stitcher`](super::Stitcher) gives
+    /// diffusers' bits).
     pub fn new(layout: &StitchLayout) -> Result<Option<Self>, RuntimeError> {
         let [rows, cols] = layout.grid_shape();
         if rows == 0 || cols == 0 {
@@ -129,6 +131,10 @@ impl EdgeMerge {
     pub fn check_tile(&self, coord: [usize; 2], tile: &Tensor) -> Result<(), RuntimeError> {
         let [vdim, hdim] = self.spec.dims;
         let [i, j] = coord;
+        let [rows, cols] = self.grid_shape();
+        if i >= rows || j >= cols {
+            return Err(RuntimeError::Config(format!("tile [{i}, {j}] is outside the {rows} × {cols} grid")));
+        }
         if tile.rank() <= vdim.max(hdim) {
             return Err(super::lacks_dims(coord, tile, &self.spec));
         }
@@ -144,11 +150,26 @@ impl EdgeMerge {
         Ok(())
     }
 
-    /// The part of `from`'s raw output (checked by [`Self::check_tile`]) that tile `to` reads
-    /// as `edge`, as a tensor of its own.
+    /// The part of `from`'s raw output that tile `to` reads as `edge`, as a tensor of its own.
+    /// An edge `to` does not read, or a `from` that is not the output of its neighbour's
+    /// extents, is an error.
     pub fn cut(&self, from: &Tensor, to: [usize; 2], edge: Edge) -> Result<Tensor, RuntimeError> {
+        let source = self.source(to, edge).ok_or_else(|| {
+            RuntimeError::Config(format!("tile [{}, {}] does not read a {edge:?} edge", to[0], to[1]))
+        })?;
+        self.check_tile(source, from)?;
         let [rows, cols] = self.edge_box(to, edge);
         cut_box(from, self.spec.dims, [rows, cols])
+    }
+
+    /// The extents along the two tiled dimensions of the edge `to` reads as `edge` (one it
+    /// reads, [`Self::source`]).
+    pub fn edge_extents(&self, to: [usize; 2], edge: Edge) -> [usize; 2] {
+        if self.source(to, edge).is_none() {
+            return [0, 0];
+        }
+        let [rows, cols] = self.edge_box(to, edge);
+        [rows.len(), cols.len()]
     }
 
     /// Blends the raw output of tile `coord` with the raw edges its neighbours sent
@@ -160,13 +181,17 @@ impl EdgeMerge {
         tile: Tensor,
         mut edge: impl FnMut(Edge) -> Result<Tensor, RuntimeError>,
     ) -> Result<Tensor, RuntimeError> {
+        self.check_tile(coord, &tile)?;
         let [vdim, hdim] = self.spec.dims;
         let [ev, eh] = self.ramps(coord);
         let [rows, cols] = self.blended_extent(coord);
         let mut own = if [tile.dims()[vdim], tile.dims()[hdim]] == [rows, cols] {
             tile
         } else {
-            cut_box(&tile, self.spec.dims, [0..rows, 0..cols])?
+            // Only the blended and kept part: the rest of the tile is freed here.
+            let part = cut_box(&tile, self.spec.dims, [0..rows, 0..cols])?;
+            drop(tile);
+            part
         };
         let corner = if ev > 0 && eh > 0 { Some(edge(Edge::Corner)?) } else { None };
         if ev > 0 {
