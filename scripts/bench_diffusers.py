@@ -17,6 +17,9 @@ reused while its ``bench_seed.txt`` (seed and config) matches:
   ``[1, 32, size/8, size/8]``.
 - ``wan21``: ``AutoencoderKLWan`` with Wan2.1's geometry (base_dim 96, z_dim 16, dim_mult 1, 2,
   4, 4, num_res_blocks 2). Latents ``[1, 16, 3, size/8, size/8]`` (9 output frames).
+- ``wan22``: ``AutoencoderKLWan`` with Wan2.2's geometry (base_dim 160, decoder_base_dim 256,
+  z_dim 48, dim_mult 1, 2, 4, 4, num_res_blocks 2, residual blocks, 2 × 2 patches: 16x spatial).
+  Latents ``[1, 48, 3, size/16, size/16]`` (9 output frames).
 - ``hv15``: ``AutoencoderKLHunyuanVideo15`` in its default (HunyuanVideo-1.5) geometry
   (block_out_channels 128, 256, 512, 1024, 1024, 32 latent channels, 16x spatial, 4x temporal).
   Latents ``[1, 32, 3, size/16, size/16]`` (9 output frames).
@@ -62,7 +65,7 @@ A configuration that fails prints a line with an ``"error"`` field (the exceptio
 or the exit status) instead of numbers, and the others still run.
 
 Usage:
-    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21|hv15|ltx2] [--task decode|encode] [--out DIR]
+    python scripts/bench_diffusers.py [--family sd|flux1|flux2|wan21|wan22|hv15|ltx2] [--task decode|encode] [--out DIR]
         [--iters N] [--sizes 256,512] [--threads 1,2] [--dtypes f32,bf16] [--layouts nchw,channels_last]
     python scripts/bench_diffusers.py --prepare-only [--family F] [--task T] [--sizes S]   # model and inputs only
 """
@@ -79,8 +82,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("sd", "flux1", "flux2", "wan21", "hv15", "ltx2")
-VIDEO = ("wan21", "hv15", "ltx2")
+FAMILIES = ("sd", "flux1", "flux2", "wan21", "wan22", "hv15", "ltx2")
+VIDEO = ("wan21", "wan22", "hv15", "ltx2")
 LAYOUTS = ("nchw", "channels_last")
 DTYPES = ("f32", "bf16")
 FAMILY = "sd"  # set from --family before anything runs
@@ -102,6 +105,21 @@ def model_config() -> dict:
         return dict(block_out_channels=(128, 256, 512, 512), latent_channels=32, sample_size=1024)
     if FAMILY == "wan21":
         return dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+    if FAMILY == "wan22":
+        return dict(
+            base_dim=160,
+            decoder_base_dim=256,
+            z_dim=48,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=2,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+        )
     if FAMILY == "ltx2":
         # AutoencoderKLLTX2Video's defaults are LTX-2's geometry; its published config makes the decoder
         # non-causal and names the ratios (the class's formula would give 64 / 16).
@@ -160,6 +178,7 @@ def model_class():
 
     classes = {
         "wan21": AutoencoderKLWan,
+        "wan22": AutoencoderKLWan,
         "flux2": AutoencoderKLFlux2,
         "hv15": AutoencoderKLHunyuanVideo15,
         "ltx2": AutoencoderKLLTX2Video,
@@ -178,6 +197,8 @@ def input_shape(task: str, size: int) -> tuple[int, ...]:
         return (1, 3, size, size)
     if FAMILY == "hv15":
         return (1, 32, WAN_LATENT_FRAMES, size // 16, size // 16)
+    if FAMILY == "wan22":
+        return (1, 48, WAN_LATENT_FRAMES, size // 16, size // 16)
     if FAMILY == "ltx2":
         return (1, 128, WAN_LATENT_FRAMES, size // 32, size // 32)
     latent = size // SCALE

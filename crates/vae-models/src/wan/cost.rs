@@ -1,6 +1,7 @@
-//! The Wan2.1 / Qwen-Image decoder as the cost model sees it ([`vae_planner::cost`]): one
-//! latent frame at a time through the causal cache, in the order `decoder.rs` runs its layers,
-//! with the maps each layer keeps alive.
+//! The Wan2.1 / Qwen-Image / Wan2.2 decoder as the cost model sees it ([`vae_planner::cost`]):
+//! one latent frame at a time through the causal cache, in the order `decoder.rs` runs its
+//! layers, with the maps each layer keeps alive. Wan2.2's residual up blocks keep their input
+//! for the DupUp3D shortcut added after the upsampler, and its output is unpatchified.
 //!
 //! A decode is the first chunk (one frame at every level) followed by the others (frames
 //! doubled by each temporal upsampler), so the pass is the chunks' steps one after another:
@@ -28,12 +29,14 @@ struct Walk {
     decoded: u64,
     /// Whether this is the first chunk (its caches hold the one frame it has).
     first: bool,
+    /// Elements of a residual up block's input, kept for its DupUp3D shortcut.
+    shortcut: u64,
 }
 
 impl Walk {
-    /// Elements alive beside every step: the caches and the decoded output.
+    /// Elements alive beside every step: the caches, the decoded output and a pending shortcut.
     fn carried(&self) -> u64 {
-        self.caches + self.decoded
+        self.caches + self.decoded + self.shortcut
     }
 
     /// A cache slot written: the previous chunk's entry gives way to this chunk's.
@@ -82,9 +85,9 @@ impl Walk {
     }
 
     /// `Upsample::forward` at up block `i`: the time conv and the frames interleaved (temporal,
-    /// after the first chunk), the frames laid out one by one, upsampled, the 3×3 conv to half
-    /// the channels, and back to the video layout.
-    fn upsample(&mut self, temporal: bool, align: usize) {
+    /// after the first chunk), the frames laid out one by one, upsampled, the 3×3 conv (to half
+    /// the channels, or as many for Wan2.2's residual blocks), and back to the video layout.
+    fn upsample(&mut self, temporal: bool, align: usize, halve: bool) {
         let c = self.b.channels();
         // The caller's input and the copy the layer starts from (`x.clone()`), both alive
         // until it returns.
@@ -105,9 +108,19 @@ impl Walk {
         self.b.push(StepKind::Elementwise { in_place: false }, c, dims, before + self.carried());
         let frames = self.b.map_elems();
         self.b.upsample();
-        self.b.conv(c / 2, [1, 3, 3], align, before + frames + self.carried());
+        let out = if halve { c / 2 } else { c };
+        self.b.conv(out, [1, 3, 3], align, before + frames + self.carried());
         let up = self.b.dims();
-        self.b.push(StepKind::Elementwise { in_place: false }, c / 2, up, before + frames + self.carried());
+        self.b.push(StepKind::Elementwise { in_place: false }, out, up, before + frames + self.carried());
+    }
+
+    /// Wan2.2: `DupUp3D` of the block's input (a map of the upsampled size), added in place.
+    fn dup_shortcut(&mut self) {
+        let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
+        self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, x + self.carried());
+        // The shortcut's input lives until the add is done.
+        self.b.add(x + self.carried());
+        self.shortcut = 0;
     }
 
     /// One chunk's steps from its latent frame.
@@ -124,12 +137,22 @@ impl Walk {
         self.resnet(dims[0], 1);
         let mut align = 1;
         for i in 0..c.dim_mult.len() {
+            let upsampled = i + 1 < c.dim_mult.len();
+            if c.is_residual && upsampled {
+                // `carry.shortcut = Some(x.clone())`: a copy of the block's input.
+                let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
+                self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, x + self.carried());
+                self.shortcut = x;
+            }
             for _ in 0..=c.num_res_blocks {
                 self.resnet(dims[i + 1], align);
             }
-            if i + 1 < c.dim_mult.len() {
+            if upsampled {
                 align *= 2;
-                self.upsample(*up_temporal.get(i).unwrap_or(&false), align);
+                self.upsample(*up_temporal.get(i).unwrap_or(&false), align, !c.is_residual);
+                if c.is_residual {
+                    self.dup_shortcut();
+                }
             }
         }
         self.b.norm(false, self.carried());
@@ -139,10 +162,11 @@ impl Walk {
 }
 
 /// The decoder over `frames` latent frames of `[h, w]` (after `post_quant_conv`), then the
-/// chunks' outputs concatenated and clamped.
+/// chunks' outputs concatenated, unpatchified (Wan2.2) and clamped.
 fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
     let b = NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch);
-    let mut walk = Walk { b, previous: Vec::new(), current: Vec::new(), caches: 0, decoded: 0, first: true };
+    let mut walk =
+        Walk { b, previous: Vec::new(), current: Vec::new(), caches: 0, decoded: 0, first: true, shortcut: 0 };
     walk.b.conv(c.z_dim, [1, 1, 1], 1, 0);
     for i in 0..frames {
         walk.first = i == 0;
@@ -158,18 +182,24 @@ fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: u
     let out_frames = (total / (c.out_channels * ho * wo).max(1) as u64) as usize;
     walk.caches = 0;
     walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], total);
-    walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], 0);
+    let (mut channels, mut dims) = (c.out_channels, [out_frames, ho, wo]);
+    if let Some(p) = c.patch_size.filter(|&p| p > 1) {
+        // `unpatchify`: channels into p × p pixel blocks, a new map.
+        (channels, dims) = (c.out_channels / (p * p), [out_frames, ho * p, wo * p]);
+        walk.b.push(StepKind::Elementwise { in_place: false }, channels, dims, 0);
+    }
+    walk.b.push(StepKind::Elementwise { in_place: false }, channels, dims, 0);
     walk.b.finish()
 }
 
 impl WanVae {
     /// The cost model's passes for a decode of an `input_dims` latent (`[B, C, T, H, W]`): the
-    /// whole latent's, and each tile's when it is larger than one tile. None for an encode, a
-    /// residual (Wan2.2) decoder or a patchified output: not modelled yet.
+    /// whole latent's, and each tile's when it is larger than one tile. None for an encode: not
+    /// modelled yet.
     pub fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
         let &[batch, _, frames, h, w] = input_dims else { return None };
         let c = self.config();
-        if direction != Direction::Decode || c.is_residual || c.patch_size.is_some_and(|p| p > 1) {
+        if direction != Direction::Decode {
             return None;
         }
         let elem = self.dtype().size_in_bytes() as u64;
@@ -190,23 +220,40 @@ mod tests {
 
     use super::*;
 
+    fn fixture_named(name: &str) -> WanVae {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan").join(name);
+        WanVae::load(&dir).expect("the fixture loads")
+    }
+
     fn fixture() -> WanVae {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan/wan21_like");
-        WanVae::load(&dir).expect("the Wan2.1-like fixture loads")
+        fixture_named("wan21_like")
     }
 
     /// A steady chunk (a latent frame after the first) costs the multiply-adds the pipeline's
-    /// stage balancing counts for it, layer by layer from the weights.
+    /// stage balancing counts for it, layer by layer from the weights: Wan2.1 and Wan2.2 (its
+    /// residual up blocks and upsamplers that keep the channels).
     #[test]
     fn a_chunk_costs_what_the_decoders_own_count_says() {
-        let vae = fixture();
-        let (h, w) = (6, 10);
-        let macs = |frames| vae.cost_networks(Direction::Decode, &[1, 16, frames, h, w]).unwrap().whole.macs();
-        let steady = macs(3) - macs(2);
-        let counted: u64 = vae.decoder.step_costs(h, w).iter().sum();
-        // The walk also counts post_quant_conv (z_dim² per latent pixel) per latent frame.
-        let post_quant = (16 * 16 * h * w) as u64;
-        assert_eq!(steady, counted + post_quant);
+        for (vae, z) in [(fixture(), 16), (fixture_named("wan22_like"), 48)] {
+            let (h, w) = (6, 10);
+            let macs = |frames| vae.cost_networks(Direction::Decode, &[1, z, frames, h, w]).unwrap().whole.macs();
+            let steady = macs(3) - macs(2);
+            let counted: u64 = vae.decoder.step_costs(h, w).iter().sum();
+            // The walk also counts post_quant_conv (z_dim² per latent pixel) per latent frame.
+            let post_quant = (z * z * h * w) as u64;
+            assert_eq!(steady, counted + post_quant, "z_dim {z}");
+        }
+    }
+
+    /// Wan2.2's output is unpatchified: 3 channels at twice the decoder's last resolution.
+    #[test]
+    fn a_wan22_decode_ends_with_the_unpatchified_video() {
+        let vae = fixture_named("wan22_like");
+        let nets = vae.cost_networks(Direction::Decode, &[1, 48, 2, 4, 6]).unwrap();
+        // 1 + 4 frames at 16× the latent.
+        assert_eq!(nets.whole.output_elems, 3 * 5 * 64 * 96);
+        let last = nets.whole.steps.last().unwrap();
+        assert_eq!((last.out_channels, last.output), (3, [5, 64, 96]));
     }
 
     #[test]
