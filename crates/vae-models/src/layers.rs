@@ -150,9 +150,12 @@ impl Conv2d {
     fn forward_haloed(&self, x: Cow<'_, Tensor>, ctx: &mut ShardContext<'_>) -> Result<Tensor> {
         let halo = self.band_halo(ctx)?;
         let cout = self.out_channels();
-        let (out, _) = ctx.conv_with_halo(x, halo, self.params.band_align, cout, None, &mut |piece| {
-            let params = Conv2dParams { padding: piece.padding(self.params.padding), ..self.params };
-            self.forward_into(piece.input, &params, piece.target)
+        // The interior and the edges are separate calls: pack the weights once for them.
+        let (out, _) = vae_tensor::with_packed_weights(&self.weight, || {
+            ctx.conv_with_halo(x, halo, self.params.band_align, cout, None, &mut |piece| {
+                let params = Conv2dParams { padding: piece.padding(self.params.padding), ..self.params };
+                self.forward_into(piece.input, &params, piece.target)
+            })
         })?;
         Ok(out)
     }

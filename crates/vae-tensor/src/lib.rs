@@ -25,7 +25,7 @@ mod tensor;
 
 pub use device::{CpuBf16Scope, DType, Device, DeviceMemory, StreamScope, Tf32Scope};
 pub use error::{Result, TensorError};
-pub use ops::conv::{Conv2dParams, ConvTarget, conv_windows_in_place};
+pub use ops::conv::{Conv2dParams, ConvTarget, conv_windows_in_place, with_packed_weights};
 pub use ops::group_stats::{GroupExtrema, GroupMoments, GroupPartial};
 pub use ops::simd::cpu_isa_name;
 pub use ops::video::Conv3dParams;

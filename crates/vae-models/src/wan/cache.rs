@@ -79,14 +79,17 @@ impl<'b, 'c> Pass<'b, 'c> {
                 let t = x.dims()[2];
                 let keep = (2, t - t.min(CACHE_T)..t);
                 let cout = conv.out_channels();
-                let (out, tail) = ctx.conv_with_halo(x, halo, conv.band_align(), cout, Some(keep), &mut |piece| {
-                    let cached = previous.map(|c| piece.window.narrow(c)).transpose()?;
-                    conv.forward_piece(
-                        piece.input,
-                        cached.as_deref(),
-                        piece.padding(conv.spatial_padding()),
-                        piece.target,
-                    )
+                // The interior and the edges are separate calls: pack the weights once for them.
+                let (out, tail) = vae_tensor::with_packed_weights(conv.weight(), || {
+                    ctx.conv_with_halo(x, halo, conv.band_align(), cout, Some(keep), &mut |piece| {
+                        let cached = previous.map(|c| piece.window.narrow(c)).transpose()?;
+                        conv.forward_piece(
+                            piece.input,
+                            cached.as_deref(),
+                            piece.padding(conv.spatial_padding()),
+                            piece.target,
+                        )
+                    })
                 })?;
                 let tail = tail
                     .ok_or_else(|| crate::ModelError::Unsupported("a halo conv without its frames to cache".into()))?;

@@ -105,6 +105,11 @@ impl CausalConv3d {
     }
 
     /// The weight's elements: multiply-adds per output pixel and frame.
+    /// The kernel `[Cout, Cin, kt, kh, kw]`.
+    pub(super) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
     pub(super) fn weight_elements(&self) -> u64 {
         self.weight.elem_count() as u64
     }

@@ -114,11 +114,12 @@ impl Upsample {
                 let upsampled = frames.upsample_nearest2d(2)?;
                 let own = self.conv.params().padding;
                 let cout = self.conv.out_channels();
-                let (up, _) =
+                let (up, _) = vae_tensor::with_packed_weights(self.conv.weight(), || {
                     ctx.conv_with_halo(Cow::Owned(upsampled), halo, self.band_align, cout, None, &mut |piece| {
                         let params = Conv2dParams::new(1, piece.padding(own)).band_aligned(self.band_align);
                         self.conv.forward_into(piece.input, &params, piece.target)
-                    })?;
+                    })
+                })?;
                 up
             }
         };

@@ -11,6 +11,8 @@
 //! bf16 products the rows are packed in pairs, multiplied by AVX512-BF16's `vdpbf16ps` in the
 //! micro-kernel or, on a CPU with AMX, by [`amx::Session::gemm`] on the whole block at once.
 
+use std::cell::RefCell;
+use std::sync::Arc;
 use std::sync::Mutex;
 
 use rayon::prelude::*;
@@ -168,6 +170,94 @@ impl Operands {
     }
 }
 
+/// What a packing depends on: the weights (by address and length) and the layout they are
+/// packed into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PackKey {
+    weight: (usize, usize),
+    kernel: [usize; 3],
+    cin: usize,
+    cout: usize,
+    ops: Operands,
+}
+
+/// The weights whose packings are kept ([`with_packed_weights`]), and those packings.
+#[derive(Default)]
+struct PackReuse {
+    weight: Option<(usize, usize)>,
+    packs: Vec<(PackKey, Arc<PackedWeights>)>,
+}
+
+thread_local! {
+    static REUSE: RefCell<PackReuse> = RefCell::new(PackReuse::default());
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Packings made on this thread, for the tests.
+    pub(super) static PACKINGS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` with the direct convolutions' packings of `weight` kept and reused on this thread:
+/// a convolution computed in pieces (a shard's interior while its halo travels, then its edges)
+/// packs its weights once instead of once per piece. `weight` stays borrowed, so it can neither
+/// change nor be freed meanwhile; the packings are dropped when `f` returns. Nested calls keep
+/// the outer weight's packings (one weight at a time).
+pub fn with_packed_weights<R>(weight: &crate::Tensor, f: impl FnOnce() -> R) -> R {
+    let Ok(data) = weight.as_slice_f32() else { return f() };
+    let key = (data.as_ptr() as usize, data.len());
+    let outer = REUSE.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.weight.is_some() {
+            return true;
+        }
+        r.weight = Some(key);
+        false
+    });
+    if outer {
+        return f();
+    }
+    /// Drops the packings however `f` ends.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            REUSE.with(|r| *r.borrow_mut() = PackReuse::default());
+        }
+    }
+    let _reset = Reset;
+    f()
+}
+
+/// `job`'s packed weights: the kept packing when [`with_packed_weights`] covers its weights and
+/// they were packed alike before, otherwise packed now (and kept when covered).
+fn packed_weights(job: &ConvJob<'_>, ops: Operands) -> Arc<PackedWeights> {
+    let key = PackKey {
+        weight: (job.weight.as_ptr() as usize, job.weight.len()),
+        kernel: job.kernel,
+        cin: job.frames.cin,
+        cout: job.cout,
+        ops,
+    };
+    let covered = REUSE.with(|r| {
+        let r = r.borrow();
+        if r.weight != Some(key.weight) {
+            return None;
+        }
+        Some(r.packs.iter().find(|(k, _)| *k == key).map(|(_, p)| Arc::clone(p)))
+    });
+    #[cfg(test)]
+    PACKINGS.with(|n| n.set(n.get() + usize::from(!matches!(covered, Some(Some(_))))));
+    match covered {
+        Some(Some(packed)) => packed,
+        Some(None) => {
+            let packed = Arc::new(pack_weights(job, ops));
+            REUSE.with(|r| r.borrow_mut().packs.push((key, Arc::clone(&packed))));
+            packed
+        }
+        None => Arc::new(pack_weights(job, ops)),
+    }
+}
+
 /// A convolution's packed weights, starting on a 64-byte boundary.
 pub(super) struct PackedWeights {
     buf: Buffer,
@@ -284,7 +374,7 @@ pub(super) fn run(job: &ConvJob<'_>, isa: Isa, out: &mut [f32]) {
     let mr = ops.mr();
     let taps2 = kh * kw;
     let kseg = taps2 * cin;
-    let packed = pack_weights(job, ops);
+    let packed = packed_weights(job, ops);
     let elems = packed.elems;
     let blocks_of_c = cout.div_ceil(mr);
     let cout_pad = blocks_of_c * mr;

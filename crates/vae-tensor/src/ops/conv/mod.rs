@@ -20,6 +20,8 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod amx_direct;
 mod direct;
+
+pub use direct::with_packed_weights;
 mod microkernel;
 #[cfg(test)]
 mod testing;
@@ -573,6 +575,33 @@ mod tests {
             x.upsample2x_conv2d(&bad, None, &Conv2dParams::same(3)),
             Err(TensorError::ShapeMismatch { .. })
         ));
+    }
+
+    /// Inside [`with_packed_weights`] a convolution computed again with the same weights (a
+    /// shard's interior, then its edges) packs them once, with the same bits; other weights and
+    /// calls outside are packed as always.
+    #[test]
+    fn packed_weights_are_reused_inside_the_scope_only() {
+        let dev = crate::Device::Cpu;
+        let x = Tensor::from_vec(crate::ops::test_values(32 * 9 * 11, 1), [1, 32, 9, 11], &dev).unwrap();
+        let w = Tensor::from_vec(crate::ops::test_values(8 * 32 * 9, 2), [8, 32, 3, 3], &dev).unwrap();
+        let other = Tensor::from_vec(crate::ops::test_values(8 * 32 * 9, 3), [8, 32, 3, 3], &dev).unwrap();
+        // Unaligned bands: the direct kernel.
+        let params = Conv2dParams::same(3);
+        let packings = || direct::PACKINGS.with(std::cell::Cell::get);
+        let alone = x.conv2d(&w, None, &params).unwrap();
+        let before = packings();
+        let (a, b, c) = with_packed_weights(&w, || {
+            let a = x.conv2d(&w, None, &params).unwrap();
+            let b = x.conv2d(&w, None, &params).unwrap();
+            (a, b, x.conv2d(&other, None, &params).unwrap())
+        });
+        assert_eq!(packings() - before, 2, "w once, the other weights once");
+        assert!(a.bit_eq(&alone) && b.bit_eq(&alone));
+        assert!(c.bit_eq(&x.conv2d(&other, None, &params).unwrap()));
+        let before = packings();
+        assert!(x.conv2d(&w, None, &params).unwrap().bit_eq(&alone));
+        assert_eq!(packings() - before, 1, "outside the scope nothing is kept");
     }
 
     /// A window computed into a destination holds the whole convolution's bits there and leaves
