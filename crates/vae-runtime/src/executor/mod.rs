@@ -105,8 +105,9 @@ struct RankWork {
 /// Every rank of the group calls [`execute`](Self::execute) with the same input and operator.
 /// Ranks beyond the parallel size (or without tiles) join every collective and get `None` or
 /// the broadcast output. The output is bit-identical to what one rank computes alone, for any
-/// number of ranks, because tiles are computed exactly as alone and merged by one rank in the
-/// operator's own order. Holds no per-request state.
+/// number of ranks, because tiles are computed exactly as alone and every output element gets
+/// the operator's blends in the operator's own order ([`TileMerge`]). Holds no per-request
+/// state.
 pub struct DistributedVaeExecutor {
     comm: Arc<dyn Communicator>,
     requested: usize,

@@ -14,9 +14,9 @@
 //!
 //! A rank other than the owner so holds one tile output at a time (and, by edges, the edges of
 //! its next tiles) instead of all of its tiles, and the owner the output, the round's tiles (or
-//! kept parts) and, in the owner merge, the edges of one row of tiles. Each tile is computed exactly as alone and each output element
-//! gets diffusers' blends in diffusers' order, so the output is bit for bit the same for any
-//! number of ranks.
+//! kept parts) and, in the owner merge, the edges of one row of tiles. Each tile is computed
+//! exactly as alone and each output element gets diffusers' blends in diffusers' order, so the
+//! output is bit for bit the same for any number of ranks.
 
 use std::time::{Duration, Instant};
 
@@ -69,8 +69,8 @@ pub(super) fn deal<'l, P, S>(
 }
 
 /// Computes this rank's tiles (`assignment`'s; by edges, in the rounds' order, otherwise in
-/// row-major order) a round at a time and
-/// gathers every round to the owner, which merges them into the output. Returns the owner's
+/// row-major order) a round at a time and gathers every round to the owner, which merges them
+/// into the output. Returns the owner's
 /// outcome (the finished output, or the agreed error), `None` on the other ranks. A tile that
 /// fails stops this rank's tiles (and, by edges, those of every rank that reads an edge it no
 /// longer sends, and so on); the owner fails the request with the failure of the lowest rank
