@@ -7,6 +7,18 @@ use std::path::{Path, PathBuf};
 
 use support::{cli, read_npy_f32};
 
+/// The Wan fixtures' tiling: diffusers' `enable_tiling(16, 24, 8, 16)`.
+const WAN_FIXTURE_TILING: [&str; 8] = [
+    "--tile-sample-min-height",
+    "16",
+    "--tile-sample-min-width",
+    "24",
+    "--tile-sample-stride-height",
+    "8",
+    "--tile-sample-stride-width",
+    "16",
+];
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/autoencoder_kl")
 }
@@ -434,25 +446,10 @@ fn video_vaes_decode_and_encode_through_the_cli() {
     };
     // Tiled decode on 3 ranks with diffusers' enable_tiling(16, 24, 8, 16).
     let out = dir.join("tiled.npy");
-    let (ok, text) = cli(&[
-        "decode",
-        "--model",
-        s(&wan.join("wan21_like")),
-        "--latent",
-        s(&wan.join("wan21_like.decode_tiled.in.npy")),
-        "--out",
-        s(&out),
-        "--vae-patch-parallel-size",
-        "3",
-        "--tile-sample-min-height",
-        "16",
-        "--tile-sample-min-width",
-        "24",
-        "--tile-sample-stride-height",
-        "8",
-        "--tile-sample-stride-width",
-        "16",
-    ]);
+    let (model, latent) = (wan.join("wan21_like"), wan.join("wan21_like.decode_tiled.in.npy"));
+    let args = ["decode", "--model", s(&model), "--latent", s(&latent)];
+    let (ok, text) =
+        cli(&[&args[..], &WAN_FIXTURE_TILING, &["--out", s(&out), "--vae-patch-parallel-size", "3"]].concat());
     assert!(ok, "{text}");
     assert!(close(&out, &wan.join("wan21_like.decode_tiled.out.npy")) <= 1e-4);
 
@@ -1070,21 +1067,7 @@ fn a_tile_merge_by_edges_writes_the_owner_merges_bytes() {
         f.join("flux1_like.encode_tiled.in.npy"),
     ];
     let sd = ["decode", "--model", s(&paths[0]), "--latent", s(&paths[1])];
-    let wan_args = [
-        "decode",
-        "--model",
-        s(&paths[2]),
-        "--latent",
-        s(&paths[3]),
-        "--tile-sample-min-height",
-        "16",
-        "--tile-sample-min-width",
-        "24",
-        "--tile-sample-stride-height",
-        "8",
-        "--tile-sample-stride-width",
-        "16",
-    ];
+    let wan_args = [&["decode", "--model", s(&paths[2]), "--latent", s(&paths[3])][..], &WAN_FIXTURE_TILING].concat();
     let encode = ["encode", "--model", s(&paths[4]), "--input", s(&paths[5]), "--output", "moments"];
     let config = dir.join("edges.toml");
     std::fs::write(&config, "tile_merge = \"edges\"\n").unwrap();

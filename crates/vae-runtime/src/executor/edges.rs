@@ -105,7 +105,8 @@ impl EdgeRounds {
         self.order.iter().position(|&id| id == tile_id)
     }
 
-    fn coord(&self, k: usize) -> [usize; 2] {
+    /// The grid coordinate of tile `k` (row-major).
+    pub(super) fn coord(&self, k: usize) -> [usize; 2] {
         let cols = self.merge.grid_shape()[1];
         [k / cols, k % cols]
     }
@@ -214,11 +215,6 @@ impl EdgeRounds {
             }
         }
         Ok(complete.then_some(edges))
-    }
-
-    /// The grid coordinate of tile `k`.
-    pub(super) fn coord_of(&self, k: usize) -> [usize; 2] {
-        self.coord(k)
     }
 
     /// From now on this rank computes nothing more: it drops the edges it holds and those that
@@ -333,10 +329,7 @@ fn schedule(merge: &EdgeMerge, work: &[u64], ranks: usize) -> (Vec<Vec<Option<us
 
 #[cfg(test)]
 mod tests {
-    use vae_planner::MergeRule;
-
     use super::*;
-    use crate::stitch::{StitchLayout, StitchSpec};
 
     /// A 2 × 2 grid of full tiles on two ranks: rounds [0, 1] and [2, 3], so rank 1 computes
     /// tiles 1 and 3, and in round 0 rank 0's tile 0 owes rank 1 tile 1's Left edge.
@@ -397,10 +390,7 @@ mod tests {
     }
 
     fn merge(heights: Vec<usize>, widths: Vec<usize>) -> EdgeMerge {
-        let rule = MergeRule { blend: 2, keep: 6, final_crop: None };
-        let layout =
-            StitchLayout { spec: StitchSpec { dims: [2, 3], rules: [rule, rule] }, tile_extents: [heights, widths] };
-        EdgeMerge::new(&layout).unwrap().unwrap()
+        EdgeMerge::new(&crate::stitch::tests::layout(heights, widths, 2, 6, None)).unwrap().unwrap()
     }
 
     /// Every tile runs once, in a round no earlier than the neighbours it reads, at most one per

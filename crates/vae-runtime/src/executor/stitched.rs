@@ -127,7 +127,7 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
             let clock = Instant::now();
             let raw = local.outputs.pop();
             let raw = match raw.map(|(id, t)| (edges.index_of(id), id, t)) {
-                Some((Some(k), id, t)) => match edges.merge().check_tile(edges.coord_of(k), &t) {
+                Some((Some(k), id, t)) => match edges.merge().check_tile(edges.coord(k), &t) {
                     Ok(()) => Some((k, id, t)),
                     Err(err) => {
                         local.error = Some((id, Failure::from(err.to_string())));
@@ -150,7 +150,7 @@ pub(super) fn compute_and_stitch<O: TileOperator>(
                         edges.stop();
                     }
                     Some(mut got) => {
-                        let part = edges.merge().blend_and_crop(edges.coord_of(k), t, |edge| {
+                        let part = edges.merge().blend_and_crop(edges.coord(k), t, |edge| {
                             got.remove(&edge).ok_or_else(|| RuntimeError::Inconsistent(format!("no {edge:?} edge")))
                         });
                         match part {

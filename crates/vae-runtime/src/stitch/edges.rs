@@ -129,25 +129,8 @@ impl EdgeMerge {
     /// Checks that the output of tile `coord` has the extents of its row and column, as the
     /// owner's stitch does.
     pub fn check_tile(&self, coord: [usize; 2], tile: &Tensor) -> Result<(), RuntimeError> {
-        let [vdim, hdim] = self.spec.dims;
-        let [i, j] = coord;
-        let [rows, cols] = self.grid_shape();
-        if i >= rows || j >= cols {
-            return Err(RuntimeError::Config(format!("tile [{i}, {j}] is outside the {rows} × {cols} grid")));
-        }
-        if tile.rank() <= vdim.max(hdim) {
-            return Err(super::lacks_dims(coord, tile, &self.spec));
-        }
-        let expected = [self.merges[0].tile_output_extents()[i], self.merges[1].tile_output_extents()[j]];
-        if [tile.dims()[vdim], tile.dims()[hdim]] != expected {
-            return Err(RuntimeError::Config(format!(
-                "tile [{i}, {j}] of shape {} does not line up with its row and column ({} × {} along dimensions {vdim} and {hdim})",
-                tile.shape(),
-                expected[0],
-                expected[1]
-            )));
-        }
-        Ok(())
+        super::check_in_grid(coord, self.grid_shape())?;
+        super::check_tile_extents(coord, tile, &self.spec, &self.merges)
     }
 
     /// The part of `from`'s raw output that tile `to` reads as `edge`, as a tensor of its own.
@@ -285,21 +268,15 @@ impl Assembly {
     /// Copies the kept part of tile `coord` ([`EdgeMerge::blend_and_crop`]'s) into the output.
     /// A tile outside the grid, one given twice, or a part of another shape is an error.
     pub fn push(&mut self, coord: [usize; 2], part: Tensor) -> Result<(), RuntimeError> {
-        let [rows, cols] = self.merge.grid_shape();
+        super::check_in_grid(coord, self.merge.grid_shape())?;
         let [i, j] = coord;
-        if i >= rows || j >= cols {
-            return Err(RuntimeError::Config(format!("tile [{i}, {j}] is outside the {rows} × {cols} grid")));
-        }
-        if std::mem::replace(&mut self.placed[i * cols + j], true) {
+        if std::mem::replace(&mut self.placed[i * self.merge.grid_shape()[1] + j], true) {
             return Err(RuntimeError::Config(format!("tile [{i}, {j}] was given twice")));
         }
         let spec = self.merge.spec;
-        let [vdim, hdim] = spec.dims;
-        if part.rank() <= vdim.max(hdim) {
-            return Err(super::lacks_dims(coord, &part, &spec));
-        }
         let kept = self.merge.kept_extents(coord);
-        if [part.dims()[vdim], part.dims()[hdim]] != kept {
+        if super::tiled_extents(coord, &part, &spec)? != kept {
+            let [vdim, hdim] = spec.dims;
             return Err(RuntimeError::Config(format!(
                 "the kept part of tile [{i}, {j}] has shape {}, not {} × {} along dimensions {vdim} and {hdim}",
                 part.shape(),
@@ -307,32 +284,9 @@ impl Assembly {
                 kept[1]
             )));
         }
-        let out = match &mut self.out {
-            Some(out) => out,
-            empty => {
-                let mut dims = part.dims().to_vec();
-                [dims[vdim], dims[hdim]] = self.merge.output_extents();
-                empty.insert(Tensor::zeros(dims, part.dtype(), &part.device())?)
-            }
-        };
-        let lines_up = part.rank() == out.rank()
-            && part.dtype() == out.dtype()
-            && part.dims().iter().zip(out.dims()).enumerate().all(|(d, (a, b))| d == vdim || d == hdim || a == b);
-        if !lines_up {
-            return Err(RuntimeError::Config(format!(
-                "the kept part of tile [{i}, {j}] ({} of {}) does not line up with the output ({} of {})",
-                part.shape(),
-                part.dtype(),
-                out.shape(),
-                out.dtype()
-            )));
-        }
+        let out = super::output_for(&mut self.out, coord, &part, &spec, self.merge.output_extents())?;
         let (v, h) = self.merge.segments(coord);
-        let mut at = vec![0; out.rank()];
-        [at[vdim], at[hdim]] = [v.dst.start, h.dst.start];
-        let extent = part.dims().to_vec();
-        out.copy_box_from(&at, &part, &vec![0; part.rank()], &extent)?;
-        Ok(())
+        super::place_kept(out, &part, &spec, [&v, &h])
     }
 
     /// The merged output, once every tile's kept part has arrived.
@@ -378,20 +332,12 @@ fn blend(prev: &Tensor, cur: &mut Tensor, dim: usize, e: usize) -> Result<(), Ru
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use vae_planner::MergeRule;
     use vae_tensor::Device;
 
     use super::*;
     use crate::TileMap;
     use crate::stitch::stitch_layout;
-
-    fn layout(heights: Vec<usize>, widths: Vec<usize>, rule: MergeRule) -> StitchLayout {
-        StitchLayout { spec: StitchSpec { dims: [2, 3], rules: [rule, rule] }, tile_extents: [heights, widths] }
-    }
-
-    fn tile(h: usize, w: usize, seed: u64) -> Tensor {
-        Tensor::seeded_uniform(vec![1, 2, h, w], seed, -1.0, 1.0, &Device::Cpu).unwrap()
-    }
+    use crate::stitch::tests::{layout, ragged, tile};
 
     /// Merges every tile from its raw output and its neighbours' raw edges alone, as ranks do,
     /// the kept parts assembled in reverse order.
@@ -428,9 +374,7 @@ mod tests {
             keep in 1usize..14,
             crop in prop::option::of(1usize..40),
         ) {
-            let extents = |n: usize| (0..n).map(|k| if k + 1 == n { last.min(full) } else { full }).collect::<Vec<_>>();
-            let rule = MergeRule { blend, keep, final_crop: crop };
-            let layout = layout(extents(rows), extents(cols), rule);
+            let layout = layout(ragged(rows, full, last), ragged(cols, full, last), blend, keep, crop);
             let merge = EdgeMerge::new(&layout).unwrap();
             if 2 * blend <= full {
                 prop_assert!(merge.is_some());
@@ -457,18 +401,15 @@ mod tests {
 
     #[test]
     fn an_overlap_past_half_a_tile_is_refused() {
-        let rule = MergeRule { blend: 5, keep: 3, final_crop: None };
-        assert!(EdgeMerge::new(&layout(vec![8, 8, 8], vec![8], rule)).unwrap().is_none());
+        assert!(EdgeMerge::new(&layout(vec![8, 8, 8], vec![8], 5, 3, None)).unwrap().is_none());
         // Two rows: the first tile has no leading ramp, so the second reads it raw.
-        assert!(EdgeMerge::new(&layout(vec![8, 8], vec![8], rule)).unwrap().is_some());
-        let rule = MergeRule { blend: 4, keep: 4, final_crop: None };
-        assert!(EdgeMerge::new(&layout(vec![8, 8], vec![8], rule)).unwrap().is_some());
+        assert!(EdgeMerge::new(&layout(vec![8, 8], vec![8], 5, 3, None)).unwrap().is_some());
+        assert!(EdgeMerge::new(&layout(vec![8, 8], vec![8], 4, 4, None)).unwrap().is_some());
     }
 
     #[test]
     fn a_part_twice_outside_the_grid_of_another_shape_or_missing_is_an_error() {
-        let rule = MergeRule { blend: 2, keep: 6, final_crop: None };
-        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], rule)).unwrap().unwrap();
+        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], 2, 6, None)).unwrap().unwrap();
         let mut assembly = Assembly::new(merge);
         assembly.push([0, 1], tile(6, 6, 1)).unwrap();
         let twice = assembly.push([0, 1], tile(6, 6, 1)).unwrap_err();
@@ -486,14 +427,12 @@ mod tests {
 
     #[test]
     fn edges_name_their_readers_and_only_those() {
-        let rule = MergeRule { blend: 2, keep: 6, final_crop: None };
-        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], rule)).unwrap().unwrap();
+        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], 2, 6, None)).unwrap().unwrap();
         let readers: Vec<_> = merge.readers([0, 0]).collect();
         assert_eq!(readers, vec![([1, 0], Edge::Above), ([0, 1], Edge::Left), ([1, 1], Edge::Corner)]);
         assert_eq!(merge.readers([1, 1]).count(), 0);
         assert_eq!(merge.source([0, 1], Edge::Above), None);
-        let flat = MergeRule { blend: 0, keep: 8, final_crop: None };
-        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], flat)).unwrap().unwrap();
+        let merge = EdgeMerge::new(&layout(vec![8, 8], vec![8, 8], 0, 8, None)).unwrap().unwrap();
         assert_eq!(merge.readers([0, 0]).count(), 0);
         for tag in 0..3 {
             assert_eq!(Edge::from_tag(tag).map(Edge::tag), Some(tag));

@@ -17,7 +17,7 @@ mod edges;
 
 use std::collections::BTreeMap;
 
-use vae_planner::{AxisMerge, BlendRamp, MergeRule};
+use vae_planner::{AxisMerge, BlendRamp, CropSegment, MergeRule};
 use vae_tensor::Tensor;
 
 use crate::{RuntimeError, TileMap};
@@ -135,28 +135,13 @@ impl Stitcher {
     /// come. A tile outside the grid, one already given, or one whose extents are not the
     /// layout's is an error.
     pub fn push(&mut self, coord: [usize; 2], tile: Tensor) -> Result<(), RuntimeError> {
-        let [rows, cols] = self.grid_shape();
+        check_in_grid(coord, self.grid_shape())?;
         let [i, j] = coord;
-        if i >= rows || j >= cols {
-            return Err(RuntimeError::Config(format!("tile [{i}, {j}] is outside the {rows} × {cols} grid")));
-        }
-        let index = i * cols + j;
+        let index = i * self.grid_shape()[1] + j;
         if index < self.next || self.pending.contains_key(&index) {
             return Err(RuntimeError::Config(format!("tile [{i}, {j}] was given twice")));
         }
-        let [vdim, hdim] = self.spec.dims;
-        if tile.rank() <= vdim.max(hdim) {
-            return Err(lacks_dims(coord, &tile, &self.spec));
-        }
-        let expected = [self.merges[0].tile_output_extents()[i], self.merges[1].tile_output_extents()[j]];
-        if [tile.dims()[vdim], tile.dims()[hdim]] != expected {
-            return Err(RuntimeError::Config(format!(
-                "tile [{i}, {j}] of shape {} does not line up with its row and column ({} × {} along dimensions {vdim} and {hdim})",
-                tile.shape(),
-                expected[0],
-                expected[1]
-            )));
-        }
+        check_tile_extents(coord, &tile, &self.spec, &self.merges)?;
         self.pending.insert(index, tile);
         while let Some(tile) = self.pending.remove(&self.next) {
             self.merge_next(tile)?;
@@ -180,26 +165,8 @@ impl Stitcher {
         let (i, j) = (self.next / cols, self.next % cols);
         let [vdim, hdim] = self.spec.dims;
         let [vblend, hblend] = [self.spec.rules[0].blend, self.spec.rules[1].blend];
-        let out_dims = match &self.out {
-            Some(out) => out.dims().to_vec(),
-            None => {
-                let mut dims = tile.dims().to_vec();
-                dims[vdim] = self.merges[0].output_extent();
-                dims[hdim] = self.merges[1].output_extent();
-                self.out = Some(Tensor::zeros(dims.clone(), tile.dtype(), &tile.device())?);
-                dims
-            }
-        };
-        // torch.cat would refuse tiles that do not line up; so do we.
-        let lines_up = tile.rank() == out_dims.len()
-            && tile.dims().iter().zip(&out_dims).enumerate().all(|(d, (a, b))| d == vdim || d == hdim || a == b);
-        if !lines_up {
-            return Err(RuntimeError::Config(format!(
-                "tile [{i}, {j}] of shape {} does not line up with the output {:?}",
-                tile.shape(),
-                out_dims
-            )));
-        }
+        let extents = [self.merges[0].output_extent(), self.merges[1].output_extent()];
+        output_for(&mut self.out, [i, j], &tile, &self.spec, extents)?;
         if let Some(above) = self.above[j].take() {
             blend(&above, &mut tile, vdim, vblend)?;
         }
@@ -213,25 +180,106 @@ impl Stitcher {
         }
         self.left = if j + 1 < cols { Some(trailing(&tile, hdim, hblend)?) } else { None };
 
-        let (v, h) = (self.merges[0].crop_segment(i), self.merges[1].crop_segment(j));
-        if let (Some(v), Some(h), Some(out)) = (v, h, self.out.as_mut())
-            && !v.is_empty()
-            && !h.is_empty()
+        if let (Some(v), Some(h), Some(out)) =
+            (self.merges[0].crop_segment(i), self.merges[1].crop_segment(j), self.out.as_mut())
         {
-            let mut src_off = vec![0; out_dims.len()];
-            let mut dst_off = vec![0; out_dims.len()];
-            let mut extent = out_dims.clone();
-            src_off[vdim] = v.src.start;
-            dst_off[vdim] = v.dst.start;
-            extent[vdim] = v.len();
-            src_off[hdim] = h.src.start;
-            dst_off[hdim] = h.dst.start;
-            extent[hdim] = h.len();
-            out.copy_box_from(&dst_off, &tile, &src_off, &extent)?;
+            place_kept(out, &tile, &self.spec, [&v, &h])?;
         }
         self.next += 1;
         Ok(())
     }
+}
+
+/// A tile outside a `[rows, cols]` grid is an error.
+fn check_in_grid(coord: [usize; 2], [rows, cols]: [usize; 2]) -> Result<(), RuntimeError> {
+    let [i, j] = coord;
+    if i >= rows || j >= cols {
+        return Err(RuntimeError::Config(format!("tile [{i}, {j}] is outside the {rows} × {cols} grid")));
+    }
+    Ok(())
+}
+
+/// The extents of `t` along the two tiled dimensions; a tensor without them is an error.
+fn tiled_extents(coord: [usize; 2], t: &Tensor, spec: &StitchSpec) -> Result<[usize; 2], RuntimeError> {
+    let [vdim, hdim] = spec.dims;
+    if t.rank() <= vdim.max(hdim) {
+        return Err(lacks_dims(coord, t, spec));
+    }
+    Ok([t.dims()[vdim], t.dims()[hdim]])
+}
+
+/// Checks that tile `coord` (inside the grid) came out with the output extents of its row and
+/// column, as `merges` predict them.
+fn check_tile_extents(
+    coord: [usize; 2],
+    tile: &Tensor,
+    spec: &StitchSpec,
+    merges: &[AxisMerge; 2],
+) -> Result<(), RuntimeError> {
+    let [i, j] = coord;
+    let expected = [merges[0].tile_output_extents()[i], merges[1].tile_output_extents()[j]];
+    if tiled_extents(coord, tile, spec)? != expected {
+        let [vdim, hdim] = spec.dims;
+        return Err(RuntimeError::Config(format!(
+            "tile [{i}, {j}] of shape {} does not line up with its row and column ({} × {} along dimensions {vdim} and {hdim})",
+            tile.shape(),
+            expected[0],
+            expected[1]
+        )));
+    }
+    Ok(())
+}
+
+/// The merged output: allocated like `tile` the first time (with `extents` along the tiled
+/// dimensions). Like `torch.cat`, refuses a tile whose other dimensions differ from it.
+fn output_for<'o>(
+    out: &'o mut Option<Tensor>,
+    coord: [usize; 2],
+    tile: &Tensor,
+    spec: &StitchSpec,
+    extents: [usize; 2],
+) -> Result<&'o mut Tensor, RuntimeError> {
+    let [vdim, hdim] = spec.dims;
+    let out = match out {
+        Some(out) => out,
+        empty => {
+            let mut dims = tile.dims().to_vec();
+            [dims[vdim], dims[hdim]] = extents;
+            empty.insert(Tensor::zeros(dims, tile.dtype(), &tile.device())?)
+        }
+    };
+    let lines_up = tile.rank() == out.rank()
+        && tile.dims().iter().zip(out.dims()).enumerate().all(|(d, (a, b))| d == vdim || d == hdim || a == b);
+    if !lines_up {
+        return Err(RuntimeError::Config(format!(
+            "tile [{}, {}] of shape {} does not line up with the output {:?}",
+            coord[0],
+            coord[1],
+            tile.shape(),
+            out.dims()
+        )));
+    }
+    Ok(out)
+}
+
+/// Copies the kept part of `tile` (its leading `v.len() × h.len()`: a crop segment's source
+/// always starts at 0) to the segments' place in `out`.
+fn place_kept(
+    out: &mut Tensor,
+    tile: &Tensor,
+    spec: &StitchSpec,
+    [v, h]: [&CropSegment; 2],
+) -> Result<(), RuntimeError> {
+    if v.is_empty() || h.is_empty() {
+        return Ok(());
+    }
+    let [vdim, hdim] = spec.dims;
+    let mut at = vec![0; out.rank()];
+    let mut extent = out.dims().to_vec();
+    [at[vdim], at[hdim]] = [v.dst.start, h.dst.start];
+    [extent[vdim], extent[hdim]] = [v.len(), h.len()];
+    out.copy_box_from(&at, tile, &vec![0; out.rank()], &extent)?;
+    Ok(())
 }
 
 /// The error for a tile without both tiled dimensions.
@@ -325,21 +373,34 @@ pub fn stitch_layout(mut tiles: TileMap, layout: &StitchLayout) -> Result<Tensor
     stitcher.finish()
 }
 
+/// Layouts and tiles for the merges' tests (here and in [`edges`] and the executor).
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use proptest::prelude::*;
     use vae_tensor::Device;
 
     use super::*;
 
     /// A layout over NCHW tiles with rows and columns of the given output extents.
-    fn layout(heights: Vec<usize>, widths: Vec<usize>, blend: usize, keep: usize, crop: Option<usize>) -> StitchLayout {
+    pub(crate) fn layout(
+        heights: Vec<usize>,
+        widths: Vec<usize>,
+        blend: usize,
+        keep: usize,
+        crop: Option<usize>,
+    ) -> StitchLayout {
         let rule = MergeRule { blend, keep, final_crop: crop };
         StitchLayout { spec: StitchSpec { dims: [2, 3], rules: [rule, rule] }, tile_extents: [heights, widths] }
     }
 
-    fn tile(h: usize, w: usize, seed: u64) -> Tensor {
+    /// Seeded `[1, 2, h, w]` values.
+    pub(crate) fn tile(h: usize, w: usize, seed: u64) -> Tensor {
         Tensor::seeded_uniform(vec![1, 2, h, w], seed, -1.0, 1.0, &Device::Cpu).unwrap()
+    }
+
+    /// `n` extents of `full`, the last one `last` (at most `full`): a ragged last tile.
+    pub(crate) fn ragged(n: usize, full: usize, last: usize) -> Vec<usize> {
+        (0..n).map(|k| if k + 1 == n { last.min(full) } else { full }).collect()
     }
 
     fn tiles_of(layout: &StitchLayout) -> Vec<([usize; 2], Tensor)> {
@@ -376,8 +437,7 @@ mod tests {
             crop in prop::option::of(1usize..40),
             order_seed in any::<u64>(),
         ) {
-            let extents = |n: usize| (0..n).map(|k| if k + 1 == n { last.min(full) } else { full }).collect::<Vec<_>>();
-            let layout = layout(extents(rows), extents(cols), blend, keep, crop);
+            let layout = layout(ragged(rows, full, last), ragged(cols, full, last), blend, keep, crop);
             let tiles = tiles_of(&layout);
             let expected = stitch(whole_map(&tiles), layout.grid_shape(), &layout.spec).unwrap();
 
