@@ -1,7 +1,13 @@
 //! `calibrate`: measures this machine's constants for the cost model
-//! ([`vae_parallel::planner::cost::DeviceProfile`]) and writes them as TOML: the convolution
-//! shapes the image VAEs run (one thread), a GroupNorm + SiLU pass, attention, the speed-up of
-//! more threads, a convolution's scratch, and the in-process link between two ranks.
+//! ([`vae_parallel::planner::cost::DeviceProfile`]) and writes them as TOML.
+//!
+//! On the CPU: the convolution shapes the image and video VAEs run (one thread), a GroupNorm +
+//! SiLU pass, attention, the speed-up of more threads, a convolution's scratch, and the
+//! in-process link between two ranks. On a GPU (`--device cuda`, in `--dtype`): the same
+//! shapes on the whole device, each at two map sizes so that a call's fixed cost (launches, a
+//! map too small to fill the device) separates from its rate, the fixed cost of a small op, a
+//! device-to-device copy for the link between ranks sharing the GPU, and the scratch a
+//! convolution allocates on the device.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,23 +16,38 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::planner::cost::{ConvRate, DeviceProfile};
-use vae_parallel::tensor::{Conv2dParams, Conv3dParams, Device, Tensor};
+use vae_parallel::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
+use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
+use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, TransportConfig, run_local};
+
+use crate::model_cmds::{ComputeType, compute_type};
 
 /// `vae-parallel calibrate`.
 #[derive(Debug, Args)]
 pub struct CalibrateArgs {
     /// Where to write the profile (default: the place `plan`, `decode` and `encode` read it
-    /// from, `$XDG_CONFIG_HOME/vae-parallel/cpu-profile.toml` or under `~/.config`).
+    /// from, `$XDG_CONFIG_HOME/vae-parallel/cpu-profile.toml` or under `~/.config`; for a GPU
+    /// `cuda-profile.toml` beside it, which they read only when named with `--profile`).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Threads of the multi-thread measurement (default: all cores).
+    /// Threads of the multi-thread measurement (default: all cores; CPU only).
     #[arg(long)]
     threads: Option<usize>,
     /// Smaller problems: about a quarter of the time, noisier figures.
     #[arg(long)]
     quick: bool,
+    /// `cpu` (default) or `cuda[:N]`: the device to measure (without a usable GPU, a warning
+    /// and the CPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// The element type a GPU is measured in: `f32`, `bf16` or `tf32` (the CPU: f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Divides every map's sides (1: the sizes the constants are meant for; larger only to
+    /// check that the command runs, the figures then meaningless).
+    #[arg(long, default_value_t = 1)]
+    downscale: usize,
 }
 
 /// The convolutions measured: `(kernel [t, h, w], align, C_in, C_out)` of the AutoencoderKL
@@ -100,29 +121,84 @@ fn conv_rate(&(kernel, align, cin, cout): &([usize; 3], usize, usize, usize), bu
         best_of(2, || Ok(x.conv2d(&w, Some(&b), &params)?))?
     };
     let macs = per_pixel * (frames * side * side) as f64;
-    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: macs / seconds / 1e9 })
+    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: macs / seconds / 1e9, call_us: 0.0 })
 }
 
 /// `vae-parallel calibrate`.
 pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let threads = args.threads.unwrap_or(cores).max(1);
+    anyhow::ensure!(args.downscale >= 1, "--downscale must be at least 1");
+    let requested: Device = args.device.parse()?;
+    let (device, fallback) = resolve_device(requested);
+    if let Some(why) = fallback {
+        eprintln!("warning: --device {requested}: {why}");
+    }
+    let (profile, kind) = match device {
+        Device::Cpu => {
+            anyhow::ensure!(
+                args.dtype.trim() == "f32",
+                "calibrate measures the CPU in f32 (the cost model's CPU rates); --dtype {} is for --device cuda",
+                args.dtype
+            );
+            (cpu_profile(args)?, DeviceKind::Cpu)
+        }
+        Device::Cuda(ordinal) => (cuda_profile(ordinal, compute_type(&args.dtype, device)?, args)?, DeviceKind::Cuda),
+    };
     let out = match &args.out {
         Some(p) => p.clone(),
-        None => vae_parallel::cost::default_profile_path().context("no HOME to put the profile under: pass --out")?,
+        None => {
+            vae_parallel::cost::default_profile_path(kind).context("no HOME to put the profile under: pass --out")?
+        }
     };
-    let budget = if args.quick { 1e9 } else { 4e9 };
+    profile.validate().map_err(|e| anyhow::anyhow!("the measured constants are not usable: {e}"))?;
+    let text = toml::to_string_pretty(&profile).context("serialising the profile")?;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let mut staged = vae_parallel::output::Staged::new();
+    staged.add(&out, text.as_bytes())?;
+    staged.commit()?;
+    println!("wrote {}", out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The source line of a profile this command writes.
+fn source(args: &CalibrateArgs) -> String {
+    let mut flags = String::new();
+    if args.quick {
+        flags.push_str(" --quick");
+    }
+    if args.downscale > 1 {
+        flags.push_str(&format!(" --downscale {}", args.downscale));
+    }
+    format!("vae-parallel calibrate {}{flags}", env!("CARGO_PKG_VERSION"))
+}
+
+fn print_conv(c: &ConvRate) {
+    eprintln!(
+        "  conv {}x{}x{} align {} {:>3} -> {:>3}: {:9.1} GMAC/s{}",
+        c.kernel[0],
+        c.kernel[1],
+        c.kernel[2],
+        c.align,
+        c.in_channels,
+        c.out_channels,
+        c.gmacs,
+        if c.call_us > 0.0 { format!(", {:.1} µs a call", c.call_us) } else { String::new() }
+    );
+}
+
+/// The CPU's constants, f32.
+fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let threads = args.threads.unwrap_or(cores).max(1);
+    let down = (args.downscale * args.downscale) as f64;
+    let budget = if args.quick { 1e9 } else { 4e9 } / down;
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
     let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
 
     eprintln!("calibrating on {} thread(s) of {cores} core(s) …", threads);
     let convs = one.install(|| SHAPES.iter().map(|s| conv_rate(s, budget)).collect::<anyhow::Result<Vec<_>>>())?;
-    for c in &convs {
-        eprintln!(
-            "  conv {}x{}x{} align {} {:>3} -> {:>3}: {:6.1} GMAC/s",
-            c.kernel[0], c.kernel[1], c.kernel[2], c.align, c.in_channels, c.out_channels, c.gmacs
-        );
-    }
+    convs.iter().for_each(print_conv);
     // Thread scaling: the decoder's largest 3×3 class on every thread against one, measured
     // alternately three times (the best of each), so that a drift of the machine's speed
     // between the two does not read as scaling.
@@ -137,7 +213,7 @@ pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     eprintln!("  {threads} thread(s): {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
 
     // GroupNorm + SiLU: bytes read and written.
-    let side = if args.quick { 128 } else { 256 };
+    let side = (if args.quick { 128 } else { 256 } / args.downscale).max(8);
     let map = uniform(vec![1, 128, side, side], 4)?;
     let (gamma, beta) = (uniform(vec![128], 5)?, uniform(vec![128], 6)?);
     let seconds = one.install(|| best_of(2, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?)))?;
@@ -145,7 +221,7 @@ pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
 
     // Attention over a 32×32 (64×64) map of 512 channels.
-    let n = if args.quick { 1024 } else { 4096 };
+    let n = (if args.quick { 1024 } else { 4096 } / down as usize).max(64);
     let q = uniform(vec![1, n, 512], 7)?;
     let seconds = one.install(|| best_of(1, || Ok(Tensor::attention(&q, &q, &q)?)))?;
     let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
@@ -171,32 +247,192 @@ pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let (link_latency_us, link_gbps) = link()?;
     eprintln!("  link (threads): {link_latency_us:.1} µs, {link_gbps:.2} GB/s");
 
-    let profile = DeviceProfile {
+    Ok(DeviceProfile {
         device: format!("cpu: {}", cpu_name()),
-        source: format!(
-            "vae-parallel calibrate {}{}",
-            env!("CARGO_PKG_VERSION"),
-            if args.quick { " --quick" } else { "" }
-        ),
+        kind: DeviceKind::Cpu,
+        dtype: "f32".into(),
+        source: source(args),
         cores,
         threads,
         thread_efficiency,
         convs,
         elementwise_gbps,
         attention_gmacs,
+        op_call_us: 0.0,
         link_latency_us,
         link_gbps,
         conv_scratch_bytes,
-    };
-    let text = toml::to_string_pretty(&profile).context("serialising the profile")?;
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    })
+}
+
+/// Seconds per call of `f` on `device` when `calls` run back to back (as a decode queues
+/// them) and the device is waited for once: the best of `reps` such batches after one
+/// untimed call. The outputs live until the wait, so that no buffer is reused early.
+fn per_call<T>(
+    device: Device,
+    calls: usize,
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<f64> {
+    drop(f()?);
+    synchronize(device)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let outs = (0..calls).map(|_| f()).collect::<anyhow::Result<Vec<T>>>()?;
+        synchronize(device)?;
+        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
+        drop(outs);
     }
-    let mut staged = vae_parallel::output::Staged::new();
-    staged.add(&out, text.as_bytes())?;
-    staged.commit()?;
-    println!("wrote {}", out.display());
-    Ok(ExitCode::SUCCESS)
+    Ok(best)
+}
+
+/// Batches of calls timed: three, or one where a single call is asked for (a downscaled run).
+fn reps(calls: usize) -> usize {
+    if calls > 1 { 3 } else { 1 }
+}
+
+/// One convolution on the GPU: its seconds per call at a map of `side`² pixels (a 3-D one
+/// over 4 output frames) and the multiply-adds of that call.
+fn cuda_conv_call(
+    device: Device,
+    dtype: DType,
+    &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
+    side: usize,
+    calls: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let [kt, k, _] = kernel;
+    let frames = if kt > 1 { 4 } else { 1 };
+    let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
+    let w = on(uniform(vec![cout, cin, kt, k, k], 2)?.mul_scalar(0.05)?)?;
+    let b = uniform(vec![cout], 3)?.to_device(&device)?;
+    let seconds = if kt > 1 {
+        let x = on(uniform(vec![1, cin, frames + kt - 1, side, side], 1)?)?;
+        let p = k / 2;
+        let params = Conv3dParams::new([1, 1, 1], [0, 0, p, p, p, p]).band_aligned(align);
+        per_call(device, calls, reps(calls), || Ok(x.conv3d(&w, Some(&b), &params)?))?
+    } else {
+        let x = on(uniform(vec![1, cin, side, side], 1)?)?;
+        let w = w.reshape(vec![cout, cin, k, k])?;
+        let params = Conv2dParams::same(k).band_aligned(align);
+        per_call(device, calls, reps(calls), || Ok(x.conv2d(&w, Some(&b), &params)?))?
+    };
+    let macs = (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64;
+    Ok((seconds, macs))
+}
+
+/// A convolution's rate and fixed cost on the GPU, from a large map (`side`², which fills the
+/// device) and one with a sixteenth of its pixels: `t = call + macs / rate` through both.
+fn cuda_conv_rate(
+    device: Device,
+    dtype: DType,
+    shape: &([usize; 3], usize, usize, usize),
+    budget: f64,
+    downscale: usize,
+) -> anyhow::Result<ConvRate> {
+    let &(kernel, align, cin, cout) = shape;
+    let frames = if kernel[0] > 1 { 4.0 } else { 1.0 };
+    let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
+    let least = (32 / downscale).max(4);
+    let side = ((budget / per_pixel / frames).sqrt() as usize).clamp(least, 1024) / 4 * 4;
+    // A downscaled run only checks that the command works: one call of each.
+    let calls = |n: usize| if downscale > 1 { 1 } else { n };
+    let (t_large, m_large) = cuda_conv_call(device, dtype, shape, side, calls(4))?;
+    let (t_small, m_small) = cuda_conv_call(device, dtype, shape, (side / 4).max(least), calls(16))?;
+    let slope = (m_large - m_small) / (t_large - t_small);
+    let (rate, call) = if slope.is_finite() && slope > 0.0 && t_small - m_small / slope >= 0.0 {
+        (slope, t_small - m_small / slope)
+    } else {
+        // Timing noise at this size: the large map's average, and what the small one lost.
+        let rate = m_large / t_large;
+        (rate, (t_small - m_small / rate).max(0.0))
+    };
+    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
+}
+
+/// The constants of GPU `ordinal` in `compute`: one whole GPU, which ranks sharing it divide.
+fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
+    let device = Device::Cuda(ordinal);
+    let info = probe(ordinal).map_err(anyhow::Error::msg)?;
+    let dtype = compute.dtype;
+    let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
+    let down = (args.downscale * args.downscale) as f64;
+    let budget = if args.quick { 2.5e10 } else { 1e11 } / down;
+    let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
+    let elem = dtype.size_in_bytes();
+    // A downscaled run only checks that the command works: one call of each.
+    let calls = |n: usize| if args.downscale > 1 { 1 } else { n };
+    eprintln!("calibrating {} ({device}) in {compute} …", info.name);
+
+    let convs = SHAPES
+        .iter()
+        .map(|s| cuda_conv_rate(device, dtype, s, budget, args.downscale))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    convs.iter().for_each(print_conv);
+
+    // GroupNorm + SiLU over a large map: bytes read and written.
+    let side = (if args.quick { 512 } else { 1024 } / args.downscale).max(8);
+    let map = on(uniform(vec![1, 128, side, side], 4)?)?;
+    let (gamma, beta) = (uniform(vec![128], 5)?.to_device(&device)?, uniform(vec![128], 6)?.to_device(&device)?);
+    let seconds = per_call(device, calls(4), reps(calls(4)), || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?))?;
+    let elementwise_gbps = 2.0 * (map.dims().iter().product::<usize>() * elem) as f64 / seconds / 1e9;
+    eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
+    drop(map);
+
+    // A small op's fixed cost: SiLU over 8 Ki elements, many back to back.
+    let tiny = on(uniform(vec![1, 32, 16, 16], 7)?)?;
+    let op_call_us = per_call(device, calls(200), reps(calls(200)), || Ok(tiny.silu()?))? * 1e6;
+    eprintln!("  a small op: {op_call_us:.1} µs");
+
+    // Attention over a 64×64 map of 512 channels (96×96 unless --quick).
+    let n = (if args.quick { 4096 } else { 9216 } / down as usize).max(64);
+    let q = on(uniform(vec![1, n, 512], 8)?)?;
+    let seconds = per_call(device, calls(2), reps(calls(2)), || Ok(Tensor::attention(&q, &q, &q)?))?;
+    let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
+    eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
+    drop(q);
+
+    // A 3×3 convolution's device scratch beyond its output, its padded channels-last input
+    // and its reordered weights.
+    let conv_scratch_bytes = {
+        let (c, s) = (128, (256 / args.downscale).max(8));
+        let x = on(uniform(vec![1, c, s, s], 9)?)?;
+        let w = on(uniform(vec![c, c, 3, 3], 10)?)?;
+        synchronize(device)?;
+        let mem = vae_parallel::tensor::memory::Account::new();
+        let _charged = mem.enter();
+        let out = x.conv2d(&w, None, &Conv2dParams::same(3))?;
+        synchronize(device)?;
+        let known = (c * s * s + c * (s + 2) * (s + 2) + c * c * 9) * elem;
+        drop(out);
+        mem.device_peak_bytes().saturating_sub(known) as u64
+    };
+    eprintln!("  conv scratch: {conv_scratch_bytes} B");
+
+    // Ranks sharing the GPU hand each other device tensors: a message costs the host's
+    // handshake (two local ranks' barrier) and a device-to-device copy.
+    let (link_latency_us, _) = link()?;
+    let half = on(uniform(vec![1, 64, side / 2, side], 11)?)?;
+    let seconds = per_call(device, calls(4), reps(calls(4)), || Ok(Tensor::cat(&[&half, &half], 2)?))?;
+    let link_gbps = (2 * half.dims().iter().product::<usize>() * elem) as f64 / seconds / 1e9;
+    eprintln!("  link (ranks on this GPU): {link_latency_us:.1} µs, {link_gbps:.1} GB/s");
+
+    Ok(DeviceProfile {
+        device: format!("cuda: {} ({compute})", info.name),
+        kind: DeviceKind::Cuda,
+        dtype: compute.to_string(),
+        source: source(args),
+        cores: 1,
+        threads: 1,
+        thread_efficiency: 1.0,
+        convs,
+        elementwise_gbps,
+        attention_gmacs,
+        op_call_us,
+        link_latency_us,
+        link_gbps,
+        conv_scratch_bytes,
+    })
 }
 
 /// Two local ranks: the mean of 200 barriers (latency) and an all-gather of 32 MiB each way

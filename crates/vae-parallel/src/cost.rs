@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use vae_models::{CostNetworks, Direction, LoadedVae};
-use vae_planner::cost::{DeviceProfile, Layout, Placement, Prediction, predict};
+use vae_planner::cost::{DeviceKind, DeviceProfile, Layout, Placement, Prediction, predict};
 use vae_runtime::{ParallelMode, Strategy};
 
 use crate::report::human_bytes;
@@ -93,7 +93,7 @@ pub fn candidates(
     use_tiling: bool,
     settings: &CostSettings,
 ) -> Option<Vec<Candidate>> {
-    let nets = model.cost_networks(direction, input_dims)?;
+    let nets = networks(model, direction, input_dims, settings)?;
     let mut options = Vec::new();
     if ranks <= 1 {
         // One rank tiles only when the request asks for it (`--vae-use-tiling`) or the cap
@@ -137,7 +137,25 @@ pub fn predict_strategy(
     use_tiling: bool,
     settings: &CostSettings,
 ) -> Option<Prediction> {
-    predict_on(&model.cost_networks(direction, input_dims)?, strategy, use_tiling, ranks, settings)
+    predict_on(&networks(model, direction, input_dims, settings)?, strategy, use_tiling, ranks, settings)
+}
+
+/// The model's passes for the request, their maps in the element type of the profile's device
+/// where it decides it (a GPU profile measured in bf16 predicts bf16 maps, wherever `plan`
+/// runs).
+fn networks(
+    model: &dyn LoadedVae,
+    direction: Direction,
+    input_dims: &[usize],
+    settings: &CostSettings,
+) -> Option<CostNetworks> {
+    let mut nets = model.cost_networks(direction, input_dims)?;
+    if let Some(bytes) = settings.profile.map_bytes() {
+        for net in std::iter::once(&mut nets.whole).chain(&mut nets.tiles) {
+            net.elem_bytes = bytes;
+        }
+    }
+    Some(nets)
 }
 
 fn predict_on(
@@ -216,13 +234,18 @@ pub fn read_profile(path: &Path) -> Result<DeviceProfile, CostError> {
     Ok(profile)
 }
 
-/// Where `calibrate` writes the CPU profile by default and the other commands look for it:
-/// `$XDG_CONFIG_HOME/vae-parallel/cpu-profile.toml` (or under `~/.config`).
-pub fn default_profile_path() -> Option<PathBuf> {
+/// Where `calibrate` writes a device's profile by default:
+/// `$XDG_CONFIG_HOME/vae-parallel/cpu-profile.toml` (or under `~/.config`), and
+/// `cuda-profile.toml` beside it. The other commands look for the CPU one there.
+pub fn default_profile_path(kind: DeviceKind) -> Option<PathBuf> {
     let base = std::env::var_os("XDG_CONFIG_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
-    Some(base.join("vae-parallel").join("cpu-profile.toml"))
+    let name = match kind {
+        DeviceKind::Cpu => "cpu-profile.toml",
+        DeviceKind::Cuda => "cuda-profile.toml",
+    };
+    Some(base.join("vae-parallel").join(name))
 }
 
 /// The profile at `path` (an error if it cannot be used), else the default path's when a
@@ -232,7 +255,7 @@ pub fn load_profile(path: Option<&Path>) -> Result<DeviceProfile, CostError> {
     if let Some(path) = path {
         return read_profile(path);
     }
-    match default_profile_path() {
+    match default_profile_path(DeviceKind::Cpu) {
         Some(p) if p.is_file() => Ok(read_profile(&p).unwrap_or_else(|e| {
             tracing::warn!("{e}; using the built-in constants (run `vae-parallel calibrate` again)");
             DeviceProfile::builtin_cpu()

@@ -13,6 +13,7 @@ use vae_runtime::{
 };
 
 use crate::cost::{self, CostSettings};
+use vae_planner::cost::DeviceKind;
 use vae_tensor::Tensor;
 
 /// Errors of the engine.
@@ -332,8 +333,10 @@ impl Engine {
         let model = self.model.as_ref();
         // A grid named with another mode is an error in every mode, `auto` included.
         choice = Self::with_grid(choice, options)?;
-        // The profiles describe CPUs: a model on another device runs by the family's rules.
-        let settings = self.cost.as_ref().filter(|_| model.device().is_cpu());
+        // A profile predicts for its own kind of device: a model on another (a GPU under the
+        // CPU profile, the default) runs by the family's rules.
+        let on_gpu = !model.device().is_cpu();
+        let settings = self.cost.as_ref().filter(|s| (s.profile.kind == DeviceKind::Cuda) == on_gpu);
         let Some(settings) = settings else {
             if options.max_memory_per_rank.is_some() {
                 return Err(match &self.cost {

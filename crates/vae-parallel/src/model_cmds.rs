@@ -13,7 +13,7 @@ use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io;
 use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::output::{self, Staged};
-use vae_parallel::planner::cost::Placement;
+use vae_parallel::planner::cost::{DeviceKind, Placement};
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, OutputPlacement, ParallelMode, TileMerge};
 use vae_parallel::transport::Communicator;
@@ -168,7 +168,7 @@ struct FileConfig {
 pub(crate) struct Resolved {
     model: PathBuf,
     /// Where the model computes (after the CUDA probe).
-    device: vae_parallel::tensor::Device,
+    pub(crate) device: vae_parallel::tensor::Device,
     /// What it computes in.
     compute: ComputeType,
     pub(crate) parallel_size: usize,
@@ -241,15 +241,20 @@ impl ParallelArgs {
         };
         let profile = cost::load_profile(self.profile.clone().or(file.profile).as_deref())?;
         let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads) as f64;
-        let cost = CostSettings {
-            profile,
-            placement: Placement {
-                // Local ranks share this process's pool; socket ranks each have their own.
+        let rank_placement = match profile.kind {
+            // Local ranks share this process's pool; socket ranks each have their own.
+            DeviceKind::Cpu => Placement {
                 threads_per_rank: if transport.is_multi_process() { threads } else { threads / ranks.max(1) as f64 },
                 ranks_per_host: ranks,
                 threads_alone: threads,
             },
+            // NCCL ranks each have a GPU; the others share the one they compute on.
+            DeviceKind::Cuda => {
+                let sharing = if transport == vae_parallel::group::TransportKind::Nccl { 1 } else { ranks.max(1) };
+                Placement { threads_per_rank: 1.0 / sharing as f64, ranks_per_host: sharing, threads_alone: 1.0 }
+            }
         };
+        let cost = CostSettings { profile, placement: rank_placement };
         if transport == vae_parallel::group::TransportKind::Nccl {
             if requested != vae_parallel::tensor::Device::Cuda(0) {
                 bail!("--transport nccl runs rank r on cuda:r: pass --device cuda, not {requested}");

@@ -1,6 +1,8 @@
 //! `plan`: the cost model's table for one request (every strategy the model could run, with
 //! its predicted latency and peak memory per rank, and `auto`'s choice) without running it;
-//! with `--measure`, each strategy also runs once on local ranks beside its prediction.
+//! with `--measure`, each strategy also runs on local ranks beside its prediction, on the
+//! request's device (`--device cuda`: the ranks share the GPU, and the measured peak is device
+//! memory).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -10,6 +12,7 @@ use clap::Args;
 use vae_parallel::cost::{self, Candidate};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::models::Direction;
+use vae_parallel::planner::cost::DeviceKind;
 use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode, Strategy};
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, TransportConfig, run_local};
@@ -63,7 +66,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let dims = crate::parse_shape(&args.shape, "a comma-separated list of sizes")?;
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
     let direction = if args.encode { Direction::Encode } else { Direction::Decode };
-    let engine = r.load_engine(Device::Cpu)?;
+    let engine = r.load_engine(r.device)?;
     let model = engine.model();
     let ranks = r.parallel_size;
     let Some(candidates) = cost::candidates(model, direction, &dims, ranks, r.options.use_tiling, &r.cost) else {
@@ -73,11 +76,22 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let profile = &r.cost.profile;
     println!("model     {} ({})", r.model_dir().display(), model.class_name());
     println!("request   {} {dims:?} on {ranks} rank(s)", if args.encode { "encode" } else { "decode" });
-    println!("device    {} [{}]", profile.device, profile.source);
-    println!(
-        "threads   {:.2} per rank, {} rank(s) sharing {} core(s)",
-        r.cost.placement.threads_per_rank, r.cost.placement.ranks_per_host, profile.cores
-    );
+    println!("profile   {} [{}]", profile.device, profile.source);
+    let runs_on_gpu = !r.device.is_cpu();
+    if runs_on_gpu != (profile.kind == DeviceKind::Cuda) {
+        println!(
+            "note      the profile describes {}, the request runs on {}: the predictions are for the profile's device",
+            if profile.kind == DeviceKind::Cuda { "a GPU" } else { "CPU cores" },
+            r.device
+        );
+    }
+    match profile.kind {
+        DeviceKind::Cpu => println!(
+            "threads   {:.2} per rank, {} rank(s) sharing {} core(s)",
+            r.cost.placement.threads_per_rank, r.cost.placement.ranks_per_host, profile.cores
+        ),
+        DeviceKind::Cuda => println!("gpus      {} rank(s) sharing each GPU", r.cost.placement.ranks_per_host),
+    }
     if let Some(cap) = r.options.max_memory_per_rank {
         println!("cap       {} per rank", vae_parallel::report::human_bytes(cap));
     }
@@ -149,6 +163,7 @@ fn measure(
         max_memory_per_rank: None,
         ..base.clone()
     };
+    let device = engine.model().device();
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
     let mut best = Measured { seconds: f64::INFINITY, peak_bytes: 0 };
     for _ in 0..runs {
@@ -156,12 +171,19 @@ fn measure(
             let comm: Arc<dyn Communicator> = Arc::new(comm);
             let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
             comm.barrier()?;
+            let device_start = vae_parallel::tensor::memory::device_live_bytes();
             let started = Instant::now();
             let out = match direction {
                 Direction::Decode => engine.decode(&executor, input, &options)?,
                 Direction::Encode => engine.encode(&executor, input, &options, EncodeOutput::Moments)?,
             };
-            let peak = out.report.peak_bytes.saturating_sub(out.report.start_bytes) as u64;
+            // On a GPU the request's tensors are device memory (the rank's account starts
+            // with none: the shared weights are charged to the loading thread).
+            let peak = if device.is_cpu() {
+                out.report.peak_bytes.saturating_sub(out.report.start_bytes)
+            } else {
+                out.report.device_peak_bytes.saturating_sub(device_start)
+            } as u64;
             Ok((started.elapsed().as_secs_f64(), peak))
         })?;
         let mut seconds = 0.0f64;

@@ -208,3 +208,57 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     let ran: Vec<String> = results.into_iter().map(Result::unwrap).collect();
     assert_eq!(ran, vec![alone[0].clone(), alone[0].clone()]);
 }
+
+/// A GPU profile predicts for its GPU wherever `plan` runs: ranks share the GPU rather than
+/// cores, maps take the profile's element type (bf16: half the f32 peak), and the table says
+/// the request itself would run elsewhere. `calibrate` measures the CPU in f32 only.
+#[test]
+fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
+    use vae_parallel::cost::CostSettings;
+    use vae_parallel::engine::Engine;
+    use vae_parallel::models::{Direction, TileOverrides};
+    use vae_parallel::planner::cost::{DeviceKind, DeviceProfile, Placement};
+
+    let gpu = |dtype: &str| DeviceProfile {
+        device: "cuda: test".into(),
+        kind: DeviceKind::Cuda,
+        dtype: dtype.into(),
+        cores: 1,
+        threads: 1,
+        thread_efficiency: 1.0,
+        conv_scratch_bytes: 0,
+        ..DeviceProfile::builtin_cpu()
+    };
+    let (model, latent) = wan21_fixture();
+    let dims = vae_parallel::io::read_tensor(&latent).unwrap().dims().to_vec();
+    let engine = Engine::load(&model, &TileOverrides::default()).unwrap();
+    let placement = Placement { threads_per_rank: 0.5, ranks_per_host: 2, threads_alone: 1.0 };
+    let peak = |profile: DeviceProfile| {
+        let settings = CostSettings { profile, placement };
+        let all =
+            vae_parallel::cost::candidates(engine.model(), Direction::Decode, &dims, 2, false, &settings).unwrap();
+        all.iter().find(|c| c.label.starts_with("shard-")).unwrap().prediction.peak_bytes as f64
+    };
+    let ratio = peak(gpu("bf16")) / peak(gpu("f32"));
+    assert!((ratio - 0.5).abs() < 0.05, "bf16 maps are half of f32's: {ratio}");
+
+    let dir = scratch("gpu-profile");
+    let path = dir.join("gpu.toml");
+    std::fs::write(&path, toml::to_string(&gpu("bf16")).unwrap()).unwrap();
+    let (ok, text) = cli(&[
+        "plan",
+        "--model",
+        s(&model),
+        "--shape",
+        &dims.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+        "--vae-patch-parallel-size",
+        "2",
+        "--profile",
+        s(&path),
+    ]);
+    assert!(ok && text.contains("gpus      2 rank(s) sharing each GPU"), "{text}");
+    assert!(text.contains("note      the profile describes a GPU, the request runs on cpu"), "{text}");
+
+    let (ok, text) = cli(&["calibrate", "--dtype", "bf16", "--out", s(&dir.join("x.toml"))]);
+    assert!(!ok && text.contains("calibrate measures the CPU in f32") && !dir.join("x.toml").exists(), "{text}");
+}

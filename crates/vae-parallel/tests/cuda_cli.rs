@@ -1,6 +1,7 @@
 //! The CLI's CUDA paths as a user runs them: `bench kernels` on the device (rates next to the
 //! device's peak), a video decode with `--device cuda` in f32, tf32 and bf16 against the CPU,
-//! and the same decode over NCCL with a rank process per GPU. Needs a usable GPU (or the fake
+//! `calibrate` and `plan --measure` on the device, and the same decode over NCCL with a rank
+//! process per GPU. Needs a usable GPU (or the fake
 //! driver of `cargo xtask gpu-emu`, whose NCCL run needs FAKE_CUDA_DEVICE_COUNT=2 at least);
 //! elsewhere each test says why it is skipped.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
@@ -11,6 +12,7 @@ use std::path::Path;
 
 use support::{json_line, read_npy_f32, wan21_fixture};
 
+use vae_parallel::planner::cost::{DeviceKind, DeviceProfile};
 use vae_parallel::tensor::Device;
 use vae_parallel::tensor::cuda::resolve_device;
 
@@ -126,6 +128,56 @@ fn the_shard_bench_runs_two_ranks_on_one_device() {
     assert!(shard["strategy"].as_str().unwrap().starts_with("shard"), "{v}");
     assert!(shard["max_abs_diff_vs_direct"].as_f64().unwrap() <= 1e-5, "{v}");
     assert!(runs.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0), "{v}");
+}
+
+#[test]
+fn calibrate_measures_the_gpu_and_plan_predicts_and_measures_on_it() {
+    if !gpu("calibrate on CUDA") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vae-parallel-cuda-profile-{}", std::process::id()));
+    let path = dir.join("gpu.toml");
+    let profile = path.to_str().unwrap();
+    cli(&["calibrate", "--device", "cuda", "--dtype", "bf16", "--quick", "--downscale", "16", "--out", profile]);
+    let p: DeviceProfile = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    p.validate().unwrap();
+    assert_eq!((p.kind, p.dtype.as_str(), p.cores, p.threads), (DeviceKind::Cuda, "bf16", 1, 1), "{p:?}");
+    assert!(p.device.starts_with("cuda: "), "{p:?}");
+    // Every shape the image and video VAEs run, each with a rate.
+    assert_eq!(p.convs.len(), 27, "{p:?}");
+    assert!(p.convs.iter().all(|c| c.gmacs > 0.0 && c.call_us >= 0.0), "{p:?}");
+
+    // The Wan fixture on two ranks sharing the GPU: every strategy predicted with the GPU's
+    // constants and run on the GPU beside its prediction.
+    let (model, _) = wan21_fixture();
+    let text = cli(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--shape",
+        "1,16,3,2,3",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--profile",
+        profile,
+        "--vae-patch-parallel-size",
+        "2",
+        "--measure",
+        "--runs",
+        "1",
+    ]);
+    assert!(text.contains("gpus      2 rank(s) sharing each GPU"), "{text}");
+    assert!(!text.contains("note "), "the profile is the device's own: {text}");
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("direct") || l.starts_with("shard")).collect();
+    assert!(rows.iter().any(|l| l.starts_with("shard-")), "{text}");
+    // Each row: predicted ms, peak, fits, then the measured ms, ratio, peak and ratio.
+    for row in rows {
+        assert_eq!(row.replace(" *", "").split_whitespace().count(), 10, "{row}\n{text}");
+    }
+    assert!(text.contains("auto would run: "), "{text}");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]

@@ -372,7 +372,27 @@ impl AutoencoderKl {
                 self.config.variant.class_name()
             )));
         }
-        Ok(())
+        let shard = matches!(
+            mode,
+            ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth | ParallelMode::SpatialShard2d
+        );
+        match self.shard_refusal() {
+            Some(refusal) if shard => Err(refusal),
+            _ => Ok(()),
+        }
+    }
+
+    /// Why this model cannot shard where it is: its distributed GroupNorm statistics are
+    /// computed on the host, so the shard runs on the CPU only. None on the CPU.
+    pub(crate) fn shard_refusal(&self) -> Option<ModelError> {
+        (!self.device.is_cpu()).then(|| {
+            ModelError::Unsupported(format!(
+                "the {} shard runs on the CPU for now (its GroupNorm statistics are computed on the host); \
+                 use tile on {}",
+                self.config.variant.class_name(),
+                self.device
+            ))
+        })
     }
 
     /// This family's policy for one request of an `input_dims` input over `ranks` ranks, from

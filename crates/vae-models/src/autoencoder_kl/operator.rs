@@ -180,13 +180,7 @@ impl ShardOperator for KlShardOperator<'_> {
             KlTask::Decode => self.model.check_latent(input).map_err(Classified::from)?,
             KlTask::Encode => self.model.check_image(input).map_err(Classified::from)?,
         }
-        if !self.model.device().is_cpu() {
-            let refusal = ModelError::Unsupported(format!(
-                "the {} shard runs on the CPU for now (its GroupNorm statistics are computed on the host); \
-                 use tile on {}",
-                self.model.config().variant.class_name(),
-                self.model.device()
-            ));
+        if let Some(refusal) = self.model.shard_refusal() {
             return Err(Classified::from(refusal).into());
         }
         check_memory(self.model, self.task, input, MapExtent::Band(self.ranks)).map_err(Classified::from)?;

@@ -14,4 +14,4 @@ pub mod profile;
 
 pub use network::{Network, NetworkBuilder, Step, StepKind};
 pub use predict::{Layout, Placement, Prediction, RankPrediction, predict};
-pub use profile::{ConvRate, DeviceProfile};
+pub use profile::{ConvRate, DeviceKind, DeviceProfile};

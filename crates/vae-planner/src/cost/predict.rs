@@ -21,7 +21,7 @@
 use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
-use super::profile::DeviceProfile;
+use super::profile::{DeviceKind, DeviceProfile};
 use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign};
 
 /// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
@@ -337,6 +337,7 @@ fn step_cost(
     let fw = part.cols.len() as f64 / lw.max(1) as f64;
     let batch = network.batch as f64;
     let bytes = network.elem_bytes as f64 * batch;
+    let call_s = profile.op_call_us * 1e-6;
     let local = |d: [usize; 3], channels: usize| channels as f64 * d[0] as f64 * d[1] as f64 * fh * d[2] as f64 * fw;
     let input = local(step.input, step.in_channels);
     let output = local(step.output, step.out_channels);
@@ -352,20 +353,28 @@ fn step_cost(
             // A part's convolution reads a copy of its input with the neighbours' rows (the
             // layers drop the input itself where they own it); the kernels pad as they read.
             let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
-            let rate = profile.conv_macs_per_s(kernel, align, step.in_channels, step.out_channels).unwrap_or(1e9);
+            let measured = profile.conv_rate(kernel, align, step.in_channels, step.out_channels);
+            let rate = measured.map_or(1e9, |r| r.gmacs * 1e9);
+            let call_s = measured.map_or(0.0, |r| r.call_us * 1e-6);
             let macs = step.macs() as f64 * fh * fw * batch;
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
-            // The weights as the kernel packs them (Winograd F(4×4) transforms each 3×3 kernel
-            // into 36 values, F(2×2) into 16), and its fixed scratch.
+            // The weights as the kernel packs them (on the CPU in f32, Winograd F(4×4)
+            // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered
+            // in the element type), and its fixed scratch. A GPU convolution also reads a
+            // padded channels-last copy of its input.
+            let gpu = profile.kind == DeviceKind::Cuda;
             let taps = match (kernel, align) {
+                _ if gpu => kernel.iter().product::<usize>() as f64,
                 ([1, 3, 3], 4) => 36.0,
                 ([1, 3, 3], 2) => 16.0,
                 _ => kernel.iter().product::<usize>() as f64,
             };
-            let packed = (step.in_channels * step.out_channels) as f64 * taps * 4.0;
-            let scratch = packed + profile.conv_scratch_bytes as f64;
-            let compute_s = macs / (rate * speed);
-            if overlapped || !exchanges {
+            let packed_elem = if gpu { network.elem_bytes as f64 } else { 4.0 };
+            let padded_copy = if gpu { with_halo * bytes } else { 0.0 };
+            let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
+            let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
+            let compute_s = call_s + macs / (rate * speed);
+            if (overlapped && profile.overlaps_halos()) || !exchanges {
                 // The interior is computed straight from the input into the output while the
                 // rows travel; the edges from small copies: the input and the output live
                 // together, and the messages cost what outlasts the interior.
@@ -384,13 +393,14 @@ fn step_cost(
             }
         }
         StepKind::Norm { grouped } => StepCost {
-            compute_s: profile.elementwise_s((input + output) * bytes) / speed,
+            compute_s: call_s + profile.elementwise_s((input + output) * bytes) / speed,
             comm_s: if grouped && shared { 2.0 * profile.link_latency_us * 1e-6 } else { 0.0 },
             live_bytes: (input + output + resident) * bytes,
             received_bytes: 0.0,
         },
         StepKind::Elementwise { in_place } => StepCost {
-            compute_s: profile.elementwise_s(if in_place { 3.0 * input } else { input + output } * bytes) / speed,
+            compute_s: call_s
+                + profile.elementwise_s(if in_place { 3.0 * input } else { input + output } * bytes) / speed,
             comm_s: 0.0,
             live_bytes: (input + if in_place { 0.0 } else { output } + resident) * bytes,
             received_bytes: 0.0,
@@ -401,7 +411,7 @@ fn step_cost(
             let gathered = if shared { (whole_input - input) * bytes } else { 0.0 };
             let rate = profile.attention_gmacs * 1e9;
             StepCost {
-                compute_s: step.macs() as f64 * batch / (rate * speed),
+                compute_s: call_s + step.macs() as f64 * batch / (rate * speed),
                 comm_s: if shared { profile.message_s(gathered) } else { 0.0 },
                 // The part, the gathered map, q, k, v and the attended map, one block of scores.
                 live_bytes: (input + if shared { whole_input } else { 0.0 } + 4.0 * whole_input + resident) * bytes
@@ -425,9 +435,19 @@ mod tests {
             cores,
             threads: cores,
             thread_efficiency: 0.5,
-            convs: vec![ConvRate { kernel: [1, 3, 3], align: 1, in_channels: 8, out_channels: 8, gmacs: 1.0 }],
+            kind: DeviceKind::Cpu,
+            dtype: "f32".into(),
+            convs: vec![ConvRate {
+                kernel: [1, 3, 3],
+                align: 1,
+                in_channels: 8,
+                out_channels: 8,
+                gmacs: 1.0,
+                call_us: 0.0,
+            }],
             elementwise_gbps: 1.0,
             attention_gmacs: 1.0,
+            op_call_us: 0.0,
             link_latency_us: 0.0,
             link_gbps: 1e6,
             conv_scratch_bytes: 0,
@@ -502,6 +522,33 @@ mod tests {
         let gathered = Layout::Tiles { tiles: &tiles, ranks: 2, stitched: false };
         let q = predict(&whole, gathered, placement, &profile(2)).unwrap();
         assert!(q.ranks[0].peak_bytes >= whole.output_bytes() + 4 * tiles[0].output_bytes(), "{q:?}");
+    }
+
+    #[test]
+    fn a_gpu_pays_each_calls_fixed_cost_and_exchanges_halos_before_its_convolutions() {
+        let net = two_convs(16, 16);
+        let with = |kind: DeviceKind| DeviceProfile {
+            kind,
+            link_latency_us: 5.0,
+            convs: vec![ConvRate { call_us: 10.0, ..profile(2).convs[0].clone() }],
+            ..profile(2)
+        };
+        let gpu = with(DeviceKind::Cuda);
+        let direct = predict(&net, Layout::Direct, ONE, &gpu).unwrap();
+        // Two convolutions, each 10 µs beyond its multiply-adds.
+        let expected = net.macs() as f64 / 1e9 + 20e-6;
+        assert!((direct.ms - expected * 1e3).abs() < 1e-9, "{direct:?}");
+        // Input, its padded copy, output, and the weights in the element type.
+        assert_eq!(direct.peak_bytes, (3 * 8 * 16 * 16 * 4 + 8 * 8 * 9 * 4) as u64);
+        // On bands the CPU hides each 5 µs message behind the interior's compute; the GPU
+        // pays it before each of the two convolutions.
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
+        let bands = Layout::Bands { axis: ShardAxis::Height, ranks: 2 };
+        let cpu = predict(&net, bands, placement, &with(DeviceKind::Cpu)).unwrap();
+        let gpu = predict(&net, bands, placement, &gpu).unwrap();
+        let halo = (16 * 8 * 4) as f64;
+        assert_eq!(cpu.ranks[1].comm_s, 0.0, "{cpu:?}");
+        assert!((gpu.ranks[1].comm_s - 2.0 * with(DeviceKind::Cuda).message_s(halo)).abs() < 1e-15, "{gpu:?}");
     }
 
     #[test]

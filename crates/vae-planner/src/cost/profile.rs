@@ -1,5 +1,9 @@
 //! A device's calibration constants: what one rank's kernels sustain, measured once per
 //! device by `vae-parallel calibrate` and kept as a small TOML file.
+//!
+//! A CPU profile's rates are per thread, scaled by the threads a rank gets. A GPU profile
+//! describes one whole GPU (one "core" of one "thread"): ranks that share it divide it, and
+//! every launch also pays a fixed cost, which on a GPU decides how fast small maps run.
 
 use serde::{Deserialize, Serialize};
 
@@ -7,7 +11,19 @@ fn one() -> usize {
     1
 }
 
-/// The sustained rate of one convolution shape on one thread.
+/// What kind of device a profile describes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CPU cores: rates per thread; shard convolutions overlap their halo exchange with the
+    /// interior's compute.
+    #[default]
+    Cpu,
+    /// One CUDA GPU: rates of the whole device; halos are exchanged before each convolution.
+    Cuda,
+}
+
+/// The sustained rate of one convolution shape on one thread (one GPU).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConvRate {
     /// Kernel extent along frames, rows and columns.
@@ -22,17 +38,32 @@ pub struct ConvRate {
     pub out_channels: usize,
     /// Multiply-adds per second, in billions, on one thread.
     pub gmacs: f64,
+    /// A call's fixed cost beyond its multiply-adds, microseconds (launches, and the rate lost
+    /// on a map too small to fill the device); 0 where it was not measured (CPU profiles).
+    #[serde(default)]
+    pub call_us: f64,
+}
+
+fn f32_name() -> String {
+    "f32".into()
 }
 
 /// One device's constants. Rates are per thread; [`DeviceProfile::speedup`] scales them to the
 /// threads a rank really gets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceProfile {
-    /// The device, in words (CPU model and the SIMD features it was measured with).
+    /// The device, in words (CPU model and the SIMD features it was measured with, or the
+    /// GPU's name).
     pub device: String,
+    /// CPU cores or one GPU (profiles written before GPUs were calibrated are CPU ones).
+    #[serde(default)]
+    pub kind: DeviceKind,
+    /// The element type the rates were measured in (`f32`, `bf16`, `tf32`).
+    #[serde(default = "f32_name")]
+    pub dtype: String,
     /// Where the constants come from (a calibration's date, or the built-in defaults).
     pub source: String,
-    /// Cores the ranks of one host share.
+    /// Cores the ranks of one host share (a GPU profile: 1, the GPU).
     pub cores: usize,
     /// Threads the multi-thread measurement used.
     pub threads: usize,
@@ -46,6 +77,10 @@ pub struct DeviceProfile {
     pub elementwise_gbps: f64,
     /// Attention: multiply-adds per second, in billions, on one thread.
     pub attention_gmacs: f64,
+    /// The fixed cost of one norm, element-wise pass or attention call, microseconds (a GPU's
+    /// launches; 0 on CPU profiles).
+    #[serde(default)]
+    pub op_call_us: f64,
     /// One message's fixed cost between ranks, microseconds.
     pub link_latency_us: f64,
     /// Bytes per second between two ranks, in billions.
@@ -72,16 +107,22 @@ impl DeviceProfile {
         if self.convs.is_empty() {
             return Err("no convolution rates (convs)".into());
         }
+        let not_negative = |name: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{name} must be finite and not negative, not {v}"))
+            }
+        };
         for c in &self.convs {
             positive("a convolution's gmacs", c.gmacs)?;
+            not_negative("a convolution's call_us", c.call_us)?;
         }
+        not_negative("op_call_us", self.op_call_us)?;
         positive("elementwise_gbps", self.elementwise_gbps)?;
         positive("attention_gmacs", self.attention_gmacs)?;
         positive("link_gbps", self.link_gbps)?;
-        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
-            return Err(format!("link_latency_us must be finite and not negative, not {}", self.link_latency_us));
-        }
-        Ok(())
+        not_negative("link_latency_us", self.link_latency_us)
     }
 
     /// How much faster than one thread alone a rank runs with `threads` threads (a fraction
@@ -96,16 +137,15 @@ impl DeviceProfile {
         if demand > cores { own * cores / demand } else { own }
     }
 
-    /// One-thread multiply-adds per second of a convolution: the measured shape, or the
-    /// nearest one (same kernel and alignment class first, then the closest `C_in · C_out`).
-    /// None without any measurement.
-    pub fn conv_macs_per_s(
+    /// The rate of a convolution: the measured shape, or the nearest one (same kernel and
+    /// alignment class first, then the closest `C_in · C_out`). None without any measurement.
+    pub fn conv_rate(
         &self,
         kernel: [usize; 3],
         align: usize,
         in_channels: usize,
         out_channels: usize,
-    ) -> Option<f64> {
+    ) -> Option<&ConvRate> {
         let volume = |k: [usize; 3]| k.iter().product::<usize>();
         let size = |cin: usize, cout: usize| ((cin.max(1) * cout.max(1)) as f64).ln();
         let distance = |r: &ConvRate| {
@@ -119,7 +159,24 @@ impl DeviceProfile {
             let align_miss = if r.align == align { 0.0 } else { 2.0 };
             kernel_miss + align_miss + (size(r.in_channels, r.out_channels) - size(in_channels, out_channels)).abs()
         };
-        self.convs.iter().min_by(|a, b| distance(a).total_cmp(&distance(b))).map(|r| r.gmacs * 1e9)
+        self.convs.iter().min_by(|a, b| distance(a).total_cmp(&distance(b)))
+    }
+
+    /// Bytes per element of the maps on this device, where the profile decides it: a GPU
+    /// profile's element type (`bf16`: 2; `f32` and `tf32`: 4). None on the CPU, whose maps are
+    /// the model's (f32, also where its convolutions multiply in bf16).
+    pub fn map_bytes(&self) -> Option<u64> {
+        match (self.kind, self.dtype.as_str()) {
+            (DeviceKind::Cuda, "bf16") => Some(2),
+            (DeviceKind::Cuda, _) => Some(4),
+            (DeviceKind::Cpu, _) => None,
+        }
+    }
+
+    /// Whether shard convolutions overlap their halo exchange with the interior's compute on
+    /// this device (the CPU layers do; the CUDA path exchanges first).
+    pub fn overlaps_halos(&self) -> bool {
+        self.kind == DeviceKind::Cpu
     }
 
     /// Seconds for `bytes` of element-wise traffic on one thread.
@@ -142,9 +199,12 @@ impl DeviceProfile {
             in_channels,
             out_channels,
             gmacs,
+            call_us: 0.0,
         };
         Self {
             device: "cpu: built-in defaults (Intel Xeon guest, AVX-512 + AMX, f32)".into(),
+            kind: DeviceKind::Cpu,
+            dtype: f32_name(),
             source: "built-in defaults; run `vae-parallel calibrate` for this device".into(),
             cores: 2,
             threads: 2,
@@ -180,6 +240,7 @@ impl DeviceProfile {
             ],
             elementwise_gbps: 4.5,
             attention_gmacs: 44.2,
+            op_call_us: 0.0,
             link_latency_us: 5.9,
             link_gbps: 2.16,
             conv_scratch_bytes: 7 << 20,
