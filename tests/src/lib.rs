@@ -190,14 +190,21 @@ pub fn blocks_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
 }
 
 /// Runs `request` on `world` local ranks with an executor of parallel size `world`; returns the
-/// owner's output (checked to be the owner's alone) and every rank's report.
+/// owner's output (checked to be the owner's alone) and every rank's report. Shard convolutions
+/// overlap their exchanges wherever their part has an interior ([`HaloOverlap::Always`]): the
+/// fixtures' parts are too small for the default rule to overlap a Winograd convolution, and
+/// these tests check every piece's bits.
+///
+/// [`HaloOverlap::Always`]: vae_runtime::HaloOverlap::Always
 fn on_local_ranks(
     world: usize,
     request: impl Fn(&vae_runtime::DistributedVaeExecutor) -> Result<vae_runtime::ExecOutput, vae_runtime::RuntimeError>
     + Sync,
 ) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
-        let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), world).unwrap();
+        let exec = vae_runtime::DistributedVaeExecutor::new(std::sync::Arc::new(comm), world)
+            .unwrap()
+            .with_halo_overlap(vae_runtime::HaloOverlap::Always);
         request(&exec).unwrap()
     })
     .unwrap();

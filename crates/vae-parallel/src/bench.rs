@@ -14,7 +14,7 @@ use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::group::TransportKind;
 use vae_parallel::models::TileOverrides;
 use vae_parallel::report::human_bytes;
-use vae_parallel::runtime::DistributedVaeExecutor;
+use vae_parallel::runtime::{DistributedVaeExecutor, HaloOverlap};
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
 use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope};
 use vae_parallel::tensor::memory::Account;
@@ -69,10 +69,10 @@ pub struct ShardBenchArgs {
     /// Compute threads of each rank (its own pool).
     #[arg(long, default_value_t = 1)]
     threads_per_rank: usize,
-    /// Which runs, comma-separated, in order: `direct`, `shard`, `shard-blocking` (the shard
-    /// with each halo exchange made whole before its convolution instead of overlapped with the
-    /// interior), `tile`, `pipeline` (the decoder's layers in stages over the ranks, frame by
-    /// frame).
+    /// Which runs, comma-separated, in order: `direct`, `shard` (halo exchanges overlapped with
+    /// the interior's compute where that pays), `shard-blocking` (each exchange made whole
+    /// before its convolution), `shard-overlap-all` (every convolution overlapped), `tile`,
+    /// `pipeline` (the decoder's layers in stages over the ranks, frame by frame).
     #[arg(long, default_value = "direct,shard,tile")]
     runs: String,
     /// `cpu` (default) or `cuda[:N]`: every rank on that one device (on a GPU, each rank queues
@@ -573,7 +573,7 @@ fn timed_local_decode(
     ranks: usize,
     threads: usize,
     options: &RequestOptions,
-    halo_overlap: bool,
+    halo_overlap: HaloOverlap,
 ) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
     // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
@@ -633,12 +633,20 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     for name in args.runs.split(',').map(str::trim) {
         let (ranks, options) = match name {
             "direct" => (1, RequestOptions { use_tiling: false, ..RequestOptions::default() }),
-            "shard" | "shard-blocking" => (args.ranks, RequestOptions { mode, ..RequestOptions::default() }),
+            "shard" | "shard-blocking" | "shard-overlap-all" => {
+                (args.ranks, RequestOptions { mode, ..RequestOptions::default() })
+            }
             "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
             "pipeline" => (args.ranks, RequestOptions { mode: ParallelMode::Pipeline, ..RequestOptions::default() }),
-            other => anyhow::bail!("unknown run {other:?} (direct, shard, shard-blocking, tile or pipeline)"),
+            other => anyhow::bail!(
+                "unknown run {other:?} (direct, shard, shard-blocking, shard-overlap-all, tile or pipeline)"
+            ),
         };
-        let overlap = name != "shard-blocking";
+        let overlap = match name {
+            "shard-blocking" => HaloOverlap::Never,
+            "shard-overlap-all" => HaloOverlap::Always,
+            _ => HaloOverlap::WherePays,
+        };
         eprintln!("running {name} on {ranks} rank(s) x {} thread(s) on {device}...", args.threads_per_rank);
         if !device.is_cpu() {
             // Untimed: the first decode of a shape on a GPU also grows the memory pool and, on

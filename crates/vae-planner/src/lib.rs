@@ -12,7 +12,8 @@
 //!   without communication;
 //! * the executor's task/grid description ([`grid`]);
 //! * for spatial-shard decode, the band each rank holds and the halo widths ([`bands`]),
-//!   or its block of a 2-D grid ([`blocks`]);
+//!   or its block of a 2-D grid ([`blocks`]), and which of its convolutions overlap their
+//!   halo exchange with their compute ([`overlap`]);
 //! * for a pipeline over frames, the layers each rank runs ([`stages`]).
 //!
 //! This crate is deliberately pure: no tensors, no I/O, no threads. It is
@@ -41,6 +42,7 @@ pub mod blocks;
 pub mod cost;
 pub mod error;
 pub mod grid;
+pub mod overlap;
 pub mod stages;
 pub mod tiling;
 
@@ -50,6 +52,7 @@ pub use blend::{BlendRamp, blend_value};
 pub use blocks::{BlockGrid, parse_grid, square_grid};
 pub use error::PlanError;
 pub use grid::{GridCoord, GridSpec, TileTask, grid_shape_from_last, workloads};
+pub use overlap::overlap_pays;
 pub use stages::StagePartition;
 pub use tiling::{
     AutoencoderKlTiling, AxisMerge, AxisPlan, AxisTiling, CropSegment, MergeRule, Tile2d, TileLayout2d, WanTiling,

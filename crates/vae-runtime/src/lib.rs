@@ -32,7 +32,9 @@ pub use executor::{
 pub use mode::{ParallelMode, Strategy, StrategyChoice, UnknownMode, whole_bands};
 pub use pipeline::{PipelineOperator, PipelineStage, PipelineSteps, StageState};
 pub use progress::{Progress, ProgressScope, ProgressSink};
-pub use shard::{HaloPiece, HaloWindow, ShardContext, ShardGeometry, ShardOperator, ShardTraffic, StreamRuns};
+pub use shard::{
+    HaloOverlap, HaloPiece, HaloWindow, ShardContext, ShardGeometry, ShardOperator, ShardTraffic, StreamRuns,
+};
 pub use stitch::{StitchLayout, StitchSpec, Stitcher};
 pub use stream::{CollectFrames, FrameFeed, FrameSink, OnOwnThread, SinkError};
 pub use vae_planner::ShardAxis;

@@ -41,7 +41,7 @@ use sharded::ShardStrategy;
 use tile::TileStrategy;
 pub use tile::{TileMap, TileOperator, TilePlan, TileStream, execute_serial};
 
-use crate::shard::ShardOperator;
+use crate::shard::{HaloOverlap, ShardOperator};
 use crate::{RuntimeError, Stage};
 
 /// Errors a model operator returns; carried to every rank as text, with the [`FailureKind`]
@@ -114,7 +114,7 @@ pub struct DistributedVaeExecutor {
     parallel_size: usize,
     /// Spatial shards overlap each halo exchange with the interior's computation
     /// ([`crate::ShardContext::conv_with_halo`]).
-    halo_overlap: bool,
+    halo_overlap: HaloOverlap,
     /// How a tiled request whose merge is a stitch is merged.
     tile_merge: TileMerge,
 }
@@ -187,7 +187,7 @@ impl DistributedVaeExecutor {
             comm,
             requested: parallel_size,
             parallel_size: effective,
-            halo_overlap: true,
+            halo_overlap: HaloOverlap::default(),
             tile_merge: TileMerge::default(),
         })
     }
@@ -200,10 +200,9 @@ impl DistributedVaeExecutor {
     }
 
     /// The same executor with spatial shards' halo exchanges overlapped with the interior's
-    /// computation (`true`, the default) or made whole before each convolution (`false`: the
-    /// computation waits for its neighbours at every convolution). Every rank of a group must
+    /// computation as `overlap` says (default: where it pays). Every rank of a group must
     /// choose the same; the outputs are the same bits either way.
-    pub fn with_halo_overlap(mut self, overlap: bool) -> Self {
+    pub fn with_halo_overlap(mut self, overlap: HaloOverlap) -> Self {
         self.halo_overlap = overlap;
         self
     }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use vae_planner::ShardAxis;
 use vae_tensor::{ConvTarget, DType, Device, Tensor};
 
-use super::{AXES, ShardContext, Split, invalid};
+use super::{AXES, HaloOverlap, ShardContext, Split, invalid};
 use crate::RuntimeError;
 
 /// What one piece of [`ShardContext::conv_with_halo`] reads of the haloed input.
@@ -160,9 +160,11 @@ impl ShardContext<'_> {
     /// On the CPU the exchange runs on a helper thread while `conv` computes the interior
     /// straight from `x`; the edge strips follow from what arrived (see the module docs). Cuts
     /// between pieces fall on multiples of `align` from the part's start, which must be the
-    /// convolution's band alignment. A part too small for an interior, a device tensor, or a
-    /// context made without overlap exchange first ([`Self::with_halo`]) and compute one piece:
-    /// the whole haloed input.
+    /// convolution's band alignment. A part too small for an interior, a Winograd convolution
+    /// (`align` ≥ 2) whose part is too small for the overlap to pay
+    /// ([`vae_planner::overlap_pays`], counting the part's input positions × frames), a device
+    /// tensor, or a context made without overlap exchange first ([`Self::with_halo`]) and
+    /// compute one piece: the whole haloed input.
     ///
     /// Every rank taking part must call it in the same order with the same `halo`.
     pub fn conv_with_halo<E: From<RuntimeError>>(
@@ -190,8 +192,16 @@ impl ShardContext<'_> {
             let target = ConvTarget { window, dest: out, at: [0, 0] };
             conv(HaloPiece { input, cut, cut_padding: [0; 4], window: HaloWindow::whole(extent), target })
         };
+        // Overlapped where it pays (vae_planner::overlap): a Winograd kernel transforms its
+        // weights again for every piece.
+        let outputs = x.elem_count() / x.dims()[1].max(1);
         let pieces = output_pieces(lens, halos, self.neighbours(), align)
-            .filter(|_| self.overlap && x.device().is_cpu() && vae_tensor::conv_windows_in_place());
+            .filter(|p| match self.overlap {
+                HaloOverlap::Never => false,
+                HaloOverlap::WherePays => vae_planner::overlap_pays(align, outputs, p.len() - 1),
+                HaloOverlap::Always => true,
+            })
+            .filter(|_| x.device().is_cpu() && vae_tensor::conv_windows_in_place());
         if halo == 0 {
             let kept = kept_of(&x)?;
             whole(&x, &mut out)?;
@@ -610,7 +620,7 @@ mod tests {
                 Cut::Bands(axis, bands) => ShardContext::new(comm, *axis, bands.clone(), rank),
                 Cut::Blocks(grid) => ShardContext::blocks(comm, grid.clone(), rank),
             }
-            .with_overlap(overlap)
+            .with_overlap(if overlap { HaloOverlap::Always } else { HaloOverlap::Never })
         }
 
         /// This rank's `[rows, columns]` of a map `align` times the planned extents.

@@ -150,7 +150,21 @@ pub struct ShardContext<'c> {
     traffic: ShardTraffic,
     /// Whether [`Self::conv_with_halo`] computes the rows that need no halo while the exchange
     /// is in flight (on the CPU), or exchanges first.
-    overlap: bool,
+    overlap: HaloOverlap,
+}
+
+/// When a shard convolution computes the rows that need no halo while its exchange is in flight
+/// (on the CPU), rather than exchanging first. The outputs are the same bits in every case.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HaloOverlap {
+    /// Exchange first, always: the computation waits for its neighbours at every convolution.
+    Never,
+    /// Overlap where it pays ([`vae_planner::overlap_pays`]): every direct convolution, and a
+    /// Winograd one whose part is large enough that computing it in pieces costs little.
+    #[default]
+    WherePays,
+    /// Overlap every convolution that leaves its part an interior (for tests and measurement).
+    Always,
 }
 
 /// How the map is cut: bands along one axis, or blocks of a 2-D grid.
@@ -183,14 +197,21 @@ impl<'c> ShardContext<'c> {
             unit: 1,
             rank,
             traffic: ShardTraffic::default(),
-            overlap: true,
+            overlap: HaloOverlap::default(),
         }
     }
 
     /// A context for `rank` of the ranks `0..grid.ranks()` of `comm`, holding its block of
     /// `grid` (at the input's resolution).
     pub(crate) fn blocks(comm: &'c dyn Communicator, grid: BlockGrid, rank: usize) -> Self {
-        Self { comm, split: Split::Blocks(grid), unit: 1, rank, traffic: ShardTraffic::default(), overlap: true }
+        Self {
+            comm,
+            split: Split::Blocks(grid),
+            unit: 1,
+            rank,
+            traffic: ShardTraffic::default(),
+            overlap: HaloOverlap::default(),
+        }
     }
 
     /// The same context over an input of `unit` rows (and columns) per band row
@@ -199,9 +220,9 @@ impl<'c> ShardContext<'c> {
         Self { unit: unit.max(1), ..self }
     }
 
-    /// The same context with halo exchanges overlapped with the interior's computation
-    /// (`true`, the default) or made whole before each convolution.
-    pub(crate) fn with_overlap(self, overlap: bool) -> Self {
+    /// The same context with halo exchanges overlapped with the interior's computation as
+    /// `overlap` says.
+    pub(crate) fn with_overlap(self, overlap: HaloOverlap) -> Self {
         Self { overlap, ..self }
     }
 
