@@ -1,11 +1,12 @@
 //! `calibrate`: measures this machine's constants for the cost model
 //! ([`vae_parallel::planner::cost::DeviceProfile`]) and writes them as TOML.
 //!
-//! On the CPU: the convolution shapes the image and video VAEs run (one thread), a GroupNorm +
-//! SiLU pass, attention, the speed-up of more threads, a convolution's scratch, and the
-//! in-process link between two ranks. On a GPU (`--device cuda`, in `--dtype`): the same
-//! shapes on the whole device, each at two map sizes so that a call's fixed cost (launches, a
-//! map too small to fill the device) separates from its rate, the fixed cost of a small op, a
+//! Each convolution shape the image and video VAEs run is timed at two map sizes, so that a
+//! call's fixed cost separates from its rate: on the CPU (one thread) packing or transforming
+//! the weights, on a GPU (`--device cuda`, in `--dtype`) the launches and a map too small to
+//! fill the device. Besides: on the CPU a GroupNorm + SiLU pass, attention, the speed-up of
+//! more threads, a convolution's scratch and the in-process link between two ranks; on a GPU
+//! the same pass and attention on the whole device, the fixed cost of a small op, a
 //! device-to-device copy for the link between ranks sharing the GPU, and the scratch a
 //! convolution allocates on the device.
 
@@ -100,13 +101,15 @@ fn uniform(dims: Vec<usize>, seed: u64) -> anyhow::Result<Tensor> {
     Ok(Tensor::seeded_uniform(dims, seed, -1.0, 1.0, &Device::Cpu)?)
 }
 
-/// One convolution's one-thread rate (GMAC/s) on a map large enough to be timed: a 2-D
-/// convolution, or a 3-D one over 4 output frames.
-fn conv_rate(&(kernel, align, cin, cout): &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
+/// One convolution on one thread: its best seconds at a map of `side`² pixels (a 3-D one over
+/// `frames` output frames) and the multiply-adds of that call.
+fn cpu_conv_call(
+    &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
+    side: usize,
+    frames: usize,
+) -> anyhow::Result<(f64, f64)> {
     let [kt, k, _] = kernel;
-    let frames = if kt > 1 { 4 } else { 1 };
-    let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
-    let side = ((budget / per_pixel / frames as f64).sqrt() as usize).clamp(64, 256) / 8 * 8;
+    let frames = if kt > 1 { frames } else { 1 };
     let w = uniform(vec![cout, cin, kt, k, k], 2)?;
     let b = uniform(vec![cout], 3)?;
     let seconds = if kt > 1 {
@@ -120,8 +123,46 @@ fn conv_rate(&(kernel, align, cin, cout): &([usize; 3], usize, usize, usize), bu
         let params = Conv2dParams::same(k).band_aligned(align);
         best_of(2, || Ok(x.conv2d(&w, Some(&b), &params)?))?
     };
-    let macs = per_pixel * (frames * side * side) as f64;
-    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: macs / seconds / 1e9, call_us: 0.0 })
+    Ok((seconds, (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64))
+}
+
+/// The side of a square map on which a convolution does about `budget` multiply-adds, within
+/// `least..=most` and a multiple of 8 (so that every band alignment divides it).
+fn side_for(
+    &(kernel, _, cin, cout): &([usize; 3], usize, usize, usize),
+    budget: f64,
+    least: usize,
+    most: usize,
+) -> usize {
+    let frames = if kernel[0] > 1 { 4.0 } else { 1.0 };
+    let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
+    ((budget / per_pixel / frames).sqrt() as usize).clamp(least, most) / 8 * 8
+}
+
+/// A rate and a call's fixed cost, seconds, from two timings `(seconds, multiply-adds)`:
+/// the line `t = call + macs / rate` through both. Where noise makes that line meaningless
+/// (no positive slope, or a negative intercept), the large map's average rate and what the
+/// small one lost against it.
+fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
+    let ((t_large, m_large), (t_small, m_small)) = (large, small);
+    let slope = (m_large - m_small) / (t_large - t_small);
+    if slope.is_finite() && slope > 0.0 && t_small - m_small / slope >= 0.0 {
+        (slope, t_small - m_small / slope)
+    } else {
+        let rate = m_large / t_large;
+        (rate, (t_small - m_small / rate).max(0.0))
+    }
+}
+
+/// One convolution's one-thread rate and fixed cost per call (packing or transforming its
+/// weights), from a map large enough to be timed (a 3-D one over 4 output frames) and one with a
+/// sixteenth of its pixels (and one output frame: the video decoders' widest convolutions run
+/// on one latent frame a call).
+fn conv_rate(shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
+    let &(kernel, align, cin, cout) = shape;
+    let side = side_for(shape, budget, 64, 256);
+    let (rate, call) = fit(cpu_conv_call(shape, side, 4)?, cpu_conv_call(shape, side / 4, 1)?);
+    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
 }
 
 /// `vae-parallel calibrate`.
@@ -199,18 +240,29 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     eprintln!("calibrating on {} thread(s) of {cores} core(s) …", threads);
     let convs = one.install(|| SHAPES.iter().map(|s| conv_rate(s, budget)).collect::<anyhow::Result<Vec<_>>>())?;
     convs.iter().for_each(print_conv);
-    // Thread scaling: the decoder's largest 3×3 class on every thread against one, measured
-    // alternately three times (the best of each), so that a drift of the machine's speed
-    // between the two does not read as scaling.
-    let reference = ([1, 3, 3], 4, 256, 256);
-    let (mut single, mut multi) = (0.0f64, 0.0f64);
-    for _ in 0..3 {
-        single = single.max(one.install(|| conv_rate(&reference, budget))?.gmacs);
-        multi = multi.max(many.install(|| conv_rate(&reference, budget))?.gmacs);
-    }
-    let thread_efficiency =
-        if threads > 1 { ((multi / single - 1.0) / (threads - 1) as f64).clamp(0.0, 1.0) } else { 1.0 };
-    eprintln!("  {threads} thread(s): {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
+    // Thread scaling, of a 2-D and of a 3-D convolution (the image decoders' largest 3×3 class
+    // and a video decoder's 3×3×3 one): every thread against one, measured alternately three
+    // times (the best of each), so that a drift of the machine's speed between the two does
+    // not read as scaling.
+    let efficiency = |reference: ([usize; 3], usize, usize, usize)| -> anyhow::Result<(f64, f64)> {
+        let side = side_for(&reference, budget, 64, 256);
+        let frames = if reference.0[0] > 1 { 4 } else { 1 };
+        let rate = |pool: &rayon::ThreadPool| -> anyhow::Result<f64> {
+            let (seconds, macs) = pool.install(|| cpu_conv_call(&reference, side, frames))?;
+            Ok(macs / seconds / 1e9)
+        };
+        let (mut single, mut multi) = (0.0f64, 0.0f64);
+        for _ in 0..3 {
+            single = single.max(rate(&one)?);
+            multi = multi.max(rate(&many)?);
+        }
+        let e = if threads > 1 { ((multi / single - 1.0) / (threads - 1) as f64).clamp(0.0, 1.0) } else { 1.0 };
+        Ok((multi, e))
+    };
+    let (multi, thread_efficiency) = efficiency(([1, 3, 3], 4, 256, 256))?;
+    eprintln!("  {threads} thread(s), 2-D: {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
+    let (multi, thread_efficiency_3d) = efficiency(([3, 3, 3], 4, 192, 192))?;
+    eprintln!("  {threads} thread(s), 3-D: {multi:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
 
     // GroupNorm + SiLU: bytes read and written.
     let side = (if args.quick { 128 } else { 256 } / args.downscale).max(8);
@@ -255,6 +307,7 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
         cores,
         threads,
         thread_efficiency,
+        thread_efficiency_3d: Some(thread_efficiency_3d),
         convs,
         elementwise_gbps,
         attention_gmacs,
@@ -293,16 +346,16 @@ fn reps(calls: usize) -> usize {
 }
 
 /// One convolution on the GPU: its seconds per call at a map of `side`² pixels (a 3-D one
-/// over 4 output frames) and the multiply-adds of that call.
+/// over `frames` output frames) and the multiply-adds of that call.
 fn cuda_conv_call(
     device: Device,
     dtype: DType,
     &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
-    side: usize,
+    (side, frames): (usize, usize),
     calls: usize,
 ) -> anyhow::Result<(f64, f64)> {
     let [kt, k, _] = kernel;
-    let frames = if kt > 1 { 4 } else { 1 };
+    let frames = if kt > 1 { frames } else { 1 };
     let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
     let w = on(uniform(vec![cout, cin, kt, k, k], 2)?.mul_scalar(0.05)?)?;
     let b = uniform(vec![cout], 3)?.to_device(&device)?;
@@ -321,8 +374,9 @@ fn cuda_conv_call(
     Ok((seconds, macs))
 }
 
-/// A convolution's rate and fixed cost on the GPU, from a large map (`side`², which fills the
-/// device) and one with a sixteenth of its pixels: `t = call + macs / rate` through both.
+/// A convolution's rate and fixed cost on the GPU, from a large map (which fills the device; a
+/// 3-D one over 4 output frames) and one with a sixteenth of its pixels (one output frame):
+/// `t = call + macs / rate` through both.
 fn cuda_conv_rate(
     device: Device,
     dtype: DType,
@@ -331,22 +385,13 @@ fn cuda_conv_rate(
     downscale: usize,
 ) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
-    let frames = if kernel[0] > 1 { 4.0 } else { 1.0 };
-    let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
     let least = (32 / downscale).max(4);
-    let side = ((budget / per_pixel / frames).sqrt() as usize).clamp(least, 1024) / 4 * 4;
+    let side = side_for(shape, budget, least, 1024).max(least);
     // A downscaled run only checks that the command works: one call of each.
     let calls = |n: usize| if downscale > 1 { 1 } else { n };
-    let (t_large, m_large) = cuda_conv_call(device, dtype, shape, side, calls(4))?;
-    let (t_small, m_small) = cuda_conv_call(device, dtype, shape, (side / 4).max(least), calls(16))?;
-    let slope = (m_large - m_small) / (t_large - t_small);
-    let (rate, call) = if slope.is_finite() && slope > 0.0 && t_small - m_small / slope >= 0.0 {
-        (slope, t_small - m_small / slope)
-    } else {
-        // Timing noise at this size: the large map's average, and what the small one lost.
-        let rate = m_large / t_large;
-        (rate, (t_small - m_small / rate).max(0.0))
-    };
+    let large = cuda_conv_call(device, dtype, shape, (side, 4), calls(4))?;
+    let small = cuda_conv_call(device, dtype, shape, ((side / 4).max(least), 1), calls(16))?;
+    let (rate, call) = fit(large, small);
     Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
 }
 
@@ -425,6 +470,7 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
         cores: 1,
         threads: 1,
         thread_efficiency: 1.0,
+        thread_efficiency_3d: None,
         convs,
         elementwise_gbps,
         attention_gmacs,

@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
 use super::profile::{DeviceKind, DeviceProfile};
-use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign};
+use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign, overlap_pays};
 
 /// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
 const SCORE_BLOCK_ELEMS: f64 = (1u64 << 22) as f64;
@@ -190,14 +190,14 @@ fn sharded(
     profile: &DeviceProfile,
 ) -> Prediction {
     let ranks = parts.len();
-    let speed = profile.speedup(placement.threads_per_rank, concurrent);
+    let speed = Speed::of(profile, placement.threads_per_rank, concurrent);
     let mut per_rank = vec![RankPrediction::default(); ranks];
     let mut peaks = vec![0f64; ranks];
     let mut elapsed = 0.0;
     for step in &network.steps {
         let mut slowest: f64 = 0.0;
         for (r, part) in parts.iter().enumerate() {
-            let cost = step_cost(step, part, network, ranks > 1, speed, profile);
+            let cost = step_cost(step, part, network, ranks > 1, speed.for_step(step), profile);
             per_rank[r].compute_s += cost.compute_s;
             per_rank[r].comm_s += cost.comm_s;
             per_rank[r].received_bytes += cost.received_bytes as u64;
@@ -233,13 +233,13 @@ fn tiled(
     placement: Placement,
     profile: &DeviceProfile,
 ) -> Result<Prediction, PlanError> {
-    // Each tile's work in one thread's seconds, its memory as it runs alone.
-    let unit = Placement { threads_per_rank: 1.0, ranks_per_host: 1, threads_alone: 1.0 };
-    let alone = |tile: &Network| {
+    // Each tile's time where `concurrent` ranks of `threads` each compute at once, and its
+    // memory (which the speed does not change).
+    let time = |tile: &Network, threads: f64, concurrent: usize| {
         let whole = Part { rows: 0..tile.latent[0], cols: 0..tile.latent[1], sides: [false; 4], corners: 0 };
-        sharded(tile, &[whole], 1, unit, profile)
+        let at = Placement { threads_per_rank: threads, ranks_per_host: concurrent, threads_alone: threads };
+        sharded(tile, &[whole], concurrent, at, profile)
     };
-    let costs: Vec<Prediction> = tiles.iter().map(alone).collect();
     let workloads: Vec<u64> = tiles.iter().map(Network::macs).collect();
     let assignment = lpt_assign(&workloads, ranks)?;
     let output = network.output_bytes() as f64;
@@ -249,33 +249,34 @@ fn tiled(
     let concurrent = placement.ranks_per_host.min(busy).max(1);
     // Where the ranks share one pool, the busy ones share all of it.
     let threads = placement.threads_per_rank.max(placement.threads_alone / concurrent as f64);
-    let speed_shared = profile.speedup(threads, concurrent);
-    let speed_alone = profile.speedup(placement.threads_alone.max(placement.threads_per_rank), 1);
+    let threads_alone = placement.threads_alone.max(placement.threads_per_rank);
+    let shared: Vec<Prediction> = tiles.iter().map(|t| time(t, threads, concurrent)).collect();
+    let alone: Vec<f64> = tiles.iter().map(|t| time(t, threads_alone, 1).ranks[0].compute_s).collect();
     let mut per_rank = vec![RankPrediction::default(); ranks];
-    let (mut total_work, mut longest): (f64, f64) = (0.0, 0.0);
+    let (mut total_shared, mut longest_alone): (f64, f64) = (0.0, 0.0);
     for (r, mine) in assignment.per_rank.iter().enumerate() {
         let rank = &mut per_rank[r];
         let mut held = 0.0;
         let mut peak: f64 = 0.0;
-        let mut work = 0.0;
+        let mut work_alone = 0.0;
         for &t in mine {
-            work += costs[t].ranks[0].compute_s;
+            rank.compute_s += shared[t].ranks[0].compute_s;
+            work_alone += alone[t];
             let out = tiles[t].output_bytes() as f64;
             // A stitched rank sends each tile as it finishes; otherwise it keeps them all.
-            peak = peak.max(held + costs[t].peak_bytes as f64);
+            peak = peak.max(held + shared[t].peak_bytes as f64);
             if !stitched {
                 held += out;
             }
         }
-        rank.compute_s = work / speed_shared;
         rank.peak_bytes = peak as u64;
-        total_work += work;
-        longest = longest.max(work);
+        total_shared += rank.compute_s;
+        longest_alone = longest_alone.max(work_alone);
     }
-    // Hosts work through the tiles together (at most `concurrent` ranks' speed at once), and no
-    // faster than the rank with the most work alone.
+    // Hosts work through the tiles together (at most `concurrent` ranks at once), and no faster
+    // than the rank with the most work alone.
     let hosts = ranks.div_ceil(placement.ranks_per_host.max(1)).max(1) as f64;
-    let slowest = (total_work / (speed_shared * concurrent as f64 * hosts)).max(longest / speed_alone);
+    let slowest = (total_shared / (concurrent as f64 * hosts)).max(longest_alone);
     // The owner receives every other rank's tiles and blends each into the output.
     let mut received = 0.0;
     let mut messages = 0usize;
@@ -285,7 +286,7 @@ fn tiled(
         }
         messages += usize::from(!mine.is_empty()) * if stitched { mine.len() } else { 1 };
     }
-    let speed = speed_alone;
+    let speed = profile.speedup(threads_alone, 1);
     let all_tiles: f64 = tiles.iter().map(|t| t.output_bytes() as f64).sum();
     let blend_s = profile.elementwise_s(2.0 * all_tiles) / speed;
     let gather_s = messages as f64 * profile.link_latency_us * 1e-6 + received / (profile.link_gbps * 1e9);
@@ -310,6 +311,28 @@ fn tiled(
     };
     let elapsed = slowest + gather_s + blend_s;
     Ok(finish(elapsed, per_rank))
+}
+
+/// How much faster than one thread alone a rank runs each kind of step.
+#[derive(Debug, Clone, Copy)]
+struct Speed {
+    /// 2-D convolutions, norms, element-wise passes, attention.
+    flat: f64,
+    /// 3-D convolutions (the video VAEs'), which scale over threads differently.
+    video: f64,
+}
+
+impl Speed {
+    fn of(profile: &DeviceProfile, threads: f64, ranks: usize) -> Self {
+        Self { flat: profile.speedup(threads, ranks), video: profile.speedup_video(threads, ranks) }
+    }
+
+    fn for_step(self, step: &Step) -> f64 {
+        match step.kind {
+            StepKind::Conv { kernel, .. } if kernel[0] > 1 => self.video,
+            _ => self.flat,
+        }
+    }
 }
 
 fn finish(elapsed_s: f64, ranks: Vec<RankPrediction>) -> Prediction {
@@ -355,9 +378,15 @@ fn step_cost(
             let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
             let measured = profile.conv_rate(kernel, align, step.in_channels, step.out_channels);
             let rate = measured.map_or(1e9, |r| r.gmacs * 1e9);
-            let call_s = measured.map_or(0.0, |r| r.call_us * 1e-6);
+            let call_s = measured.map_or(0.0, |r| profile.conv_call_s(r, kernel, step.in_channels, step.out_channels));
             let macs = step.macs() as f64 * fh * fw * batch;
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
+            // Overlapped as the runtime decides it (vae_planner::overlap), in pieces: the
+            // interior and a strip per side with a neighbour, each a call for Winograd.
+            let extra = part.sides.iter().filter(|&&s| s).count();
+            let positions = (step.input[0] as f64 * h * w * batch) as usize;
+            let overlaps = overlapped && profile.overlaps_halos() && overlap_pays(align, positions, extra);
+            let calls = if overlaps && align >= 2 { 1 + extra } else { 1 } as f64;
             // The weights as the kernel packs them (on the CPU in f32, Winograd F(4×4)
             // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered
             // in the element type), and its fixed scratch. A GPU convolution also reads a
@@ -373,8 +402,10 @@ fn step_cost(
             let padded_copy = if gpu { with_halo * bytes } else { 0.0 };
             let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
             let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
-            let compute_s = call_s + macs / (rate * speed);
-            if (overlapped && profile.overlaps_halos()) || !exchanges {
+            // A CPU call's fixed work runs on the rank's threads; a GPU's launches do not speed up.
+            let fixed_s = if gpu { call_s } else { call_s / speed };
+            let compute_s = calls * fixed_s + macs / (rate * speed);
+            if overlaps || !exchanges {
                 // The interior is computed straight from the input into the output while the
                 // rows travel; the edges from small copies: the input and the output live
                 // together, and the messages cost what outlasts the interior.
@@ -427,14 +458,16 @@ mod tests {
     use super::*;
     use crate::cost::{ConvRate, NetworkBuilder};
 
-    /// One conv rate for every shape, 1 GB/s element-wise, free links: predictions by hand.
+    /// One conv rate for every shape, threads that scale perfectly, 1 GB/s element-wise, free
+    /// links: predictions by hand.
     fn profile(cores: usize) -> DeviceProfile {
         DeviceProfile {
             device: "test".into(),
             source: "test".into(),
             cores,
             threads: cores,
-            thread_efficiency: 0.5,
+            thread_efficiency: 1.0,
+            thread_efficiency_3d: None,
             kind: DeviceKind::Cpu,
             dtype: "f32".into(),
             convs: vec![ConvRate {
@@ -552,15 +585,43 @@ mod tests {
     }
 
     #[test]
+    fn a_cpu_calls_fixed_cost_scales_with_the_weights_and_is_paid_per_winograd_piece() {
+        let with_call =
+            DeviceProfile { convs: vec![ConvRate { call_us: 100.0, ..profile(1).convs[0].clone() }], ..profile(1) };
+        // 16 channels: four times the measured shape's weights, four times its fixed cost.
+        let mut b = NetworkBuilder::new(16, [1, 16, 16], [16, 16], 4, 1);
+        b.conv(16, [1, 3, 3], 1, 0);
+        let net = b.finish();
+        let p = predict(&net, Layout::Direct, ONE, &with_call).unwrap();
+        assert!((p.ms - (net.macs() as f64 / 1e9 + 400e-6) * 1e3).abs() < 1e-9, "{p:?}");
+
+        // Two bands of a map large enough for Winograd to overlap: each band computes its
+        // interior and one edge strip, two calls, where the direct kernel packs once.
+        let bands = |align: usize| {
+            let mut b = NetworkBuilder::new(8, [1, 256, 256], [256, 256], 4, 1);
+            b.conv(8, [1, 3, 3], align, 0);
+            let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 1, threads_alone: 1.0 };
+            let layout = Layout::Bands { axis: ShardAxis::Height, ranks: 2 };
+            predict(&b.finish(), layout, placement, &with_call).unwrap().ranks[1].compute_s
+        };
+        assert!((bands(4) - bands(1) - 100e-6).abs() < 1e-12, "{} vs {}", bands(4), bands(1));
+    }
+
+    #[test]
     fn ranks_that_share_cores_share_their_speed() {
-        let p = profile(2);
+        // Two cores, the second adding half a core's speed; 3-D convolutions scale perfectly.
+        let p = DeviceProfile { thread_efficiency: 0.5, thread_efficiency_3d: Some(1.0), ..profile(2) };
         assert_eq!(p.speedup(1.0, 1), 1.0);
         assert_eq!(p.speedup(2.0, 1), 1.5);
-        assert_eq!(p.speedup(1.0, 2), 1.0);
-        // Four ranks on a pool of two threads: half a thread each.
-        assert_eq!(p.speedup(0.5, 4), 0.5);
-        // Four ranks of two threads each on two cores: a quarter of 1.5× each.
+        // Two ranks of a thread each: the host's 1.5× shared, as two threads of one rank.
+        assert_eq!(p.speedup(1.0, 2), 0.75);
+        // Four ranks on a pool of two threads, or of two threads each: a quarter of 1.5× each.
+        assert_eq!(p.speedup(0.5, 4), 0.375);
         assert_eq!(p.speedup(2.0, 4), 0.375);
+        assert_eq!(p.speedup_video(1.0, 2), 1.0);
+        assert_eq!(p.speedup_video(2.0, 1), 2.0);
+        // Half a thread alone: half the speed.
+        assert_eq!(p.speedup(0.5, 1), 0.5);
     }
 
     #[test]

@@ -38,8 +38,9 @@ pub struct ConvRate {
     pub out_channels: usize,
     /// Multiply-adds per second, in billions, on one thread.
     pub gmacs: f64,
-    /// A call's fixed cost beyond its multiply-adds, microseconds (launches, and the rate lost
-    /// on a map too small to fill the device); 0 where it was not measured (CPU profiles).
+    /// A call's fixed cost beyond its multiply-adds, microseconds: on a CPU packing or
+    /// transforming the weights (one thread), on a GPU its launches and the rate lost on a map
+    /// too small to fill the device. 0 where it was not measured (the built-in constants).
     #[serde(default)]
     pub call_us: f64,
 }
@@ -67,9 +68,12 @@ pub struct DeviceProfile {
     pub cores: usize,
     /// Threads the multi-thread measurement used.
     pub threads: usize,
-    /// `e` in `speedup(t) = 1 + (t − 1)·e`: the share of each extra thread that turns into
-    /// speed.
+    /// `e` in `speedup(t) = 1 + (t − 1)·e`: the share of each extra thread (each extra busy
+    /// core, whichever rank runs on it) that turns into speed; measured on a 2-D convolution.
     pub thread_efficiency: f64,
+    /// The same for 3-D convolutions (the video VAEs'); `thread_efficiency` where not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread_efficiency_3d: Option<f64>,
     /// Measured convolution shapes.
     pub convs: Vec<ConvRate>,
     /// Norms, SiLU, additions and copies: bytes read plus written per second, in billions, on
@@ -101,8 +105,10 @@ impl DeviceProfile {
         if self.cores == 0 || self.threads == 0 {
             return Err("cores and threads must be at least 1".into());
         }
-        if !(0.0..=1.0).contains(&self.thread_efficiency) {
-            return Err(format!("thread_efficiency must be in [0, 1], not {}", self.thread_efficiency));
+        for e in std::iter::once(self.thread_efficiency).chain(self.thread_efficiency_3d) {
+            if !(0.0..=1.0).contains(&e) {
+                return Err(format!("thread efficiencies must be in [0, 1], not {e}"));
+            }
         }
         if self.convs.is_empty() {
             return Err("no convolution rates (convs)".into());
@@ -126,15 +132,24 @@ impl DeviceProfile {
     }
 
     /// How much faster than one thread alone a rank runs with `threads` threads (a fraction
-    /// where ranks share one pool) while `ranks` ranks work at once on this host. Ranks are
-    /// independent, so they add up; a rank's own threads give `1 + (t − 1)·e` times one
-    /// thread's speed; past the host's cores, everything slows in proportion.
+    /// where ranks share one pool) while `ranks` ranks work at once on this host. The host's
+    /// busy cores (at most all of them) give `1 + (busy − 1)·e` times one thread's speed, shared
+    /// equally by the ranks: a second core helps a second rank no more than a second thread of
+    /// one rank. Measured on the 2-D convolution; [`Self::speedup_video`] for 3-D ones.
     pub fn speedup(&self, threads: f64, ranks: usize) -> f64 {
-        let t = threads.max(0.0);
-        let own = if t < 1.0 { t } else { 1.0 + (t - 1.0) * self.thread_efficiency };
-        let demand = t * ranks.max(1) as f64;
-        let cores = self.cores.max(1) as f64;
-        if demand > cores { own * cores / demand } else { own }
+        self.speedup_with(self.thread_efficiency, threads, ranks)
+    }
+
+    /// [`Self::speedup`] for 3-D convolutions.
+    pub fn speedup_video(&self, threads: f64, ranks: usize) -> f64 {
+        self.speedup_with(self.thread_efficiency_3d.unwrap_or(self.thread_efficiency), threads, ranks)
+    }
+
+    fn speedup_with(&self, efficiency: f64, threads: f64, ranks: usize) -> f64 {
+        let ranks = ranks.max(1) as f64;
+        let busy = (threads.max(0.0) * ranks).min(self.cores.max(1) as f64);
+        let host = if busy < 1.0 { busy } else { 1.0 + (busy - 1.0) * efficiency };
+        host / ranks
     }
 
     /// The rate of a convolution: the measured shape, or the nearest one (same kernel and
@@ -170,6 +185,22 @@ impl DeviceProfile {
             (DeviceKind::Cuda, "bf16") => Some(2),
             (DeviceKind::Cuda, _) => Some(4),
             (DeviceKind::Cpu, _) => None,
+        }
+    }
+
+    /// The fixed seconds of one call of a convolution of `in_channels → out_channels` through
+    /// `kernel`, from `rate`, its measured (or nearest) shape: on a CPU the weights are packed
+    /// or transformed on every call, so the cost scales with their count; on a GPU it is the
+    /// measured shape's.
+    pub fn conv_call_s(&self, rate: &ConvRate, kernel: [usize; 3], in_channels: usize, out_channels: usize) -> f64 {
+        let weights = |k: [usize; 3], cin: usize, cout: usize| (k.iter().product::<usize>() * cin * cout).max(1) as f64;
+        let measured = rate.call_us * 1e-6;
+        match self.kind {
+            DeviceKind::Cpu => {
+                measured * weights(kernel, in_channels, out_channels)
+                    / weights(rate.kernel, rate.in_channels, rate.out_channels)
+            }
+            DeviceKind::Cuda => measured,
         }
     }
 
@@ -209,6 +240,7 @@ impl DeviceProfile {
             cores: 2,
             threads: 2,
             thread_efficiency: 0.73,
+            thread_efficiency_3d: None,
             convs: vec![
                 conv([1, 3, 3], 1, 16, 512, 46.6),
                 conv([1, 3, 3], 1, 512, 512, 55.9),
