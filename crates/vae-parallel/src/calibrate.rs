@@ -127,16 +127,24 @@ fn cpu_conv_call(
 }
 
 /// The side of a square map on which a convolution does about `budget` multiply-adds, within
-/// `least..=most` and a multiple of 8 (so that every band alignment divides it).
+/// `least..=most`, rounded up to a multiple of `multiple` (on the CPU 8, so that every band
+/// alignment divides it).
 fn side_for(
     &(kernel, _, cin, cout): &([usize; 3], usize, usize, usize),
     budget: f64,
-    least: usize,
-    most: usize,
+    [least, most]: [usize; 2],
+    multiple: usize,
 ) -> usize {
     let frames = if kernel[0] > 1 { 4.0 } else { 1.0 };
     let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
-    ((budget / per_pixel / frames).sqrt() as usize).clamp(least, most) / 8 * 8
+    let least = least.max(multiple);
+    ((budget / per_pixel / frames).sqrt() as usize).clamp(least, most.max(least)).next_multiple_of(multiple)
+}
+
+/// The small map's side for a large map of `side`: a quarter, rounded up to a multiple of
+/// `multiple` (and at least that).
+fn small_side(side: usize, multiple: usize) -> usize {
+    (side / 4).next_multiple_of(multiple).max(multiple)
 }
 
 /// A rate and a call's fixed cost, seconds, from two timings `(seconds, multiply-adds)`:
@@ -146,7 +154,9 @@ fn side_for(
 fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
     let ((t_large, m_large), (t_small, m_small)) = (large, small);
     let slope = (m_large - m_small) / (t_large - t_small);
-    if slope.is_finite() && slope > 0.0 && t_small - m_small / slope >= 0.0 {
+    // A slope far above the large map's average rate is timing noise, not a rate.
+    let plausible = slope.is_finite() && slope > 0.0 && slope <= 4.0 * m_large / t_large;
+    if plausible && t_small - m_small / slope >= 0.0 {
         (slope, t_small - m_small / slope)
     } else {
         let rate = m_large / t_large;
@@ -160,8 +170,8 @@ fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
 /// on one latent frame a call).
 fn conv_rate(shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
-    let side = side_for(shape, budget, 64, 256);
-    let (rate, call) = fit(cpu_conv_call(shape, side, 4)?, cpu_conv_call(shape, side / 4, 1)?);
+    let side = side_for(shape, budget, [64, 256], 8);
+    let (rate, call) = fit(cpu_conv_call(shape, side, 4)?, cpu_conv_call(shape, small_side(side, 8), 1)?);
     Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
 }
 
@@ -245,7 +255,7 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     // times (the best of each), so that a drift of the machine's speed between the two does
     // not read as scaling.
     let efficiency = |reference: ([usize; 3], usize, usize, usize)| -> anyhow::Result<(f64, f64)> {
-        let side = side_for(&reference, budget, 64, 256);
+        let side = side_for(&reference, budget, [64, 256], 8);
         let frames = if reference.0[0] > 1 { 4 } else { 1 };
         let rate = |pool: &rayon::ThreadPool| -> anyhow::Result<f64> {
             let (seconds, macs) = pool.install(|| cpu_conv_call(&reference, side, frames))?;
@@ -385,12 +395,11 @@ fn cuda_conv_rate(
     downscale: usize,
 ) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
-    let least = (32 / downscale).max(4);
-    let side = side_for(shape, budget, least, 1024).max(least);
+    let side = side_for(shape, budget, [32 / downscale, 1024], 4);
     // A downscaled run only checks that the command works: one call of each.
     let calls = |n: usize| if downscale > 1 { 1 } else { n };
     let large = cuda_conv_call(device, dtype, shape, (side, 4), calls(4))?;
-    let small = cuda_conv_call(device, dtype, shape, ((side / 4).max(least), 1), calls(16))?;
+    let small = cuda_conv_call(device, dtype, shape, (small_side(side, 4), 1), calls(16))?;
     let (rate, call) = fit(large, small);
     Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
 }

@@ -316,8 +316,9 @@ impl Engine {
     /// the family's choice (with the grid the request names), or under `auto` with cost
     /// settings and a family that has a cost model, the fastest predicted strategy whose peak
     /// fits `--max-memory-per-rank`. The family's choice depends on global quantities only;
-    /// the cost model's inputs (a rank's profile and threads) may differ between ranks, so rank
-    /// 0's choice is broadcast to the group and every rank runs it.
+    /// the cost model's inputs (a rank's profile, threads and device) may differ between ranks,
+    /// so under `auto` rank 0's decision (a strategy, the family's rules, or a refusal) is
+    /// broadcast to the group and every rank follows it.
     fn choose(
         &self,
         executor: &DistributedVaeExecutor,
@@ -333,39 +334,51 @@ impl Engine {
         let model = self.model.as_ref();
         // A grid named with another mode is an error in every mode, `auto` included.
         choice = Self::with_grid(choice, options)?;
-        // A profile predicts for its own kind of device: a model on another (a GPU under the
-        // CPU profile, the default) runs by the family's rules.
+        // A profile predicts for its own kind of device, and a GPU profile for its element type:
+        // a model on another device (a GPU under the CPU profile, the default) or in another
+        // type runs by the family's rules.
         let on_gpu = !model.device().is_cpu();
-        let settings = self.cost.as_ref().filter(|s| (s.profile.kind == DeviceKind::Cuda) == on_gpu);
-        let Some(settings) = settings else {
-            if options.max_memory_per_rank.is_some() {
-                return Err(match &self.cost {
-                    None => ModelError::InvalidInput(
-                        "--max-memory-per-rank needs the cost model's settings (a device profile)".into(),
-                    )
-                    .into(),
-                    Some(_) => cost::CostError::NoModel {
-                        class: format!("{} on {}", model.class_name(), model.device()),
-                        dims: dims.to_vec(),
-                    }
-                    .into(),
-                });
+        let elem = model.dtype().size_in_bytes() as u64;
+        let settings = self.cost.as_ref().filter(|s| {
+            (s.profile.kind == DeviceKind::Cuda) == on_gpu && s.profile.map_bytes().is_none_or(|b| b == elem)
+        });
+        let cap = options.max_memory_per_rank;
+        let no_model = || -> EngineError {
+            match &self.cost {
+                None => ModelError::InvalidInput(
+                    "--max-memory-per-rank needs the cost model's settings (a device profile)".into(),
+                )
+                .into(),
+                Some(_) => cost::CostError::NoModel {
+                    class: format!("{} on {}", model.class_name(), model.device()),
+                    dims: dims.to_vec(),
+                }
+                .into(),
             }
-            return Ok((announce(executor, choice), use_tiling, None));
         };
         if options.mode == ParallelMode::Auto {
-            let candidates = cost::candidates(model, direction, dims, ranks, options.use_tiling, settings);
-            match candidates {
-                Some(candidates) if !candidates.is_empty() => {
-                    // Each rank's profile and threads are its own: rank 0 decides for the group.
-                    let local = cost::choose(&candidates, options.max_memory_per_rank, ranks);
-                    let agreed = agree_on_choice(executor, local.as_ref().ok().map(|c| (c.strategy, c.use_tiling)))?;
-                    let Some((strategy, tiling)) = agreed else {
-                        return Err(local.err().unwrap_or(cost::CostError::RefusedByOwner).into());
-                    };
-                    let prediction = cost::prediction_of(&candidates, strategy, tiling);
-                    let cap =
-                        options.max_memory_per_rank.map(|c| format!(" within {}", human_bytes(c))).unwrap_or_default();
+            // What this rank would run: the cost model's choice, a refusal, or the family's rules
+            // (no cost model here). Each rank's profile, threads and device are its own, so
+            // rank 0 decides for the group, also for ranks that have no cost model.
+            let candidates = settings
+                .and_then(|s| cost::candidates(model, direction, dims, ranks, options.use_tiling, s))
+                .filter(|c| !c.is_empty());
+            let local: Result<Option<&cost::Candidate>, EngineError> = match &candidates {
+                Some(all) => cost::choose(all, cap, ranks).map(Some).map_err(EngineError::from),
+                None if cap.is_some() => Err(no_model()),
+                None => Ok(None),
+            };
+            let mine = match &local {
+                Ok(Some(c)) => Decision::Run(c.strategy, c.use_tiling),
+                Ok(None) => Decision::Rules,
+                Err(_) => Decision::Refuse,
+            };
+            match agree_on_choice(executor, mine)? {
+                Decision::Refuse => return Err(local.err().unwrap_or_else(|| cost::CostError::RefusedByOwner.into())),
+                Decision::Rules => {}
+                Decision::Run(strategy, tiling) => {
+                    let prediction = candidates.as_deref().and_then(|all| cost::prediction_of(all, strategy, tiling));
+                    let cap = cap.map(|c| format!(" within {}", human_bytes(c))).unwrap_or_default();
                     let figures = prediction.map_or_else(String::new, |p| {
                         format!(" ({:.0} ms, {} per rank)", p.prediction.ms, human_bytes(p.prediction.peak_bytes))
                     });
@@ -374,18 +387,16 @@ impl Engine {
                         StrategyChoice::chosen(strategy, format!("auto: {label}, the fastest predicted{cap}{figures}"));
                     return Ok((announce(executor, choice), tiling, prediction.map(predicted)));
                 }
-                _ if options.max_memory_per_rank.is_some() => {
-                    return Err(
-                        cost::CostError::NoModel { class: model.class_name().into(), dims: dims.to_vec() }.into()
-                    );
-                }
-                _ => {}
             }
-        } else if options.max_memory_per_rank.is_some() {
+        } else if cap.is_some() {
+            if settings.is_none() {
+                return Err(no_model());
+            }
             tracing::warn!(mode = %options.mode, "--max-memory-per-rank applies to --vae-parallel-mode auto; ignored");
         }
         let choice = announce(executor, choice);
-        let prediction = cost::predict_strategy(model, direction, dims, ranks, choice.strategy, use_tiling, settings);
+        let prediction = settings
+            .and_then(|s| cost::predict_strategy(model, direction, dims, ranks, choice.strategy, use_tiling, s));
         let predicted = prediction.map(|p| Predicted { ms: p.ms, peak_bytes: p.peak_bytes });
         Ok((choice, use_tiling, predicted))
     }
@@ -453,18 +464,30 @@ fn announce(executor: &DistributedVaeExecutor, choice: StrategyChoice) -> Strate
     choice
 }
 
-/// Rank 0's cost-model choice (`None`: it found nothing that fits), the same on every rank:
-/// one broadcast of `[found, kind, rows, columns, tiles]` over the group.
-fn agree_on_choice(
-    executor: &DistributedVaeExecutor,
-    mine: Option<(Strategy, bool)>,
-) -> Result<Option<(Strategy, bool)>, EngineError> {
+/// What `auto` runs, as one rank sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// The cost model's choice: a strategy, and whether it tiles.
+    Run(Strategy, bool),
+    /// No cost model (no profile for this device, or none for this family): the family's rules.
+    Rules,
+    /// Nothing fits the memory cap, or a cap without a cost model.
+    Refuse,
+}
+
+/// Rank 0's decision, the same on every rank: one broadcast of `[what, kind, rows, columns,
+/// tiles]` over the group (nothing on one rank).
+fn agree_on_choice(executor: &DistributedVaeExecutor, mine: Decision) -> Result<Decision, EngineError> {
     use vae_planner::ShardAxis;
     use vae_transport::CommunicatorExt;
     let comm = executor.communicator();
+    if comm.size() <= 1 {
+        return Ok(mine);
+    }
     let mut word: Vec<u64> = match mine {
-        None => vec![0; 5],
-        Some((strategy, tiling)) => {
+        Decision::Refuse => vec![0; 5],
+        Decision::Rules => vec![2, 0, 0, 0, 0],
+        Decision::Run(strategy, tiling) => {
             let (kind, [r, c]) = match strategy {
                 Strategy::Tile => (1, [0, 0]),
                 Strategy::Shard(ShardAxis::Height) => (2, [0, 0]),
@@ -475,11 +498,10 @@ fn agree_on_choice(
             vec![1, kind, r as u64, c as u64, u64::from(tiling)]
         }
     };
-    if comm.size() > 1 {
-        comm.broadcast(0, &mut word).map_err(RuntimeError::from)?;
-    }
+    comm.broadcast(0, &mut word).map_err(RuntimeError::from)?;
     let strategy = match word.as_slice() {
-        [0, ..] => return Ok(None),
+        [0, ..] => return Ok(Decision::Refuse),
+        [2, ..] => return Ok(Decision::Rules),
         [1, 1, ..] => Strategy::Tile,
         [1, 2, ..] => Strategy::Shard(ShardAxis::Height),
         [1, 3, ..] => Strategy::Shard(ShardAxis::Width),
@@ -489,7 +511,7 @@ fn agree_on_choice(
             return Err(ModelError::InvalidInput(format!("rank 0 sent an unreadable strategy {other:?}")).into());
         }
     };
-    Ok(Some((strategy, word[4] == 1)))
+    Ok(Decision::Run(strategy, word[4] == 1))
 }
 
 /// The report carries the family's reason for the strategy it ran, and the cost model's

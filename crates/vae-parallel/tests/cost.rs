@@ -157,7 +157,8 @@ fn calibrate_writes_a_profile_that_plan_reads() {
 
 /// Each rank's profile and threads are its own, so `auto` under the cost model could decide
 /// differently per rank: rank 0 decides for the group. Here rank 1's profile makes every
-/// message cost an hour, so alone it would tile; it runs rank 0's shard instead.
+/// message cost an hour, so alone it would tile; it runs rank 0's shard instead. A rank without
+/// any cost model follows rank 0 as well.
 #[test]
 fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     use std::sync::Arc;
@@ -207,6 +208,23 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     .unwrap();
     let ran: Vec<String> = results.into_iter().map(Result::unwrap).collect();
     assert_eq!(ran, vec![alone[0].clone(), alone[0].clone()]);
+
+    // A rank with no cost model at all (no profile for its device) follows rank 0 too, and
+    // rank 0 without one makes the group follow the family's rules; never a hang.
+    let mut bare = Engine::load(&model, &TileOverrides::default()).unwrap();
+    bare.set_cost(None);
+    let run = |pair: [&Engine; 2]| -> Vec<String> {
+        let results = run_local(2, TransportConfig::default(), |comm| {
+            let rank = comm.rank();
+            let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
+            pair[rank].decode(&exec, &latent, &options).unwrap().report.strategy.label()
+        });
+        results.unwrap().into_iter().map(Result::unwrap).collect()
+    };
+    let family = run([&bare, &bare]);
+    assert_eq!(family[0], family[1]);
+    assert_eq!(run([&engines[0], &bare]), vec![alone[0].clone(), alone[0].clone()]);
+    assert_eq!(run([&bare, &engines[1]]), family);
 }
 
 /// A GPU profile predicts for its GPU wherever `plan` runs: ranks share the GPU rather than

@@ -362,8 +362,9 @@ impl AutoencoderKl {
         Ok(())
     }
 
-    /// Every parallel mode but `pipeline` runs: decode and encode shard exactly (the GroupNorms
-    /// take the whole map's statistics from the other ranks); an image has no frames to pipeline.
+    /// Every parallel mode but `pipeline` runs on the CPU: decode and encode shard exactly (the
+    /// GroupNorms take the whole map's statistics from the other ranks); an image has no frames
+    /// to pipeline. On a GPU the shard modes are refused: its statistics are computed on the host.
     pub fn check_mode(&self, mode: ParallelMode) -> Result<()> {
         if mode == ParallelMode::Pipeline {
             return Err(ModelError::Unsupported(format!(

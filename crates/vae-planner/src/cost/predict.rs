@@ -381,11 +381,21 @@ fn step_cost(
             let call_s = measured.map_or(0.0, |r| profile.conv_call_s(r, kernel, step.in_channels, step.out_channels));
             let macs = step.macs() as f64 * fh * fw * batch;
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
-            // Overlapped as the runtime decides it (vae_planner::overlap), in pieces: the
-            // interior and a strip per side with a neighbour, each a call for Winograd.
+            // Overlapped as the runtime decides it (a part with an interior, where
+            // vae_planner::overlap says it pays), in pieces: the interior and a strip per side
+            // with a neighbour, each a call for Winograd.
             let extra = part.sides.iter().filter(|&&s| s).count();
             let positions = (step.input[0] as f64 * h * w * batch) as usize;
-            let overlaps = overlapped && profile.overlaps_halos() && overlap_pays(align, positions, extra);
+            let interior = |len: f64, halo: f64, [before, after]: [bool; 2]| {
+                let (len, halo, align) = (len as usize, halo as usize, align.max(1));
+                let lo = if before { halo.next_multiple_of(align) } else { 0 };
+                let hi = if after { len.saturating_sub(halo) / align * align } else { len };
+                halo == 0 || lo < hi
+            };
+            let has_interior =
+                interior(h, hh, [part.sides[0], part.sides[1]]) && interior(w, hw, [part.sides[2], part.sides[3]]);
+            let overlaps =
+                overlapped && profile.overlaps_halos() && has_interior && overlap_pays(align, positions, extra);
             let calls = if overlaps && align >= 2 { 1 + extra } else { 1 } as f64;
             // The weights as the kernel packs them (on the CPU in f32, Winograd F(4×4)
             // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered

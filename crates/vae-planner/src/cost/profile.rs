@@ -125,6 +125,13 @@ impl DeviceProfile {
             not_negative("a convolution's call_us", c.call_us)?;
         }
         not_negative("op_call_us", self.op_call_us)?;
+        let dtypes: &[&str] = match self.kind {
+            DeviceKind::Cpu => &["f32"],
+            DeviceKind::Cuda => &["f32", "bf16", "tf32"],
+        };
+        if !dtypes.contains(&self.dtype.as_str()) {
+            return Err(format!("dtype must be one of {dtypes:?} for a {:?} profile, not {:?}", self.kind, self.dtype));
+        }
         positive("elementwise_gbps", self.elementwise_gbps)?;
         positive("attention_gmacs", self.attention_gmacs)?;
         positive("link_gbps", self.link_gbps)?;

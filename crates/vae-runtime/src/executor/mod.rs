@@ -112,7 +112,7 @@ pub struct DistributedVaeExecutor {
     comm: Arc<dyn Communicator>,
     requested: usize,
     parallel_size: usize,
-    /// Spatial shards overlap each halo exchange with the interior's computation
+    /// When spatial shards overlap a halo exchange with the interior's computation
     /// ([`crate::ShardContext::conv_with_halo`]).
     halo_overlap: HaloOverlap,
     /// How a tiled request whose merge is a stitch is merged.

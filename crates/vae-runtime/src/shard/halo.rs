@@ -615,12 +615,16 @@ mod tests {
 
     impl Cut {
         fn context<'c>(&self, comm: &'c dyn Communicator, overlap: bool) -> ShardContext<'c> {
+            self.context_with(comm, if overlap { HaloOverlap::Always } else { HaloOverlap::Never })
+        }
+
+        fn context_with<'c>(&self, comm: &'c dyn Communicator, overlap: HaloOverlap) -> ShardContext<'c> {
             let rank = comm.rank();
             match self {
                 Cut::Bands(axis, bands) => ShardContext::new(comm, *axis, bands.clone(), rank),
                 Cut::Blocks(grid) => ShardContext::blocks(comm, grid.clone(), rank),
             }
-            .with_overlap(if overlap { HaloOverlap::Always } else { HaloOverlap::Never })
+            .with_overlap(overlap)
         }
 
         /// This rank's `[rows, columns]` of a map `align` times the planned extents.
@@ -713,6 +717,40 @@ mod tests {
                 }
                 // Every cut but the bands of one latent row leaves some rank an interior.
                 assert_eq!(overlaps > 0, ranks < 9, "align {align}, {cut:?}");
+            }
+        }
+    }
+
+    /// By default a direct convolution overlaps on any part with an interior, a Winograd one
+    /// only on a part of at least `WINOGRAD_OUTPUTS_PER_EXTRA_PIECE` positions per edge strip
+    /// (here one each: two bands); the bits are the whole map's either way.
+    #[test]
+    fn by_default_winograd_overlaps_only_on_large_parts() {
+        let weight = Tensor::seeded_uniform(vec![6, 8, 3, 3], 7, -0.5, 0.5, &Device::Cpu).unwrap();
+        let least = vae_planner::overlap::WINOGRAD_OUTPUTS_PER_EXTRA_PIECE;
+        // Bands of 64 × 64 (4,096 positions) and of 128 × 256 (the threshold itself).
+        for (side, wide, align, overlaps) in [(64, 64, 4, false), (64, 64, 1, true), (128, 256, 4, true)] {
+            assert_eq!(overlaps, align == 1 || side * wide >= least);
+            let h = 2 * side / align;
+            let map = Tensor::seeded_uniform(vec![1, 8, 2 * side, wide], 3, -1.0, 1.0, &Device::Cpu).unwrap();
+            let whole = map.conv2d(&weight, None, &Conv2dParams::same(3).band_aligned(align)).unwrap();
+            let cut = Cut::Bands(ShardAxis::Height, BandPartition::new(h, 2, 1).unwrap());
+            let results = run_local(2, TransportConfig::default(), |comm| {
+                let part = window_of(&map, &cut.part(comm.rank(), map.dims(), align));
+                let mut ctx = cut.context_with(&comm, HaloOverlap::WherePays);
+                let mut conv = |piece: HaloPiece<'_>| {
+                    let params = Conv2dParams::new(1, piece.padding([0, 0, 1, 1])).band_aligned(align);
+                    piece.input.conv2d_into(&weight, None, &params, piece.target).map_err(RuntimeError::from)
+                };
+                let (out, _) = ctx.conv_with_halo(Cow::Borrowed(&part), 1, align, 6, None, &mut conv).unwrap();
+                (out, ctx.traffic())
+            })
+            .unwrap();
+            for (rank, result) in results.into_iter().enumerate() {
+                let (out, traffic) = result.unwrap();
+                let want = window_of(&whole, &cut.part(rank, whole.dims(), align));
+                assert!(out.bit_eq(&want), "{side}x{wide}, align {align}, rank {rank}");
+                assert_eq!(traffic.halo_overlapped, u64::from(overlaps), "{side}x{wide}, align {align}, rank {rank}");
             }
         }
     }
