@@ -43,7 +43,8 @@ pub enum BenchCommand {
     /// bytes, and agreement with the direct decode.
     Shard(ShardBenchArgs),
     /// Each op the decoders spend their time in, alone, at a Wan2.1 480x832 (and SD 1024 px)
-    /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak.
+    /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak (`--device cuda`
+    /// without a usable GPU: the CPU, with a warning).
     Kernels(crate::kernel_bench::KernelBenchArgs),
 }
 

@@ -22,7 +22,7 @@ use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt, TransportConfig, run_local};
 
-use crate::model_cmds::{ComputeType, compute_type};
+use crate::model_cmds::{ComputeType, DeviceArgs, compute_type};
 
 /// `vae-parallel calibrate`.
 #[derive(Debug, Args)]
@@ -38,15 +38,12 @@ pub struct CalibrateArgs {
     /// Smaller problems: about a quarter of the time, noisier figures.
     #[arg(long)]
     quick: bool,
-    /// `cpu` (default) or `cuda[:N]`: the device to measure (without a usable GPU, a warning
-    /// and the CPU).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// The element type a GPU is measured in: `f32`, `bf16` or `tf32` (the CPU: f32).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// Divides every map's sides (1: the sizes the constants are meant for; larger only to
-    /// check that the command runs, the figures then meaningless).
+    /// The device to measure and, on a GPU, the element type (the CPU is measured in f32).
+    #[command(flatten)]
+    target: DeviceArgs,
+    /// Divides the maps' sides (1: the sizes the constants are meant for; larger only to check
+    /// that the command runs, the figures then meaningless; the CPU's convolution maps keep
+    /// their least size).
     #[arg(long, default_value_t = 1)]
     downscale: usize,
 }
@@ -84,44 +81,55 @@ const SHAPES: &[([usize; 3], usize, usize, usize)] = &[
     ([1, 1, 1], 1, 192, 384),
 ];
 
-/// The best of `reps` timings of `f` (its result dropped inside the timing) after one untimed
-/// run, seconds.
-fn best_of<T>(reps: usize, mut f: impl FnMut() -> anyhow::Result<T>) -> anyhow::Result<f64> {
-    drop(f()?);
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
-        let t = Instant::now();
-        drop(f()?);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(best)
-}
-
 fn uniform(dims: Vec<usize>, seed: u64) -> anyhow::Result<Tensor> {
     Ok(Tensor::seeded_uniform(dims, seed, -1.0, 1.0, &Device::Cpu)?)
 }
 
-/// One convolution on one thread: its best seconds at a map of `side`² pixels (a 3-D one over
-/// `frames` output frames) and the multiply-adds of that call.
-fn cpu_conv_call(
+/// How a device's convolutions are timed.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    device: Device,
+    dtype: DType,
+    /// The large map's side lies within these.
+    sides: [usize; 2],
+    /// Sides are multiples of this (on the CPU 8, so that every band alignment divides them).
+    multiple: usize,
+    /// Calls back to back per timed batch, on the large map and on the small one.
+    calls: [usize; 2],
+    /// Timed batches, the best kept.
+    reps: usize,
+}
+
+impl Timing {
+    /// One thread of the CPU, in f32: one call a batch, the best of two.
+    const CPU: Self =
+        Self { device: Device::Cpu, dtype: DType::F32, sides: [64, 256], multiple: 8, calls: [1, 1], reps: 2 };
+}
+
+/// One convolution: its seconds per call at a map of `side`² pixels (a 3-D one over `frames`
+/// output frames), `calls` back to back, and the multiply-adds of a call.
+fn conv_call(
+    timing: &Timing,
     &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
-    side: usize,
-    frames: usize,
+    (side, frames): (usize, usize),
+    calls: usize,
 ) -> anyhow::Result<(f64, f64)> {
     let [kt, k, _] = kernel;
     let frames = if kt > 1 { frames } else { 1 };
-    let w = uniform(vec![cout, cin, kt, k, k], 2)?;
-    let b = uniform(vec![cout], 3)?;
+    let (device, dtype) = (timing.device, timing.dtype);
+    let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
+    let w = on(uniform(vec![cout, cin, kt, k, k], 2)?.mul_scalar(0.05)?)?;
+    let b = uniform(vec![cout], 3)?.to_device(&device)?;
     let seconds = if kt > 1 {
-        let x = uniform(vec![1, cin, frames + kt - 1, side, side], 1)?;
+        let x = on(uniform(vec![1, cin, frames + kt - 1, side, side], 1)?)?;
         let p = k / 2;
         let params = Conv3dParams::new([1, 1, 1], [0, 0, p, p, p, p]).band_aligned(align);
-        best_of(2, || Ok(x.conv3d(&w, Some(&b), &params)?))?
+        per_call(device, calls, timing.reps, || Ok(x.conv3d(&w, Some(&b), &params)?))?
     } else {
-        let x = uniform(vec![1, cin, side, side], 1)?;
+        let x = on(uniform(vec![1, cin, side, side], 1)?)?;
         let w = w.reshape(vec![cout, cin, k, k])?;
         let params = Conv2dParams::same(k).band_aligned(align);
-        best_of(2, || Ok(x.conv2d(&w, Some(&b), &params)?))?
+        per_call(device, calls, timing.reps, || Ok(x.conv2d(&w, Some(&b), &params)?))?
     };
     Ok((seconds, (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64))
 }
@@ -164,35 +172,42 @@ fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
     }
 }
 
-/// One convolution's one-thread rate and fixed cost per call (packing or transforming its
-/// weights), from a map large enough to be timed (a 3-D one over 4 output frames) and one with a
-/// sixteenth of its pixels (and one output frame: the video decoders' widest convolutions run
-/// on one latent frame a call).
-fn conv_rate(shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
+/// One convolution's rate and fixed cost per call (on a CPU packing or transforming its
+/// weights; on a GPU its launches and a map too small to fill the device), from a map large
+/// enough to be timed (a 3-D one over 4 output frames) and one with a sixteenth of its pixels
+/// (and one output frame: the video decoders' widest convolutions run on one latent frame a
+/// call): `t = call + macs / rate` through both.
+fn conv_rate(timing: &Timing, shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
-    let side = side_for(shape, budget, [64, 256], 8);
-    let (rate, call) = fit(cpu_conv_call(shape, side, 4)?, cpu_conv_call(shape, small_side(side, 8), 1)?);
+    let side = side_for(shape, budget, timing.sides, timing.multiple);
+    let large = conv_call(timing, shape, (side, 4), timing.calls[0])?;
+    let small = conv_call(timing, shape, (small_side(side, timing.multiple), 1), timing.calls[1])?;
+    let (rate, call) = fit(large, small);
     Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
 }
 
 /// `vae-parallel calibrate`.
 pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.downscale >= 1, "--downscale must be at least 1");
-    let requested: Device = args.device.parse()?;
+    let requested: Device = args.target.device.parse()?;
     let (device, fallback) = resolve_device(requested);
     if let Some(why) = fallback {
-        eprintln!("warning: --device {requested}: {why}");
+        // Measuring the CPU instead would overwrite its profile with figures nobody asked for.
+        let why = why.strip_suffix("; running on the CPU").unwrap_or(&why);
+        anyhow::bail!("--device {requested}: {why}; nothing calibrated");
     }
     let (profile, kind) = match device {
         Device::Cpu => {
             anyhow::ensure!(
-                args.dtype.trim() == "f32",
+                args.target.dtype.trim() == "f32",
                 "calibrate measures the CPU in f32 (the cost model's CPU rates); --dtype {} is for --device cuda",
-                args.dtype
+                args.target.dtype
             );
             (cpu_profile(args)?, DeviceKind::Cpu)
         }
-        Device::Cuda(ordinal) => (cuda_profile(ordinal, compute_type(&args.dtype, device)?, args)?, DeviceKind::Cuda),
+        Device::Cuda(ordinal) => {
+            (cuda_profile(ordinal, compute_type(&args.target.dtype, device)?, args)?, DeviceKind::Cuda)
+        }
     };
     let out = match &args.out {
         Some(p) => p.clone(),
@@ -248,17 +263,17 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
 
     eprintln!("calibrating on {} thread(s) of {cores} core(s) …", threads);
-    let convs = one.install(|| SHAPES.iter().map(|s| conv_rate(s, budget)).collect::<anyhow::Result<Vec<_>>>())?;
+    let convs =
+        one.install(|| SHAPES.iter().map(|s| conv_rate(&Timing::CPU, s, budget)).collect::<anyhow::Result<Vec<_>>>())?;
     convs.iter().for_each(print_conv);
     // Thread scaling, of a 2-D and of a 3-D convolution (the image decoders' largest 3×3 class
     // and a video decoder's 3×3×3 one): every thread against one, measured alternately three
     // times (the best of each), so that a drift of the machine's speed between the two does
     // not read as scaling.
     let efficiency = |reference: ([usize; 3], usize, usize, usize)| -> anyhow::Result<(f64, f64)> {
-        let side = side_for(&reference, budget, [64, 256], 8);
-        let frames = if reference.0[0] > 1 { 4 } else { 1 };
+        let side = side_for(&reference, budget, Timing::CPU.sides, Timing::CPU.multiple);
         let rate = |pool: &rayon::ThreadPool| -> anyhow::Result<f64> {
-            let (seconds, macs) = pool.install(|| cpu_conv_call(&reference, side, frames))?;
+            let (seconds, macs) = pool.install(|| conv_call(&Timing::CPU, &reference, (side, 4), 1))?;
             Ok(macs / seconds / 1e9)
         };
         let (mut single, mut multi) = (0.0f64, 0.0f64);
@@ -278,14 +293,14 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     let side = (if args.quick { 128 } else { 256 } / args.downscale).max(8);
     let map = uniform(vec![1, 128, side, side], 4)?;
     let (gamma, beta) = (uniform(vec![128], 5)?, uniform(vec![128], 6)?);
-    let seconds = one.install(|| best_of(2, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?)))?;
+    let seconds = one.install(|| per_call(Device::Cpu, 1, 2, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?)))?;
     let elementwise_gbps = 2.0 * (map.dims().iter().product::<usize>() * 4) as f64 / seconds / 1e9;
     eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
 
     // Attention over a 32×32 (64×64) map of 512 channels.
     let n = (if args.quick { 1024 } else { 4096 } / down as usize).max(64);
     let q = uniform(vec![1, n, 512], 7)?;
-    let seconds = one.install(|| best_of(1, || Ok(Tensor::attention(&q, &q, &q)?)))?;
+    let seconds = one.install(|| per_call(Device::Cpu, 1, 1, || Ok(Tensor::attention(&q, &q, &q)?)))?;
     let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
     eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
 
@@ -350,58 +365,15 @@ fn per_call<T>(
     Ok(best)
 }
 
-/// Batches of calls timed: three, or one where a single call is asked for (a downscaled run).
-fn reps(calls: usize) -> usize {
-    if calls > 1 { 3 } else { 1 }
+/// Calls back to back per timed batch on a GPU: `n`, or one in a downscaled run, which only
+/// checks that the command works.
+fn calls(downscale: usize, n: usize) -> usize {
+    if downscale > 1 { 1 } else { n }
 }
 
-/// One convolution on the GPU: its seconds per call at a map of `side`² pixels (a 3-D one
-/// over `frames` output frames) and the multiply-adds of that call.
-fn cuda_conv_call(
-    device: Device,
-    dtype: DType,
-    &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
-    (side, frames): (usize, usize),
-    calls: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let [kt, k, _] = kernel;
-    let frames = if kt > 1 { frames } else { 1 };
-    let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
-    let w = on(uniform(vec![cout, cin, kt, k, k], 2)?.mul_scalar(0.05)?)?;
-    let b = uniform(vec![cout], 3)?.to_device(&device)?;
-    let seconds = if kt > 1 {
-        let x = on(uniform(vec![1, cin, frames + kt - 1, side, side], 1)?)?;
-        let p = k / 2;
-        let params = Conv3dParams::new([1, 1, 1], [0, 0, p, p, p, p]).band_aligned(align);
-        per_call(device, calls, reps(calls), || Ok(x.conv3d(&w, Some(&b), &params)?))?
-    } else {
-        let x = on(uniform(vec![1, cin, side, side], 1)?)?;
-        let w = w.reshape(vec![cout, cin, k, k])?;
-        let params = Conv2dParams::same(k).band_aligned(align);
-        per_call(device, calls, reps(calls), || Ok(x.conv2d(&w, Some(&b), &params)?))?
-    };
-    let macs = (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64;
-    Ok((seconds, macs))
-}
-
-/// A convolution's rate and fixed cost on the GPU, from a large map (which fills the device; a
-/// 3-D one over 4 output frames) and one with a sixteenth of its pixels (one output frame):
-/// `t = call + macs / rate` through both.
-fn cuda_conv_rate(
-    device: Device,
-    dtype: DType,
-    shape: &([usize; 3], usize, usize, usize),
-    budget: f64,
-    downscale: usize,
-) -> anyhow::Result<ConvRate> {
-    let &(kernel, align, cin, cout) = shape;
-    let side = side_for(shape, budget, [32 / downscale, 1024], 4);
-    // A downscaled run only checks that the command works: one call of each.
-    let calls = |n: usize| if downscale > 1 { 1 } else { n };
-    let large = cuda_conv_call(device, dtype, shape, (side, 4), calls(4))?;
-    let small = cuda_conv_call(device, dtype, shape, (small_side(side, 4), 1), calls(16))?;
-    let (rate, call) = fit(large, small);
-    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
+/// Timed batches on a GPU: three, or one in a downscaled run.
+fn reps(downscale: usize) -> usize {
+    if downscale > 1 { 1 } else { 3 }
 }
 
 /// The constants of GPU `ordinal` in `compute`: one whole GPU, which ranks sharing it divide.
@@ -414,34 +386,32 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
     let budget = if args.quick { 2.5e10 } else { 1e11 } / down;
     let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
     let elem = dtype.size_in_bytes();
-    // A downscaled run only checks that the command works: one call of each.
-    let calls = |n: usize| if args.downscale > 1 { 1 } else { n };
+    let (calls, reps) = (|n: usize| calls(args.downscale, n), reps(args.downscale));
     eprintln!("calibrating {} ({device}) in {compute} …", info.name);
 
-    let convs = SHAPES
-        .iter()
-        .map(|s| cuda_conv_rate(device, dtype, s, budget, args.downscale))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let timing =
+        Timing { device, dtype, sides: [32 / args.downscale, 1024], multiple: 4, calls: [calls(4), calls(16)], reps };
+    let convs = SHAPES.iter().map(|s| conv_rate(&timing, s, budget)).collect::<anyhow::Result<Vec<_>>>()?;
     convs.iter().for_each(print_conv);
 
     // GroupNorm + SiLU over a large map: bytes read and written.
     let side = (if args.quick { 512 } else { 1024 } / args.downscale).max(8);
     let map = on(uniform(vec![1, 128, side, side], 4)?)?;
     let (gamma, beta) = (uniform(vec![128], 5)?.to_device(&device)?, uniform(vec![128], 6)?.to_device(&device)?);
-    let seconds = per_call(device, calls(4), reps(calls(4)), || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?))?;
+    let seconds = per_call(device, calls(4), reps, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?))?;
     let elementwise_gbps = 2.0 * (map.dims().iter().product::<usize>() * elem) as f64 / seconds / 1e9;
     eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
     drop(map);
 
     // A small op's fixed cost: SiLU over 8 Ki elements, many back to back.
     let tiny = on(uniform(vec![1, 32, 16, 16], 7)?)?;
-    let op_call_us = per_call(device, calls(200), reps(calls(200)), || Ok(tiny.silu()?))? * 1e6;
+    let op_call_us = per_call(device, calls(200), reps, || Ok(tiny.silu()?))? * 1e6;
     eprintln!("  a small op: {op_call_us:.1} µs");
 
     // Attention over a 64×64 map of 512 channels (96×96 unless --quick).
     let n = (if args.quick { 4096 } else { 9216 } / down as usize).max(64);
     let q = on(uniform(vec![1, n, 512], 8)?)?;
-    let seconds = per_call(device, calls(2), reps(calls(2)), || Ok(Tensor::attention(&q, &q, &q)?))?;
+    let seconds = per_call(device, calls(2), reps, || Ok(Tensor::attention(&q, &q, &q)?))?;
     let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
     eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
     drop(q);
@@ -467,7 +437,7 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
     // handshake (two local ranks' barrier) and a device-to-device copy.
     let (link_latency_us, _) = link()?;
     let half = on(uniform(vec![1, 64, side / 2, side], 11)?)?;
-    let seconds = per_call(device, calls(4), reps(calls(4)), || Ok(Tensor::cat(&[&half, &half], 2)?))?;
+    let seconds = per_call(device, calls(4), reps, || Ok(Tensor::cat(&[&half, &half], 2)?))?;
     let link_gbps = (2 * half.dims().iter().product::<usize>() * elem) as f64 / seconds / 1e9;
     eprintln!("  link (ranks on this GPU): {link_latency_us:.1} µs, {link_gbps:.1} GB/s");
 

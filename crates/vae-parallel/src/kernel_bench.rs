@@ -16,13 +16,9 @@ use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 /// Options of `bench kernels`.
 #[derive(Debug, Args)]
 pub struct KernelBenchArgs {
-    /// `cpu` (default) or `cuda[:N]` (falls back to the CPU with a warning).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// `f32` (default), `bf16` or `tf32` (CUDA only; convolutions on tensor cores in all three:
-    /// f32 as three TF32 products each, tf32 as one).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    /// Where the ops run and in what type.
+    #[command(flatten)]
+    target: crate::model_cmds::DeviceArgs,
     /// Divides every spatial extent (1: the real decoder shapes; larger for a quick look).
     #[arg(long, default_value_t = 1)]
     downscale: usize,
@@ -195,11 +191,11 @@ fn cases(down: usize, size: f64) -> anyhow::Result<Vec<Case>> {
 pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.iters >= 1, "--iters must be at least 1");
     anyhow::ensure!(args.downscale >= 1, "--downscale must be at least 1");
-    let (device, fallback) = resolve_device(args.device.parse()?);
+    let (device, fallback) = resolve_device(args.target.device.parse()?);
     if let Some(why) = fallback {
-        eprintln!("warning: --device {}: {why}", args.device);
+        eprintln!("warning: --device {}: {why}", args.target.device);
     }
-    let compute = crate::model_cmds::compute_type(&args.dtype, device)?;
+    let compute = crate::model_cmds::compute_type(&args.target.dtype, device)?;
     let dtype = compute.dtype;
     let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
     // bf16 on the CPU: f32 tensors, convolutions with bf16 products.

@@ -43,7 +43,8 @@ enum Command {
     /// peak memory per rank, and what `auto` would run (`--measure` also runs each).
     Plan(plan_cmd::PlanArgs),
     /// Measure this machine's constants for the cost model (convolution, element-wise,
-    /// attention and link rates) and write them as a TOML profile.
+    /// attention and link rates) and write them as a TOML profile; `--device cuda` measures a
+    /// GPU in `--dtype` (an error without a usable one).
     Calibrate(calibrate::CalibrateArgs),
     /// Benchmarks.
     #[command(subcommand)]

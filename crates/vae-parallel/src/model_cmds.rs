@@ -434,6 +434,19 @@ pub struct InspectArgs {
     model: PathBuf,
 }
 
+/// `--device` and `--dtype` of a command that measures one device (`calibrate`, `bench
+/// kernels`).
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DeviceArgs {
+    /// `cpu` (default) or `cuda[:N]`.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// `f32` (default), `bf16` or `tf32` (CUDA only; on CUDA convolutions run on tensor cores in
+    /// all three: f32 as three TF32 products each, tf32 as one).
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+}
+
 /// What `--dtype` asks for: the element type, and whether f32 convolutions take one TF32 product
 /// per product (`tf32`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

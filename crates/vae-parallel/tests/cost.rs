@@ -229,7 +229,8 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
 
 /// A GPU profile predicts for its GPU wherever `plan` runs: ranks share the GPU rather than
 /// cores, maps take the profile's element type (bf16: half the f32 peak), and the table says
-/// the request itself would run elsewhere. `calibrate` measures the CPU in f32 only.
+/// the request itself would run elsewhere. `calibrate` measures the CPU in f32 only, and a GPU
+/// only where there is one.
 #[test]
 fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
     use vae_parallel::cost::CostSettings;
@@ -279,4 +280,10 @@ fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
 
     let (ok, text) = cli(&["calibrate", "--dtype", "bf16", "--out", s(&dir.join("x.toml"))]);
     assert!(!ok && text.contains("calibrate measures the CPU in f32") && !dir.join("x.toml").exists(), "{text}");
+    // A GPU asked for and not usable: an error, not the CPU measured in its place.
+    use vae_parallel::tensor::{Device, cuda::resolve_device};
+    if resolve_device(Device::Cuda(0)).1.is_some() {
+        let (ok, text) = cli(&["calibrate", "--device", "cuda", "--quick", "--out", s(&dir.join("y.toml"))]);
+        assert!(!ok && text.contains("nothing calibrated") && !dir.join("y.toml").exists(), "{text}");
+    }
 }

@@ -52,7 +52,7 @@ pub use blend::{BlendRamp, blend_value};
 pub use blocks::{BlockGrid, parse_grid, square_grid};
 pub use error::PlanError;
 pub use grid::{GridCoord, GridSpec, TileTask, grid_shape_from_last, workloads};
-pub use overlap::overlap_pays;
+pub use overlap::{interior, overlap_pays};
 pub use stages::StagePartition;
 pub use tiling::{
     AutoencoderKlTiling, AxisMerge, AxisPlan, AxisTiling, CropSegment, MergeRule, Tile2d, TileLayout2d, WanTiling,

@@ -3,15 +3,32 @@
 //!
 //! Overlapping splits a part's output into pieces, the interior and then an edge strip per side
 //! that has a neighbour, and each piece is one kernel call. The direct kernel packs its weights
-//! once for all of them. Winograd transforms the weights again on every call: for a 384-channel
-//! 3×3×3 kernel that takes about 50 ms on one core, as long as computing some 1,500 outputs,
-//! and keeping the transformed weights across calls would take four times the weights' memory.
-//! So a Winograd convolution (band alignment 2 or more) overlaps only where each extra piece
-//! costs a few per cent of its part's compute: [`WINOGRAD_OUTPUTS_PER_EXTRA_PIECE`] outputs.
+//! once for all of them. Winograd transforms the weights again on every call: on one core of
+//! an AVX-512 guest, about as long as computing 400–1,500 outputs (16 ms for a 384-channel
+//! 3×3×3 kernel; `vae-parallel calibrate` prints each shape's fixed cost and rate), and keeping
+//! the transformed weights across calls would take four times the weights' memory. So a
+//! Winograd convolution (band alignment 2 or more) overlaps only where each extra piece costs a
+//! few per cent of its part's compute: [`WINOGRAD_OUTPUTS_PER_EXTRA_PIECE`] outputs.
 //! Either way the output is the same, bit for bit.
 
+use std::ops::Range;
+
+/// The interior of a part `len` rows long along a cut axis: the output rows that read no
+/// neighbour's row through a kernel reaching `halo` rows out, cut on multiples of `align` from
+/// the part's start. `neighbours`: whether the part has one before and after. All of it where
+/// the halo is 0; None where nothing is left (a part too thin to overlap).
+pub fn interior(len: usize, halo: usize, [before, after]: [bool; 2], align: usize) -> Option<Range<usize>> {
+    if halo == 0 {
+        return Some(0..len);
+    }
+    let align = align.max(1);
+    let lo = if before { halo.next_multiple_of(align) } else { 0 };
+    let hi = if after { len.checked_sub(halo)? / align * align } else { len };
+    (lo < hi).then_some(lo..hi)
+}
+
 /// Outputs (positions × frames of the part) a Winograd convolution needs per extra piece before
-/// it overlaps; an extra piece then costs about 5 % of the part's compute.
+/// it overlaps; an extra piece then costs at most about 5 % of the part's compute.
 pub const WINOGRAD_OUTPUTS_PER_EXTRA_PIECE: usize = 32_768;
 
 /// Whether a convolution of band alignment `align` whose part computes `outputs` outputs
@@ -24,6 +41,17 @@ pub fn overlap_pays(align: usize, outputs: usize, extra_pieces: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_interior_keeps_clear_of_the_neighbours_rows_on_the_alignment() {
+        assert_eq!(interior(10, 1, [true, true], 1), Some(1..9));
+        assert_eq!(interior(10, 1, [true, true], 4), Some(4..8));
+        assert_eq!(interior(10, 1, [false, true], 4), Some(0..8));
+        assert_eq!(interior(8, 1, [true, true], 4), None);
+        assert_eq!(interior(2, 1, [true, true], 1), None);
+        assert_eq!(interior(0, 1, [false, true], 1), None);
+        assert_eq!(interior(7, 0, [true, true], 4), Some(0..7));
+    }
 
     #[test]
     fn direct_convolutions_always_overlap_winograd_ones_only_on_large_parts() {

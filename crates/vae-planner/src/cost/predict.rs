@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
 use super::profile::{DeviceKind, DeviceProfile};
-use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign, overlap_pays};
+use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, interior, lpt_assign, overlap_pays};
 
 /// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
 const SCORE_BLOCK_ELEMS: f64 = (1u64 << 22) as f64;
@@ -386,14 +386,8 @@ fn step_cost(
             // with a neighbour, each a call for Winograd.
             let extra = part.sides.iter().filter(|&&s| s).count();
             let positions = (step.input[0] as f64 * h * w * batch) as usize;
-            let interior = |len: f64, halo: f64, [before, after]: [bool; 2]| {
-                let (len, halo, align) = (len as usize, halo as usize, align.max(1));
-                let lo = if before { halo.next_multiple_of(align) } else { 0 };
-                let hi = if after { len.saturating_sub(halo) / align * align } else { len };
-                halo == 0 || lo < hi
-            };
-            let has_interior =
-                interior(h, hh, [part.sides[0], part.sides[1]]) && interior(w, hw, [part.sides[2], part.sides[3]]);
+            let has_interior = interior(h as usize, hh as usize, [part.sides[0], part.sides[1]], align).is_some()
+                && interior(w as usize, hw as usize, [part.sides[2], part.sides[3]], align).is_some();
             let overlaps =
                 overlapped && profile.overlaps_halos() && has_interior && overlap_pays(align, positions, extra);
             let calls = if overlaps && align >= 2 { 1 + extra } else { 1 } as f64;

@@ -449,19 +449,10 @@ fn output_pieces(
     neighbours: [[bool; 2]; 2],
     align: usize,
 ) -> Option<Vec<[Range<usize>; 2]>> {
-    let align = align.max(1);
-    let mut inner = [0..lens[0], 0..lens[1]];
-    for k in 0..2 {
-        if halos[k] > 0 {
-            let [before, after] = neighbours[k];
-            let lo = if before { halos[k].next_multiple_of(align) } else { 0 };
-            let hi = if after { lens[k].checked_sub(halos[k])? / align * align } else { lens[k] };
-            if lo >= hi {
-                return None;
-            }
-            inner[k] = lo..hi;
-        }
-    }
+    let inner = [
+        vae_planner::interior(lens[0], halos[0], neighbours[0], align)?,
+        vae_planner::interior(lens[1], halos[1], neighbours[1], align)?,
+    ];
     let [rows, cols] = inner.clone();
     let mut pieces = vec![inner];
     if rows.start > 0 {
