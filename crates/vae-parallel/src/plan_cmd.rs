@@ -43,6 +43,11 @@ pub struct PlanArgs {
     /// kind to themselves (a cluster of such machines).
     #[arg(long)]
     ranks_per_host: Option<usize>,
+    /// Also print where each strategy's predicted time goes: its busiest rank's compute by
+    /// kind of step (convolutions by kernel and, on a CPU, algorithm; norms; element-wise
+    /// passes; attention; the owner's blend of tiles) and its messages.
+    #[arg(long)]
+    breakdown: bool,
 }
 
 /// What one measured run gave: the slowest rank's seconds and the largest request peak.
@@ -125,12 +130,53 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         }
         println!();
     }
+    if args.breakdown {
+        print_breakdown(&candidates);
+    }
     println!();
     match choice {
         Ok(best) => println!("auto would run: {}", best.label),
         Err(e) => println!("auto would refuse: {e}"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each candidate's busiest rank (the most compute and messages), its predicted milliseconds
+/// by kind of step: one row per kind, one column per strategy.
+fn print_breakdown(candidates: &[Candidate]) {
+    let busiest: Vec<&vae_parallel::planner::cost::RankPrediction> = candidates
+        .iter()
+        .filter_map(|c| {
+            c.prediction.ranks.iter().max_by(|a, b| (a.compute_s + a.comm_s).total_cmp(&(b.compute_s + b.comm_s)))
+        })
+        .collect();
+    let mut kinds: Vec<&String> = busiest.iter().flat_map(|r| r.compute_by_kind.keys()).collect();
+    kinds.sort();
+    kinds.dedup();
+    println!();
+    print!("{:<24}", "busiest rank, ms");
+    candidates.iter().for_each(|c| print!(" {:>14}", c.label));
+    println!();
+    for kind in kinds {
+        print!("{kind:<24}");
+        busiest.iter().for_each(|r| print!(" {:>14}", ms(r.compute_by_kind.get(kind).copied().unwrap_or(0.0))));
+        println!();
+    }
+    print!("{:<24}", "messages");
+    busiest.iter().for_each(|r| print!(" {:>14}", ms(r.comm_s)));
+    println!();
+}
+
+/// Seconds as milliseconds with the digits that matter: whole ones from 100 ms, else three
+/// significant ones.
+fn ms(seconds: f64) -> String {
+    let v = seconds * 1e3;
+    match v {
+        v if v >= 100.0 || v == 0.0 => format!("{v:.0}"),
+        v if v >= 10.0 => format!("{v:.1}"),
+        v if v >= 1.0 => format!("{v:.2}"),
+        v => format!("{v:.3}"),
+    }
 }
 
 /// Runs `candidate` on `ranks` local ranks `runs` times; the fastest run's time and the

@@ -57,6 +57,28 @@ fn plan_prints_every_strategy_with_its_prediction_and_autos_choice() {
 }
 
 #[test]
+fn plan_breakdown_shows_where_each_strategys_time_goes() {
+    let model = kl().join("sd_like");
+    let (ok, text) = cli(&plan_args(s(&model), "2", &["--breakdown"]));
+    assert!(ok, "{text}");
+    let header = text.lines().find(|l| l.starts_with("busiest rank, ms")).unwrap_or_else(|| panic!("{text}"));
+    assert!(header.contains("tile (") && header.contains("shard-height"), "{header}");
+    // The decoder's kinds of step, each with a figure per strategy; a shard also sends messages.
+    let figures = |row: &str| -> Vec<f64> { row.split_whitespace().filter_map(|w| w.parse().ok()).collect() };
+    let strategies = text.lines().filter(|l| l.starts_with("tile (") || l.starts_with("shard-")).count();
+    for kind in ["conv 3x3 ", "norm", "element-wise", "attention", "messages"] {
+        let row = text.lines().find(|l| l.starts_with(kind)).unwrap_or_else(|| panic!("no {kind:?} row:\n{text}"));
+        let f = figures(row);
+        assert!(f.len() == strategies && f.iter().all(|&v| v >= 0.0), "{row}\n{text}");
+    }
+    // The convolutions dominate a decoder's compute (the first column: tiles).
+    let total = |prefix: &str| -> f64 {
+        text.lines().filter(|l| l.starts_with(prefix)).map(|l| figures(l).first().copied().unwrap_or(0.0)).sum()
+    };
+    assert!(total("conv ") > total("norm") + total("element-wise"), "{text}");
+}
+
+#[test]
 fn plan_measure_runs_every_strategy_beside_its_prediction() {
     let model = kl().join("sd_like");
     let (ok, text) = cli(&plan_args(s(&model), "2", &["--measure", "--runs", "1"]));

@@ -58,6 +58,29 @@ pub struct Step {
     pub resident: u64,
 }
 
+impl StepKind {
+    /// The kind in a prediction's breakdown: `conv 3x3x3` with, on a CPU, its algorithm
+    /// (`direct`, or Winograd `F(2x2)` or `F(4x4)` by the band alignment), `norm`,
+    /// `element-wise` or `attention`.
+    pub fn label(&self, cpu: bool) -> String {
+        match *self {
+            StepKind::Conv { kernel: [t, h, w], align, .. } => {
+                let extent = if t > 1 { format!("{t}x{h}x{w}") } else { format!("{h}x{w}") };
+                let algorithm = match align_class(align) {
+                    _ if !cpu || h != 3 || w != 3 => "",
+                    4 => " F(4x4)",
+                    2 => " F(2x2)",
+                    _ => " direct",
+                };
+                format!("conv {extent}{algorithm}")
+            }
+            StepKind::Norm { .. } => "norm".into(),
+            StepKind::Elementwise { .. } => "element-wise".into(),
+            StepKind::Attention => "attention".into(),
+        }
+    }
+}
+
 impl Step {
     /// Elements of the whole input map (batch of one).
     pub fn input_elems(&self) -> u64 {

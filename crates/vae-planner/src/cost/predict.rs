@@ -18,6 +18,7 @@
 //! slowest rank's time. Memory is the request's own (above what was alive when it started: the
 //! weights and the input), per rank; the busiest rank's is the prediction.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
@@ -75,6 +76,9 @@ pub struct Placement {
 pub struct RankPrediction {
     /// Seconds computing.
     pub compute_s: f64,
+    /// The seconds computing by kind of step ([`StepKind::label`]; the owner's blend of tiles
+    /// as `blend`): where the predicted time goes.
+    pub compute_by_kind: BTreeMap<String, f64>,
     /// Seconds in messages (halos, statistics, gathers).
     pub comm_s: f64,
     /// Peak bytes the request itself holds on the rank.
@@ -190,6 +194,7 @@ fn sharded(
     profile: &DeviceProfile,
 ) -> Prediction {
     let ranks = parts.len();
+    let cpu = profile.kind == DeviceKind::Cpu;
     let speed = Speed::of(profile, placement.threads_per_rank, concurrent);
     let mut per_rank = vec![RankPrediction::default(); ranks];
     let mut peaks = vec![0f64; ranks];
@@ -199,6 +204,7 @@ fn sharded(
         for (r, part) in parts.iter().enumerate() {
             let cost = step_cost(step, part, network, ranks > 1, speed.for_step(step), profile);
             per_rank[r].compute_s += cost.compute_s;
+            *per_rank[r].compute_by_kind.entry(step.kind.label(cpu)).or_default() += cost.compute_s;
             per_rank[r].comm_s += cost.comm_s;
             per_rank[r].received_bytes += cost.received_bytes as u64;
             peaks[r] = peaks[r].max(cost.live_bytes);
@@ -261,6 +267,9 @@ fn tiled(
         let mut work_alone = 0.0;
         for &t in mine {
             rank.compute_s += shared[t].ranks[0].compute_s;
+            for (kind, s) in &shared[t].ranks[0].compute_by_kind {
+                *rank.compute_by_kind.entry(kind.clone()).or_default() += s;
+            }
             work_alone += alone[t];
             let out = tiles[t].output_bytes() as f64;
             // A stitched rank sends each tile as it finishes; otherwise it keeps them all.
@@ -293,6 +302,7 @@ fn tiled(
     let owner = &mut per_rank[0];
     owner.comm_s += gather_s;
     owner.compute_s += blend_s;
+    *owner.compute_by_kind.entry("blend".into()).or_default() += blend_s;
     owner.received_bytes += received as u64;
     let largest_tile = tiles.iter().map(|t| t.output_bytes() as f64).fold(0.0, f64::max);
     let owner_extra = if stitched {
@@ -509,6 +519,31 @@ mod tests {
         // Input, output and the packed weights of the convolution.
         assert_eq!(p.peak_bytes, (2 * 8 * 16 * 16 * 4 + 8 * 8 * 9 * 4) as u64);
         assert_eq!(p.ranks[0].received_bytes, 0);
+    }
+
+    #[test]
+    fn the_breakdown_puts_each_steps_compute_under_its_kind() {
+        let mut b = NetworkBuilder::new(8, [1, 16, 16], [16, 16], 4, 1);
+        b.conv(8, [1, 3, 3], 4, 0).norm(true, 0).add(0);
+        let net = b.finish();
+        let whole = two_convs(16, 16);
+        let tiles = [net.clone(), net.clone()];
+        let layout = Layout::Tiles { tiles: &tiles, ranks: 1, stitched: true };
+        for p in [
+            predict(&net, Layout::Direct, ONE, &profile(1)).unwrap(),
+            predict(&whole, layout, ONE, &profile(1)).unwrap(),
+        ] {
+            let kinds = &p.ranks[0].compute_by_kind;
+            let sum: f64 = kinds.values().sum();
+            assert!((sum - p.ranks[0].compute_s).abs() < 1e-12, "{p:?}");
+            // The 3x3 convolution aligned to 4 runs Winograd F(4x4) on a CPU: its work at the rate.
+            let conv = net.steps[0].macs() as f64 / 1e9 * if kinds.contains_key("blend") { 2.0 } else { 1.0 };
+            assert!((kinds["conv 3x3 F(4x4)"] - conv).abs() < 1e-12, "{kinds:?}");
+            assert!(kinds["norm"] > 0.0 && kinds["element-wise"] > 0.0, "{kinds:?}");
+        }
+        assert_eq!(StepKind::Conv { kernel: [3, 3, 3], align: 1, overlapped: true }.label(true), "conv 3x3x3 direct");
+        assert_eq!(StepKind::Conv { kernel: [3, 3, 3], align: 2, overlapped: true }.label(false), "conv 3x3x3");
+        assert_eq!(StepKind::Conv { kernel: [1, 1, 1], align: 4, overlapped: true }.label(true), "conv 1x1");
     }
 
     #[test]
