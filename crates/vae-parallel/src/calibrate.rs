@@ -49,8 +49,8 @@ pub struct CalibrateArgs {
 }
 
 /// The convolutions measured: `(kernel [t, h, w], align, C_in, C_out)` of the AutoencoderKL
-/// encoders and decoders (SD, FLUX.1, FLUX.2) and the Wan2.1 / Qwen-Image decoder, each in the
-/// alignment class its layer runs in (the CPU's algorithm).
+/// encoders and decoders (SD, FLUX.1, FLUX.2) and the Wan2.1 / Qwen-Image and Wan2.2 decoders,
+/// each in the alignment class its layer runs in (the CPU's algorithm).
 const SHAPES: &[([usize; 3], usize, usize, usize)] = &[
     ([1, 3, 3], 1, 16, 512),
     ([1, 3, 3], 1, 512, 512),
@@ -79,7 +79,21 @@ const SHAPES: &[([usize; 3], usize, usize, usize)] = &[
     ([1, 3, 3], 4, 384, 192),
     ([1, 3, 3], 4, 192, 96),
     ([1, 1, 1], 1, 192, 384),
+    ([3, 3, 3], 1, 1024, 1024),
+    ([3, 3, 3], 2, 1024, 1024),
+    ([3, 3, 3], 4, 512, 512),
+    ([3, 3, 3], 4, 256, 256),
+    ([1, 3, 3], 4, 1024, 1024),
 ];
+
+/// The work of one call at which the CPU times every shape (multiply-adds, on one output
+/// frame): from maps too small to amortise a call's fixed work to maps larger than the caches
+/// (sides 8–512), since a convolution's rate rises and then falls with its map.
+const CPU_LEVELS: [f64; 4] = [0.25e9, 2e9, 8e9, 32e9];
+/// `--quick`: two sizes, a call's fixed cost and one rate.
+const CPU_QUICK_LEVELS: [f64; 2] = [0.0625e9, 1e9];
+/// The level at which the CPU's thread scaling is timed (pooled over the shapes).
+const CPU_SCALING_LEVEL: usize = 2;
 
 fn uniform(dims: Vec<usize>, seed: u64) -> anyhow::Result<Tensor> {
     Ok(Tensor::seeded_uniform(dims, seed, -1.0, 1.0, &Device::Cpu)?)
@@ -103,7 +117,7 @@ struct Timing {
 impl Timing {
     /// One thread of the CPU, in f32: one call a batch, the best of two.
     const CPU: Self =
-        Self { device: Device::Cpu, dtype: DType::F32, sides: [64, 256], multiple: 8, calls: [1, 1], reps: 2 };
+        Self { device: Device::Cpu, dtype: DType::F32, sides: [8, 512], multiple: 8, calls: [1, 1], reps: 2 };
 }
 
 /// One convolution: its seconds per call at a map of `side`² pixels (a 3-D one over `frames`
@@ -134,16 +148,17 @@ fn conv_call(
     Ok((seconds, (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64))
 }
 
-/// The side of a square map on which a convolution does about `budget` multiply-adds, within
-/// `least..=most`, rounded up to a multiple of `multiple` (on the CPU 8, so that every band
-/// alignment divides it).
+/// The side of a square map on which a convolution does about `budget` multiply-adds (a 3-D
+/// one over `frames` output frames), within `least..=most`, rounded up to a multiple of
+/// `multiple` (on the CPU 8, so that every band alignment divides it).
 fn side_for(
     &(kernel, _, cin, cout): &([usize; 3], usize, usize, usize),
     budget: f64,
+    frames: usize,
     [least, most]: [usize; 2],
     multiple: usize,
 ) -> usize {
-    let frames = if kernel[0] > 1 { 4.0 } else { 1.0 };
+    let frames = if kernel[0] > 1 { frames as f64 } else { 1.0 };
     let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
     let least = least.max(multiple);
     ((budget / per_pixel / frames).sqrt() as usize).clamp(least, most.max(least)).next_multiple_of(multiple)
@@ -179,11 +194,37 @@ fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
 /// call): `t = call + macs / rate` through both.
 fn conv_rate(timing: &Timing, shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
-    let side = side_for(shape, budget, timing.sides, timing.multiple);
+    let side = side_for(shape, budget, 4, timing.sides, timing.multiple);
     let large = conv_call(timing, shape, (side, 4), timing.calls[0])?;
     let small = conv_call(timing, shape, (small_side(side, timing.multiple), 1), timing.calls[1])?;
     let (rate, call) = fit(large, small);
-    Ok(ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6 })
+    Ok(ConvRate {
+        kernel,
+        align,
+        in_channels: cin,
+        out_channels: cout,
+        gmacs: rate / 1e9,
+        call_us: call * 1e6,
+        times: Vec::new(),
+    })
+}
+
+/// One convolution on one CPU thread, timed on one output frame at each of `levels` of work
+/// per call (a distinct side each): its times, and its rate and fixed cost from the smallest
+/// and the largest map (for shapes and readers that use the line). Also each timed map's side.
+fn cpu_conv_times(shape: &([usize; 3], usize, usize, usize), levels: &[f64]) -> anyhow::Result<(ConvRate, Vec<usize>)> {
+    let &(kernel, align, cin, cout) = shape;
+    let timing = &Timing::CPU;
+    let mut sides: Vec<usize> =
+        levels.iter().map(|&budget| side_for(shape, budget, 1, timing.sides, timing.multiple)).collect();
+    sides.dedup();
+    let timed = sides.iter().map(|&side| conv_call(timing, shape, (side, 1), 1)).collect::<anyhow::Result<Vec<_>>>()?;
+    let (first, last) = (timed[0], timed[timed.len() - 1]);
+    let (rate, call) = if timed.len() > 1 { fit(last, first) } else { (last.1 / last.0, 0.0) };
+    let times = sides.iter().zip(&timed).map(|(&side, &(seconds, _))| [(side * side) as f64, seconds]).collect();
+    let measured =
+        ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6, times };
+    Ok((measured, sides))
 }
 
 /// `vae-parallel calibrate`.
@@ -250,6 +291,13 @@ fn print_conv(c: &ConvRate) {
         c.out_channels,
         c.gmacs,
         if c.call_us > 0.0 { format!(", {:.1} µs a call", c.call_us) } else { String::new() }
+            + &if c.times.is_empty() {
+                String::new()
+            } else {
+                let times: Vec<String> =
+                    c.times.iter().map(|[p, t]| format!("{:.0}²: {:.1} ms", p.sqrt(), t * 1e3)).collect();
+                format!(" ({})", times.join(", "))
+            }
     );
 }
 
@@ -258,35 +306,42 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let threads = args.threads.unwrap_or(cores).max(1);
     let down = (args.downscale * args.downscale) as f64;
-    let budget = if args.quick { 1e9 } else { 4e9 } / down;
+    let levels: Vec<f64> =
+        if args.quick { &CPU_QUICK_LEVELS[..] } else { &CPU_LEVELS[..] }.iter().map(|l| l / down).collect();
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
     let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
 
     eprintln!("calibrating on {} thread(s) of {cores} core(s) …", threads);
-    let convs =
-        one.install(|| SHAPES.iter().map(|s| conv_rate(&Timing::CPU, s, budget)).collect::<anyhow::Result<Vec<_>>>())?;
-    convs.iter().for_each(print_conv);
-    // Thread scaling, of a 2-D and of a 3-D convolution (the image decoders' largest 3×3 class
-    // and a video decoder's 3×3×3 one): every thread against one, measured alternately three
-    // times (the best of each), so that a drift of the machine's speed between the two does
-    // not read as scaling.
-    let efficiency = |reference: ([usize; 3], usize, usize, usize)| -> anyhow::Result<(f64, f64)> {
-        let side = side_for(&reference, budget, Timing::CPU.sides, Timing::CPU.multiple);
-        let rate = |pool: &rayon::ThreadPool| -> anyhow::Result<f64> {
-            let (seconds, macs) = pool.install(|| conv_call(&Timing::CPU, &reference, (side, 4), 1))?;
-            Ok(macs / seconds / 1e9)
-        };
-        let (mut single, mut multi) = (0.0f64, 0.0f64);
-        for _ in 0..3 {
-            single = single.max(rate(&one)?);
-            multi = multi.max(rate(&many)?);
+    // Each shape on one thread at every level, then on every thread at one level: the host's
+    // thread scaling of 2-D and of 3-D convolutions, pooled over their shapes (one shape's
+    // alone is as noisy as it is large on a shared machine; together they weigh the shapes by
+    // their time, as a decode does).
+    let scaling_level = CPU_SCALING_LEVEL.min(levels.len() - 1);
+    let mut pooled = [[0.0f64; 3]; 2];
+    let mut convs = Vec::with_capacity(SHAPES.len());
+    for shape in SHAPES {
+        let (rate, sides) = one.install(|| cpu_conv_times(shape, &levels))?;
+        print_conv(&rate);
+        if threads > 1 {
+            let at = scaling_level.min(sides.len() - 1);
+            let side = sides[at];
+            let (multi, macs) = many.install(|| conv_call(&Timing::CPU, shape, (side, 1), 1))?;
+            let single = rate.times[at][1];
+            let sums = &mut pooled[usize::from(shape.0[0] > 1)];
+            for (sum, v) in sums.iter_mut().zip([single, multi, macs]) {
+                *sum += v;
+            }
         }
-        let e = if threads > 1 { ((multi / single - 1.0) / (threads - 1) as f64).clamp(0.0, 1.0) } else { 1.0 };
-        Ok((multi, e))
+        convs.push(rate);
+    }
+    let efficiency = |[single, multi, _]: [f64; 3]| {
+        if threads > 1 && multi > 0.0 { ((single / multi - 1.0) / (threads - 1) as f64).clamp(0.0, 1.0) } else { 1.0 }
     };
-    let (multi, thread_efficiency) = efficiency(([1, 3, 3], 4, 256, 256))?;
+    let rate = |[_, multi, macs]: [f64; 3]| if multi > 0.0 { macs / multi / 1e9 } else { 0.0 };
+    let (thread_efficiency, thread_efficiency_3d) = (efficiency(pooled[0]), efficiency(pooled[1]));
+    let multi = rate(pooled[0]);
     eprintln!("  {threads} thread(s), 2-D: {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
-    let (multi, thread_efficiency_3d) = efficiency(([3, 3, 3], 4, 192, 192))?;
+    let multi = rate(pooled[1]);
     eprintln!("  {threads} thread(s), 3-D: {multi:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
 
     // GroupNorm + SiLU: bytes read and written.

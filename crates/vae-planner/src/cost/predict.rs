@@ -387,9 +387,12 @@ fn step_cost(
             // layers drop the input itself where they own it); the kernels pad as they read.
             let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
             let measured = profile.conv_rate(kernel, align, step.in_channels, step.out_channels);
-            let rate = measured.map_or(1e9, |r| r.gmacs * 1e9);
-            let call_s = measured.map_or(0.0, |r| profile.conv_call_s(r, kernel, step.in_channels, step.out_channels));
             let macs = step.macs() as f64 * fh * fw * batch;
+            let outputs = step.output[0] as f64 * step.output[1] as f64 * fh * step.output[2] as f64 * fw * batch;
+            // One call on one thread: what every call (piece) pays, and the rest.
+            let (fixed_s, work_s) = measured.map_or((0.0, macs / 1e9), |r| {
+                profile.conv_call_s(r, kernel, [step.in_channels, step.out_channels], outputs)
+            });
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
             // Overlapped as the runtime decides it (a part with an interior, where
             // vae_planner::overlap says it pays), in pieces: the interior and a strip per side
@@ -417,8 +420,7 @@ fn step_cost(
             let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
             let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
             // A CPU call's fixed work runs on the rank's threads; a GPU's launches do not speed up.
-            let fixed_s = if gpu { call_s } else { call_s / speed };
-            let compute_s = calls * fixed_s + macs / (rate * speed);
+            let compute_s = if gpu { calls * fixed_s + work_s / speed } else { (calls * fixed_s + work_s) / speed };
             if overlaps || !exchanges {
                 // The interior is computed straight from the input into the output while the
                 // rows travel; the edges from small copies: the input and the output live
@@ -491,6 +493,7 @@ mod tests {
                 out_channels: 8,
                 gmacs: 1.0,
                 call_us: 0.0,
+                times: Vec::new(),
             }],
             elementwise_gbps: 1.0,
             attention_gmacs: 1.0,
@@ -519,6 +522,22 @@ mod tests {
         // Input, output and the packed weights of the convolution.
         assert_eq!(p.peak_bytes, (2 * 8 * 16 * 16 * 4 + 8 * 8 * 9 * 4) as u64);
         assert_eq!(p.ranks[0].received_bytes, 0);
+    }
+
+    #[test]
+    fn a_parts_convolutions_take_the_measured_time_at_the_parts_size() {
+        // 1 ms fixed, then 1 µs a position to 128 positions, 3 µs beyond.
+        let times = vec![[64.0, 0.001064], [128.0, 0.001128], [256.0, 0.001512]];
+        let p = DeviceProfile { convs: vec![ConvRate { times, ..profile(2).convs[0].clone() }], ..profile(2) };
+        let net = two_convs(16, 16);
+        let direct = predict(&net, Layout::Direct, ONE, &p).unwrap();
+        assert!((direct.ranks[0].compute_s - 2.0 * 0.001512).abs() < 1e-12, "{direct:?}");
+        // Two bands of 128 positions: each convolution pays its fixed work at the faster rate.
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
+        let bands = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &p).unwrap();
+        for rank in &bands.ranks {
+            assert!((rank.compute_s - 2.0 * 0.001128).abs() < 1e-12, "{rank:?}");
+        }
     }
 
     #[test]

@@ -43,6 +43,45 @@ pub struct ConvRate {
     /// too small to fill the device. 0 where it was not measured (the built-in constants).
     #[serde(default)]
     pub call_us: f64,
+    /// One call's seconds on one thread at several map sizes, `[output positions, seconds]`
+    /// by increasing positions (frames × rows × columns of the output, one output frame).
+    /// Where given, a call's time is read from it (see [`DeviceProfile::conv_call_s`]) rather
+    /// than from `gmacs` and `call_us`: a CPU convolution's rate rises with its map while the
+    /// fixed work is amortised, then falls once its maps leave the caches, which one line
+    /// does not follow.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub times: Vec<[f64; 2]>,
+}
+
+impl ConvRate {
+    /// The seconds of one call producing `positions` output positions, by the measured times:
+    /// linear between two measured sizes; below the smallest along the line through the two
+    /// smallest (no faster than the smallest map's rate); above the largest at the largest
+    /// map's average rate. None with fewer than two times.
+    fn time_at(&self, positions: f64) -> Option<f64> {
+        let [first, second] = [self.times.first()?, self.times.get(1)?];
+        let slope = |[x0, y0]: [f64; 2], [x1, y1]: [f64; 2]| ((y1 - y0) / (x1 - x0)).max(0.0);
+        if positions <= first[0] {
+            let line = first[1] - (first[0] - positions) * slope(*first, *second);
+            return Some(line.max(first[1] * positions / first[0]));
+        }
+        for pair in self.times.windows(2) {
+            let ([x0, y0], [x1, y1]) = (pair[0], pair[1]);
+            if positions <= x1 {
+                return Some(y0 + (positions - x0) * (y1 - y0) / (x1 - x0));
+            }
+        }
+        let [x, y] = *self.times.last()?;
+        Some(y * positions / x)
+    }
+
+    /// The fixed part of a call by the measured times: where the line through the two
+    /// smallest maps meets zero positions (at least 0, at most the smallest map's time).
+    fn fixed_time(&self) -> Option<f64> {
+        let [[x0, y0], [x1, y1]] = [*self.times.first()?, *self.times.get(1)?];
+        let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
+        Some((y0 - x0 * slope).clamp(0.0, y0))
+    }
 }
 
 fn f32_name() -> String {
@@ -123,6 +162,13 @@ impl DeviceProfile {
         for c in &self.convs {
             positive("a convolution's gmacs", c.gmacs)?;
             not_negative("a convolution's call_us", c.call_us)?;
+            for &[positions, seconds] in &c.times {
+                positive("a convolution's timed positions", positions)?;
+                positive("a convolution's timed seconds", seconds)?;
+            }
+            if c.times.windows(2).any(|w| w[1][0] <= w[0][0]) {
+                return Err("a convolution's times must be by increasing positions".into());
+            }
         }
         not_negative("op_call_us", self.op_call_us)?;
         let dtypes: &[&str] = match self.kind {
@@ -195,20 +241,36 @@ impl DeviceProfile {
         }
     }
 
-    /// The fixed seconds of one call of a convolution of `in_channels → out_channels` through
-    /// `kernel`, from `rate`, its measured (or nearest) shape: on a CPU the weights are packed
-    /// or transformed on every call, so the cost scales with their count; on a GPU it is the
-    /// measured shape's.
-    pub fn conv_call_s(&self, rate: &ConvRate, kernel: [usize; 3], in_channels: usize, out_channels: usize) -> f64 {
+    /// One call of a convolution of `in_channels → out_channels` through `kernel` producing
+    /// `positions` output positions, on one thread (one GPU), from `rate`, its measured (or
+    /// nearest) shape: `(fixed, rest)` seconds, the part paid by every call (per piece, where
+    /// a convolution is split) and the rest.
+    ///
+    /// From the measured times where the profile has them; otherwise `call_us` and the
+    /// multiply-adds at `gmacs`. On a CPU a shape not measured takes its nearest's time scaled
+    /// by their weights' count (which is also their multiply-adds per position: the weights
+    /// are packed or transformed on every call); on a GPU the fixed cost is the measured
+    /// shape's (its launches).
+    pub fn conv_call_s(
+        &self,
+        rate: &ConvRate,
+        kernel: [usize; 3],
+        [in_channels, out_channels]: [usize; 2],
+        positions: f64,
+    ) -> (f64, f64) {
         let weights = |k: [usize; 3], cin: usize, cout: usize| (k.iter().product::<usize>() * cin * cout).max(1) as f64;
-        let measured = rate.call_us * 1e-6;
-        match self.kind {
-            DeviceKind::Cpu => {
-                measured * weights(kernel, in_channels, out_channels)
-                    / weights(rate.kernel, rate.in_channels, rate.out_channels)
-            }
-            DeviceKind::Cuda => measured,
+        let per_position = weights(kernel, in_channels, out_channels);
+        let scale = per_position / weights(rate.kernel, rate.in_channels, rate.out_channels);
+        if let (Some(total), Some(fixed)) = (rate.time_at(positions), rate.fixed_time()) {
+            let fixed = fixed.min(total);
+            return (scale * fixed, scale * (total - fixed));
         }
+        let measured = rate.call_us * 1e-6;
+        let fixed = match self.kind {
+            DeviceKind::Cpu => measured * scale,
+            DeviceKind::Cuda => measured,
+        };
+        (fixed, positions * per_position / (rate.gmacs * 1e9))
     }
 
     /// Whether shard convolutions overlap their halo exchange with the interior's compute on
@@ -238,6 +300,7 @@ impl DeviceProfile {
             out_channels,
             gmacs,
             call_us: 0.0,
+            times: Vec::new(),
         };
         Self {
             device: "cpu: built-in defaults (Intel Xeon guest, AVX-512 + AMX, f32)".into(),
@@ -284,5 +347,78 @@ impl DeviceProfile {
             link_gbps: 2.16,
             conv_scratch_bytes: 7 << 20,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 3×3 convolution of 8 → 8 channels (576 multiply-adds a position) timed at three sizes:
+    /// 1 ms of fixed work, then 1 µs a position up to 10,000 positions, 2 µs a position beyond
+    /// (its maps out of the caches).
+    fn timed() -> ConvRate {
+        ConvRate {
+            kernel: [1, 3, 3],
+            align: 4,
+            in_channels: 8,
+            out_channels: 8,
+            gmacs: 1.0,
+            call_us: 0.0,
+            times: vec![[1000.0, 0.002], [10_000.0, 0.011], [20_000.0, 0.031]],
+        }
+    }
+
+    fn cpu() -> DeviceProfile {
+        DeviceProfile { convs: vec![timed()], ..DeviceProfile::builtin_cpu() }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-12
+    }
+
+    #[test]
+    fn a_calls_time_follows_the_measured_sizes() {
+        let r = timed();
+        // Between two sizes, on the line through them; at a size, its time.
+        assert!(close(r.time_at(10_000.0).unwrap(), 0.011));
+        assert!(close(r.time_at(5_500.0).unwrap(), 0.0065));
+        assert!(close(r.time_at(15_000.0).unwrap(), 0.021));
+        // Below the smallest, the line through the two smallest: the fixed work stays.
+        assert!(close(r.time_at(500.0).unwrap(), 0.0015));
+        assert!(close(r.fixed_time().unwrap(), 0.001));
+        // Above the largest, its average rate.
+        assert!(close(r.time_at(40_000.0).unwrap(), 0.062));
+        // Fewer than two sizes: no curve.
+        assert!(ConvRate { times: vec![[1000.0, 0.002]], ..timed() }.time_at(10.0).is_none());
+    }
+
+    #[test]
+    fn a_call_splits_into_its_fixed_work_and_the_rest_scaled_to_its_shape() {
+        let p = cpu();
+        let r = &p.convs[0];
+        let (fixed, rest) = p.conv_call_s(r, [1, 3, 3], [8, 8], 5_500.0);
+        assert!(close(fixed, 0.001) && close(fixed + rest, 0.0065), "{fixed} {rest}");
+        // Twice the output channels: twice the weights and the multiply-adds a position.
+        let (fixed, rest) = p.conv_call_s(r, [1, 3, 3], [8, 16], 5_500.0);
+        assert!(close(fixed, 0.002) && close(fixed + rest, 0.013), "{fixed} {rest}");
+        // Without times: `call_us` (scaled on a CPU) and the multiply-adds at `gmacs`.
+        let line = ConvRate { times: Vec::new(), call_us: 100.0, ..timed() };
+        let (fixed, rest) = p.conv_call_s(&line, [1, 3, 3], [8, 16], 1000.0);
+        assert!(close(fixed, 200e-6) && close(rest, 1000.0 * 8.0 * 16.0 * 9.0 / 1e9), "{fixed} {rest}");
+        let gpu = DeviceProfile { kind: DeviceKind::Cuda, ..p.clone() };
+        assert!(close(gpu.conv_call_s(&line, [1, 3, 3], [8, 16], 1000.0).0, 100e-6));
+    }
+
+    #[test]
+    fn times_must_be_positive_and_by_increasing_size() {
+        assert_eq!(cpu().validate(), Ok(()));
+        let with = |times: Vec<[f64; 2]>| DeviceProfile { convs: vec![ConvRate { times, ..timed() }], ..cpu() };
+        assert!(with(vec![[1000.0, 0.002], [1000.0, 0.003]]).validate().unwrap_err().contains("increasing"));
+        assert!(with(vec![[1000.0, 0.0]]).validate().unwrap_err().contains("seconds"));
+        assert!(with(vec![[-1.0, 0.1]]).validate().unwrap_err().contains("positions"));
+        // A profile written before the times reads without them.
+        let old = "kernel = [1, 3, 3]\nalign = 4\nin_channels = 8\nout_channels = 8\ngmacs = 1.0\n";
+        assert!(toml::from_str::<ConvRate>(old).unwrap().times.is_empty());
     }
 }
