@@ -27,6 +27,37 @@ pub fn interior(len: usize, halo: usize, [before, after]: [bool; 2], align: usiz
     (lo < hi).then_some(lo..hi)
 }
 
+/// The pieces of an overlapped convolution's output, as `[rows, columns]` of a part of
+/// `lens`: the interior first, which reads no neighbour's rows (`halos` along the cut axes, 0
+/// along the others; at a global edge, `neighbours` false, it reaches the edge, whose halo is
+/// zeros), then the edge strips around it (the rows above and below across the whole width, the
+/// columns left and right beside the interior). Cuts fall on multiples of `align`. `None` where
+/// the part is too small to leave an interior.
+pub fn pieces(
+    lens: [usize; 2],
+    halos: [usize; 2],
+    neighbours: [[bool; 2]; 2],
+    align: usize,
+) -> Option<Vec<[Range<usize>; 2]>> {
+    let inner =
+        [interior(lens[0], halos[0], neighbours[0], align)?, interior(lens[1], halos[1], neighbours[1], align)?];
+    let [rows, cols] = inner.clone();
+    let mut pieces = vec![inner];
+    if rows.start > 0 {
+        pieces.push([0..rows.start, 0..lens[1]]);
+    }
+    if rows.end < lens[0] {
+        pieces.push([rows.end..lens[0], 0..lens[1]]);
+    }
+    if cols.start > 0 {
+        pieces.push([rows.clone(), 0..cols.start]);
+    }
+    if cols.end < lens[1] {
+        pieces.push([rows, cols.end..lens[1]]);
+    }
+    Some(pieces)
+}
+
 /// Outputs (positions × frames of the part) a Winograd convolution needs per extra piece before
 /// it overlaps; an extra piece then costs at most about 5 % of the part's compute.
 pub const WINOGRAD_OUTPUTS_PER_EXTRA_PIECE: usize = 32_768;
@@ -60,5 +91,26 @@ mod tests {
         assert!(overlap_pays(4, 416 * 240 * 4, 2), "Wan2.1's last stage at 480x832");
         assert!(overlap_pays(2, 32_768, 1));
         assert!(!overlap_pays(2, 32_768, 2));
+    }
+
+    /// Pieces cover the part once, the interior first, with cuts on the alignment; at a
+    /// global edge the interior reaches the edge.
+    #[test]
+    fn pieces_tile_the_part() {
+        let both = [[true, true], [true, true]];
+        assert_eq!(pieces([10, 7], [1, 0], both, 1), Some(vec![[1..9, 0..7], [0..1, 0..7], [9..10, 0..7]]));
+        assert_eq!(pieces([10, 7], [1, 0], both, 4), Some(vec![[4..8, 0..7], [0..4, 0..7], [8..10, 0..7]]));
+        assert_eq!(pieces([10, 7], [1, 0], [[false, true], [true, true]], 4), Some(vec![[0..8, 0..7], [8..10, 0..7]]));
+        assert_eq!(pieces([8, 8], [1, 1], both, 4), None);
+        assert_eq!(
+            pieces([8, 8], [1, 1], [[false, true], [true, false]], 4),
+            Some(vec![[0..4, 4..8], [4..8, 0..8], [0..4, 0..4]])
+        );
+        let grid = pieces([12, 9], [1, 1], both, 2).unwrap();
+        assert_eq!(grid[0], [2..10, 2..8]);
+        let covered: usize = grid.iter().map(|[r, c]| r.len() * c.len()).sum();
+        assert_eq!(covered, 12 * 9);
+        assert_eq!(pieces([2, 9], [1, 0], both, 1), None);
+        assert_eq!(pieces([0, 9], [1, 0], both, 1), None);
     }
 }

@@ -16,15 +16,27 @@ use super::config::WanConfig;
 use super::model::WanVae;
 use crate::family::{CostNetworks, Direction};
 
+/// One causal cache: its elements over the whole map, and those of one row across the width
+/// and one column across the height (a part holds its halo's rows and columns besides its share).
+#[derive(Debug, Clone, Copy, Default)]
+struct Cache {
+    elems: u64,
+    edges: [u64; 2],
+    frames: usize,
+}
+
 /// The walk over a decode: the builder, and the cache slots of the previous chunk and this one.
 struct Walk {
     b: NetworkBuilder,
-    /// Cache elements the previous chunk left, per slot in visit order.
-    previous: Vec<u64>,
+    /// Cache elements the previous chunk left, per slot in visit order, with their edges (one
+    /// row's and one column's elements: a part's cache keeps its halo).
+    previous: Vec<Cache>,
     /// Cache elements this chunk has written so far, per slot.
-    current: Vec<u64>,
+    current: Vec<Cache>,
     /// Caches alive now: the previous chunk's not yet replaced, and this chunk's.
     caches: u64,
+    /// Their edges, likewise.
+    edges: [u64; 2],
     /// Output elements decoded by the earlier chunks.
     decoded: u64,
     /// Whether this is the first chunk (its caches hold the one frame it has).
@@ -40,23 +52,31 @@ impl Walk {
     }
 
     /// A cache slot written: the previous chunk's entry gives way to this chunk's.
-    fn write_cache(&mut self, elems: u64) {
+    fn write_cache(&mut self, cache: Cache) {
         let slot = self.current.len();
-        self.caches = (self.caches + elems).saturating_sub(self.previous.get(slot).copied().unwrap_or(0));
-        self.current.push(elems);
+        let previous = self.previous.get(slot).copied().unwrap_or_default();
+        self.caches = (self.caches + cache.elems).saturating_sub(previous.elems);
+        self.edges = [0, 1].map(|i| (self.edges[i] + cache.edges[i]).saturating_sub(previous.edges[i]));
+        self.b.set_resident_edges(self.edges);
+        self.current.push(cache);
     }
 
-    /// The cache a layer keeps of its current input: its last frames (two after the first chunk).
-    fn cache_of_input(&self) -> u64 {
+    /// The cache a layer keeps of its current input: its last frames (two after the first
+    /// chunk), with a halo row (column) per neighbour where its kernel spans rows (`halo`).
+    fn cache_of_input(&self, halo: bool) -> Cache {
         let [t, h, w] = self.b.dims();
         let frames = if self.first { t.min(CACHE_T) } else { CACHE_T };
-        (self.b.channels() * frames * h * w) as u64
+        let c = (self.b.channels() * frames) as u64;
+        let edges = if halo { [c * w as u64, c * h as u64] } else { [0, 0] };
+        Cache { elems: c * (h * w) as u64, edges, frames }
     }
 
-    /// A causal conv fed through the cache.
+    /// A causal conv fed through the cache: behind the frames the previous chunk left in its
+    /// slot (none in the first chunk, whose taps on the zero padding are skipped).
     fn cached_conv(&mut self, out: usize, kernel: [usize; 3], align: usize, resident: u64) {
-        let cache = self.cache_of_input();
-        self.b.conv(out, kernel, align, resident + self.carried());
+        let cache = self.cache_of_input(kernel[1] > 1);
+        let cached = self.previous.get(self.current.len()).map_or(0, |c| c.frames);
+        self.b.causal_conv(out, kernel, align, cached, resident + self.carried());
         self.write_cache(cache);
     }
 
@@ -93,11 +113,11 @@ impl Walk {
         // until it returns.
         let before = 2 * self.b.map_elems();
         if temporal {
-            let cache = self.cache_of_input();
+            let cache = self.cache_of_input(false);
             let [t, h, w] = self.b.dims();
             if self.first {
                 // The first chunk only marks the slot.
-                self.write_cache(0);
+                self.write_cache(Cache::default());
             } else {
                 self.b.conv(2 * c, [3, 1, 1], 1, self.carried());
                 self.write_cache(cache);
@@ -165,8 +185,16 @@ impl Walk {
 /// chunks' outputs concatenated, unpatchified (Wan2.2) and clamped.
 fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
     let b = NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch);
-    let mut walk =
-        Walk { b, previous: Vec::new(), current: Vec::new(), caches: 0, decoded: 0, first: true, shortcut: 0 };
+    let mut walk = Walk {
+        b,
+        previous: Vec::new(),
+        current: Vec::new(),
+        caches: 0,
+        edges: [0, 0],
+        decoded: 0,
+        first: true,
+        shortcut: 0,
+    };
     walk.b.conv(c.z_dim, [1, 1, 1], 1, 0);
     for i in 0..frames {
         walk.first = i == 0;
@@ -181,6 +209,7 @@ fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: u
     let total = walk.decoded;
     let out_frames = (total / (c.out_channels * ho * wo).max(1) as u64) as usize;
     walk.caches = 0;
+    walk.b.set_resident_edges([0, 0]);
     walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], total);
     let (mut channels, mut dims) = (c.out_channels, [out_frames, ho, wo]);
     if let Some(p) = c.patch_size.filter(|&p| p > 1) {
@@ -254,6 +283,32 @@ mod tests {
         assert_eq!(nets.whole.output_elems, 3 * 5 * 64 * 96);
         let last = nets.whole.steps.last().unwrap();
         assert_eq!((last.out_channels, last.output), (3, [5, 64, 96]));
+    }
+
+    /// The first latent frame has no cache: its causal convolutions' taps on the zero frames
+    /// in front are skipped (one of three), and the second frame's first output frame reads one
+    /// cached frame (two of three). Its caches hold a halo row per neighbour of a band.
+    #[test]
+    fn the_first_frames_skip_the_padding_taps_and_caches_keep_their_edges() {
+        let vae = fixture();
+        let (h, w) = (6, 10);
+        let macs = |frames| vae.cost_networks(Direction::Decode, &[1, 16, frames, h, w]).unwrap().whole;
+        let one = macs(1);
+        let conv_in = one.steps.iter().find(|s| s.kind.label(true).starts_with("conv 3x3x3")).unwrap();
+        assert_eq!(conv_in.frame_taps, 1);
+        assert_eq!(conv_in.macs(), (h * w * 16 * conv_in.out_channels * 9) as u64);
+        let two = macs(2);
+        let taps: Vec<usize> = two
+            .steps
+            .iter()
+            .filter(|s| s.kind.label(true).starts_with("conv 3x3x3") && s.input[0] == 4)
+            .map(|s| s.frame_taps)
+            .collect();
+        // The second chunk's last stage: four output frames behind one cached frame.
+        assert!(!taps.is_empty() && taps.iter().all(|&t| t == 2 + 3 * 3), "{taps:?}");
+        // Once a cache is written, the steps after it count its edges.
+        assert!(two.steps.iter().any(|s| s.resident_edges[0] > 0 && s.resident_edges[1] > 0));
+        assert_eq!(two.steps.last().unwrap().resident_edges, [0, 0]);
     }
 
     #[test]

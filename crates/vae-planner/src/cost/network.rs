@@ -56,6 +56,17 @@ pub struct Step {
     /// Elements of other maps alive during the step, over the whole map (they shrink with a
     /// part of the map as the output does).
     pub resident: u64,
+    /// Of those maps, the ones a part holds with its neighbours' edge (a causal cache keeps
+    /// its convolution's input frames with their halos): the elements of one row of those
+    /// maps across the whole width, and of one column across the whole height (each map's
+    /// halo is one of its rows or columns deep). A part holds one such row per neighbour
+    /// above or below (its share of the width) and one such column per neighbour to a side
+    /// (its share of the height).
+    pub resident_edges: [u64; 2],
+    /// A convolution's temporal taps that read a frame, summed over its output frames: the
+    /// kernel's extent per output frame, less the taps a causal convolution's zero padding
+    /// leaves out (the kernels skip them; a video decoder's first latent frame has no cache).
+    pub frame_taps: usize,
 }
 
 impl StepKind {
@@ -93,14 +104,17 @@ impl Step {
     }
 
     /// Multiply-adds of the whole step (batch of one; saturating): a convolution's
-    /// `out pixels · C_in · C_out · kernel volume`, attention's projections and its two
-    /// products; zero for element-wise steps and norms.
+    /// `out pixels · C_in · C_out · kernel volume` (its temporal taps as [`Self::frame_taps`]
+    /// counts them), attention's projections and its two products; zero for element-wise steps
+    /// and norms.
     pub fn macs(&self) -> u64 {
         let pixels = |d: [usize; 3]| d.iter().map(|&x| x as u64).product::<u64>();
         match self.kind {
             StepKind::Conv { kernel, .. } => {
-                let k: u64 = kernel.iter().map(|&x| x as u64).product();
-                pixels(self.output).saturating_mul(self.in_channels as u64 * self.out_channels as u64 * k)
+                let spatial = (kernel[1] * kernel[2]) as u64;
+                let per_frame = self.output[1] as u64 * self.output[2] as u64;
+                (per_frame * self.frame_taps as u64)
+                    .saturating_mul(self.in_channels as u64 * self.out_channels as u64 * spatial)
             }
             StepKind::Attention => {
                 let (n, c) = (pixels(self.input), self.in_channels as u64);
@@ -109,6 +123,16 @@ impl Step {
             }
             StepKind::Norm { .. } | StepKind::Elementwise { .. } => 0,
         }
+    }
+
+    /// The output positions of a convolution with every temporal tap (what its measured times
+    /// count): its output positions, fewer where taps read zero padding.
+    pub fn tapped_positions(&self) -> f64 {
+        let kt = match self.kind {
+            StepKind::Conv { kernel, .. } => kernel[0].max(1),
+            _ => 1,
+        };
+        self.output[1] as f64 * self.output[2] as f64 * self.frame_taps as f64 / kt as f64
     }
 
     /// Rows (columns) the step needs from each neighbour of a part along an axis: half the
@@ -180,6 +204,7 @@ pub struct NetworkBuilder {
     input_elems: u64,
     elem_bytes: u64,
     batch: usize,
+    resident_edges: [u64; 2],
 }
 
 impl NetworkBuilder {
@@ -187,7 +212,14 @@ impl NetworkBuilder {
     /// `latent` rows and columns, with `elem_bytes` per element and `batch` inputs.
     pub fn new(channels: usize, dims: [usize; 3], latent: [usize; 2], elem_bytes: u64, batch: usize) -> Self {
         let input_elems = channels as u64 * dims.iter().map(|&d| d as u64).product::<u64>();
-        Self { steps: Vec::new(), channels, dims, latent, input_elems, elem_bytes, batch }
+        Self { steps: Vec::new(), channels, dims, latent, input_elems, elem_bytes, batch, resident_edges: [0, 0] }
+    }
+
+    /// The [`Step::resident_edges`] of the steps pushed from now on (the caches alive, as the
+    /// family's walk tracks them).
+    pub fn set_resident_edges(&mut self, edges: [u64; 2]) -> &mut Self {
+        self.resident_edges = edges;
+        self
     }
 
     /// The current map's channels.
@@ -208,7 +240,21 @@ impl NetworkBuilder {
     /// Appends a step from the current map to `out_channels × output`, with `resident` other
     /// elements alive; the output becomes the current map.
     pub fn push(&mut self, kind: StepKind, out_channels: usize, output: [usize; 3], resident: u64) -> &mut Self {
-        self.steps.push(Step { kind, in_channels: self.channels, out_channels, input: self.dims, output, resident });
+        let frame_taps = match kind {
+            StepKind::Conv { kernel, .. } => output[0] * kernel[0],
+            _ => output[0],
+        };
+        let (input, resident_edges) = (self.dims, self.resident_edges);
+        self.steps.push(Step {
+            kind,
+            in_channels: self.channels,
+            out_channels,
+            input,
+            output,
+            resident,
+            resident_edges,
+            frame_taps,
+        });
         self.channels = out_channels;
         self.dims = output;
         self
@@ -234,6 +280,26 @@ impl NetworkBuilder {
     pub fn restart(&mut self, channels: usize, dims: [usize; 3]) -> &mut Self {
         self.channels = channels;
         self.dims = dims;
+        self
+    }
+
+    /// A causal convolution (kernel `[kt, k, k]`, same size, band alignment `align`) behind
+    /// `cached` frames of its previous input: `kt − 1 − cached` zero frames pad its front, and
+    /// the taps that read them are skipped.
+    pub fn causal_conv(
+        &mut self,
+        out_channels: usize,
+        kernel: [usize; 3],
+        align: usize,
+        cached: usize,
+        resident: u64,
+    ) -> &mut Self {
+        let front = kernel[0].saturating_sub(1 + cached);
+        let frames = self.dims[0];
+        self.conv(out_channels, kernel, align, resident);
+        if let Some(step) = self.steps.last_mut() {
+            step.frame_taps = (0..frames).map(|o| kernel[0].saturating_sub(front.saturating_sub(o))).sum();
+        }
         self
     }
 

@@ -23,7 +23,8 @@ use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
 use super::profile::{DeviceKind, DeviceProfile};
-use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, interior, lpt_assign, overlap_pays};
+use crate::overlap::pieces;
+use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign, overlap_pays};
 
 /// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
 const SCORE_BLOCK_ELEMS: f64 = (1u64 << 22) as f64;
@@ -374,36 +375,51 @@ fn step_cost(
     let local = |d: [usize; 3], channels: usize| channels as f64 * d[0] as f64 * d[1] as f64 * fh * d[2] as f64 * fw;
     let input = local(step.input, step.in_channels);
     let output = local(step.output, step.out_channels);
-    let resident = step.resident as f64 * fh * fw;
+    // The resident maps' share, with the neighbours' rows and columns that a part's caches
+    // hold besides.
+    let [up, down, left, right] = part.sides.map(f64::from);
+    let [row, column] = step.resident_edges.map(|e| e as f64);
+    let resident = step.resident as f64 * fh * fw + (up + down) * row * fw + (left + right) * column * fh;
     let whole_input = step.input_elems() as f64;
     match step.kind {
         StepKind::Conv { kernel, align, overlapped } => {
             let [hh, hw] = step.halo().map(|h| h as f64);
             let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
             let c = step.in_channels as f64;
-            let [up, down, left, right] = part.sides.map(f64::from);
             let halo = c * t * ((up + down) * hh * w + (left + right) * hw * h + part.corners as f64 * hh * hw) * bytes;
             // A part's convolution reads a copy of its input with the neighbours' rows (the
             // layers drop the input itself where they own it); the kernels pad as they read.
             let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
             let measured = profile.conv_rate(kernel, align, step.in_channels, step.out_channels);
-            let macs = step.macs() as f64 * fh * fw * batch;
-            let outputs = step.output[0] as f64 * step.output[1] as f64 * fh * step.output[2] as f64 * fw * batch;
-            // One call on one thread: what every call (piece) pays, and the rest.
-            let (fixed_s, work_s) = measured.map_or((0.0, macs / 1e9), |r| {
-                profile.conv_call_s(r, kernel, [step.in_channels, step.out_channels], outputs)
-            });
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
             // Overlapped as the runtime decides it (a part with an interior, where
             // vae_planner::overlap says it pays), in pieces: the interior and a strip per side
-            // with a neighbour, each a call for Winograd.
-            let extra = part.sides.iter().filter(|&&s| s).count();
+            // with a neighbour, each a call.
             let positions = (step.input[0] as f64 * h * w * batch) as usize;
-            let has_interior = interior(h as usize, hh as usize, [part.sides[0], part.sides[1]], align).is_some()
-                && interior(w as usize, hw as usize, [part.sides[2], part.sides[3]], align).is_some();
-            let overlaps =
-                overlapped && profile.overlaps_halos() && has_interior && overlap_pays(align, positions, extra);
-            let calls = if overlaps && align >= 2 { 1 + extra } else { 1 } as f64;
+            let sides = [[part.sides[0], part.sides[1]], [part.sides[2], part.sides[3]]];
+            let halos = [hh, hw].map(|x| x as usize);
+            let pieces = pieces([h as usize, w as usize], halos, sides, align)
+                .filter(|p| overlapped && profile.overlaps_halos() && overlap_pays(align, positions, p.len() - 1));
+            let overlaps = pieces.is_some();
+            // Each call's outputs (with every temporal tap: positions of the measured times),
+            // one on one thread: what the call pays whatever its size, and the rest. The direct
+            // kernel packs the weights once for all the pieces; Winograd transforms them for each.
+            let per_position = step.tapped_positions() / (step.output[1] * step.output[2]).max(1) as f64 * batch;
+            let calls: Vec<f64> = match &pieces {
+                Some(p) => p.iter().map(|[r, c]| (r.len() * c.len()) as f64 * per_position).collect(),
+                None => vec![step.tapped_positions() * fh * fw * batch],
+            };
+            let (mut fixed_s, mut work_s) = (0.0, 0.0);
+            for (i, &outputs) in calls.iter().enumerate() {
+                let (fixed, work) = measured
+                    .map_or((0.0, outputs * step.macs() as f64 / step.tapped_positions().max(1.0) / 1e9), |r| {
+                        profile.conv_call_s(r, kernel, [step.in_channels, step.out_channels], outputs)
+                    });
+                if i == 0 || align >= 2 {
+                    fixed_s += fixed;
+                }
+                work_s += work;
+            }
             // The weights as the kernel packs them (on the CPU in f32, Winograd F(4×4)
             // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered
             // in the element type), and its fixed scratch. A GPU convolution also reads a
@@ -420,7 +436,7 @@ fn step_cost(
             let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
             let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
             // A CPU call's fixed work runs on the rank's threads; a GPU's launches do not speed up.
-            let compute_s = if gpu { calls * fixed_s + work_s / speed } else { (calls * fixed_s + work_s) / speed };
+            let compute_s = if gpu { fixed_s + work_s / speed } else { (fixed_s + work_s) / speed };
             if overlaps || !exchanges {
                 // The interior is computed straight from the input into the output while the
                 // rows travel; the edges from small copies: the input and the output live
@@ -538,6 +554,28 @@ mod tests {
         for rank in &bands.ranks {
             assert!((rank.compute_s - 2.0 * 0.001128).abs() < 1e-12, "{rank:?}");
         }
+    }
+
+    #[test]
+    fn a_causal_convolution_skips_its_padding_taps_and_a_band_holds_its_caches_edges() {
+        let mut b = NetworkBuilder::new(8, [4, 16, 16], [16, 16], 4, 1);
+        // Behind no cached frame: two zero frames in front, 1 + 2 + 3 + 3 taps.
+        b.set_resident_edges([100, 50]).causal_conv(8, [3, 3, 3], 1, 0, 0);
+        let net = b.finish();
+        let step = &net.steps[0];
+        assert_eq!(step.frame_taps, 9);
+        assert_eq!(step.macs(), 16 * 16 * 9 * 8 * 8 * 9);
+        let p = predict(&net, Layout::Direct, ONE, &profile(1)).unwrap();
+        assert!((p.ms - step.macs() as f64 / 1e9 * 1e3).abs() < 1e-9, "{p:?}");
+        // A band with one neighbour holds one more row of the caches (its share of the
+        // width: all of it) than its share of the resident maps.
+        let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
+        let bands = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &profile(2)).unwrap();
+        let mut plain = net.clone();
+        plain.steps[0].resident_edges = [0, 0];
+        let without =
+            predict(&plain, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &profile(2)).unwrap();
+        assert_eq!(bands.ranks[1].peak_bytes, without.ranks[1].peak_bytes + 100 * 4, "{bands:?}");
     }
 
     #[test]

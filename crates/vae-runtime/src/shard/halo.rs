@@ -195,7 +195,7 @@ impl ShardContext<'_> {
         // Overlapped where it pays (vae_planner::overlap): a Winograd kernel transforms its
         // weights again for every piece.
         let outputs = x.elem_count() / x.dims()[1].max(1);
-        let pieces = output_pieces(lens, halos, self.neighbours(), align)
+        let pieces = vae_planner::overlap::pieces(lens, halos, self.neighbours(), align)
             .filter(|p| match self.overlap {
                 HaloOverlap::Never => false,
                 HaloOverlap::WherePays => vae_planner::overlap_pays(align, outputs, p.len() - 1),
@@ -437,39 +437,6 @@ impl ShardContext<'_> {
     }
 }
 
-/// The pieces of an overlapped convolution's output, as `[rows, columns]` of this rank's part
-/// of `lens`: the interior first, which reads no neighbour's rows (`halos` along the cut axes, 0
-/// along the others; at a global edge, `neighbours` false, it reaches the edge, whose halo is
-/// zeros), then the edge strips around it (the rows above and below across the whole width, the
-/// columns left and right beside the interior). Cuts fall on multiples of `align`. `None` where
-/// the part is too small to leave an interior.
-fn output_pieces(
-    lens: [usize; 2],
-    halos: [usize; 2],
-    neighbours: [[bool; 2]; 2],
-    align: usize,
-) -> Option<Vec<[Range<usize>; 2]>> {
-    let inner = [
-        vae_planner::interior(lens[0], halos[0], neighbours[0], align)?,
-        vae_planner::interior(lens[1], halos[1], neighbours[1], align)?,
-    ];
-    let [rows, cols] = inner.clone();
-    let mut pieces = vec![inner];
-    if rows.start > 0 {
-        pieces.push([0..rows.start, 0..lens[1]]);
-    }
-    if rows.end < lens[0] {
-        pieces.push([rows.end..lens[0], 0..lens[1]]);
-    }
-    if cols.start > 0 {
-        pieces.push([rows.clone(), 0..cols.start]);
-    }
-    if cols.end < lens[1] {
-        pieces.push([rows, cols.end..lens[1]]);
-    }
-    Some(pieces)
-}
-
 /// The box where `a` and `b` (a range per dimension) meet; empty ranges where they do not.
 fn intersect(a: &[Range<usize>], b: &[Range<usize>]) -> Vec<Range<usize>> {
     a.iter().zip(b).map(|(p, q)| p.start.max(q.start)..p.end.min(q.end).max(p.start.max(q.start))).collect()
@@ -702,7 +669,8 @@ mod tests {
                         Cut::Blocks(g) => ([1, 1], g.coord(rank).unwrap(), g.grid()),
                     };
                     let neighbours = [0, 1].map(|k| [at[k] > 0, at[k] + 1 < grid[k]]);
-                    let interior = output_pieces(part.map(|r| r.len()), halos, neighbours, align).is_some();
+                    let interior =
+                        vae_planner::overlap::pieces(part.map(|r| r.len()), halos, neighbours, align).is_some();
                     assert_eq!(traffic.halo_overlapped, u64::from(interior), "align {align}, {cut:?}, rank {rank}");
                     overlaps += traffic.halo_overlapped;
                 }
@@ -788,29 +756,5 @@ mod tests {
             assert!(kept.bit_eq(&want_kept), "rank {rank}: the kept frames");
             assert!(kept.bit_eq(&cache), "rank {rank}: the kept frames are the haloed last two");
         }
-    }
-
-    /// Pieces cover the part once, the interior first, with cuts on the alignment; at a
-    /// global edge the interior reaches the edge.
-    #[test]
-    fn output_pieces_tile_the_part() {
-        let both = [[true, true], [true, true]];
-        assert_eq!(output_pieces([10, 7], [1, 0], both, 1), Some(vec![[1..9, 0..7], [0..1, 0..7], [9..10, 0..7]]));
-        assert_eq!(output_pieces([10, 7], [1, 0], both, 4), Some(vec![[4..8, 0..7], [0..4, 0..7], [8..10, 0..7]]));
-        assert_eq!(
-            output_pieces([10, 7], [1, 0], [[false, true], [true, true]], 4),
-            Some(vec![[0..8, 0..7], [8..10, 0..7]])
-        );
-        assert_eq!(output_pieces([8, 8], [1, 1], both, 4), None);
-        assert_eq!(
-            output_pieces([8, 8], [1, 1], [[false, true], [true, false]], 4),
-            Some(vec![[0..4, 4..8], [4..8, 0..8], [0..4, 0..4]])
-        );
-        let grid = output_pieces([12, 9], [1, 1], both, 2).unwrap();
-        assert_eq!(grid[0], [2..10, 2..8]);
-        let covered: usize = grid.iter().map(|[r, c]| r.len() * c.len()).sum();
-        assert_eq!(covered, 12 * 9);
-        assert_eq!(output_pieces([2, 9], [1, 0], both, 1), None);
-        assert_eq!(output_pieces([0, 9], [1, 0], both, 1), None);
     }
 }
