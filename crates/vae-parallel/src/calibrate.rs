@@ -211,8 +211,12 @@ fn conv_rate(timing: &Timing, shape: &([usize; 3], usize, usize, usize), budget:
 
 /// One convolution on one CPU thread, timed on one output frame at each of `levels` of work
 /// per call (a distinct side each): its times, and its rate and fixed cost from the smallest
-/// and the largest map (for shapes and readers that use the line). Also each timed map's side.
-fn cpu_conv_times(shape: &([usize; 3], usize, usize, usize), levels: &[f64]) -> anyhow::Result<(ConvRate, Vec<usize>)> {
+/// and the largest map (for shapes and readers that use the line). Also each timed map's side
+/// and seconds.
+fn cpu_conv_times(
+    shape: &([usize; 3], usize, usize, usize),
+    levels: &[f64],
+) -> anyhow::Result<(ConvRate, Vec<(usize, f64)>)> {
     let &(kernel, align, cin, cout) = shape;
     let timing = &Timing::CPU;
     let mut sides: Vec<usize> =
@@ -221,10 +225,15 @@ fn cpu_conv_times(shape: &([usize; 3], usize, usize, usize), levels: &[f64]) -> 
     let timed = sides.iter().map(|&side| conv_call(timing, shape, (side, 1), 1)).collect::<anyhow::Result<Vec<_>>>()?;
     let (first, last) = (timed[0], timed[timed.len() - 1]);
     let (rate, call) = if timed.len() > 1 { fit(last, first) } else { (last.1 / last.0, 0.0) };
-    let times = sides.iter().zip(&timed).map(|(&side, &(seconds, _))| [(side * side) as f64, seconds]).collect();
+    // One size (a shape so large that every level is the least side) is a rate, not a curve.
+    let times = if timed.len() > 1 {
+        sides.iter().zip(&timed).map(|(&side, &(seconds, _))| [(side * side) as f64, seconds]).collect()
+    } else {
+        Vec::new()
+    };
     let measured =
         ConvRate { kernel, align, in_channels: cin, out_channels: cout, gmacs: rate / 1e9, call_us: call * 1e6, times };
-    Ok((measured, sides))
+    Ok((measured, sides.into_iter().zip(timed.into_iter().map(|(seconds, _)| seconds)).collect()))
 }
 
 /// `vae-parallel calibrate`.
@@ -324,12 +333,12 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
         print_conv(&rate);
         if threads > 1 {
             let at = scaling_level.min(sides.len() - 1);
-            let side = sides[at];
+            let (side, single) = sides[at];
             // Every thread, one, every thread again: the best of each, so that a slow spell of a
             // shared machine does not read as scaling.
             let timed = |pool: &rayon::ThreadPool| pool.install(|| conv_call(&Timing::CPU, shape, (side, 1), 1));
             let (multi, macs) = timed(&many)?;
-            let single = rate.times[at][1].min(timed(&one)?.0);
+            let single = single.min(timed(&one)?.0);
             let multi = multi.min(timed(&many)?.0);
             let sums = &mut pooled[usize::from(shape.0[0] > 1)];
             for (sum, v) in sums.iter_mut().zip([single, multi, macs]) {
@@ -344,9 +353,13 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     let rate = |[_, multi, macs]: [f64; 3]| if multi > 0.0 { macs / multi / 1e9 } else { 0.0 };
     let (thread_efficiency, thread_efficiency_3d) = (efficiency(pooled[0]), efficiency(pooled[1]));
     let multi = rate(pooled[0]);
-    eprintln!("  {threads} thread(s), 2-D: {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
+    if threads > 1 {
+        eprintln!("  {threads} thread(s), 2-D: {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
+    }
     let multi = rate(pooled[1]);
-    eprintln!("  {threads} thread(s), 3-D: {multi:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
+    if threads > 1 {
+        eprintln!("  {threads} thread(s), 3-D: {multi:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
+    }
 
     // GroupNorm + SiLU: bytes read and written.
     let side = (if args.quick { 128 } else { 256 } / args.downscale).max(8);

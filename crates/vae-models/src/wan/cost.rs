@@ -119,7 +119,10 @@ impl Walk {
                 // The first chunk only marks the slot.
                 self.write_cache(Cache::default());
             } else {
-                self.b.conv(2 * c, [3, 1, 1], 1, self.carried());
+                // Behind the frames its slot holds: none in the second chunk (the first only
+                // marked it), whose taps on the zero padding are skipped.
+                let cached = self.previous.get(self.current.len()).map_or(0, |c| c.frames);
+                self.b.causal_conv(2 * c, [3, 1, 1], 1, cached, self.carried());
                 self.write_cache(cache);
                 self.b.push(StepKind::Elementwise { in_place: false }, c, [2 * t, h, w], before + self.carried());
             }

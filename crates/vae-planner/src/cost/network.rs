@@ -56,8 +56,8 @@ pub struct Step {
     /// Elements of other maps alive during the step, over the whole map (they shrink with a
     /// part of the map as the output does).
     pub resident: u64,
-    /// Of those maps, the ones a part holds with its neighbours' edge (a causal cache keeps
-    /// its convolution's input frames with their halos): the elements of one row of those
+    /// Maps alive during the step that a part holds with its neighbours' edge (the causal
+    /// caches, which keep their convolutions' input frames with their halos): the elements of one row of those
     /// maps across the whole width, and of one column across the whole height (each map's
     /// halo is one of its rows or columns deep). A part holds one such row per neighbour
     /// above or below (its share of the width) and one such column per neighbour to a side
@@ -65,7 +65,8 @@ pub struct Step {
     pub resident_edges: [u64; 2],
     /// A convolution's temporal taps that read a frame, summed over its output frames: the
     /// kernel's extent per output frame, less the taps a causal convolution's zero padding
-    /// leaves out (the kernels skip them; a video decoder's first latent frame has no cache).
+    /// leaves out (a video decoder's first latent frame has no cache). The CPU kernels skip
+    /// those taps; the CUDA ones compute them (the cost model counts them there).
     pub frame_taps: usize,
 }
 
@@ -123,16 +124,6 @@ impl Step {
             }
             StepKind::Norm { .. } | StepKind::Elementwise { .. } => 0,
         }
-    }
-
-    /// The output positions of a convolution with every temporal tap (what its measured times
-    /// count): its output positions, fewer where taps read zero padding.
-    pub fn tapped_positions(&self) -> f64 {
-        let kt = match self.kind {
-            StepKind::Conv { kernel, .. } => kernel[0].max(1),
-            _ => 1,
-        };
-        self.output[1] as f64 * self.output[2] as f64 * self.frame_taps as f64 / kt as f64
     }
 
     /// Rows (columns) the step needs from each neighbour of a part along an axis: half the

@@ -201,11 +201,17 @@ fn sharded(
     let mut peaks = vec![0f64; ranks];
     let mut elapsed = 0.0;
     for step in &network.steps {
+        let kind = step.kind.label(cpu);
         let mut slowest: f64 = 0.0;
         for (r, part) in parts.iter().enumerate() {
             let cost = step_cost(step, part, network, ranks > 1, speed.for_step(step), profile);
             per_rank[r].compute_s += cost.compute_s;
-            *per_rank[r].compute_by_kind.entry(step.kind.label(cpu)).or_default() += cost.compute_s;
+            match per_rank[r].compute_by_kind.get_mut(&kind) {
+                Some(s) => *s += cost.compute_s,
+                None => {
+                    per_rank[r].compute_by_kind.insert(kind.clone(), cost.compute_s);
+                }
+            }
             per_rank[r].comm_s += cost.comm_s;
             per_rank[r].received_bytes += cost.received_bytes as u64;
             peaks[r] = peaks[r].max(cost.live_bytes);
@@ -398,23 +404,27 @@ fn step_cost(
             let positions = (step.input[0] as f64 * h * w * batch) as usize;
             let sides = [[part.sides[0], part.sides[1]], [part.sides[2], part.sides[3]]];
             let halos = [hh, hw].map(|x| x as usize);
-            let pieces = pieces([h as usize, w as usize], halos, sides, align)
+            let pieces = pieces([h.round() as usize, w.round() as usize], halos, sides, align)
                 .filter(|p| overlapped && profile.overlaps_halos() && overlap_pays(align, positions, p.len() - 1));
             let overlaps = pieces.is_some();
-            // Each call's outputs (with every temporal tap: positions of the measured times),
-            // one on one thread: what the call pays whatever its size, and the rest. The direct
-            // kernel packs the weights once for all the pieces; Winograd transforms them for each.
-            let per_position = step.tapped_positions() / (step.output[1] * step.output[2]).max(1) as f64 * batch;
+            // Each call's outputs with every temporal tap (the measured times' positions): a CPU
+            // kernel skips the taps on a causal convolution's zero padding, a GPU's computes
+            // them. One call on one thread: what it pays whatever its size, and the rest. The
+            // direct kernel packs the weights once for all the pieces; Winograd transforms them
+            // for each.
+            let gpu = profile.kind == DeviceKind::Cuda;
+            let taps_done = if gpu { step.output[0] * kernel[0] } else { step.frame_taps };
+            let per_pixel = taps_done as f64 / kernel[0].max(1) as f64 * batch;
             let calls: Vec<f64> = match &pieces {
-                Some(p) => p.iter().map(|[r, c]| (r.len() * c.len()) as f64 * per_position).collect(),
-                None => vec![step.tapped_positions() * fh * fw * batch],
+                Some(p) => p.iter().map(|[r, c]| (r.len() * c.len()) as f64 * per_pixel).collect(),
+                None => vec![step.output[1] as f64 * fh * step.output[2] as f64 * fw * per_pixel],
             };
+            let macs_per_output = (step.in_channels * step.out_channels * kernel.iter().product::<usize>()) as f64;
             let (mut fixed_s, mut work_s) = (0.0, 0.0);
             for (i, &outputs) in calls.iter().enumerate() {
-                let (fixed, work) = measured
-                    .map_or((0.0, outputs * step.macs() as f64 / step.tapped_positions().max(1.0) / 1e9), |r| {
-                        profile.conv_call_s(r, kernel, [step.in_channels, step.out_channels], outputs)
-                    });
+                let (fixed, work) = measured.map_or((0.0, outputs * macs_per_output / 1e9), |r| {
+                    profile.conv_call_s(r, kernel, [step.in_channels, step.out_channels], outputs)
+                });
                 if i == 0 || align >= 2 {
                     fixed_s += fixed;
                 }
@@ -424,7 +434,6 @@ fn step_cost(
             // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered
             // in the element type), and its fixed scratch. A GPU convolution also reads a
             // padded channels-last copy of its input.
-            let gpu = profile.kind == DeviceKind::Cuda;
             let taps = match (kernel, align) {
                 _ if gpu => kernel.iter().product::<usize>() as f64,
                 ([1, 3, 3], 4) => 36.0,
@@ -545,15 +554,21 @@ mod tests {
         // 1 ms fixed, then 1 µs a position to 128 positions, 3 µs beyond.
         let times = vec![[64.0, 0.001064], [128.0, 0.001128], [256.0, 0.001512]];
         let p = DeviceProfile { convs: vec![ConvRate { times, ..profile(2).convs[0].clone() }], ..profile(2) };
-        let net = two_convs(16, 16);
+        let net = two_convs(32, 16);
+        // 512 positions: beyond the largest size, at its average rate.
         let direct = predict(&net, Layout::Direct, ONE, &p).unwrap();
-        assert!((direct.ranks[0].compute_s - 2.0 * 0.001512).abs() < 1e-12, "{direct:?}");
-        // Two bands of 128 positions: each convolution pays its fixed work at the faster rate.
+        assert!((direct.ranks[0].compute_s - 2.0 * 2.0 * 0.001512).abs() < 1e-12, "{direct:?}");
+        // Two bands of 256 positions, each overlapped in two direct pieces: the interior's
+        // 240 and the edge's 16, each at its own size, the packing paid once.
         let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };
         let bands = predict(&net, Layout::Bands { axis: ShardAxis::Height, ranks: 2 }, placement, &p).unwrap();
+        let pieces = 0.001 + (0.001128 + 112.0 * 3e-6 - 0.001) + 16e-6;
         for rank in &bands.ranks {
-            assert!((rank.compute_s - 2.0 * 0.001128).abs() < 1e-12, "{rank:?}");
+            assert!((rank.compute_s - 2.0 * pieces).abs() < 1e-12, "{rank:?}");
         }
+        // A GPU profile keeps its rate and call cost: no times.
+        let gpu = DeviceProfile { kind: DeviceKind::Cuda, dtype: "bf16".into(), ..p.clone() };
+        assert!(gpu.validate().unwrap_err().contains("not times"));
     }
 
     #[test]
@@ -567,6 +582,10 @@ mod tests {
         assert_eq!(step.macs(), 16 * 16 * 9 * 8 * 8 * 9);
         let p = predict(&net, Layout::Direct, ONE, &profile(1)).unwrap();
         assert!((p.ms - step.macs() as f64 / 1e9 * 1e3).abs() < 1e-9, "{p:?}");
+        // A GPU computes the padding taps: all 12.
+        let gpu = DeviceProfile { kind: DeviceKind::Cuda, dtype: "f32".into(), ..profile(1) };
+        let q = predict(&net, Layout::Direct, ONE, &gpu).unwrap();
+        assert!((q.ms - (16 * 16 * 12 * 8 * 8 * 9) as f64 / 1e9 * 1e3).abs() < 1e-9, "{q:?}");
         // A band with one neighbour holds one more row of the caches (its share of the
         // width: all of it) than its share of the resident maps.
         let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 1.0 };

@@ -169,6 +169,9 @@ impl DeviceProfile {
             if c.times.windows(2).any(|w| w[1][0] <= w[0][0]) {
                 return Err("a convolution's times must be by increasing positions".into());
             }
+            if self.kind == DeviceKind::Cuda && !c.times.is_empty() {
+                return Err("a GPU profile's convolutions have a rate and a fixed cost per call, not times".into());
+            }
         }
         not_negative("op_call_us", self.op_call_us)?;
         let dtypes: &[&str] = match self.kind {
