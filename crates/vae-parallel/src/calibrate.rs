@@ -1,10 +1,11 @@
 //! `calibrate`: measures this machine's constants for the cost model
 //! ([`vae_parallel::planner::cost::DeviceProfile`]) and writes them as TOML.
 //!
-//! Each convolution shape the image and video VAEs run is timed at two map sizes, so that a
-//! call's fixed cost separates from its rate: on the CPU (one thread) packing or transforming
-//! the weights, on a GPU (`--device cuda`, in `--dtype`) the launches and a map too small to
-//! fill the device. Besides: on the CPU a GroupNorm + SiLU pass, attention, the speed-up of
+//! Each convolution shape the image and video VAEs run is timed at several map sizes: on the
+//! CPU (one thread) at four, from maps too small to amortise packing or transforming the
+//! weights to maps past the caches, kept as times to interpolate; on a GPU (`--device cuda`, in
+//! `--dtype`) at two, a rate and a call's fixed cost (the launches and a map too small to fill
+//! the device). Besides: on the CPU a GroupNorm + SiLU pass, attention, the speed-up of
 //! more threads, a convolution's scratch and the in-process link between two ranks; on a GPU
 //! the same pass and attention on the whole device, the fixed cost of a small op, a
 //! device-to-device copy for the link between ranks sharing the GPU, and the scratch a
@@ -88,7 +89,7 @@ const SHAPES: &[([usize; 3], usize, usize, usize)] = &[
 
 /// The work of one call at which the CPU times every shape (multiply-adds, on one output
 /// frame): from maps too small to amortise a call's fixed work to maps larger than the caches
-/// (sides 8–512), since a convolution's rate rises and then falls with its map.
+/// (sides 8–512), since a convolution's rate changes with its map.
 const CPU_LEVELS: [f64; 4] = [0.25e9, 2e9, 8e9, 32e9];
 /// `--quick`: two sizes, a call's fixed cost and one rate.
 const CPU_QUICK_LEVELS: [f64; 2] = [0.0625e9, 1e9];
@@ -352,13 +353,10 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     };
     let rate = |[_, multi, macs]: [f64; 3]| if multi > 0.0 { macs / multi / 1e9 } else { 0.0 };
     let (thread_efficiency, thread_efficiency_3d) = (efficiency(pooled[0]), efficiency(pooled[1]));
-    let multi = rate(pooled[0]);
     if threads > 1 {
-        eprintln!("  {threads} thread(s), 2-D: {multi:.1} GMAC/s, efficiency {thread_efficiency:.2}");
-    }
-    let multi = rate(pooled[1]);
-    if threads > 1 {
-        eprintln!("  {threads} thread(s), 3-D: {multi:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
+        let (flat, video) = (rate(pooled[0]), rate(pooled[1]));
+        eprintln!("  {threads} thread(s), 2-D: {flat:.1} GMAC/s, efficiency {thread_efficiency:.2}");
+        eprintln!("  {threads} thread(s), 3-D: {video:.1} GMAC/s, efficiency {thread_efficiency_3d:.2}");
     }
 
     // GroupNorm + SiLU: bytes read and written.

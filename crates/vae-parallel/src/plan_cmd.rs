@@ -13,6 +13,7 @@ use vae_parallel::cost::{self, Candidate};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::models::Direction;
 use vae_parallel::planner::cost::DeviceKind;
+use vae_parallel::report::human_ms;
 use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode, Strategy};
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, TransportConfig, run_local};
@@ -159,24 +160,14 @@ fn print_breakdown(candidates: &[Candidate]) {
     println!();
     for kind in kinds {
         print!("{kind:<24}");
-        busiest.iter().for_each(|r| print!(" {:>14}", ms(r.compute_by_kind.get(kind).copied().unwrap_or(0.0))));
+        busiest
+            .iter()
+            .for_each(|r| print!(" {:>14}", human_ms(r.compute_by_kind.get(kind).copied().unwrap_or(0.0) * 1e3)));
         println!();
     }
     print!("{:<24}", "messages");
-    busiest.iter().for_each(|r| print!(" {:>14}", ms(r.comm_s)));
+    busiest.iter().for_each(|r| print!(" {:>14}", human_ms(r.comm_s * 1e3)));
     println!();
-}
-
-/// Seconds as milliseconds with the digits that matter: whole ones from 100 ms, else three
-/// significant ones.
-fn ms(seconds: f64) -> String {
-    let v = seconds * 1e3;
-    match v {
-        v if v >= 100.0 || v == 0.0 => format!("{v:.0}"),
-        v if v >= 10.0 => format!("{v:.1}"),
-        v if v >= 1.0 => format!("{v:.2}"),
-        v => format!("{v:.3}"),
-    }
 }
 
 /// Runs `candidate` on `ranks` local ranks `runs` times; the fastest run's time and the

@@ -358,6 +358,11 @@ impl RequestReport {
     }
 }
 
+/// Milliseconds as the tables print them: whole from 100 on, two decimals below.
+pub fn human_ms(v: f64) -> String {
+    if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.2}") }
+}
+
 /// `1.5 MiB`-style sizes.
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

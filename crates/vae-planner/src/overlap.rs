@@ -58,6 +58,18 @@ pub fn pieces(
     Some(pieces)
 }
 
+/// [`pieces`] where overlapping them pays ([`overlap_pays`]) for a part that computes `outputs`
+/// outputs (positions × frames): the runtime's default rule, which the cost model predicts.
+pub fn pieces_where_pays(
+    lens: [usize; 2],
+    halos: [usize; 2],
+    neighbours: [[bool; 2]; 2],
+    align: usize,
+    outputs: usize,
+) -> Option<Vec<[Range<usize>; 2]>> {
+    pieces(lens, halos, neighbours, align).filter(|p| overlap_pays(align, outputs, p.len() - 1))
+}
+
 /// Outputs (positions × frames of the part) a Winograd convolution needs per extra piece before
 /// it overlaps; an extra piece then costs at most about 5 % of the part's compute.
 pub const WINOGRAD_OUTPUTS_PER_EXTRA_PIECE: usize = 32_768;
@@ -112,5 +124,10 @@ mod tests {
         assert_eq!(covered, 12 * 9);
         assert_eq!(pieces([2, 9], [1, 0], both, 1), None);
         assert_eq!(pieces([0, 9], [1, 0], both, 1), None);
+        // Where the overlap pays: a direct convolution's pieces always, a Winograd one's on a
+        // part of enough outputs per edge strip.
+        assert_eq!(pieces_where_pays([10, 7], [1, 0], both, 1, 70), pieces([10, 7], [1, 0], both, 1));
+        assert_eq!(pieces_where_pays([12, 9], [1, 1], both, 2, 108), None);
+        assert_eq!(pieces_where_pays([12, 9], [1, 1], both, 2, 4 << 15), pieces([12, 9], [1, 1], both, 2));
     }
 }

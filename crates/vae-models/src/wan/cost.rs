@@ -61,6 +61,12 @@ impl Walk {
         self.current.push(cache);
     }
 
+    /// Frames the previous chunk left in the slot the next cached layer reads (none in the
+    /// first chunk, or behind a slot the first chunk only marked).
+    fn cached_frames(&self) -> usize {
+        self.previous.get(self.current.len()).map_or(0, |c| c.frames)
+    }
+
     /// The cache a layer keeps of its current input: its last frames (two after the first
     /// chunk), with a halo row (column) per neighbour where its kernel spans rows (`halo`).
     fn cache_of_input(&self, halo: bool) -> Cache {
@@ -75,7 +81,7 @@ impl Walk {
     /// slot (none in the first chunk, whose taps on the zero padding are skipped).
     fn cached_conv(&mut self, out: usize, kernel: [usize; 3], align: usize, resident: u64) {
         let cache = self.cache_of_input(kernel[1] > 1);
-        let cached = self.previous.get(self.current.len()).map_or(0, |c| c.frames);
+        let cached = self.cached_frames();
         self.b.causal_conv(out, kernel, align, cached, resident + self.carried());
         self.write_cache(cache);
     }
@@ -121,7 +127,7 @@ impl Walk {
             } else {
                 // Behind the frames its slot holds: none in the second chunk (the first only
                 // marked it), whose taps on the zero padding are skipped.
-                let cached = self.previous.get(self.current.len()).map_or(0, |c| c.frames);
+                let cached = self.cached_frames();
                 self.b.causal_conv(2 * c, [3, 1, 1], 1, cached, self.carried());
                 self.write_cache(cache);
                 self.b.push(StepKind::Elementwise { in_place: false }, c, [2 * t, h, w], before + self.carried());

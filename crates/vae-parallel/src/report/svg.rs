@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use super::{RankSummary, RequestReport, human_bytes};
+use super::{RankSummary, RequestReport, human_bytes, human_ms};
 
 /// Left column: rank labels; right column: memory and traffic.
 const LABEL_WIDTH: f64 = 130.0;
@@ -54,11 +54,6 @@ fn escape(text: &str) -> String {
         }
     }
     out
-}
-
-/// Milliseconds as the table prints them, whole from 100 on.
-fn ms(v: f64) -> String {
-    if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.2}") }
 }
 
 /// A tick label: as many decimals as the step needs, so 0, 10, 20 or 0.5, 1.0, 1.5.
@@ -141,7 +136,7 @@ impl RequestReport {
                         x(start),
                         x(start + d) - x(start),
                         r.rank,
-                        ms(d)
+                        human_ms(d)
                     );
                 }
                 start += d;
@@ -159,7 +154,7 @@ impl RequestReport {
                 y + BAR_HEIGHT * 0.7,
                 escape(&format!(
                     "{} ms · peak {}{device} · sent {}",
-                    ms(start),
+                    human_ms(start),
                     human_bytes(r.peak_bytes),
                     human_bytes(r.bytes_sent())
                 ))

@@ -23,8 +23,8 @@ use std::ops::Range;
 
 use super::network::{Network, Step, StepKind};
 use super::profile::{DeviceKind, DeviceProfile};
-use crate::overlap::pieces;
-use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign, overlap_pays};
+use crate::overlap::pieces_where_pays;
+use crate::{BandPartition, BlockGrid, PlanError, ShardAxis, lpt_assign};
 
 /// Score elements the CPU attention holds per block of queries, and its bounds on the rows.
 const SCORE_BLOCK_ELEMS: f64 = (1u64 << 22) as f64;
@@ -404,8 +404,8 @@ fn step_cost(
             let positions = (step.input[0] as f64 * h * w * batch) as usize;
             let sides = [[part.sides[0], part.sides[1]], [part.sides[2], part.sides[3]]];
             let halos = [hh, hw].map(|x| x as usize);
-            let pieces = pieces([h.round() as usize, w.round() as usize], halos, sides, align)
-                .filter(|p| overlapped && profile.overlaps_halos() && overlap_pays(align, positions, p.len() - 1));
+            let pieces = pieces_where_pays([h.round() as usize, w.round() as usize], halos, sides, align, positions)
+                .filter(|_| overlapped && profile.overlaps_halos());
             let overlaps = pieces.is_some();
             // Each call's outputs with every temporal tap (the measured times' positions): a CPU
             // kernel skips the taps on a causal convolution's zero padding, a GPU's computes

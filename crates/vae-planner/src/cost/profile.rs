@@ -46,9 +46,9 @@ pub struct ConvRate {
     /// One call's seconds on one thread at several map sizes, `[output positions, seconds]`
     /// by increasing positions (frames × rows × columns of the output, one output frame).
     /// Where given, a call's time is read from it (see [`DeviceProfile::conv_call_s`]) rather
-    /// than from `gmacs` and `call_us`: a CPU convolution's rate rises with its map while the
-    /// fixed work is amortised, then falls once its maps leave the caches, which one line
-    /// does not follow.
+    /// than from `gmacs` and `call_us`: a CPU convolution's rate changes with its map (it
+    /// rises while the fixed work is amortised, and levels off or dips on the largest maps),
+    /// which one line through two sizes does not follow.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub times: Vec<[f64; 2]>,
 }
@@ -73,14 +73,6 @@ impl ConvRate {
         }
         let [x, y] = *self.times.last()?;
         Some(y * positions / x)
-    }
-
-    /// The fixed part of a call by the measured times: where the line through the two
-    /// smallest maps meets zero positions (at least 0, at most the smallest map's time).
-    fn fixed_time(&self) -> Option<f64> {
-        let [[x0, y0], [x1, y1]] = [*self.times.first()?, *self.times.get(1)?];
-        let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
-        Some((y0 - x0 * slope).clamp(0.0, y0))
     }
 }
 
@@ -264,7 +256,8 @@ impl DeviceProfile {
         let weights = |k: [usize; 3], cin: usize, cout: usize| (k.iter().product::<usize>() * cin * cout).max(1) as f64;
         let per_position = weights(kernel, in_channels, out_channels);
         let scale = per_position / weights(rate.kernel, rate.in_channels, rate.out_channels);
-        if let (Some(total), Some(fixed)) = (rate.time_at(positions), rate.fixed_time()) {
+        // The fixed part: the time of a call of no positions (the two smallest maps' line).
+        if let (Some(total), Some(fixed)) = (rate.time_at(positions), rate.time_at(0.0)) {
             let fixed = fixed.min(total);
             return (scale * fixed, scale * (total - fixed));
         }
@@ -389,7 +382,7 @@ mod tests {
         assert!(close(r.time_at(15_000.0).unwrap(), 0.021));
         // Below the smallest, the line through the two smallest: the fixed work stays.
         assert!(close(r.time_at(500.0).unwrap(), 0.0015));
-        assert!(close(r.fixed_time().unwrap(), 0.001));
+        assert!(close(r.time_at(0.0).unwrap(), 0.001));
         // Above the largest, its average rate.
         assert!(close(r.time_at(40_000.0).unwrap(), 0.062));
         // Fewer than two sizes: no curve.

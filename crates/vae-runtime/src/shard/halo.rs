@@ -195,13 +195,13 @@ impl ShardContext<'_> {
         // Overlapped where it pays (vae_planner::overlap): a Winograd kernel transforms its
         // weights again for every piece.
         let outputs = x.elem_count() / x.dims()[1].max(1);
-        let pieces = vae_planner::overlap::pieces(lens, halos, self.neighbours(), align)
-            .filter(|p| match self.overlap {
-                HaloOverlap::Never => false,
-                HaloOverlap::WherePays => vae_planner::overlap_pays(align, outputs, p.len() - 1),
-                HaloOverlap::Always => true,
-            })
-            .filter(|_| x.device().is_cpu() && vae_tensor::conv_windows_in_place());
+        let neighbours = self.neighbours();
+        let pieces = match self.overlap {
+            HaloOverlap::Never => None,
+            HaloOverlap::WherePays => vae_planner::overlap::pieces_where_pays(lens, halos, neighbours, align, outputs),
+            HaloOverlap::Always => vae_planner::overlap::pieces(lens, halos, neighbours, align),
+        }
+        .filter(|_| x.device().is_cpu() && vae_tensor::conv_windows_in_place());
         if halo == 0 {
             let kept = kept_of(&x)?;
             whole(&x, &mut out)?;
