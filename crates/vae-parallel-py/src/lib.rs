@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::cost::CostSettings;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
+use vae_parallel::local_ranks::local_placement;
 use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::planner::cost::Placement;
 use vae_parallel::report::RequestReport;
@@ -164,12 +165,10 @@ fn load(
         }
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };
-    let threads = std::thread::available_parallelism().map_or(1, usize::from) as f64;
     let placement = match &group {
-        Group::Local(n, _) => {
-            Placement { threads_per_rank: threads / (*n).max(1) as f64, ranks_per_host: *n, threads_alone: threads }
-        }
+        Group::Local(n, _) => local_placement(None, *n),
         Group::Socket(comm) => {
+            let threads = std::thread::available_parallelism().map_or(1, usize::from) as f64;
             Placement { threads_per_rank: threads, ranks_per_host: comm.size(), threads_alone: threads }
         }
     };

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use vae_parallel::engine::{Engine, EngineError};
+use vae_parallel::local_ranks::run_local_ranks;
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::Tensor;
-use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, SocketComm, SocketOptions, TransportConfig};
 
 use crate::errors::{ExecutionError, GroupError, config_error, engine_error, one_line};
 
@@ -197,7 +198,7 @@ impl Group {
         match self {
             Self::Socket(comm) => one_rank(Arc::clone(comm)),
             Self::Local(ranks, config) => {
-                let results = run_local(*ranks, *config, |comm| one_rank(Arc::new(comm)))
+                let results = run_local_ranks(*ranks, None, *config, |comm| one_rank(Arc::new(comm)))
                     .map_err(|e| GroupError::new_err(one_line(&e)))?;
                 let mut owner = None;
                 let mut failure = None;

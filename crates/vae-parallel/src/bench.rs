@@ -12,15 +12,15 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::group::TransportKind;
+use vae_parallel::local_ranks::run_local_ranks;
 use vae_parallel::models::TileOverrides;
 use vae_parallel::report::human_bytes;
 use vae_parallel::runtime::{DistributedVaeExecutor, HaloOverlap};
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
 use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope};
-use vae_parallel::tensor::memory::Account;
 use vae_parallel::tensor::{Device, Tensor};
+use vae_parallel::transport::TransportConfig;
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
-use vae_parallel::transport::{TransportConfig, run_local};
 
 use crate::ranks::{GroupArgs, GroupOutcome, run_group};
 
@@ -578,18 +578,13 @@ fn timed_local_decode(
 ) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
     // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
-    let results = run_local(ranks, config, |comm| -> anyhow::Result<(f64, Option<Tensor>, RankReport)> {
+    let results = run_local_ranks(ranks, Some(ranks * threads), config, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-        let account = Account::current();
-        pool.install(|| {
-            let _charged = account.enter();
-            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?.with_halo_overlap(halo_overlap);
-            comm.barrier()?;
-            let started = Instant::now();
-            let out = engine.decode(&executor, latent, options)?;
-            Ok((started.elapsed().as_secs_f64(), out.tensor, out.report))
-        })
+        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?.with_halo_overlap(halo_overlap);
+        comm.barrier()?;
+        let started = Instant::now();
+        let out = engine.decode(&executor, latent, options)?;
+        anyhow::Ok((started.elapsed().as_secs_f64(), out.tensor, out.report))
     })?;
     let mut seconds = 0.0f64;
     let mut output = None;

@@ -2,7 +2,8 @@
 //! or GPUs — and get the same pixels one device would.
 //!
 //! This facade re-exports the layers and adds what a program needs around them: starting a
-//! group of ranks ([`group`]) and turning per-rank reports into a request report ([`report`]).
+//! group of ranks ([`group`]; a local group's ranks each on a share of the threads,
+//! [`local_ranks`]) and turning per-rank reports into a request report ([`report`]).
 //! The `vae-parallel` binary is built on it.
 //!
 //! Layers, bottom up: [`transport`] (collectives), [`tensor`] (tensors and ops), [`planner`]
@@ -13,6 +14,7 @@ pub mod cost;
 pub mod engine;
 pub mod group;
 pub mod io;
+pub mod local_ranks;
 pub mod output;
 pub mod report;
 pub mod stream_out;

@@ -240,14 +240,13 @@ impl ParallelArgs {
             Some(text) => Some(cost::parse_size(&text).context("--max-memory-per-rank")?),
         };
         let profile = cost::load_profile(self.profile.clone().or(file.profile).as_deref())?;
-        let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads) as f64;
+        let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads);
         let rank_placement = match profile.kind {
-            // Local ranks share this process's pool; socket ranks each have their own.
-            DeviceKind::Cpu => Placement {
-                threads_per_rank: if transport.is_multi_process() { threads } else { threads / ranks.max(1) as f64 },
-                ranks_per_host: ranks,
-                threads_alone: threads,
-            },
+            // Socket ranks each have a process's pool; local ranks a share of this one's threads.
+            DeviceKind::Cpu if transport.is_multi_process() => {
+                Placement { threads_per_rank: threads as f64, ranks_per_host: ranks, threads_alone: threads as f64 }
+            }
+            DeviceKind::Cpu => vae_parallel::local_ranks::local_placement(Some(threads), ranks),
             // NCCL ranks each have a GPU; the others share the one they compute on.
             DeviceKind::Cuda => {
                 let sharing = if transport == vae_parallel::group::TransportKind::Nccl { 1 } else { ranks.max(1) };

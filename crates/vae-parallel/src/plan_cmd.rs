@@ -11,12 +11,13 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use vae_parallel::cost::{self, Candidate};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
+use vae_parallel::local_ranks::run_local_ranks;
 use vae_parallel::models::Direction;
 use vae_parallel::planner::cost::DeviceKind;
 use vae_parallel::report::human_ms;
 use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode, Strategy};
 use vae_parallel::tensor::{Device, Tensor};
-use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+use vae_parallel::transport::{Communicator, TransportConfig};
 
 use crate::model_cmds::ParallelArgs;
 
@@ -204,7 +205,7 @@ fn measure(
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
     let mut best = Measured { seconds: f64::INFINITY, peak_bytes: 0 };
     for _ in 0..runs {
-        let results = run_local(ranks, config, |comm| -> anyhow::Result<(f64, u64)> {
+        let results = run_local_ranks(ranks, None, config, |comm| -> anyhow::Result<(f64, u64)> {
             let comm: Arc<dyn Communicator> = Arc::new(comm);
             let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
             comm.barrier()?;

@@ -1,10 +1,11 @@
 //! Per-thread accounting of live tensor bytes and their high-water mark.
 //!
-//! Each local rank runs on its own thread, so a per-thread counter is a per-rank counter. Every
-//! CPU buffer a tensor owns (and the large scratch buffers ops allocate while they run) is
-//! charged to the counter of the thread that allocated it, and released from that same counter
-//! when it is dropped, whichever thread drops it: a tensor handed to another rank's thread must
-//! not make the sender's count drift. The buffer therefore holds a shared handle to its counter
+//! Each thread charges one account, its own unless told otherwise ([`Account`]); the threads
+//! of a local rank all charge the rank's, so an account is a per-rank counter. Every CPU buffer
+//! a tensor owns (and the large scratch buffers ops allocate while they run) is charged to the
+//! account of the thread that allocated it, and released from that same account when it is
+//! dropped, whichever thread drops it: a tensor handed to another rank's thread must not make
+//! the sender's count drift. The buffer therefore holds a shared handle to its counter
 //! instead of looking up the dropping thread's one.
 //!
 //! Bytes are the tensor's element bytes (`len × 4` for f32), not the allocator's capacity.
@@ -91,9 +92,10 @@ pub fn device_peak_bytes() -> usize {
 /// A set of counters that allocations are charged to. Every thread starts with its own.
 ///
 /// Work run through `rayon::ThreadPool::install` executes on a pool thread, so its
-/// allocations would be charged to that thread. A rank that runs its ops in its own pool
-/// therefore takes [`Account::current`] on its thread and [`Account::enter`]s it inside the
-/// pool closure, so that the rank's high-water mark sees them.
+/// allocations would be charged to that thread. A rank that runs its ops in a pool of its own
+/// therefore has every thread of the pool [`Account::adopt`] the rank's account when it starts,
+/// so that the rank's high-water mark sees them; a closure run in a shared pool
+/// [`Account::enter`]s it instead.
 #[derive(Debug, Clone, Default)]
 pub struct Account(Arc<Counters>);
 
@@ -132,6 +134,15 @@ impl Account {
     pub fn reset_peak(&self) {
         self.0.host.reset_peak();
         self.0.device.reset_peak();
+    }
+
+    /// Charges every allocation the current thread makes from now on to this account, for the
+    /// rest of the thread's life (an [`Account::enter`] inside still redirects it for a while):
+    /// for the threads of a pool that serves one rank alone, started with this as their start
+    /// handler, so that the rank's high-water mark sees whatever its tasks allocate.
+    pub fn adopt(&self) {
+        // Fails only during thread teardown, when nothing is allocated any more.
+        let _ = CURRENT.try_with(|c| c.replace(Arc::clone(&self.0)));
     }
 
     /// Charges the current thread's allocations to this account until the guard drops.
