@@ -1,13 +1,13 @@
 //! HunyuanVideo-1.5 (`AutoencoderKLHunyuanVideo15`) against diffusers: every fixture case
 //! (plain, batched, tiled and uncropped-tiled decode; plain, batched and tiled encode; the
 //! pipelines' latent scale) within 1e-4, tile-parallel runs bit-identical to the serial tiled
-//! path and spatial shards bit-identical to the plain call on 1-4 local ranks, the policy, and
-//! bad requests as typed errors.
+//! path, spatial shards (bands and 2-D grids of blocks) bit-identical to the plain call on 1-6
+//! local ranks, the policy, and bad requests as typed errors.
 
 use std::sync::Arc;
 
 use serde_json::Value;
-use vae_integration_tests::{fixtures_dir, random_tensor, shard_on_local_ranks};
+use vae_integration_tests::{blocks_on_local_ranks, fixtures_dir, random_tensor, shard_on_local_ranks};
 use vae_models::family::{self, Direction, TileOverrides};
 use vae_models::hunyuan_video15::{
     HunyuanVideo15Operator, HunyuanVideo15ShardOperator, HunyuanVideo15Tiling, HunyuanVideo15Vae,
@@ -176,6 +176,37 @@ fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
     assert!(runs >= 12, "{runs} shard runs");
 }
 
+/// Grids of 2 to 6 blocks, both orientations of the 1-D cuts among them.
+const GRIDS: [[usize; 2]; 4] = [[1, 2], [2, 1], [2, 2], [2, 3]];
+
+/// The decode and encode on 2-D grids of blocks: halos along both axes (corners from the
+/// diagonal blocks), edges replicated only where a block meets the map's edge (its corner
+/// rows included), the 2 × 2 folds within blocks of whole latent pixels and the attention on
+/// the gathered map: the plain call bit for bit, and the same bytes over the CLI's socket
+/// processes (`models.rs`).
+#[test]
+fn block_shards_are_the_plain_decode_and_encode_bit_for_bit() {
+    let model = load();
+    let z = random_tensor(&[1, 4, 3, 7, 5], 17);
+    let x = random_tensor(&[1, 3, 5, 32, 24], 18);
+    for (direction, input) in [(Direction::Decode, &z), (Direction::Encode, &x)] {
+        let direct = match direction {
+            Direction::Decode => model.decode(input).unwrap(),
+            Direction::Encode => model.encode_moments(input).unwrap(),
+        };
+        let op = HunyuanVideo15ShardOperator::new(&model, direction);
+        for grid in GRIDS {
+            let (out, reports) = blocks_on_local_ranks(&op, input, grid, grid[0] * grid[1]);
+            let diff = out.max_abs_diff(&direct).unwrap();
+            assert!(out.bit_eq(&direct), "{direction:?} of {:?} on {grid:?}: max diff {diff}", input.dims());
+            for r in &reports {
+                let vae_runtime::StrategyReport::Blocks { traffic, .. } = &r.strategy else { panic!("not blocks") };
+                assert!(traffic.halo_exchanges > 0 && traffic.map_gathers > 0, "{traffic:?}");
+            }
+        }
+    }
+}
+
 /// `auto` shards the longer axis over two ranks or more (an encode only where tiles would
 /// otherwise run), a forced axis too narrow for the ranks falls back to tiles, and through
 /// the family interface the result is the plain call's.
@@ -193,6 +224,15 @@ fn the_policy_shards_where_every_rank_gets_a_latent_row() {
     assert_eq!(encode(ParallelMode::Auto, &[1, 3, 5, 512, 264], 2).strategy, Strategy::Shard(ShardAxis::Height));
     let ragged = encode(ParallelMode::SpatialShardWidth, &[1, 3, 5, 64, 60], 2);
     assert!(ragged.fallback && ragged.reason.contains("not a multiple of 8"), "{ragged:?}");
+    // The 2-D mode: the squarest grid of blocks holding a latent pixel each (an encode's of
+    // whole latent pixels), tiles where none fits.
+    assert_eq!(decode(ParallelMode::SpatialShard2d, &[1, 4, 3, 6, 9], 6).strategy, Strategy::Shard2d([2, 3]));
+    assert_eq!(decode(ParallelMode::SpatialShard2d, &[1, 4, 3, 6, 9], 4).strategy, Strategy::Shard2d([2, 2]));
+    let thin = decode(ParallelMode::SpatialShard2d, &[1, 4, 3, 1, 1], 2);
+    assert!(thin.fallback && thin.strategy == Strategy::Tile, "{thin:?}");
+    assert_eq!(encode(ParallelMode::SpatialShard2d, &[1, 3, 5, 64, 64], 4).strategy, Strategy::Shard2d([2, 2]));
+    let ragged = encode(ParallelMode::SpatialShard2d, &[1, 3, 5, 64, 60], 4);
+    assert!(ragged.fallback && ragged.reason.contains("whole latent rows and columns of 8"), "{ragged:?}");
 
     let z = random_tensor(&[1, 4, 2, 5, 6], 16);
     let direct = vae.decode(&z).unwrap();
@@ -216,7 +256,7 @@ fn the_policy_shards_where_every_rank_gets_a_latent_row() {
 }
 
 #[test]
-fn the_registry_loads_the_class_with_every_mode_but_the_pipeline_and_the_2d_shard() {
+fn the_registry_loads_the_class_with_every_mode_but_the_pipeline() {
     let mut vae = family::load(&dir().join(MODEL), Device::Cpu, DType::F32).unwrap();
     assert_eq!(vae.class_name(), "AutoencoderKLHunyuanVideo15");
     for mode in ParallelMode::ALL {
@@ -224,9 +264,6 @@ fn the_registry_loads_the_class_with_every_mode_but_the_pipeline_and_the_2d_shar
         if mode == ParallelMode::Pipeline {
             let err = verdict.unwrap_err();
             assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("every frame"));
-        } else if mode == ParallelMode::SpatialShard2d {
-            let err = verdict.unwrap_err();
-            assert!(matches!(err, vae_models::ModelError::Unsupported(_)) && err.to_string().contains("one axis only"));
         } else {
             assert!(verdict.is_ok(), "{mode}");
         }

@@ -2,13 +2,13 @@
 //! (`AutoencoderKLLTX2Video`, reflect-padded decoder) against diffusers: every fixture case
 //! (plain, batched, spatially, temporally and spatio-temporally tiled decode and encode; the
 //! pipelines' latent normalisation) within 1e-4; tile-parallel runs over time × space tiles
-//! bit-identical to the serial tiled path and spatial shards bit-identical to the plain call on
-//! 1-4 local ranks; the policy; bad requests as typed errors.
+//! bit-identical to the serial tiled path and spatial shards (bands and 2-D grids of blocks)
+//! bit-identical to the plain call on 1-6 local ranks; the policy; bad requests as typed errors.
 
 use std::sync::Arc;
 
 use serde_json::Value;
-use vae_integration_tests::{fixtures_dir, random_tensor, shard_on_local_ranks};
+use vae_integration_tests::{blocks_on_local_ranks, fixtures_dir, random_tensor, shard_on_local_ranks};
 use vae_models::family::{self, Direction, TileOverrides};
 use vae_models::ltx::{LtxClass, LtxOperator, LtxShardOperator, LtxTiling, LtxVae, SpatialPadding};
 use vae_parallel::io::read_npy;
@@ -221,6 +221,43 @@ fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
     assert!(runs >= 24, "{runs} shard runs");
 }
 
+/// Grids of 2 to 6 blocks, both orientations of the 1-D cuts among them.
+const GRIDS: [[usize; 2]; 4] = [[1, 2], [2, 1], [2, 2], [2, 3]];
+
+/// The decode and encode of every class on 2-D grids of blocks two latent rows and columns
+/// wide: halos along both axes (corners from the diagonal blocks), zeros or reflections only
+/// where a block meets the map's edge (the rows its other axis's halo widened included), the
+/// folds and unfolds within blocks of whole latent pixels: the plain call bit for bit.
+#[test]
+fn block_shards_are_the_plain_decode_and_encode_bit_for_bit() {
+    for (m, _) in MODELS {
+        let mut model = load(m);
+        if model.decode_timestep().is_some() {
+            model.set_decode_timestep(0.05).unwrap();
+        }
+        let unit = model.config().encoder_spatial_factor();
+        let frames = input(m, if m == "ltx2_variant" { "encode_f3" } else { "encode_f5" }).dims()[2];
+        let z = random_tensor(&[1, 8, 2, 4, 6], 33);
+        let x = random_tensor(&[1, 3, frames, 4 * unit, 6 * unit], 34);
+        for (direction, input) in [(Direction::Decode, &z), (Direction::Encode, &x)] {
+            let direct = match direction {
+                Direction::Decode => model.decode(input).unwrap(),
+                Direction::Encode => model.encode_moments(input).unwrap(),
+            };
+            let op = LtxShardOperator::new(&model, direction);
+            for grid in GRIDS {
+                let (out, reports) = blocks_on_local_ranks(&op, input, grid, grid[0] * grid[1]);
+                let diff = out.max_abs_diff(&direct).unwrap();
+                assert!(out.bit_eq(&direct), "{m}: {direction:?} of {:?} on {grid:?}: max diff {diff}", input.dims());
+                for r in &reports {
+                    let vae_runtime::StrategyReport::Blocks { traffic, .. } = &r.strategy else { panic!("not blocks") };
+                    assert!(traffic.halo_exchanges > 0, "{traffic:?}");
+                }
+            }
+        }
+    }
+}
+
 /// `auto` shards the longer axis over two ranks or more unless the frames are tiled, a forced
 /// axis too narrow for the ranks falls back to tiles (two latent rows a rank where the decoder
 /// reflects), and through the family interface the result is the plain call's.
@@ -236,6 +273,12 @@ fn the_policy_shards_where_every_rank_gets_a_band() {
     assert!(narrow.fallback && narrow.reason.contains("two latent rows"), "{narrow:?}");
     let encode = vae.strategy(Direction::Encode, ParallelMode::SpatialShardWidth, &[1, 3, 5, 64, 60], 2);
     assert!(encode.fallback && encode.reason.contains("not a multiple of 8"), "{encode:?}");
+    // The 2-D mode: blocks of two latent rows and columns where the decoder reflects.
+    let blocks = |dims: &[usize], ranks| decode(&*vae, ParallelMode::SpatialShard2d, dims, ranks);
+    assert_eq!(blocks(&[1, 8, 3, 6, 9], 6).strategy, Strategy::Shard2d([2, 3]));
+    assert_eq!(blocks(&[1, 8, 3, 6, 6], 4).strategy, Strategy::Shard2d([2, 2]));
+    let thin = blocks(&[1, 8, 3, 3, 3], 4);
+    assert!(thin.fallback && thin.reason.contains("at least 2 × 2"), "{thin:?}");
 
     let z = random_tensor(&[1, 8, 2, 6, 4], 32);
     let direct = vae.decode(&z).unwrap();
@@ -277,7 +320,7 @@ fn the_policy_shards_where_every_rank_gets_a_band() {
 }
 
 #[test]
-fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline_and_the_2d_shard() {
+fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline() {
     for (m, class) in MODELS {
         let mut vae = family::load(&dir().join(m), Device::Cpu, DType::F32).unwrap();
         assert_eq!(vae.class_name(), class.name());
@@ -288,10 +331,6 @@ fn the_registry_loads_both_classes_with_every_mode_but_the_pipeline_and_the_2d_s
                 let text = err.to_string();
                 assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{text}");
                 assert!(text.contains("cannot decode as a pipeline over frames"), "{text}");
-            } else if mode == ParallelMode::SpatialShard2d {
-                let err = verdict.unwrap_err();
-                assert!(matches!(err, vae_models::ModelError::Unsupported(_)), "{err}");
-                assert!(err.to_string().contains("one axis only"), "{err}");
             } else {
                 assert!(verdict.is_ok(), "{mode}");
             }

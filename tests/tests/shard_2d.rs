@@ -127,8 +127,8 @@ fn a_two_by_two_grid_halves_the_busiest_ranks_halo_bytes_of_four_bands() {
     assert!(total(&grid_reports) < total(&band_reports));
 }
 
-/// A grid larger than the parallel size, a block narrower than a latent row, and a family that
-/// shards along one axis only: agreed errors on every rank, before any work.
+/// A grid larger than the parallel size and a block narrower than a latent row: agreed errors on
+/// every rank, before any work.
 #[test]
 fn a_grid_that_cannot_run_is_an_error_on_every_rank() {
     use vae_runtime::{DistributedVaeExecutor, FailureKind, OutputPlacement, RuntimeError};

@@ -1,10 +1,9 @@
 //! Padding a video clip `[B, C, T, H, W]` before an unpadded 3-D conv, as the video VAEs whose
 //! convs pad H and W by a rule of their own (HunyuanVideo-1.5 by repeating edges, LTX-2 by
 //! reflection, LTX-Video with zeros) and time by repeating edge frames do, on a whole clip or on
-//! this rank's band of one: inside a shard the band's neighbours' rows are the padding, and the
-//! rule applies only at the global edges.
+//! this rank's band (or block) of one: inside a shard the neighbours' rows and columns are the
+//! padding, and the rule applies only at the global edges.
 
-use vae_planner::ShardAxis;
 use vae_tensor::Tensor;
 
 use crate::layers::Band;
@@ -80,8 +79,9 @@ pub(crate) fn pad_clip(x: &Tensor, pad: [usize; 6], spatial: Edge) -> Result<Ten
 }
 
 /// The clip a `k × k × k` conv reads, padded: `time = (front, back)` repeated frames, `k / 2`
-/// rows and columns under `spatial`. On a band, the rows along its axis are the neighbours'
-/// (exchanged), and `spatial` pads only where the band meets a global edge.
+/// rows and columns under `spatial`. On a band (or a block of a 2-D grid), the rows along each
+/// cut axis are the neighbours' (exchanged), and `spatial` pads only where the part meets a
+/// global edge.
 pub(crate) fn padded_for_conv(
     x: &Tensor,
     k: usize,
@@ -92,21 +92,24 @@ pub(crate) fn padded_for_conv(
     let p = k / 2;
     let mut pad = [time.0, time.1, p, p, p, p];
     let Some(ctx) = band.as_deref_mut() else { return pad_clip(x, pad, spatial) };
-    let dim = match ctx.axis() {
-        Some(ShardAxis::Height) => 3,
-        Some(ShardAxis::Width) => 4,
-        None => return Err(crate::ModelError::Unsupported("a clip convolution on a block of a 2-D grid".into())),
-    };
-    let with_rows = ctx.with_halo(x, p)?;
-    // with_halo leaves zero rows at a global edge: right for zero padding; any other rule drops
-    // them and pads the band's own rows there instead.
+    let (cut, neighbours) = (ctx.halo_axes(), ctx.neighbours());
+    let mut rows = ctx.with_halo(x, p)?;
+    // with_halo leaves zero rows (and columns) at a global edge: right for zero padding; any
+    // other rule drops them and pads the part's own there instead. Along both axes of a block,
+    // the rule then pads the rows the other axis's halo widened: what the whole map's padding
+    // holds at those places, corners included.
     let ruled = spatial != Edge::Zeros;
-    let before = if ruled && ctx.rank() == 0 { p } else { 0 };
-    let after = if ruled && ctx.rank() + 1 == ctx.ranks() { p } else { 0 };
-    pad[2 * (dim - 2)] = before;
-    pad[2 * (dim - 2) + 1] = after;
-    let n = with_rows.dims()[dim];
-    let rows = if before + after == 0 { with_rows } else { with_rows.narrow(dim, before, n - before - after)? };
+    for k in (0..2).filter(|&k| cut[k]) {
+        let dim = 3 + k;
+        let before = if ruled && !neighbours[k][0] { p } else { 0 };
+        let after = if ruled && !neighbours[k][1] { p } else { 0 };
+        pad[2 + 2 * k] = before;
+        pad[3 + 2 * k] = after;
+        if before + after > 0 {
+            let n = rows.dims()[dim];
+            rows = rows.narrow(dim, before, n - before - after)?;
+        }
+    }
     pad_clip(&rows, pad, spatial)
 }
 

@@ -33,8 +33,7 @@ pub struct ParallelArgs {
     #[arg(long)]
     vae_patch_parallel_size: Option<usize>,
     /// `tile` (default), `auto`, `spatial_shard_height`, `spatial_shard_width`,
-    /// `spatial_shard_2d` (a grid of blocks with halos along both axes: AutoencoderKL, FLUX.2,
-    /// Wan2.1, Wan2.2, Qwen-Image) or
+    /// `spatial_shard_2d` (a grid of blocks with halos along both axes; every family) or
     /// `pipeline` (video decode: the decoder's layers in stages over the ranks, frame by frame).
     #[arg(long)]
     vae_parallel_mode: Option<String>,

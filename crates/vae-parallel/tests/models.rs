@@ -601,7 +601,7 @@ fn hunyuan_video15_decodes_and_encodes_through_the_cli() {
     );
     // inspect names the class, its modes and its tiling flags; the pipeline is a clean error.
     let (ok, text) = cli(&["inspect", "--model", s(&model)]);
-    let modes = "modes       tile, auto, spatial_shard_height, spatial_shard_width\n";
+    let modes = "modes       tile, auto, spatial_shard_height, spatial_shard_width, spatial_shard_2d\n";
     assert!(ok && text.contains("AutoencoderKLHunyuanVideo15") && text.contains(modes), "{text}");
     assert!(text.contains("--tile-latent-min-height, --tile-latent-min-width, --tile-overlap-factor"), "{text}");
     let piped = dir.join("piped.npy");
@@ -931,8 +931,9 @@ fn a_request_that_cannot_fit_is_refused_before_any_work() {
 
 /// `spatial_shard_2d` through the CLI: AutoencoderKL decode and encode and the Wan decode on a
 /// 2 × 2 grid of blocks over socket processes, byte for byte the direct results; `--shard-grid`
-/// picks the grid (also from the config file) and is a clean error where it cannot apply;
-/// HunyuanVideo-1.5 refuses the mode.
+/// picks the grid (also from the config file) and is a clean error where it cannot apply; the
+/// video families (Wan, HunyuanVideo-1.5, LTX-2's reflect-padded decoder) on blocks over socket
+/// processes.
 #[test]
 fn a_two_dimensional_shard_runs_through_the_cli() {
     let dir = scratch("shard-2d");
@@ -1022,31 +1023,37 @@ fn a_two_dimensional_shard_runs_through_the_cli() {
     assert_clean_failure("malformed grid", &args, "--shard-grid");
     assert!(!out.exists());
 
-    // inspect lists the mode for AutoencoderKL; Wan decodes on blocks over socket processes, the
-    // direct decode's bytes; HunyuanVideo-1.5 refuses the mode with a typed error.
+    // inspect lists the mode for AutoencoderKL; the video families decode on blocks over socket
+    // processes, the direct decode's bytes.
     let (ok, text) = cli(&["inspect", "--model", s(&model)]);
     assert!(ok && text.contains("spatial_shard_width, spatial_shard_2d"), "{text}");
     let video = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let wan_latent = dir.join("wan.npy");
-    let z = vae_parallel::tensor::Tensor::seeded_uniform(
-        vec![1, 16, 2, 6, 6],
-        1,
-        -1.0,
-        1.0,
-        &vae_parallel::tensor::Device::Cpu,
-    )
-    .unwrap();
-    std::fs::write(&wan_latent, vae_parallel::io::npy_bytes(&z).unwrap()).unwrap();
-    let wan21 = video.join("wan/wan21_like");
-    let (wan_direct, wan_blocks) = (dir.join("wan-direct.npy"), dir.join("wan-blocks.npy"));
-    let (ok, text) = cli(&decode_on("1", s(&wan21), s(&wan_latent), s(&wan_direct), &[]));
-    assert!(ok, "{text}");
-    let (ok, text) = cli(&decode_on("4", s(&wan21), s(&wan_latent), s(&wan_blocks), &grid));
-    assert!(ok && text.contains("shard-2x2"), "{text}");
-    assert_eq!(std::fs::read(&wan_direct).unwrap(), std::fs::read(&wan_blocks).unwrap(), "Wan 2 × 2 = direct");
-    let hv15 = video.join("hunyuan_video15/hunyuan_video15_like");
-    let args = decode_on("4", s(&hv15), s(&wan_latent), s(&out), &["--vae-parallel-mode", "spatial_shard_2d"]);
-    assert_clean_failure("hunyuan 2-D", &args, "shards along one axis only");
+    let latent_of = |name: &str, channels: usize| {
+        let z = vae_parallel::tensor::Tensor::seeded_uniform(
+            vec![1, channels, 2, 6, 6],
+            1,
+            -1.0,
+            1.0,
+            &vae_parallel::tensor::Device::Cpu,
+        )
+        .unwrap();
+        let path = dir.join(format!("{name}.npy"));
+        std::fs::write(&path, vae_parallel::io::npy_bytes(&z).unwrap()).unwrap();
+        path
+    };
+    for (name, model, channels) in [
+        ("wan", "wan/wan21_like", 16),
+        ("hunyuan", "hunyuan_video15/hunyuan_video15_like", 4),
+        ("ltx2", "ltx/ltx2_like", 8),
+    ] {
+        let (model, latent) = (video.join(model), latent_of(name, channels));
+        let (direct, blocks) = (dir.join(format!("{name}-direct.npy")), dir.join(format!("{name}-blocks.npy")));
+        let (ok, text) = cli(&decode_on("1", s(&model), s(&latent), s(&direct), &[]));
+        assert!(ok, "{name}: {text}");
+        let (ok, text) = cli(&decode_on("4", s(&model), s(&latent), s(&blocks), &grid));
+        assert!(ok && text.contains("shard-2x2"), "{name}: {text}");
+        assert_eq!(std::fs::read(&direct).unwrap(), std::fs::read(&blocks).unwrap(), "{name} 2 × 2 = direct");
+    }
 }
 
 /// `--tile-merge edges` (each rank blends its own tiles from its neighbours' raw edges and

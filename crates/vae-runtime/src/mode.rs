@@ -123,16 +123,11 @@ impl StrategyChoice {
         }
     }
 
-    /// A forced 2-D shard's choice for an `h × w` input (in whole units) over `ranks` ranks:
-    /// the grid whose blocks are closest to square ([`vae_planner::square_grid`]) among those
-    /// that give every block a unit along both axes; tiles flagged as a fallback otherwise. `verb` says
-    /// what the tiles do ("decoding").
-    pub fn forced_blocks(h: usize, w: usize, ranks: usize, verb: &str) -> Self {
-        Self::forced_blocks_of(h, w, ranks, [1, 1], verb)
-    }
-
-    /// [`Self::forced_blocks`] for a network whose widest halo is `halo` (`[rows, columns]`):
-    /// the squarest grid among those that give every block at least that along both axes.
+    /// A forced 2-D shard's choice for an `h × w` input (in whole units) over `ranks` ranks,
+    /// for a network whose widest halo is `halo` units (`[rows, columns]`, at least 1): the grid
+    /// whose blocks are closest to square ([`vae_planner::square_grid`]) among those that give
+    /// every block at least that along both axes; tiles flagged as a fallback otherwise. `verb`
+    /// says what the tiles do ("decoding").
     pub fn forced_blocks_of(h: usize, w: usize, ranks: usize, halo: [usize; 2], verb: &str) -> Self {
         let mode = ParallelMode::SpatialShard2d;
         match vae_planner::square_grid(ranks, h, w, [halo[0].max(1), halo[1].max(1)]) {
@@ -148,13 +143,32 @@ impl StrategyChoice {
         }
     }
 
-    /// A forced 2-D shard on a family that shards along one axis only: tiles, flagged as a
-    /// fallback, naming the family (`class`).
-    pub fn blocks_unsupported(class: &str, verb: &str) -> Self {
-        Self::fallback_to_tile(format!(
-            "{}: {class} shards along one axis only (spatial_shard_height or spatial_shard_width); {verb} with tiles",
-            ParallelMode::SpatialShard2d
-        ))
+    /// A forced 2-D shard of an input of `dims`, its height and width last (of any other rank
+    /// than `rank`, malformed: it goes to the shard path, whose input check names it): [`Self::forced_blocks_of`]
+    /// on the extent in units of `unit` rows and columns (a decode's latent: 1; an encode's
+    /// video or image: the encoder's spatial factor), every block at least `halo` units along
+    /// both axes; tiles, flagged as a fallback, where the extent is not whole units. `what` names
+    /// the input ("an image"), `verb` what the tiles do ("encoding").
+    pub fn forced_blocks_in_units(
+        what: &str,
+        dims: &[usize],
+        rank: usize,
+        unit: usize,
+        ranks: usize,
+        halo: [usize; 2],
+        verb: &str,
+    ) -> Self {
+        let mode = ParallelMode::SpatialShard2d;
+        let unit = unit.max(1);
+        match *dims {
+            [.., h, w] if dims.len() == rank && h % unit == 0 && w % unit == 0 => {
+                Self::forced_blocks_of(h / unit, w / unit, ranks, halo, verb)
+            }
+            [.., h, w] if dims.len() == rank => Self::fallback_to_tile(format!(
+                "{mode}: {what} of {h}x{w} is not whole latent rows and columns of {unit}; {verb} with tiles"
+            )),
+            _ => Self::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
+        }
     }
 
     /// `auto`'s choice of axis for an `h × w` input: the longer axis of those `fits` accepts

@@ -434,17 +434,7 @@ impl AutoencoderKl {
                     Direction::Decode => 1,
                     Direction::Encode => self.config.spatial_scale(),
                 };
-                match *input_dims {
-                    // A malformed input goes to the shard path, whose input check names it; an
-                    // image that is not whole latent rows falls back as the 1-D modes do.
-                    [_, _, h, w] if h % unit == 0 && w % unit == 0 => {
-                        StrategyChoice::forced_blocks(h / unit, w / unit, ranks, verb)
-                    }
-                    [_, _, h, w] => StrategyChoice::fallback_to_tile(format!(
-                        "{mode}: an image of {h}x{w} is not whole latent rows and columns of {unit}; {verb} with tiles"
-                    )),
-                    _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
-                }
+                StrategyChoice::forced_blocks_in_units("an image", input_dims, 4, unit, ranks, [1, 1], verb)
             }
         }
     }

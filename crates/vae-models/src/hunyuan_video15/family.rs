@@ -48,9 +48,6 @@ impl LoadedVae for HunyuanVideo15Vae {
                  frame of the clip at once, so it does not run a frame at a time (use tile, auto or a \
                  spatial shard mode)"
             ))),
-            ParallelMode::SpatialShard2d => Err(ModelError::Unsupported(format!(
-                "{CLASS_NAME} shards along one axis only: use spatial_shard_height or spatial_shard_width"
-            ))),
             _ => Ok(()),
         }
     }
@@ -60,6 +57,9 @@ impl LoadedVae for HunyuanVideo15Vae {
     /// - `spatial_shard_height` / `_width`: that axis whenever every rank gets a band of at least
     ///   one latent row (for an encode, of the pixel rows of whole latent rows); otherwise tiles,
     ///   flagged as a fallback.
+    /// - `spatial_shard_2d`: the grid of blocks closest to square whose blocks hold a latent
+    ///   pixel along both axes (for an encode, whole latent rows and columns of pixels);
+    ///   otherwise tiles, flagged as a fallback.
     /// - `auto`: with two ranks or more, the longer axis that fits (width on ties; for an encode,
     ///   only where tiling would otherwise be used): the exact untiled result; otherwise tiles.
     /// - `tile`: tiles.
@@ -80,7 +80,9 @@ impl LoadedVae for HunyuanVideo15Vae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, verb)
             }
-            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(CLASS_NAME, verb),
+            ParallelMode::SpatialShard2d => {
+                StrategyChoice::forced_blocks_in_units(what, dims, 5, unit, ranks, [1, 1], verb)
+            }
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {
@@ -159,8 +161,9 @@ impl LoadedVae for HunyuanVideo15Vae {
             Strategy::Pipeline => {
                 Err(ModelError::Unsupported(format!("{CLASS_NAME} does not run as a pipeline over frames")))
             }
-            Strategy::Shard2d(_) => {
-                Err(ModelError::Unsupported(format!("{CLASS_NAME} shards along one axis only, not over a 2-D grid")))
+            Strategy::Shard2d(grid) => {
+                let op = HunyuanVideo15ShardOperator::new(self, run.direction);
+                Ok(executor.execute_sharded_blocks(input, &op, grid, placement)?)
             }
         }
     }

@@ -91,10 +91,10 @@ impl TileOperator for HunyuanVideo15Operator<'_> {
     }
 }
 
-/// The plain decode or encode sharded along one spatial axis: each rank runs the network on its
-/// band (of latent rows; for an encode, of the pixel rows of whole latent rows) with halo
-/// exchanges, the attention on the gathered map; the bands are assembled on the owner as they
-/// are. The result is the plain call's, bit for bit.
+/// The plain decode or encode sharded along one spatial axis, or over a 2-D grid of blocks:
+/// each rank runs the network on its band or block (of latent rows and columns; for an encode,
+/// of the pixels of whole ones) with halo exchanges, the attention on the gathered map; the
+/// parts are assembled on the owner as they are. The result is the plain call's, bit for bit.
 pub struct HunyuanVideo15ShardOperator<'m> {
     model: &'m HunyuanVideo15Vae,
     direction: Direction,
@@ -141,5 +141,12 @@ impl ShardOperator for HunyuanVideo15ShardOperator<'_> {
 
     fn device(&self) -> Device {
         self.model.device()
+    }
+
+    /// Square kernels (halos alike along both axes, replicated only at the map's edges), folds
+    /// and unfolds of 2 × 2 pixels within blocks of whole latent pixels, per-pixel norms, and
+    /// the attention on the gathered map.
+    fn splits_blocks(&self) -> bool {
+        true
     }
 }

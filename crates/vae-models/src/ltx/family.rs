@@ -62,10 +62,6 @@ impl LoadedVae for LtxVae {
                      run a frame at a time"
                 }
             ))),
-            ParallelMode::SpatialShard2d => Err(ModelError::Unsupported(format!(
-                "{} shards along one axis only: use spatial_shard_height or spatial_shard_width",
-                self.class_name()
-            ))),
             _ => Ok(()),
         }
     }
@@ -107,7 +103,10 @@ impl LoadedVae for LtxVae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, verb)
             }
-            ParallelMode::SpatialShard2d => StrategyChoice::blocks_unsupported(self.class_name(), verb),
+            ParallelMode::SpatialShard2d => {
+                let least = if reflect { 2 } else { 1 };
+                StrategyChoice::forced_blocks_in_units(what, dims, 5, unit, ranks, [least, least], verb)
+            }
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {
@@ -203,10 +202,10 @@ impl LoadedVae for LtxVae {
             Strategy::Pipeline => {
                 Err(ModelError::Unsupported(format!("{} does not run as a pipeline over frames", self.class_name())))
             }
-            Strategy::Shard2d(_) => Err(ModelError::Unsupported(format!(
-                "{} shards along one axis only, not over a 2-D grid",
-                self.class_name()
-            ))),
+            Strategy::Shard2d(grid) => {
+                let op = LtxShardOperator::new(self, run.direction);
+                Ok(executor.execute_sharded_blocks(input, &op, grid, placement)?)
+            }
         }
     }
 

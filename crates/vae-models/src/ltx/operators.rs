@@ -200,10 +200,10 @@ impl TileOperator for LtxOperator<'_> {
     }
 }
 
-/// The plain decode or encode sharded along one spatial axis: each rank runs the network on its
-/// band (of latent rows; for an encode, of the pixel rows of whole latent rows) with a halo
-/// exchange at every conv, zeros or reflected rows only at the global edges. The result is the
-/// plain call's, bit for bit.
+/// The plain decode or encode sharded along one spatial axis, or over a 2-D grid of blocks:
+/// each rank runs the network on its band or block (of latent rows and columns; for an encode,
+/// of the pixels of whole ones) with a halo exchange at every conv, zeros or reflected rows
+/// and columns only at the global edges. The result is the plain call's, bit for bit.
 pub struct LtxShardOperator<'m> {
     model: &'m LtxVae,
     direction: Direction,
@@ -255,5 +255,12 @@ impl ShardOperator for LtxShardOperator<'_> {
 
     fn device(&self) -> Device {
         self.model.device()
+    }
+
+    /// Square kernels (halos alike along both axes; zeros or reflections only at the map's
+    /// edges, where a block then holds two latent rows and columns), folds and unfolds of
+    /// pixels within blocks of whole latent pixels, and per-pixel norms.
+    fn splits_blocks(&self) -> bool {
+        true
     }
 }

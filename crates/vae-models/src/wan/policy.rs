@@ -49,14 +49,10 @@ impl WanVae {
             ParallelMode::Tile => StrategyChoice::chosen(Strategy::Tile, "tile mode"),
             ParallelMode::Pipeline => StrategyChoice::chosen(Strategy::Pipeline, "pipeline requested"),
             // Blocks at least the decoder's widest halo along both axes.
-            ParallelMode::SpatialShard2d => match *latent_dims {
-                [_, _, _, h, w] => {
-                    let halo = [ShardAxis::Height, ShardAxis::Width].map(|a| self.decoder.widest_halo(a));
-                    StrategyChoice::forced_blocks_of(h, w, ranks, halo, "decoding")
-                }
-                // A malformed latent goes to the shard path, whose input check names it.
-                _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
-            },
+            ParallelMode::SpatialShard2d => {
+                let halo = [ShardAxis::Height, ShardAxis::Width].map(|a| self.decoder.widest_halo(a));
+                StrategyChoice::forced_blocks_in_units("a latent", latent_dims, 5, 1, ranks, halo, "decoding")
+            }
             ParallelMode::SpatialShardHeight | ParallelMode::SpatialShardWidth => {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 if latent_dims.len() != 5 || fits(axis) {
@@ -119,15 +115,9 @@ impl WanVae {
                 let axis = if mode == ParallelMode::SpatialShardHeight { ShardAxis::Height } else { ShardAxis::Width };
                 StrategyChoice::forced_shard(mode, axis, fits(axis), dims.len() == 5, "encoding")
             }
-            ParallelMode::SpatialShard2d => match *dims {
-                [_, _, _, h, w] if h % unit == 0 && w % unit == 0 => {
-                    StrategyChoice::forced_blocks(h / unit, w / unit, ranks, "encoding")
-                }
-                [_, _, _, h, w] => StrategyChoice::fallback_to_tile(format!(
-                    "{mode}: a video of {h}x{w} is not whole latent rows and columns of {unit}; encoding with tiles"
-                )),
-                _ => StrategyChoice::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),
-            },
+            ParallelMode::SpatialShard2d => {
+                StrategyChoice::forced_blocks_in_units("a video", dims, 5, unit, ranks, [1, 1], "encoding")
+            }
             ParallelMode::Auto => {
                 let tile = |why: String| StrategyChoice::chosen(Strategy::Tile, format!("auto: {why}; tiles"));
                 if ranks < 2 {

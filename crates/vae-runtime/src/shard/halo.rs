@@ -340,8 +340,10 @@ impl ShardContext<'_> {
         }
     }
 
-    /// Whether this part has a neighbour before and after it along the height and the width.
-    fn neighbours(&self) -> [[bool; 2]; 2] {
+    /// Whether this part has a neighbour before and after it along the height and the width
+    /// (`[[above, below], [left, right]]`); false where it reaches the map's edge, where
+    /// [`Self::with_halo`] brings zeros.
+    pub fn neighbours(&self) -> [[bool; 2]; 2] {
         let (at, grid) = self.grid_place();
         [0, 1].map(|k| [at[k] > 0, at[k] + 1 < grid[k]])
     }
