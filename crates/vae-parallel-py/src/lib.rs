@@ -23,9 +23,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::cost::CostSettings;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
-use vae_parallel::local_ranks::local_placement;
+use vae_parallel::local_ranks::host_placement;
 use vae_parallel::models::{Direction, TileOverrides};
-use vae_parallel::planner::cost::Placement;
 use vae_parallel::report::RequestReport;
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::{DType, Device, Tensor};
@@ -165,12 +164,10 @@ fn load(
         }
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };
+    // A local rank's pool, or a rank process's, holds all of this process's threads.
     let placement = match &group {
-        Group::Local(n, _) => local_placement(None, *n),
-        Group::Socket(comm) => {
-            let threads = std::thread::available_parallelism().map_or(1, usize::from) as f64;
-            Placement { threads_per_rank: threads, ranks_per_host: comm.size(), threads_alone: threads }
-        }
+        Group::Local(n, _) => host_placement(None, *n),
+        Group::Socket(comm) => host_placement(None, comm.size()),
     };
     let cost = CostSettings { profile: cost_profile, placement };
     let engine = py.detach(|| -> Result<Engine, EngineError> {

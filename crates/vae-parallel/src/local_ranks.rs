@@ -1,15 +1,16 @@
-//! Running the ranks of a `local` group, each on its own share of the CPU's threads.
+//! Running the ranks of a `local` group, each on a rayon pool of its own.
 //!
-//! Local ranks are threads of one process. Were their ops to share rayon's global pool, two
-//! ranks' convolutions would be interleaved on the same workers while the rank threads
-//! themselves ran their serial work (halo copies, the causal caches' concatenations) on top:
-//! more threads than cores, and each rank's convolutions split for every core and then
-//! contended for. A rank runs slower than the same rank alone in a process of its own. Here
-//! each rank's body runs inside its own pool of `threads / ranks` threads (the first
-//! `threads % ranks` ranks take one more; one each when there are more ranks than threads),
-//! so a rank computes as a process of its own would and the cost model's per-rank threads
-//! ([`threads_of_rank`]) are the threads the rank has. Each rank's allocations, on whichever of
-//! its pool's threads they happen, are charged to the rank's account (its high-water mark).
+//! Local ranks are threads of one process. Were their ops to share rayon's global pool, the
+//! ranks' tasks would interleave on the same workers while the rank threads ran their serial
+//! work (halo copies, the causal caches' concatenations) on top, and a shard, whose ranks wait
+//! for each other at every convolution, runs slower so (a 2-rank Wan2.1 width shard took 8.2 s
+//! on two cores, against 6.4–6.7 s with a pool each). Here each rank's body runs inside a pool of its own, of all the
+//! threads, as a rank process that the socket transport starts on this host would: the
+//! operating system shares the cores among the ranks that are busy, and a rank left alone with
+//! the most work (a larger tile) gets every core, which a pool of an even share of the threads
+//! would not give it (Wan2.1's two uneven tiles on 2 ranks: 6.5–6.6 s, against 8.0–8.2 s with one
+//! thread each and 7.2 s sharing the global pool). Each rank's allocations, on whichever of its
+//! pool's threads they happen, are charged to the rank's account (its high-water mark).
 
 use vae_planner::cost::Placement;
 use vae_tensor::memory::Account;
@@ -32,35 +33,19 @@ pub enum LocalRanksError {
     Transport(#[from] TransportError),
 }
 
-/// The threads rank `rank` of `ranks` local ranks gets out of `threads`: an even share, the
-/// remainder going to the first ranks, and at least one.
-pub fn threads_of_rank(threads: usize, ranks: usize, rank: usize) -> usize {
-    let ranks = ranks.max(1);
-    (threads / ranks + usize::from(rank < threads % ranks)).max(1)
+/// Where `ranks` ranks on one host with pools of `threads` threads each (None: rayon's global
+/// pool's size, as [`run_local_ranks`] and a rank process's own pool) run, for the cost model:
+/// sharing the host's cores while they are busy, a rank left alone on all of them. Local ranks
+/// and the socket transport's rank processes alike.
+pub fn host_placement(threads: Option<usize>, ranks: usize) -> Placement {
+    let threads = threads.unwrap_or_else(rayon::current_num_threads).max(1) as f64;
+    Placement { threads_per_rank: threads, ranks_per_host: ranks.max(1), threads_alone: threads }
 }
 
-/// The threads of the local rank with the fewest, the one that sets the pace of a balanced
-/// request: [`threads_of_rank`]'s share, or a fraction of a thread where there are more ranks
-/// than threads (they take turns on the cores).
-pub fn slowest_rank_threads(threads: usize, ranks: usize) -> f64 {
-    let ranks = ranks.max(1);
-    if threads >= ranks { (threads / ranks) as f64 } else { threads.max(1) as f64 / ranks as f64 }
-}
-
-/// Where `ranks` local ranks sharing `threads` threads (None: rayon's global pool's size, as
-/// [`run_local_ranks`]) run, for the cost model: each on the slowest rank's share, all on one
-/// host, and a rank left alone keeps its own pool (at least a whole thread).
-pub fn local_placement(threads: Option<usize>, ranks: usize) -> Placement {
-    let threads = threads.unwrap_or_else(rayon::current_num_threads);
-    let own = slowest_rank_threads(threads, ranks);
-    Placement { threads_per_rank: own, ranks_per_host: ranks.max(1), threads_alone: own.max(1.0) }
-}
-
-/// Runs `body` on `ranks` local ranks sharing `threads` threads ([`threads_of_rank`] each, in a
-/// pool of the rank's own) and returns each rank's result in rank order; a rank that panics
-/// yields `Err` with the panic message, and the others see it as a failed peer (as
-/// [`run_local`]). `threads`: None for the size of rayon's global pool (all cores unless the
-/// program sized it).
+/// Runs `body` on `ranks` local ranks, each inside a rayon pool of its own of `threads` threads
+/// (None: the size of rayon's global pool, all cores unless the program sized it), and returns
+/// each rank's result in rank order; a rank that panics yields `Err` with the panic message,
+/// and the others see it as a failed peer (as [`run_local`]).
 pub fn run_local_ranks<R, F>(
     ranks: usize,
     threads: Option<usize>,
@@ -71,12 +56,12 @@ where
     R: Send,
     F: Fn(LocalComm) -> R + Sync,
 {
-    let threads = threads.unwrap_or_else(rayon::current_num_threads);
+    let threads = threads.unwrap_or_else(rayon::current_num_threads).max(1);
     let pools = (0..ranks)
         .map(|rank| {
             let account = Account::new();
             rayon::ThreadPoolBuilder::new()
-                .num_threads(threads_of_rank(threads, ranks, rank))
+                .num_threads(threads)
                 .thread_name(move |i| format!("vae-rank-{rank}-{i}"))
                 .start_handler(move |_| account.adopt())
                 .build()
@@ -85,7 +70,7 @@ where
         .collect::<Result<Vec<_>, _>>()?;
     let body = &body;
     let pools = &pools;
-    Ok(run_local(ranks, config, |comm| pools[Communicator::rank(&comm)].install(|| body(comm)))?)
+    Ok(run_local(ranks, config, |comm| pools[comm.rank()].install(|| body(comm)))?)
 }
 
 #[cfg(test)]
@@ -93,29 +78,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn threads_are_shared_evenly_with_at_least_one_each() {
-        assert_eq!((0..2).map(|r| threads_of_rank(2, 2, r)).collect::<Vec<_>>(), [1, 1]);
-        assert_eq!((0..3).map(|r| threads_of_rank(8, 3, r)).collect::<Vec<_>>(), [3, 3, 2]);
-        assert_eq!((0..4).map(|r| threads_of_rank(2, 4, r)).collect::<Vec<_>>(), [1, 1, 1, 1]);
-        assert_eq!(threads_of_rank(16, 1, 0), 16);
-        assert_eq!(slowest_rank_threads(8, 3), 2.0);
-        assert_eq!(slowest_rank_threads(2, 4), 0.5);
-        assert_eq!(slowest_rank_threads(4, 1), 4.0);
-        let two_of_four = local_placement(Some(4), 2);
-        assert_eq!((two_of_four.threads_per_rank, two_of_four.threads_alone), (2.0, 2.0));
-        let four_of_two = local_placement(Some(2), 4);
-        assert_eq!(
-            (four_of_two.threads_per_rank, four_of_two.ranks_per_host, four_of_two.threads_alone),
-            (0.5, 4, 1.0)
-        );
+    fn local_ranks_are_placed_as_processes_on_one_host() {
+        let placement = host_placement(Some(4), 2);
+        assert_eq!((placement.threads_per_rank, placement.ranks_per_host, placement.threads_alone), (4.0, 2, 4.0));
     }
 
     #[test]
-    fn each_rank_runs_in_a_pool_of_its_share_and_charges_its_own_account() {
-        let results = run_local_ranks(3, Some(5), TransportConfig::default(), |comm| {
+    fn each_rank_runs_in_a_pool_of_its_own_and_charges_its_own_account() {
+        let results = run_local_ranks(3, Some(2), TransportConfig::default(), |comm| {
             let rank = comm.rank();
             let before = vae_tensor::memory::live_bytes();
-            // Allocated on whichever of the pool's threads picks the task up.
+            // Allocated on each of the pool's threads.
             let held: Vec<(String, vae_tensor::Tensor)> = rayon::broadcast(|_| {
                 let name = std::thread::current().name().unwrap_or_default().to_string();
                 (name, vae_tensor::Tensor::zeros(vec![256], vae_tensor::DType::F32, &vae_tensor::Device::Cpu).unwrap())
@@ -127,7 +100,7 @@ mod tests {
         })
         .unwrap();
         let seen: Vec<_> = results.into_iter().map(Result::unwrap).collect();
-        let names = |rank: usize, n: usize| (0..n).map(|i| format!("vae-rank-{rank}-{i}")).collect::<Vec<_>>();
-        assert_eq!(seen, [(0, names(0, 2), 2048), (1, names(1, 2), 2048), (2, names(2, 1), 1024)]);
+        let names = |rank: usize| (0..2).map(|i| format!("vae-rank-{rank}-{i}")).collect::<Vec<_>>();
+        assert_eq!(seen, [(0, names(0), 2048), (1, names(1), 2048), (2, names(2), 2048)]);
     }
 }
