@@ -210,12 +210,57 @@ fn a_streamed_shard_is_the_shard_decode_bit_for_bit() {
     }
 }
 
+/// The streamed 2-D shard: blocks of 1 × 2, 2 × 2 and 2 × 3 grids (and a 2 × 2 grid on 5 ranks,
+/// the fifth joining only the gathers), each run's blocks put in their places on the owner:
+/// the block decode, bit for bit, and each computing rank's report says its block.
+#[test]
+fn a_streamed_block_decode_is_the_block_decode_bit_for_bit() {
+    use std::sync::Arc;
+    use vae_models::wan::WanShardDecodeOperator;
+    use vae_runtime::{DistributedVaeExecutor, StrategyReport};
+    for (family, name) in [("wan", "wan21_like"), ("wan", "wan22_like")] {
+        let model = vae_models::wan::WanVae::load(&fixtures_dir().join(family).join(name)).unwrap();
+        let z = random_tensor(&[1, model.config().z_dim, 3, 7, 10], 12);
+        for (grid, world) in [([1, 2], 2), ([2, 2], 4), ([2, 3], 6), ([2, 2], 5)] {
+            let parallel = grid[0] * grid[1];
+            let (whole, _) =
+                vae_integration_tests::blocks_on_local_ranks(&WanShardDecodeOperator::new(&model), &z, grid, parallel);
+            let op = WanShardDecodeOperator::streaming(&model);
+            let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
+                let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap();
+                let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
+                let out = exec
+                    .execute_sharded_blocks_streaming(&z, &op, grid, sink.as_mut().map(|s| s as &mut dyn FrameSink))
+                    .unwrap();
+                assert!(out.tensor.is_none(), "the frames went to the sink");
+                (sink.map(|s| s.into_tensor().unwrap()), out.report)
+            })
+            .unwrap();
+            let mut results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+            let streamed = results[0].0.take().expect("the owner collected the frames");
+            assert!(streamed.bit_eq(&whole), "{name} on {grid:?} over {world} ranks: not bit-identical");
+            for (rank, (_, report)) in results.iter().enumerate() {
+                let StrategyReport::Blocks { grid: g, block, traffic } = &report.strategy else {
+                    panic!("rank {rank}: not blocks")
+                };
+                assert_eq!(*g, grid);
+                assert_eq!(block.is_some(), rank < parallel, "rank {rank}");
+                assert_eq!(traffic.halo_exchanges > 0, rank < parallel, "rank {rank}: {traffic:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
     let model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
     let op = vae_models::wan::WanShardDecodeOperator::streaming(&model);
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
         exec.execute_sharded_streaming(z, &op, vae_runtime::ShardAxis::Height, sink).unwrap().report
+    });
+    // The same on a 1 × 2 grid of blocks.
+    vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
+        exec.execute_sharded_blocks_streaming(z, &op, [1, 2], sink).unwrap().report
     });
     // Unstreamed, the owner's peak grows with the frames it assembles: the measurement sees it.
     let owner_peak = |frames: usize| {

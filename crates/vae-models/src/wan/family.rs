@@ -165,10 +165,10 @@ impl LoadedVae for WanVae {
                 Ok(run.executor.execute_pipeline_streaming(run.input, &op, sink)?)
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
-            (Direction::Decode, Strategy::Shard2d(_)) => Err(ModelError::Unsupported(format!(
-                "{} streams a 1-D shard (spatial_shard_height or spatial_shard_width), not a 2-D grid of blocks yet",
-                self.class_name()
-            ))),
+            (Direction::Decode, Strategy::Shard2d(grid)) => {
+                let op = WanShardDecodeOperator::streaming(self);
+                Ok(run.executor.execute_sharded_blocks_streaming(run.input, &op, grid, sink)?)
+            }
         }
     }
 

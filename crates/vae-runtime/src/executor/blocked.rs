@@ -28,8 +28,8 @@ pub(super) struct BlockStrategy<'o, O> {
 /// The blocks of a request, in units of `unit` input rows and columns.
 #[derive(Debug, Clone)]
 pub(super) struct BlockPlan {
-    grid: BlockGrid,
-    unit: usize,
+    pub(super) grid: BlockGrid,
+    pub(super) unit: usize,
 }
 
 impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
@@ -159,7 +159,7 @@ impl<O: ShardOperator> RequestStrategy for BlockStrategy<'_, O> {
 /// The owner's output block and the other ranks' gathered blocks, each put in its place; every
 /// block must have the owner's shape except along H and W, where it has its own block's share
 /// of the owner's scale.
-fn assemble_blocks(own: Tensor, parts: &[&[u8]], grid: &BlockGrid) -> Result<Tensor, String> {
+pub(super) fn assemble_blocks(own: Tensor, parts: &[&[u8]], grid: &BlockGrid) -> Result<Tensor, String> {
     let rank = own.rank();
     let dims = [ShardAxis::Height, ShardAxis::Width].map(|a| a.dim_in(rank));
     let [Some(hd), Some(wd)] = dims else { return Err("the output has no height and width".into()) };

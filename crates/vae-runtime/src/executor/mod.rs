@@ -295,7 +295,29 @@ impl DistributedVaeExecutor {
         axis: ShardAxis,
         sink: Option<&mut dyn crate::FrameSink>,
     ) -> Result<ExecOutput, RuntimeError> {
-        let strategy = streamed::StreamedShardStrategy { op, axis, sink: std::cell::RefCell::new(sink) };
+        let cut = streamed::Cut::Bands(axis);
+        let strategy = streamed::StreamedShardStrategy { op, cut, sink: std::cell::RefCell::new(sink) };
+        let mut out =
+            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
+        out.tensor = None;
+        Ok(out)
+    }
+
+    /// [`execute_sharded_blocks`](Self::execute_sharded_blocks) with the output streamed, as
+    /// [`execute_sharded_streaming`](Self::execute_sharded_streaming) streams bands: every rank
+    /// computes its block run by run, each run's blocks are gathered to the owner, put in their
+    /// places, finished and handed to `sink`. The frames are bit for bit those of
+    /// `execute_sharded_blocks`; no rank holds more than one run of the output. Errors as for
+    /// `execute_sharded_blocks`; a failure while streaming aborts the group.
+    pub fn execute_sharded_blocks_streaming<O: ShardOperator>(
+        &self,
+        input: &Tensor,
+        op: &O,
+        grid: [usize; 2],
+        sink: Option<&mut dyn crate::FrameSink>,
+    ) -> Result<ExecOutput, RuntimeError> {
+        let cut = streamed::Cut::Blocks(grid);
+        let strategy = streamed::StreamedShardStrategy { op, cut, sink: std::cell::RefCell::new(sink) };
         let mut out =
             self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
         out.tensor = None;

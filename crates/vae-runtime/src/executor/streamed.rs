@@ -1,7 +1,7 @@
-//! The shard and tile strategies with their output streamed: each rank computes its band, or
-//! its tiles, run by run (a causal video decoder's latent frame at a time, each tile keeping its
-//! own cache), every run is gathered to the owner as soon as it is computed, and the owner
-//! assembles (or merges), finishes and hands it to a [`FrameSink`]. No rank ever holds more
+//! The shard and tile strategies with their output streamed: each rank computes its band (or
+//! block of a 2-D grid), or its tiles, run by run (a causal video decoder's latent frame at a
+//! time, each tile keeping its own cache), every run is gathered to the owner as soon as it is
+//! computed, and the owner assembles (or merges), finishes and hands it to a [`FrameSink`]. No rank ever holds more
 //! than one run of the output, so memory does not grow with the frame count, and the frames
 //! are bit for bit those of the same strategy unstreamed (merging is per frame: tiles blend in
 //! height and width only).
@@ -13,6 +13,7 @@ use vae_planner::{ShardAxis, lpt_assign};
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::CommunicatorExt;
 
+use super::blocked::{BlockPlan, BlockStrategy, assemble_blocks};
 use super::failure::Failure;
 use super::report::{PhaseTimings, StrategyReport};
 use super::sharded::{BandPlan, ShardStrategy, abort_shard, assemble_bands, band_message};
@@ -24,24 +25,34 @@ use crate::stream::{FrameFeed, FrameSink};
 use crate::{RuntimeError, Stage};
 use crate::{TileOperator, TilePlan};
 
+/// How a streamed shard cuts the map: bands along an axis, or the blocks of an `[R, C]` grid.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Cut {
+    Bands(ShardAxis),
+    Blocks([usize; 2]),
+}
+
+/// The parts of a streamed shard: its bands or its blocks.
+#[derive(Debug, Clone)]
+pub(super) enum CutPlan {
+    Bands(ShardAxis, BandPlan),
+    Blocks(BlockPlan),
+}
+
 /// The streamed shard strategy of one request; the owner's sink receives the frames.
 pub(super) struct StreamedShardStrategy<'o, 's, O> {
     pub(super) op: &'o O,
-    pub(super) axis: ShardAxis,
+    pub(super) cut: Cut,
     pub(super) sink: RefCell<Option<&'s mut dyn FrameSink>>,
 }
 
 impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
-    fn bands(&self) -> ShardStrategy<'_, O> {
-        ShardStrategy { op: self.op, axis: self.axis }
-    }
-
-    /// Gathers one run to the owner (this rank's band of it, or nothing beyond the parallel
-    /// size); on the owner, assembles and finishes it and hands it to the sink.
+    /// Gathers one run to the owner (this rank's band or block of it, or nothing beyond the
+    /// parallel size); on the owner, assembles and finishes it and hands it to the sink.
     fn gather_run(
         &self,
         exec: &DistributedVaeExecutor,
-        plan: &(BandPlan, StreamRuns),
+        plan: &(CutPlan, StreamRuns),
         own: Option<Tensor>,
         feed: &mut Option<FrameFeed<'_>>,
     ) -> Result<(), RuntimeError> {
@@ -51,9 +62,13 @@ impl<O: ShardOperator> StreamedShardStrategy<'_, '_, O> {
         let failed = |failure: Failure| failure.at(Stage::Merge, OWNER);
         let message = |text: &str| failed(Failure::from(text.to_string()));
         let feed = feed.as_mut().ok_or_else(|| message("the owner has no frame sink"))?;
-        let own = own.ok_or_else(|| message("the owner computed no band"))?;
-        let full = assemble_bands(own, &parts.parts().collect::<Vec<_>>(), self.axis, &plan.0.bands)
-            .map_err(|e| failed(e.into()))?;
+        let own = own.ok_or_else(|| message("the owner computed no part of the map"))?;
+        let parts: Vec<&[u8]> = parts.parts().collect();
+        let full = match &plan.0 {
+            CutPlan::Bands(axis, bands) => assemble_bands(own, &parts, *axis, &bands.bands),
+            CutPlan::Blocks(blocks) => assemble_blocks(own, &parts, &blocks.grid),
+        }
+        .map_err(|e| failed(e.into()))?;
         let frames = guarded(|| self.op.finish(full)).map_err(failed)?;
         hand_on(feed, frames)
     }
@@ -78,27 +93,33 @@ pub(super) fn hand_on(feed: &mut FrameFeed<'_>, frames: Tensor) -> Result<(), Ru
 }
 
 impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
-    type Plan = (BandPlan, StreamRuns);
+    type Plan = (CutPlan, StreamRuns);
     type Local = ();
 
-    /// The bands of the sharded strategy, and the runs the operator will emit.
+    /// The bands (or blocks) of the unstreamed strategy, and the runs the operator will emit.
     fn plan(&self, exec: &DistributedVaeExecutor, input: &Tensor) -> Result<Self::Plan, Failure> {
-        let bands = self.bands().plan(exec, input)?;
+        let parts = match self.cut {
+            Cut::Bands(axis) => CutPlan::Bands(axis, ShardStrategy { op: self.op, axis }.plan(exec, input)?),
+            Cut::Blocks(grid) => CutPlan::Blocks(BlockStrategy { op: self.op, grid }.plan(exec, input)?),
+        };
         let runs = streams(self.op.stream_runs(input))?;
-        Ok((bands, runs))
+        Ok((parts, runs))
     }
 
     fn plan_size(plan: &Self::Plan) -> usize {
-        ShardStrategy::<O>::plan_size(&plan.0)
+        match &plan.0 {
+            CutPlan::Bands(_, bands) => ShardStrategy::<O>::plan_size(bands),
+            CutPlan::Blocks(blocks) => BlockStrategy::<O>::plan_size(blocks),
+        }
     }
 
     fn disagreement(extents: &[usize]) -> Option<String> {
         ShardStrategy::<O>::disagreement(extents)
     }
 
-    /// This rank's band, run by run, each run gathered to the owner (and passed on there) as
-    /// soon as it is computed. A failure aborts the group: the neighbours may be waiting for a
-    /// halo, and every rank for the run's gather.
+    /// This rank's band (or block), run by run, each run gathered to the owner (and passed on
+    /// there) as soon as it is computed. A failure aborts the group: the neighbours may be
+    /// waiting for a halo, and every rank for the run's gather.
     fn compute(
         &self,
         exec: &DistributedVaeExecutor,
@@ -108,7 +129,20 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
     ) -> Result<((), RankWork), RuntimeError> {
         let clock = Instant::now();
         let rank = exec.comm.rank();
-        let band = plan.0.bands.band(rank);
+        let comm = exec.comm.as_ref();
+        // This rank's context (None beyond the parts), and what its report says of its part.
+        let (context, part) = match &plan.0 {
+            CutPlan::Bands(axis, bands) => {
+                let band = bands.bands.band(rank);
+                let ctx = band.is_some().then(|| ShardContext::new(comm, *axis, bands.bands.clone(), rank));
+                (ctx.map(|c| c.with_unit(bands.unit)), Part::Band(*axis, band))
+            }
+            CutPlan::Blocks(blocks) => {
+                let block = blocks.grid.block(rank);
+                let ctx = block.is_some().then(|| ShardContext::blocks(comm, blocks.grid.clone(), rank));
+                (ctx.map(|c| c.with_unit(blocks.unit)), Part::Block(blocks.grid.grid(), block))
+            }
+        };
         let mut sink = self.sink.borrow_mut();
         let mut owner = feed_of(rank, sink.as_deref_mut(), plan.1.frames).map_err(|f| abort_shard(exec, rank, f))?;
         let mut traffic = ShardTraffic::default();
@@ -120,11 +154,9 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
             runs += 1;
             result
         };
-        match band {
-            Some(_) => {
-                let mut ctx = ShardContext::new(exec.comm.as_ref(), self.axis, plan.0.bands.clone(), rank)
-                    .with_unit(plan.0.unit)
-                    .with_overlap(exec.halo_overlap);
+        match context {
+            Some(ctx) => {
+                let mut ctx = ctx.with_overlap(exec.halo_overlap);
                 let out = guarded(|| {
                     self.op.exec_streaming(input, &mut ctx, &mut |r| run(Some(r)).map_err(|e| Box::new(e) as _))
                 });
@@ -149,12 +181,16 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         timings.halo = traffic.comm_time();
         timings.gather = gathering;
         timings.exec = clock.elapsed().saturating_sub(timings.halo + gathering);
-        let work = RankWork {
-            tile_count: 0,
-            tiles: Vec::new(),
-            workload: band.as_ref().map_or(0, |b| b.len() as u64),
-            strategy: StrategyReport::Shard { axis: self.axis, band, traffic },
+        let (workload, strategy) = match part {
+            Part::Band(axis, band) => {
+                (band.as_ref().map_or(0, |b| b.len() as u64), StrategyReport::Shard { axis, band, traffic })
+            }
+            Part::Block(grid, block) => (
+                block.as_ref().map_or(0, |[h, w]| (h.len() * w.len()) as u64),
+                StrategyReport::Blocks { grid, block, traffic },
+            ),
         };
+        let work = RankWork { tile_count: 0, tiles: Vec::new(), workload, strategy };
         Ok(((), work))
     }
 
@@ -170,6 +206,12 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
     ) -> Result<Option<Result<Tensor, RuntimeError>>, RuntimeError> {
         Ok(nothing_left(exec))
     }
+}
+
+/// The part of the map a rank of a streamed shard holds, for its report.
+enum Part {
+    Band(ShardAxis, Option<std::ops::Range<usize>>),
+    Block([usize; 2], Option<[std::ops::Range<usize>; 2]>),
 }
 
 /// The tile strategy with its output streamed; the owner's sink receives the frames.
