@@ -258,9 +258,9 @@ fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
         exec.execute_sharded_streaming(z, &op, vae_runtime::ShardAxis::Height, sink).unwrap().report
     });
-    // The same on a 1 × 2 grid of blocks.
+    // The same on a 2 × 1 grid of blocks (the helper's group has 2 ranks).
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
-        exec.execute_sharded_blocks_streaming(z, &op, [1, 2], sink).unwrap().report
+        exec.execute_sharded_blocks_streaming(z, &op, [2, 1], sink).unwrap().report
     });
     // Unstreamed, the owner's peak grows with the frames it assembles: the measurement sees it.
     let owner_peak = |frames: usize| {

@@ -23,7 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::cost::CostSettings;
 use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
-use vae_parallel::local_ranks::host_placement;
+use vae_parallel::local_ranks::{host_placement, local_placement};
 use vae_parallel::models::{Direction, TileOverrides};
 use vae_parallel::report::RequestReport;
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
@@ -164,10 +164,10 @@ fn load(
         }
         other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
     };
-    // A local rank's pool, or a rank process's, holds all of this process's threads.
+    // A local rank has a pool of its own; a rank process, all of its threads.
     let placement = match &group {
-        Group::Local(n, _) => host_placement(None, *n),
-        Group::Socket(comm) => host_placement(None, comm.size()),
+        Group::Local(n, _) => local_placement(None, *n),
+        Group::Socket(comm) => host_placement(std::thread::available_parallelism().map_or(1, usize::from), comm.size()),
     };
     let cost = CostSettings { profile: cost_profile, placement };
     let engine = py.detach(|| -> Result<Engine, EngineError> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use vae_parallel::engine::{Engine, EngineError};
-use vae_parallel::local_ranks::run_local_ranks;
+use vae_parallel::local_ranks::{pool_threads, run_local_ranks};
 use vae_parallel::report::{RequestReport, gather_summaries};
 use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
 use vae_parallel::tensor::Tensor;
@@ -198,7 +198,8 @@ impl Group {
         match self {
             Self::Socket(comm) => one_rank(Arc::clone(comm)),
             Self::Local(ranks, config) => {
-                let results = run_local_ranks(*ranks, None, *config, |comm| one_rank(Arc::new(comm)))
+                let each = pool_threads(None, *ranks);
+                let results = run_local_ranks(*ranks, each, *config, |comm| one_rank(Arc::new(comm)))
                     .map_err(|e| GroupError::new_err(one_line(&e)))?;
                 let mut owner = None;
                 let mut failure = None;

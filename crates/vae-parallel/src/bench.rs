@@ -578,7 +578,7 @@ fn timed_local_decode(
 ) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
     // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
-    let results = run_local_ranks(ranks, Some(threads), config, |comm| {
+    let results = run_local_ranks(ranks, threads, config, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?.with_halo_overlap(halo_overlap);
         comm.barrier()?;

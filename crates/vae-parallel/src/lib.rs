@@ -2,7 +2,7 @@
 //! or GPUs — and get the same pixels one device would.
 //!
 //! This facade re-exports the layers and adds what a program needs around them: starting a
-//! group of ranks ([`group`]; a local group's ranks each on a share of the threads,
+//! group of ranks ([`group`]; a local group's ranks each on a thread pool of its own,
 //! [`local_ranks`]) and turning per-rank reports into a request report ([`report`]).
 //! The `vae-parallel` binary is built on it.
 //!

@@ -4,12 +4,14 @@
 //! ranks' tasks would interleave on the same workers while the rank threads ran their serial
 //! work (halo copies, the causal caches' concatenations) on top, and a shard, whose ranks wait
 //! for each other at every convolution, runs slower so (a 2-rank Wan2.1 width shard took 8.2 s
-//! on two cores, against 6.4–6.7 s with a pool each). Here each rank's body runs inside a pool of its own, of all the
-//! threads, as a rank process that the socket transport starts on this host would: the
-//! operating system shares the cores among the ranks that are busy, and a rank left alone with
-//! the most work (a larger tile) gets every core, which a pool of an even share of the threads
-//! would not give it (Wan2.1's two uneven tiles on 2 ranks: 6.5–6.6 s, against 8.0–8.2 s with one
-//! thread each and 7.2 s sharing the global pool). Each rank's allocations, on whichever of its
+//! on two cores, against 6.3–6.7 s with a pool each). Here each rank's body runs inside a pool
+//! of its own, as a rank process that the socket transport starts on this host would. A pool
+//! holds twice the rank's even share of the threads, all of them at most
+//! ([`pool_threads`]): the operating system shares the cores among the ranks that are busy,
+//! and a rank left alone with the most work (a larger tile) keeps up to twice its share busy,
+//! which a pool of the share alone would not (Wan2.1's two uneven tiles on 2 ranks: 6.5–6.6 s
+//! on two threads each, 8.0–8.2 s on one, 7.2 s sharing the global pool), while the threads of
+//! a busy host stay within twice its cores. Each rank's allocations, on whichever of its
 //! pool's threads they happen, are charged to the rank's account (its high-water mark).
 
 use vae_planner::cost::Placement;
@@ -33,22 +35,34 @@ pub enum LocalRanksError {
     Transport(#[from] TransportError),
 }
 
-/// Where `ranks` ranks on one host with pools of `threads` threads each (None: rayon's global
-/// pool's size, as [`run_local_ranks`] and a rank process's own pool) run, for the cost model:
-/// sharing the host's cores while they are busy, a rank left alone on all of them. Local ranks
-/// and the socket transport's rank processes alike.
-pub fn host_placement(threads: Option<usize>, ranks: usize) -> Placement {
-    let threads = threads.unwrap_or_else(rayon::current_num_threads).max(1) as f64;
+/// The threads of each local rank's pool when `ranks` ranks share `threads` (None: rayon's
+/// global pool's size, all cores unless the program sized it): twice an even share, at least
+/// one and all of them at most.
+pub fn pool_threads(threads: Option<usize>, ranks: usize) -> usize {
+    let threads = threads.unwrap_or_else(rayon::current_num_threads).max(1);
+    (2 * threads / ranks.max(1)).clamp(1, threads)
+}
+
+/// Where `ranks` ranks on one host run for the cost model, each with a pool of `threads`
+/// threads (a local rank's [`pool_threads`], or a rank process's own pool): sharing the
+/// host's cores while they are busy, a rank left alone on its pool.
+pub fn host_placement(threads: usize, ranks: usize) -> Placement {
+    let threads = threads.max(1) as f64;
     Placement { threads_per_rank: threads, ranks_per_host: ranks.max(1), threads_alone: threads }
 }
 
-/// Runs `body` on `ranks` local ranks, each inside a rayon pool of its own of `threads` threads
-/// (None: the size of rayon's global pool, all cores unless the program sized it), and returns
-/// each rank's result in rank order; a rank that panics yields `Err` with the panic message,
-/// and the others see it as a failed peer (as [`run_local`]).
+/// [`host_placement`] of `ranks` local ranks sharing `threads` threads ([`pool_threads`]).
+pub fn local_placement(threads: Option<usize>, ranks: usize) -> Placement {
+    host_placement(pool_threads(threads, ranks), ranks)
+}
+
+/// Runs `body` on `ranks` local ranks, each inside a rayon pool of its own of `each` threads
+/// ([`pool_threads`] shares a host's), and returns each rank's result in rank order; a rank
+/// that panics yields `Err` with the panic message, and the others see it as a failed peer (as
+/// [`run_local`]). The group's size and settings are checked before any thread starts.
 pub fn run_local_ranks<R, F>(
     ranks: usize,
-    threads: Option<usize>,
+    each: usize,
     config: TransportConfig,
     body: F,
 ) -> Result<Vec<Result<R, String>>, LocalRanksError>
@@ -56,12 +70,14 @@ where
     R: Send,
     F: Fn(LocalComm) -> R + Sync,
 {
-    let threads = threads.unwrap_or_else(rayon::current_num_threads).max(1);
+    vae_transport::check_world_size(ranks)?;
+    config.validate()?;
+    let each = each.max(1);
     let pools = (0..ranks)
         .map(|rank| {
             let account = Account::new();
             rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
+                .num_threads(each)
                 .thread_name(move |i| format!("vae-rank-{rank}-{i}"))
                 .start_handler(move |_| account.adopt())
                 .build()
@@ -78,14 +94,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn local_ranks_are_placed_as_processes_on_one_host() {
-        let placement = host_placement(Some(4), 2);
-        assert_eq!((placement.threads_per_rank, placement.ranks_per_host, placement.threads_alone), (4.0, 2, 4.0));
+    fn a_pool_holds_twice_an_even_share_within_all_the_threads() {
+        assert_eq!([1, 2, 3, 4, 8].map(|ranks| pool_threads(Some(2), ranks)), [2, 2, 1, 1, 1]);
+        assert_eq!([1, 2, 3, 8, 64].map(|ranks| pool_threads(Some(64), ranks)), [64, 64, 42, 16, 2]);
+        let placement = local_placement(Some(64), 8);
+        assert_eq!((placement.threads_per_rank, placement.ranks_per_host, placement.threads_alone), (16.0, 8, 16.0));
     }
 
     #[test]
     fn each_rank_runs_in_a_pool_of_its_own_and_charges_its_own_account() {
-        let results = run_local_ranks(3, Some(2), TransportConfig::default(), |comm| {
+        let results = run_local_ranks(3, pool_threads(Some(3), 3), TransportConfig::default(), |comm| {
             let rank = comm.rank();
             let before = vae_tensor::memory::live_bytes();
             // Allocated on each of the pool's threads.
@@ -102,5 +120,11 @@ mod tests {
         let seen: Vec<_> = results.into_iter().map(Result::unwrap).collect();
         let names = |rank: usize| (0..2).map(|i| format!("vae-rank-{rank}-{i}")).collect::<Vec<_>>();
         assert_eq!(seen, [(0, names(0), 2048), (1, names(1), 2048), (2, names(2), 2048)]);
+    }
+
+    #[test]
+    fn a_group_too_large_is_refused_before_any_thread_starts() {
+        let err = run_local_ranks(1 << 20, 1, TransportConfig::default(), |_| ()).unwrap_err();
+        assert!(matches!(err, LocalRanksError::Transport(_)), "{err}");
     }
 }

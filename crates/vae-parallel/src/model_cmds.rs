@@ -101,8 +101,8 @@ pub struct ParallelArgs {
     /// `--device cuda`, rank r runs on cuda:r).
     #[arg(long)]
     transport: Option<String>,
-    /// Compute threads of this process, and of each local rank's pool (default: all cores; the
-    /// system shares them among the ranks that are busy).
+    /// Compute threads of this process (default: all cores). Local ranks each run on a pool of
+    /// their own of twice their even share of them, all at most.
     #[arg(long)]
     threads: Option<usize>,
     /// `cpu` (default), `cuda` or `cuda:N`. Without a usable CUDA device (no driver, or a
@@ -242,8 +242,11 @@ impl ParallelArgs {
         let profile = cost::load_profile(self.profile.clone().or(file.profile).as_deref())?;
         let threads = self.threads.or(file.threads).unwrap_or_else(rayon::current_num_threads);
         let rank_placement = match profile.kind {
-            // Socket ranks each have a process's pool, local ranks a pool of their own: `threads`.
-            DeviceKind::Cpu => vae_parallel::local_ranks::host_placement(Some(threads), ranks),
+            // A socket rank has a process's pool of `threads`; a local rank, a pool of its own.
+            DeviceKind::Cpu if transport.is_multi_process() => {
+                vae_parallel::local_ranks::host_placement(threads, ranks)
+            }
+            DeviceKind::Cpu => vae_parallel::local_ranks::local_placement(Some(threads), ranks),
             // NCCL ranks each have a GPU; the others share the one they compute on.
             DeviceKind::Cuda => {
                 let sharing = if transport == vae_parallel::group::TransportKind::Nccl { 1 } else { ranks.max(1) };

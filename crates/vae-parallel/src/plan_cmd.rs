@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use vae_parallel::cost::{self, Candidate};
 use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
-use vae_parallel::local_ranks::run_local_ranks;
+use vae_parallel::local_ranks::{pool_threads, run_local_ranks};
 use vae_parallel::models::Direction;
 use vae_parallel::planner::cost::DeviceKind;
 use vae_parallel::report::human_ms;
@@ -205,7 +205,8 @@ fn measure(
     let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
     let mut best = Measured { seconds: f64::INFINITY, peak_bytes: 0 };
     for _ in 0..runs {
-        let results = run_local_ranks(ranks, None, config, |comm| -> anyhow::Result<(f64, u64)> {
+        let each = pool_threads(None, ranks);
+        let results = run_local_ranks(ranks, each, config, |comm| -> anyhow::Result<(f64, u64)> {
             let comm: Arc<dyn Communicator> = Arc::new(comm);
             let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
             comm.barrier()?;

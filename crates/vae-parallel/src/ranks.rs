@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use vae_parallel::engine::EngineError;
 use vae_parallel::group::{GroupExit, TransportKind, is_rank_process, launch_processes};
-use vae_parallel::local_ranks::run_local_ranks;
+use vae_parallel::local_ranks::{pool_threads, run_local_ranks};
 use vae_parallel::transport::{Communicator, NcclComm, SocketComm, SocketOptions, TransportConfig};
 
 /// Where the ranks run.
@@ -76,8 +76,9 @@ pub fn run_group<R: Send>(
     let config = TransportConfig::from_env()?;
     match args.transport {
         TransportKind::Local => {
-            // Each rank on its share of the threads (--threads, else all cores).
-            let results = run_local_ranks(args.ranks, None, config, |comm| run_rank(Arc::new(comm), &body))?;
+            // Each rank on a pool of its own, sized from --threads (else all cores).
+            let each = pool_threads(None, args.ranks);
+            let results = run_local_ranks(args.ranks, each, config, |comm| run_rank(Arc::new(comm), &body))?;
             Ok(GroupOutcome::AllRanks(
                 results
                     .into_iter()

@@ -185,11 +185,13 @@ fn streamed_outputs_are_the_same_files() {
         assert!(ok, "{transport}: {text}");
         assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "{transport}: files differ");
     }
-    // So does a 1 × 2 grid of blocks over socket processes: the same bytes again.
+    // So does a 2 × 2 grid of blocks (corners exchanged) over 4 socket processes: the same
+    // bytes again.
     let streamed = dir.join("blocks-socket.npy");
-    let blocks = ["--vae-parallel-mode", "spatial_shard_2d", "--shard-grid", "1x2", "--transport", "socket"];
-    let (ok, text) = cli(&[&base[..], &blocks, &["--ranks", "2", "--stream", "--out", s(&streamed)]].concat());
-    assert!(ok && text.contains("shard-1x2"), "{text}");
+    let blocks = ["decode", "--model", s(&model), "--latent", s(&latent), "--vae-patch-parallel-size", "4"];
+    let grid = ["--vae-parallel-mode", "spatial_shard_2d", "--shard-grid", "2x2", "--transport", "socket"];
+    let (ok, text) = cli(&[&blocks[..], &grid, &["--ranks", "4", "--stream", "--out", s(&streamed)]].concat());
+    assert!(ok && text.contains("shard-2x2"), "{text}");
     assert!(std::fs::read(&whole).unwrap() == std::fs::read(&streamed).unwrap(), "streamed blocks differ");
     // Tiles stream too, on 2 local ranks, with the same bytes as unstreamed.
     let (whole, streamed) = (dir.join("tiles.npy"), dir.join("tiles-streamed.npy"));

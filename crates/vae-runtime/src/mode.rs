@@ -143,28 +143,29 @@ impl StrategyChoice {
         }
     }
 
-    /// A forced 2-D shard of an input of `dims`, its height and width last (of any other rank
-    /// than `rank`, malformed: it goes to the shard path, whose input check names it): [`Self::forced_blocks_of`]
-    /// on the extent in units of `unit` rows and columns (a decode's latent: 1; an encode's
-    /// video or image: the encoder's spatial factor), every block at least `halo` units along
-    /// both axes; tiles, flagged as a fallback, where the extent is not whole units. `what` names
-    /// the input ("an image"), `verb` what the tiles do ("encoding").
+    /// A forced 2-D shard of an input of `dims`, its height and width last (of another
+    /// number of dimensions than `ndim`, malformed: it goes to the shard path, whose input
+    /// check names it): [`Self::forced_blocks_of`] on the extent in units of `unit` rows and
+    /// columns (a decode's latent: 1; an encode's video or image: the encoder's spatial
+    /// factor), every block at least `min_block` units along both axes; tiles, flagged as a
+    /// fallback, where the extent is not whole units. `what` names the input ("an image"),
+    /// `verb` what the tiles do ("encoding").
     pub fn forced_blocks_in_units(
         what: &str,
         dims: &[usize],
-        rank: usize,
+        ndim: usize,
         unit: usize,
         ranks: usize,
-        halo: [usize; 2],
+        min_block: [usize; 2],
         verb: &str,
     ) -> Self {
         let mode = ParallelMode::SpatialShard2d;
         let unit = unit.max(1);
         match *dims {
-            [.., h, w] if dims.len() == rank && h % unit == 0 && w % unit == 0 => {
-                Self::forced_blocks_of(h / unit, w / unit, ranks, halo, verb)
+            [.., h, w] if dims.len() == ndim && h % unit == 0 && w % unit == 0 => {
+                Self::forced_blocks_of(h / unit, w / unit, ranks, min_block, verb)
             }
-            [.., h, w] if dims.len() == rank => Self::fallback_to_tile(format!(
+            [.., h, w] if dims.len() == ndim => Self::fallback_to_tile(format!(
                 "{mode}: {what} of {h}x{w} is not whole latent rows and columns of {unit}; {verb} with tiles"
             )),
             _ => Self::chosen(Strategy::Shard2d([1, ranks.max(1)]), format!("{mode} requested")),

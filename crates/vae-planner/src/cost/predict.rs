@@ -63,12 +63,13 @@ pub enum Layout<'a> {
 /// Where the ranks run: threads per rank, and how many ranks share one host's cores.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Placement {
-    /// Compute threads each rank uses (a fraction where the ranks share one thread pool).
+    /// Compute threads each rank's pool holds (a fraction where ranks take turns on one
+    /// thread; the host's cores are shared among the busy ranks either way).
     pub threads_per_rank: f64,
     /// Ranks on one host (sharing its cores).
     pub ranks_per_host: usize,
-    /// Threads one rank uses while the others of its host are idle: the whole pool where the
-    /// ranks share one (threads of one process), its own threads otherwise.
+    /// Threads one rank uses while the others of its host are idle: its own pool's (more where
+    /// ranks share a pool).
     pub threads_alone: f64,
 }
 

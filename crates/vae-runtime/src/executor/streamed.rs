@@ -1,10 +1,10 @@
 //! The shard and tile strategies with their output streamed: each rank computes its band (or
 //! block of a 2-D grid), or its tiles, run by run (a causal video decoder's latent frame at a
 //! time, each tile keeping its own cache), every run is gathered to the owner as soon as it is
-//! computed, and the owner assembles (or merges), finishes and hands it to a [`FrameSink`]. No rank ever holds more
-//! than one run of the output, so memory does not grow with the frame count, and the frames
-//! are bit for bit those of the same strategy unstreamed (merging is per frame: tiles blend in
-//! height and width only).
+//! computed, and the owner assembles (or merges), finishes and hands it to a [`FrameSink`].
+//! No rank ever holds more than one run of the output, so memory does not grow with the frame
+//! count, and the frames are bit for bit those of the same strategy unstreamed (merging is per
+//! frame: tiles blend in height and width only).
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -113,8 +113,8 @@ impl<O: ShardOperator> RequestStrategy for StreamedShardStrategy<'_, '_, O> {
         }
     }
 
-    fn disagreement(extents: &[usize]) -> Option<String> {
-        ShardStrategy::<O>::disagreement(extents)
+    fn disagreement(sizes: &[usize]) -> Option<String> {
+        sizes.iter().any(|e| *e != sizes[0]).then(|| format!("ranks planned parts of different sizes: {sizes:?}"))
     }
 
     /// This rank's band (or block), run by run, each run gathered to the owner (and passed on
