@@ -12,6 +12,7 @@
 
 pub mod abi;
 mod backend;
+mod boxes;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
@@ -30,4 +31,4 @@ pub use ops::group_stats::{GroupExtrema, GroupMoments, GroupPartial};
 pub use ops::simd::cpu_isa_name;
 pub use ops::video::Conv3dParams;
 pub use shape::Shape;
-pub use tensor::Tensor;
+pub use tensor::{BoxOf, Tensor};

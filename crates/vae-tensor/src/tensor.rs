@@ -32,6 +32,20 @@ enum CpuStorage {
     F32(Buffer),
 }
 
+/// One box of [`Tensor::from_boxes`]: `extent` elements per dimension of `src` from `from`,
+/// placed at `to`.
+#[derive(Debug, Clone, Copy)]
+pub struct BoxOf<'a> {
+    /// The tensor the box is read from.
+    pub src: &'a Tensor,
+    /// Where the box starts in `src`, per dimension.
+    pub from: &'a [usize],
+    /// Where it lands in the new tensor.
+    pub to: &'a [usize],
+    /// Its extent per dimension.
+    pub extent: &'a [usize],
+}
+
 /// A dense row-major tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
@@ -359,7 +373,7 @@ impl Tensor {
         }
         let mut dims = self.dims().to_vec();
         dims[dim] = len;
-        let mut out = Self::zeros(dims.clone(), self.dtype(), &self.device())?;
+        let mut out = Self::for_overwrite(dims.clone(), self.dtype(), &self.device())?;
         let mut src_off = vec![0; self.rank()];
         src_off[dim] = start;
         copy_box(self, &src_off, &mut out, &vec![0; self.rank()], &dims)?;
@@ -381,7 +395,7 @@ impl Tensor {
             }
             dims[dim] += t.dims()[dim];
         }
-        let mut out = Self::zeros(dims, first.dtype(), &first.device())?;
+        let mut out = Self::for_overwrite(dims, first.dtype(), &first.device())?;
         let mut at = vec![0; first.rank()];
         for t in tensors {
             copy_box(t, &vec![0; t.rank()], &mut out, &at, t.dims())?;
@@ -400,6 +414,48 @@ impl Tensor {
     ) -> Result<()> {
         let _profile = crate::profile::Scope::new("copy_box");
         copy_box(src, src_offset, self, dst_offset, extent)
+    }
+
+    /// A tensor of `dims` assembled from boxes of other tensors, zeros where none lies: each
+    /// [`BoxOf`] is copied to its place in order (a later one wins where two overlap). Only
+    /// what the largest box leaves uncovered is zeroed first, not the whole tensor (a halo
+    /// exchange assembles a part into its haloed copy this way).
+    pub fn from_boxes(dims: Vec<usize>, dtype: DType, device: &Device, boxes: &[BoxOf<'_>]) -> Result<Self> {
+        let _profile = crate::profile::Scope::new("copy_box");
+        let largest =
+            boxes.iter().filter(|b| b.extent.len() == dims.len()).max_by_key(|b| b.extent.iter().product::<usize>());
+        let mut out = match largest {
+            Some(largest)
+                if device.is_cpu()
+                    && dims.iter().zip(largest.to).zip(largest.extent).all(|((d, t), e)| t + e <= *d) =>
+            {
+                let mut out = Self::for_overwrite(dims.clone(), dtype, device)?;
+                let inner: Vec<_> = largest.to.iter().zip(largest.extent).map(|(&t, &e)| t..t + e).collect();
+                let strides = out.shape.strides();
+                let data = out.as_mut_slice_f32()?;
+                for (off, extent) in crate::boxes::complement(&dims, &inner) {
+                    crate::boxes::zero(data, &strides, &off, &extent);
+                }
+                out
+            }
+            _ => Self::zeros(dims, dtype, device)?,
+        };
+        for b in boxes {
+            copy_box(b.src, b.from, &mut out, b.to, b.extent)?;
+        }
+        Ok(out)
+    }
+
+    /// A tensor whose contents are unspecified, for an op that writes every element: on the
+    /// host a recycled buffer is not cleared first; on a device it is [`Self::zeros`].
+    fn for_overwrite(dims: Vec<usize>, dtype: DType, device: &Device) -> Result<Self> {
+        match (device, dtype) {
+            (Device::Cpu, DType::F32) => {
+                let shape = Shape::from(dims);
+                Ok(Self::from_buffer(Buffer::for_overwrite(shape.elem_count()), shape))
+            }
+            _ => Self::zeros(dims, dtype, device),
+        }
     }
 
     /// `x * mul + add` element-wise, rounded after each operation (as two PyTorch ops).
@@ -565,32 +621,16 @@ fn copy_box(src: &Tensor, src_off: &[usize], dst: &mut Tensor, dst_off: &[usize]
         return Ok(());
     }
     let (src_strides, dst_strides) = (src.shape.strides(), dst.shape.strides());
-    let run = extent[rank - 1];
-    let src_data = src.as_slice_f32()?;
-    let dst_data = dst.as_mut_slice_f32()?;
-    let mut index = vec![0usize; rank - 1];
-    loop {
-        let mut s = src_off[rank - 1];
-        let mut t = dst_off[rank - 1];
-        for d in 0..rank - 1 {
-            s += (src_off[d] + index[d]) * src_strides[d];
-            t += (dst_off[d] + index[d]) * dst_strides[d];
-        }
-        dst_data[t..t + run].copy_from_slice(&src_data[s..s + run]);
-        // Odometer over the outer dimensions.
-        let mut d = rank - 1;
-        loop {
-            if d == 0 {
-                return Ok(());
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < extent[d] {
-                break;
-            }
-            index[d] = 0;
-        }
-    }
+    crate::boxes::copy(
+        src.as_slice_f32()?,
+        &src_strides,
+        src_off,
+        dst.as_mut_slice_f32()?,
+        &dst_strides,
+        dst_off,
+        extent,
+    );
+    Ok(())
 }
 
 #[cfg(test)]
@@ -620,6 +660,41 @@ mod tests {
         assert_eq!(n.to_vec_f32().unwrap(), vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
         assert!(matches!(t.narrow(2, 2, 2), Err(TensorError::RangeOutOfBounds { .. })));
         assert!(matches!(t.narrow(4, 0, 1), Err(TensorError::DimOutOfRange { .. })));
+    }
+
+    /// Boxes land where they are placed, later ones over earlier ones, zeros elsewhere, also
+    /// in a recycled buffer that held other values.
+    #[test]
+    fn from_boxes_places_the_boxes_over_zeros() {
+        let big = iota(&[1, 1, 3, 4]);
+        let small = Tensor::from_vec(vec![-1.0, -2.0], vec![1, 1, 2, 1], &Device::Cpu).unwrap();
+        let boxes = [
+            BoxOf { src: &big, from: &[0, 0, 0, 1], to: &[0, 0, 1, 1], extent: &[1, 1, 3, 3] },
+            BoxOf { src: &small, from: &[0, 0, 0, 0], to: &[0, 0, 0, 0], extent: &[1, 1, 2, 1] },
+            BoxOf { src: &small, from: &[0, 0, 1, 0], to: &[0, 0, 2, 2], extent: &[1, 1, 1, 1] },
+        ];
+        for _ in 0..2 {
+            // A large dirty buffer for the recycle pool to hand out.
+            drop(Tensor::from_vec(vec![7.0; 1 << 20], vec![1 << 20], &Device::Cpu).unwrap());
+            let t = Tensor::from_boxes(vec![1, 1, 5, 5], DType::F32, &Device::Cpu, &boxes).unwrap();
+            #[rustfmt::skip]
+            let want = vec![
+                -1.0, 0.0, 0.0, 0.0, 0.0,
+                -2.0, 1.0, 2.0, 3.0, 0.0,
+                0.0, 5.0, -2.0, 7.0, 0.0,
+                0.0, 9.0, 10.0, 11.0, 0.0,
+                0.0, 0.0, 0.0, 0.0, 0.0,
+            ];
+            assert_eq!(t.to_vec_f32().unwrap(), want);
+        }
+        let big_box = vec![1usize << 19];
+        let at = vec![0usize];
+        let large = Tensor::from_vec(vec![3.0; 1 << 19], vec![1 << 19], &Device::Cpu).unwrap();
+        let b = BoxOf { src: &large, from: &at, to: &[1 << 19], extent: &big_box };
+        drop(Tensor::from_vec(vec![7.0; 1 << 20], vec![1 << 20], &Device::Cpu).unwrap());
+        let t = Tensor::from_boxes(vec![1 << 20], DType::F32, &Device::Cpu, &[b]).unwrap();
+        let v = t.to_vec_f32().unwrap();
+        assert!(v[..1 << 19].iter().all(|&x| x == 0.0) && v[1 << 19..].iter().all(|&x| x == 3.0));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vae_planner::ShardAxis;
-use vae_tensor::{ConvTarget, DType, Device, Tensor};
+use vae_tensor::{BoxOf, ConvTarget, DType, Device, Tensor};
 
 use super::{AXES, HaloOverlap, ShardContext, Split, invalid};
 use crate::RuntimeError;
@@ -449,21 +449,27 @@ fn intersect(a: &[Range<usize>], b: &[Range<usize>]) -> Vec<Range<usize>> {
 /// the haloed part) copied where it meets the window. On `like`'s device, in its type.
 fn assemble(like: &Tensor, window: &[Range<usize>], sources: &[(&Tensor, &[usize])]) -> Result<Tensor, RuntimeError> {
     let dims: Vec<usize> = window.iter().map(Range::len).collect();
-    let mut out = Tensor::zeros(dims, like.dtype(), &like.device())?;
-    'sources: for (src, at) in sources {
-        let (mut to, mut from, mut extent) = (Vec::new(), Vec::new(), Vec::new());
-        for (d, w) in window.iter().enumerate() {
-            let (lo, hi) = (w.start.max(at[d]), w.end.min(at[d] + src.dims()[d]));
-            if lo >= hi {
-                continue 'sources;
+    // Per source: where it meets the window (in the window's and the source's coordinates)
+    // and how far, or nothing where it does not.
+    let placed: Vec<(&Tensor, [Vec<usize>; 3])> = sources
+        .iter()
+        .filter_map(|&(src, at)| {
+            let (mut to, mut from, mut extent) = (Vec::new(), Vec::new(), Vec::new());
+            for (d, w) in window.iter().enumerate() {
+                let (lo, hi) = (w.start.max(at[d]), w.end.min(at[d] + src.dims()[d]));
+                if lo >= hi {
+                    return None;
+                }
+                to.push(lo - w.start);
+                from.push(lo - at[d]);
+                extent.push(hi - lo);
             }
-            to.push(lo - w.start);
-            from.push(lo - at[d]);
-            extent.push(hi - lo);
-        }
-        out.copy_box_from(&to, src, &from, &extent)?;
-    }
-    Ok(out)
+            Some((src, [to, from, extent]))
+        })
+        .collect();
+    let boxes: Vec<BoxOf<'_>> =
+        placed.iter().map(|(src, [to, from, extent])| BoxOf { src, from, to, extent }).collect();
+    Ok(Tensor::from_boxes(dims, like.dtype(), &like.device(), &boxes)?)
 }
 
 #[cfg(test)]
