@@ -3,24 +3,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-
-use support::{cli, read_npy_f32, wan21_fixture};
-
-fn kl() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/autoencoder_kl")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vae-cost-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use support::{cli, fixtures, read_npy_f32, s, scratch, wan21_fixture};
 
 /// `plan` arguments for the SD-like fixture's tiled latent on `ranks` ranks.
 fn plan_args<'a>(model: &'a str, ranks: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -31,7 +14,7 @@ fn plan_args<'a>(model: &'a str, ranks: &'a str, extra: &[&'a str]) -> Vec<&'a s
 
 #[test]
 fn plan_prints_every_strategy_with_its_prediction_and_autos_choice() {
-    let model = kl().join("sd_like");
+    let model = fixtures().join("sd_like");
     let (ok, text) = cli(&plan_args(s(&model), "2", &[]));
     assert!(ok, "{text}");
     for row in ["tile (", "shard-height", "shard-width", "shard-1x2"] {
@@ -58,7 +41,7 @@ fn plan_prints_every_strategy_with_its_prediction_and_autos_choice() {
 
 #[test]
 fn plan_breakdown_shows_where_each_strategys_time_goes() {
-    let model = kl().join("sd_like");
+    let model = fixtures().join("sd_like");
     let (ok, text) = cli(&plan_args(s(&model), "2", &["--breakdown"]));
     assert!(ok, "{text}");
     let header = text.lines().find(|l| l.starts_with("busiest rank, ms")).unwrap_or_else(|| panic!("{text}"));
@@ -80,7 +63,7 @@ fn plan_breakdown_shows_where_each_strategys_time_goes() {
 
 #[test]
 fn plan_measure_runs_every_strategy_beside_its_prediction() {
-    let model = kl().join("sd_like");
+    let model = fixtures().join("sd_like");
     let (ok, text) = cli(&plan_args(s(&model), "2", &["--measure", "--runs", "1"]));
     assert!(ok, "{text}");
     assert!(text.contains("measured ms") && text.contains("measured peak"), "{text}");
@@ -97,8 +80,8 @@ fn plan_measure_runs_every_strategy_beside_its_prediction() {
 #[test]
 fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     let dir = scratch("cap");
-    let model = kl().join("sd_like");
-    let latent = kl().join("sd_like.decode_tiled.in.npy");
+    let model = fixtures().join("sd_like");
+    let latent = fixtures().join("sd_like.decode_tiled.in.npy");
     let out = dir.join("out.npy");
     let report = dir.join("r.json");
     let decode = |extra: &[&str]| {
@@ -120,7 +103,7 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     // Whatever auto chose is exact: tiles give diffusers' tiled decode (a shard the untiled
     // one, which the shard tests check).
     if json["strategy"] == "tile" {
-        let (g, e) = (read_npy_f32(&out), read_npy_f32(&kl().join("sd_like.decode_tiled.out.npy")));
+        let (g, e) = (read_npy_f32(&out), read_npy_f32(&fixtures().join("sd_like.decode_tiled.out.npy")));
         let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
     }
@@ -169,7 +152,7 @@ fn calibrate_writes_a_profile_that_plan_reads() {
     assert!(ok && profile.is_file(), "{text}");
     let toml = std::fs::read_to_string(&profile).unwrap();
     assert!(toml.contains("[[convs]]") && toml.contains("link_gbps"), "{toml}");
-    let model = kl().join("sd_like");
+    let model = fixtures().join("sd_like");
     let (ok, text) = cli(&plan_args(s(&model), "2", &["--profile", s(&profile)]));
     assert!(ok && text.contains("[vae-parallel calibrate"), "{text}");
     std::fs::write(&profile, "cores = \"two\"").unwrap();
@@ -192,8 +175,8 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode};
     use vae_parallel::transport::{Communicator, TransportConfig, run_local};
 
-    let model = kl().join("sd_like");
-    let latent = vae_parallel::io::read_tensor(&kl().join("sd_like.decode_tiled.in.npy")).unwrap();
+    let model = fixtures().join("sd_like");
+    let latent = vae_parallel::io::read_tensor(&fixtures().join("sd_like.decode_tiled.in.npy")).unwrap();
     let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 2.0 };
     let slow_links = DeviceProfile { link_latency_us: 3.6e9, ..DeviceProfile::builtin_cpu() };
     let engines: Vec<Engine> = [DeviceProfile::builtin_cpu(), slow_links]

@@ -8,18 +8,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use support::{cli, cli_with_env, read_npy_f32, wan21_fixture};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vae-video-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use support::{cli, cli_with_env, read_npy_f32, s, scratch, wan21_fixture};
 
 /// The Wan2.1 fixture's decode as `.npy`: `(frames, height, width)` and the values.
 fn reference_decode(dir: &Path) -> ((usize, usize, usize), Vec<f32>) {

@@ -26,6 +26,86 @@ pub fn cli_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// The Wan fixtures' tiling: diffusers' `enable_tiling(16, 24, 8, 16)`.
+pub const WAN_FIXTURE_TILING: [&str; 8] = [
+    "--tile-sample-min-height",
+    "16",
+    "--tile-sample-min-width",
+    "24",
+    "--tile-sample-stride-height",
+    "8",
+    "--tile-sample-stride-width",
+    "16",
+];
+
+/// The AutoencoderKL fixtures (and the FLUX.2 ones beside them).
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/autoencoder_kl")
+}
+
+/// A fresh scratch directory for one test, named after the test file and this process.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vae-{}-{}-{name}", env!("CARGO_CRATE_NAME"), std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A copy of a fixture model that a test may break.
+pub fn model_copy(name: &str, model: &str) -> PathBuf {
+    let dir = scratch(name).join(model);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "diffusion_pytorch_model.safetensors"] {
+        std::fs::copy(fixtures().join(model).join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+/// A path as the CLI argument it is.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs a command that must fail, and checks the failure is clean: `expect` in the text, no
+/// panic, one error line.
+pub fn assert_clean_failure(name: &str, args: &[&str], expect: &str) {
+    let (ok, text) = cli(args);
+    assert!(!ok, "{name}: should fail:\n{text}");
+    assert!(text.contains(expect), "{name}: expected {expect:?} in:\n{text}");
+    assert!(!text.contains("panicked"), "{name}: panicked:\n{text}");
+    let error_lines = text.lines().filter(|l| l.starts_with("error:")).count();
+    assert_eq!(error_lines, 1, "{name}: one error line:\n{text}");
+}
+
+/// `decode` arguments with a parallel size of 2.
+pub fn decode_args<'a>(model: &'a str, latent: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    decode_on("2", model, latent, out, extra)
+}
+
+/// `decode` arguments with a parallel size of `ranks`.
+pub fn decode_on<'a>(ranks: &'a str, model: &'a str, latent: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["decode", "--model", model, "--latent", latent, "--out", out, "--vae-patch-parallel-size", ranks];
+    v.extend_from_slice(extra);
+    v
+}
+
+/// A .npy file of f32.
+pub fn npy(shape: &[usize], values: &[f32]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
 /// The one JSON object a `--json` command printed (its line starts with `{`).
 pub fn json_line(text: &str) -> serde_json::Value {
     let line = text.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line in:\n{text}"));
