@@ -116,10 +116,25 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     assert_eq!(json["strategy"], "shard-height");
     assert!(json["predicted_ms"].as_f64().unwrap() > 0.0 && json["predicted_peak_bytes"].as_u64().unwrap() > 0);
 
-    // A request without a cost model (the Wan encoder's) cannot honour a cap.
+    // The Wan encoder has a cost model: auto runs the fastest predicted strategy that fits,
+    // and the report carries its prediction.
     let (wan, _) = wan21_fixture();
     let video = wan.parent().unwrap().join("wan21_like.encode_f5.in.npy");
     let mut v = vec!["encode", "--model", s(&wan), "--input", s(&video), "--out", s(&out)];
+    v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
+    v.extend(["--report", s(&report)]);
+    std::fs::remove_file(&out).ok();
+    let (ok, text) = cli(&v);
+    assert!(ok && text.contains("the fastest predicted within 1.0 GiB"), "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(json["predicted_ms"].as_f64().unwrap() > 0.0, "{json}");
+    let want = read_npy_f32(&wan.parent().unwrap().join("wan21_like.encode_f5_moments.out.npy"));
+    assert_eq!(read_npy_f32(&out).len() * 2, want.len(), "the mean of the moments");
+
+    // A request without a cost model (HunyuanVideo-1.5's) cannot honour a cap.
+    let hv = fixtures().join("../hunyuan_video15/hunyuan_video15_like");
+    let latent = fixtures().join("../hunyuan_video15/hunyuan_video15_like.decode_t3.in.npy");
+    let mut v = vec!["decode", "--model", s(&hv), "--latent", s(&latent), "--out", s(&out)];
     v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
     std::fs::remove_file(&out).ok();
     let (ok, text) = cli(&v);

@@ -1,7 +1,9 @@
-//! The Wan2.1 / Qwen-Image / Wan2.2 decoder as the cost model sees it ([`vae_planner::cost`]):
-//! one latent frame at a time through the causal cache, in the order `decoder.rs` runs its
-//! layers, with the maps each layer keeps alive. Wan2.2's residual up blocks keep their input
-//! for the DupUp3D shortcut added after the upsampler, and its output is unpatchified.
+//! The Wan2.1 / Qwen-Image / Wan2.2 decoder and encoder as the cost model sees them
+//! ([`vae_planner::cost`]): one chunk at a time through the causal cache, in the order
+//! `decoder.rs` and `encoder.rs` run their layers, with the maps each layer keeps alive.
+//! Wan2.2's residual up blocks keep their input for the DupUp3D shortcut added after the
+//! upsampler, and its output is unpatchified; its encoder patchifies the video first and its
+//! residual down blocks add an AvgDown3D shortcut of their input.
 //!
 //! A decode is the first chunk (one frame at every level) followed by the others (frames
 //! doubled by each temporal upsampler), so the pass is the chunks' steps one after another:
@@ -188,13 +190,92 @@ impl Walk {
         let normed = self.b.map_elems();
         self.cached_conv(c.out_channels, [3, 3, 3], align, normed);
     }
+
+    /// `Downsample::forward` in the encoder: the frames laid out one by one, a stride-2 3×3
+    /// convolution (after padding right and bottom; a band takes one row of the next), back
+    /// to the video layout; for `downsample3d` after the first chunk (which only fills its
+    /// cache with its frames), the stride-2 time convolution over the cached last frame and
+    /// the chunk, caching the chunk's last frame.
+    fn downsample(&mut self, temporal: bool) {
+        let c = self.b.channels();
+        let [t, h, w] = self.b.dims();
+        let input = self.b.map_elems();
+        self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h, w], input + self.carried());
+        let frames = self.b.map_elems();
+        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false };
+        self.b.push(kind, c, [t, h / 2, w / 2], input + frames + self.carried());
+        let half = self.b.map_elems();
+        self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h / 2, w / 2], input + half + self.carried());
+        if !temporal {
+            return;
+        }
+        let [t, h, w] = self.b.dims();
+        if self.first {
+            self.write_cache(Cache { elems: self.b.map_elems(), edges: [0, 0], frames: t });
+            return;
+        }
+        let x = self.b.map_elems();
+        // `cat` of the cached frame and the chunk, then the time convolution (no padding).
+        self.b.push(StepKind::Elementwise { in_place: false }, c, [t + 1, h, w], x + self.carried());
+        let kind = StepKind::Conv { kernel: [3, 1, 1], align: 1, overlapped: false };
+        self.b.push(kind, c, [(t + 1 - 3) / 2 + 1, h, w], x + self.carried());
+        self.write_cache(Cache { elems: (c * h * w) as u64, edges: [0, 0], frames: 1 });
+    }
+
+    /// Wan2.2: the `AvgDown3D` shortcut of a residual down block's input (frames and pixels
+    /// averaged by the block's factors into its output channels), kept until the block adds
+    /// it, as is the input, which the caller holds until the block returns; the walk goes on
+    /// from the block's copy of its input (`x.clone()`).
+    fn avg_shortcut(&mut self, out: usize, factors: [usize; 2]) {
+        let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
+        let [t, h, w] = dims;
+        let shortcut = [t.div_ceil(factors[0]), h / factors[1], w / factors[1]];
+        self.b.push(StepKind::Elementwise { in_place: false }, out, shortcut, x + self.carried());
+        self.shortcut = self.b.map_elems() + x;
+        self.b.restart(channels, dims);
+        self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, self.carried());
+    }
+
+    /// One chunk of frames through the encoder (`Encoder::forward`).
+    fn encoder_chunk(&mut self, c: &WanConfig) {
+        let levels = c.dim_mult.len();
+        let dims: Vec<usize> = std::iter::once(1).chain(c.dim_mult.iter().copied()).map(|u| c.base_dim * u).collect();
+        let mut align = 1usize << levels.saturating_sub(1);
+        self.cached_conv(dims[0], [3, 3, 3], align, 0);
+        for i in 0..levels {
+            let out = dims[i + 1];
+            let down = i + 1 < levels;
+            let temporal = down && *c.temperal_downsample.get(i).unwrap_or(&false);
+            if c.is_residual {
+                self.avg_shortcut(out, [if temporal { 2 } else { 1 }, if down { 2 } else { 1 }]);
+            }
+            for _ in 0..c.num_res_blocks {
+                self.resnet(out, align);
+            }
+            if down {
+                align = (align / 2).max(1);
+                self.downsample(temporal);
+            }
+            if c.is_residual {
+                let resident = self.carried();
+                self.shortcut = 0;
+                self.b.add(resident);
+            }
+        }
+        let top = *dims.last().unwrap_or(&0);
+        self.resnet(top, 1);
+        let dims_now = self.b.dims();
+        self.b.push(StepKind::Attention, top, dims_now, self.carried());
+        self.resnet(top, 1);
+        self.b.norm(false, self.carried());
+        let normed = self.b.map_elems();
+        self.cached_conv(2 * c.z_dim, [3, 3, 3], 1, normed);
+    }
 }
 
-/// The decoder over `frames` latent frames of `[h, w]` (after `post_quant_conv`), then the
-/// chunks' outputs concatenated, unpatchified (Wan2.2) and clamped.
-fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
-    let b = NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch);
-    let mut walk = Walk {
+/// A fresh walk over a pass from `b`.
+fn walk(b: NetworkBuilder) -> Walk {
+    Walk {
         b,
         previous: Vec::new(),
         current: Vec::new(),
@@ -203,7 +284,49 @@ fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: u
         decoded: 0,
         first: true,
         shortcut: 0,
-    };
+    }
+}
+
+/// The encoder over a `frames × [h, w]` video (1 + 4k frames; Wan2.2's patchified first), in
+/// chunks of 1 and then 4 frames, each chunk's frames copied out of the video; the chunks'
+/// moments concatenated, then `quant_conv` and the mean.
+fn encoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
+    let patch = c.patch_size.filter(|&p| p > 1).unwrap_or(1);
+    let scale = (1usize << c.dim_mult.len().saturating_sub(1)) * patch;
+    let rgb = c.in_channels / (patch * patch);
+    let mut walk = walk(NetworkBuilder::new(rgb, [frames, h, w], [h / scale, w / scale], elem, batch));
+    let (hp, wp) = (h / patch, w / patch);
+    if patch > 1 {
+        walk.b.push(StepKind::Elementwise { in_place: false }, c.in_channels, [frames, hp, wp], 0);
+    }
+    let video = walk.b.map_elems();
+    let chunks = 1 + frames.saturating_sub(1) / 4;
+    for i in 0..chunks {
+        walk.first = i == 0;
+        let len = if i == 0 { 1 } else { 4 };
+        walk.b.restart(c.in_channels, [frames, hp, wp]);
+        walk.b.push(StepKind::Elementwise { in_place: false }, c.in_channels, [len, hp, wp], video + walk.carried());
+        walk.current = Vec::new();
+        walk.encoder_chunk(c);
+        walk.previous = std::mem::take(&mut walk.current);
+        walk.decoded += walk.b.map_elems();
+    }
+    let [_, hl, wl] = walk.b.dims();
+    let moments = walk.decoded;
+    walk.caches = 0;
+    walk.b.set_resident_edges([0, 0]);
+    walk.b.restart(2 * c.z_dim, [chunks, hl, wl]);
+    // `Tensor::cat` of the chunks' moments, `quant_conv`, then the mean's channels.
+    walk.b.push(StepKind::Elementwise { in_place: false }, 2 * c.z_dim, [chunks, hl, wl], moments);
+    walk.b.conv(2 * c.z_dim, [1, 1, 1], 1, 0);
+    walk.b.push(StepKind::Elementwise { in_place: false }, c.z_dim, [chunks, hl, wl], 0);
+    walk.b.finish()
+}
+
+/// The decoder over `frames` latent frames of `[h, w]` (after `post_quant_conv`), then the
+/// chunks' outputs concatenated, unpatchified (Wan2.2) and clamped.
+fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
+    let mut walk = walk(NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch));
     walk.b.conv(c.z_dim, [1, 1, 1], 1, 0);
     for i in 0..frames {
         walk.first = i == 0;
@@ -231,24 +354,42 @@ fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: u
 }
 
 impl WanVae {
-    /// The cost model's passes for a decode of an `input_dims` latent (`[B, C, T, H, W]`): the
-    /// whole latent's, and each tile's when it is larger than one tile. None for an encode: not
-    /// modelled yet.
+    /// The cost model's passes for a request on an `input_dims` input (`[B, C, T, H, W]`: a
+    /// latent to decode or a video to encode): the whole input's, and each tile's when it is
+    /// larger than one tile. None for another shape.
     pub fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
         let &[batch, _, frames, h, w] = input_dims else { return None };
         let c = self.config();
-        if direction != Direction::Decode {
-            return None;
-        }
         let elem = self.dtype().size_in_bytes() as u64;
-        let pass = |extent: [usize; 2]| decoder(c, frames, extent, elem, batch);
-        let tiles = if self.tiling().needs_tiling_decode(h, w).ok()? {
-            let layout = self.tiling().decode_layout(h, w).ok()?;
-            layout.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()
-        } else {
-            Vec::new()
+        let tiling = self.tiling();
+        let (layout, pass): (_, Box<dyn Fn([usize; 2]) -> Network>) = match direction {
+            Direction::Decode => {
+                let layout =
+                    if tiling.needs_tiling_decode(h, w).ok()? { Some(tiling.decode_layout(h, w).ok()?) } else { None };
+                (layout, Box::new(|extent| decoder(c, frames, extent, elem, batch)))
+            }
+            Direction::Encode => {
+                // Tiles of the patchified video, as `tiled_encode` cuts them; each tile's pass
+                // from its pixels.
+                let patch = self.patch();
+                let (hp, wp) = (h / patch, w / patch);
+                let halvings = c.dim_mult.len().saturating_sub(1);
+                let layout = if tiling.needs_tiling_encode(hp, wp) {
+                    Some(tiling.encode_layout(hp, wp, |n| n >> halvings).ok()?)
+                } else {
+                    None
+                };
+                (layout, Box::new(move |[th, tw]| encoder(c, frames, [th * patch, tw * patch], elem, batch)))
+            }
         };
-        Some(CostNetworks { whole: pass([h, w]), tiles, stitched: true })
+        let tiles =
+            layout.map(|l| l.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()).unwrap_or_default();
+        let whole = match direction {
+            Direction::Decode => pass([h, w]),
+            // In the patchified pixels the tiles are cut in.
+            Direction::Encode => pass([h / self.patch(), w / self.patch()]),
+        };
+        Some(CostNetworks { whole, tiles, stitched: true })
     }
 }
 
@@ -321,14 +462,60 @@ mod tests {
     }
 
     #[test]
-    fn the_decode_ends_with_the_whole_video_and_encodes_are_not_modelled() {
+    fn the_decode_ends_with_the_whole_video() {
         let vae = fixture();
         let nets = vae.cost_networks(Direction::Decode, &[2, 16, 3, 4, 6]).unwrap();
         // 1 + 2 × 4 frames of 3 channels at 8× the latent, batch 2.
         assert_eq!(nets.whole.output_elems, 3 * 9 * 32 * 48);
         assert_eq!(nets.whole.batch, 2);
         assert!(nets.tiles.is_empty());
-        assert!(vae.cost_networks(Direction::Encode, &[1, 3, 5, 32, 48]).is_none());
         assert!(vae.cost_networks(Direction::Decode, &[1, 16, 4, 6]).is_none());
+        assert!(vae.cost_networks(Direction::Encode, &[1, 3, 32, 48]).is_none());
+    }
+
+    /// An encode ends with the latent mean: one latent frame per chunk (1, then 4 frames) at an
+    /// eighth of the pixels, a sixteenth for Wan2.2 (its video patchified first, 2 × 2 pixels
+    /// into 12 channels); its shard cuts latent rows.
+    #[test]
+    fn an_encode_ends_with_the_latent_mean() {
+        for (vae, z, scale) in [(fixture(), 16, 8), (fixture_named("wan22_like"), 48, 16)] {
+            let nets = vae.cost_networks(Direction::Encode, &[1, 3, 9, 64, 96]).unwrap();
+            let whole = &nets.whole;
+            assert_eq!(whole.output_elems, (z * 3 * (64 / scale) * (96 / scale)) as u64, "z_dim {z}");
+            assert_eq!(whole.input_elems, 3 * 9 * 64 * 96);
+            assert_eq!(whole.latent, [64 / scale, 96 / scale]);
+            assert_eq!(whole.steps[0].out_channels, if scale == 16 { 12 } else { 3 });
+        }
+    }
+
+    /// The time downsampling: the first chunk only fills its cache (its frame stays one),
+    /// a later chunk's four frames are halved twice by stride-2 time convolutions reading the
+    /// cached frame, without padding taps; the first chunk's causal convolutions skip theirs.
+    #[test]
+    fn an_encode_halves_time_after_the_first_chunk() {
+        let vae = fixture();
+        let nets = vae.cost_networks(Direction::Encode, &[1, 3, 5, 32, 48]).unwrap();
+        let time_convs: Vec<_> =
+            nets.whole.steps.iter().filter(|s| s.kind.label(true).starts_with("conv 3x1x1")).collect();
+        assert_eq!(time_convs.iter().map(|s| (s.input[0], s.output[0])).collect::<Vec<_>>(), [(5, 2), (3, 1)]);
+        assert!(time_convs.iter().all(|s| s.frame_taps == 3 * s.output[0]));
+        let conv_in = nets.whole.steps.iter().find(|s| s.kind.label(true).starts_with("conv 3x3x3")).unwrap();
+        assert_eq!((conv_in.input[0], conv_in.frame_taps), (1, 1));
+        // The strided spatial convolutions halve the map three times per chunk.
+        let strided =
+            nets.whole.steps.iter().filter(|s| s.output[1] * 2 == s.input[1] && s.output[2] * 2 == s.input[2]);
+        assert_eq!(strided.count(), 2 * 3);
+    }
+
+    /// A video larger than a tile has a pass per tile of its (patchified) pixels.
+    #[test]
+    fn a_tiled_encode_has_a_pass_per_tile() {
+        let mut vae = fixture();
+        vae.set_tiling([16, 24], [8, 16]).unwrap();
+        let nets = vae.cost_networks(Direction::Encode, &[1, 3, 5, 64, 96]).unwrap();
+        let layout = vae.tiling().encode_layout(64, 96, |n| n >> 3).unwrap();
+        assert!(vae.tiling().needs_tiling_encode(64, 96));
+        assert_eq!(nets.tiles.len(), layout.tiles().count());
+        assert!(nets.tiles.iter().all(|t| t.input_elems < nets.whole.input_elems));
     }
 }
