@@ -131,10 +131,10 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     let want = read_npy_f32(&wan.parent().unwrap().join("wan21_like.encode_f5_moments.out.npy"));
     assert_eq!(read_npy_f32(&out).len() * 2, want.len(), "the mean of the moments");
 
-    // A request without a cost model (HunyuanVideo-1.5's) cannot honour a cap.
-    let hv = fixtures().join("../hunyuan_video15/hunyuan_video15_like");
-    let latent = fixtures().join("../hunyuan_video15/hunyuan_video15_like.decode_t3.in.npy");
-    let mut v = vec!["decode", "--model", s(&hv), "--latent", s(&latent), "--out", s(&out)];
+    // A request without a cost model (LTX-2's) cannot honour a cap.
+    let ltx = fixtures().join("../ltx/ltx2_like");
+    let latent = fixtures().join("../ltx/ltx2_like.decode_batch2.in.npy");
+    let mut v = vec!["decode", "--model", s(&ltx), "--latent", s(&latent), "--out", s(&out)];
     v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
     std::fs::remove_file(&out).ok();
     let (ok, text) = cli(&v);

@@ -19,8 +19,14 @@ fn resnet(b: &mut NetworkBuilder, out_channels: usize, align: usize) {
         // The 1×1 shortcut reads the block's input into a new map while `h` waits, then `h`
         // is added to it.
         let dims = b.dims();
-        b.push_from(cin, StepKind::Conv { kernel: [1, 1, 1], align: 1, overlapped: false }, out_channels, dims, h)
-            .add(x + h);
+        b.push_from(
+            cin,
+            StepKind::Conv { kernel: [1, 1, 1], align: 1, overlapped: false, pads: false },
+            out_channels,
+            dims,
+            h,
+        )
+        .add(x + h);
     } else {
         b.add(x);
     }

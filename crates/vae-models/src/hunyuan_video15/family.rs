@@ -11,7 +11,7 @@ use vae_tensor::{DType, Device, Tensor};
 use super::model::{CLASS_NAME, HunyuanVideo15Vae};
 use super::operators::{HunyuanVideo15Operator, HunyuanVideo15ShardOperator};
 use super::tiling::HunyuanVideo15Tiling;
-use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
 /// `AutoencoderKLHunyuanVideo15`.
@@ -112,6 +112,10 @@ impl LoadedVae for HunyuanVideo15Vae {
 
     fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor> {
         HunyuanVideo15Vae::normalize_latents(self, mean)
+    }
+
+    fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        HunyuanVideo15Vae::cost_networks(self, direction, input_dims)
     }
 
     fn tiling_keywords(&self) -> &'static [&'static str] {

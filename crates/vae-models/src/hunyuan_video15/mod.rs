@@ -12,6 +12,7 @@
 //! owner, encoded latents to every rank; latents are scaled by `scaling_factor` only.
 
 mod config;
+mod cost;
 mod family;
 mod layers;
 mod model;

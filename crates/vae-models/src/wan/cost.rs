@@ -202,7 +202,7 @@ impl Walk {
         let input = self.b.map_elems();
         self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h, w], input + self.carried());
         let frames = self.b.map_elems();
-        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false };
+        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false, pads: false };
         self.b.push(kind, c, [t, h / 2, w / 2], input + frames + self.carried());
         let half = self.b.map_elems();
         self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h / 2, w / 2], input + half + self.carried());
@@ -217,7 +217,7 @@ impl Walk {
         let x = self.b.map_elems();
         // `cat` of the cached frame and the chunk, then the time convolution (no padding).
         self.b.push(StepKind::Elementwise { in_place: false }, c, [t + 1, h, w], x + self.carried());
-        let kind = StepKind::Conv { kernel: [3, 1, 1], align: 1, overlapped: false };
+        let kind = StepKind::Conv { kernel: [3, 1, 1], align: 1, overlapped: false, pads: false };
         self.b.push(kind, c, [(t + 1 - 3) / 2 + 1, h, w], x + self.carried());
         self.write_cache(Cache { elems: (c * h * w) as u64, edges: [0, 0], frames: 1 });
     }

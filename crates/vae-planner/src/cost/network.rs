@@ -21,6 +21,10 @@ pub enum StepKind {
         /// `ShardContext::conv_with_halo`), which makes no halo'd copy of the part and hides
         /// the messages behind the interior's compute.
         overlapped: bool,
+        /// Whether the layer pads its input into a copy before the kernel reads it even where
+        /// it has no neighbour (replicated edges: HunyuanVideo-1.5, LTX); a part's halo then
+        /// fills that copy. Only with `overlapped` false.
+        pads: bool,
     },
     /// A normalisation (then, usually, SiLU) into a new map. `grouped`: GroupNorm, whose
     /// statistics span the whole map (one small all-reduce in a shard); otherwise per pixel.
@@ -297,14 +301,14 @@ impl NetworkBuilder {
     /// A same-size convolution of kernel `[kt, k, k]` to `out_channels`, with band alignment
     /// `align` (see [`StepKind::Conv`]).
     pub fn conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
-        let kind = StepKind::Conv { kernel, align: align_class(align), overlapped: true };
+        let kind = StepKind::Conv { kernel, align: align_class(align), overlapped: true, pads: false };
         self.push(kind, out_channels, self.dims, resident)
     }
 
     /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
     pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
         let [t, h, w] = self.dims;
-        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false };
+        let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false, pads: false };
         self.push(kind, out_channels, [t, h / 2, w / 2], 0)
     }
 

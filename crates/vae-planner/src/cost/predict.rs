@@ -389,14 +389,20 @@ fn step_cost(
     let resident = step.resident as f64 * fh * fw + (up + down) * row * fw + (left + right) * column * fh;
     let whole_input = step.input_elems() as f64;
     match step.kind {
-        StepKind::Conv { kernel, align, overlapped } => {
+        StepKind::Conv { kernel, align, overlapped, pads } => {
             let [hh, hw] = step.halo().map(|h| h as f64);
             let [t, h, w] = [step.input[0] as f64, step.input[1] as f64 * fh, step.input[2] as f64 * fw];
             let c = step.in_channels as f64;
             let halo = c * t * ((up + down) * hh * w + (left + right) * hw * h + part.corners as f64 * hh * hw) * bytes;
             // A part's convolution reads a copy of its input with the neighbours' rows (the
             // layers drop the input itself where they own it); the kernels pad as they read.
-            let with_halo = c * t * (h + (up + down) * hh) * (w + (left + right) * hw);
+            // A layer that pads its own input copies it with every side padded (the halo where
+            // there is a neighbour) and the frames in front.
+            let with_halo = if pads {
+                c * (t + kernel[0].saturating_sub(1) as f64) * (h + 2.0 * hh) * (w + 2.0 * hw)
+            } else {
+                c * t * (h + (up + down) * hh) * (w + (left + right) * hw)
+            };
             let measured = profile.conv_rate(kernel, align, step.in_channels, step.out_channels);
             let exchanges = part.sides.iter().any(|&s| s) && halo > 0.0;
             // Overlapped as the runtime decides it (a part with an interior, where
@@ -446,8 +452,10 @@ fn step_cost(
             let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
             let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
             // A CPU call's fixed work runs on the rank's threads; a GPU's launches do not speed up.
-            let compute_s = if gpu { fixed_s + work_s / speed } else { (fixed_s + work_s) / speed };
-            if overlaps || !exchanges {
+            // A layer that pads its input copies it first (a pass over both maps).
+            let pad_s = if pads { call_s + profile.elementwise_s((input + with_halo) * bytes) / speed } else { 0.0 };
+            let compute_s = pad_s + if gpu { fixed_s + work_s / speed } else { (fixed_s + work_s) / speed };
+            if overlaps || (!exchanges && !pads) {
                 // The interior is computed straight from the input into the output while the
                 // rows travel; the edges from small copies: the input and the output live
                 // together, and the messages cost what outlasts the interior.
@@ -460,7 +468,7 @@ fn step_cost(
             let computing = (with_halo + output) * bytes + scratch;
             StepCost {
                 compute_s,
-                comm_s: profile.message_s(halo),
+                comm_s: if exchanges { profile.message_s(halo) } else { 0.0 },
                 live_bytes: (copying * bytes).max(computing) + resident * bytes,
                 received_bytes: halo,
             }
@@ -538,6 +546,22 @@ mod tests {
     }
 
     const ONE: Placement = Placement { threads_per_rank: 1.0, ranks_per_host: 1, threads_alone: 1.0 };
+
+    /// A convolution whose layer pads its input into a copy (replicated edges) holds that
+    /// copy beside its input, then beside its output, even with no neighbour, and pays a pass
+    /// over both maps to make it.
+    #[test]
+    fn a_padding_layer_holds_and_pays_its_copy() {
+        let mut b = NetworkBuilder::new(8, [1, 16, 16], [16, 16], 4, 1);
+        b.push(StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false, pads: true }, 8, [1, 16, 16], 0);
+        let net = b.finish();
+        let p = predict(&net, Layout::Direct, ONE, &profile(1)).unwrap();
+        let (map, padded) = ((8 * 16 * 16 * 4) as f64, (8 * 18 * 18 * 4) as f64);
+        let copy_s = (map + padded) / 1e9;
+        assert!((p.ms - (net.macs() as f64 / 1e9 + copy_s) * 1e3).abs() < 1e-9, "{p:?}");
+        assert_eq!(p.peak_bytes, (map + padded) as u64 + 8 * 8 * 9 * 4);
+        assert_eq!(p.ranks[0].comm_s, 0.0);
+    }
 
     #[test]
     fn the_direct_pass_costs_its_multiply_adds_at_the_profiles_rate() {
@@ -618,9 +642,18 @@ mod tests {
             assert!((kinds["conv 3x3 F(4x4)"] - conv).abs() < 1e-12, "{kinds:?}");
             assert!(kinds["norm"] > 0.0 && kinds["element-wise"] > 0.0, "{kinds:?}");
         }
-        assert_eq!(StepKind::Conv { kernel: [3, 3, 3], align: 1, overlapped: true }.label(true), "conv 3x3x3 direct");
-        assert_eq!(StepKind::Conv { kernel: [3, 3, 3], align: 2, overlapped: true }.label(false), "conv 3x3x3");
-        assert_eq!(StepKind::Conv { kernel: [1, 1, 1], align: 4, overlapped: true }.label(true), "conv 1x1");
+        assert_eq!(
+            StepKind::Conv { kernel: [3, 3, 3], align: 1, overlapped: true, pads: false }.label(true),
+            "conv 3x3x3 direct"
+        );
+        assert_eq!(
+            StepKind::Conv { kernel: [3, 3, 3], align: 2, overlapped: true, pads: false }.label(false),
+            "conv 3x3x3"
+        );
+        assert_eq!(
+            StepKind::Conv { kernel: [1, 1, 1], align: 4, overlapped: true, pads: false }.label(true),
+            "conv 1x1"
+        );
     }
 
     #[test]

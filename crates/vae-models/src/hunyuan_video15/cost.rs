@@ -1,0 +1,154 @@
+//! The HunyuanVideo-1.5 decoder as the cost model sees it ([`vae_planner::cost`]): the whole
+//! clip at once (its attention looks at every earlier frame, so it is not run a frame at a
+//! time), in the order `networks.rs` runs its layers, with the maps each keeps alive. Every
+//! causal convolution pads its input into a copy (the frames in front and the edges
+//! replicated; a part's neighbours' rows fill its halo) and computes every tap, the
+//! replicated frames being data. The upsamples unfold a convolution's channels into 2 × 2
+//! pixels (× 2 frames after the first when temporal) and add the input's channels repeated
+//! and unfolded alike.
+//!
+//! Encodes are not modelled yet: `auto` keeps the family's rules for them.
+
+use vae_planner::cost::{Network, NetworkBuilder, StepKind};
+
+use super::config::HunyuanVideo15Config;
+use super::model::HunyuanVideo15Vae;
+use crate::family::{CostNetworks, Direction};
+
+/// A new map of `channels × dims` from the current one (a copy, an unfolding), with
+/// `resident` other elements alive.
+fn copy(b: &mut NetworkBuilder, channels: usize, dims: [usize; 3], resident: u64) {
+    b.push(StepKind::Elementwise { in_place: false }, channels, dims, resident);
+}
+
+/// A causal `3 × 3 × 3` convolution to `out` channels at band alignment `align`, reading a
+/// padded copy of its input.
+fn conv(b: &mut NetworkBuilder, out: usize, align: usize, resident: u64) {
+    let kind = StepKind::Conv {
+        kernel: [3, 3, 3],
+        align: vae_planner::cost::network::align_class(align),
+        overlapped: false,
+        pads: true,
+    };
+    let dims = b.dims();
+    b.push(kind, out, dims, resident);
+}
+
+/// `HunyuanVideo15ResnetBlock`: norm, SiLU, conv, twice, plus the input (through a 1 × 1 × 1
+/// convolution where the width changes); the caller holds the input until it returns.
+fn resnet(b: &mut NetworkBuilder, out: usize, align: usize) {
+    let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
+    b.norm(false, 0);
+    conv(b, out, align, x);
+    b.norm(false, x);
+    conv(b, out, align, x);
+    let y = b.map_elems();
+    if cin != out {
+        b.restart(cin, dims);
+        b.conv(out, [1, 1, 1], 1, y);
+    }
+    b.add(x + y);
+}
+
+/// `HunyuanVideo15Upsample` to `out` channels: the convolution to `factor · out` channels,
+/// unfolded into 2 × 2 pixels (× 2 frames after the first when temporal), and the input's
+/// channels repeated to as many and unfolded likewise, added.
+fn upsample(b: &mut NetworkBuilder, out: usize, temporal: bool, align: usize) {
+    let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
+    let [t, h, w] = dims;
+    let factor = if temporal { 8 } else { 4 };
+    conv(b, factor * out, align, x);
+    let up = [if temporal { 1 + 2 * t.saturating_sub(1) } else { t }, 2 * h, 2 * w];
+    copy(b, out, up, x);
+    let unfolded = b.map_elems();
+    b.restart(cin, dims);
+    copy(b, factor * out, dims, unfolded);
+    copy(b, out, up, x + unfolded);
+    b.add(x + unfolded);
+}
+
+/// The decoder over a `[frames, h, w]` latent (`HunyuanVideo15Decoder3D`); no clamp.
+fn decoder(c: &HunyuanVideo15Config, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Option<Network> {
+    let widths: Vec<usize> = c.block_out_channels.iter().rev().copied().collect();
+    let top = *widths.first()?;
+    let mut b = NetworkBuilder::new(c.latent_channels, [frames, h, w], [h, w], elem, batch);
+    conv(&mut b, top, 1, 0);
+    let x = b.map_elems();
+    // The latent's channels repeated to the width, added.
+    b.restart(c.latent_channels, [frames, h, w]);
+    copy(&mut b, top, [frames, h, w], x);
+    b.add(x);
+    resnet(&mut b, top, 1);
+    let dims = b.dims();
+    b.push(StepKind::Attention, top, dims, 0);
+    resnet(&mut b, top, 1);
+    let mut align = 1;
+    for (i, level) in c.decoder_levels().ok()?.into_iter().enumerate() {
+        for _ in 0..=c.layers_per_block {
+            resnet(&mut b, widths[i], align);
+        }
+        if let Some(r) = level {
+            upsample(&mut b, r.out_channels, r.temporal, align);
+            align *= 2;
+        }
+    }
+    b.norm(false, 0);
+    conv(&mut b, c.out_channels, align, 0);
+    Some(b.finish())
+}
+
+impl HunyuanVideo15Vae {
+    /// The cost model's passes for a decode of an `input_dims` latent (`[B, C, T, H, W]`): the
+    /// whole latent's, and each tile's when it is larger than one tile. None for an encode or
+    /// another shape.
+    pub fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        let &[batch, _, frames, h, w] = input_dims else { return None };
+        if direction != Direction::Decode {
+            return None;
+        }
+        let c = self.config();
+        let elem = self.dtype().size_in_bytes() as u64;
+        let t = self.tiling();
+        let tiles = if t.needs_tiling_decode(h, w) {
+            let layout = t.decode_layout(h, w, self.spatial_ratio()).ok()?;
+            layout
+                .tiles()
+                .map(|tile| decoder(c, frames, [tile.input[0].len(), tile.input[1].len()], elem, batch))
+                .collect::<Option<_>>()?
+        } else {
+            Vec::new()
+        };
+        Some(CostNetworks { whole: decoder(c, frames, [h, w], elem, batch)?, tiles, stitched: true })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn fixture() -> HunyuanVideo15Vae {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/hunyuan_video15/hunyuan_video15_like");
+        HunyuanVideo15Vae::load_with(&dir, vae_tensor::Device::Cpu, vae_tensor::DType::F32).expect("the fixture loads")
+    }
+
+    /// A decode ends with the clip: 1 + 4 (T − 1) frames of 3 channels at 8× the latent;
+    /// every 3×3×3 convolution pads a copy of its input and computes every tap.
+    #[test]
+    fn a_decode_ends_with_the_clip_and_its_convolutions_pad() {
+        let vae = fixture();
+        let nets = vae.cost_networks(Direction::Decode, &[2, 4, 3, 4, 6]).unwrap();
+        assert_eq!(nets.whole.output_elems, 3 * 9 * 32 * 48);
+        assert_eq!(nets.whole.batch, 2);
+        assert!(nets.tiles.is_empty());
+        let convs: Vec<_> = nets.whole.steps.iter().filter(|s| s.kind.label(true).starts_with("conv 3x3x3")).collect();
+        assert!(!convs.is_empty());
+        for s in convs {
+            assert!(matches!(s.kind, StepKind::Conv { pads: true, overlapped: false, .. }), "{s:?}");
+            assert_eq!(s.frame_taps, 3 * s.output[0]);
+        }
+        assert!(vae.cost_networks(Direction::Encode, &[1, 3, 9, 32, 48]).is_none());
+        assert!(vae.cost_networks(Direction::Decode, &[1, 4, 4, 6]).is_none());
+    }
+}
