@@ -15,33 +15,14 @@ use super::config::HunyuanVideo15Config;
 use super::model::HunyuanVideo15Vae;
 use crate::family::{CostNetworks, Direction};
 
-/// A new map of `channels × dims` from the current one (a copy, an unfolding), with
-/// `resident` other elements alive.
-fn copy(b: &mut NetworkBuilder, channels: usize, dims: [usize; 3], resident: u64) {
-    b.push(StepKind::Elementwise { in_place: false }, channels, dims, resident);
-}
-
-/// A causal `3 × 3 × 3` convolution to `out` channels at band alignment `align`, reading a
-/// padded copy of its input.
-fn conv(b: &mut NetworkBuilder, out: usize, align: usize, resident: u64) {
-    let kind = StepKind::Conv {
-        kernel: [3, 3, 3],
-        align: vae_planner::cost::network::align_class(align),
-        overlapped: false,
-        pads: true,
-    };
-    let dims = b.dims();
-    b.push(kind, out, dims, resident);
-}
-
 /// `HunyuanVideo15ResnetBlock`: norm, SiLU, conv, twice, plus the input (through a 1 × 1 × 1
 /// convolution where the width changes); the caller holds the input until it returns.
 fn resnet(b: &mut NetworkBuilder, out: usize, align: usize) {
     let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
     b.norm(false, 0);
-    conv(b, out, align, x);
+    b.padded_conv(out, [3, 3, 3], align, x);
     b.norm(false, x);
-    conv(b, out, align, x);
+    b.padded_conv(out, [3, 3, 3], align, x);
     let y = b.map_elems();
     if cin != out {
         b.restart(cin, dims);
@@ -57,13 +38,13 @@ fn upsample(b: &mut NetworkBuilder, out: usize, temporal: bool, align: usize) {
     let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
     let [t, h, w] = dims;
     let factor = if temporal { 8 } else { 4 };
-    conv(b, factor * out, align, x);
+    b.padded_conv(factor * out, [3, 3, 3], align, x);
     let up = [if temporal { 1 + 2 * t.saturating_sub(1) } else { t }, 2 * h, 2 * w];
-    copy(b, out, up, x);
+    b.copy(out, up, x);
     let unfolded = b.map_elems();
     b.restart(cin, dims);
-    copy(b, factor * out, dims, unfolded);
-    copy(b, out, up, x + unfolded);
+    b.copy(factor * out, dims, unfolded);
+    b.copy(out, up, x + unfolded);
     b.add(x + unfolded);
 }
 
@@ -72,11 +53,11 @@ fn decoder(c: &HunyuanVideo15Config, frames: usize, [h, w]: [usize; 2], elem: u6
     let widths: Vec<usize> = c.block_out_channels.iter().rev().copied().collect();
     let top = *widths.first()?;
     let mut b = NetworkBuilder::new(c.latent_channels, [frames, h, w], [h, w], elem, batch);
-    conv(&mut b, top, 1, 0);
+    b.padded_conv(top, [3, 3, 3], 1, 0);
     let x = b.map_elems();
     // The latent's channels repeated to the width, added.
     b.restart(c.latent_channels, [frames, h, w]);
-    copy(&mut b, top, [frames, h, w], x);
+    b.copy(top, [frames, h, w], x);
     b.add(x);
     resnet(&mut b, top, 1);
     let dims = b.dims();
@@ -93,7 +74,7 @@ fn decoder(c: &HunyuanVideo15Config, frames: usize, [h, w]: [usize; 2], elem: u6
         }
     }
     b.norm(false, 0);
-    conv(&mut b, c.out_channels, align, 0);
+    b.padded_conv(c.out_channels, [3, 3, 3], align, 0);
     Some(b.finish())
 }
 

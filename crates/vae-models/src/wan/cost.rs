@@ -48,6 +48,37 @@ struct Walk {
 }
 
 impl Walk {
+    /// A fresh walk over a pass from `b`, before its first chunk.
+    fn new(b: NetworkBuilder) -> Self {
+        Self {
+            b,
+            previous: Vec::new(),
+            current: Vec::new(),
+            caches: 0,
+            edges: [0, 0],
+            decoded: 0,
+            first: true,
+            shortcut: 0,
+        }
+    }
+
+    /// One chunk (`first` or not) through `steps`: its cache slots replace the previous
+    /// chunk's, and its output joins what the earlier chunks produced.
+    fn run_chunk(&mut self, first: bool, steps: impl FnOnce(&mut Self)) {
+        self.first = first;
+        self.current = Vec::new();
+        steps(self);
+        self.previous = std::mem::take(&mut self.current);
+        self.decoded += self.b.map_elems();
+    }
+
+    /// After the last chunk: its caches are dropped; the chunks' outputs, `decoded` elements,
+    /// stay.
+    fn end_chunks(&mut self) {
+        self.caches = 0;
+        self.b.set_resident_edges([0, 0]);
+    }
+
     /// Elements alive beside every step: the caches, the decoded output and a pending shortcut.
     fn carried(&self) -> u64 {
         self.caches + self.decoded + self.shortcut
@@ -132,23 +163,23 @@ impl Walk {
                 let cached = self.cached_frames();
                 self.b.causal_conv(2 * c, [3, 1, 1], 1, cached, self.carried());
                 self.write_cache(cache);
-                self.b.push(StepKind::Elementwise { in_place: false }, c, [2 * t, h, w], before + self.carried());
+                self.b.copy(c, [2 * t, h, w], before + self.carried());
             }
         }
         let dims = self.b.dims();
-        self.b.push(StepKind::Elementwise { in_place: false }, c, dims, before + self.carried());
+        self.b.copy(c, dims, before + self.carried());
         let frames = self.b.map_elems();
         self.b.upsample();
         let out = if halve { c / 2 } else { c };
         self.b.conv(out, [1, 3, 3], align, before + frames + self.carried());
         let up = self.b.dims();
-        self.b.push(StepKind::Elementwise { in_place: false }, out, up, before + frames + self.carried());
+        self.b.copy(out, up, before + frames + self.carried());
     }
 
     /// Wan2.2: `DupUp3D` of the block's input (a map of the upsampled size), added in place.
     fn dup_shortcut(&mut self) {
         let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
-        self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, x + self.carried());
+        self.b.copy(channels, dims, x + self.carried());
         // The shortcut's input lives until the add is done.
         self.b.add(x + self.carried());
         self.shortcut = 0;
@@ -172,7 +203,7 @@ impl Walk {
             if c.is_residual && upsampled {
                 // `carry.shortcut = Some(x.clone())`: a copy of the block's input.
                 let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
-                self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, x + self.carried());
+                self.b.copy(channels, dims, x + self.carried());
                 self.shortcut = x;
             }
             for _ in 0..=c.num_res_blocks {
@@ -200,12 +231,12 @@ impl Walk {
         let c = self.b.channels();
         let [t, h, w] = self.b.dims();
         let input = self.b.map_elems();
-        self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h, w], input + self.carried());
+        self.b.copy(c, [t, h, w], input + self.carried());
         let frames = self.b.map_elems();
         let kind = StepKind::Conv { kernel: [1, 3, 3], align: 1, overlapped: false, pads: false };
         self.b.push(kind, c, [t, h / 2, w / 2], input + frames + self.carried());
         let half = self.b.map_elems();
-        self.b.push(StepKind::Elementwise { in_place: false }, c, [t, h / 2, w / 2], input + half + self.carried());
+        self.b.copy(c, [t, h / 2, w / 2], input + half + self.carried());
         if !temporal {
             return;
         }
@@ -216,7 +247,7 @@ impl Walk {
         }
         let x = self.b.map_elems();
         // `cat` of the cached frame and the chunk, then the time convolution (no padding).
-        self.b.push(StepKind::Elementwise { in_place: false }, c, [t + 1, h, w], x + self.carried());
+        self.b.copy(c, [t + 1, h, w], x + self.carried());
         let kind = StepKind::Conv { kernel: [3, 1, 1], align: 1, overlapped: false, pads: false };
         self.b.push(kind, c, [(t + 1 - 3) / 2 + 1, h, w], x + self.carried());
         self.write_cache(Cache { elems: (c * h * w) as u64, edges: [0, 0], frames: 1 });
@@ -230,10 +261,10 @@ impl Walk {
         let (channels, dims, x) = (self.b.channels(), self.b.dims(), self.b.map_elems());
         let [t, h, w] = dims;
         let shortcut = [t.div_ceil(factors[0]), h / factors[1], w / factors[1]];
-        self.b.push(StepKind::Elementwise { in_place: false }, out, shortcut, x + self.carried());
+        self.b.copy(out, shortcut, x + self.carried());
         self.shortcut = self.b.map_elems() + x;
         self.b.restart(channels, dims);
-        self.b.push(StepKind::Elementwise { in_place: false }, channels, dims, self.carried());
+        self.b.copy(channels, dims, self.carried());
     }
 
     /// One chunk of frames through the encoder (`Encoder::forward`).
@@ -273,20 +304,6 @@ impl Walk {
     }
 }
 
-/// A fresh walk over a pass from `b`.
-fn walk(b: NetworkBuilder) -> Walk {
-    Walk {
-        b,
-        previous: Vec::new(),
-        current: Vec::new(),
-        caches: 0,
-        edges: [0, 0],
-        decoded: 0,
-        first: true,
-        shortcut: 0,
-    }
-}
-
 /// The encoder over a `frames × [h, w]` video (1 + 4k frames; Wan2.2's patchified first), in
 /// chunks of 1 and then 4 frames, each chunk's frames copied out of the video; the chunks'
 /// moments concatenated, then `quant_conv` and the mean.
@@ -294,62 +311,56 @@ fn encoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: u
     let patch = c.patch_size.filter(|&p| p > 1).unwrap_or(1);
     let scale = (1usize << c.dim_mult.len().saturating_sub(1)) * patch;
     let rgb = c.in_channels / (patch * patch);
-    let mut walk = walk(NetworkBuilder::new(rgb, [frames, h, w], [h / scale, w / scale], elem, batch));
+    let mut walk = Walk::new(NetworkBuilder::new(rgb, [frames, h, w], [h / scale, w / scale], elem, batch));
     let (hp, wp) = (h / patch, w / patch);
     if patch > 1 {
-        walk.b.push(StepKind::Elementwise { in_place: false }, c.in_channels, [frames, hp, wp], 0);
+        walk.b.copy(c.in_channels, [frames, hp, wp], 0);
     }
     let video = walk.b.map_elems();
     let chunks = 1 + frames.saturating_sub(1) / 4;
     for i in 0..chunks {
-        walk.first = i == 0;
-        let len = if i == 0 { 1 } else { 4 };
-        walk.b.restart(c.in_channels, [frames, hp, wp]);
-        walk.b.push(StepKind::Elementwise { in_place: false }, c.in_channels, [len, hp, wp], video + walk.carried());
-        walk.current = Vec::new();
-        walk.encoder_chunk(c);
-        walk.previous = std::mem::take(&mut walk.current);
-        walk.decoded += walk.b.map_elems();
+        walk.run_chunk(i == 0, |walk| {
+            let len = if i == 0 { 1 } else { 4 };
+            walk.b.restart(c.in_channels, [frames, hp, wp]);
+            walk.b.copy(c.in_channels, [len, hp, wp], video + walk.carried());
+            walk.encoder_chunk(c);
+        });
     }
     let [_, hl, wl] = walk.b.dims();
     let moments = walk.decoded;
-    walk.caches = 0;
-    walk.b.set_resident_edges([0, 0]);
+    walk.end_chunks();
     walk.b.restart(2 * c.z_dim, [chunks, hl, wl]);
     // `Tensor::cat` of the chunks' moments, `quant_conv`, then the mean's channels.
-    walk.b.push(StepKind::Elementwise { in_place: false }, 2 * c.z_dim, [chunks, hl, wl], moments);
+    walk.b.copy(2 * c.z_dim, [chunks, hl, wl], moments);
     walk.b.conv(2 * c.z_dim, [1, 1, 1], 1, 0);
-    walk.b.push(StepKind::Elementwise { in_place: false }, c.z_dim, [chunks, hl, wl], 0);
+    walk.b.copy(c.z_dim, [chunks, hl, wl], 0);
     walk.b.finish()
 }
 
 /// The decoder over `frames` latent frames of `[h, w]` (after `post_quant_conv`), then the
 /// chunks' outputs concatenated, unpatchified (Wan2.2) and clamped.
 fn decoder(c: &WanConfig, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Network {
-    let mut walk = walk(NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch));
+    let mut walk = Walk::new(NetworkBuilder::new(c.z_dim, [frames, h, w], [h, w], elem, batch));
     walk.b.conv(c.z_dim, [1, 1, 1], 1, 0);
     for i in 0..frames {
-        walk.first = i == 0;
-        walk.b.restart(c.z_dim, [1, h, w]);
-        walk.current = Vec::new();
-        walk.chunk(c);
-        walk.previous = std::mem::take(&mut walk.current);
-        walk.decoded += walk.b.map_elems();
+        walk.run_chunk(i == 0, |walk| {
+            walk.b.restart(c.z_dim, [1, h, w]);
+            walk.chunk(c);
+        });
     }
     // `Tensor::cat` of the chunks, then the clamp.
     let [_, ho, wo] = walk.b.dims();
     let total = walk.decoded;
     let out_frames = (total / (c.out_channels * ho * wo).max(1) as u64) as usize;
-    walk.caches = 0;
-    walk.b.set_resident_edges([0, 0]);
-    walk.b.push(StepKind::Elementwise { in_place: false }, c.out_channels, [out_frames, ho, wo], total);
+    walk.end_chunks();
+    walk.b.copy(c.out_channels, [out_frames, ho, wo], total);
     let (mut channels, mut dims) = (c.out_channels, [out_frames, ho, wo]);
     if let Some(p) = c.patch_size.filter(|&p| p > 1) {
         // `unpatchify`: channels into p × p pixel blocks, a new map.
         (channels, dims) = (c.out_channels / (p * p), [out_frames, ho * p, wo * p]);
-        walk.b.push(StepKind::Elementwise { in_place: false }, channels, dims, 0);
+        walk.b.copy(channels, dims, 0);
     }
-    walk.b.push(StepKind::Elementwise { in_place: false }, channels, dims, 0);
+    walk.b.copy(channels, dims, 0);
     walk.b.finish()
 }
 
@@ -362,34 +373,27 @@ impl WanVae {
         let c = self.config();
         let elem = self.dtype().size_in_bytes() as u64;
         let tiling = self.tiling();
-        let (layout, pass): (_, Box<dyn Fn([usize; 2]) -> Network>) = match direction {
+        // An encode's tiles are cut in the patchified pixels; a pass takes the pixels.
+        let patch = self.patch();
+        let pass = |[th, tw]: [usize; 2]| match direction {
+            Direction::Decode => decoder(c, frames, [th, tw], elem, batch),
+            Direction::Encode => encoder(c, frames, [th * patch, tw * patch], elem, batch),
+        };
+        let (extent, layout) = match direction {
             Direction::Decode => {
-                let layout =
-                    if tiling.needs_tiling_decode(h, w).ok()? { Some(tiling.decode_layout(h, w).ok()?) } else { None };
-                (layout, Box::new(|extent| decoder(c, frames, extent, elem, batch)))
+                let tiled = tiling.needs_tiling_decode(h, w).ok()?;
+                ([h, w], if tiled { Some(tiling.decode_layout(h, w).ok()?) } else { None })
             }
             Direction::Encode => {
-                // Tiles of the patchified video, as `tiled_encode` cuts them; each tile's pass
-                // from its pixels.
-                let patch = self.patch();
                 let (hp, wp) = (h / patch, w / patch);
                 let halvings = c.dim_mult.len().saturating_sub(1);
-                let layout = if tiling.needs_tiling_encode(hp, wp) {
-                    Some(tiling.encode_layout(hp, wp, |n| n >> halvings).ok()?)
-                } else {
-                    None
-                };
-                (layout, Box::new(move |[th, tw]| encoder(c, frames, [th * patch, tw * patch], elem, batch)))
+                let tiled = tiling.needs_tiling_encode(hp, wp);
+                ([hp, wp], if tiled { Some(tiling.encode_layout(hp, wp, |n| n >> halvings).ok()?) } else { None })
             }
         };
         let tiles =
             layout.map(|l| l.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()).unwrap_or_default();
-        let whole = match direction {
-            Direction::Decode => pass([h, w]),
-            // In the patchified pixels the tiles are cut in.
-            Direction::Encode => pass([h / self.patch(), w / self.patch()]),
-        };
-        Some(CostNetworks { whole, tiles, stitched: true })
+        Some(CostNetworks { whole: pass(extent), tiles, stitched: true })
     }
 }
 

@@ -305,6 +305,20 @@ impl NetworkBuilder {
         self.push(kind, out_channels, self.dims, resident)
     }
 
+    /// A same-size convolution like [`Self::conv`] whose layer first pads its input into a
+    /// copy (edges and front frames replicated; see [`StepKind::Conv`]'s `pads`): every
+    /// temporal tap reads data, and a part exchanges its halo into that copy.
+    pub fn padded_conv(&mut self, out_channels: usize, kernel: [usize; 3], align: usize, resident: u64) -> &mut Self {
+        let kind = StepKind::Conv { kernel, align: align_class(align), overlapped: false, pads: true };
+        self.push(kind, out_channels, self.dims, resident)
+    }
+
+    /// A new map of `out_channels × output` from the current one by an element-wise pass (a
+    /// copy, a layout change, a resampling), with `resident` other elements alive.
+    pub fn copy(&mut self, out_channels: usize, output: [usize; 3], resident: u64) -> &mut Self {
+        self.push(StepKind::Elementwise { in_place: false }, out_channels, output, resident)
+    }
+
     /// A 3×3 convolution of stride 2 (a downsampling): half the rows and columns.
     pub fn downsample(&mut self, out_channels: usize) -> &mut Self {
         let [t, h, w] = self.dims;
@@ -315,7 +329,7 @@ impl NetworkBuilder {
     /// A nearest 2× upsampling of rows and columns into a new map.
     pub fn upsample(&mut self) -> &mut Self {
         let [t, h, w] = self.dims;
-        self.push(StepKind::Elementwise { in_place: false }, self.channels, [t, 2 * h, 2 * w], 0)
+        self.copy(self.channels, [t, 2 * h, 2 * w], 0)
     }
 
     /// A norm into a new map.
