@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use vae_parallel::planner::cost::kernels::cpu_conv_scratch_bytes;
 use vae_parallel::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
 use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
 use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
@@ -374,8 +375,8 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
     eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
 
-    // A 3×3 convolution's scratch beyond its output and its weights transformed for Winograd
-    // F(4×4) (36 values per kernel).
+    // What a 3×3 Winograd F(4×4) convolution holds beyond its output and what the model counts
+    // for its kernel (`kernels`: the transformed weights, a band's buffers): the rest.
     let conv_scratch_bytes = many.install(|| -> anyhow::Result<u64> {
         let (c, s) = (128, 128);
         let x = uniform(vec![1, c, s, s], 8)?;
@@ -386,8 +387,9 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
         let before = vae_parallel::tensor::memory::live_bytes();
         drop(x.conv2d(&w, None, &Conv2dParams::same(3).band_aligned(4))?);
         let held = vae_parallel::tensor::memory::peak_bytes().saturating_sub(before);
-        let known = (c * s * s + c * c * 36) * 4;
-        Ok(held.saturating_sub(known) as u64)
+        let kernel = cpu_conv_scratch_bytes([1, 3, 3], 4, [c, c], [s, s], rayon::current_num_threads());
+        let known = (c * s * s * 4) as u64 + kernel;
+        Ok((held as u64).saturating_sub(known))
     })?;
     eprintln!("  conv scratch: {conv_scratch_bytes} B");
 

@@ -6,8 +6,11 @@
 //! * [`network`]: the forward pass as shaped steps, which a family builds from its config.
 //! * [`profile`]: a device's constants (convolution rates per shape, element-wise and link
 //!   rates), measured by `vae-parallel calibrate`.
+//! * [`kernels`]: what a CPU convolution call holds besides its maps (packed or transformed
+//!   weights, working buffers).
 //! * [`predict`](mod@predict): the figures of a strategy (direct, tiles, bands, blocks).
 
+pub mod kernels;
 pub mod network;
 pub mod predict;
 pub mod profile;

@@ -21,6 +21,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use super::kernels::cpu_conv_scratch_bytes;
 use super::network::{Network, Step, StepKind};
 use super::profile::{DeviceKind, DeviceProfile};
 use crate::overlap::pieces_where_pays;
@@ -198,6 +199,7 @@ fn sharded(
     let ranks = parts.len();
     let cpu = profile.kind == DeviceKind::Cpu;
     let speed = Speed::of(profile, placement.threads_per_rank, concurrent);
+    let threads = placement.threads_per_rank.ceil().max(1.0) as usize;
     let mut per_rank = vec![RankPrediction::default(); ranks];
     let mut peaks = vec![0f64; ranks];
     let mut elapsed = 0.0;
@@ -205,7 +207,7 @@ fn sharded(
         let kind = step.kind.label(cpu);
         let mut slowest: f64 = 0.0;
         for (r, part) in parts.iter().enumerate() {
-            let cost = step_cost(step, part, network, ranks > 1, speed.for_step(step), profile);
+            let cost = step_cost(step, part, network, ranks > 1, (speed.for_step(step), threads), profile);
             per_rank[r].compute_s += cost.compute_s;
             match per_rank[r].compute_by_kind.get_mut(&kind) {
                 Some(s) => *s += cost.compute_s,
@@ -364,13 +366,14 @@ fn fraction(network: &Network, part: &Part) -> f64 {
     (part.rows.len() as f64 / h.max(1) as f64) * (part.cols.len() as f64 / w.max(1) as f64)
 }
 
-/// One step on one part: compute, traffic and the bytes alive while it runs.
+/// One step on one part: compute, traffic and the bytes alive while it runs. `speed`: how many
+/// times one thread's rate the rank computes at, on `threads` threads.
 fn step_cost(
     step: &Step,
     part: &Part,
     network: &Network,
     shared: bool,
-    speed: f64,
+    (speed, threads): (f64, usize),
     profile: &DeviceProfile,
 ) -> StepCost {
     let [lh, lw] = network.latent;
@@ -437,20 +440,28 @@ fn step_cost(
                 }
                 work_s += work;
             }
-            // The weights as the kernel packs them (on the CPU in f32, Winograd F(4×4)
-            // transforming each 3×3 kernel into 36 values, F(2×2) into 16; on a GPU reordered
-            // in the element type), and its fixed scratch. A GPU convolution also reads a
-            // padded channels-last copy of its input.
-            let taps = match (kernel, align) {
-                _ if gpu => kernel.iter().product::<usize>() as f64,
-                ([1, 3, 3], 4) => 36.0,
-                ([1, 3, 3], 2) => 16.0,
-                _ => kernel.iter().product::<usize>() as f64,
-            };
-            let packed_elem = if gpu { network.elem_bytes as f64 } else { 4.0 };
-            let padded_copy = if gpu { with_halo * bytes } else { 0.0 };
-            let packed = (step.in_channels * step.out_channels) as f64 * taps * packed_elem;
-            let scratch = packed + padded_copy + profile.conv_scratch_bytes as f64;
+            // The weights as the kernel lays them out and its working buffers (on the CPU:
+            // `kernels`, the largest of the calls; on a GPU the weights reordered in the element
+            // type, and a padded channels-last copy of the input), and the scratch the profile
+            // measured beyond them.
+            let scratch = if gpu {
+                let packed = (step.in_channels * step.out_channels) as f64
+                    * kernel.iter().product::<usize>() as f64
+                    * network.elem_bytes as f64;
+                packed + with_halo * bytes
+            } else {
+                let windows: Vec<[usize; 2]> = match &pieces {
+                    Some(p) => p.iter().map(|[r, c]| [r.len(), c.len()]).collect(),
+                    None => vec![[
+                        (step.output[1] as f64 * fh).round() as usize,
+                        (step.output[2] as f64 * fw).round() as usize,
+                    ]],
+                };
+                let channels = [step.in_channels, step.out_channels];
+                let largest =
+                    windows.iter().map(|&window| cpu_conv_scratch_bytes(kernel, align, channels, window, threads));
+                largest.max().unwrap_or(0) as f64
+            } + profile.conv_scratch_bytes as f64;
             // A CPU call's fixed work runs on the rank's threads; a GPU's launches do not speed up.
             // A layer that pads its input copies it first (a pass over both maps).
             let pad_s = if pads { call_s + profile.elementwise_s((input + with_halo) * bytes) / speed } else { 0.0 };
@@ -559,7 +570,7 @@ mod tests {
         let (map, padded) = ((8 * 16 * 16 * 4) as f64, (8 * 18 * 18 * 4) as f64);
         let copy_s = (map + padded) / 1e9;
         assert!((p.ms - (net.macs() as f64 / 1e9 + copy_s) * 1e3).abs() < 1e-9, "{p:?}");
-        assert_eq!(p.peak_bytes, (map + padded) as u64 + 8 * 8 * 9 * 4);
+        assert_eq!(p.peak_bytes, (map + padded) as u64 + cpu_conv_scratch_bytes([1, 3, 3], 1, [8, 8], [16, 16], 1));
         assert_eq!(p.ranks[0].comm_s, 0.0);
     }
 
@@ -569,8 +580,9 @@ mod tests {
         assert_eq!(net.macs(), 2 * 16 * 16 * 8 * 8 * 9);
         let p = predict(&net, Layout::Direct, ONE, &profile(1)).unwrap();
         assert!((p.ms - net.macs() as f64 / 1e9 * 1e3).abs() < 1e-9, "{p:?}");
-        // Input, output and the packed weights of the convolution.
-        assert_eq!(p.peak_bytes, (2 * 8 * 16 * 16 * 4 + 8 * 8 * 9 * 4) as u64);
+        // Input, output and the convolution's packed weights and row buffers.
+        let scratch = cpu_conv_scratch_bytes([1, 3, 3], 1, [8, 8], [16, 16], 1);
+        assert_eq!(p.peak_bytes, (2 * 8 * 16 * 16 * 4) as u64 + scratch);
         assert_eq!(p.ranks[0].received_bytes, 0);
     }
 

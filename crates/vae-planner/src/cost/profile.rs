@@ -120,8 +120,12 @@ pub struct DeviceProfile {
     pub link_latency_us: f64,
     /// Bytes per second between two ranks, in billions.
     pub link_gbps: f64,
-    /// Scratch a convolution holds beyond its output and its packed weights (row buffers,
-    /// transformed blocks), bytes, as the rank's account sees it.
+    /// Scratch a convolution holds beyond its output and what the model counts for its kernel,
+    /// bytes, as the rank's account sees it. On a CPU, the model counts the packed or
+    /// transformed weights and the working buffers ([`kernels`](super::kernels)), so this is the
+    /// rest (a few row buffers); on a GPU, the weights in the element type and a padded copy of
+    /// the input. (CPU profiles calibrated before the model counted the kernels' buffers hold
+    /// about 7 MiB here, a Winograd band's buffers counted twice now: calibrate again.)
     pub conv_scratch_bytes: u64,
 }
 
@@ -341,7 +345,7 @@ impl DeviceProfile {
             op_call_us: 0.0,
             link_latency_us: 5.9,
             link_gbps: 2.16,
-            conv_scratch_bytes: 7 << 20,
+            conv_scratch_bytes: 16 << 10,
         }
     }
 }
