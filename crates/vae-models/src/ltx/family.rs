@@ -12,7 +12,7 @@ use super::config::LtxClass;
 use super::model::LtxVae;
 use super::operators::{LtxOperator, LtxShardOperator};
 use super::tiling::LtxTiling;
-use crate::family::{Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+use crate::family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
 use crate::{ModelError, Result};
 
 /// `AutoencoderKLLTXVideo` and `AutoencoderKLLTX2Video`.
@@ -144,6 +144,10 @@ impl LoadedVae for LtxVae {
 
     fn normalize_latents(&self, mean: &Tensor) -> Result<Tensor> {
         LtxVae::normalize_latents(self, mean)
+    }
+
+    fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
+        LtxVae::cost_networks(self, direction, input_dims)
     }
 
     fn tiling_keywords(&self) -> &'static [&'static str] {

@@ -15,6 +15,7 @@
 //! setting (0, the pipelines' default, until set).
 
 mod config;
+mod cost;
 mod family;
 mod layers;
 mod model;
