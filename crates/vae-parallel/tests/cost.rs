@@ -3,7 +3,7 @@
 
 mod support;
 
-use support::{cli, fixtures, read_npy_f32, s, scratch, wan21_fixture};
+use support::{cli, fixtures, max_abs_diff, read_npy_f32, s, scratch, wan21_fixture};
 
 /// `plan` arguments for the SD-like fixture's tiled latent on `ranks` ranks.
 fn plan_args<'a>(model: &'a str, ranks: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -104,7 +104,7 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     // one, which the shard tests check).
     if json["strategy"] == "tile" {
         let (g, e) = (read_npy_f32(&out), read_npy_f32(&fixtures().join("sd_like.decode_tiled.out.npy")));
-        let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let diff = max_abs_diff(&g, &e);
         assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
     }
 
@@ -131,10 +131,22 @@ fn auto_under_a_memory_cap_runs_what_fits_or_refuses_cleanly() {
     let want = read_npy_f32(&wan.parent().unwrap().join("wan21_like.encode_f5_moments.out.npy"));
     assert_eq!(read_npy_f32(&out).len() * 2, want.len(), "the mean of the moments");
 
-    // A request without a cost model (LTX-2's) cannot honour a cap.
+    // LTX has a cost model: its decode under a cap runs the fastest predicted strategy.
     let ltx = fixtures().join("../ltx/ltx2_like");
-    let latent = fixtures().join("../ltx/ltx2_like.decode_batch2.in.npy");
+    let latent = fixtures().join("../ltx/ltx2_like.decode_t3.in.npy");
     let mut v = vec!["decode", "--model", s(&ltx), "--latent", s(&latent), "--out", s(&out)];
+    v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
+    std::fs::remove_file(&out).ok();
+    let (ok, text) = cli(&v);
+    assert!(ok && text.contains("the fastest predicted within 1.0 GiB"), "{text}");
+    let (g, e) = (read_npy_f32(&out), read_npy_f32(&fixtures().join("../ltx/ltx2_like.decode_t3.out.npy")));
+    let diff = max_abs_diff(&g, &e);
+    assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
+
+    // A request without a cost model (LTX-2's frames tiled in time) cannot honour a cap.
+    let video = fixtures().join("../ltx/ltx2_like.encode_temporal.in.npy");
+    let mut v = vec!["encode", "--model", s(&ltx), "--input", s(&video), "--out", s(&out)];
+    v.extend(["--tile-sample-min-num-frames", "8", "--tile-sample-stride-num-frames", "4"]);
     v.extend(["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "auto", "--max-memory-per-rank", "1G"]);
     std::fs::remove_file(&out).ok();
     let (ok, text) = cli(&v);

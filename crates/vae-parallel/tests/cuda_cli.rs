@@ -10,7 +10,7 @@ mod support;
 
 use std::path::Path;
 
-use support::{json_line, read_npy_f32, wan21_fixture};
+use support::{json_line, max_abs_diff, read_npy_f32, wan21_fixture};
 
 use vae_parallel::planner::cost::{DeviceKind, DeviceProfile};
 use vae_parallel::tensor::Device;
@@ -90,7 +90,7 @@ fn a_video_decode_with_device_cuda_matches_the_cpu() {
     for (dtype, tol) in [("f32", 1e-4f32), ("tf32", 5e-3), ("bf16", 0.1)] {
         let out = dir.join(format!("cuda_{dtype}.npy"));
         let got = decode(&out, &[&["--device", "cuda", "--dtype", dtype][..], &mode[..]].concat());
-        let diff = got.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let diff = max_abs_diff(&got, &cpu);
         eprintln!("decode --device cuda --dtype {dtype}: max |cuda - cpu| = {diff}");
         assert_eq!(got.len(), cpu.len());
         assert!(diff <= tol, "{dtype}: {diff} > {tol}");
@@ -212,7 +212,7 @@ fn a_decode_over_nccl_with_a_rank_process_per_gpu_matches_the_cpu() {
     // Two rank processes, rank r on cuda:r, their halos and the gather over NCCL.
     let (nccl, text) = decode(&dir.join("nccl.npy"), &["--device", "cuda", "--transport", "nccl"]);
     assert!(text.contains("2 rank(s) (nccl transport)"), "{text}");
-    let diff = nccl.iter().zip(&cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = max_abs_diff(&nccl, &cpu);
     eprintln!("decode --device cuda --transport nccl, 2 ranks: max |cuda - cpu| = {diff}");
     assert_eq!(nccl.len(), cpu.len());
     assert!(diff <= 1e-4, "{diff}");

@@ -6,7 +6,9 @@ mod support;
 
 use std::path::Path;
 
-use support::{WAN_FIXTURE_TILING, assert_clean_failure, cli, decode_on, fixtures, read_npy_f32, s, scratch};
+use support::{
+    WAN_FIXTURE_TILING, assert_clean_failure, cli, decode_on, fixtures, max_abs_diff, read_npy_f32, s, scratch,
+};
 
 /// The CLI's tiled decode of the SD-like fixture on two local ranks into `out`.
 fn tiled_decode_on_two_ranks(out: &Path, extra: &[&str]) -> (bool, String) {
@@ -28,7 +30,7 @@ fn decode_matches_diffusers_through_the_cli_on_two_ranks() {
     let got = read_npy_f32(&out);
     let expected = read_npy_f32(&f.join("sd_like.decode_tiled.out.npy"));
     assert_eq!(got.len(), expected.len());
-    let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = max_abs_diff(&got, &expected);
     assert!(diff <= 1e-4, "max diff {diff}");
     // PNG output: one file.
     let png = dir.join("out.png");
@@ -58,7 +60,7 @@ fn cpu_bf16_decode_runs_with_bf16_products() {
     assert!(ok, "{text}");
     let got = read_npy_f32(&out);
     let expected = read_npy_f32(&f.join("sd_like.decode_tiled.out.npy"));
-    let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = max_abs_diff(&got, &expected);
     // torch 2.15 in bf16 on the CPU reaches 0.0615 on this model (tests/tests/cpu_bf16.rs).
     assert!(diff > 0.0 && diff <= 0.0615, "bf16 products, not f32 and not worse than torch bf16: max diff {diff}");
 }
@@ -87,7 +89,7 @@ fn encode_and_inspect_work() {
     let got = read_npy_f32(&out);
     // Two ranks force tiling on, as the reference does: the tiled fixture is the truth.
     let expected = read_npy_f32(&f.join("flux1_like.encode_tiled_moments.out.npy"));
-    let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = max_abs_diff(&got, &expected);
     assert!(got.len() == expected.len() && diff <= 1e-4, "max diff {diff}");
     let (ok, text) = cli(&["inspect", "--model", s(&f.join("flux2_like"))]);
     assert!(ok && text.contains("AutoencoderKLFlux2") && text.contains("modes       tile, auto"), "{text}");
@@ -134,7 +136,7 @@ fn video_vaes_decode_and_encode_through_the_cli() {
     let close = |got: &Path, expected: &Path| {
         let (g, e) = (read_npy_f32(got), read_npy_f32(expected));
         assert_eq!(g.len(), e.len(), "{}", got.display());
-        g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+        max_abs_diff(&g, &e)
     };
     // Tiled decode on 3 ranks with diffusers' enable_tiling(16, 24, 8, 16).
     let out = dir.join("tiled.npy");
@@ -231,7 +233,7 @@ fn hunyuan_video15_decodes_and_encodes_through_the_cli() {
     let close = |got: &Path, expected: &str| {
         let (g, e) = (read_npy_f32(got), read_npy_f32(&hv.join(expected)));
         assert_eq!(g.len(), e.len(), "{}", got.display());
-        g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+        max_abs_diff(&g, &e)
     };
     let tiling = [
         "--tile-sample-min-height",
@@ -311,7 +313,7 @@ fn ltx_decodes_and_encodes_through_the_cli() {
     let close = |got: &Path, expected: &str| {
         let (g, e) = (read_npy_f32(got), read_npy_f32(&ltx.join(expected)));
         assert_eq!(g.len(), e.len(), "{}", got.display());
-        g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max)
+        max_abs_diff(&g, &e)
     };
     // Spatio-temporal tiled decode of the timestep-conditioned LTX-Video decoder: one process,
     // then two socket processes (the same bytes).
@@ -406,7 +408,7 @@ fn shard_decode_through_the_cli_matches_diffusers_and_reports_its_strategy() {
     assert!(text.contains("shard-width (mode spatial_shard_width: spatial_shard_width requested)"), "{text}");
     assert!(text.contains("cols 0..1") && text.contains("cols 2..3"), "bands of a width shard are columns: {text}");
     let (g, e) = (read_npy_f32(&out), read_npy_f32(&wan.join("wan21_like.decode_t3.out.npy")));
-    let diff = g.iter().zip(&e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let diff = max_abs_diff(&g, &e);
     assert!(g.len() == e.len() && diff <= 1e-4, "{diff}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(json["mode"], "spatial_shard_width");

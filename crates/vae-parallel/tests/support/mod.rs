@@ -118,6 +118,11 @@ pub fn wan21_fixture() -> (PathBuf, PathBuf) {
     (wan.join("wan21_like"), wan.join("wan21_like.decode_t3.in.npy"))
 }
 
+/// The largest absolute difference between two outputs, element by element.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max)
+}
+
 /// The f32 elements of a version-1 `.npy` file.
 pub fn read_npy_f32(path: &Path) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap();
