@@ -39,11 +39,15 @@ pub(crate) fn per_item(
     let mut outs = Vec::with_capacity(batch);
     for i in 0..batch {
         vae_runtime::cancel::check()?;
-        let item = x.narrow(0, i, 1)?;
+        // A batch of one is its item: no copy of it, and none of the result below.
+        let narrowed = if batch == 1 { None } else { Some(x.narrow(0, i, 1)?) };
         let mut uploaded = None;
-        let item = on_device(&item, device, dtype, &mut uploaded)?;
+        let item = on_device(narrowed.as_ref().unwrap_or(x), device, dtype, &mut uploaded)?;
         outs.push(to_host(run(item)?)?);
         vae_runtime::progress::report(vae_runtime::progress::Progress::Steps { done: i + 1, total: batch });
+    }
+    if outs.len() == 1 {
+        return Ok(outs.remove(0));
     }
     let refs: Vec<&Tensor> = outs.iter().collect();
     Ok(Tensor::cat(&refs, 0)?)

@@ -63,18 +63,24 @@ fn upsample(b: &mut NetworkBuilder, ([st, s, _], residual, u): (Stride, bool, us
     }
 }
 
-/// `LTXVideoDownsampler3d` to `out` channels: the first `st − 1` frames prepended (a copy in
-/// any case), the shortcut folded and averaged, the convolution to `out / k` channels folded
-/// alike, the two added.
+/// `LTXVideoDownsampler3d` to `out` channels: the first `st − 1` frames prepended (a copy where
+/// `st > 1`), the shortcut folded and averaged, the convolution to `out / k` channels folded
+/// alike, the two added. The caller holds the block's input throughout.
 fn downsample(b: &mut NetworkBuilder, [st, s, _]: Stride, out: usize, align: usize) {
     let (c, [t, h, w]) = (b.channels(), b.dims());
-    let x = b.map_elems();
     let k = st * s * s;
     let long = [t + st - 1, h, w];
     let down = [t.div_ceil(st), h / s, w / s];
-    b.copy(c, long, x);
+    // `x`: the input besides the map the layer works on (`xl`, the longer copy or the input).
+    let x = if st > 1 {
+        let x = b.map_elems();
+        b.copy(c, long, 0);
+        x
+    } else {
+        0
+    };
     let xl = b.map_elems();
-    b.copy(out, down, x + xl);
+    b.copy(out, down, x);
     let shortcut = b.map_elems();
     b.restart(c, long);
     b.padded_conv(out / k, K, align, x + xl + shortcut);

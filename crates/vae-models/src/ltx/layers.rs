@@ -226,7 +226,9 @@ impl Downsampler {
 
     pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let [st, s, _] = self.stride;
-        let x = if st > 1 { Tensor::cat(&[&x.narrow(2, 0, st - 1)?, x], 2)? } else { x.clone() };
+        // The first frames prepended where the fold spans frames; the input itself otherwise.
+        let longer = if st > 1 { Some(Tensor::cat(&[&x.narrow(2, 0, st - 1)?, x], 2)?) } else { None };
+        let x = longer.as_ref().unwrap_or(x);
         if !x.dims()[2].is_multiple_of(st) {
             return Err(ModelError::InvalidInput(format!(
                 "a temporal downsample got {} frames; the encoder takes 1 + k·(its temporal ratio) frames",
@@ -234,7 +236,7 @@ impl Downsampler {
             )));
         }
         let residual = x.avg_down3d(st, s, self.out)?;
-        let h = self.conv.forward(&x, band)?;
+        let h = self.conv.forward(x, band)?;
         // A fold with groups of one channel: the conv's channels rearranged, unchanged.
         let mut h = h.avg_down3d(st, s, self.out)?;
         h.add_assign(&residual)?;
