@@ -569,23 +569,43 @@ impl Tensor {
             let out = x.dup_up3d([n, c, t, h, w], [out_channels, factor_t, factor_s, repeats, drop], out_len)?;
             return Ok(Tensor::from_cuda(out, Shape::new(dims)));
         }
+        // One pass over the output, a row at a time: output row `(b, o, frame, row)` interleaves
+        // the input rows of the `fs` channels its columns unfold from.
         let src = self.as_slice_f32()?;
-        let chan = t * h * w;
-        let mut rep = Buffer::zeros(n * unfolded * chan);
-        if chan > 0 {
-            rep.as_mut_slice().par_chunks_mut(chan).enumerate().for_each(|(i, dst)| {
-                let (b, j) = (i / unfolded, i % unfolded);
-                dst.copy_from_slice(&src[(b * c + j / repeats) * chan..][..chan]);
+        let drop = if first_chunk && factor_t > 1 { (factor_t - 1).min(t * factor_t) } else { 0 };
+        let (t2, h2, w2) = (t * factor_t - drop, h * factor_s, w * factor_s);
+        let dims = [n, out_channels, t2, h2, w2];
+        let mut out = Buffer::for_overwrite(checked_len(OP, &dims)?);
+        if w2 > 0 {
+            let (fs, ft) = (factor_s, factor_t);
+            out.as_mut_slice().par_chunks_mut(w2).enumerate().for_each(|(r, dst)| {
+                let (rest, y) = (r / h2, r % h2);
+                let (rest, frame) = (rest / t2, rest % t2);
+                let (b, o) = (rest / out_channels, rest % out_channels);
+                let (ti, dt) = ((frame + drop) / ft, (frame + drop) % ft);
+                let (hi, dh) = (y / fs, y % fs);
+                let row = |dw: usize| {
+                    let j = ((o * ft + dt) * fs + dh) * fs + dw;
+                    &src[(((b * c + j / repeats) * t + ti) * h + hi) * w..][..w]
+                };
+                if fs == 1 {
+                    dst.copy_from_slice(row(0));
+                } else if fs == 2 {
+                    let (even, odd) = (row(0), row(1));
+                    for ((d, &a), &z) in dst.chunks_exact_mut(2).zip(even).zip(odd) {
+                        d[0] = a;
+                        d[1] = z;
+                    }
+                } else {
+                    for dw in 0..fs {
+                        for (d, &v) in dst[dw..].iter_mut().step_by(fs).zip(row(dw)) {
+                            *d = v;
+                        }
+                    }
+                }
             });
         }
-        let y = Tensor::from_buffer(rep, Shape::new([n, out_channels, factor_t, factor_s, factor_s, t, h, w]))
-            .permute(&[0, 1, 5, 2, 6, 3, 7, 4])?
-            .into_reshaped([n, out_channels, t * factor_t, h * factor_s, w * factor_s])?;
-        if first_chunk && factor_t > 1 {
-            let drop = (factor_t - 1).min(t * factor_t);
-            return y.narrow(2, drop, t * factor_t - drop);
-        }
-        Ok(y)
+        Ok(Tensor::from_buffer(out, Shape::new(dims)))
     }
 
     /// diffusers' Wan `patchify(x, p)`: `[N, C, T, H, W]` to `[N, C·p², T, H/p, W/p]` with
