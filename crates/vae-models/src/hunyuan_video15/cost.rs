@@ -1,13 +1,12 @@
-//! The HunyuanVideo-1.5 decoder as the cost model sees it ([`vae_planner::cost`]): the whole
-//! clip at once (its attention looks at every earlier frame, so it is not run a frame at a
-//! time), in the order `networks.rs` runs its layers, with the maps each keeps alive. Every
-//! causal convolution pads its input into a copy (the frames in front and the edges
-//! replicated; a part's neighbours' rows fill its halo) and computes every tap, the
+//! The HunyuanVideo-1.5 decoder and encoder as the cost model sees them
+//! ([`vae_planner::cost`]): the whole clip at once (the attention looks at every earlier frame,
+//! so it is not run a frame at a time), in the order `networks.rs` runs its layers, with the maps
+//! each keeps alive. Every causal convolution pads its input into a copy (the frames in front and
+//! the edges replicated; a part's neighbours' rows fill its halo) and computes every tap, the
 //! replicated frames being data. The upsamples unfold a convolution's channels into 2 × 2
 //! pixels (× 2 frames after the first when temporal) and add the input's channels repeated
-//! and unfolded alike.
-//!
-//! Encodes are not modelled yet: `auto` keeps the family's rules for them.
+//! and unfolded alike; the downsamples fold 2 × 2 pixels (× 2 frames after the first) into a
+//! convolution's channels and add the input folded alike with its channel groups averaged.
 
 use vae_planner::cost::{Network, NetworkBuilder, StepKind};
 
@@ -16,13 +15,16 @@ use super::model::HunyuanVideo15Vae;
 use crate::family::{CostNetworks, Direction};
 
 /// `HunyuanVideo15ResnetBlock`: norm, SiLU, conv, twice, plus the input (through a 1 × 1 × 1
-/// convolution where the width changes); the caller holds the input until it returns.
+/// convolution where the width changes); the caller holds the input until it returns, and a
+/// norm's output lives through its convolution.
 fn resnet(b: &mut NetworkBuilder, out: usize, align: usize) {
     let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
     b.norm(false, 0);
-    b.padded_conv(out, [3, 3, 3], align, x);
+    let n1 = b.map_elems();
+    b.padded_conv(out, [3, 3, 3], align, x + n1);
     b.norm(false, x);
-    b.padded_conv(out, [3, 3, 3], align, x);
+    let n2 = b.map_elems();
+    b.padded_conv(out, [3, 3, 3], align, x + n2);
     let y = b.map_elems();
     if cin != out {
         b.restart(cin, dims);
@@ -78,28 +80,88 @@ fn decoder(c: &HunyuanVideo15Config, frames: usize, [h, w]: [usize; 2], elem: u6
     Some(b.finish())
 }
 
+/// `HunyuanVideo15Downsample` to `out` channels: the convolution to `out / factor` channels,
+/// folded (the first frame alone, doubled in channels, when temporal), and the input folded
+/// alike with its channel groups averaged to `out`, added.
+fn downsample(b: &mut NetworkBuilder, out: usize, temporal: bool, align: usize) {
+    let (cin, dims, x) = (b.channels(), b.dims(), b.map_elems());
+    let [t, h, w] = dims;
+    let factor = if temporal { 8 } else { 4 };
+    let down = [if temporal { 1 + t.saturating_sub(1) / 2 } else { t }, h / 2, w / 2];
+    b.padded_conv(out / factor, [3, 3, 3], align, x);
+    let y = b.map_elems();
+    if temporal {
+        // The frames after the first, apart, before they fold; the two halves joined.
+        b.copy(out / factor, [t.saturating_sub(1), h, w], x + y);
+        b.copy(out, down, x + y);
+    }
+    b.copy(out, down, x + y);
+    let folded = b.map_elems();
+    b.restart(cin, dims);
+    b.copy(cin * factor, [down[0], h / 2, w / 2], folded);
+    let x_folded = b.map_elems();
+    b.copy(out, down, folded + x_folded);
+    b.add(folded);
+}
+
+/// The encoder over a `[frames, h, w]` video (`HunyuanVideo15Encoder3D`): the moments, plus
+/// the last map's channel groups averaged.
+fn encoder(c: &HunyuanVideo15Config, frames: usize, [h, w]: [usize; 2], elem: u64, batch: usize) -> Option<Network> {
+    let widths = &c.block_out_channels;
+    let ratio = c.spatial_compression_ratio.max(1);
+    let mut b = NetworkBuilder::new(c.in_channels, [frames, h, w], [h / ratio, w / ratio], elem, batch);
+    let mut align = ratio;
+    b.padded_conv(*widths.first()?, [3, 3, 3], align, 0);
+    for (i, level) in c.encoder_levels().ok()?.into_iter().enumerate() {
+        for _ in 0..c.layers_per_block {
+            resnet(&mut b, widths[i], align);
+        }
+        if let Some(r) = level {
+            downsample(&mut b, r.out_channels, r.temporal, align);
+            align /= 2;
+        }
+    }
+    let last = b.channels();
+    resnet(&mut b, last, 1);
+    let dims = b.dims();
+    b.push(StepKind::Attention, last, dims, 0);
+    resnet(&mut b, last, 1);
+    let x = b.map_elems();
+    let moments = 2 * c.latent_channels;
+    b.copy(moments, dims, 0);
+    let shortcut = b.map_elems();
+    b.restart(last, dims);
+    b.norm(false, shortcut);
+    let n = b.map_elems();
+    b.padded_conv(moments, [3, 3, 3], 1, x + shortcut + n);
+    b.add(x + shortcut);
+    Some(b.finish())
+}
+
 impl HunyuanVideo15Vae {
-    /// The cost model's passes for a decode of an `input_dims` latent (`[B, C, T, H, W]`): the
-    /// whole latent's, and each tile's when it is larger than one tile. None for an encode or
-    /// another shape.
+    /// The cost model's passes for a request on an `input_dims` input (`[B, C, T, H, W]`: a
+    /// latent to decode or a video to encode): the whole input's, and each tile's when it is
+    /// larger than one tile. None for another shape.
     pub fn cost_networks(&self, direction: Direction, input_dims: &[usize]) -> Option<CostNetworks> {
         let &[batch, _, frames, h, w] = input_dims else { return None };
-        if direction != Direction::Decode {
-            return None;
-        }
         let c = self.config();
         let elem = self.dtype().size_in_bytes() as u64;
         let t = self.tiling();
-        let tiles = if t.needs_tiling_decode(h, w) {
-            let layout = t.decode_layout(h, w, self.spatial_ratio()).ok()?;
-            layout
-                .tiles()
-                .map(|tile| decoder(c, frames, [tile.input[0].len(), tile.input[1].len()], elem, batch))
-                .collect::<Option<_>>()?
-        } else {
-            Vec::new()
+        let pass = |[th, tw]: [usize; 2]| match direction {
+            Direction::Decode => decoder(c, frames, [th, tw], elem, batch),
+            Direction::Encode => encoder(c, frames, [th, tw], elem, batch),
         };
-        Some(CostNetworks { whole: decoder(c, frames, [h, w], elem, batch)?, tiles, stitched: true })
+        let layout = match direction {
+            Direction::Decode => t.needs_tiling_decode(h, w).then(|| t.decode_layout(h, w, self.spatial_ratio())),
+            Direction::Encode => t.needs_tiling_encode(h, w).then(|| t.encode_layout(h, w, self.spatial_ratio())),
+        };
+        let tiles = match layout {
+            Some(l) => {
+                l.ok()?.tiles().map(|tile| pass([tile.input[0].len(), tile.input[1].len()])).collect::<Option<_>>()?
+            }
+            None => Vec::new(),
+        };
+        Some(CostNetworks { whole: pass([h, w])?, tiles, stitched: true })
     }
 }
 
@@ -129,7 +191,24 @@ mod tests {
             assert!(matches!(s.kind, StepKind::Conv { pads: true, overlapped: false, .. }), "{s:?}");
             assert_eq!(s.frame_taps, 3 * s.output[0]);
         }
-        assert!(vae.cost_networks(Direction::Encode, &[1, 3, 9, 32, 48]).is_none());
         assert!(vae.cost_networks(Direction::Decode, &[1, 4, 4, 6]).is_none());
+    }
+
+    /// An encode ends with the moments: 2 × latent channels of 1 + (F − 1) / 4 frames at the
+    /// latent's size; its convolutions pad too.
+    #[test]
+    fn an_encode_ends_with_the_moments() {
+        let vae = fixture();
+        let c = vae.config();
+        let s = c.spatial_compression_ratio;
+        let nets = vae.cost_networks(Direction::Encode, &[1, 3, 5, 2 * s, 3 * s]).unwrap();
+        let frames = 1 + 4 / c.temporal_compression_ratio;
+        assert_eq!(nets.whole.output_elems, (2 * c.latent_channels * frames * 2 * 3) as u64);
+        assert_eq!(nets.whole.latent, [2, 3]);
+        assert!(nets.tiles.is_empty());
+        assert!(nets.whole.steps.iter().any(|s| s.kind == StepKind::Attention));
+        for s in nets.whole.steps.iter().filter(|s| s.kind.label(true).starts_with("conv 3x3x3")) {
+            assert!(matches!(s.kind, StepKind::Conv { pads: true, overlapped: false, .. }), "{s:?}");
+        }
     }
 }

@@ -92,10 +92,13 @@ impl ResnetBlock {
     }
 
     pub(super) fn forward(&self, x: &Tensor, band: &mut Band<'_, '_>) -> Result<Tensor> {
-        let y = self.norm1.forward_silu(x)?;
-        let y = self.conv1.forward(&y, band)?;
-        let y = self.norm2.forward_silu(&y)?;
-        let mut y = self.conv2.forward(&y, band)?;
+        // Each map is dropped once the next is made (shadowed bindings would live to the end).
+        let n2 = {
+            let h = self.conv1.forward(&self.norm1.forward_silu(x)?, band)?;
+            self.norm2.forward_silu(&h)?
+        };
+        let mut y = self.conv2.forward(&n2, band)?;
+        drop(n2);
         match &self.shortcut {
             Some(s) => y.add_assign(&s.forward(x)?)?,
             None => y.add_assign(x)?,

@@ -2,8 +2,7 @@
 //! clip at once, in the order `networks.rs` runs its layers, with the maps each keeps alive.
 //! Every convolution pads its input into a copy (frames repeated in time, zeros or a reflection
 //! in H and W; a part's neighbours' rows fill its halo) and computes every tap. A resnet's
-//! norm output lives until its convolution returns (a temporary of the call), its input until
-//! the block's sum. The upsamples unfold a convolution's channels into 2 × 2 (× 2 frames, the
+//! norm outputs live until their convolutions return, its input until the block's sum. The upsamples unfold a convolution's channels into 2 × 2 (× 2 frames, the
 //! first dropped) blocks and add the input unfolded alike with its channels repeated; the
 //! downsamples fold blocks into channels, the shortcut averaged.
 //!
@@ -20,16 +19,16 @@ use crate::family::{CostNetworks, Direction};
 const K: [usize; 3] = [3, 3, 3];
 
 /// `LTXVideoResnetBlock3d` with equal widths: norm (scaled and shifted when conditioned, the
-/// same pass), SiLU, conv, twice, then the input added in place.
+/// same pass), SiLU, conv, twice, then the input added in place. A norm's output lives through
+/// its convolution; the first convolution's output until the second norm is made.
 fn resnet(b: &mut NetworkBuilder, align: usize) {
     let (c, x) = (b.channels(), b.map_elems());
     b.norm(false, 0);
     let n1 = b.map_elems();
     b.padded_conv(c, K, align, x + n1);
-    let y = b.map_elems();
     b.norm(false, x);
     let n2 = b.map_elems();
-    b.padded_conv(c, K, align, x + y + n2);
+    b.padded_conv(c, K, align, x + n2);
     b.add(x);
 }
 

@@ -175,16 +175,21 @@ impl ResnetBlock {
     pub(super) fn forward(&self, x: &Tensor, temb: Option<&[f32]>, band: &mut Band<'_, '_>) -> Result<Tensor> {
         let c = self.channels;
         let mut y = match (&self.table, temb) {
+            // Each map is dropped once the next is made.
             (Some(table), Some(temb)) => {
                 let e: Vec<f32> = temb.iter().zip(table).map(|(a, b)| a + b).collect();
-                let y = self.norm.forward_modulated_silu(x, &e[..c], &e[c..2 * c])?;
-                let y = self.conv1.forward(&y, band)?;
-                let y = self.norm.forward_modulated_silu(&y, &e[2 * c..3 * c], &e[3 * c..])?;
-                self.conv2.forward(&y, band)?
+                let n2 = {
+                    let h = self.conv1.forward(&self.norm.forward_modulated_silu(x, &e[..c], &e[c..2 * c])?, band)?;
+                    self.norm.forward_modulated_silu(&h, &e[2 * c..3 * c], &e[3 * c..])?
+                };
+                self.conv2.forward(&n2, band)?
             }
             (None, _) => {
-                let y = self.conv1.forward(&self.norm.forward_silu(x)?, band)?;
-                self.conv2.forward(&self.norm.forward_silu(&y)?, band)?
+                let n2 = {
+                    let h = self.conv1.forward(&self.norm.forward_silu(x)?, band)?;
+                    self.norm.forward_silu(&h)?
+                };
+                self.conv2.forward(&n2, band)?
             }
             (Some(_), None) => {
                 return Err(ModelError::InvalidInput("a timestep-conditioned block needs a timestep".into()));
