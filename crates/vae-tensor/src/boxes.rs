@@ -140,7 +140,12 @@ fn copy_runs(walk: &Walk, src: &[f32], dst: &mut [f32]) {
 pub(crate) fn zero(dst: &mut [f32], strides: &[usize], off: &[usize], extent: &[usize]) {
     let walk = Walk::new(extent, strides, off, strides, off);
     let run = walk.run;
-    walk.each_run(|_, t| dst[t..t + run].fill(0.0));
+    if run == 1 {
+        // One value a run (a column): a store, not a call to fill a one-element slice.
+        walk.each_run(|_, t| dst[t] = 0.0);
+    } else {
+        walk.each_run(|_, t| dst[t..t + run].fill(0.0));
+    }
 }
 
 /// The box of `dims` outside `inner` (a range per dimension, inside `dims`) as at most two
