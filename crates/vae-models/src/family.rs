@@ -125,6 +125,23 @@ pub struct CostNetworks {
     pub stitched: bool,
 }
 
+impl CostNetworks {
+    /// A request's passes as a family's 2-D tiling runs them: `pass` over the whole input
+    /// (`extent`: its rows and columns) and over each tile of `layout` (None where the input
+    /// fits one tile), the owner stitching tiles as they arrive. None where a pass is None.
+    pub fn stitched(
+        extent: [usize; 2],
+        layout: Option<vae_planner::TileLayout2d>,
+        pass: impl Fn([usize; 2]) -> Option<vae_planner::cost::Network>,
+    ) -> Option<Self> {
+        let tiles = match layout {
+            Some(l) => l.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect::<Option<_>>()?,
+            None => Vec::new(),
+        };
+        Some(Self { whole: pass(extent)?, tiles, stitched: true })
+    }
+}
+
 /// A loaded VAE of any family: what serving a request needs from it.
 ///
 /// Policy methods ([`check_mode`](Self::check_mode), [`strategy`](Self::strategy)) must be

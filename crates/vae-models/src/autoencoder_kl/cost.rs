@@ -103,8 +103,8 @@ impl AutoencoderKl {
         let c = self.config();
         let elem = self.dtype().size_in_bytes() as u64;
         let pass = |extent: [usize; 2]| match direction {
-            Direction::Decode => decoder(c, extent, elem, batch),
-            Direction::Encode => encoder(c, extent, elem, batch),
+            Direction::Decode => Some(decoder(c, extent, elem, batch)),
+            Direction::Encode => Some(encoder(c, extent, elem, batch)),
         };
         let levels = c.levels() as u32;
         let layout = match direction {
@@ -116,8 +116,6 @@ impl AutoencoderKl {
             }
             _ => None,
         };
-        let tiles =
-            layout.map(|l| l.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()).unwrap_or_default();
-        Some(CostNetworks { whole: pass([h, w]), tiles, stitched: true })
+        CostNetworks::stitched([h, w], layout, pass)
     }
 }

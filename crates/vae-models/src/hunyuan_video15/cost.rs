@@ -155,13 +155,7 @@ impl HunyuanVideo15Vae {
             Direction::Decode => t.needs_tiling_decode(h, w).then(|| t.decode_layout(h, w, self.spatial_ratio())),
             Direction::Encode => t.needs_tiling_encode(h, w).then(|| t.encode_layout(h, w, self.spatial_ratio())),
         };
-        let tiles = match layout {
-            Some(l) => {
-                l.ok()?.tiles().map(|tile| pass([tile.input[0].len(), tile.input[1].len()])).collect::<Option<_>>()?
-            }
-            None => Vec::new(),
-        };
-        Some(CostNetworks { whole: pass([h, w])?, tiles, stitched: true })
+        CostNetworks::stitched([h, w], layout.transpose().ok()?, pass)
     }
 }
 

@@ -154,8 +154,8 @@ impl LtxVae {
         let elem = self.dtype().size_in_bytes() as u64;
         let t = self.tiling();
         let pass = |[th, tw]: [usize; 2]| match direction {
-            Direction::Decode => decoder(c, frames, [th, tw], elem, batch),
-            Direction::Encode => encoder(c, frames, [th, tw], elem, batch),
+            Direction::Decode => Some(decoder(c, frames, [th, tw], elem, batch)),
+            Direction::Encode => Some(encoder(c, frames, [th, tw], elem, batch)),
         };
         let layout = match direction {
             Direction::Decode if t.tiles_frames_decode(frames) => return None,
@@ -166,11 +166,7 @@ impl LtxVae {
                 t.spatial.encode_layout_with_ratio(h, w, t.spatial.spatial_compression_ratio, |n| n / r)
             }),
         };
-        let tiles = match layout {
-            Some(l) => l.ok()?.tiles().map(|tile| pass([tile.input[0].len(), tile.input[1].len()])).collect(),
-            None => Vec::new(),
-        };
-        Some(CostNetworks { whole: pass([h, w]), tiles, stitched: true })
+        CostNetworks::stitched([h, w], layout.transpose().ok()?, pass)
     }
 }
 

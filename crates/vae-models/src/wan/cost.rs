@@ -376,8 +376,8 @@ impl WanVae {
         // An encode's tiles are cut in the patchified pixels; a pass takes the pixels.
         let patch = self.patch();
         let pass = |[th, tw]: [usize; 2]| match direction {
-            Direction::Decode => decoder(c, frames, [th, tw], elem, batch),
-            Direction::Encode => encoder(c, frames, [th * patch, tw * patch], elem, batch),
+            Direction::Decode => Some(decoder(c, frames, [th, tw], elem, batch)),
+            Direction::Encode => Some(encoder(c, frames, [th * patch, tw * patch], elem, batch)),
         };
         let (extent, layout) = match direction {
             Direction::Decode => {
@@ -391,9 +391,7 @@ impl WanVae {
                 ([hp, wp], if tiled { Some(tiling.encode_layout(hp, wp, |n| n >> halvings).ok()?) } else { None })
             }
         };
-        let tiles =
-            layout.map(|l| l.tiles().map(|t| pass([t.input[0].len(), t.input[1].len()])).collect()).unwrap_or_default();
-        Some(CostNetworks { whole: pass(extent), tiles, stitched: true })
+        CostNetworks::stitched(extent, layout, pass)
     }
 }
 
