@@ -261,3 +261,20 @@ where
         );
     }
 }
+
+/// A fixture model as the CLI loads it without a cost profile: its requests follow the
+/// family's rules.
+pub fn load_vae(dir: &std::path::Path) -> vae_parallel::Vae {
+    vae_parallel::Vae::builder(dir).cost_profile(vae_parallel::CostProfile::Off).build().unwrap()
+}
+
+/// A decode's options with the reference's (the CLI's) semantics: `mode`, and tiling on when
+/// asked or when several ranks compute.
+pub fn reference(mode: vae_runtime::ParallelMode) -> vae_parallel::Decode {
+    vae_parallel::Decode::default().mode(mode).tiling(vae_parallel::Tiling::Reference { asked: false })
+}
+
+/// An encode's options with the reference's semantics, returning `output`.
+pub fn reference_encode(mode: vae_runtime::ParallelMode, output: vae_parallel::EncodeOutput) -> vae_parallel::Encode {
+    vae_parallel::Encode::default().mode(mode).tiling(vae_parallel::Tiling::Reference { asked: false }).output(output)
+}

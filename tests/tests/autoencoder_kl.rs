@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use vae_integration_tests::{FixtureCase, fixture_cases, fixtures_dir, kl_case_output};
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
-use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
 use vae_parallel::io::read_npy;
+use vae_parallel::{CostProfile, Decode, Encode, Tiling, Vae};
 use vae_runtime::{DistributedVaeExecutor, OutputPlacement, execute_serial};
 use vae_tensor::Tensor;
 use vae_transport::{TransportConfig, run_local};
@@ -79,18 +79,21 @@ fn the_engine_routes_normalised_latents_like_the_pipelines() {
             overlap_factor: case.tile_overlap_factor,
             ..Default::default()
         };
-        let engine = Engine::load(&dir().join(&case.model), &tiling).unwrap();
+        let engine =
+            Vae::builder(dir().join(&case.model)).tiling(tiling).cost_profile(CostProfile::Off).build().unwrap();
         let input = read_npy(&dir().join(&case.input)).unwrap();
         let expected = read_npy(&dir().join(&case.output)).unwrap();
-        let options = RequestOptions { use_tiling: case.tiling, latents_normalized: true, ..RequestOptions::default() };
+        let tiling = Tiling::Reference { asked: case.tiling };
+        let decode = Decode::default().mode(vae_runtime::ParallelMode::Tile).tiling(tiling).pipeline_latents();
+        let encode = Encode::default().mode(vae_runtime::ParallelMode::Tile).tiling(tiling).pipeline_latents();
         // Parallel size 1 on a group of 2: a larger size would force tiling on (as the
         // reference does), and these fixtures are untiled.
         let got = run_local(2, TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 1).unwrap();
             let out = if case.op == "decode_normalized" {
-                engine.decode(&exec, &input, &options)
+                engine.decode_on(&exec, &input, &decode)
             } else {
-                engine.encode(&exec, &input, &options, EncodeOutput::Mean)
+                engine.encode_on(&exec, &input, &encode)
             };
             out.unwrap().tensor
         })

@@ -375,23 +375,26 @@ fn shard_decode_over_nccl_moves_halos_gpu_to_gpu_and_matches_the_host_path_bit_f
 /// memory cap with a typed error instead of choosing by a CPU's figures.
 #[test]
 fn on_cuda_auto_keeps_the_family_rules_and_a_memory_cap_is_refused() {
-    use vae_parallel::cost::{CostError, CostSettings};
-    use vae_parallel::engine::{Engine, EngineError, RequestOptions};
-    use vae_parallel::planner::cost::{DeviceProfile, Placement};
+    use vae_parallel::cost::CostError;
+    use vae_parallel::planner::cost::DeviceProfile;
+    use vae_parallel::{CostProfile, Error, Vae};
     use vae_runtime::ParallelMode;
 
     let Some(device) = cuda("the cost model on CUDA") else { return };
     let dir = fixtures_dir().join("autoencoder_kl").join("sd_like");
-    let mut engine = Engine::load_on(&dir, &Default::default(), device, DType::F32).unwrap();
-    let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 2.0 };
-    engine.set_cost(Some(CostSettings { profile: DeviceProfile::builtin_cpu(), placement }));
+    let engine = Vae::builder(&dir)
+        .device(device)
+        .dtype(DType::F32)
+        .cost_profile(CostProfile::Given(DeviceProfile::builtin_cpu()))
+        .build()
+        .unwrap();
     let z = random_tensor(&[1, 4, 9, 11], 5);
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        let auto = RequestOptions { mode: ParallelMode::Auto, ..RequestOptions::default() };
-        let out = engine.decode(&exec, &z, &auto).unwrap();
-        let capped = RequestOptions { max_memory_per_rank: Some(1 << 30), ..auto };
-        let refused = engine.decode(&exec, &z, &capped).unwrap_err();
+        let auto = vae_integration_tests::reference(ParallelMode::Auto);
+        let out = engine.decode_on(&exec, &z, &auto).unwrap();
+        let capped = auto.max_memory_per_rank(1 << 30);
+        let refused = engine.decode_on(&exec, &z, &capped).unwrap_err();
         (out.report.strategy.label(), out.report.predicted, refused)
     })
     .unwrap();
@@ -399,7 +402,7 @@ fn on_cuda_auto_keeps_the_family_rules_and_a_memory_cap_is_refused() {
         let (strategy, predicted, refused) = r.unwrap();
         assert_eq!(strategy, "tile");
         assert!(predicted.is_none());
-        assert!(matches!(refused, EngineError::Cost(CostError::NoModel { .. })), "{refused}");
+        assert!(matches!(refused, Error::Cost(CostError::NoModel { .. })), "{refused}");
         assert!(refused.to_string().contains("on cuda"), "{refused}");
     }
 }

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use vae_integration_tests::fixtures_dir;
-use vae_parallel::engine::{Engine, RequestOptions};
+use vae_integration_tests::{load_vae, reference, reference_encode};
 use vae_runtime::{DistributedVaeExecutor, ParallelMode};
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
@@ -42,13 +42,12 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
         .with_writer(move || writer.clone())
         .init();
 
-    let wan = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), &Default::default()).unwrap();
+    let wan = load_vae(&fixtures_dir().join("wan").join("wan21_like"));
     // Height 3 cannot feed 4 ranks: spatial_shard_height falls back to tile (never to width).
     let z = Tensor::zeros(vec![1, 16, 1, 3, 8], DType::F32, &Device::Cpu).unwrap();
     let reasons = run_local(4, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
-        let options = RequestOptions { mode: ParallelMode::SpatialShardHeight, ..RequestOptions::default() };
-        let out = wan.decode(&exec, &z, &options).unwrap();
+        let out = wan.decode_on(&exec, &z, &reference(ParallelMode::SpatialShardHeight)).unwrap();
         (out.report.strategy.label(), out.report.reason.unwrap())
     })
     .unwrap();
@@ -65,21 +64,20 @@ fn fallbacks_warn_once_per_request_and_rejections_are_typed_errors_on_every_rank
     // auto choosing tile is not a fallback: no warning.
     run_local(4, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
-        let options = RequestOptions { mode: ParallelMode::Auto, ..RequestOptions::default() };
-        wan.decode(&exec, &z.narrow(3, 0, 2).unwrap(), &options).unwrap();
+        wan.decode_on(&exec, &z.narrow(3, 0, 2).unwrap(), &reference(ParallelMode::Auto)).unwrap();
     })
     .unwrap();
     assert_eq!(captured.take(), "", "auto's tile choice is not a warning");
 
     // An image that cannot be cut between whole latent columns encodes a forced shard mode
     // with tiles, with one warning for the request.
-    let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), &Default::default()).unwrap();
+    let kl = load_vae(&fixtures_dir().join("autoencoder_kl").join("sd_like"));
     assert!(kl.check_mode(ParallelMode::SpatialShardWidth).is_ok());
     let image = Tensor::zeros(vec![1, 3, 16, 20], DType::F32, &Device::Cpu).unwrap();
     run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        let options = RequestOptions { mode: ParallelMode::SpatialShardWidth, ..RequestOptions::default() };
-        kl.encode(&exec, &image, &options, vae_parallel::engine::EncodeOutput::Mean).unwrap();
+        let options = reference_encode(ParallelMode::SpatialShardWidth, vae_parallel::EncodeOutput::Mean);
+        kl.encode_on(&exec, &image, &options).unwrap();
     })
     .unwrap();
     let log = captured.take();

@@ -13,7 +13,8 @@
 use std::sync::Arc;
 
 use vae_integration_tests::{fixtures_dir, random_tensor};
-use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
+use vae_integration_tests::{load_vae, reference, reference_encode};
+use vae_parallel::EncodeOutput;
 use vae_runtime::{DistributedVaeExecutor, ParallelMode};
 use vae_tensor::Tensor;
 use vae_transport::{TransportConfig, run_local};
@@ -40,8 +41,8 @@ fn digest(t: &Tensor) -> u64 {
 #[test]
 fn one_engine_serves_many_mixed_requests_with_flat_memory_and_identical_repeats() {
     let requests: usize = std::env::var("VAE_SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(4 * KINDS);
-    let wan = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), &Default::default()).unwrap();
-    let kl = Engine::load(&fixtures_dir().join("autoencoder_kl").join("sd_like"), &Default::default()).unwrap();
+    let wan = load_vae(&fixtures_dir().join("wan").join("wan21_like"));
+    let kl = load_vae(&fixtures_dir().join("autoencoder_kl").join("sd_like"));
     let video_latent = random_tensor(&[1, 16, 2, 8, 12], 1);
     let small_latent = random_tensor(&[1, 16, 1, 2, 2], 2);
     let video = random_tensor(&[1, 3, 5, 32, 48], 3);
@@ -54,22 +55,22 @@ fn one_engine_serves_many_mixed_requests_with_flat_memory_and_identical_repeats(
 
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        let mode = |mode| RequestOptions { mode, ..RequestOptions::default() };
+        let mode = reference;
         let mut first: Vec<Option<Option<u64>>> = vec![None; KINDS];
         let (mut live_after_warmup, mut rss_after_warmup) = (0usize, 0u64);
         let (mut live_max_drift, mut rss_max) = (0i64, 0u64);
         for i in 0..requests {
             let kind = i % KINDS;
             let outcome = match kind {
-                0 => wan.decode(&exec, &video_latent, &mode(ParallelMode::Tile)),
-                1 => wan.decode(&exec, &video_latent, &mode(ParallelMode::SpatialShardHeight)),
-                2 => wan.decode(&exec, &video_latent, &mode(ParallelMode::SpatialShardWidth)),
-                3 => wan.decode(&exec, &small_latent, &mode(ParallelMode::Auto)),
-                4 => wan.encode(&exec, &video, &mode(ParallelMode::Tile), EncodeOutput::Moments),
-                5 => wan.decode(&exec, &wrong_channels, &mode(ParallelMode::Auto)),
-                6 => kl.decode(&exec, &image_latent, &RequestOptions { use_tiling: true, ..mode(ParallelMode::Tile) }),
-                7 => kl.encode(&exec, &image, &mode(ParallelMode::Tile), EncodeOutput::Mean),
-                _ => kl.decode(&exec, &nan_latent, &mode(ParallelMode::Tile)),
+                0 => wan.decode_on(&exec, &video_latent, &mode(ParallelMode::Tile)),
+                1 => wan.decode_on(&exec, &video_latent, &mode(ParallelMode::SpatialShardHeight)),
+                2 => wan.decode_on(&exec, &video_latent, &mode(ParallelMode::SpatialShardWidth)),
+                3 => wan.decode_on(&exec, &small_latent, &mode(ParallelMode::Auto)),
+                4 => wan.encode_on(&exec, &video, &reference_encode(ParallelMode::Tile, EncodeOutput::Moments)),
+                5 => wan.decode_on(&exec, &wrong_channels, &mode(ParallelMode::Auto)),
+                6 => kl.decode_on(&exec, &image_latent, &mode(ParallelMode::Tile).tiled()),
+                7 => kl.encode_on(&exec, &image, &reference_encode(ParallelMode::Tile, EncodeOutput::Mean)),
+                _ => kl.decode_on(&exec, &nan_latent, &mode(ParallelMode::Tile)),
             };
             // Kinds 5 and 8 are bad inputs: a typed error, the same on both ranks.
             let result = match (kind, outcome) {

@@ -228,9 +228,7 @@ fn per_rank_activation_peak_falls_as_one_over_n() {
 /// request's strategy state lives and dies with it.
 #[test]
 fn one_loaded_model_serves_mixed_requests_in_any_order() {
-    use vae_parallel::engine::{Engine, RequestOptions};
-
-    let engine = Engine::load(&fixtures_dir().join("wan").join("wan21_like"), &Default::default()).unwrap();
+    let engine = vae_integration_tests::load_vae(&fixtures_dir().join("wan").join("wan21_like"));
     let model: &WanVae = engine.model().as_any().downcast_ref().expect("a video VAE");
     let tiled = latent([1, 16, 2, 8, 12], 21);
     let small = latent([1, 16, 1, 2, 2], 22);
@@ -238,12 +236,12 @@ fn one_loaded_model_serves_mixed_requests_in_any_order() {
     let portrait = latent([1, 16, 2, 12, 4], 24);
     let direct_landscape = model.decode(&landscape).unwrap();
     let direct_portrait = model.decode(&portrait).unwrap();
-    let options = |mode| RequestOptions { mode, ..RequestOptions::default() };
+    let options = vae_integration_tests::reference;
     let results = run_local(4, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
         let live_before = vae_tensor::memory::live_bytes();
         let run = |z: &Tensor, mode| {
-            let out = engine.decode(&exec, z, &options(mode)).unwrap();
+            let out = engine.decode_on(&exec, z, &options(mode)).unwrap();
             (out.tensor, out.report.strategy.label(), out.report.reason.unwrap())
         };
         let first_tile = run(&tiled, ParallelMode::Tile);

@@ -5,15 +5,14 @@
 use std::path::Path;
 
 use vae_integration_tests::{fixtures_dir, random_tensor};
-use vae_parallel::engine::{Engine, RequestOptions};
 use vae_parallel::io::read_npy;
-use vae_parallel::models::TileOverrides;
 use vae_parallel::stream_out::StreamedOutput;
+use vae_parallel::{Decode, Vae};
 use vae_runtime::{CollectFrames, FrameSink, SinkError};
 use vae_tensor::{Tensor, memory};
 
-fn engine(family: &str, model: &str) -> Engine {
-    Engine::load(&fixtures_dir().join(family).join(model), &TileOverrides::default()).unwrap()
+fn engine(family: &str, model: &str) -> Vae {
+    vae_integration_tests::load_vae(&fixtures_dir().join(family).join(model))
 }
 
 /// `f` with an executor over a group of one local rank.
@@ -25,8 +24,8 @@ fn on_one_rank<R: Send>(f: impl Fn(&vae_runtime::DistributedVaeExecutor) -> R + 
     results.remove(0).unwrap()
 }
 
-fn direct() -> RequestOptions {
-    RequestOptions { use_tiling: false, ..RequestOptions::default() }
+fn direct() -> Decode {
+    vae_integration_tests::reference(vae_runtime::ParallelMode::Tile)
 }
 
 /// Counts the frames and keeps none of them.
@@ -68,7 +67,7 @@ fn streamed_frames_are_the_direct_decode_bit_for_bit() {
         let whole = whole.unwrap();
         let streamed = on_one_rank(|exec| {
             let mut collected = CollectFrames::new();
-            assert!(e.decode_streaming(exec, &z, &options, Some(&mut collected)).unwrap().is_none());
+            assert!(e.decode_streaming_on(exec, &z, &options, Some(&mut collected)).unwrap().is_none());
             collected.into_tensor().unwrap()
         });
         assert_eq!(streamed.dims(), whole.dims(), "{model} {case}");
@@ -150,7 +149,7 @@ fn a_failure_mid_stream_leaves_no_file() {
         on_one_rank(|exec| {
             let mut out = StreamedOutput::new(&target, 16).unwrap();
             let mut failing = FailAfter { out: &mut out, fail_at: 5 };
-            let err = e.decode_streaming(exec, &z, &direct(), Some(&mut failing)).unwrap_err();
+            let err = e.decode_streaming_on(exec, &z, &direct(), Some(&mut failing)).unwrap_err();
             assert!(err.to_string().contains("the disk is full"), "{err}");
             // Frames 0..5 were written to staged files; dropping the output removes them.
             assert!(out.frames_written() == 5 && !files_in(target.parent().unwrap()).is_empty());

@@ -1,12 +1,11 @@
-//! The package's exceptions: `VaeParallelError` and one subclass per kind of failure, each
-//! carrying the CLI's one-line message.
+//! The package's exceptions: `VaeParallelError` and one subclass per kind of failure
+//! ([`vae_parallel::ErrorKind`]), each carrying the library's one-line message with the options
+//! named as this package's keywords.
 
 use pyo3::PyErr;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use vae_parallel::engine::EngineError;
-use vae_parallel::models::ModelError as VaeModelError;
-use vae_parallel::runtime::{FailureKind, RuntimeError};
+use vae_parallel::{Error, ErrorKind};
 
 create_exception!(vae_parallel, VaeParallelError, PyException, "Every error this package raises.");
 create_exception!(vae_parallel, InputError, VaeParallelError, "The input array does not fit the model.");
@@ -15,44 +14,42 @@ create_exception!(vae_parallel, ConfigError, VaeParallelError, "An option is inv
 create_exception!(vae_parallel, ExecutionError, VaeParallelError, "A request failed while running.");
 create_exception!(vae_parallel, GroupError, VaeParallelError, "The group of ranks could not be started.");
 
-/// An error's message and its causes on one line, each cause once (as the CLI prints it).
-pub(crate) fn one_line(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(c) = cause {
-        let part = c.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
+/// This package's keyword for an option the library names (`vae_parallel_mode` is `mode`).
+fn keyword(name: &str) -> Option<String> {
+    Some(
+        match name {
+            "vae_parallel_mode" => "mode",
+            "vae_use_tiling" => "use_tiling",
+            "vae_patch_parallel_size" => "ranks",
+            other => other,
         }
-        cause = c.source();
-    }
-    text
+        .to_string(),
+    )
 }
 
-/// The Python exception for an engine error.
-pub(crate) fn engine_error(err: &EngineError) -> PyErr {
-    let text = one_line(err);
-    match err {
-        EngineError::Model(VaeModelError::InvalidInput(_) | VaeModelError::Tensor(_)) => InputError::new_err(text),
-        EngineError::Model(VaeModelError::Unsupported(_)) => ConfigError::new_err(text),
-        EngineError::Model(VaeModelError::Sink(_)) => ExecutionError::new_err(text),
-        EngineError::Model(_) => ModelError::new_err(text),
-        EngineError::Cost(_) => ConfigError::new_err(text),
-        EngineError::Runtime(RuntimeError::Config(_)) => ConfigError::new_err(text),
-        EngineError::Runtime(RuntimeError::InputMismatch { .. }) => InputError::new_err(text),
-        // A model's refusal inside the executor reaches every rank with its kind; any other
-        // operator failure is an execution error.
-        EngineError::Runtime(RuntimeError::Operator { kind: FailureKind::InvalidInput, .. }) => {
-            InputError::new_err(text)
-        }
-        EngineError::Runtime(RuntimeError::Operator { kind: FailureKind::Unsupported, .. }) => {
-            ConfigError::new_err(text)
-        }
-        EngineError::Runtime(_) => ExecutionError::new_err(text),
+/// A library message with its options named as this package's keywords.
+pub(crate) fn message(text: &str) -> String {
+    vae_parallel::settings::rename_options(text, keyword)
+}
+
+/// The Python exception for a library error: one class per kind.
+pub(crate) fn to_py(err: &Error) -> PyErr {
+    let text = message(&err.to_line());
+    // A file that cannot be read or written as asked is the input's fault, as the package has
+    // always said.
+    if matches!(err, Error::Io(_)) {
+        return InputError::new_err(text);
+    }
+    match err.kind() {
+        ErrorKind::InvalidInput | ErrorKind::Io => InputError::new_err(text),
+        ErrorKind::InvalidOption | ErrorKind::Unsupported => ConfigError::new_err(text),
+        ErrorKind::Model => ModelError::new_err(text),
+        ErrorKind::Group => GroupError::new_err(text),
+        _ => ExecutionError::new_err(text),
     }
 }
 
-pub(crate) fn config_error(err: impl std::fmt::Display) -> PyErr {
-    ConfigError::new_err(err.to_string())
+/// A Python exception for an option this package checks itself.
+pub(crate) fn config_error(text: impl Into<String>) -> PyErr {
+    ConfigError::new_err(message(&text.into()))
 }

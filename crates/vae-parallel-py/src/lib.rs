@@ -9,10 +9,13 @@
 //! written while the request runs); any other is converted once. Results are float32 arrays of
 //! the same kind that own the decoder's memory, no copy (torch: on the input's device). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
-//! `VaeParallelError`, with the CLI's one-line messages.
+//! `VaeParallelError`, with the library's one-line messages (options named as the keywords).
+//!
+//! This crate is the bindings only: loading, resolving the keywords, running a request on a
+//! group and its errors are the `vae-parallel` library's ([`Vae`], [`Settings`], [`Group`]).
 
 mod errors;
-mod ranks;
+mod interrupt;
 
 use std::any::Any;
 use std::path::PathBuf;
@@ -21,33 +24,43 @@ use std::sync::{Arc, Mutex};
 use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use vae_parallel::cost::CostSettings;
-use vae_parallel::engine::{EncodeOutput, Engine, EngineError, RequestOptions};
-use vae_parallel::local_ranks::{host_placement, local_placement};
-use vae_parallel::models::{Direction, TileOverrides};
+use vae_parallel::models::Direction;
 use vae_parallel::report::RequestReport;
-use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, ParallelMode};
-use vae_parallel::tensor::{DType, Device, Tensor};
-use vae_parallel::transport::TransportConfig;
+use vae_parallel::settings::Settings;
+use vae_parallel::{
+    CancelToken, Decode, Device, Encode, EncodeOutput, Group, Options, ParallelMode, Request, Tensor, Tiling, Vae,
+};
 
 use crate::errors::{
-    ConfigError, ExecutionError, GroupError, InputError, ModelError, VaeParallelError, config_error, engine_error,
-    one_line,
+    ConfigError, ExecutionError, GroupError, InputError, ModelError, VaeParallelError, config_error, message, to_py,
 };
-use crate::ranks::Group;
 
-/// A loaded VAE and how its requests run: returned by [`load`].
-#[pyclass(module = "vae_parallel", frozen)]
-struct Vae {
-    engine: Engine,
-    group: Group,
-    mode: ParallelMode,
-    /// `shard_grid`: the grid of blocks of `spatial_shard_2d`.
-    shard_grid: Option<[usize; 2]>,
-    /// `max_memory_per_rank`, bytes: `auto`'s cap on the predicted peak per rank.
-    max_memory_per_rank: Option<u64>,
+/// A loaded VAE and the group its requests run on: returned by [`load`].
+#[pyclass(name = "Vae", module = "vae_parallel", frozen)]
+struct PyVae {
+    vae: Vae,
+    group: Arc<Group>,
+    /// The options of every request (a request may name another mode).
+    options: Options,
     /// The report of the last request that succeeded (rank 0's view of every rank).
     last_report: Mutex<Option<RequestReport>>,
+}
+
+/// The socket group of this process: joined once, on the first model loaded with
+/// `transport="socket"`, and shared by every such model after it (a process is one rank of one
+/// group; joining again would need every other rank to join again too).
+fn socket_group(py: Python<'_>) -> PyResult<Arc<Group>> {
+    static GROUP: Mutex<Option<Arc<Group>>> = Mutex::new(None);
+    // Locked without the GIL: a second thread loading meanwhile waits here, not holding it.
+    py.detach(|| {
+        let mut group = GROUP.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = group.as_ref() {
+            return Ok(Arc::clone(g));
+        }
+        let joined = Arc::new(Group::from_env().map_err(|e| to_py(&e))?);
+        *group = Some(Arc::clone(&joined));
+        Ok(joined)
+    })
 }
 
 /// Loads the diffusers VAE directory `model`.
@@ -61,10 +74,13 @@ struct Vae {
 ///   group listens one port above it), with `VAE_GROUP_SECRET` on TCP; every rank then calls each
 ///   request with the same input, and the results go to rank 0 (`None` elsewhere). `ranks`, if
 ///   given, must equal the world size.
-/// - `mode`: the CLI's `--vae-parallel-mode` (`tile`, `auto`, `spatial_shard_height`,
+/// - `mode`: the CLI's `--vae-parallel-mode` (`auto`, the default: the fastest strategy that
+///   gives the pixels a request asks for, untiled or tiled; `tile`, `spatial_shard_height`,
 ///   `spatial_shard_width`, `spatial_shard_2d`, `pipeline`); `shard_grid`: `(rows, columns)` of
 ///   the blocks of `spatial_shard_2d` (default: the factorisation of the ranks whose blocks are
-///   closest to square).
+///   closest to square). Whatever the mode, a request's pixels follow its `use_tiling`, as
+///   diffusers' do: off, the untiled decode's (several ranks split it exactly where the family
+///   can); on, diffusers' tiled decode, the tiles spread over the ranks.
 /// - `tile_sample_min_size`, `tile_overlap_factor` (AutoencoderKL-style) and
 ///   `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height`,
 ///   `tile_sample_stride_width` (video VAEs), `tile_latent_min_height`, `tile_latent_min_width`
@@ -77,7 +93,7 @@ struct Vae {
 ///   constants). Every report carries the prediction for the strategy that ran.
 #[pyfunction]
 #[pyo3(signature = (
-    model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "tile",
+    model, *, device = "cpu", dtype = "f32", ranks = None, transport = "local", mode = "auto",
     shard_grid = None, tile_sample_min_size = None, tile_overlap_factor = None, tile_sample_min_height = None,
     tile_sample_min_width = None, tile_sample_stride_height = None, tile_sample_stride_width = None,
     tile_latent_min_height = None, tile_latent_min_width = None, tile_sample_min_num_frames = None,
@@ -106,81 +122,78 @@ fn load(
     decode_timestep: Option<f64>,
     max_memory_per_rank: Option<Bound<'_, PyAny>>,
     profile: Option<PathBuf>,
-) -> PyResult<Vae> {
-    if ranks == Some(0) {
-        return Err(ConfigError::new_err("ranks must be at least 1"));
-    }
-    let device: Device = match (device.trim(), vae_parallel::group::local_rank()) {
-        ("cuda", Some(gpu)) if transport == "socket" => Device::Cuda(gpu),
-        (name, _) => name.parse().map_err(config_error)?,
-    };
-    let dtype: DType = dtype.parse().map_err(config_error)?;
-    let mode: ParallelMode = mode.parse().map_err(config_error)?;
-    let shard_grid = match shard_grid {
-        None => None,
-        Some((r, c)) if r > 0 && c > 0 => Some([r, c]),
-        Some((r, c)) => {
-            return Err(ConfigError::new_err(format!("shard_grid must be at least (1, 1), not ({r}, {c})")));
-        }
-    };
-    let tiling = TileOverrides {
-        sample_min_size: tile_sample_min_size,
-        overlap_factor: tile_overlap_factor,
-        sample_min_height: tile_sample_min_height,
-        sample_min_width: tile_sample_min_width,
-        sample_stride_height: tile_sample_stride_height,
-        sample_stride_width: tile_sample_stride_width,
-        latent_min_height: tile_latent_min_height,
-        latent_min_width: tile_latent_min_width,
-        sample_min_num_frames: tile_sample_min_num_frames,
-        sample_stride_num_frames: tile_sample_stride_num_frames,
+) -> PyResult<PyVae> {
+    // `"cuda"` on a rank torchrun started is that rank's GPU.
+    let device = match (device.trim(), vae_parallel::launch::local_rank()) {
+        ("cuda", Some(gpu)) if transport == "socket" => format!("cuda:{gpu}"),
+        (name, _) => name.to_string(),
     };
     let max_memory_per_rank = match max_memory_per_rank {
         None => None,
         Some(v) => Some(match v.extract::<u64>() {
-            Ok(0) => return Err(ConfigError::new_err("max_memory_per_rank must be positive")),
-            Ok(bytes) => bytes,
-            Err(_) => {
-                let text: String = v.extract().map_err(|_| {
-                    ConfigError::new_err("max_memory_per_rank must be bytes (an int) or a size such as \"512M\"")
-                })?;
-                vae_parallel::cost::parse_size(&text).map_err(config_error)?
-            }
+            Ok(bytes) => bytes.to_string(),
+            Err(_) => v
+                .extract::<String>()
+                .map_err(|_| config_error("`max_memory_per_rank` must be bytes (an int) or a size such as \"512M\""))?,
         }),
     };
-    let cost_profile = vae_parallel::cost::load_profile(profile.as_deref()).map_err(config_error)?;
-    let config = TransportConfig::from_env().map_err(config_error)?;
-    let group = match transport {
-        "local" => Group::Local(ranks.unwrap_or(1), config),
-        "socket" => {
-            let comm = ranks::socket_group(py)?;
-            if let Some(n) = ranks.filter(|&n| n != comm.size()) {
-                return Err(ConfigError::new_err(format!(
-                    "ranks={n} but the socket group's world size is {}",
-                    comm.size()
-                )));
+    // The library resolves the keywords as it resolves the CLI's flags: the same refusals, in
+    // the same words.
+    let settings = Settings {
+        vae_patch_parallel_size: ranks,
+        vae_parallel_mode: Some(mode.to_string()),
+        shard_grid: shard_grid.map(|(r, c)| format!("{r}x{c}")),
+        tile_sample_min_size,
+        tile_overlap_factor,
+        tile_sample_min_height,
+        tile_sample_min_width,
+        tile_sample_stride_height,
+        tile_sample_stride_width,
+        tile_latent_min_height,
+        tile_latent_min_width,
+        tile_sample_min_num_frames,
+        tile_sample_stride_num_frames,
+        decode_timestep,
+        ranks,
+        transport: Some(transport.to_string()),
+        device: Some(device),
+        dtype: Some(dtype.to_string()),
+        max_memory_per_rank,
+        profile,
+        ..Settings::default()
+    };
+    let resolved = settings.resolve().map_err(|e| to_py(&e))?;
+    if let Some(why) = &resolved.device_fallback {
+        let warnings = py.import("warnings")?;
+        warnings.call_method1("warn", (format!("device {}: {why}", resolved.requested_device),))?;
+    }
+    let group = match resolved.transport {
+        vae_parallel::launch::TransportKind::Local => {
+            Arc::new(py.detach(|| Group::local(resolved.ranks)).map_err(|e| to_py(&e))?)
+        }
+        vae_parallel::launch::TransportKind::Socket => {
+            let group = socket_group(py)?;
+            if let Some(n) = ranks.filter(|&n| n != group.size()) {
+                return Err(config_error(format!("ranks={n} but the socket group's world size is {}", group.size())));
             }
-            Group::Socket(comm)
+            group
         }
-        other => return Err(ConfigError::new_err(format!("transport must be \"local\" or \"socket\", not {other:?}"))),
-    };
-    // A local rank has a pool of its own; a rank process, all of its threads.
-    let placement = match &group {
-        Group::Local(n, _) => local_placement(None, *n),
-        Group::Socket(comm) => host_placement(std::thread::available_parallelism().map_or(1, usize::from), comm.size()),
-    };
-    let cost = CostSettings { profile: cost_profile, placement };
-    let engine = py.detach(|| -> Result<Engine, EngineError> {
-        let mut engine = Engine::load_on(&model, &tiling, device, dtype)?;
-        engine.set_cost(Some(cost));
-        if let Some(t) = decode_timestep {
-            engine.set_decode_timestep(t)?;
+        vae_parallel::launch::TransportKind::Nccl => {
+            return Err(config_error("transport must be \"local\" or \"socket\", not \"nccl\""));
         }
-        engine.check_mode(mode)?;
-        Ok(engine)
-    });
-    let engine = engine.map_err(|e| engine_error(&e))?;
-    Ok(Vae { engine, group, mode, shard_grid, max_memory_per_rank, last_report: Mutex::new(None) })
+    };
+    let builder = resolved.vae_builder(&model, resolved.device);
+    let vae = py
+        .detach(|| -> vae_parallel::Result<Vae> {
+            let vae = builder.build()?;
+            vae.check_mode(resolved.options.mode)?;
+            Ok(vae)
+        })
+        .map_err(|e| to_py(&e))?;
+    // The group's ranks all compute; the pixels follow each request's `use_tiling`.
+    let mut options = resolved.options;
+    options.parallel_size = None;
+    Ok(PyVae { vae, group, options, last_report: Mutex::new(None) })
 }
 
 /// A request's input on the host, and where its output goes back to: a torch tensor's device,
@@ -229,44 +242,41 @@ fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
     }
     // Any other layout: one copy, in logical order.
     let data: Vec<f32> = array.readonly().as_array().iter().copied().collect();
-    let tensor = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(one_line(&e)))?;
+    let tensor = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| InputError::new_err(e.to_string()))?;
     Ok(Input { tensor, torch_device })
 }
 
-impl Vae {
-    /// A request's options: the model's mode unless `mode` names another.
-    fn options(&self, mode: Option<&str>, use_tiling: bool, latents_normalized: bool) -> PyResult<RequestOptions> {
-        let mode = match mode {
-            Some(name) => name.parse().map_err(config_error)?,
-            None => self.mode,
-        };
-        // The grid goes with the 2-D mode only: a request in another mode ignores it.
-        let shard_grid = self.shard_grid.filter(|_| mode == ParallelMode::SpatialShard2d);
-        Ok(RequestOptions {
-            mode,
-            use_tiling,
-            latents_normalized,
-            placement: None,
-            max_memory_per_rank: self.max_memory_per_rank,
-            shard_grid,
-        })
+impl PyVae {
+    /// A request's options: the model's, with this request's mode when it names one, the
+    /// pixels diffusers gives with or without `enable_tiling()` (`use_tiling`), and the
+    /// pipeline's normalisation when `latents_normalized`.
+    fn options(&self, mode: Option<&str>, use_tiling: bool, latents_normalized: bool) -> PyResult<Options> {
+        let mut options = self.options.clone();
+        if let Some(name) = mode {
+            options.mode = vae_parallel::settings::parse_mode(name).map_err(|e| to_py(&e))?;
+            // The grid goes with the 2-D mode only: a request in another mode ignores it.
+            if options.mode != ParallelMode::SpatialShard2d {
+                options.shard_grid = None;
+            }
+        }
+        options.tiling = if use_tiling { Tiling::On } else { Tiling::Off };
+        options.latents_normalized = latents_normalized;
+        Ok(options)
     }
 
-    /// Runs a request on the group: this process's output (`None` on a socket rank the output
-    /// does not go to), and its report kept for [`Vae::last_report`].
-    fn request(
+    /// Runs a request on the group (interruptible); keeps its report for
+    /// [`PyVae::last_report`].
+    fn request<'a>(
         &self,
         py: Python<'_>,
-        options: &RequestOptions,
-        body: impl Fn(&Engine, &DistributedVaeExecutor) -> Result<ExecOutput, EngineError> + Sync,
+        make: impl FnOnce(&'a CancelToken) -> Request<'a> + Send,
+        token: &'a CancelToken,
     ) -> PyResult<Option<Tensor>> {
-        let out = self
-            .group
-            .run(py, &self.engine, options.mode, false, |engine, executor| body(engine, executor).map(Some))?;
-        if out.report.is_some() {
-            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = out.report;
+        let finished = interrupt::run(py, &self.group, &self.vae, make, token)?;
+        if finished.report.is_some() {
+            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = finished.report;
         }
-        Ok(out.tensor)
+        Ok(finished.output)
     }
 }
 
@@ -275,7 +285,7 @@ impl Vae {
 /// memory on the CPU).
 fn to_python<'py>(py: Python<'py>, t: Tensor, torch_device: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
     let dims = t.dims().to_vec();
-    let data = t.into_vec_f32().map_err(|e| ExecutionError::new_err(one_line(&e)))?;
+    let data = t.into_vec_f32().map_err(|e| ExecutionError::new_err(e.to_string()))?;
     let array = data.into_pyarray(py).reshape(dims)?.into_any();
     match torch_device {
         None => Ok(array),
@@ -284,12 +294,14 @@ fn to_python<'py>(py: Python<'py>, t: Tensor, torch_device: Option<&Bound<'py, P
 }
 
 #[pymethods]
-impl Vae {
+impl PyVae {
     /// Decodes a latent `[B, C, H, W]` (images) or `[B, C, T, H, W]` (video) into pixels in
-    /// [-1, 1] (as diffusers' `vae.decode(z).sample`). `mode`: this request's parallel mode
-    /// (default: the model's); `use_tiling`: diffusers' tiled decode (on by itself with several
-    /// ranks); `latents_normalized`: `z` is as the pipeline produced it, and the family's
-    /// scaling and shift are undone first.
+    /// [-1, 1] (as diffusers' `vae.decode(z).sample`). `use_tiling`: diffusers' tiled decode
+    /// (`enable_tiling()`), the tiles spread over the ranks; without it the untiled decode's
+    /// pixels, split exactly over the ranks where the family can (else computed on one rank,
+    /// with a warning). `mode`: this request's parallel mode (default: the model's);
+    /// `latents_normalized`: `z` is as the pipeline produced it, and the family's scaling and
+    /// shift are undone first.
     #[pyo3(signature = (z, *, mode = None, use_tiling = false, latents_normalized = false))]
     fn decode<'py>(
         &self,
@@ -300,15 +312,16 @@ impl Vae {
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let latent = input(z)?;
-        let options = self.options(mode, use_tiling, latents_normalized)?;
+        let decode = Decode::default().with_options(self.options(mode, use_tiling, latents_normalized)?);
+        let token = CancelToken::new();
         let z = &latent.tensor;
-        let out = self.request(py, &options, |engine, executor| engine.decode(executor, z, &options))?;
+        let out = self.request(py, |t| Request::decode(z, &decode).cancel_on(t), &token)?;
         out.map(|t| to_python(py, t, latent.torch_device.as_ref())).transpose()
     }
 
     /// Encodes pixels in [-1, 1] (`[B, 3, H, W]` or `[B, 3, T, H, W]`): `output="mean"` gives
     /// the latent distribution's mean (normalised with `latents_normalized`), `"moments"` the
-    /// raw mean and log-variance; `mode` and `use_tiling` as for [`Vae::decode`].
+    /// raw mean and log-variance; `mode` and `use_tiling` as for [`PyVae::decode`].
     #[pyo3(signature = (x, *, output = "mean", mode = None, use_tiling = false, latents_normalized = false))]
     fn encode<'py>(
         &self,
@@ -319,17 +332,12 @@ impl Vae {
         use_tiling: bool,
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let kind = match output {
-            "mean" => EncodeOutput::Mean,
-            "moments" => EncodeOutput::Moments,
-            other => {
-                return Err(ConfigError::new_err(format!("output must be \"mean\" or \"moments\", not {other:?}")));
-            }
-        };
+        let kind: EncodeOutput = output.parse().map_err(|e| to_py(&e))?;
         let image = input(x)?;
-        let options = self.options(mode, use_tiling, latents_normalized)?;
+        let encode = Encode::default().with_options(self.options(mode, use_tiling, latents_normalized)?).output(kind);
+        let token = CancelToken::new();
         let x = &image.tensor;
-        let out = self.request(py, &options, |engine, executor| engine.encode(executor, x, &options, kind))?;
+        let out = self.request(py, |t| Request::encode(x, &encode).cancel_on(t), &token)?;
         out.map(|t| to_python(py, t, image.torch_device.as_ref())).transpose()
     }
 
@@ -338,7 +346,8 @@ impl Vae {
     /// does not grow with the frame count, and the files are those the whole decode would
     /// write, in any `mode` over the group's ranks. Files appear only once the request
     /// succeeded; returns the paths written (none on a socket rank other than 0).
-    #[pyo3(signature = (path, z, *, fps = vae_parallel::video::DEFAULT_FPS, mode = None, latents_normalized = false))]
+    #[pyo3(signature = (path, z, *, fps = vae_parallel::video::DEFAULT_FPS, mode = None, use_tiling = false, latents_normalized = false))]
+    #[allow(clippy::too_many_arguments)]
     fn decode_to(
         &self,
         py: Python<'_>,
@@ -346,73 +355,76 @@ impl Vae {
         z: &Bound<'_, PyAny>,
         fps: u32,
         mode: Option<&str>,
+        use_tiling: bool,
         latents_normalized: bool,
     ) -> PyResult<Vec<PathBuf>> {
-        use vae_parallel::runtime::{FrameSink, OnOwnThread};
+        use vae_parallel::runtime::OnOwnThread;
         use vae_parallel::stream_out::StreamedOutput;
-        let io_error = |e: vae_parallel::io::IoError| InputError::new_err(one_line(&e));
+        let io_error = |e: vae_parallel::io::IoError| to_py(&e.into());
         // What every rank would refuse alike is refused here, before any rank starts (an error
         // inside the group would abort a socket group for good): a family that does not
         // stream, the path and rate (the directory by rank 0, the one that writes).
-        if !self.engine.model().streams() {
+        if !self.vae.streams() {
             return Err(ConfigError::new_err(format!(
                 "{} does not stream its decode (the video families do): use decode() and save()",
-                self.engine.model().class_name()
+                self.vae.class_name()
             )));
         }
         drop(StreamedOutput::new(&path, fps).map_err(io_error)?);
-        if self.group.rank() == 0 {
+        let owner = self.group.rank() == 0;
+        if owner {
             vae_parallel::output::check_writable(&path).map_err(io_error)?;
         }
         let latent = input(z)?;
-        let options = self.options(mode, false, latents_normalized)?;
+        let decode = Decode::default().with_options(self.options(mode, use_tiling, latents_normalized)?);
         let z = &latent.tensor;
-        let staged = Mutex::new(None);
-        let sink_error =
-            |e: vae_parallel::runtime::SinkError| EngineError::Model(vae_parallel::models::ModelError::Sink(e));
-        let out = self.group.run(py, &self.engine, options.mode, true, |engine, executor| {
-            let mut sink = match executor.communicator().rank() {
-                0 => {
-                    let output = StreamedOutput::new(&path, fps).map_err(|e| sink_error(Box::new(e)))?;
-                    Some(OnOwnThread::start(output, 1).map_err(|e| sink_error(Box::new(e)))?)
-                }
-                _ => None,
-            };
-            let out = engine.decode_streaming(executor, z, &options, sink.as_mut().map(|s| s as &mut dyn FrameSink))?;
-            if let Some(sink) = sink {
-                let written = sink.finish().map_err(sink_error)?.finish().map_err(|e| sink_error(Box::new(e)))?;
-                *staged.lock().unwrap_or_else(|e| e.into_inner()) = Some(written);
+        // The owner's frames go to the files on a thread of their own; a socket rank other than
+        // 0 is never handed any.
+        let mut sink = OnOwnThread::start(StreamedOutput::new(&path, fps).map_err(io_error)?, 1)
+            .map_err(|e| ExecutionError::new_err(e.to_string()))?;
+        let token = CancelToken::new();
+        let finished = {
+            let sink = &mut sink;
+            interrupt::run(py, &self.group, &self.vae, |t| Request::decode_to(z, &decode, sink).cancel_on(t), &token)
+        };
+        let finished = match finished {
+            Ok(finished) => finished,
+            Err(e) => {
+                // Nothing is written: the staged files go with the sink.
+                drop(sink);
+                return Err(e);
             }
-            Ok(out)
-        })?;
-        if out.report.is_some() {
-            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = out.report;
+        };
+        if finished.report.is_some() {
+            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = finished.report;
         }
-        match staged.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(staged) => py.detach(|| staged.commit()).map_err(io_error),
-            None => Ok(Vec::new()),
+        let written = sink.finish().map_err(|e| ExecutionError::new_err(message(&e.to_string())))?;
+        if !owner {
+            return Ok(Vec::new());
         }
+        let staged = written.finish().map_err(io_error)?;
+        py.detach(|| staged.commit()).map_err(io_error)
     }
 
     /// What `vae-parallel inspect` prints, as a dict: class, the models it serves, its
     /// configuration, the modes it accepts and who receives outputs.
     fn inspect<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let model = self.engine.model();
+        let model = self.vae.model();
         let d = PyDict::new(py);
-        d.set_item("model", self.engine.dir())?;
+        d.set_item("model", self.vae.dir())?;
         d.set_item("class", model.class_name())?;
         d.set_item("models", model.models())?;
         for (label, value) in model.describe() {
             d.set_item(label, value)?;
         }
-        let modes: Vec<String> = self.engine.supported_modes().iter().map(ToString::to_string).collect();
+        let modes: Vec<String> = self.vae.supported_modes().iter().map(ToString::to_string).collect();
         d.set_item("modes", modes)?;
         d.set_item("decode_placement", format!("{:?}", model.default_placement(Direction::Decode)))?;
         d.set_item("encode_placement", format!("{:?}", model.default_placement(Direction::Encode)))?;
         d.set_item("ranks", self.group.size())?;
         d.set_item("rank", self.group.rank())?;
-        d.set_item("transport", if matches!(self.group, Group::Socket(_)) { "socket" } else { "local" })?;
-        d.set_item("mode", self.mode.to_string())?;
+        d.set_item("transport", self.group.backend())?;
+        d.set_item("mode", self.options.mode.to_string())?;
         Ok(d)
     }
 
@@ -441,10 +453,10 @@ impl Vae {
     fn __repr__(&self) -> String {
         format!(
             "Vae({:?}, class={}, ranks={}, mode={})",
-            self.engine.dir(),
-            self.engine.model().class_name(),
+            self.vae.dir(),
+            self.vae.class_name(),
             self.group.size(),
-            self.mode
+            self.options.mode
         )
     }
 }
@@ -463,7 +475,7 @@ fn save(py: Python<'_>, path: PathBuf, pixels: &Bound<'_, PyAny>, fps: u32) -> P
         return Err(ConfigError::new_err(format!("{} must end in .npy, .png, .mp4 or .gif", path.display())));
     }
     let pixels = input(pixels)?.tensor;
-    let io_error = |e: io::IoError| InputError::new_err(one_line(&e));
+    let io_error = |e: io::IoError| to_py(&e.into());
     py.detach(|| {
         let mut staged = vae_parallel::output::Staged::new();
         io::stage_decoded(&mut staged, &path, &pixels, fps).map_err(io_error)?;
@@ -477,7 +489,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
-    m.add_class::<Vae>()?;
+    m.add_class::<PyVae>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
     m.add("InputError", py.get_type::<InputError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;

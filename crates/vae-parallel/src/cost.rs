@@ -8,6 +8,8 @@ use vae_models::{CostNetworks, Direction, LoadedVae};
 use vae_planner::cost::{DeviceKind, DeviceProfile, Layout, Placement, Prediction, predict};
 use vae_runtime::{ParallelMode, Strategy};
 
+use crate::launch::TransportKind;
+use crate::options::Tiling;
 use crate::report::human_bytes;
 
 /// Errors of the cost model.
@@ -15,7 +17,7 @@ use crate::report::human_bytes;
 pub enum CostError {
     /// No strategy's predicted peak fits the cap.
     #[error(
-        "no strategy fits --max-memory-per-rank {cap}: the smallest predicted peak per rank is {smallest} ({strategy}); {advice}",
+        "no strategy fits `max_memory_per_rank` {cap}: the smallest predicted peak per rank is {smallest} ({strategy}); {advice}",
         cap = human_bytes(*cap), smallest = human_bytes(*smallest)
     )]
     NothingFits {
@@ -29,13 +31,16 @@ pub enum CostError {
         advice: String,
     },
     /// The family has no cost model for this input.
-    #[error("{class} has no cost model for an input of {dims:?}: --max-memory-per-rank needs one")]
+    #[error("{class} has no cost model for an input of {dims:?}: `max_memory_per_rank` needs one")]
     NoModel {
         /// The diffusers class.
         class: String,
         /// The input's shape.
         dims: Vec<usize>,
     },
+    /// A memory cap on a model loaded without a cost model.
+    #[error("`max_memory_per_rank` needs the cost model's settings (a device profile)")]
+    NoProfile,
     /// A profile file could not be read or parsed, or holds impossible constants.
     #[error("device profile {path}: {message}")]
     Profile {
@@ -53,13 +58,13 @@ pub enum CostError {
         reason: String,
     },
     /// Rank 0, which decides for the group, found nothing that fits the cap.
-    #[error("rank 0 found no strategy that fits --max-memory-per-rank (its error says which)")]
+    #[error("rank 0 found no strategy that fits `max_memory_per_rank` (its error says which)")]
     RefusedByOwner,
 }
 
 /// What the cost model needs beyond the model and the request: the device's constants and how
 /// the ranks share the cores. (The memory cap is the request's:
-/// [`RequestOptions::max_memory_per_rank`](crate::engine::RequestOptions::max_memory_per_rank).)
+/// [`Options::max_memory_per_rank`](crate::Options::max_memory_per_rank).)
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostSettings {
     /// The device's calibration constants.
@@ -90,37 +95,52 @@ pub fn candidates(
     direction: Direction,
     input_dims: &[usize],
     ranks: usize,
-    use_tiling: bool,
+    tiling: Tiling,
     settings: &CostSettings,
 ) -> Option<Vec<Candidate>> {
     let nets = networks(model, direction, input_dims, settings)?;
+    // The exact untiled strategies a group of `ranks` can run: shards along either axis or
+    // over a grid, where the family has them for this input.
+    let shards = || {
+        [ParallelMode::SpatialShardHeight, ParallelMode::SpatialShardWidth, ParallelMode::SpatialShard2d]
+            .into_iter()
+            .filter(|mode| model.check_mode(*mode).is_ok())
+            .map(|mode| model.strategy(direction, mode, input_dims, ranks))
+            .filter(|choice| !choice.fallback && choice.strategy != Strategy::Tile)
+            .map(|choice| (choice.strategy, true))
+            .collect::<Vec<_>>()
+    };
     let mut options = Vec::new();
-    if ranks <= 1 {
-        // One rank tiles only when the request asks for it (`--vae-use-tiling`) or the cap
-        // needs it.
-        if !use_tiling || nets.tiles.is_empty() {
+    match tiling {
+        // The untiled pixels: the direct pass on one rank, or a shard.
+        Tiling::Off => {
             options.push((Strategy::Tile, false));
+            if ranks > 1 {
+                options.extend(shards());
+            }
         }
-        if !nets.tiles.is_empty() {
+        // diffusers' tiled pixels: tiles (the direct pass where the input fits one).
+        Tiling::On => options.push((Strategy::Tile, !nets.tiles.is_empty())),
+        // The reference's semantics: one rank tiles only when the request asks for it
+        // (`vae_use_tiling`) or the cap needs it; several ranks tile, or shard.
+        Tiling::Reference { asked } if ranks <= 1 => {
+            if !asked || nets.tiles.is_empty() {
+                options.push((Strategy::Tile, false));
+            }
+            if !nets.tiles.is_empty() {
+                options.push((Strategy::Tile, true));
+            }
+        }
+        Tiling::Reference { .. } => {
             options.push((Strategy::Tile, true));
-        }
-    } else {
-        options.push((Strategy::Tile, true));
-        for mode in [ParallelMode::SpatialShardHeight, ParallelMode::SpatialShardWidth, ParallelMode::SpatialShard2d] {
-            if model.check_mode(mode).is_err() {
-                continue;
-            }
-            let choice = model.strategy(direction, mode, input_dims, ranks);
-            if !choice.fallback && choice.strategy != Strategy::Tile {
-                options.push((choice.strategy, true));
-            }
+            options.extend(shards());
         }
     }
     let out = options
         .into_iter()
         .filter_map(|(strategy, use_tiling)| {
             let prediction = predict_on(&nets, strategy, use_tiling, ranks, settings)?;
-            Some(Candidate { strategy, use_tiling, label: label(&nets, strategy, use_tiling, ranks), prediction })
+            Some(Candidate { strategy, use_tiling, label: label(&nets, strategy, use_tiling), prediction })
         })
         .collect();
     Some(out)
@@ -166,8 +186,8 @@ fn predict_on(
     settings: &CostSettings,
 ) -> Option<Prediction> {
     let layout = match strategy {
-        // One rank without tiling, or an input that fits one tile: the direct pass.
-        Strategy::Tile if (ranks <= 1 && !use_tiling) || nets.tiles.is_empty() => Layout::Direct,
+        // Without tiling (one rank computes), or an input that fits one tile: the direct pass.
+        Strategy::Tile if !use_tiling || nets.tiles.is_empty() => Layout::Direct,
         Strategy::Tile => Layout::Tiles { tiles: &nets.tiles, ranks, stitched: nets.stitched },
         Strategy::Shard(axis) => Layout::Bands { axis, ranks },
         Strategy::Shard2d(grid) => Layout::Blocks { grid },
@@ -179,13 +199,37 @@ fn predict_on(
 }
 
 /// A strategy's name in tables: `direct`, `tile`, `shard-height`, `shard-2x2`.
-fn label(nets: &CostNetworks, strategy: Strategy, use_tiling: bool, ranks: usize) -> String {
+fn label(nets: &CostNetworks, strategy: Strategy, use_tiling: bool) -> String {
     match strategy {
-        Strategy::Tile if (ranks <= 1 && !use_tiling) || nets.tiles.is_empty() => "direct".into(),
+        Strategy::Tile if !use_tiling || nets.tiles.is_empty() => "direct".into(),
         Strategy::Tile => format!("tile ({})", nets.tiles.len()),
         Strategy::Shard(axis) => format!("shard-{axis}"),
         Strategy::Shard2d([r, c]) => format!("shard-{r}x{c}"),
         Strategy::Pipeline => "pipeline".into(),
+    }
+}
+
+/// Where the cost model places `ranks` ranks linked by `transport`, each process with
+/// `threads` compute threads, on a `kind` device: CPU ranks share a host's cores (a local rank
+/// on a pool of its own, [`crate::local_ranks::local_placement`]; a rank process on its own
+/// threads, `ranks_per_host` to a host); NCCL ranks have a GPU each, the others share the one
+/// they compute on.
+pub fn placement(
+    kind: DeviceKind,
+    transport: TransportKind,
+    threads: usize,
+    ranks: usize,
+    ranks_per_host: Option<usize>,
+) -> Placement {
+    match kind {
+        DeviceKind::Cpu if transport.is_multi_process() => {
+            crate::local_ranks::host_placement(threads, ranks_per_host.unwrap_or(ranks))
+        }
+        DeviceKind::Cpu => crate::local_ranks::local_placement(Some(threads), ranks),
+        DeviceKind::Cuda => {
+            let sharing = if transport == TransportKind::Nccl { 1 } else { ranks.max(1) };
+            Placement { threads_per_rank: 1.0 / sharing as f64, ranks_per_host: sharing, threads_alone: 1.0 }
+        }
     }
 }
 
@@ -217,9 +261,9 @@ pub fn choose(candidates: &[Candidate], cap: Option<u64>, ranks: usize) -> Resul
     let advice = match shard_peak {
         Some(peak) => {
             let more = (ranks.max(1) as f64 * peak as f64 / cap.max(1) as f64).ceil() as usize;
-            format!("about {more} ranks might fit a shard, or smaller tiles (--tile-sample-min-size) the tile mode")
+            format!("about {more} ranks might fit a shard, or smaller tiles (`tile_sample_min_size`) the tile mode")
         }
-        None => "smaller tiles (--tile-sample-min-size) might fit the tile mode".to_string(),
+        None => "smaller tiles (`tile_sample_min_size`) might fit the tile mode".to_string(),
     };
     Err(CostError::NothingFits { cap, smallest, strategy, advice })
 }

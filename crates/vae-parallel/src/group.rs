@@ -1,293 +1,488 @@
-//! Starting a group of ranks: threads in this process, or processes over sockets.
+//! [`Group`]: the ranks a request runs on, and the one place that runs a request there.
 //!
-//! With the socket transport a program can be started once per rank by the user (each with
-//! `VAE_RANK`, `VAE_WORLD_SIZE`, `VAE_MASTER_ADDR`), or once without them, in which case it
-//! becomes a supervisor: [`launch_processes`] starts one copy of the current executable per rank
-//! on this host, with a fresh Unix-socket rendezvous, and waits for all of them.
+//! A group is local ranks (threads of this process, each on a thread pool of its own), or
+//! this process as one rank of a group of processes (sockets, or NCCL with a GPU each) joined
+//! from the environment or from a communicator the caller already holds. Whatever the kind,
+//! [`Group::run`] owns what callers would otherwise get wrong: every rank runs the same
+//! request in the same order (one at a time), a rank whose failure the others cannot know of
+//! aborts the group so that nobody waits for it (the abort rule), a panic becomes an error
+//! naming its rank, the owner's result is the one returned (rank 0's; on a process rank its
+//! own), every rank's report is gathered to the owner, and a [`CancelToken`] stops a request
+//! at the next tile, frame or collective.
 
-use std::ffi::OsString;
-use std::process::{Child, Command, ExitStatus};
-use std::str::FromStr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
 
-use vae_transport::socket::{ENV_MASTER_ADDR, ENV_RANK, ENV_WORLD_SIZE};
+use vae_runtime::{DistributedVaeExecutor, ExecOutput, FrameSink, ProgressScope, ProgressSink};
+use vae_tensor::Tensor;
+use vae_transport::{Communicator, NcclComm, SocketComm, SocketOptions, TransportConfig};
 
-/// Which transport a group uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportKind {
-    /// Ranks are threads of this process.
-    Local,
-    /// Ranks are processes connected by sockets.
-    Socket,
-    /// Ranks are processes, one per GPU, whose collectives run over NCCL (the group is formed
-    /// over sockets first, which hand out NCCL's unique id).
-    Nccl,
+use crate::error::{Error, Result};
+use crate::local_ranks::{RankPools, pool_threads};
+use crate::options::{Decode, Encode, Options};
+use crate::report::{RequestReport, gather_summaries};
+use crate::vae::Vae;
+
+/// Stops a request in flight: every rank aborts at its next tile, frame or collective, and the
+/// request fails with `reason`. Made per request and handed to [`Request::cancel_on`]; clones
+/// share it, so another thread (a signal handler's poller, a server whose client went away)
+/// can cancel. A token cancelled before its request starts stops it as soon as it starts.
+///
+/// A group of processes cannot serve requests after one was cancelled (its links are
+/// aborted); a local group makes fresh links for each request and can.
+#[derive(Clone, Default)]
+pub struct CancelToken(Arc<CancelState>);
+
+#[derive(Default)]
+struct CancelState {
+    reason: Mutex<Option<String>>,
+    comms: Mutex<Vec<Arc<dyn Communicator>>>,
 }
 
-impl TransportKind {
-    /// True when each rank is its own process (socket and NCCL groups).
-    pub fn is_multi_process(self) -> bool {
-        self != Self::Local
-    }
-}
-
-impl FromStr for TransportKind {
-    type Err = GroupError;
-
-    fn from_str(s: &str) -> Result<Self, GroupError> {
-        match s {
-            "local" => Ok(Self::Local),
-            "socket" => Ok(Self::Socket),
-            "nccl" => Ok(Self::Nccl),
-            other => Err(GroupError::Config(format!("unknown transport {other:?} (expected local, socket or nccl)"))),
-        }
-    }
-}
-
-impl std::fmt::Display for TransportKind {
+impl std::fmt::Debug for CancelToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Local => "local",
-            Self::Socket => "socket",
-            Self::Nccl => "nccl",
-        })
+        f.debug_struct("CancelToken").field("cancelled", &self.is_cancelled()).finish()
     }
 }
 
-/// Errors of starting or supervising a group.
-#[derive(Debug, thiserror::Error)]
-pub enum GroupError {
-    /// Invalid settings.
-    #[error("{0}")]
-    Config(String),
-    /// A rank process could not be started or waited for.
-    #[error("rank process {rank}: {source}")]
-    Spawn {
-        /// The rank.
-        rank: usize,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The private directory of the rendezvous sockets could not be made.
-    #[error("making the rendezvous directory: {0}")]
-    Rendezvous(#[source] std::io::Error),
-}
-
-/// Set in the environment of the rank processes [`launch_processes`] starts: such a rank other
-/// than 0 leaves the error line to rank 0 (which names the rank that failed first), so a failure
-/// is said once, not once per process.
-pub const ENV_SUPERVISED: &str = "VAE_SUPERVISED";
-
-/// True when this process is a rank other than 0 of a group [`launch_processes`] started.
-pub fn is_supervised_non_owner() -> bool {
-    std::env::var_os(ENV_SUPERVISED).is_some() && std::env::var(ENV_RANK).is_ok_and(|r| r.trim() != "0")
-}
-
-/// True when this process was started as one rank of a socket group (its environment names a
-/// rank: `VAE_RANK`, or torchrun's `RANK` and `WORLD_SIZE`), as opposed to being the program a
-/// user ran directly.
-pub fn is_rank_process() -> bool {
-    vae_transport::socket::rank_in_env()
-}
-
-/// The GPU of this rank on its host where a launcher named it (torchrun's `LOCAL_RANK`).
-pub fn local_rank() -> Option<usize> {
-    std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok())
-}
-
-/// How the rank processes of a launched group ended.
-#[derive(Debug)]
-pub struct GroupExit {
-    /// Exit status per rank, in rank order (`None`: killed by the supervisor after the grace
-    /// period).
-    pub statuses: Vec<Option<ExitStatus>>,
-    /// The supervisor was interrupted (SIGINT or SIGTERM) and stopped the ranks.
-    pub interrupted: bool,
-}
-
-impl GroupExit {
-    /// True when every rank exited successfully.
-    pub fn success(&self) -> bool {
-        self.statuses.iter().all(|s| s.is_some_and(|s| s.success()))
+impl CancelToken {
+    /// A token that has not been cancelled.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    /// Whether rank 0 exited by itself with a failure, having said why (its error line).
-    pub fn owner_reported(&self) -> bool {
-        self.statuses.first().is_some_and(|s| s.is_some_and(|s| s.code() == Some(1)))
-    }
-
-    /// Ranks that failed or had to be killed.
-    pub fn failed_ranks(&self) -> Vec<usize> {
-        self.statuses.iter().enumerate().filter(|(_, s)| !s.is_some_and(|s| s.success())).map(|(r, _)| r).collect()
-    }
-
-    /// How each failed rank ended, the ranks that failed by themselves first (those the
-    /// supervisor stopped only waited on them): "rank 1 was killed by signal 9; rank 0 did not
-    /// exit within the grace period and was stopped".
-    pub fn describe_failures(&self) -> String {
-        use std::os::unix::process::ExitStatusExt;
-        let mut own = Vec::new();
-        let mut stopped = Vec::new();
-        for (rank, status) in self.statuses.iter().enumerate() {
-            match status {
-                Some(s) if s.success() => {}
-                Some(s) => own.push(match (s.code(), s.signal()) {
-                    (Some(code), _) => format!("rank {rank} exited with code {code}"),
-                    (None, Some(signal)) => format!("rank {rank} was killed by signal {signal}"),
-                    (None, None) => format!("rank {rank} failed"),
-                }),
-                None => stopped.push(format!("rank {rank} did not exit within the grace period and was stopped")),
-            }
-        }
-        own.extend(stopped);
-        own.join("; ")
-    }
-}
-
-/// Starts `ranks` copies of the current executable with `args`, each told its rank and a fresh
-/// Unix-socket master address, and waits for them. Once one rank has failed, the others get
-/// `grace` to report the failure themselves before they are killed.
-pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Result<GroupExit, GroupError> {
-    vae_transport::check_world_size(ranks).map_err(|e| GroupError::Config(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|source| GroupError::Spawn { rank: 0, source })?;
-    // The rendezvous sockets live in a fresh directory only this user can enter (0700), under a
-    // random name: no other user can reach or replace them.
-    let private = tempfile::Builder::new().prefix("vae-parallel-").tempdir().map_err(GroupError::Rendezvous)?;
-    let master = private.path().join("master.sock");
-    // Every group this launches authenticates its links with a fresh secret, handed to the
-    // ranks in their environment (never on a command line, where other users can read it).
-    let secret = vae_transport::GroupSecret::generate().map_err(|e| GroupError::Config(e.to_string()))?;
-    let mut children: Vec<Child> = Vec::with_capacity(ranks);
-    for rank in 0..ranks {
-        let mut command = Command::new(&exe);
-        let spawned = die_with_parent(&mut command)
-            .args(args)
-            .env(ENV_RANK, rank.to_string())
-            .env(ENV_WORLD_SIZE, ranks.to_string())
-            .env(ENV_MASTER_ADDR, format!("unix:{}", master.display()))
-            .env(vae_transport::auth::ENV_GROUP_SECRET, secret.to_hex())
-            .env_remove(vae_transport::auth::ENV_GROUP_SECRET_FILE)
-            .env(ENV_SUPERVISED, "1")
-            .spawn();
-        match spawned {
-            Ok(child) => children.push(child),
-            Err(source) => {
-                for mut c in children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-                return Err(GroupError::Spawn { rank, source });
-            }
+    /// Cancels the request: its ranks stop and it fails with `reason`.
+    pub fn cancel(&self, reason: &str) {
+        let mut held = self.0.reason.lock().unwrap_or_else(|e| e.into_inner());
+        held.get_or_insert_with(|| reason.to_string());
+        for comm in self.0.comms.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            comm.abort(reason);
         }
     }
-    tracing::debug!(ranks, master = %master.display(), "launched rank processes");
-    let (statuses, interrupted) = supervise(children, grace);
-    drop(private);
-    Ok(GroupExit { statuses, interrupted })
-}
 
-/// Makes the process `cmd` starts end with the supervisor: killed by the kernel when the
-/// supervisor dies, however it dies (Linux's parent-death signal; elsewhere nothing).
-fn die_with_parent(cmd: &mut Command) -> &mut Command {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        let parent = std::process::id();
-        // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls
-        // are allowed: `prctl` and `getppid` are system calls on plain integers, and neither
-        // error below allocates.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The supervisor may have died before the call: then nobody would signal us.
-                if libc::getppid() as u32 != parent {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-                }
-                Ok(())
-            });
-        }
+    /// Whether [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
-    cmd
-}
 
-fn supervise(mut children: Vec<Child>, grace: Duration) -> (Vec<Option<ExitStatus>>, bool) {
-    let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
-    let mut failure_seen: Option<Instant> = None;
-    // SIGINT and SIGTERM to the supervisor go to every rank; the ranks then exit (an
-    // interrupted request writes nothing) and the supervisor reports their statuses.
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let _ = signal_hook::flag::register(signal, Arc::clone(&stop));
-    }
-    let mut forwarded = false;
-    loop {
-        if stop.load(Ordering::Relaxed) && !forwarded {
-            forwarded = true;
-            failure_seen.get_or_insert_with(Instant::now);
-            for (rank, child) in children.iter().enumerate() {
-                if statuses[rank].is_none() {
-                    // SAFETY: `kill` takes plain integers; the pid is our own live child's.
-                    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-                }
-            }
+    /// A rank's communicator of the request, aborted at once if the token was cancelled.
+    fn enlist(&self, comm: &Arc<dyn Communicator>) {
+        self.0.comms.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(comm));
+        if let Some(reason) = self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).as_deref() {
+            comm.abort(reason);
         }
-        for (rank, child) in children.iter_mut().enumerate() {
-            if statuses[rank].is_none()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                if !status.success() && failure_seen.is_none() {
-                    failure_seen = Some(Instant::now());
-                }
-                statuses[rank] = Some(status);
-            }
-        }
-        if statuses.iter().all(Option::is_some) {
-            return (statuses, forwarded);
-        }
-        if failure_seen.is_some_and(|t| t.elapsed() > grace) {
-            for (rank, child) in children.iter_mut().enumerate() {
-                if statuses[rank].is_none() {
-                    tracing::warn!(rank, "killing a rank that did not exit after another rank failed");
-                    let _ = child.kill();
-                    let _ = child.wait();
-                }
-            }
-            return (statuses, forwarded);
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use std::os::unix::process::ExitStatusExt;
-    use std::process::ExitStatus;
+/// What a request does, on which input.
+enum Work<'a> {
+    Decode(&'a Tensor, &'a Decode),
+    Encode(&'a Tensor, &'a Encode),
+    /// A streamed decode: the sink is taken by the owner's rank.
+    DecodeTo(&'a Tensor, &'a Decode, Mutex<Option<&'a mut (dyn FrameSink + Send)>>),
+}
 
-    use super::GroupExit;
+/// One request for [`Group::run`]: a decode, an encode or a streamed decode, and optionally the
+/// token that cancels it and where the owner's progress goes.
+pub struct Request<'a> {
+    work: Work<'a>,
+    cancel: Option<&'a CancelToken>,
+    progress: Option<ProgressSink>,
+}
 
-    /// A rank killed by a signal is named before the ranks the supervisor had to stop after
-    /// it, so the line says which rank was lost even when the owner could not report it.
-    #[test]
-    fn a_failure_names_the_rank_that_died_before_those_stopped_after_it() {
-        let exit = GroupExit {
-            statuses: vec![
-                None,
-                Some(ExitStatus::from_raw(9)),
-                Some(ExitStatus::from_raw(0)),
-                Some(ExitStatus::from_raw(3 << 8)),
-            ],
-            interrupted: false,
+impl<'a> Request<'a> {
+    /// Decodes `latent` (`[B, C, H, W]` images, `[B, C, T, H, W]` video) into pixels in [-1, 1].
+    pub fn decode(latent: &'a Tensor, options: &'a Decode) -> Self {
+        Self { work: Work::Decode(latent, options), cancel: None, progress: None }
+    }
+
+    /// Encodes `image` (pixels in [-1, 1]) into latents (or moments).
+    pub fn encode(image: &'a Tensor, options: &'a Encode) -> Self {
+        Self { work: Work::Encode(image, options), cancel: None, progress: None }
+    }
+
+    /// Decodes a video latent with its output frames handed to `sink` as they are decoded (the
+    /// owner's sink; on the other ranks of a group of processes it is never called).
+    pub fn decode_to(latent: &'a Tensor, options: &'a Decode, sink: &'a mut (dyn FrameSink + Send)) -> Self {
+        Self { work: Work::DecodeTo(latent, options, Mutex::new(Some(sink))), cancel: None, progress: None }
+    }
+
+    /// Stops the request when `token` is cancelled.
+    pub fn cancel_on(mut self, token: &'a CancelToken) -> Self {
+        self.cancel = Some(token);
+        self
+    }
+
+    /// Sends the owner's progress (its tiles, and the frames or chunks of the tile or band it
+    /// computes: [`vae_runtime::progress`]) to `sink`; `None` sends it nowhere.
+    pub fn progress(mut self, sink: Option<ProgressSink>) -> Self {
+        self.progress = sink;
+        self
+    }
+
+    fn options(&self) -> &Options {
+        match &self.work {
+            Work::Decode(_, o) | Work::DecodeTo(_, o, _) => o,
+            Work::Encode(_, o) => o,
+        }
+    }
+
+    fn streamed(&self) -> bool {
+        matches!(self.work, Work::DecodeTo(..))
+    }
+}
+
+/// What a request leaves on this process.
+#[derive(Debug, Default)]
+pub struct Finished {
+    /// The output on the ranks it goes to (the owner, rank 0, or every rank as the request's
+    /// placement says; on a local group, rank 0's); `None` on a rank it does not go to, and
+    /// for a streamed decode, whose frames went to the sink.
+    pub output: Option<Tensor>,
+    /// Every rank's part of the request, on the owner (`None` elsewhere, and for a streamed
+    /// decode on one rank, which runs outside the executor).
+    pub report: Option<RequestReport>,
+    /// The most tensor memory this process's rank (rank 0 of a local group) held for the
+    /// request beyond what was alive when it started, bytes.
+    pub peak_bytes: u64,
+}
+
+/// The ranks of a group: its kind decides how a request reaches them.
+enum Ranks {
+    /// Threads of this process, each on a pool of its own; a fresh local group per request.
+    Local(RankPools),
+    /// This process is one rank of a group it joined; every rank runs each request.
+    Joined(Arc<dyn Communicator>),
+}
+
+/// The ranks requests run on: local threads, or this process as one rank of a group of
+/// processes. Requests run one at a time, in the order they are made; the same [`Vae`] serves
+/// every rank of a local group.
+///
+/// ```
+/// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");
+/// use vae_parallel::{Decode, Device, Group, Tensor, Vae};
+///
+/// let vae = Vae::load(dir)?;
+/// let group = Group::local(4)?;
+/// let latent = Tensor::seeded_uniform([1, 4, 16, 16], 1, -1.0, 1.0, &Device::Cpu)?;
+/// // The untiled decode, split exactly over the 4 ranks; rank 0 receives it.
+/// let image = group.decode(&vae, &latent, &Decode::default())?.expect("rank 0 holds the output");
+/// // The same pixels on one rank.
+/// let alone = Group::local(1)?.decode(&vae, &latent, &Decode::default())?.unwrap();
+/// assert_eq!(image.to_vec_f32()?, alone.to_vec_f32()?);
+/// # Ok::<(), vae_parallel::Error>(())
+/// ```
+pub struct Group {
+    ranks: Ranks,
+    config: TransportConfig,
+    /// Held while a request runs: one at a time, in every rank's order.
+    busy: Mutex<()>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group").field("size", &self.size()).field("backend", &self.backend()).finish()
+    }
+}
+
+/// How to build a local [`Group`]: `Group::local_builder(ranks)`, the settings, then
+/// [`LocalGroupBuilder::build`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct LocalGroupBuilder {
+    ranks: usize,
+    threads: Option<usize>,
+    threads_per_rank: Option<usize>,
+    config: Option<TransportConfig>,
+}
+
+impl LocalGroupBuilder {
+    /// The compute threads the ranks share (default: rayon's global pool's, all cores unless
+    /// [`crate::init`] said otherwise). Each rank's pool holds twice its even share of them,
+    /// all of them at most: the operating system shares the cores among the ranks that are
+    /// busy, and a rank left alone with the most work keeps up to twice its share busy.
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = Some(threads);
+        self
+    }
+
+    /// Exactly this many threads in each rank's pool, instead of a share of
+    /// [`Self::threads`] (a benchmark that fixes each rank's threads).
+    pub fn threads_per_rank(mut self, threads: usize) -> Self {
+        self.threads_per_rank = Some(threads);
+        self
+    }
+
+    /// Timeouts of the group's collectives (default: [`TransportConfig::from_env`]).
+    pub fn transport_config(mut self, config: TransportConfig) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// Starts the ranks' pools.
+    pub fn build(self) -> Result<Group> {
+        if self.ranks == 0 {
+            return Err(Error::invalid_option("`ranks` must be at least 1"));
+        }
+        if self.threads == Some(0) || self.threads_per_rank == Some(0) {
+            return Err(Error::invalid_option("`threads` must be at least 1"));
+        }
+        let config = match self.config {
+            Some(config) => config,
+            None => TransportConfig::from_env()?,
         };
-        assert_eq!(exit.failed_ranks(), vec![0, 1, 3]);
-        assert_eq!(
-            exit.describe_failures(),
-            "rank 1 was killed by signal 9; rank 3 exited with code 3; \
-             rank 0 did not exit within the grace period and was stopped"
-        );
+        config.validate()?;
+        let each = self.threads_per_rank.unwrap_or_else(|| pool_threads(self.threads, self.ranks));
+        let pools = RankPools::new(self.ranks, each)?;
+        Ok(Group { ranks: Ranks::Local(pools), config, busy: Mutex::new(()) })
+    }
+}
+
+impl Group {
+    /// `ranks` local ranks: threads of this process, sharing its cores
+    /// ([`LocalGroupBuilder::threads`]).
+    pub fn local(ranks: usize) -> Result<Self> {
+        Self::local_builder(ranks).build()
+    }
+
+    /// A builder for local ranks with other threads or timeouts.
+    pub fn local_builder(ranks: usize) -> LocalGroupBuilder {
+        LocalGroupBuilder { ranks, threads: None, threads_per_rank: None, config: None }
+    }
+
+    /// Joins, as one rank, the socket group the environment describes (`VAE_RANK`,
+    /// `VAE_WORLD_SIZE`, `VAE_MASTER_ADDR`, or torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`; a `VAE_GROUP_SECRET` on TCP). Every process of the group must then make
+    /// the same requests in the same order; returns once every rank has joined.
+    pub fn from_env() -> Result<Self> {
+        Self::join(&SocketOptions::from_env()?)
+    }
+
+    /// Joins a socket group as `options` say (a rank, the world size, rank 0's address).
+    pub fn join(options: &SocketOptions) -> Result<Self> {
+        let comm = SocketComm::connect(options)?;
+        Ok(Self::from_communicator(Arc::new(comm)))
+    }
+
+    /// Joins the group the environment describes ([`Self::from_env`]) and runs its
+    /// collectives over NCCL ([`Self::nccl_join`]).
+    pub fn nccl_from_env() -> Result<Self> {
+        Self::nccl_join(&SocketOptions::from_env()?)
+    }
+
+    /// Joins a socket group as `options` say and runs its collectives over NCCL, this rank on
+    /// GPU `cuda:LOCAL_RANK` (torchrun's) or else `cuda:RANK`. Every rank gets the same verdict
+    /// from the bootstrap, so all fail together (and none waits inside NCCL) when one cannot
+    /// open its GPU.
+    pub fn nccl_join(options: &SocketOptions) -> Result<Self> {
+        let socket = SocketComm::connect(options)?;
+        let gpu = crate::launch::local_rank().unwrap_or(socket.rank());
+        let nccl = NcclComm::from_bootstrap(&socket, gpu)?;
+        Ok(Self::from_communicator(Arc::new(nccl)))
+    }
+
+    /// This process as the rank `comm` says, of the group `comm` links (an engine's own
+    /// communicator, say). Every rank of it must make the same requests in the same order.
+    pub fn from_communicator(comm: Arc<dyn Communicator>) -> Self {
+        Self { ranks: Ranks::Joined(comm), config: TransportConfig::default(), busy: Mutex::new(()) }
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        match &self.ranks {
+            Ranks::Local(pools) => pools.ranks(),
+            Ranks::Joined(comm) => comm.size(),
+        }
+    }
+
+    /// This process's rank (0 for a local group, whose ranks are its threads).
+    pub fn rank(&self) -> usize {
+        match &self.ranks {
+            Ranks::Local(_) => 0,
+            Ranks::Joined(comm) => comm.rank(),
+        }
+    }
+
+    /// The transport: `local`, `socket`, `nccl`, or the name a caller's communicator gives.
+    pub fn backend(&self) -> &'static str {
+        match &self.ranks {
+            Ranks::Local(_) => "local",
+            Ranks::Joined(comm) => comm.backend(),
+        }
+    }
+
+    /// Whether the ranks are threads of this process.
+    pub fn is_local(&self) -> bool {
+        matches!(self.ranks, Ranks::Local(_))
+    }
+
+    /// The compute threads of each rank: a local rank's pool, or this process's (rayon's
+    /// global pool).
+    pub fn threads_per_rank(&self) -> usize {
+        match &self.ranks {
+            Ranks::Local(pools) => pools.threads_per_rank(),
+            Ranks::Joined(_) => rayon::current_num_threads(),
+        }
+    }
+
+    /// Why a group of processes can serve no more requests (a rank died, or a request was
+    /// cancelled); `None` while it can, and always for a local group.
+    pub fn failure(&self) -> Option<Error> {
+        match &self.ranks {
+            Ranks::Local(_) => None,
+            Ranks::Joined(comm) => comm.failure().map(Error::from),
+        }
+    }
+
+    /// Decodes `latent` on every rank; the pixels on the ranks the output goes to (the owner,
+    /// rank 0, by default), `None` elsewhere.
+    pub fn decode(&self, vae: &Vae, latent: &Tensor, options: &Decode) -> Result<Option<Tensor>> {
+        Ok(self.run(vae, Request::decode(latent, options))?.output)
+    }
+
+    /// Encodes `image` on every rank; the latent (or moments) on the ranks it goes to (every
+    /// rank by default).
+    pub fn encode(&self, vae: &Vae, image: &Tensor, options: &Encode) -> Result<Option<Tensor>> {
+        Ok(self.run(vae, Request::encode(image, options))?.output)
+    }
+
+    /// Decodes a video latent with its output frames handed to `sink` as they are decoded: bit
+    /// for bit the frames of [`Self::decode`], in any mode, without holding the whole video
+    /// (for the families that stream: [`Vae::streams`]).
+    pub fn decode_to(
+        &self,
+        vae: &Vae,
+        latent: &Tensor,
+        options: &Decode,
+        sink: &mut (dyn FrameSink + Send),
+    ) -> Result<()> {
+        self.run(vae, Request::decode_to(latent, options, sink)).map(drop)
+    }
+
+    /// Runs one request on every rank and returns what this process holds of it: the output
+    /// and, on the owner, the report. A failure on any rank fails the request on every rank;
+    /// on a local group the error is rank 0's, or the first failed rank's (naming it) when
+    /// rank 0's part succeeded.
+    pub fn run(&self, vae: &Vae, request: Request<'_>) -> Result<Finished> {
+        if let Some(token) = request.cancel
+            && token.is_cancelled()
+        {
+            return Err(Error::Runtime(vae_runtime::RuntimeError::Transport(vae_transport::TransportError::Aborted {
+                rank: self.rank(),
+                reason: token.0.reason.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default(),
+            })));
+        }
+        let progress = request.progress.clone();
+        let finished = self.run_on_ranks(|comm| {
+            if let Some(token) = request.cancel {
+                token.enlist(comm);
+            }
+            let _progress = progress.clone().filter(|_| comm.rank() == 0).map(ProgressScope::enter);
+            vae_tensor::memory::reset_peak();
+            let before = vae_tensor::memory::live_bytes();
+            let finished = rank_work(vae, &request, comm)?;
+            let peak_bytes = vae_tensor::memory::peak_bytes().saturating_sub(before) as u64;
+            Ok(Finished { peak_bytes, ..finished })
+        })?;
+        if self.is_local() && finished.output.is_none() && !request.streamed() {
+            return Err(Error::Runtime(vae_runtime::RuntimeError::Protocol("the owner received no output".into())));
+        }
+        Ok(finished)
+    }
+
+    /// Runs `body` on every rank with the rank's communicator, under the group's rules: one at
+    /// a time, a failure the other ranks cannot know of (a panic included) aborting the group
+    /// with its reason, so that nobody waits for the rank or blames the wrong one. Returns this
+    /// process's result: rank 0's for a local group, or, when rank 0's succeeded and another
+    /// rank's failed, that rank's error naming it. [`Self::run`] is this with a request's work;
+    /// call it directly to run other collective work on the group's ranks (a benchmark of the
+    /// transport, a custom operator on [`DistributedVaeExecutor`]).
+    pub fn run_on_ranks<R: Send>(&self, body: impl Fn(&Arc<dyn Communicator>) -> Result<R> + Sync) -> Result<R> {
+        let _busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        match &self.ranks {
+            Ranks::Joined(comm) => on_rank(comm, &body),
+            Ranks::Local(pools) => {
+                let results =
+                    pools.run(self.config, |comm| on_rank(&(Arc::new(comm) as Arc<dyn Communicator>), &body))?;
+                let mut owner = None;
+                let mut failure = None;
+                for (rank, result) in results.into_iter().enumerate() {
+                    let result = result.map_err(|message| Error::Panicked { rank, message }).and_then(|r| r);
+                    match result {
+                        Err(e) if rank == 0 => return Err(e),
+                        Err(e) => failure = failure.or(Some(Error::OnRank { rank, source: Box::new(e) })),
+                        Ok(out) if rank == 0 => owner = Some(out),
+                        Ok(_) => {}
+                    }
+                }
+                match (failure, owner) {
+                    (Some(err), _) => Err(err),
+                    (None, Some(out)) => Ok(out),
+                    (None, None) => {
+                        Err(Error::Runtime(vae_runtime::RuntimeError::Protocol("rank 0 returned nothing".into())))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One rank's `body`, under the abort rule: a failure the other ranks cannot know of (a panic
+/// included) aborts the group with its reason.
+fn on_rank<R>(comm: &Arc<dyn Communicator>, body: &(impl Fn(&Arc<dyn Communicator>) -> Result<R> + Sync)) -> Result<R> {
+    let rank = comm.rank();
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| body(comm)))
+        .unwrap_or_else(|payload| Err(Error::Panicked { rank, message: panic_message(payload.as_ref()) }));
+    if let Err(err) = &result
+        && !err.known_to_all_ranks()
+    {
+        comm.abort(&err.to_line());
+    }
+    result
+}
+
+/// One rank's part of a request: the work, then every rank's report gathered to rank 0.
+fn rank_work(vae: &Vae, request: &Request<'_>, comm: &Arc<dyn Communicator>) -> Result<Finished> {
+    let options = request.options();
+    options.validate()?;
+    let executor = DistributedVaeExecutor::new(Arc::clone(comm), options.parallel_size.unwrap_or(comm.size()))?
+        .with_tile_merge(options.tile_merge)
+        .with_halo_overlap(options.halo_overlap);
+    let out: Option<ExecOutput> = match &request.work {
+        Work::Decode(latent, o) => Some(vae.decode_on(&executor, latent, o)?),
+        Work::Encode(image, o) => Some(vae.encode_on(&executor, image, o)?),
+        Work::DecodeTo(latent, o, sink) => {
+            let mut sink = match comm.rank() {
+                0 => sink.lock().unwrap_or_else(|e| e.into_inner()).take(),
+                _ => None,
+            };
+            let sink = sink.as_mut().map(|s| &mut **s as &mut dyn FrameSink);
+            vae.decode_streaming_on(&executor, latent, o, sink)?
+        }
+    };
+    // A streamed decode on one rank ran outside the executor: no report.
+    let Some(out) = out else { return Ok(Finished::default()) };
+    let summaries = gather_summaries(comm.as_ref(), 0, &out.report)?;
+    let report = summaries.map(|ranks| {
+        RequestReport::from_owner(
+            &options.mode.to_string(),
+            &out.report,
+            comm.as_ref(),
+            executor.parallel_size(),
+            ranks,
+        )
+    });
+    Ok(Finished { output: out.tensor, report, peak_bytes: 0 })
+}
+
+/// The message of a panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
     }
 }

@@ -56,10 +56,66 @@ pub fn local_placement(threads: Option<usize>, ranks: usize) -> Placement {
     host_placement(pool_threads(threads, ranks), ranks)
 }
 
+/// The thread pools of a local group's ranks, one per rank, each charging its allocations to
+/// the rank's own account (its high-water mark). Built once and kept: a [`Group`](crate::Group)
+/// runs every request of its ranks on them.
+pub struct RankPools {
+    pools: Vec<rayon::ThreadPool>,
+}
+
+impl std::fmt::Debug for RankPools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankPools").field("ranks", &self.pools.len()).finish()
+    }
+}
+
+impl RankPools {
+    /// `ranks` pools of `each` threads ([`pool_threads`] shares a host's); the group's size is
+    /// checked before any thread starts.
+    pub fn new(ranks: usize, each: usize) -> Result<Self, LocalRanksError> {
+        vae_transport::check_world_size(ranks)?;
+        let each = each.max(1);
+        let pools = (0..ranks)
+            .map(|rank| {
+                let account = Account::new();
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(each)
+                    .thread_name(move |i| format!("vae-rank-{rank}-{i}"))
+                    .start_handler(move |_| account.adopt())
+                    .build()
+                    .map_err(|source| LocalRanksError::Pool { rank, source })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { pools })
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.pools.len()
+    }
+
+    /// The threads of each rank's pool.
+    pub fn threads_per_rank(&self) -> usize {
+        self.pools.first().map_or(1, rayon::ThreadPool::current_num_threads)
+    }
+
+    /// Runs `body` on every rank, each on a thread of its own inside its pool, over a fresh
+    /// local group, and returns each rank's result in rank order; a rank that panics yields
+    /// `Err` with the panic message, and the others see it as a failed peer (as [`run_local`]).
+    pub fn run<R, F>(&self, config: TransportConfig, body: F) -> Result<Vec<Result<R, String>>, LocalRanksError>
+    where
+        R: Send,
+        F: Fn(LocalComm) -> R + Sync,
+    {
+        config.validate()?;
+        let body = &body;
+        let pools = &self.pools;
+        Ok(run_local(pools.len(), config, |comm| pools[comm.rank()].install(|| body(comm)))?)
+    }
+}
+
 /// Runs `body` on `ranks` local ranks, each inside a rayon pool of its own of `each` threads
-/// ([`pool_threads`] shares a host's), and returns each rank's result in rank order; a rank
-/// that panics yields `Err` with the panic message, and the others see it as a failed peer (as
-/// [`run_local`]). The group's size and settings are checked before any thread starts.
+/// ([`RankPools`] made for this one run), and returns each rank's result in rank order.
 pub fn run_local_ranks<R, F>(
     ranks: usize,
     each: usize,
@@ -70,23 +126,8 @@ where
     R: Send,
     F: Fn(LocalComm) -> R + Sync,
 {
-    vae_transport::check_world_size(ranks)?;
     config.validate()?;
-    let each = each.max(1);
-    let pools = (0..ranks)
-        .map(|rank| {
-            let account = Account::new();
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(each)
-                .thread_name(move |i| format!("vae-rank-{rank}-{i}"))
-                .start_handler(move |_| account.adopt())
-                .build()
-                .map_err(|source| LocalRanksError::Pool { rank, source })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let body = &body;
-    let pools = &pools;
-    Ok(run_local(ranks, config, |comm| pools[comm.rank()].install(|| body(comm)))?)
+    RankPools::new(ranks, each)?.run(config, body)
 }
 
 #[cfg(test)]

@@ -54,7 +54,7 @@ impl StreamedOutput {
             "npy" => Format::Npy { file: None },
             "png" => Format::Png,
             "mp4" | "gif" if fps > 0 => Format::Video { writers: Vec::new(), fps },
-            "mp4" | "gif" => return Err(IoError::Unsupported("--fps must be at least 1".into())),
+            "mp4" | "gif" => return Err(IoError::Unsupported("`fps` must be at least 1".into())),
             _ => {
                 return Err(IoError::Unsupported(format!("{} must end in .npy, .png, .mp4 or .gif", path.display())));
             }

@@ -111,7 +111,7 @@ impl VideoWriter {
     /// Stages `target` (`.mp4` or `.gif`) for a `w × h` video at `fps` frames a second.
     pub(crate) fn start(staged: &mut Staged, target: &Path, w: usize, h: usize, fps: u32) -> Result<Self, IoError> {
         if fps == 0 {
-            return Err(IoError::Unsupported("--fps must be at least 1".into()));
+            return Err(IoError::Unsupported("`fps` must be at least 1".into()));
         }
         let ext = target.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
         let kind = match ext.as_str() {

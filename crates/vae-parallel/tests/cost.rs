@@ -196,25 +196,22 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     use std::sync::Arc;
 
     use vae_parallel::cost::CostSettings;
-    use vae_parallel::engine::{Engine, RequestOptions};
-    use vae_parallel::models::TileOverrides;
     use vae_parallel::planner::cost::{DeviceProfile, Placement};
     use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode};
     use vae_parallel::transport::{Communicator, TransportConfig, run_local};
+    use vae_parallel::{CostProfile, Decode, Tiling, Vae};
 
     let model = fixtures().join("sd_like");
     let latent = vae_parallel::io::read_tensor(&fixtures().join("sd_like.decode_tiled.in.npy")).unwrap();
     let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 2.0 };
     let slow_links = DeviceProfile { link_latency_us: 3.6e9, ..DeviceProfile::builtin_cpu() };
-    let engines: Vec<Engine> = [DeviceProfile::builtin_cpu(), slow_links]
+    let engines: Vec<Vae> = [DeviceProfile::builtin_cpu(), slow_links]
         .into_iter()
-        .map(|profile| {
-            let mut e = Engine::load(&model, &TileOverrides::default()).unwrap();
-            e.set_cost(Some(CostSettings { profile, placement }));
-            e
-        })
+        .map(|profile| Vae::builder(&model).cost_profile(CostProfile::Given(profile)).build().unwrap())
         .collect();
-    let options = RequestOptions { mode: ParallelMode::Auto, ..RequestOptions::default() };
+    // The reference's semantics: tiles or a shard on two ranks.
+    let tiling = Tiling::Reference { asked: false };
+    let options = Decode::default().mode(ParallelMode::Auto).tiling(tiling);
     // Alone, each would choose differently.
     let alone: Vec<String> = engines
         .iter()
@@ -224,8 +221,8 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
                 vae_parallel::models::Direction::Decode,
                 latent.dims(),
                 2,
-                false,
-                e.cost().unwrap(),
+                tiling,
+                &CostSettings { profile: e.cost_profile().unwrap().clone(), placement },
             )
             .unwrap();
             vae_parallel::cost::choose(&all, None, 2).unwrap().label.clone()
@@ -235,7 +232,7 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     let results = run_local(2, TransportConfig::default(), |comm| {
         let rank = comm.rank();
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        engines[rank].decode(&exec, &latent, &options).unwrap().report.strategy.label()
+        engines[rank].decode_on(&exec, &latent, &options).unwrap().report.strategy.label()
     })
     .unwrap();
     let ran: Vec<String> = results.into_iter().map(Result::unwrap).collect();
@@ -243,13 +240,12 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
 
     // A rank with no cost model at all (no profile for its device) follows rank 0 too, and
     // rank 0 without one makes the group follow the family's rules; never a hang.
-    let mut bare = Engine::load(&model, &TileOverrides::default()).unwrap();
-    bare.set_cost(None);
-    let run = |pair: [&Engine; 2]| -> Vec<String> {
+    let bare = Vae::builder(&model).cost_profile(CostProfile::Off).build().unwrap();
+    let run = |pair: [&Vae; 2]| -> Vec<String> {
         let results = run_local(2, TransportConfig::default(), |comm| {
             let rank = comm.rank();
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-            pair[rank].decode(&exec, &latent, &options).unwrap().report.strategy.label()
+            pair[rank].decode_on(&exec, &latent, &options).unwrap().report.strategy.label()
         });
         results.unwrap().into_iter().map(Result::unwrap).collect()
     };
@@ -266,9 +262,9 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
 #[test]
 fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
     use vae_parallel::cost::CostSettings;
-    use vae_parallel::engine::Engine;
-    use vae_parallel::models::{Direction, TileOverrides};
+    use vae_parallel::models::Direction;
     use vae_parallel::planner::cost::{DeviceKind, DeviceProfile, Placement};
+    use vae_parallel::{CostProfile, Tiling, Vae};
 
     let gpu = |dtype: &str| DeviceProfile {
         device: "cuda: test".into(),
@@ -282,12 +278,19 @@ fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
     };
     let (model, latent) = wan21_fixture();
     let dims = vae_parallel::io::read_tensor(&latent).unwrap().dims().to_vec();
-    let engine = Engine::load(&model, &TileOverrides::default()).unwrap();
+    let engine = Vae::builder(&model).cost_profile(CostProfile::Off).build().unwrap();
     let placement = Placement { threads_per_rank: 0.5, ranks_per_host: 2, threads_alone: 1.0 };
     let peak = |profile: DeviceProfile| {
         let settings = CostSettings { profile, placement };
-        let all =
-            vae_parallel::cost::candidates(engine.model(), Direction::Decode, &dims, 2, false, &settings).unwrap();
+        let all = vae_parallel::cost::candidates(
+            engine.model(),
+            Direction::Decode,
+            &dims,
+            2,
+            Tiling::Reference { asked: false },
+            &settings,
+        )
+        .unwrap();
         all.iter().find(|c| c.label.starts_with("shard-")).unwrap().prediction.peak_bytes as f64
     };
     let ratio = peak(gpu("bf16")) / peak(gpu("f32"));

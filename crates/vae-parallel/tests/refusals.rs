@@ -159,33 +159,36 @@ fn an_agreed_error_is_reported_the_same_way_every_time() {
 }
 
 /// The same refusal through the library, on two local ranks: every rank's error says what kind
-/// of failure it is (an input that does not fit the model), not only in its text.
+/// of failure it is (an input that does not fit the model), not only in its text, and the
+/// group's error is one of that kind.
 #[test]
 fn a_latent_that_does_not_fit_is_an_invalid_input_on_every_rank() {
     use std::sync::Arc;
 
-    use vae_parallel::engine::{Engine, EngineError, RequestOptions};
-    use vae_parallel::models::TileOverrides;
     use vae_parallel::runtime::{DistributedVaeExecutor, FailureKind, RuntimeError, Stage};
     use vae_parallel::transport::{TransportConfig, run_local};
+    use vae_parallel::{CostProfile, Decode, Error, ErrorKind, Group, Tiling, Vae};
 
     let f = fixtures();
-    let engine = Engine::load(&f.join("sd_like"), &TileOverrides::default()).unwrap();
+    let vae = Vae::builder(f.join("sd_like")).cost_profile(CostProfile::Off).build().unwrap();
     // A FLUX.2 latent: not the SD-like model's 4 channels.
     let latent = vae_parallel::io::read_npy(&f.join("flux2_like.decode.in.npy")).unwrap();
+    let tiles = Decode::default().tiling(Tiling::Reference { asked: false });
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        engine.decode(&exec, &latent, &RequestOptions::default()).map(|_| ())
+        vae.decode_on(&exec, &latent, &tiles).map(|_| ())
     })
     .unwrap();
     for (rank, result) in results.into_iter().enumerate() {
         match result.unwrap() {
-            Err(EngineError::Runtime(
+            Err(Error::Runtime(
                 err @ RuntimeError::Operator { stage: Stage::Split, kind: FailureKind::InvalidInput, .. },
             )) => assert!(err.to_string().starts_with("split failed on rank 0: invalid input:"), "rank {rank}: {err}"),
             other => panic!("rank {rank}: {other:?}"),
         }
     }
+    let err = Group::local(2).unwrap().decode(&vae, &latent, &tiles).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
 }
 
 #[test]

@@ -19,6 +19,7 @@ mod device;
 mod error;
 pub mod memory;
 mod ops;
+pub mod process;
 pub mod profile;
 pub mod recycle;
 mod shape;

@@ -343,14 +343,23 @@ impl fmt::Debug for Buffer {
 /// `T` suffix, powers of 1024): the lower of it and the memory the system has available.
 pub const ENV_MEMORY_LIMIT: &str = "VAE_MEMORY_LIMIT";
 
+/// The cap [`crate::process::configure`] set, over [`ENV_MEMORY_LIMIT`].
+static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// Caps the memory a request may plan for, as [`ENV_MEMORY_LIMIT`] does; `false` once set.
+pub(crate) fn request_limit(bytes: u64) -> bool {
+    LIMIT.set(bytes).is_ok()
+}
+
 /// Host bytes a request may plan for: the system's available memory (Linux `MemAvailable`) or
-/// [`ENV_MEMORY_LIMIT`], whichever is lower; `None` when neither is known.
+/// the process's cap ([`crate::process::configure`], else [`ENV_MEMORY_LIMIT`]), whichever is
+/// lower; `None` when neither is known.
 pub fn available_host_bytes() -> Option<u64> {
     let system = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
         let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
         line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
     });
-    let limit = std::env::var(ENV_MEMORY_LIMIT).ok().and_then(|v| parse_bytes(&v));
+    let limit = LIMIT.get().copied().or_else(|| std::env::var(ENV_MEMORY_LIMIT).ok().and_then(|v| parse_bytes(&v)));
     match (system, limit) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),

@@ -125,10 +125,23 @@ fn bytes_of(v: &Vec<f32>) -> usize {
     v.capacity() * std::mem::size_of::<f32>()
 }
 
-/// Whether the pool is on: `VAE_RECYCLE=0` (or `off`, `false`, `no`) turns it off. Read once.
+/// Whether the pool is on, once decided ([`enabled`]).
+static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// Whether [`crate::process::configure`] turned the pool on or off, over `VAE_RECYCLE`.
+static REQUESTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Turns the pool on or off as `VAE_RECYCLE` does, before the first large buffer decides;
+/// `false` once it was decided (or set) already.
+pub(crate) fn request(on: bool) -> bool {
+    ON.get().is_none() && REQUESTED.set(on).is_ok()
+}
+
+/// Whether the pool is on: [`request`]'s word, else `VAE_RECYCLE=0` (or `off`, `false`, `no`) turns it off. Read once.
 fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
+        if let Some(on) = REQUESTED.get() {
+            return *on;
+        }
         let off = std::env::var("VAE_RECYCLE")
             .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"));
         !off

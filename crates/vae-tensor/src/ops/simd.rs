@@ -67,13 +67,34 @@ impl Isa {
     }
 }
 
+/// The instruction set decided for this process ([`isa`]).
+static CHOSEN: OnceLock<Isa> = OnceLock::new();
+/// The cap [`crate::process::configure`] set, over `VAE_CPU_ISA`.
+static REQUESTED: OnceLock<String> = OnceLock::new();
+
+/// Caps the instruction set as `VAE_CPU_ISA` does, before the first kernel decides it; `false`
+/// once it was decided (or capped) already.
+pub(crate) fn request(cap: &str) -> bool {
+    CHOSEN.get().is_none() && REQUESTED.set(cap.to_string()).is_ok()
+}
+
+/// Whether `cap` names an instruction set.
+pub(crate) fn is_isa_name(cap: &str) -> bool {
+    Isa::parse(cap).is_some()
+}
+
 /// The instruction set the kernels use on this machine: the widest the CPU has, capped by
-/// `VAE_CPU_ISA`. Decided once per process.
+/// [`crate::process::configure`] or else `VAE_CPU_ISA`. Decided once per process.
 pub(crate) fn isa() -> Isa {
-    static CHOSEN: OnceLock<Isa> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
         let best = Isa::best_supported();
-        let Ok(wanted) = std::env::var("VAE_CPU_ISA") else { return best };
+        let wanted = match REQUESTED.get() {
+            Some(cap) => cap.clone(),
+            None => match std::env::var("VAE_CPU_ISA") {
+                Ok(cap) => cap,
+                Err(_) => return best,
+            },
+        };
         match Isa::parse(&wanted) {
             Some(isa) if isa.supported() => isa,
             Some(isa) => {

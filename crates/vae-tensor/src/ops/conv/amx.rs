@@ -33,16 +33,29 @@ pub(crate) const A_TILE: usize = ROWS * COLS;
 /// Bytes of a tile row.
 const ROW_BYTES: usize = COLS * 4;
 
+/// Whether AMX is used, once decided ([`supported`]).
+static SUPPORTED: OnceLock<bool> = OnceLock::new();
+/// Whether [`crate::process::configure`] allowed AMX, over `VAE_CPU_AMX`.
+static REQUESTED: OnceLock<bool> = OnceLock::new();
+
+/// Allows or forbids AMX as `VAE_CPU_AMX` does, before the first bf16 convolution decides;
+/// `false` once it was decided (or set) already.
+pub(crate) fn request(on: bool) -> bool {
+    SUPPORTED.get().is_none() && REQUESTED.set(on).is_ok()
+}
+
 /// Whether the bf16 convolutions run on AMX here: the CPU has AMX-TILE and AMX-BF16 (and the
 /// AVX512-BF16 the operands are packed with), Linux granted the tile state, and
 /// `VAE_CPU_AMX` does not turn it off (`0`, `off`, `false`, `no`). Decided once per process.
 pub(crate) fn supported() -> bool {
-    static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| {
         if !crate::ops::simd::bf16_supported() || !cpu_has_amx_bf16() {
             return false;
         }
-        if let Ok(v) = std::env::var("VAE_CPU_AMX") {
+        if REQUESTED.get() == Some(&false) {
+            return false;
+        }
+        if let Some(v) = std::env::var("VAE_CPU_AMX").ok().filter(|_| REQUESTED.get().is_none()) {
             match v.trim().to_ascii_lowercase().as_str() {
                 "0" | "off" | "false" | "no" => return false,
                 "1" | "on" | "true" | "yes" | "" => {}

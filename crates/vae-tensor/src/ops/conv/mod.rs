@@ -16,7 +16,7 @@
 //!   AMX ([`amx`]) or AVX512-BF16 products.
 
 #[cfg(target_arch = "x86_64")]
-mod amx;
+pub(crate) mod amx;
 #[cfg(target_arch = "x86_64")]
 mod amx_direct;
 mod direct;

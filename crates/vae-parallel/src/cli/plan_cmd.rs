@@ -5,19 +5,16 @@
 //! memory).
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use vae_parallel::cost::{self, Candidate};
-use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
-use vae_parallel::local_ranks::{pool_threads, run_local_ranks};
 use vae_parallel::models::Direction;
 use vae_parallel::planner::cost::DeviceKind;
 use vae_parallel::report::human_ms;
-use vae_parallel::runtime::{DistributedVaeExecutor, ParallelMode, Strategy};
-use vae_parallel::tensor::{Device, Tensor};
-use vae_parallel::transport::{Communicator, TransportConfig};
+use vae_parallel::runtime::Strategy;
+use vae_parallel::transport::TransportConfig;
+use vae_parallel::{Decode, Device, Encode, EncodeOutput, Group, Options, ParallelMode, Request, Tensor, Tiling, Vae};
 
 use crate::model_cmds::ParallelArgs;
 
@@ -73,10 +70,11 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let dims = crate::parse_shape(&args.shape, "a comma-separated list of sizes")?;
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
     let direction = if args.encode { Direction::Encode } else { Direction::Decode };
-    let engine = r.load_engine(r.device)?;
-    let model = engine.model();
-    let ranks = r.parallel_size;
-    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, r.options.use_tiling, &r.cost) else {
+    let vae = r.load_vae_on(r.settings.device)?;
+    let model = vae.model();
+    let ranks = r.settings.parallel_size;
+    let options = r.options();
+    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, options.tiling, &r.cost) else {
         anyhow::bail!("{} has no cost model for an input of {dims:?}", model.class_name());
     };
     anyhow::ensure!(!candidates.is_empty(), "no strategy is modelled for an input of {dims:?} on {ranks} rank(s)");
@@ -84,12 +82,12 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     println!("model     {} ({})", r.model_dir().display(), model.class_name());
     println!("request   {} {dims:?} on {ranks} rank(s)", if args.encode { "encode" } else { "decode" });
     println!("profile   {} [{}]", profile.device, profile.source);
-    let runs_on_gpu = !r.device.is_cpu();
+    let runs_on_gpu = !r.settings.device.is_cpu();
     if runs_on_gpu != (profile.kind == DeviceKind::Cuda) {
         println!(
             "note      the profile describes {}, the request runs on {}: the predictions are for the profile's device",
             if profile.kind == DeviceKind::Cuda { "a GPU" } else { "CPU cores" },
-            r.device
+            r.settings.device
         );
     }
     match profile.kind {
@@ -99,11 +97,23 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         ),
         DeviceKind::Cuda => println!("gpus      {} rank(s) sharing each GPU", r.cost.placement.ranks_per_host),
     }
-    if let Some(cap) = r.options.max_memory_per_rank {
+    if let Some(cap) = options.max_memory_per_rank {
         println!("cap       {} per rank", vae_parallel::report::human_bytes(cap));
     }
-    let choice = cost::choose(&candidates, r.options.max_memory_per_rank, ranks);
+    let choice = cost::choose(&candidates, options.max_memory_per_rank, ranks);
     let input = args.measure.then(|| Tensor::seeded_uniform(dims.clone(), 0, -1.0, 1.0, &Device::Cpu)).transpose()?;
+    // The ranks `decode` would start on this host, with timeouts long enough for any request.
+    let group = match input {
+        Some(_) => Some(
+            Group::local_builder(ranks)
+                .transport_config(TransportConfig {
+                    collective_timeout: Duration::from_secs(6 * 3600),
+                    ..TransportConfig::default()
+                })
+                .build()?,
+        ),
+        None => None,
+    };
     println!();
     print!("{:<16} {:>12} {:>14} {:>6}", "strategy", "predicted ms", "peak per rank", "fits");
     if input.is_some() {
@@ -111,7 +121,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     }
     println!();
     for c in &candidates {
-        let fits = r.options.max_memory_per_rank.is_none_or(|cap| c.prediction.peak_bytes <= cap);
+        let fits = options.max_memory_per_rank.is_none_or(|cap| c.prediction.peak_bytes <= cap);
         let chosen = matches!(&choice, Ok(best) if std::ptr::eq(*best, c));
         print!(
             "{:<16} {:>12.0} {:>14} {:>6}",
@@ -120,8 +130,8 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             vae_parallel::report::human_bytes(c.prediction.peak_bytes),
             if fits { "yes" } else { "no" }
         );
-        if let Some(input) = &input {
-            let m = measure(&engine, direction, input, c, ranks, args.runs, &r.options)?;
+        if let (Some(input), Some(group)) = (&input, &group) {
+            let m = measure(&vae, group, direction, input, c, args.runs, &options)?;
             print!(
                 " {:>11.0} {:>7.2} {:>14} {:>7.2}",
                 m.seconds * 1e3,
@@ -138,7 +148,10 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     println!();
     match choice {
         Ok(best) => println!("auto would run: {}", best.label),
-        Err(e) => println!("auto would refuse: {e}"),
+        Err(e) => println!(
+            "auto would refuse: {}",
+            vae_parallel::settings::rename_options(&e.to_string(), vae_parallel::settings::cli_flag)
+        ),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -171,16 +184,16 @@ fn print_breakdown(candidates: &[Candidate]) {
     println!();
 }
 
-/// Runs `candidate` on `ranks` local ranks `runs` times; the fastest run's time and the
-/// largest peak (above each rank's start).
+/// Runs `candidate` on the local `group` `runs` times; the fastest run's time and the largest
+/// peak (above each rank's start).
 fn measure(
-    engine: &Engine,
+    vae: &Vae,
+    group: &Group,
     direction: Direction,
     input: &Tensor,
     candidate: &Candidate,
-    ranks: usize,
     runs: usize,
-    base: &RequestOptions,
+    base: &Options,
 ) -> anyhow::Result<Measured> {
     let (mode, shard_grid) = match candidate.strategy {
         Strategy::Tile | Strategy::Pipeline => (ParallelMode::Tile, None),
@@ -194,44 +207,32 @@ fn measure(
         ),
         Strategy::Shard2d(grid) => (ParallelMode::SpatialShard2d, Some(grid)),
     };
-    let options = RequestOptions {
-        mode,
-        shard_grid,
-        use_tiling: candidate.use_tiling,
-        max_memory_per_rank: None,
-        ..base.clone()
-    };
-    let device = engine.model().device();
-    let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
+    let mut options = base.clone();
+    options.mode = mode;
+    options.shard_grid = shard_grid;
+    options.tiling = if candidate.use_tiling { Tiling::On } else { Tiling::Off };
+    options.max_memory_per_rank = None;
+    let (decode, encode) = (Decode::default().with_options(options.clone()), Encode::default().with_options(options));
+    let encode = encode.output(EncodeOutput::Moments);
+    let on_cpu = vae.device().is_cpu();
     let mut best = Measured { seconds: f64::INFINITY, peak_bytes: 0 };
     for _ in 0..runs {
-        let each = pool_threads(None, ranks);
-        let results = run_local_ranks(ranks, each, config, |comm| -> anyhow::Result<(f64, u64)> {
-            let comm: Arc<dyn Communicator> = Arc::new(comm);
-            let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?;
-            comm.barrier()?;
-            let device_start = vae_parallel::tensor::memory::device_live_bytes();
-            let started = Instant::now();
-            let out = match direction {
-                Direction::Decode => engine.decode(&executor, input, &options)?,
-                Direction::Encode => engine.encode(&executor, input, &options, EncodeOutput::Moments)?,
-            };
-            // On a GPU the request's tensors are device memory (the rank's account starts
-            // with none: the shared weights are charged to the loading thread).
-            let peak = if device.is_cpu() {
-                out.report.peak_bytes.saturating_sub(out.report.start_bytes)
-            } else {
-                out.report.device_peak_bytes.saturating_sub(device_start)
-            } as u64;
-            Ok((started.elapsed().as_secs_f64(), peak))
-        })?;
-        let mut seconds = 0.0f64;
-        let mut peak = 0u64;
-        for result in results {
-            let (s, p) = result.map_err(|panic| anyhow::anyhow!("a rank panicked: {panic}"))??;
-            seconds = seconds.max(s);
-            peak = peak.max(p);
-        }
+        let started = Instant::now();
+        let request = match direction {
+            Direction::Decode => Request::decode(input, &decode),
+            Direction::Encode => Request::encode(input, &encode),
+        };
+        let finished = group.run(vae, request)?;
+        let seconds = started.elapsed().as_secs_f64();
+        let report = finished.report.ok_or_else(|| anyhow::anyhow!("the owner got no report"))?;
+        // On a GPU the request's tensors are device memory (a rank's account starts with none:
+        // the shared weights are charged to the loading thread).
+        let peak = report
+            .ranks
+            .iter()
+            .map(|r| if on_cpu { r.peak_bytes.saturating_sub(r.start_bytes) } else { r.device_peak_bytes })
+            .max()
+            .unwrap_or(0);
         best.seconds = best.seconds.min(seconds);
         best.peak_bytes = best.peak_bytes.max(peak);
     }

@@ -7,22 +7,20 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::sync::Mutex;
+
 use crate::model_cmds::ComputeType;
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use vae_parallel::engine::{EncodeOutput, Engine, RequestOptions};
-use vae_parallel::group::TransportKind;
-use vae_parallel::local_ranks::run_local_ranks;
-use vae_parallel::models::TileOverrides;
 use vae_parallel::report::human_bytes;
-use vae_parallel::runtime::{DistributedVaeExecutor, HaloOverlap};
+use vae_parallel::runtime::{DistributedVaeExecutor, HaloOverlap, RuntimeError};
 use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
 use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope};
-use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::TransportConfig;
 use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
+use vae_parallel::{CostProfile, Decode, Device, Encode, Error, Group, Tensor, Tiling, Vae};
 
-use crate::ranks::{GroupArgs, GroupOutcome, run_group};
+use crate::ranks::{GroupArgs, Ranks};
 
 /// Which benchmark.
 #[derive(Debug, Subcommand)]
@@ -191,12 +189,17 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// A benchmark's own failure inside a rank, as the group reports errors.
+fn failed(what: &str) -> Error {
+    Error::Runtime(RuntimeError::Protocol(what.to_string()))
+}
+
 /// One timed collective: the slowest rank's time of each repetition.
 fn time_collective(
     comm: &dyn Communicator,
     iters: usize,
-    mut op: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<Vec<f64>> {
+    mut op: impl FnMut() -> vae_parallel::Result<()>,
+) -> vae_parallel::Result<Vec<f64>> {
     op()?; // warm-up: connections, page faults, allocations
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
@@ -217,36 +220,29 @@ struct TransportResult {
 
 fn transport(args: &TransportArgs) -> anyhow::Result<ExitCode> {
     let bytes = args.mib << 20;
-    let outcome = run_group(&args.group, |comm: Arc<dyn Communicator>| {
+    let group = match crate::ranks::ranks(&args.group, None)?.group()? {
+        Ok(group) => group,
+        Err(supervised) => return Ok(supervised),
+    };
+    let result = group.run_on_ranks(|comm| {
         let send = vec![comm.rank() as u8; bytes];
         // Steady state: the receive buffer is reused, as a serving process would.
         let mut recv = Vec::new();
         let all_gather = time_collective(comm.as_ref(), args.iters, || {
             comm.all_gather_into(&send, &mut recv)?;
-            anyhow::ensure!(recv.len() == bytes * comm.size(), "short all_gather");
+            if recv.len() != bytes * comm.size() {
+                return Err(failed("short all_gather"));
+            }
             Ok(())
         })?;
         let mut buf = send.clone();
         let broadcast = time_collective(comm.as_ref(), args.iters, || Ok(comm.broadcast(0, &mut buf)?))?;
-        Ok((comm.rank(), comm.backend(), comm.size(), TransportResult { all_gather, broadcast }))
+        Ok(TransportResult { all_gather, broadcast })
     })?;
-    let (backend, world, result) = match outcome {
-        GroupOutcome::AllRanks(mut results) => {
-            let (_, backend, world, r) = results.swap_remove(0)?;
-            (backend, world, r)
-        }
-        GroupOutcome::OneRank(_, r) => {
-            let (rank, backend, world, r) = r?;
-            if rank != 0 {
-                return Ok(ExitCode::SUCCESS);
-            }
-            (backend, world, r)
-        }
-        GroupOutcome::Supervised(exit) => {
-            anyhow::ensure!(exit.success(), "the rank processes failed: {}", exit.describe_failures());
-            return Ok(ExitCode::SUCCESS);
-        }
-    };
+    if group.rank() != 0 {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let (backend, world) = (group.backend(), group.size());
     let mib = args.mib as f64;
     println!(
         "transport {backend}, {world} ranks, {} MiB per rank, best / median of {} (slowest rank each time)",
@@ -279,8 +275,18 @@ fn transport(args: &TransportArgs) -> anyhow::Result<ExitCode> {
 fn failover(args: &FailoverArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.group.ranks >= 2, "failover needs at least 2 ranks");
     let delay = Duration::from_millis(args.delay_ms);
-    let outcome = run_group(&args.group, |comm: Arc<dyn Communicator>| {
-        let victim = comm.size() - 1;
+    let group = match crate::ranks::ranks(&args.group, None)? {
+        Ranks::Group(group) => group,
+        Ranks::Supervised(exit) => {
+            // The victim is expected to fail; the others must succeed.
+            let failed = exit.failed_ranks();
+            anyhow::ensure!(failed == vec![args.group.ranks - 1], "unexpected failures: ranks {failed:?}");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    let victim = group.size() - 1;
+    let lines = Mutex::new(Vec::new());
+    let outcome = group.run_on_ranks(|comm| {
         comm.barrier()?;
         if comm.rank() == victim {
             std::thread::sleep(delay);
@@ -291,26 +297,20 @@ fn failover(args: &FailoverArgs) -> anyhow::Result<ExitCode> {
             panic!("rank {victim} dies on purpose");
         }
         let waiting = Instant::now();
-        let err = comm.barrier().expect_err("the victim never reaches this barrier");
+        let Err(err) = comm.barrier() else { return Err(failed("the victim reached the barrier")) };
         let detected = waiting.elapsed().saturating_sub(delay);
-        Ok((comm.rank(), victim, detected, err.to_string()))
-    })?;
-    let mut lines = Vec::new();
+        lines.lock().unwrap_or_else(|e| e.into_inner()).push((comm.rank(), detected, err.to_string()));
+        Ok(())
+    });
+    // The victim's death is the error expected; any other is the benchmark's.
     match outcome {
-        GroupOutcome::AllRanks(results) => {
-            for r in results.into_iter().filter_map(Result::ok) {
-                lines.push(r);
-            }
-        }
-        GroupOutcome::OneRank(_, r) => lines.push(r?),
-        GroupOutcome::Supervised(exit) => {
-            // The victim is expected to fail; the others must succeed.
-            let failed = exit.failed_ranks();
-            anyhow::ensure!(failed == vec![args.group.ranks - 1], "unexpected failures: ranks {failed:?}");
-            return Ok(ExitCode::SUCCESS);
-        }
+        Err(Error::OnRank { rank, .. }) if rank == victim => {}
+        Err(e) => return Err(e.into()),
+        Ok(()) => anyhow::bail!("rank {victim} did not die"),
     }
-    for (rank, victim, detected, err) in lines {
+    let mut lines = lines.into_inner().unwrap_or_else(|e| e.into_inner());
+    lines.sort_by_key(|(rank, ..)| *rank);
+    for (rank, detected, err) in lines {
         println!(
             "rank {rank}: death of rank {victim} reported {:.2} ms after it happened: {err}",
             detected.as_secs_f64() * 1e3
@@ -382,58 +382,61 @@ fn run_on_one_rank(
     tiles: Option<ConvKernels>,
 ) -> anyhow::Result<OneRankRun> {
     let (model, iters, profile) = (&args.model, args.iters, args.profile);
-    let group = GroupArgs { ranks: 1, transport: TransportKind::Local, rank: None, master_addr: None };
-    let options = RequestOptions { use_tiling: false, ..RequestOptions::default() };
-    let outcome = run_group(&group, |comm: Arc<dyn Communicator>| {
-        // One rank: the work runs on this thread.
-        let _tiles = tiles.map(ConvTilesScope::only);
-        let mut engine = Engine::load_on(model, &TileOverrides::default(), device, compute.dtype)?;
-        engine.set_tf32_convolutions(compute.tf32);
-        let input = vae_parallel::io::read_tensor(input)?;
-        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), 1)?;
-        let run = || match task {
-            Task::Decode => engine.decode(&executor, &input, &options),
-            Task::Encode => engine.encode(&executor, &input, &options, EncodeOutput::Mean),
-        };
-        // Weights and the input: the high-water mark below counts them too.
-        let live_tensor_bytes = vae_parallel::tensor::memory::live_bytes();
-        let hwm_reset = reset_rss_high_water();
-        let baseline_kib = proc_status_kib(if hwm_reset { "VmRSS" } else { "VmHWM" })?;
+    let (decode, encode) = (Decode::default(), Encode::default());
+    let group = Group::local(1)?;
+    group
+        .run_on_ranks(|comm| {
+            // The work runs on the rank's thread, in its pool: its scopes and its account.
+            let _tiles = tiles.map(ConvTilesScope::only);
+            let vae = Vae::builder(model)
+                .device(device)
+                .dtype(compute.dtype)
+                .tf32(compute.tf32)
+                .cost_profile(CostProfile::Off)
+                .build()?;
+            let input = vae_parallel::io::read_tensor(input)?;
+            let executor = DistributedVaeExecutor::new(Arc::clone(comm), 1)?;
+            let run = || match task {
+                Task::Decode => vae.decode_on(&executor, &input, &decode),
+                Task::Encode => vae.encode_on(&executor, &input, &encode),
+            };
+            // Weights and the input: the high-water mark below counts them too.
+            let live_tensor_bytes = vae_parallel::tensor::memory::live_bytes();
+            let hwm_reset = reset_rss_high_water();
+            let baseline_kib =
+                proc_status_kib(if hwm_reset { "VmRSS" } else { "VmHWM" }).map_err(|e| failed(&e.to_string()))?;
 
-        let warm = run()?;
-        let output = warm.tensor.context("rank 0 got no output")?.dims().to_vec();
-        let mut peak_tensor_bytes = warm.report.peak_bytes;
-        let mut peak_device_bytes = warm.report.device_peak_bytes;
-        let mut times = Vec::with_capacity(iters);
-        let timers = vae_parallel::tensor::profile::set_enabled;
-        timers(profile);
-        let _ = vae_parallel::tensor::profile::take();
-        for _ in 0..iters {
-            let t = Instant::now();
-            let out = run()?;
-            times.push(t.elapsed().as_secs_f64());
-            peak_tensor_bytes = peak_tensor_bytes.max(out.report.peak_bytes);
-            peak_device_bytes = peak_device_bytes.max(out.report.device_peak_bytes);
-            drop(out);
-        }
-        timers(false);
-        let profile = vae_parallel::tensor::profile::take();
-        Ok(OneRankRun {
-            profile,
-            input: input.dims().to_vec(),
-            output,
-            times,
-            peak_tensor_bytes,
-            peak_device_bytes,
-            live_tensor_bytes,
-            hwm_reset,
-            baseline_kib,
+            let warm = run()?;
+            let output = warm.tensor.ok_or_else(|| failed("rank 0 got no output"))?.dims().to_vec();
+            let mut peak_tensor_bytes = warm.report.peak_bytes;
+            let mut peak_device_bytes = warm.report.device_peak_bytes;
+            let mut times = Vec::with_capacity(iters);
+            let timers = vae_parallel::tensor::profile::set_enabled;
+            timers(profile);
+            let _ = vae_parallel::tensor::profile::take();
+            for _ in 0..iters {
+                let t = Instant::now();
+                let out = run()?;
+                times.push(t.elapsed().as_secs_f64());
+                peak_tensor_bytes = peak_tensor_bytes.max(out.report.peak_bytes);
+                peak_device_bytes = peak_device_bytes.max(out.report.device_peak_bytes);
+                drop(out);
+            }
+            timers(false);
+            let profile = vae_parallel::tensor::profile::take();
+            Ok(OneRankRun {
+                profile,
+                input: input.dims().to_vec(),
+                output,
+                times,
+                peak_tensor_bytes,
+                peak_device_bytes,
+                live_tensor_bytes,
+                hwm_reset,
+                baseline_kib,
+            })
         })
-    })?;
-    match outcome {
-        GroupOutcome::AllRanks(mut results) => results.swap_remove(0),
-        _ => anyhow::bail!("a local group runs every rank in this process"),
-    }
+        .map_err(Into::into)
 }
 
 /// `bench decode` and `bench encode`: one rank, untiled, one warm-up then `iters` timed runs.
@@ -566,35 +569,28 @@ struct ShardRun {
     reports: Vec<RankReport>,
 }
 
-/// Decodes on `ranks` local ranks, each in its own pool of `threads` threads; the time is the
-/// slowest rank's, from a common barrier.
+/// Decodes on the local `group`; the time is the slowest rank's, from a common barrier.
 fn timed_local_decode(
-    engine: &Engine,
+    vae: &Vae,
+    group: &Group,
     latent: &Tensor,
-    ranks: usize,
-    threads: usize,
-    options: &RequestOptions,
-    halo_overlap: HaloOverlap,
+    options: &Decode,
 ) -> anyhow::Result<(f64, Tensor, Vec<RankReport>)> {
-    // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
-    let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
-    let results = run_local_ranks(ranks, threads, config, |comm| {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let executor = DistributedVaeExecutor::new(Arc::clone(&comm), ranks)?.with_halo_overlap(halo_overlap);
+    let ranks = Mutex::new(Vec::new());
+    let output = group.run_on_ranks(|comm| {
+        let executor = DistributedVaeExecutor::new(Arc::clone(comm), comm.size())?
+            .with_tile_merge(options.tile_merge)
+            .with_halo_overlap(options.halo_overlap);
         comm.barrier()?;
         let started = Instant::now();
-        let out = engine.decode(&executor, latent, options)?;
-        anyhow::Ok((started.elapsed().as_secs_f64(), out.tensor, out.report))
+        let out = vae.decode_on(&executor, latent, options)?;
+        ranks.lock().unwrap_or_else(|e| e.into_inner()).push((started.elapsed().as_secs_f64(), out.report));
+        Ok(out.tensor)
     })?;
-    let mut seconds = 0.0f64;
-    let mut output = None;
-    let mut reports = Vec::with_capacity(ranks);
-    for r in results {
-        let (t, tensor, report) = r.map_err(|panic| anyhow::anyhow!("a rank panicked: {panic}"))??;
-        seconds = seconds.max(t);
-        output = output.or(tensor);
-        reports.push(report);
-    }
+    let mut ranks = ranks.into_inner().unwrap_or_else(|e| e.into_inner());
+    ranks.sort_by_key(|(_, report)| report.rank);
+    let seconds = ranks.iter().map(|(s, _)| *s).fold(0.0, f64::max);
+    let reports = ranks.into_iter().map(|(_, report)| report).collect();
     Ok((seconds, output.context("rank 0 got no output")?, reports))
 }
 
@@ -610,13 +606,23 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: --device {}: {why}", args.device);
     }
     let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
-    let mut engine = Engine::load_on(&args.model, &TileOverrides::default(), device, dtype.dtype)?;
-    engine.set_tf32_convolutions(dtype.tf32);
+    let vae = Vae::builder(&args.model)
+        .device(device)
+        .dtype(dtype.dtype)
+        .tf32(dtype.tf32)
+        .cost_profile(CostProfile::Off)
+        .build()?;
     anyhow::ensure!(
-        engine.check_mode(ParallelMode::SpatialShardHeight).is_ok(),
+        vae.check_mode(ParallelMode::SpatialShardHeight).is_ok(),
         "bench shard needs a family with a spatial shard ({} has none)",
-        engine.model().class_name()
+        vae.class_name()
     );
+    // Long CPU decodes: a rank may wait minutes for the slowest one in a collective.
+    let config = TransportConfig { collective_timeout: Duration::from_secs(6 * 3600), ..TransportConfig::default() };
+    let group = |ranks: usize| {
+        Group::local_builder(ranks).threads_per_rank(args.threads_per_rank).transport_config(config).build()
+    };
+    let (one, many) = (group(1)?, group(args.ranks)?);
     let latent = match &args.latent {
         Some(path) => vae_parallel::io::read_tensor(path)?,
         None => {
@@ -627,13 +633,14 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let mut runs: Vec<ShardRun> = Vec::new();
     for name in args.runs.split(',').map(str::trim) {
+        // The reference's semantics, as the CLI's `decode`: tiles on several ranks, the direct
+        // decode on one.
+        let reference = Decode::default().tiling(Tiling::Reference { asked: false });
         let (ranks, options) = match name {
-            "direct" => (1, RequestOptions { use_tiling: false, ..RequestOptions::default() }),
-            "shard" | "shard-blocking" | "shard-overlap-all" => {
-                (args.ranks, RequestOptions { mode, ..RequestOptions::default() })
-            }
-            "tile" => (args.ranks, RequestOptions { use_tiling: true, ..RequestOptions::default() }),
-            "pipeline" => (args.ranks, RequestOptions { mode: ParallelMode::Pipeline, ..RequestOptions::default() }),
+            "direct" => (1, reference.mode(ParallelMode::Tile)),
+            "shard" | "shard-blocking" | "shard-overlap-all" => (args.ranks, reference.mode(mode)),
+            "tile" => (args.ranks, reference.mode(ParallelMode::Tile).tiled()),
+            "pipeline" => (args.ranks, reference.mode(ParallelMode::Pipeline)),
             other => anyhow::bail!(
                 "unknown run {other:?} (direct, shard, shard-blocking, shard-overlap-all, tile or pipeline)"
             ),
@@ -643,14 +650,15 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
             "shard-overlap-all" => HaloOverlap::Always,
             _ => HaloOverlap::WherePays,
         };
+        let options = options.halo_overlap(overlap);
+        let group = if ranks == 1 { &one } else { &many };
         eprintln!("running {name} on {ranks} rank(s) x {} thread(s) on {device}...", args.threads_per_rank);
         if !device.is_cpu() {
             // Untimed: the first decode of a shape on a GPU also grows the memory pool and, on
             // the first run, loads the kernels.
-            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options, overlap)?;
+            timed_local_decode(&vae, group, &latent, &options)?;
         }
-        let (seconds, output, reports) =
-            timed_local_decode(&engine, &latent, ranks, args.threads_per_rank, &options, overlap)?;
+        let (seconds, output, reports) = timed_local_decode(&vae, group, &latent, &options)?;
         runs.push(ShardRun { name: name.to_string(), ranks, seconds, output, reports });
     }
     let direct = runs.iter().find(|r| r.name == "direct");

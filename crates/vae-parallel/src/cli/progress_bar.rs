@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use vae_parallel::runtime::{Progress, ProgressScope};
+use vae_parallel::runtime::{Progress, ProgressSink};
 
 /// Bar positions: the share done in thousandths.
 const SCALE: u64 = 1000;
@@ -57,29 +57,29 @@ impl Position {
     }
 }
 
-/// The display of one rank's request; dropped when it ends.
+/// The display of one request on this process; dropped when it ends.
 pub(crate) struct ProgressDisplay {
     done: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    _scope: Option<ProgressScope>,
+    sink: Option<ProgressSink>,
 }
 
 impl ProgressDisplay {
     /// Starts the display for `what` (`decoding`) counting `step_noun`s (`frame`) when `show`
-    /// (rank 0); elsewhere it does nothing. Call it on the rank's thread: the updates of that
-    /// thread are the ones shown.
+    /// (rank 0); elsewhere it does nothing. The updates shown are those sent to
+    /// [`Self::sink`] (the request's: `Request::progress`).
     pub(crate) fn start(what: &'static str, step_noun: &'static str, show: bool) -> Self {
         let done = Arc::new(AtomicBool::new(false));
         if !show {
-            return Self { done, thread: None, _scope: None };
+            return Self { done, thread: None, sink: None };
         }
         let position = Arc::new(Mutex::new(Position::default()));
-        let sink = Arc::clone(&position);
-        let scope = ProgressScope::enter(Arc::new(move |update| {
-            if let Ok(mut p) = sink.lock() {
+        let updates = Arc::clone(&position);
+        let sink: ProgressSink = Arc::new(move |update| {
+            if let Ok(mut p) = updates.lock() {
                 p.apply(update);
             }
-        }));
+        });
         let flag = Arc::clone(&done);
         let thread = std::thread::spawn(move || {
             let started = Instant::now();
@@ -123,7 +123,12 @@ impl ProgressDisplay {
                 b.finish_and_clear();
             }
         });
-        Self { done, thread: Some(thread), _scope: Some(scope) }
+        Self { done, thread: Some(thread), sink: Some(sink) }
+    }
+
+    /// Where the owner's rank sends its updates (`None` where nothing is shown).
+    pub(crate) fn sink(&self) -> Option<ProgressSink> {
+        self.sink.clone()
     }
 }
 

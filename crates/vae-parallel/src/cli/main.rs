@@ -54,19 +54,6 @@ enum Command {
     Devices,
 }
 
-/// Has glibc map every allocation of 1 MiB and more from the system and return it when freed,
-/// instead of its dynamic threshold, which serves some of them from its heap and keeps them once
-/// freed. vae-tensor's buffer pool (`vae_tensor::recycle`) keeps the large buffers' resident
-/// size under their high-water mark only if freed ones go back to the system.
-fn map_large_allocations() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes glibc's allocation policy; it runs first thing in `main`,
-    // before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, vae_tensor::recycle::MIN_BYTES as i32);
-    }
-}
-
 /// A `--shape` flag's sizes, comma-separated (`1,16,64,64`); `what` names the expected layout in
 /// the error.
 fn parse_shape(text: &str, what: &str) -> anyhow::Result<Vec<usize>> {
@@ -78,7 +65,9 @@ fn parse_shape(text: &str, what: &str) -> anyhow::Result<Vec<usize>> {
 }
 
 fn main() -> ExitCode {
-    map_large_allocations();
+    // First thing, while this is the only thread: glibc maps large allocations and returns
+    // them when freed; the rest from the environment.
+    let init = vae_parallel::init(vae_parallel::Config::default());
     let cli = Cli::parse();
     let default_level = match cli.verbose {
         0 => "warn",
@@ -87,6 +76,9 @@ fn main() -> ExitCode {
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    if let Err(e) = init {
+        tracing::warn!("{e}");
+    }
 
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
@@ -103,7 +95,7 @@ fn main() -> ExitCode {
         Err(err) => {
             // Said once per failure: a supervisor whose rank 0 reported it, and the other ranks
             // of a supervised group (rank 0 names the rank that failed first), stay quiet.
-            if err.is::<ranks::AlreadyReported>() || vae_parallel::group::is_supervised_non_owner() {
+            if err.is::<ranks::AlreadyReported>() || vae_parallel::launch::is_supervised_non_owner() {
                 tracing::debug!("{}", error_text(&err));
             } else {
                 eprintln!("error: {}", error_text(&err));
@@ -166,7 +158,8 @@ fn devices() -> anyhow::Result<ExitCode> {
 
 /// An error and its causes on one line, as `{:#}` prints them but without a cause whose text the
 /// line already holds (an error that prints its source as well as returning it would otherwise
-/// say it twice: "x: No such file (os error 2): No such file (os error 2)").
+/// say it twice: "x: No such file (os error 2): No such file (os error 2)"), the options it
+/// names written as this command's flags (`` `shard_grid` `` → `--shard-grid`).
 fn error_text(err: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in err.chain() {
@@ -178,7 +171,7 @@ fn error_text(err: &anyhow::Error) -> String {
             text.push_str(&part);
         }
     }
-    text
+    vae_parallel::settings::rename_options(&text, vae_parallel::settings::cli_flag)
 }
 
 #[cfg(test)]

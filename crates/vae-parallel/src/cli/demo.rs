@@ -18,7 +18,7 @@ use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement,
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt};
 
-use crate::ranks::{GroupArgs, GroupOutcome, run_group};
+use crate::ranks::GroupArgs;
 
 /// The built-in model: diffusers `AutoencoderKL`, SD layout (4 levels, 4 latent channels, 8×)
 /// at reduced widths, 128-pixel tiles (16 latent, stride 12).
@@ -219,28 +219,17 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     {
         anyhow::bail!("output directory {} does not exist", dir.display());
     }
-    let outcome = run_group(&args.group, |comm| rank_body(comm, args))?;
-    let rank0 = match outcome {
-        GroupOutcome::AllRanks(mut results) => {
-            for (rank, r) in results.iter().enumerate().skip(1) {
-                if let Err(e) = r {
-                    anyhow::bail!("rank {rank}: {}", crate::error_text(e));
-                }
-            }
-            results.swap_remove(0)?
-        }
-        GroupOutcome::OneRank(0, result) => result?,
-        GroupOutcome::OneRank(_, result) => {
-            result?;
-            return Ok(ExitCode::SUCCESS);
-        }
-        GroupOutcome::Supervised(exit) => {
-            if exit.success() {
-                return Ok(ExitCode::SUCCESS);
-            }
-            return Err(crate::ranks::supervised_failure(&exit));
-        }
+    let group = match crate::ranks::ranks(&args.group, None)?.group()? {
+        Ok(group) => group,
+        Err(supervised) => return Ok(supervised),
     };
+    let rank0 = group.run_on_ranks(|comm| {
+        rank_body(Arc::clone(comm), args)
+            .map_err(|e| vae_parallel::Error::Runtime(vae_parallel::runtime::RuntimeError::Protocol(format!("{e:#}"))))
+    })?;
+    if group.rank() != 0 {
+        return Ok(ExitCode::SUCCESS);
+    }
     let Some(o) = rank0 else { anyhow::bail!("rank 0 produced no outcome") };
 
     match args.operator {
