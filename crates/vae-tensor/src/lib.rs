@@ -22,6 +22,7 @@ mod ops;
 pub mod profile;
 pub mod recycle;
 mod shape;
+mod stored;
 mod tensor;
 
 pub use device::{CpuBf16Scope, DType, Device, DeviceMemory, StreamScope, Tf32Scope};
@@ -31,4 +32,5 @@ pub use ops::group_stats::{GroupExtrema, GroupMoments, GroupPartial};
 pub use ops::simd::cpu_isa_name;
 pub use ops::video::Conv3dParams;
 pub use shape::Shape;
+pub use stored::SafetensorsError;
 pub use tensor::{BoxOf, Tensor};
