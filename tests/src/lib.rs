@@ -176,17 +176,29 @@ pub fn shard_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     axis: vae_runtime::ShardAxis,
     world: usize,
 ) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
-    on_local_ranks(world, |exec| exec.execute_sharded(input, op, axis, vae_runtime::OutputPlacement::OwnerOnly))
+    on_local_ranks(world, |exec| {
+        exec.run(
+            input,
+            vae_runtime::Job::bands(op, axis),
+            vae_runtime::Output::Placed(vae_runtime::OutputPlacement::OwnerOnly),
+        )
+    })
 }
 
-/// [`shard_on_local_ranks`] over a 2-D `grid` of blocks ([`vae_runtime::DistributedVaeExecutor::execute_sharded_blocks`]).
+/// [`shard_on_local_ranks`] over a 2-D `grid` of blocks ([`vae_runtime::Job::blocks`]).
 pub fn blocks_on_local_ranks<O: vae_runtime::ShardOperator + Sync>(
     op: &O,
     input: &vae_tensor::Tensor,
     grid: [usize; 2],
     world: usize,
 ) -> (vae_tensor::Tensor, Vec<vae_runtime::RankReport>) {
-    on_local_ranks(world, |exec| exec.execute_sharded_blocks(input, op, grid, vae_runtime::OutputPlacement::OwnerOnly))
+    on_local_ranks(world, |exec| {
+        exec.run(
+            input,
+            vae_runtime::Job::blocks(op, grid),
+            vae_runtime::Output::Placed(vae_runtime::OutputPlacement::OwnerOnly),
+        )
+    })
 }
 
 /// Runs `request` on `world` local ranks with an executor of parallel size `world`; returns the

@@ -10,7 +10,7 @@ use vae_integration_tests::{FixtureCase, fixture_cases, fixtures_dir, kl_case_ou
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
 use vae_parallel::io::read_npy;
 use vae_parallel::{CostProfile, Decode, Encode, Tiling, Vae};
-use vae_runtime::{DistributedVaeExecutor, OutputPlacement, execute_serial};
+use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, execute_serial};
 use vae_tensor::Tensor;
 use vae_transport::{TransportConfig, run_local};
 
@@ -61,7 +61,7 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
         for world in 1..=4 {
             let results = run_local(world, TransportConfig::default(), |comm| {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-                exec.execute(&input, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap()
+                exec.run(&input, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap()
             })
             .unwrap();
             for (rank, r) in results.into_iter().enumerate() {

@@ -8,7 +8,7 @@ use vae_integration_tests::fixtures_dir;
 use vae_models::autoencoder_kl::AutoencoderKl;
 use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_parallel::io::read_npy;
-use vae_runtime::{DistributedVaeExecutor, OutputPlacement, ShardAxis};
+use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, ShardAxis};
 use vae_tensor::{CpuBf16Scope, Tensor};
 use vae_transport::{TransportConfig, run_local};
 
@@ -56,7 +56,7 @@ fn bf16_convolutions_stay_close_to_diffusers_f32_and_shards_stay_bit_identical()
             // Each rank's thread computes in bf16 too.
             let _bf16 = CpuBf16Scope::enter().unwrap();
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-            exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+            exec.run(&z, Job::bands(&op, axis), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
         })
         .unwrap();
         let shard = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");

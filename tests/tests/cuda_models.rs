@@ -11,7 +11,7 @@ use vae_models::ModelError;
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
 use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_parallel::io::read_npy;
-use vae_runtime::{DistributedVaeExecutor, OutputPlacement, ShardAxis};
+use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, ShardAxis};
 use vae_tensor::cuda::resolve_device;
 use vae_tensor::{DType, Device, TensorError};
 use vae_transport::{BytePathOnly, Communicator, NcclComm, TransportConfig, nccl_available, run_local};
@@ -92,7 +92,7 @@ fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_batched_and_sharded() {
     for axis in [ShardAxis::Height, ShardAxis::Width] {
         let results = run_local(2, TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-            exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+            exec.run(&z, Job::bands(&op, axis), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
         })
         .unwrap();
         let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -147,7 +147,7 @@ fn ltx_on_cuda_matches_diffusers_plain_tiled_in_space_and_time_and_sharded() {
         for axis in [ShardAxis::Height, ShardAxis::Width] {
             let results = run_local(2, TransportConfig::default(), |comm| {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-                exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+                exec.run(&z, Job::bands(&op, axis), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
             })
             .unwrap();
             let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -168,7 +168,7 @@ fn shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
     for (ranks, axis) in [2, 4].into_iter().flat_map(|n| [(n, ShardAxis::Height), (n, ShardAxis::Width)]) {
         let results = run_local(ranks, TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), ranks).unwrap();
-            exec.execute_sharded(&z, &op, axis, OutputPlacement::OwnerOnly).unwrap().tensor
+            exec.run(&z, Job::bands(&op, axis), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
         })
         .unwrap();
         let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -188,7 +188,7 @@ fn block_shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(4, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap();
-        exec.execute_sharded_blocks(&z, &op, [2, 2], OutputPlacement::OwnerOnly).unwrap().tensor
+        exec.run(&z, Job::blocks(&op, [2, 2]), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
     })
     .unwrap();
     let got = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -237,7 +237,7 @@ fn autoencoder_kl_tiles_on_two_and_four_ranks_of_one_gpu_match_the_serial_cuda_r
     for ranks in [2, 4] {
         let results = run_local(ranks, TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), ranks).unwrap();
-            let out = exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap();
+            let out = exec.run(&z, Job::tiles(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap();
             // Each rank's tiles were computed on the device: its account saw device memory.
             assert!(out.report.device_peak_bytes > 0, "rank {}: device peak reported", out.report.rank);
             out.tensor
@@ -279,7 +279,7 @@ fn bf16_decodes_on_cuda_stay_close_to_diffusers_f32() {
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        exec.execute_sharded(&z, &op, ShardAxis::Width, OutputPlacement::OwnerOnly).unwrap().tensor
+        exec.run(&z, Job::bands(&op, ShardAxis::Width), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
     })
     .unwrap();
     let shard = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -312,7 +312,9 @@ fn nccl_shard_decode(
                     let model = WanVae::load_with(dir, device, dtype).unwrap();
                     let op = WanShardDecodeOperator::new(&model);
                     let exec = DistributedVaeExecutor::new(comm, ranks).unwrap();
-                    let out = exec.execute_sharded(z, &op, ShardAxis::Width, OutputPlacement::OwnerOnly).unwrap();
+                    let out = exec
+                        .run(z, Job::bands(&op, ShardAxis::Width), Output::Placed(OutputPlacement::OwnerOnly))
+                        .unwrap();
                     (out.tensor, out.report.traffic.exchange.bytes_sent)
                 })
             })

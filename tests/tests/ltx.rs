@@ -13,7 +13,8 @@ use vae_models::family::{self, Direction, TileOverrides};
 use vae_models::ltx::{LtxClass, LtxOperator, LtxShardOperator, LtxTiling, LtxVae, SpatialPadding};
 use vae_parallel::io::read_npy;
 use vae_runtime::{
-    DistributedVaeExecutor, OutputPlacement, ParallelMode, ShardAxis, Strategy, TileOperator, execute_serial,
+    DistributedVaeExecutor, Job, Output, OutputPlacement, ParallelMode, ShardAxis, Strategy, TileOperator,
+    execute_serial,
 };
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
@@ -160,7 +161,7 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
         for world in 1..=4 {
             let outs = run_local(world, TransportConfig::default(), |comm| {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-                exec.execute(&x, &op, placement).unwrap().tensor
+                exec.run(&x, Job::tiles(&op), Output::Placed(placement)).unwrap().tensor
             })
             .unwrap();
             let holders: Vec<Tensor> = outs.into_iter().filter_map(|r| r.unwrap()).collect();

@@ -7,7 +7,7 @@
 use vae_integration_tests::{blocks_on_local_ranks, fixtures_dir, random_tensor};
 use vae_models::autoencoder_kl::{AutoencoderKl, KlShardOperator, KlTask};
 use vae_parallel::io::read_npy;
-use vae_runtime::{RankReport, ShardAxis, ShardTraffic, StrategyReport};
+use vae_runtime::{Job, Output, RankReport, ShardAxis, ShardTraffic, StrategyReport};
 use vae_tensor::Tensor;
 
 const MODELS: [&str; 3] = ["sd_like", "flux1_like", "flux2_like"];
@@ -138,7 +138,7 @@ fn a_grid_that_cannot_run_is_an_error_on_every_rank() {
     for (grid, kind) in [([2, 3], FailureKind::InvalidInput), ([4, 1], FailureKind::Failed)] {
         let results = vae_transport::run_local(4, vae_transport::TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), 4).unwrap();
-            exec.execute_sharded_blocks(&z, &op, grid, OutputPlacement::OwnerOnly).map(|_| ())
+            exec.run(&z, Job::blocks(&op, grid), Output::Placed(OutputPlacement::OwnerOnly)).map(|_| ())
         })
         .unwrap();
         for r in results {

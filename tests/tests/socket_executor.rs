@@ -7,8 +7,8 @@ use vae_integration_tests::{SCENARIO_ENV, assert_all_succeeded, spawn_ranks, uni
 use vae_planner::{GridSpec, TileTask};
 use vae_runtime::synthetic::SyntheticDecoder;
 use vae_runtime::{
-    DistributedVaeExecutor, OperatorError, OutputPlacement, RuntimeError, Stage, StitchLayout, TileMap, TileOperator,
-    TilePlan,
+    DistributedVaeExecutor, Job, OperatorError, Output, OutputPlacement, RuntimeError, Stage, StitchLayout, TileMap,
+    TileOperator, TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{Communicator, SocketComm, TransportConfig, run_local};
@@ -28,7 +28,11 @@ fn op() -> SyntheticDecoder {
 
 fn single_rank_reference() -> Tensor {
     run_local(1, TransportConfig::default(), |c| {
-        DistributedVaeExecutor::new(Arc::new(c), 1).unwrap().execute(&input(), &op(), OutputPlacement::OwnerOnly)
+        DistributedVaeExecutor::new(Arc::new(c), 1).unwrap().run(
+            &input(),
+            Job::tiles(&op()),
+            Output::Placed(OutputPlacement::OwnerOnly),
+        )
     })
     .unwrap()
     .remove(0)
@@ -81,7 +85,7 @@ fn rank_process_entry() {
         "parity" => {
             let reference = single_rank_reference();
             for placement in [OutputPlacement::OwnerOnly, OutputPlacement::AllRanks] {
-                let out = executor.execute(&x, &op(), placement).unwrap();
+                let out = executor.run(&x, Job::tiles(&op()), Output::Placed(placement)).unwrap();
                 match out.tensor {
                     Some(t) => {
                         assert!(rank == 0 || placement == OutputPlacement::AllRanks);
@@ -96,7 +100,9 @@ fn rank_process_entry() {
             }
         }
         "exec_error" => {
-            let err = executor.execute(&x, &FailsTileTwo(op()), OutputPlacement::OwnerOnly).unwrap_err();
+            let err = executor
+                .run(&x, Job::tiles(&FailsTileTwo(op())), Output::Placed(OutputPlacement::OwnerOnly))
+                .unwrap_err();
             match &err {
                 RuntimeError::Operator { stage: Stage::Exec { tile_id: 2 }, message, .. } => {
                     assert!(message.contains("corrupt"), "{err}")
@@ -104,7 +110,7 @@ fn rank_process_entry() {
                 other => panic!("rank {rank}: expected the exec error, got {other}"),
             }
             // The failure was agreed: the same group serves the next request.
-            let out = executor.execute(&x, &op(), OutputPlacement::AllRanks).unwrap();
+            let out = executor.run(&x, Job::tiles(&op()), Output::Placed(OutputPlacement::AllRanks)).unwrap();
             assert!(out.tensor.unwrap().bit_eq(&single_rank_reference()));
         }
         "autoencoder_kl" => {
@@ -123,7 +129,11 @@ fn rank_process_entry() {
                     vae_models::autoencoder_kl::KlTask::Encode
                 };
                 let op = vae_models::autoencoder_kl::KlOperator::new(&model, task, true);
-                let out = executor.execute(&input, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+                let out = executor
+                    .run(&input, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks))
+                    .unwrap()
+                    .tensor
+                    .unwrap();
                 let serial = vae_runtime::execute_serial(&op, &input).unwrap();
                 assert!(out.bit_eq(&serial), "{} on rank {rank}", case.name);
             }
@@ -135,12 +145,14 @@ fn rank_process_entry() {
             model.set_tiling([16, 24], [8, 16]).unwrap();
             let z = vae_parallel::io::read_npy(&dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
             let op = vae_models::wan::WanDecodeOperator::new(&model, true);
-            let out = executor.execute(&z, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+            let out =
+                executor.run(&z, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap();
             assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &z).unwrap()), "decode on rank {rank}");
             model.set_tiling([24, 32], [16, 16]).unwrap();
             let x = vae_parallel::io::read_npy(&dir.join("wan21_like.encode_tiled_f5.in.npy")).unwrap();
             let op = vae_models::wan::WanEncodeOperator::new(&model, true);
-            let out = executor.execute(&x, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap();
+            let out =
+                executor.run(&x, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap();
             assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &x).unwrap()), "encode on rank {rank}");
         }
         "wan_shard" => {
@@ -156,7 +168,8 @@ fn rank_process_entry() {
                 let direct = model.decode(&z).unwrap();
                 let op = vae_models::wan::WanShardDecodeOperator::new(&model);
                 for axis in [vae_runtime::ShardAxis::Height, vae_runtime::ShardAxis::Width] {
-                    let out = executor.execute_sharded(&z, &op, axis, OutputPlacement::AllRanks).unwrap();
+                    let out =
+                        executor.run(&z, Job::bands(&op, axis), Output::Placed(OutputPlacement::AllRanks)).unwrap();
                     let got = out.tensor.unwrap();
                     let diff = got.max_abs_diff(&direct).unwrap();
                     assert!(diff <= 1e-5, "{name} {axis} on rank {rank}: {diff}");

@@ -42,7 +42,7 @@ fn a_latent_with_the_wrong_channel_count_or_rank_is_refused() {
 fn wan21_tiled_decode_matches_diffusers_and_is_bit_identical_on_one_to_four_ranks() {
     use std::sync::Arc;
     use vae_models::wan::WanDecodeOperator;
-    use vae_runtime::{DistributedVaeExecutor, OutputPlacement, execute_serial};
+    use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, execute_serial};
     use vae_transport::{TransportConfig, run_local};
 
     let dir = fixtures_dir().join("wan");
@@ -61,7 +61,7 @@ fn wan21_tiled_decode_matches_diffusers_and_is_bit_identical_on_one_to_four_rank
     for world in 1..=4 {
         let results = run_local(world, TransportConfig::default(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-            exec.execute(&z, &op, OutputPlacement::OwnerOnly).unwrap().tensor
+            exec.run(&z, Job::tiles(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
         })
         .unwrap();
         let merged = results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output");
@@ -115,7 +115,7 @@ fn wan21_and_qwen_image_plain_encode_match_diffusers() {
 fn wan21_and_qwen_image_tiled_encode_match_diffusers_and_are_bit_identical_across_ranks() {
     use std::sync::Arc;
     use vae_models::wan::WanEncodeOperator;
-    use vae_runtime::{DistributedVaeExecutor, OutputPlacement, execute_serial};
+    use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, execute_serial};
     use vae_transport::{TransportConfig, run_local};
 
     for (family, model_name) in [("wan", "wan21_like"), ("qwen_image", "qwen_image_like")] {
@@ -133,7 +133,7 @@ fn wan21_and_qwen_image_tiled_encode_match_diffusers_and_are_bit_identical_acros
         for world in 1..=4 {
             let results = run_local(world, TransportConfig::default(), |comm| {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-                exec.execute(&x, &op, OutputPlacement::AllRanks).unwrap().tensor.unwrap()
+                exec.run(&x, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap()
             })
             .unwrap();
             for r in results {
@@ -180,11 +180,11 @@ fn tiles_on_local_ranks<O: vae_runtime::TileOperator + Sync>(
     world: usize,
 ) -> vae_tensor::Tensor {
     use std::sync::Arc;
-    use vae_runtime::{DistributedVaeExecutor, OutputPlacement};
+    use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement};
     use vae_transport::{TransportConfig, run_local};
     let results = run_local(world, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
-        exec.execute(x, op, OutputPlacement::OwnerOnly).unwrap().tensor
+        exec.run(x, Job::tiles(op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
     })
     .unwrap();
     results.into_iter().next().unwrap().unwrap().expect("rank 0 owns the output")

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use vae_integration_tests::{fixtures_dir, random_tensor};
 use vae_models::wan::{WanPipelineDecodeOperator, WanVae};
 use vae_runtime::{
-    CollectFrames, DistributedVaeExecutor, FrameSink, OutputPlacement, RankReport, SinkError, StrategyReport,
+    CollectFrames, DistributedVaeExecutor, FrameSink, Job, Output, OutputPlacement, RankReport, SinkError,
+    StrategyReport,
 };
 use vae_tensor::Tensor;
 
@@ -27,12 +28,14 @@ fn pipelined(model: &WanVae, z: &Tensor, world: usize, parallel: usize, streamed
         if streamed {
             let op = WanPipelineDecodeOperator::streaming(model);
             let mut sink = owner.then(CollectFrames::new);
-            let out = exec.execute_pipeline_streaming(z, &op, sink.as_mut().map(|s| s as &mut dyn FrameSink)).unwrap();
+            let out = exec
+                .run(z, Job::pipeline(&op), Output::Streamed(sink.as_mut().map(|s| s as &mut dyn FrameSink)))
+                .unwrap();
             assert!(out.tensor.is_none(), "the frames went to the sink");
             (sink.map(|s| s.into_tensor().unwrap()), out.report)
         } else {
             let op = WanPipelineDecodeOperator::new(model);
-            let out = exec.execute_pipeline(z, &op, OutputPlacement::OwnerOnly).unwrap();
+            let out = exec.run(z, Job::pipeline(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap();
             assert_eq!(out.tensor.is_some(), owner);
             (out.tensor, out.report)
         }
@@ -126,7 +129,7 @@ fn a_streamed_pipeline_peaks_the_same_for_few_and_many_frames() {
     let model = model("wan", "wan21_like");
     let op = WanPipelineDecodeOperator::streaming(&model);
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
-        exec.execute_pipeline_streaming(z, &op, sink).unwrap().report
+        exec.run(z, Job::pipeline(&op), Output::Streamed(sink)).unwrap().report
     });
     // Unstreamed, the owner assembles the whole output: its peak grows, so the measure sees it.
     let owner_peak = |frames: usize| {
@@ -160,7 +163,7 @@ fn a_sink_failure_mid_pipeline_fails_every_rank() {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), ranks).unwrap();
             let mut sink = FailAt(5);
             let sink = (exec.communicator().rank() == 0).then_some(&mut sink as &mut dyn FrameSink);
-            exec.execute_pipeline_streaming(&z, &op, sink).unwrap_err().to_string()
+            exec.run(&z, Job::pipeline(&op), Output::Streamed(sink)).unwrap_err().to_string()
         })
         .unwrap();
         let errors: Vec<String> = results.into_iter().map(|r| r.unwrap()).collect();
@@ -178,10 +181,10 @@ fn a_bad_latent_is_one_agreed_error_on_every_rank() {
     let z = random_tensor(&[1, 8, 2, 4, 6], 1);
     let results = vae_transport::run_local(3, vae_transport::TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
-        let err = exec.execute_pipeline(&z, &op, OutputPlacement::OwnerOnly).unwrap_err();
+        let err = exec.run(&z, Job::pipeline(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap_err();
         // The group stays usable after an agreed error.
         let good = random_tensor(&[1, 16, 2, 4, 6], 1);
-        exec.execute_pipeline(&good, &op, OutputPlacement::AllRanks).unwrap();
+        exec.run(&good, Job::pipeline(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap();
         (err.is_agreed(), err.to_string())
     })
     .unwrap();
@@ -213,7 +216,7 @@ fn processes_that_keep_only_their_stage_decode_the_same_bits() {
             let rank = vae_transport::Communicator::rank(&comm);
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
             let op = WanPipelineDecodeOperator::new(&models[rank]);
-            exec.execute_pipeline(&z, &op, OutputPlacement::OwnerOnly).unwrap().tensor
+            exec.run(&z, Job::pipeline(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap().tensor
         })
         .unwrap();
         let out = results.into_iter().next().unwrap().unwrap().expect("the owner has the output");
@@ -237,7 +240,9 @@ fn processes_that_keep_only_their_stage_decode_the_same_bits() {
             let rank = vae_transport::Communicator::rank(&comm);
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
             let op = WanPipelineDecodeOperator::new(&models[rank]);
-            exec.execute_pipeline(&other_size, &op, OutputPlacement::OwnerOnly).unwrap_err().to_string()
+            exec.run(&other_size, Job::pipeline(&op), Output::Placed(OutputPlacement::OwnerOnly))
+                .unwrap_err()
+                .to_string()
         })
         .unwrap();
         for err in results.into_iter().map(|r| r.unwrap()) {

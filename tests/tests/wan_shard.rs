@@ -6,7 +6,7 @@ use std::sync::Arc;
 use vae_integration_tests::fixtures_dir;
 use vae_models::wan::{WanShardDecodeOperator, WanShardEncodeOperator, WanVae};
 use vae_runtime::{
-    DistributedVaeExecutor, OutputPlacement, ParallelMode, RankReport, ShardAxis, Strategy, StrategyReport,
+    DistributedVaeExecutor, Job, Output, OutputPlacement, ParallelMode, RankReport, ShardAxis, Strategy, StrategyReport,
 };
 use vae_tensor::{Device, Tensor};
 use vae_transport::{TransportConfig, run_local};
@@ -129,7 +129,10 @@ fn qwen_image_shards_to_every_rank_and_the_fixture_still_matches_diffusers() {
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        exec.execute_sharded(&z, &op, ShardAxis::Width, OutputPlacement::AllRanks).unwrap().tensor.unwrap()
+        exec.run(&z, Job::bands(&op, ShardAxis::Width), Output::Placed(OutputPlacement::AllRanks))
+            .unwrap()
+            .tensor
+            .unwrap()
     })
     .unwrap();
     for r in results {
@@ -291,7 +294,7 @@ fn ranks_beyond_the_parallel_size_join_the_collectives_without_a_band() {
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(4, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();
-        exec.execute_sharded(&z, &op, ShardAxis::Height, OutputPlacement::AllRanks).unwrap()
+        exec.run(&z, Job::bands(&op, ShardAxis::Height), Output::Placed(OutputPlacement::AllRanks)).unwrap()
     })
     .unwrap();
     for (rank, r) in results.into_iter().enumerate() {
@@ -339,7 +342,9 @@ fn a_failure_inside_a_shard_computation_fails_every_rank_fast_instead_of_hanging
     let started = std::time::Instant::now();
     let results = run_local(3, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
-        exec.execute_sharded(&z, &FailsMidway, ShardAxis::Width, OutputPlacement::OwnerOnly).unwrap_err().to_string()
+        exec.run(&z, Job::bands(&FailsMidway, ShardAxis::Width), Output::Placed(OutputPlacement::OwnerOnly))
+            .unwrap_err()
+            .to_string()
     })
     .unwrap();
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "took {:?}", started.elapsed());
@@ -364,9 +369,9 @@ fn a_bad_latent_or_a_too_narrow_band_is_an_agreed_error_and_the_group_stays_usab
     let results = run_local(3, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
         let placement = OutputPlacement::AllRanks;
-        let e1 = exec.execute_sharded(&wrong_channels, &op, ShardAxis::Height, placement).unwrap_err();
-        let e2 = exec.execute_sharded(&too_narrow, &op, ShardAxis::Height, placement).unwrap_err();
-        let ok = exec.execute_sharded(&fine, &op, ShardAxis::Height, placement).unwrap();
+        let e1 = exec.run(&wrong_channels, Job::bands(&op, ShardAxis::Height), Output::Placed(placement)).unwrap_err();
+        let e2 = exec.run(&too_narrow, Job::bands(&op, ShardAxis::Height), Output::Placed(placement)).unwrap_err();
+        let ok = exec.run(&fine, Job::bands(&op, ShardAxis::Height), Output::Placed(placement)).unwrap();
         (e1.to_string(), e2.to_string(), ok.tensor.unwrap())
     })
     .unwrap();

@@ -8,7 +8,7 @@ use vae_integration_tests::{fixtures_dir, random_tensor};
 use vae_parallel::io::read_npy;
 use vae_parallel::stream_out::StreamedOutput;
 use vae_parallel::{Decode, Vae};
-use vae_runtime::{CollectFrames, FrameSink, SinkError};
+use vae_runtime::{CollectFrames, FrameSink, Job, Output, SinkError};
 use vae_tensor::{Tensor, memory};
 
 fn engine(family: &str, model: &str) -> Vae {
@@ -176,7 +176,9 @@ fn streamed_shard(
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap();
         let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
-        let out = exec.execute_sharded_streaming(z, &op, axis, sink.as_mut().map(|s| s as &mut dyn FrameSink)).unwrap();
+        let out = exec
+            .run(z, Job::bands(&op, axis), Output::Streamed(sink.as_mut().map(|s| s as &mut dyn FrameSink)))
+            .unwrap();
         assert!(out.tensor.is_none(), "the frames went to the sink");
         (sink.map(|s| s.into_tensor().unwrap()), out.report)
     })
@@ -229,7 +231,7 @@ fn a_streamed_block_decode_is_the_block_decode_bit_for_bit() {
                 let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap();
                 let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
                 let out = exec
-                    .execute_sharded_blocks_streaming(&z, &op, grid, sink.as_mut().map(|s| s as &mut dyn FrameSink))
+                    .run(&z, Job::blocks(&op, grid), Output::Streamed(sink.as_mut().map(|s| s as &mut dyn FrameSink)))
                     .unwrap();
                 assert!(out.tensor.is_none(), "the frames went to the sink");
                 (sink.map(|s| s.into_tensor().unwrap()), out.report)
@@ -255,11 +257,11 @@ fn a_streamed_shard_peaks_the_same_for_few_and_many_frames() {
     let model = vae_models::wan::WanVae::load(&fixtures_dir().join("wan").join("wan21_like")).unwrap();
     let op = vae_models::wan::WanShardDecodeOperator::streaming(&model);
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
-        exec.execute_sharded_streaming(z, &op, vae_runtime::ShardAxis::Height, sink).unwrap().report
+        exec.run(z, Job::bands(&op, vae_runtime::ShardAxis::Height), Output::Streamed(sink)).unwrap().report
     });
     // The same on a 2 × 1 grid of blocks (the helper's group has 2 ranks).
     vae_integration_tests::assert_streamed_peaks_flat([6, 8], 5, |exec, z, sink| {
-        exec.execute_sharded_blocks_streaming(z, &op, [2, 1], sink).unwrap().report
+        exec.run(z, Job::blocks(&op, [2, 1]), Output::Streamed(sink)).unwrap().report
     });
     // Unstreamed, the owner's peak grows with the frames it assembles: the measurement sees it.
     let owner_peak = |frames: usize| {
@@ -283,7 +285,7 @@ fn a_sink_failure_in_a_streamed_shard_fails_every_rank_and_leaves_no_file() {
         let mut out = (exec.communicator().rank() == 0).then(|| StreamedOutput::new(&target, 16).unwrap());
         let mut failing = out.as_mut().map(|out| FailAfter { out, fail_at: 5 });
         let sink = failing.as_mut().map(|f| f as &mut dyn FrameSink);
-        let err = exec.execute_sharded_streaming(&z, &op, vae_runtime::ShardAxis::Height, sink).unwrap_err();
+        let err = exec.run(&z, Job::bands(&op, vae_runtime::ShardAxis::Height), Output::Streamed(sink)).unwrap_err();
         err.to_string()
     })
     .unwrap();
@@ -303,7 +305,8 @@ fn streamed_tiles(model: &vae_models::wan::WanVae, z: &Tensor, world: usize) -> 
     let results = vae_transport::run_local(world, vae_transport::TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), world).unwrap();
         let mut sink = (exec.communicator().rank() == 0).then(CollectFrames::new);
-        let out = exec.execute_streaming(z, &op, sink.as_mut().map(|s| s as &mut dyn FrameSink)).unwrap();
+        let out =
+            exec.run(z, Job::tiles(&op), Output::Streamed(sink.as_mut().map(|s| s as &mut dyn FrameSink))).unwrap();
         assert!(out.tensor.is_none() && out.report.tile_count > 1, "tiles, streamed to the sink");
         sink.map(|s| s.into_tensor().unwrap())
     })
@@ -340,7 +343,7 @@ fn a_streamed_tile_decode_peaks_the_same_for_few_and_many_frames() {
     model.set_tiling([16, 24], [8, 16]).unwrap();
     let op = vae_models::wan::WanDecodeOperator::streaming(&model, true);
     vae_integration_tests::assert_streamed_peaks_flat([4, 6], 3, |exec, z, sink| {
-        let out = exec.execute_streaming(z, &op, sink).unwrap();
+        let out = exec.run(z, Job::tiles(&op), Output::Streamed(sink)).unwrap();
         assert!(out.report.tile_count > 2);
         out.report
     });

@@ -11,8 +11,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, SafeTensors};
-use vae_tensor::{DType, Device, Tensor};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use vae_tensor::{DType, Device, SafetensorsError, Tensor};
 
 use crate::{ModelError, Result};
 
@@ -275,30 +275,24 @@ impl WeightStore {
             path: shard.path.clone(),
             message: format!("weight {key:?} lies outside the file"),
         })?;
-        let data: Vec<f32> = match entry.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32())
-                .collect(),
-            other => {
-                return Err(ModelError::WeightDtype {
-                    key: key.to_string(),
-                    dtype: format!("{other:?}").to_lowercase(),
-                });
+        let view = TensorView::new(entry.dtype, entry.shape.clone(), bytes).map_err(|e| ModelError::Safetensors {
+            path: shard.path.clone(),
+            message: format!("weight {key:?}: {e}"),
+        })?;
+        let tensor = Tensor::from_safetensors_view(&view).map_err(|e| match e {
+            SafetensorsError::NotFloat { dtype } => {
+                ModelError::WeightDtype { key: key.to_string(), dtype: format!("{dtype:?}").to_lowercase() }
             }
-        };
+            SafetensorsError::Tensor(e) => ModelError::Tensor(e),
+        })?;
         // A NaN or infinity in a weight would silently poison every output: refused at load.
+        let data = tensor.as_slice_f32()?;
         if let Some(first) = data.iter().position(|v| !v.is_finite()) {
             let count = data.iter().filter(|v| !v.is_finite()).count();
             return Err(ModelError::NonFiniteWeight { key: key.to_string(), count, first: data[first] });
         }
         self.taken.insert(key.to_string());
-        Ok(Tensor::from_vec(data, expected.to_vec(), &Device::Cpu)?)
+        Ok(tensor)
     }
 
     /// Marks `key` as accounted for without loading it (bookkeeping buffers such as
@@ -363,6 +357,28 @@ impl<'a> Weights<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stored_float_types_load_as_f32_and_others_are_refused_by_key() {
+        let dir = std::env::temp_dir().join(format!("vae-weights-dtypes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f16: Vec<u8> = [0.5f32, -3.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let int = [0u8; 8];
+        let views = [
+            ("conv.bias", TensorView::new(Dtype::F16, vec![2], &f16).unwrap()),
+            ("conv.count", TensorView::new(Dtype::I32, vec![2], &int).unwrap()),
+        ];
+        let path = dir.join(WEIGHTS_FILE);
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        let mut store = WeightStore::open_dir(&dir).unwrap();
+        assert_eq!(store.take("conv.bias", &[2]).unwrap().to_vec_f32().unwrap(), vec![0.5, -3.0]);
+        let err = store.take("conv.count", &[2]).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::WeightDtype { key, dtype } if key == "conv.count" && dtype == "i32"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_bf16_store_rounds_per_channel_vectors_and_types_weight_matrices() {

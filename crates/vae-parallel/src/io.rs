@@ -5,7 +5,7 @@
 use crate::output::Staged;
 use std::path::{Path, PathBuf};
 
-use vae_tensor::{Device, Tensor};
+use vae_tensor::{Device, SafetensorsError, Tensor};
 
 /// Errors of reading or writing tensor files.
 #[derive(Debug, thiserror::Error)]
@@ -123,19 +123,12 @@ fn read_safetensors(path: &Path) -> Result<Tensor, IoError> {
         return Err(format_err(path, format!("expected exactly one tensor, found {}", names.len())));
     };
     let view = st.tensor(name).map_err(|e| format_err(path, e.to_string()))?;
-    let values: Vec<f32> = match view.dtype() {
-        safetensors::Dtype::F32 => {
-            view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
+    Tensor::from_safetensors_view(&view).map_err(|e| match e {
+        SafetensorsError::NotFloat { dtype } => {
+            format_err(path, format!("tensor {name:?} is {dtype:?}, expected a float type"))
         }
-        safetensors::Dtype::F16 => {
-            view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().expect("2")).to_f32()).collect()
-        }
-        safetensors::Dtype::BF16 => {
-            view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().expect("2")).to_f32()).collect()
-        }
-        other => return Err(format_err(path, format!("tensor {name:?} is {other:?}, expected a float type"))),
-    };
-    Tensor::from_vec(values, view.shape().to_vec(), &Device::Cpu).map_err(|e| format_err(path, e.to_string()))
+        SafetensorsError::Tensor(e) => format_err(path, e.to_string()),
+    })
 }
 
 /// The bytes of a `.npy` file holding `t` as little-endian f32.
@@ -415,6 +408,22 @@ mod tests {
         assert!(!same_file(&dir.join("new.npy"), &dir.join("sub/new.npy")));
         assert!(!same_file(Path::new("/nonexistent-dir/x.npy"), Path::new("/nonexistent-dir/x.npy")));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_safetensors_input_is_read_as_f32_and_an_integer_one_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, dtype: safetensors::Dtype, bytes: &[u8]| {
+            let path = dir.path().join(name);
+            let view = safetensors::tensor::TensorView::new(dtype, vec![1, 2], bytes).unwrap();
+            std::fs::write(&path, safetensors::serialize([("latent", view)], None).unwrap()).unwrap();
+            path
+        };
+        let bf16: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let t = read_tensor(&write("z.safetensors", safetensors::Dtype::BF16, &bf16)).unwrap();
+        assert_eq!((t.dims(), t.to_vec_f32().unwrap()), (&[1, 2][..], vec![1.5, -2.0]));
+        let err = read_tensor(&write("i.safetensors", safetensors::Dtype::I32, &[0; 8])).unwrap_err();
+        assert!(err.to_string().ends_with("tensor \"latent\" is I32, expected a float type"), "{err}");
     }
 
     #[test]

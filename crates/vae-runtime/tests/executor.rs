@@ -7,8 +7,8 @@ use std::time::Duration;
 use vae_planner::{GridSpec, TileTask};
 use vae_runtime::synthetic::SyntheticDecoder;
 use vae_runtime::{
-    Classified, DistributedVaeExecutor, FailureKind, OperatorError, OutputPlacement, RuntimeError, Stage, StitchLayout,
-    TileMap, TileMerge, TileOperator, TilePlan,
+    Classified, DistributedVaeExecutor, FailureKind, Job, OperatorError, Output, OutputPlacement, RuntimeError, Stage,
+    StitchLayout, TileMap, TileMerge, TileOperator, TilePlan,
 };
 use vae_tensor::{DType, Device, Tensor};
 use vae_transport::{Communicator, TransportConfig, TransportError, run_local};
@@ -117,7 +117,7 @@ fn run_merged<O: TileOperator + Sync>(
 ) -> Vec<Result<vae_runtime::ExecOutput, RuntimeError>> {
     run_local(world, config(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), parallel).unwrap().with_tile_merge(merge);
-        exec.execute(x, op, placement)
+        exec.run(x, Job::tiles(op), Output::Placed(placement))
     })
     .unwrap()
     .into_iter()
@@ -377,9 +377,9 @@ fn an_exec_error_on_one_rank_is_an_error_on_every_rank_and_the_group_survives() 
         let x = input(&[1, 1, 14, 20], 2);
         let results = run_local(4, config(), |comm| {
             let exec = DistributedVaeExecutor::new(Arc::new(comm), 4).unwrap().with_tile_merge(merge);
-            let first = exec.execute(&x, &failing, OutputPlacement::OwnerOnly);
+            let first = exec.run(&x, Job::tiles(&failing), Output::Placed(OutputPlacement::OwnerOnly));
             // Agreed errors leave the communicator usable for the next request.
-            let second = exec.execute(&x, &small_op(), OutputPlacement::AllRanks);
+            let second = exec.run(&x, Job::tiles(&small_op()), Output::Placed(OutputPlacement::AllRanks));
             (first, second)
         })
         .unwrap();
@@ -479,7 +479,11 @@ fn different_inputs_on_different_ranks_are_refused_everywhere() {
     let b = input(&[1, 1, 10, 10], 2);
     let results = run_local(3, config(), |comm| {
         let x = if comm.rank() == 1 { &b } else { &a };
-        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().execute(x, &small_op(), OutputPlacement::OwnerOnly)
+        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().run(
+            x,
+            Job::tiles(&small_op()),
+            Output::Placed(OutputPlacement::OwnerOnly),
+        )
     })
     .unwrap();
     for r in results {
@@ -502,7 +506,11 @@ fn a_rank_that_dies_mid_request_fails_the_others_naming_it() {
             let _comm = comm;
             panic!("rank 2 lost its device");
         }
-        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().execute(&x, &small_op(), OutputPlacement::OwnerOnly)
+        DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().run(
+            &x,
+            Job::tiles(&small_op()),
+            Output::Placed(OutputPlacement::OwnerOnly),
+        )
     })
     .unwrap();
     assert!(results[2].is_err());
@@ -646,7 +654,7 @@ fn each_rank_reports_its_own_tiles_to_its_own_progress_sink() {
     let x = input(&[1, 1, 20, 20], 4); // 16 tiles
     let seen: Vec<Vec<Progress>> = run_local(3, config(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
-        collect(|| exec.execute(&x, &op, OutputPlacement::OwnerOnly).unwrap()).1
+        collect(|| exec.run(&x, Job::tiles(&op), Output::Placed(OutputPlacement::OwnerOnly)).unwrap()).1
     })
     .unwrap()
     .into_iter()
@@ -702,8 +710,8 @@ fn a_non_deterministic_split_is_the_same_error_everywhere_and_the_group_survives
     let x = input(&[1, 1, 30, 30], 9);
     let results = run_local(3, config(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap();
-        let first = exec.execute(&x, &op, OutputPlacement::OwnerOnly);
-        let second = exec.execute(&x, &small_op(), OutputPlacement::OwnerOnly);
+        let first = exec.run(&x, Job::tiles(&op), Output::Placed(OutputPlacement::OwnerOnly));
+        let second = exec.run(&x, Job::tiles(&small_op()), Output::Placed(OutputPlacement::OwnerOnly));
         (first, second.map(|_| ()))
     })
     .unwrap();
@@ -773,7 +781,7 @@ fn a_rank_stops_between_tiles_once_its_group_failed() {
                 s.spawn(move || {
                     RANK.with(|r| r.set(rank));
                     let exec = DistributedVaeExecutor::new(comm, 2).unwrap();
-                    exec.execute(x, dying, OutputPlacement::OwnerOnly).unwrap_err()
+                    exec.run(x, Job::tiles(dying), Output::Placed(OutputPlacement::OwnerOnly)).unwrap_err()
                 })
             })
             .collect();
@@ -793,7 +801,7 @@ fn ranks_that_disagree_on_the_tile_merge_are_refused_everywhere() {
     let results = run_local(3, config(), |comm| {
         let merge = if comm.rank() == 2 { TileMerge::Edges } else { TileMerge::Owner };
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 3).unwrap().with_tile_merge(merge);
-        exec.execute(&x, &small_op(), OutputPlacement::OwnerOnly)
+        exec.run(&x, Job::tiles(&small_op()), Output::Placed(OutputPlacement::OwnerOnly))
     })
     .unwrap();
     for r in results {

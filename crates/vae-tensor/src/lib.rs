@@ -23,6 +23,7 @@ pub mod process;
 pub mod profile;
 pub mod recycle;
 mod shape;
+mod stored;
 mod tensor;
 
 pub use device::{CpuBf16Scope, DType, Device, DeviceMemory, StreamScope, Tf32Scope};
@@ -32,4 +33,5 @@ pub use ops::group_stats::{GroupExtrema, GroupMoments, GroupPartial};
 pub use ops::simd::cpu_isa_name;
 pub use ops::video::Conv3dParams;
 pub use shape::Shape;
+pub use stored::SafetensorsError;
 pub use tensor::{BoxOf, Tensor};

@@ -4,7 +4,7 @@
 use std::any::Any;
 use std::path::Path;
 
-use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_runtime::{ExecOutput, Job, Output, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::KlVariant;
@@ -94,18 +94,19 @@ impl LoadedVae for AutoencoderKl {
             Direction::Decode => KlTask::Decode,
             Direction::Encode => KlTask::Encode,
         };
+        let output = Output::Placed(run.placement);
         match run.strategy {
             Strategy::Tile => {
-                Ok(run.executor.execute(run.input, &KlOperator::new(self, task, run.use_tiling), run.placement)?)
+                Ok(run.executor.run(run.input, Job::tiles(&KlOperator::new(self, task, run.use_tiling)), output)?)
             }
             Strategy::Shard(axis) => {
                 let op = KlShardOperator::new(self, task, run.executor.parallel_size());
-                Ok(run.executor.execute_sharded(run.input, &op, axis, run.placement)?)
+                Ok(run.executor.run(run.input, Job::bands(&op, axis), output)?)
             }
             Strategy::Shard2d(grid) => {
                 // Its memory check counts a block of the grid's ranks, not of the parallel size.
                 let op = KlShardOperator::new(self, task, grid[0].saturating_mul(grid[1]).max(1));
-                Ok(run.executor.execute_sharded_blocks(run.input, &op, grid, run.placement)?)
+                Ok(run.executor.run(run.input, Job::blocks(&op, grid), output)?)
             }
             Strategy::Pipeline => Err(ModelError::Unsupported(format!(
                 "{} has no pipeline strategy (an image has no frames to pipeline)",

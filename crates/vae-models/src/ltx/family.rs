@@ -5,7 +5,7 @@ use std::any::Any;
 use std::path::Path;
 
 use vae_planner::ShardAxis;
-use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_runtime::{ExecOutput, Job, Output, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::config::LtxClass;
@@ -193,22 +193,22 @@ impl LoadedVae for LtxVae {
     }
 
     fn execute(&self, run: Execution<'_>) -> Result<ExecOutput> {
-        let (executor, input, placement) = (run.executor, run.input, run.placement);
+        let (executor, input, output) = (run.executor, run.input, Output::Placed(run.placement));
         match run.strategy {
             Strategy::Tile => {
                 let op = LtxOperator::new(self, run.direction, run.use_tiling);
-                Ok(executor.execute(input, &op, placement)?)
+                Ok(executor.run(input, Job::tiles(&op), output)?)
             }
             Strategy::Shard(axis) => {
                 let op = LtxShardOperator::new(self, run.direction);
-                Ok(executor.execute_sharded(input, &op, axis, placement)?)
+                Ok(executor.run(input, Job::bands(&op, axis), output)?)
             }
             Strategy::Pipeline => {
                 Err(ModelError::Unsupported(format!("{} does not run as a pipeline over frames", self.class_name())))
             }
             Strategy::Shard2d(grid) => {
                 let op = LtxShardOperator::new(self, run.direction);
-                Ok(executor.execute_sharded_blocks(input, &op, grid, placement)?)
+                Ok(executor.run(input, Job::blocks(&op, grid), output)?)
             }
         }
     }

@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::path::Path;
 
-use vae_runtime::{ExecOutput, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
+use vae_runtime::{ExecOutput, Job, Output, OutputPlacement, ParallelMode, Strategy, StrategyChoice};
 use vae_tensor::{DType, Device, Tensor};
 
 use super::model::{VideoVaeClass, WanVae};
@@ -105,31 +105,31 @@ impl LoadedVae for WanVae {
     }
 
     fn execute(&self, run: Execution<'_>) -> Result<ExecOutput> {
-        let (executor, input, placement) = (run.executor, run.input, run.placement);
+        let (executor, input, output) = (run.executor, run.input, Output::Placed(run.placement));
         Ok(match (run.direction, run.strategy) {
             (Direction::Decode, Strategy::Tile) => {
-                executor.execute(input, &WanDecodeOperator::new(self, run.use_tiling), placement)?
+                executor.run(input, Job::tiles(&WanDecodeOperator::new(self, run.use_tiling)), output)?
             }
             (Direction::Decode, Strategy::Shard(axis)) => {
-                executor.execute_sharded(input, &WanShardDecodeOperator::new(self), axis, placement)?
+                executor.run(input, Job::bands(&WanShardDecodeOperator::new(self), axis), output)?
             }
             (Direction::Encode, Strategy::Tile) => {
-                executor.execute(input, &WanEncodeOperator::new(self, run.use_tiling), placement)?
+                executor.run(input, Job::tiles(&WanEncodeOperator::new(self, run.use_tiling)), output)?
             }
             (Direction::Encode, Strategy::Shard(axis)) => {
-                executor.execute_sharded(input, &WanShardEncodeOperator::new(self), axis, placement)?
+                executor.run(input, Job::bands(&WanShardEncodeOperator::new(self), axis), output)?
             }
             (Direction::Decode, Strategy::Pipeline) => {
-                executor.execute_pipeline(input, &WanPipelineDecodeOperator::new(self), placement)?
+                executor.run(input, Job::pipeline(&WanPipelineDecodeOperator::new(self)), output)?
             }
             (Direction::Encode, Strategy::Pipeline) => {
                 return Err(ModelError::Unsupported("the encoder does not run as a pipeline".into()));
             }
             (Direction::Decode, Strategy::Shard2d(grid)) => {
-                executor.execute_sharded_blocks(input, &WanShardDecodeOperator::new(self), grid, placement)?
+                executor.run(input, Job::blocks(&WanShardDecodeOperator::new(self), grid), output)?
             }
             (Direction::Encode, Strategy::Shard2d(grid)) => {
-                executor.execute_sharded_blocks(input, &WanShardEncodeOperator::new(self), grid, placement)?
+                executor.run(input, Job::blocks(&WanShardEncodeOperator::new(self), grid), output)?
             }
         })
     }
@@ -154,20 +154,20 @@ impl LoadedVae for WanVae {
         match (run.direction, run.strategy) {
             (Direction::Decode, Strategy::Shard(axis)) => {
                 let op = WanShardDecodeOperator::streaming(self);
-                Ok(run.executor.execute_sharded_streaming(run.input, &op, axis, sink)?)
+                Ok(run.executor.run(run.input, Job::bands(&op, axis), Output::Streamed(sink))?)
             }
             (Direction::Decode, Strategy::Tile) => {
                 let op = WanDecodeOperator::streaming(self, run.use_tiling);
-                Ok(run.executor.execute_streaming(run.input, &op, sink)?)
+                Ok(run.executor.run(run.input, Job::tiles(&op), Output::Streamed(sink))?)
             }
             (Direction::Decode, Strategy::Pipeline) => {
                 let op = WanPipelineDecodeOperator::streaming(self);
-                Ok(run.executor.execute_pipeline_streaming(run.input, &op, sink)?)
+                Ok(run.executor.run(run.input, Job::pipeline(&op), Output::Streamed(sink))?)
             }
             (Direction::Encode, _) => Err(ModelError::Unsupported("an encode does not stream".into())),
             (Direction::Decode, Strategy::Shard2d(grid)) => {
                 let op = WanShardDecodeOperator::streaming(self);
-                Ok(run.executor.execute_sharded_blocks_streaming(run.input, &op, grid, sink)?)
+                Ok(run.executor.run(run.input, Job::blocks(&op, grid), Output::Streamed(sink))?)
             }
         }
     }

@@ -14,7 +14,9 @@ use vae_parallel::io;
 use vae_parallel::models::autoencoder_kl::{AutoencoderKl, AutoencoderKlConfig, KlOperator, KlTask};
 use vae_parallel::report::{RequestReport, gather_summaries, human_bytes};
 use vae_parallel::runtime::synthetic::SyntheticDecoder;
-use vae_parallel::runtime::{DistributedVaeExecutor, ExecOutput, OutputPlacement, TileOperator, execute_serial};
+use vae_parallel::runtime::{
+    DistributedVaeExecutor, ExecOutput, Job, Output, OutputPlacement, TileOperator, execute_serial,
+};
 use vae_parallel::tensor::{Device, Tensor};
 use vae_parallel::transport::{Communicator, CommunicatorExt};
 
@@ -141,7 +143,7 @@ fn run_and_compare<O: TileOperator + Sync>(
     let placement = if args.broadcast { OutputPlacement::AllRanks } else { OutputPlacement::OwnerOnly };
     let executor = DistributedVaeExecutor::new(Arc::clone(&comm), args.parallel_size.unwrap_or(world))?;
     let started = Instant::now();
-    let out: ExecOutput = executor.execute(x, op, placement)?;
+    let out: ExecOutput = executor.run(x, Job::tiles(op), Output::Placed(placement))?;
     let wall = started.elapsed();
 
     // Every rank that holds the output says what it holds.

@@ -1,7 +1,10 @@
 //! The distributed executor: one request skeleton that every strategy shares, and the
 //! strategies that fill it in (tiles: split / exec / merge of a [`TileOperator`];
-//! spatial shard: bands of a [`ShardOperator`] with halo exchanges; pipeline: stages of a
-//! [`PipelineOperator`](crate::pipeline::PipelineOperator) over runs of frames).
+//! spatial shard: bands or 2-D blocks of a [`ShardOperator`](crate::shard::ShardOperator)
+//! with halo exchanges; pipeline: stages of a
+//! [`PipelineOperator`](crate::pipeline::PipelineOperator) over runs of frames), each with its
+//! output returned or streamed. A request names its strategy and output with a [`Job`] and an
+//! [`Output`] ([`job`]).
 //!
 //! Every request runs the same six phases on every rank: plan (from the input alone), agree
 //! (the same input and a plan that worked, on every rank), compute this rank's share, gather
@@ -17,6 +20,7 @@
 mod blocked;
 mod edges;
 mod failure;
+pub mod job;
 mod pipelined;
 mod report;
 mod sharded;
@@ -29,19 +33,17 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
-use vae_planner::ShardAxis;
 use vae_tensor::{DType, Device, StreamScope, Tensor};
 use vae_transport::wire::{Reader, Writer};
 use vae_transport::{Communicator, CommunicatorExt};
 
 use failure::Failure;
 pub use failure::{Classified, FailureKind};
+pub use job::{Job, JobStrategy, Output};
 pub use report::{ExecOutput, OutputPlacement, PhaseTimings, Predicted, RankReport, StrategyReport};
-use sharded::ShardStrategy;
-use tile::TileStrategy;
 pub use tile::{TileMap, TileOperator, TilePlan, TileStream, execute_serial};
 
-use crate::shard::{HaloOverlap, ShardOperator};
+use crate::shard::HaloOverlap;
 use crate::{RuntimeError, Stage};
 
 /// Errors a model operator returns; carried to every rank as text, with the [`FailureKind`]
@@ -100,14 +102,14 @@ struct RankWork {
     strategy: StrategyReport,
 }
 
-/// Runs [`TileOperator`]s over the ranks of a communicator.
+/// Runs a model's operators over the ranks of a communicator, one request at a time
+/// ([`run`](Self::run)).
 ///
-/// Every rank of the group calls [`execute`](Self::execute) with the same input and operator.
-/// Ranks beyond the parallel size (or without tiles) join every collective and get `None` or
-/// the broadcast output. The output is bit-identical to what one rank computes alone, for any
-/// number of ranks, because tiles are computed exactly as alone and every output element gets
-/// the operator's blends in the operator's own order ([`TileMerge`]). Holds no per-request
-/// state.
+/// Every rank of the group calls [`run`](Self::run) with the same input, job and kind of
+/// output. Ranks beyond the parallel size (or without a share) join every collective and get
+/// `None` or the broadcast output. The output is bit-identical to what one rank computes
+/// alone, for any number of ranks and every strategy (each [`Job`] constructor says why).
+/// Holds no per-request state.
 pub struct DistributedVaeExecutor {
     comm: Arc<dyn Communicator>,
     requested: usize,
@@ -217,16 +219,22 @@ impl DistributedVaeExecutor {
         &self.comm
     }
 
-    /// Runs one request: split on every rank, check the ranks hold the same input, assign
-    /// tiles (LPT), execute, gather to the owner, merge there, and give the output to the
-    /// ranks `placement` names. An error on any rank becomes an error on every rank.
-    pub fn execute<O: TileOperator>(
+    /// Runs one request: `job`'s strategy with its operator ([`Job::tiles`], [`Job::bands`],
+    /// [`Job::blocks`], [`Job::pipeline`]; each says what it guarantees), its output given to
+    /// the ranks a placement names or streamed into the owner's sink ([`Output`]). Every rank
+    /// of the group calls it with the same input, job and kind of output.
+    ///
+    /// Errors found before the computation, and a tile that failed on any rank, are agreed:
+    /// every rank returns the same one and the group stays usable. Any other failure of a rank
+    /// aborts the group, so that no rank waits for it: the others get a transport error that
+    /// names that rank.
+    pub fn run<S: JobStrategy>(
         &self,
         input: &Tensor,
-        op: &O,
-        placement: OutputPlacement,
+        job: Job<S>,
+        output: Output<'_>,
     ) -> Result<ExecOutput, RuntimeError> {
-        self.abort_unless_known(self.run_request(input, &TileStrategy { op }, op.device(), placement))
+        job.run(self, input, output)
     }
 
     /// Agreed errors are known everywhere and transport errors have already been propagated;
@@ -239,142 +247,6 @@ impl DistributedVaeExecutor {
             self.comm.abort(&format!("rank {} failed: {err}", self.comm.rank()));
         }
         result
-    }
-
-    /// Runs one request of a [`ShardOperator`] split along `axis` over the first
-    /// `parallel_size` ranks: check that the ranks hold the same input and that it can be cut
-    /// into bands no narrower than the operator's widest halo, compute every band (with halo
-    /// exchanges between neighbours), gather the output bands to the owner, finish there, and
-    /// give the output to the ranks `placement` names. Ranks beyond the parallel size join the
-    /// agreement, the gather and the broadcast.
-    ///
-    /// Errors found before the computation (bad input, too few rows for the ranks) are agreed:
-    /// every rank returns the same error and the group stays usable. A failure during the
-    /// computation (a bug, since the input was validated) aborts the group, so that no
-    /// neighbour waits for a halo that never comes: the others get a transport error that
-    /// names this rank.
-    pub fn execute_sharded<O: ShardOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        axis: ShardAxis,
-        placement: OutputPlacement,
-    ) -> Result<ExecOutput, RuntimeError> {
-        self.abort_unless_known(self.run_request(input, &ShardStrategy { op, axis }, op.device(), placement))
-    }
-
-    /// [`execute_sharded`](Self::execute_sharded) over a 2-D grid: the input cut into `grid`
-    /// (`[R, C]`) blocks, rank `r` holding block `(r / C, r % C)` through every layer, each
-    /// convolution taking its halo rows and columns (and corners) from the neighbouring blocks.
-    /// The output is the direct computation's, bit for bit. The operator must say it handles
-    /// blocks ([`ShardOperator::splits_blocks`]), the grid must fit in the parallel size
-    /// (ranks beyond it join the agreement, gather and broadcast) and every block must be at
-    /// least the widest halo along both axes; otherwise an agreed error. Errors otherwise as for
-    /// `execute_sharded`.
-    pub fn execute_sharded_blocks<O: ShardOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        grid: [usize; 2],
-        placement: OutputPlacement,
-    ) -> Result<ExecOutput, RuntimeError> {
-        self.abort_unless_known(self.run_request(input, &blocked::BlockStrategy { op, grid }, op.device(), placement))
-    }
-
-    /// [`execute_sharded`](Self::execute_sharded) with the output streamed: every rank
-    /// computes its band run by run ([`ShardOperator::exec_streaming`]), each run is gathered
-    /// to the owner as soon as it is computed, finished there and handed to `sink`, which only
-    /// the owner (rank 0) needs. No rank holds more than one run of the output, so memory does
-    /// not grow with the frame count; the frames are bit for bit those of `execute_sharded`.
-    /// The returned output holds no tensor. Errors as for `execute_sharded`; a failure while
-    /// streaming (the sink's included) aborts the group.
-    pub fn execute_sharded_streaming<O: ShardOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        axis: ShardAxis,
-        sink: Option<&mut dyn crate::FrameSink>,
-    ) -> Result<ExecOutput, RuntimeError> {
-        let cut = streamed::Cut::Bands(axis);
-        let strategy = streamed::StreamedShardStrategy { op, cut, sink: std::cell::RefCell::new(sink) };
-        let mut out =
-            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
-        out.tensor = None;
-        Ok(out)
-    }
-
-    /// [`execute_sharded_blocks`](Self::execute_sharded_blocks) with the output streamed, as
-    /// [`execute_sharded_streaming`](Self::execute_sharded_streaming) streams bands: every rank
-    /// computes its block run by run, each run's blocks are gathered to the owner, put in their
-    /// places, finished and handed to `sink`. The frames are bit for bit those of
-    /// `execute_sharded_blocks`; no rank holds more than one run of the output. Errors as for
-    /// `execute_sharded_blocks`; a failure while streaming aborts the group.
-    pub fn execute_sharded_blocks_streaming<O: ShardOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        grid: [usize; 2],
-        sink: Option<&mut dyn crate::FrameSink>,
-    ) -> Result<ExecOutput, RuntimeError> {
-        let cut = streamed::Cut::Blocks(grid);
-        let strategy = streamed::StreamedShardStrategy { op, cut, sink: std::cell::RefCell::new(sink) };
-        let mut out =
-            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
-        out.tensor = None;
-        Ok(out)
-    }
-
-    /// [`execute`](Self::execute) with the output streamed: every rank starts its tiles (dealt
-    /// by LPT as unstreamed) and advances them a run at a time ([`TileOperator::exec_run`],
-    /// each tile keeping its own state); each run of every tile is gathered to the owner, merged
-    /// there and handed to `sink` (the owner's; `None` elsewhere). Memory does not grow with the
-    /// frame count; the frames are bit for bit those of `execute`. The returned output holds
-    /// no tensor; a failure while streaming aborts the group.
-    pub fn execute_streaming<O: TileOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        sink: Option<&mut dyn crate::FrameSink>,
-    ) -> Result<ExecOutput, RuntimeError> {
-        let strategy = streamed::StreamedTileStrategy { op, sink: std::cell::RefCell::new(sink) };
-        let mut out =
-            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
-        out.tensor = None;
-        Ok(out)
-    }
-
-    /// Runs one request of a [`PipelineOperator`](crate::pipeline::PipelineOperator): its steps
-    /// cut into stages balanced on their predicted cost, stage `s` on rank `s` (as many stages
-    /// as the parallel size, fewer when the model has fewer steps), each run (latent frame)
-    /// handed from stage to stage while the earlier stages work on the next runs. The owner
-    /// receives the last stage's output of every run and assembles the output, which goes to
-    /// the ranks `placement` names; it is bit for bit the direct computation's. Errors found
-    /// before the computation are agreed; a failure during it aborts the group.
-    pub fn execute_pipeline<O: crate::pipeline::PipelineOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        placement: OutputPlacement,
-    ) -> Result<ExecOutput, RuntimeError> {
-        let strategy = pipelined::PipelineStrategy { op, sink: std::cell::RefCell::new(None), streamed: false };
-        self.abort_unless_known(self.run_request(input, &strategy, op.device(), placement))
-    }
-
-    /// [`execute_pipeline`](Self::execute_pipeline) with the output streamed: the owner
-    /// finishes each run's output as the last stage hands it over and passes it to `sink` (the
-    /// owner's; `None` elsewhere). No rank holds more than its stage's activations and one run
-    /// of the output. The returned output holds no tensor.
-    pub fn execute_pipeline_streaming<O: crate::pipeline::PipelineOperator>(
-        &self,
-        input: &Tensor,
-        op: &O,
-        sink: Option<&mut dyn crate::FrameSink>,
-    ) -> Result<ExecOutput, RuntimeError> {
-        let strategy = pipelined::PipelineStrategy { op, sink: std::cell::RefCell::new(sink), streamed: true };
-        let mut out =
-            self.abort_unless_known(self.run_request(input, &strategy, op.device(), OutputPlacement::OwnerOnly))?;
-        out.tensor = None;
-        Ok(out)
     }
 
     /// The request skeleton: the six phases, the strategy filling in plan, compute and collect.

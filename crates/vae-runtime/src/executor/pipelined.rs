@@ -420,6 +420,7 @@ fn parse(bytes: &[u8]) -> Result<Vec<Tensor>, Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Job, Output, OutputPlacement};
 
     /// Every leg one rank lists, its peer lists back, once; every stage but the first hears
     /// from its previous one, the owner hears from the last stage (when another rank runs it),
@@ -533,7 +534,7 @@ mod tests {
                 .unwrap();
         vae_transport::run_local(world, config, |comm| {
             let exec = DistributedVaeExecutor::new(std::sync::Arc::new(comm), parallel).unwrap();
-            let out = exec.execute_pipeline(&input, op, super::super::OutputPlacement::OwnerOnly)?;
+            let out = exec.run(&input, Job::pipeline(op), Output::Placed(OutputPlacement::OwnerOnly))?;
             Ok((out.tensor.map(|t| t.to_vec_f32().unwrap()), out.report))
         })
         .unwrap()

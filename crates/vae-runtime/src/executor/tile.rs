@@ -412,7 +412,7 @@ pub(super) fn decode_summary(rank: usize, bytes: &[u8]) -> Result<(Summary, &[u8
 }
 
 /// Runs an operator without a group: split, execute every tile in order, merge (the ops still
-/// use the rayon pool). The same result [`DistributedVaeExecutor::execute`] returns on any
+/// use the rayon pool). The same result [`Job::tiles`](super::Job::tiles) returns on any
 /// number of ranks, without a communicator (what a single-device caller, or a reference,
 /// needs).
 pub fn execute_serial<O: TileOperator>(op: &O, input: &Tensor) -> Result<Tensor, RuntimeError> {
