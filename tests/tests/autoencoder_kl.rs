@@ -33,8 +33,8 @@ fn every_fixture_case_matches_diffusers() {
     let mut worst: HashMap<String, f32> = HashMap::new();
     for case in &cases {
         let model = load(case);
-        let input = read_npy(&dir().join(&case.input)).unwrap();
-        let expected = read_npy(&dir().join(&case.output)).unwrap();
+        let input = read_npy(dir().join(&case.input)).unwrap();
+        let expected = read_npy(dir().join(&case.output)).unwrap();
         let got = kl_case_output(&model, case, &input);
         assert_eq!(got.dims(), expected.dims(), "{}: shape", case.name);
         let diff = got.max_abs_diff(&expected).unwrap();
@@ -54,7 +54,7 @@ fn every_fixture_case_matches_diffusers() {
 fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
     for case in fixture_cases("autoencoder_kl").iter().filter(|c| c.tiling && (c.op == "decode" || c.op == "encode")) {
         let model = load(case);
-        let input = read_npy(&dir().join(&case.input)).unwrap();
+        let input = read_npy(dir().join(&case.input)).unwrap();
         let task = if case.op == "decode" { KlTask::Decode } else { KlTask::Encode };
         let op = KlOperator::new(&model, task, true);
         let serial = execute_serial(&op, &input).unwrap();
@@ -81,8 +81,8 @@ fn the_engine_routes_normalised_latents_like_the_pipelines() {
         };
         let engine =
             Vae::builder(dir().join(&case.model)).tiling(tiling).cost_profile(CostProfile::Off).build().unwrap();
-        let input = read_npy(&dir().join(&case.input)).unwrap();
-        let expected = read_npy(&dir().join(&case.output)).unwrap();
+        let input = read_npy(dir().join(&case.input)).unwrap();
+        let expected = read_npy(dir().join(&case.output)).unwrap();
         let tiling = Tiling::Reference { asked: case.tiling };
         let decode = Decode::default().mode(vae_runtime::ParallelMode::Tile).tiling(tiling).pipeline_latents();
         let encode = Encode::default().mode(vae_runtime::ParallelMode::Tile).tiling(tiling).pipeline_latents();
@@ -123,7 +123,7 @@ fn sharded_and_half_precision_checkpoints_load() {
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
         st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let z = read_npy(&dir().join("sd_like.decode.in.npy")).unwrap();
+    let z = read_npy(dir().join("sd_like.decode.in.npy")).unwrap();
     let reference = AutoencoderKl::load(&src).unwrap().decode(&z).unwrap();
 
     // Two shards and the index diffusers writes for them: the same model, the same pixels.

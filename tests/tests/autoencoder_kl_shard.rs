@@ -67,8 +67,8 @@ fn near_the_fixtures(task: KlTask, input: &str, output: &str, axis: ShardAxis, w
     for name in MODELS {
         let model = load(name);
         let dir = fixtures_dir().join("autoencoder_kl");
-        let x = read_npy(&dir.join(format!("{name}.{input}.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.{output}.npy"))).unwrap();
+        let x = read_npy(dir.join(format!("{name}.{input}.npy"))).unwrap();
+        let want = read_npy(dir.join(format!("{name}.{output}.npy"))).unwrap();
         let (got, _) = shard(&model, task, &x, axis, world);
         let diff = got.max_abs_diff(&want).unwrap();
         assert!(diff <= 1e-4, "{name} {task:?}: max |shard - diffusers| = {diff}");

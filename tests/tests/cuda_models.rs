@@ -36,14 +36,14 @@ fn video_vaes_decode_and_encode_on_cuda_as_diffusers_does() {
     ] {
         let dir = fixtures_dir().join(family);
         let model = WanVae::load_on(&dir.join(name), device).unwrap();
-        let z = read_npy(&dir.join(format!("{name}.{decode_case}.in.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.{decode_case}.out.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("{name}.{decode_case}.in.npy"))).unwrap();
+        let want = read_npy(dir.join(format!("{name}.{decode_case}.out.npy"))).unwrap();
         let got = model.decode(&z).unwrap();
         assert!(got.device().is_cpu(), "outputs come back to the host");
         let diff = got.max_abs_diff(&want).unwrap();
         assert!(diff <= 1e-3, "{name} decode on CUDA: max |cuda - diffusers| = {diff}");
-        let x = read_npy(&dir.join(format!("{name}.{encode_case}.in.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.{encode_case}_moments.out.npy"))).unwrap();
+        let x = read_npy(dir.join(format!("{name}.{encode_case}.in.npy"))).unwrap();
+        let want = read_npy(dir.join(format!("{name}.{encode_case}_moments.out.npy"))).unwrap();
         let diff = model.encode_moments(&x).unwrap().max_abs_diff(&want).unwrap();
         assert!(diff <= 1e-3, "{name} encode on CUDA: {diff}");
     }
@@ -68,7 +68,7 @@ fn hunyuan_video15_on_cuda_matches_diffusers_plain_tiled_batched_and_sharded() {
             tile_overlap_factor: 0.25,
         })
         .unwrap();
-    let case = |name: &str| read_npy(&dir.join(format!("hunyuan_video15_like.{name}.npy"))).unwrap();
+    let case = |name: &str| read_npy(dir.join(format!("hunyuan_video15_like.{name}.npy"))).unwrap();
     for (input, output, tiled) in [
         ("decode_t3.in", "decode_t3.out", false),
         ("decode_batch2.in", "decode_batch2.out", false),
@@ -108,7 +108,7 @@ fn ltx_on_cuda_matches_diffusers_plain_tiled_in_space_and_time_and_sharded() {
     use vae_runtime::execute_serial;
     let Some(device) = cuda("LTX on CUDA") else { return };
     let dir = fixtures_dir().join("ltx");
-    let case = |name: &str| read_npy(&dir.join(format!("{name}.npy"))).unwrap();
+    let case = |name: &str| read_npy(dir.join(format!("{name}.npy"))).unwrap();
     for (name, class) in [("ltx2_like", LtxClass::Ltx2), ("ltx_video_like", LtxClass::LtxVideo)] {
         let mut model = LtxVae::load_with(&dir.join(name), class, device, DType::F32).unwrap();
         if class == LtxClass::LtxVideo {
@@ -217,8 +217,8 @@ fn autoencoder_kl_family_on_cuda_matches_diffusers_in_every_fixture_case() {
     for case in &cases {
         let mut model = AutoencoderKl::load_on(&dir.join(&case.model), device).unwrap();
         model.set_tiling(case.tile_sample_min_size, case.tile_overlap_factor).unwrap();
-        let input = read_npy(&dir.join(&case.input)).unwrap();
-        let want = read_npy(&dir.join(&case.output)).unwrap();
+        let input = read_npy(dir.join(&case.input)).unwrap();
+        let want = read_npy(dir.join(&case.output)).unwrap();
         let got = kl_case_output(&model, case, &input);
         assert!(got.device().is_cpu(), "outputs come back to the host");
         let diff = got.max_abs_diff(&want).unwrap();
@@ -256,8 +256,8 @@ fn bf16_decodes_on_cuda_stay_close_to_diffusers_f32() {
     // The fixtures are f32 diffusers outputs; a bf16 model rounds every activation to 8
     // significant bits, so this bounds the drift, it is not a parity check (the f32 tests are).
     let kl = fixtures_dir().join("autoencoder_kl");
-    let z = read_npy(&kl.join("sd_like.decode.in.npy")).unwrap();
-    let want = read_npy(&kl.join("sd_like.decode.out.npy")).unwrap();
+    let z = read_npy(kl.join("sd_like.decode.in.npy")).unwrap();
+    let want = read_npy(kl.join("sd_like.decode.out.npy")).unwrap();
     let model = AutoencoderKl::load_with(&kl.join("sd_like"), device, DType::BF16).unwrap();
     assert_eq!(model.dtype(), DType::BF16);
     let got = model.decode(&z).unwrap();
@@ -266,8 +266,8 @@ fn bf16_decodes_on_cuda_stay_close_to_diffusers_f32() {
     eprintln!("sd_like decode, bf16 on CUDA vs diffusers f32: max diff {diff}");
     assert!(diff <= 0.1, "sd_like bf16 decode: {diff}");
     let wan = fixtures_dir().join("wan");
-    let z = read_npy(&wan.join("wan21_like.decode_t3.in.npy")).unwrap();
-    let want = read_npy(&wan.join("wan21_like.decode_t3.out.npy")).unwrap();
+    let z = read_npy(wan.join("wan21_like.decode_t3.in.npy")).unwrap();
+    let want = read_npy(wan.join("wan21_like.decode_t3.out.npy")).unwrap();
     let model = WanVae::load_with(&wan.join("wan21_like"), device, DType::BF16).unwrap();
     let direct = model.decode(&z).unwrap();
     let diff = direct.max_abs_diff(&want).unwrap();

@@ -51,7 +51,7 @@ fn case_tiling(case: &Value) -> Option<HunyuanVideo15Tiling> {
 }
 
 fn npy(name: &Value) -> Tensor {
-    read_npy(&dir().join(name.as_str().unwrap())).unwrap()
+    read_npy(dir().join(name.as_str().unwrap())).unwrap()
 }
 
 /// A model with the case's tiling, and whether the case tiles.
@@ -94,10 +94,10 @@ fn every_fixture_case_matches_diffusers() {
 #[test]
 fn the_plain_calls_are_the_untiled_operators() {
     let model = load();
-    let z = read_npy(&dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap();
+    let z = read_npy(dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap();
     let plain = model.decode(&z).unwrap();
     assert!(plain.bit_eq(&execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Decode, false), &z).unwrap()));
-    let x = read_npy(&dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap();
+    let x = read_npy(dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap();
     let moments = model.encode_moments(&x).unwrap();
     assert!(
         moments.bit_eq(&execute_serial(&HunyuanVideo15Operator::new(&model, Direction::Encode, false), &x).unwrap())
@@ -143,13 +143,13 @@ fn tile_parallel_decode_and_encode_are_bit_identical_on_one_to_four_ranks() {
 fn spatial_shards_are_the_plain_decode_and_encode_bit_for_bit() {
     let model = load();
     let latents = [
-        read_npy(&dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap(),
-        read_npy(&dir().join(format!("{MODEL}.decode_batch2.in.npy"))).unwrap(),
+        read_npy(dir().join(format!("{MODEL}.decode_t3.in.npy"))).unwrap(),
+        read_npy(dir().join(format!("{MODEL}.decode_batch2.in.npy"))).unwrap(),
         random_tensor(&[1, 4, 3, 7, 5], 15),
     ];
     let videos = [
-        read_npy(&dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap(),
-        read_npy(&dir().join(format!("{MODEL}.encode_tiled_f1.in.npy"))).unwrap(),
+        read_npy(dir().join(format!("{MODEL}.encode_f5.in.npy"))).unwrap(),
+        read_npy(dir().join(format!("{MODEL}.encode_tiled_f1.in.npy"))).unwrap(),
     ];
     let cases =
         latents.iter().map(|z| (Direction::Decode, z, 1)).chain(videos.iter().map(|x| (Direction::Encode, x, 8)));

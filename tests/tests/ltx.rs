@@ -42,11 +42,11 @@ fn manifest() -> Vec<Value> {
 }
 
 fn npy(name: &Value) -> Tensor {
-    read_npy(&dir().join(name.as_str().unwrap())).unwrap()
+    read_npy(dir().join(name.as_str().unwrap())).unwrap()
 }
 
 fn input(model: &str, tag: &str) -> Tensor {
-    read_npy(&dir().join(format!("{model}.{tag}.in.npy"))).unwrap()
+    read_npy(dir().join(format!("{model}.{tag}.in.npy"))).unwrap()
 }
 
 /// A model with the case's tiling attributes, framewise flag and decode timestep, and whether

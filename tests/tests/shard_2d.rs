@@ -92,8 +92,8 @@ fn block_decode_matches_the_diffusers_fixture() {
     for name in MODELS {
         let model = load(name);
         let dir = fixtures_dir().join("autoencoder_kl");
-        let z = read_npy(&dir.join(format!("{name}.decode.in.npy"))).unwrap();
-        let want = read_npy(&dir.join(format!("{name}.decode.out.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("{name}.decode.in.npy"))).unwrap();
+        let want = read_npy(dir.join(format!("{name}.decode.out.npy"))).unwrap();
         let (got, _) = blocks(&model, KlTask::Decode, &z, [2, 2]);
         let diff = got.max_abs_diff(&want).unwrap();
         assert!(diff <= 1e-4, "{name}: max |blocks - diffusers| = {diff}");

@@ -122,7 +122,7 @@ fn rank_process_entry() {
             {
                 let mut model = vae_models::autoencoder_kl::AutoencoderKl::load(&dir.join(&case.model)).unwrap();
                 model.set_tiling(case.tile_sample_min_size, case.tile_overlap_factor).unwrap();
-                let input = vae_parallel::io::read_npy(&dir.join(&case.input)).unwrap();
+                let input = vae_parallel::io::read_npy(dir.join(&case.input)).unwrap();
                 let task = if case.op == "decode" {
                     vae_models::autoencoder_kl::KlTask::Decode
                 } else {
@@ -143,13 +143,13 @@ fn rank_process_entry() {
             let dir = vae_integration_tests::fixtures_dir().join("wan");
             let mut model = vae_models::wan::WanVae::load(&dir.join("wan21_like")).unwrap();
             model.set_tiling([16, 24], [8, 16]).unwrap();
-            let z = vae_parallel::io::read_npy(&dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
+            let z = vae_parallel::io::read_npy(dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
             let op = vae_models::wan::WanDecodeOperator::new(&model, true);
             let out =
                 executor.run(&z, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap();
             assert!(out.bit_eq(&vae_runtime::execute_serial(&op, &z).unwrap()), "decode on rank {rank}");
             model.set_tiling([24, 32], [16, 16]).unwrap();
-            let x = vae_parallel::io::read_npy(&dir.join("wan21_like.encode_tiled_f5.in.npy")).unwrap();
+            let x = vae_parallel::io::read_npy(dir.join("wan21_like.encode_tiled_f5.in.npy")).unwrap();
             let op = vae_models::wan::WanEncodeOperator::new(&model, true);
             let out =
                 executor.run(&x, Job::tiles(&op), Output::Placed(OutputPlacement::AllRanks)).unwrap().tensor.unwrap();

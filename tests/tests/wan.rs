@@ -11,8 +11,8 @@ fn wan21_plain_decode_matches_diffusers_for_one_and_three_frames() {
     let dir = fixtures_dir().join("wan");
     let model = WanVae::load(&dir.join("wan21_like")).unwrap();
     for case in ["decode_t1", "decode_t3"] {
-        let z = read_npy(&dir.join(format!("wan21_like.{case}.in.npy"))).unwrap();
-        let expected = read_npy(&dir.join(format!("wan21_like.{case}.out.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("wan21_like.{case}.in.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("wan21_like.{case}.out.npy"))).unwrap();
         let got = model.decode(&z).unwrap();
         assert_eq!(got.dims(), expected.dims(), "{case}");
         let diff = got.max_abs_diff(&expected).unwrap();
@@ -49,8 +49,8 @@ fn wan21_tiled_decode_matches_diffusers_and_is_bit_identical_on_one_to_four_rank
     let mut model = WanVae::load(&dir.join("wan21_like")).unwrap();
     // As the fixture: enable_tiling(16, 24, 8, 16) — latent tiles 2x3, stride 1x2.
     model.set_tiling([16, 24], [8, 16]).unwrap();
-    let z = read_npy(&dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
-    let expected = read_npy(&dir.join("wan21_like.decode_tiled.out.npy")).unwrap();
+    let z = read_npy(dir.join("wan21_like.decode_tiled.in.npy")).unwrap();
+    let expected = read_npy(dir.join("wan21_like.decode_tiled.out.npy")).unwrap();
     let op = WanDecodeOperator::new(&model, true);
     let serial = execute_serial(&op, &z).unwrap();
     assert_eq!(serial.dims(), expected.dims());
@@ -78,14 +78,14 @@ fn qwen_image_decode_matches_diffusers_plain_clamped_and_tiled_unclamped() {
     let mut model = WanVae::load(&dir.join("qwen_image_like")).unwrap();
     assert_eq!(model.class(), VideoVaeClass::QwenImage);
     for case in ["decode_t1", "decode_t3"] {
-        let z = read_npy(&dir.join(format!("qwen_image_like.{case}.in.npy"))).unwrap();
-        let expected = read_npy(&dir.join(format!("qwen_image_like.{case}.out.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("qwen_image_like.{case}.in.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("qwen_image_like.{case}.out.npy"))).unwrap();
         let diff = model.decode(&z).unwrap().max_abs_diff(&expected).unwrap();
         assert!(diff <= 1e-4, "{case}: {diff}");
     }
     model.set_tiling([16, 24], [8, 16]).unwrap();
-    let z = read_npy(&dir.join("qwen_image_like.decode_tiled.in.npy")).unwrap();
-    let expected = read_npy(&dir.join("qwen_image_like.decode_tiled.out.npy")).unwrap();
+    let z = read_npy(dir.join("qwen_image_like.decode_tiled.in.npy")).unwrap();
+    let expected = read_npy(dir.join("qwen_image_like.decode_tiled.out.npy")).unwrap();
     let got = execute_serial(&WanDecodeOperator::new(&model, true), &z).unwrap();
     let diff = got.max_abs_diff(&expected).unwrap();
     assert!(diff <= 1e-4, "tiled: {diff}");
@@ -99,13 +99,13 @@ fn wan21_and_qwen_image_plain_encode_match_diffusers() {
         let dir = fixtures_dir().join(family);
         let model = WanVae::load(&dir.join(model_name)).unwrap();
         for frames in ["f1", "f5"] {
-            let x = read_npy(&dir.join(format!("{model_name}.encode_{frames}.in.npy"))).unwrap();
-            let expected = read_npy(&dir.join(format!("{model_name}.encode_{frames}_moments.out.npy"))).unwrap();
+            let x = read_npy(dir.join(format!("{model_name}.encode_{frames}.in.npy"))).unwrap();
+            let expected = read_npy(dir.join(format!("{model_name}.encode_{frames}_moments.out.npy"))).unwrap();
             let got = model.encode_moments(&x).unwrap();
             assert_eq!(got.dims(), expected.dims(), "{model_name} {frames}");
             let diff = got.max_abs_diff(&expected).unwrap();
             assert!(diff <= 1e-4, "{model_name} {frames}: {diff}");
-            let mean = read_npy(&dir.join(format!("{model_name}.encode_{frames}_mean.out.npy"))).unwrap();
+            let mean = read_npy(dir.join(format!("{model_name}.encode_{frames}_mean.out.npy"))).unwrap();
             assert!(got.diag_gaussian_mean().unwrap().max_abs_diff(&mean).unwrap() <= 1e-4);
         }
     }
@@ -123,8 +123,8 @@ fn wan21_and_qwen_image_tiled_encode_match_diffusers_and_are_bit_identical_acros
         let mut model = WanVae::load(&dir.join(model_name)).unwrap();
         // As the fixture: enable_tiling(24, 32, 16, 16).
         model.set_tiling([24, 32], [16, 16]).unwrap();
-        let x = read_npy(&dir.join(format!("{model_name}.encode_tiled_f5.in.npy"))).unwrap();
-        let expected = read_npy(&dir.join(format!("{model_name}.encode_tiled_f5_moments.out.npy"))).unwrap();
+        let x = read_npy(dir.join(format!("{model_name}.encode_tiled_f5.in.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("{model_name}.encode_tiled_f5_moments.out.npy"))).unwrap();
         let op = WanEncodeOperator::new(&model, true);
         let serial = execute_serial(&op, &x).unwrap();
         assert_eq!(serial.dims(), expected.dims(), "{model_name}");
@@ -151,8 +151,8 @@ fn wan22_plain_and_tiled_decode_match_diffusers() {
     let dir = fixtures_dir().join("wan");
     let mut model = WanVae::load(&dir.join("wan22_like")).unwrap();
     for case in ["decode_t1", "decode_t2"] {
-        let z = read_npy(&dir.join(format!("wan22_like.{case}.in.npy"))).unwrap();
-        let expected = read_npy(&dir.join(format!("wan22_like.{case}.out.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("wan22_like.{case}.in.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("wan22_like.{case}.out.npy"))).unwrap();
         let got = model.decode(&z).unwrap();
         assert_eq!(got.dims(), expected.dims(), "{case}");
         let diff = got.max_abs_diff(&expected).unwrap();
@@ -160,8 +160,8 @@ fn wan22_plain_and_tiled_decode_match_diffusers() {
     }
     // As the fixture: enable_tiling(32, 48, 16, 32); the merge runs in patchified space.
     model.set_tiling([32, 48], [16, 32]).unwrap();
-    let z = read_npy(&dir.join("wan22_like.decode_tiled.in.npy")).unwrap();
-    let expected = read_npy(&dir.join("wan22_like.decode_tiled.out.npy")).unwrap();
+    let z = read_npy(dir.join("wan22_like.decode_tiled.in.npy")).unwrap();
+    let expected = read_npy(dir.join("wan22_like.decode_tiled.out.npy")).unwrap();
     let op = WanDecodeOperator::new(&model, true);
     let got = execute_serial(&op, &z).unwrap();
     assert_eq!(got.dims(), expected.dims());
@@ -198,8 +198,8 @@ fn wan22_plain_and_tiled_encode_match_diffusers() {
     let dir = fixtures_dir().join("wan");
     let mut model = WanVae::load(&dir.join("wan22_like")).unwrap();
     for frames in ["f1", "f5"] {
-        let x = read_npy(&dir.join(format!("wan22_like.encode_{frames}.in.npy"))).unwrap();
-        let expected = read_npy(&dir.join(format!("wan22_like.encode_{frames}_moments.out.npy"))).unwrap();
+        let x = read_npy(dir.join(format!("wan22_like.encode_{frames}.in.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("wan22_like.encode_{frames}_moments.out.npy"))).unwrap();
         let got = model.encode_moments(&x).unwrap();
         assert_eq!(got.dims(), expected.dims(), "{frames}");
         let diff = got.max_abs_diff(&expected).unwrap();
@@ -207,8 +207,8 @@ fn wan22_plain_and_tiled_encode_match_diffusers() {
     }
     // As the fixture: enable_tiling(16, 16, 8, 8), applied by diffusers to the patchified video.
     model.set_tiling([16, 16], [8, 8]).unwrap();
-    let x = read_npy(&dir.join("wan22_like.encode_f5.in.npy")).unwrap();
-    let expected = read_npy(&dir.join("wan22_like.encode_tiled_f5_moments.out.npy")).unwrap();
+    let x = read_npy(dir.join("wan22_like.encode_f5.in.npy")).unwrap();
+    let expected = read_npy(dir.join("wan22_like.encode_tiled_f5_moments.out.npy")).unwrap();
     let op = WanEncodeOperator::new(&model, true);
     let got = execute_serial(&op, &x).unwrap();
     assert_eq!(got.dims(), expected.dims());
@@ -238,7 +238,7 @@ fn decoding_a_prefix_of_the_latent_gives_the_leading_frames_exactly() {
         let dir = fixtures_dir().join(family);
         let model = WanVae::load(&dir.join(name)).unwrap();
         let input = if name == "wan22_like" { "decode_t2" } else { "decode_t3" };
-        let z = read_npy(&dir.join(format!("{name}.{input}.in.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("{name}.{input}.in.npy"))).unwrap();
         let whole = model.decode(&z).unwrap();
         let t = z.dims()[2];
         for k in 1..t {
@@ -257,8 +257,8 @@ fn decode_and_encode_report_each_temporal_step_to_the_progress_sink() {
     let model = WanVae::load(&dir.join("wan21_like")).unwrap();
     let step = |done, total| Progress::Steps { done, total };
     // Three latent frames decode in three steps; five video frames encode in two (1, then 4).
-    let z = read_npy(&dir.join("wan21_like.decode_t3.in.npy")).unwrap();
+    let z = read_npy(dir.join("wan21_like.decode_t3.in.npy")).unwrap();
     assert_eq!(collect(|| model.decode(&z).unwrap()).1, [step(1, 3), step(2, 3), step(3, 3)]);
-    let x = read_npy(&dir.join("wan21_like.encode_f5.in.npy")).unwrap();
+    let x = read_npy(dir.join("wan21_like.encode_f5.in.npy")).unwrap();
     assert_eq!(collect(|| model.encode_moments(&x).unwrap()).1, [step(1, 2), step(2, 2)]);
 }

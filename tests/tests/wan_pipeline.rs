@@ -91,8 +91,8 @@ fn the_fixtures_decode_as_diffusers_does_through_the_pipeline() {
     ] {
         let dir = fixtures_dir().join(family);
         let model = model(family, name);
-        let z = vae_parallel::io::read_npy(&dir.join(format!("{name}.{case}.in.npy"))).unwrap();
-        let expected = vae_parallel::io::read_npy(&dir.join(format!("{name}.{case}.out.npy"))).unwrap();
+        let z = vae_parallel::io::read_npy(dir.join(format!("{name}.{case}.in.npy"))).unwrap();
+        let expected = vae_parallel::io::read_npy(dir.join(format!("{name}.{case}.out.npy"))).unwrap();
         let (out, _) = pipelined(&model, &z, 3, 3, false);
         let diff = out.max_abs_diff(&expected).unwrap();
         assert!(diff <= 1e-4, "{name} {case}: max |diff| {diff} against diffusers");

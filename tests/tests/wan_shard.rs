@@ -124,8 +124,8 @@ fn qwen_image_shards_to_every_rank_and_the_fixture_still_matches_diffusers() {
     // hands the output to every rank (Qwen-Image's contract).
     let dir = fixtures_dir().join("qwen_image");
     let model = load("qwen_image", "qwen_image_like");
-    let z = vae_parallel::io::read_npy(&dir.join("qwen_image_like.decode_t3.in.npy")).unwrap();
-    let expected = vae_parallel::io::read_npy(&dir.join("qwen_image_like.decode_t3.out.npy")).unwrap();
+    let z = vae_parallel::io::read_npy(dir.join("qwen_image_like.decode_t3.in.npy")).unwrap();
+    let expected = vae_parallel::io::read_npy(dir.join("qwen_image_like.decode_t3.out.npy")).unwrap();
     let op = WanShardDecodeOperator::new(&model);
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();

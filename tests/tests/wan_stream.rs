@@ -56,7 +56,7 @@ fn streamed_frames_are_the_direct_decode_bit_for_bit() {
         ("wan", "wan21_like", "decode_normalized"),
     ] {
         let e = engine(family, model);
-        let z = read_npy(&fixtures_dir().join(family).join(format!("{model}.{case}.in.npy"))).unwrap();
+        let z = read_npy(fixtures_dir().join(family).join(format!("{model}.{case}.in.npy"))).unwrap();
         let mut options = direct();
         options.latents_normalized = case == "decode_normalized";
         let whole = e.model().decode(&if options.latents_normalized {
@@ -141,7 +141,7 @@ fn files_in(dir: &Path) -> Vec<String> {
 #[test]
 fn a_failure_mid_stream_leaves_no_file() {
     let e = engine("wan", "wan21_like");
-    let z = read_npy(&fixtures_dir().join("wan").join("wan21_like.decode_t3.in.npy")).unwrap();
+    let z = read_npy(fixtures_dir().join("wan").join("wan21_like.decode_t3.in.npy")).unwrap();
     for name in ["clip.npy", "clip.png"] {
         let dir = std::env::temp_dir().join(format!("vae-stream-fail-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -325,14 +325,14 @@ fn a_streamed_tile_decode_is_the_tile_decode_bit_for_bit_on_one_to_four_ranks() 
         let dir = fixtures_dir().join(family);
         let mut model = vae_models::wan::WanVae::load(&dir.join(name)).unwrap();
         model.set_tiling(min, stride).unwrap();
-        let z = read_npy(&dir.join(format!("{name}.decode_tiled.in.npy"))).unwrap();
+        let z = read_npy(dir.join(format!("{name}.decode_tiled.in.npy"))).unwrap();
         let whole = vae_runtime::execute_serial(&vae_models::wan::WanDecodeOperator::new(&model, true), &z).unwrap();
         for world in 1..=4 {
             let streamed = streamed_tiles(&model, &z, world);
             assert!(streamed.bit_eq(&whole), "{name} on {world} ranks: not bit-identical");
         }
         // The diffusers fixture itself, within its bound.
-        let expected = read_npy(&dir.join(format!("{name}.decode_tiled.out.npy"))).unwrap();
+        let expected = read_npy(dir.join(format!("{name}.decode_tiled.out.npy"))).unwrap();
         assert!(whole.max_abs_diff(&expected).unwrap() <= 1e-4, "{name}");
     }
 }

@@ -273,10 +273,19 @@ impl PyVae {
         token: &'a CancelToken,
     ) -> PyResult<Option<Tensor>> {
         let finished = interrupt::run(py, &self.group, &self.vae, make, token)?;
-        if finished.report.is_some() {
-            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = finished.report;
-        }
+        self.keep_report(py, finished.report)?;
         Ok(finished.output)
+    }
+
+    /// Keeps a request's report for [`PyVae::last_report`], and warns (Python's `warnings`)
+    /// when what ran is not what the request asked for, with the library's reason.
+    fn keep_report(&self, py: Python<'_>, report: Option<RequestReport>) -> PyResult<()> {
+        let Some(report) = report else { return Ok(()) };
+        if report.fallback {
+            py.import("warnings")?.call_method1("warn", (message(&report.reason),))?;
+        }
+        *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+        Ok(())
     }
 }
 
@@ -395,9 +404,7 @@ impl PyVae {
                 return Err(e);
             }
         };
-        if finished.report.is_some() {
-            *self.last_report.lock().unwrap_or_else(|e| e.into_inner()) = finished.report;
-        }
+        self.keep_report(py, finished.report)?;
         let written = sink.finish().map_err(|e| ExecutionError::new_err(message(&e.to_string())))?;
         if !owner {
             return Ok(Vec::new());

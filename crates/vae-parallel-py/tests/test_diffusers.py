@@ -26,18 +26,19 @@ def close(a, b, tol=1e-4) -> bool:
     return a.shape == b.shape and float((a - b).abs().max()) <= tol
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_autoencoder_kl_decode_encode_and_config_match_diffusers(ranks):
+    """Whatever the ranks, the untiled decode and encode, as a stock VAE without
+    `enable_tiling()` gives them (inputs larger than a tile, where tiling would change them)."""
     model = FIXTURES / "autoencoder_kl/flux1_like"
     ours = DistributedVae.from_pretrained(model.parent, subfolder=model.name, ranks=ranks)
     ref = diffusers.AutoencoderKL.from_pretrained(model).eval()
-    if ranks > 1:
-        ref.enable_tiling()  # several ranks split the work by tiles, as the reference does
     assert ours.config.scaling_factor == ref.config.scaling_factor
     assert ours.config["block_out_channels"] == list(ref.config.block_out_channels)
     assert next(ours.parameters()).dtype == torch.float32
+    assert not ours.use_tiling
 
-    z = tensor(FIXTURES / "autoencoder_kl/flux1_like.decode.in.npy")
+    z = tensor(FIXTURES / "autoencoder_kl/flux1_like.decode_tiled.in.npy")
     with torch.inference_mode():
         want = ref.decode(z).sample
         got = ours.decode(z).sample
@@ -47,8 +48,10 @@ def test_autoencoder_kl_decode_encode_and_config_match_diffusers(ranks):
         assert np.array_equal(got.numpy(), vp.load(model, ranks=ranks).decode(z.numpy()))
         (again,) = ours.decode(z, return_dict=False)
         assert torch.equal(again, got)
+        # On the ranks asked for (`auto` picks a shard or the direct pass: never tiles here).
+        assert ours.last_report()["world_size"] == ranks
 
-        x = tensor(FIXTURES / "autoencoder_kl/flux1_like.encode.in.npy")
+        x = tensor(FIXTURES / "autoencoder_kl/flux1_like.encode_tiled.in.npy")
         want_dist = ref.encode(x).latent_dist
         got_dist = ours.encode(x).latent_dist
         assert close(got_dist.mean, want_dist.mean)
@@ -59,34 +62,75 @@ def test_autoencoder_kl_decode_encode_and_config_match_diffusers(ranks):
         assert close(a, b)
 
 
-def test_tiling_follows_enable_tiling():
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_tiling_follows_enable_tiling(ranks):
     model = FIXTURES / "autoencoder_kl/sd_like"
-    ours = DistributedVae.from_pretrained(model, ranks=3)
+    ours = DistributedVae.from_pretrained(model, ranks=ranks)
     ref = diffusers.AutoencoderKL.from_pretrained(model).eval()
     z = tensor(FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy")
-    ours.enable_tiling()
-    ref.enable_tiling()
+    x = tensor(FIXTURES / "autoencoder_kl/sd_like.encode_tiled.in.npy")
     with torch.inference_mode():
-        assert close(ours.decode(z).sample, ref.decode(z).sample)
+        untiled, untiled_mean = ref.decode(z).sample, ref.encode(x).latent_dist.mean
+        ours.enable_tiling()
+        ref.enable_tiling()
+        tiled, tiled_mean = ref.decode(z).sample, ref.encode(x).latent_dist.mean
+        # The inputs are larger than a tile: tiling changes the result.
+        assert not close(tiled, untiled) and not close(tiled_mean, untiled_mean)
+        assert close(ours.decode(z).sample, tiled)
+        assert ours.last_report()["strategy"] == "tile" and ours.last_report()["tile_count"] > 1
+        assert close(ours.encode(x).latent_dist.mean, tiled_mean)
+        ours.disable_tiling()
+        assert close(ours.decode(z).sample, untiled)
+        assert close(ours.encode(x).latent_dist.mean, untiled_mean)
     with pytest.raises(TypeError):
         ours.enable_tiling(tile_size=3)
-    # `auto` shards this map over the ranks instead of tiling it: diffusers' untiled pixels.
-    sharded = DistributedVae.from_pretrained(model, ranks=2, mode="auto")
-    sharded.enable_tiling()
-    ref.disable_tiling()
+
+
+def test_the_mode_says_how_the_ranks_share_the_work_not_which_pixels():
+    """`mode=` stays overridable. `tile` on an untiled request computes it on one rank (the
+    report says why); a named shard mode gives the untiled pixels even after `enable_tiling()`
+    (a shard has no tiles)."""
+    model = FIXTURES / "autoencoder_kl/sd_like"
+    ref = diffusers.AutoencoderKL.from_pretrained(model).eval()
+    z = tensor(FIXTURES / "autoencoder_kl/sd_like.decode_tiled.in.npy")
+    assert DistributedVae.from_pretrained(model, ranks=3)._options["mode"] == "auto"
     with torch.inference_mode():
-        assert close(sharded.decode(z).sample, ref.decode(z).sample)
+        untiled = ref.decode(z).sample
+        ref.enable_tiling()
+        tiled = ref.decode(z).sample
+        tile = DistributedVae.from_pretrained(model, ranks=3, mode="tile")
+        assert close(tile.decode(z).sample, untiled)
+        assert "one rank" in tile.last_report()["reason"], tile.last_report()
+        tile.enable_tiling()
+        assert close(tile.decode(z).sample, tiled)
+        sharded = DistributedVae.from_pretrained(model, ranks=2, mode="spatial_shard_height")
+        sharded.enable_tiling()
+        assert close(sharded.decode(z).sample, untiled)
+        assert sharded.last_report()["strategy"] == "shard-height"
 
 
-def test_wan_decode_matches_diffusers():
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_wan_decode_matches_diffusers(ranks):
     model = FIXTURES / "wan/wan21_like"
-    ours = DistributedVae.from_pretrained(model, ranks=2)
+    ours = DistributedVae.from_pretrained(model, ranks=ranks)
     ref = diffusers.AutoencoderKLWan.from_pretrained(model).eval()
+    assert (ours.z_dim, ours.temperal_downsample, ours.temperal_upsample, ours.spatial_compression_ratio) == (
+        ref.z_dim, ref.temperal_downsample, ref.temperal_upsample, ref.spatial_compression_ratio)
     z = tensor(FIXTURES / "wan/wan21_like.decode_t3.in.npy")
     with torch.inference_mode():
         assert close(ours.decode(z).sample, ref.decode(z).sample)
         x = tensor(FIXTURES / "wan/wan21_like.encode_f5.in.npy")
         assert close(ours.encode(x).latent_dist.mean, ref.encode(x).latent_dist.mean)
+        # Larger than a tile of the fixture's tiling: untiled, then as diffusers tiles it.
+        tiles = {"tile_sample_min_height": 16, "tile_sample_min_width": 24, "tile_sample_stride_height": 8,
+                 "tile_sample_stride_width": 16}
+        z = tensor(FIXTURES / "wan/wan21_like.decode_tiled.in.npy")
+        ours = DistributedVae.from_pretrained(model, ranks=ranks, **tiles)
+        assert close(ours.decode(z).sample, ref.decode(z).sample)
+        ours.enable_tiling()
+        ref.enable_tiling(**tiles)
+        assert close(ours.decode(z).sample, tensor(FIXTURES / "wan/wan21_like.decode_tiled.out.npy"))
+        assert close(ours.decode(z).sample, ref.decode(z).sample)
 
 
 def test_ltx_decodes_at_the_pipelines_timestep_as_diffusers_does():

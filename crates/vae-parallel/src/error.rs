@@ -57,6 +57,22 @@ impl std::fmt::Display for ErrorKind {
 
 /// Every error of the facade. Use [`Error::kind`] to branch; the variants hold the layer's own
 /// error for callers that need its details.
+///
+/// ```
+/// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");
+/// use vae_parallel::{Decode, Device, ErrorKind, Group, Tensor, Vae};
+///
+/// let vae = Vae::load(dir)?;
+/// // Three channels where the model's latent has four: refused on every rank, before any work.
+/// let wrong = Tensor::seeded_uniform([1, 3, 8, 8], 0, -1.0, 1.0, &Device::Cpu)?;
+/// let err = Group::local(2)?.decode(&vae, &wrong, &Decode::default()).unwrap_err();
+/// assert_eq!(err.kind(), ErrorKind::InvalidInput);
+/// assert!(err.to_line().contains("latent"), "{err}");
+/// // A missing model is a model error, naming the file.
+/// let missing = Vae::load("/nonexistent/vae").unwrap_err();
+/// assert_eq!(missing.kind(), ErrorKind::Model);
+/// # Ok::<(), vae_parallel::Error>(())
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -44,7 +44,8 @@ fn os_err(path: &Path) -> impl FnOnce(std::io::Error) -> IoError + '_ {
 }
 
 /// Reads a tensor from `.npy` or `.safetensors` (by extension).
-pub fn read_tensor(path: &Path) -> Result<Tensor, IoError> {
+pub fn read_tensor(path: impl AsRef<Path>) -> Result<Tensor, IoError> {
+    let path = path.as_ref();
     match extension(path).as_str() {
         "npy" => read_npy(path),
         "safetensors" => read_safetensors(path),
@@ -57,7 +58,8 @@ fn extension(path: &Path) -> String {
 }
 
 /// Reads a `.npy` array of f32 (also f64 and f16, converted), little-endian, C order.
-pub fn read_npy(path: &Path) -> Result<Tensor, IoError> {
+pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor, IoError> {
+    let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(os_err(path))?;
     parse_npy(&bytes).map_err(|m| format_err(path, m))
 }
@@ -270,6 +272,30 @@ pub fn png_bytes(image: &Tensor) -> Result<Vec<u8>, IoError> {
     Ok(encoded)
 }
 
+/// Reads an image to encode: an 8-bit `.png` ([`read_png`]), else a tensor file in [-1, 1]
+/// ([`read_tensor`]).
+pub fn read_image(path: impl AsRef<Path>) -> Result<Tensor, IoError> {
+    let path = path.as_ref();
+    match extension(path).as_str() {
+        "png" => read_png(path),
+        _ => read_tensor(path),
+    }
+}
+
+/// Writes decoded pixels (`[B, 3, H, W]` or `[B, 3, T, H, W]` in [-1, 1]) at `path` as the CLI's
+/// `--out` does, by extension ([`stage_decoded`]; videos at `fps`): every file or none, each
+/// written atomically. Returns the paths written.
+pub fn write_decoded(path: impl AsRef<Path>, pixels: &Tensor, fps: u32) -> Result<Vec<PathBuf>, IoError> {
+    let mut staged = Staged::new();
+    stage_decoded(&mut staged, path.as_ref(), pixels, fps)?;
+    staged.commit()
+}
+
+/// Writes a tensor as a float32 `.npy` file, atomically.
+pub fn write_npy(path: impl AsRef<Path>, tensor: &Tensor) -> Result<(), IoError> {
+    crate::output::write_atomically(path.as_ref(), &npy_bytes(tensor)?)
+}
+
 /// The file types decoded pixels can be written as ([`stage_decoded`]), by extension.
 pub const DECODED_EXTENSIONS: [&str; 4] = ["npy", "png", "mp4", "gif"];
 
@@ -294,7 +320,8 @@ pub const MAX_IMAGE_PIXELS: u64 = 1 << 26;
 /// Reads an 8-bit RGB(A) or gray PNG as `[1, 3, H, W]` in [-1, 1] (diffusers' `x / 255 · 2 − 1`;
 /// no resizing: the size must already suit the model). An image of more than
 /// [`MAX_IMAGE_PIXELS`] is an error.
-pub fn read_png(path: &Path) -> Result<Tensor, IoError> {
+pub fn read_png(path: impl AsRef<Path>) -> Result<Tensor, IoError> {
+    let path = path.as_ref();
     let file = std::fs::File::open(path).map_err(os_err(path))?;
     decode_png(std::io::BufReader::new(file)).map_err(|m| format_err(path, m))
 }
@@ -420,9 +447,9 @@ mod tests {
             path
         };
         let bf16: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
-        let t = read_tensor(&write("z.safetensors", safetensors::Dtype::BF16, &bf16)).unwrap();
+        let t = read_tensor(write("z.safetensors", safetensors::Dtype::BF16, &bf16)).unwrap();
         assert_eq!((t.dims(), t.to_vec_f32().unwrap()), (&[1, 2][..], vec![1.5, -2.0]));
-        let err = read_tensor(&write("i.safetensors", safetensors::Dtype::I32, &[0; 8])).unwrap_err();
+        let err = read_tensor(write("i.safetensors", safetensors::Dtype::I32, &[0; 8])).unwrap_err();
         assert!(err.to_string().ends_with("tensor \"latent\" is I32, expected a float type"), "{err}");
     }
 

@@ -231,6 +231,10 @@ pub struct RequestReport {
     pub strategy: String,
     /// Why (the model family's choice or fallback).
     pub reason: String,
+    /// What ran is not what the request asked for (a forced mode that fell back, untiled
+    /// pixels computed on one rank); `reason` says why.
+    #[serde(default)]
+    pub fallback: bool,
     /// Transport backend.
     pub backend: String,
     /// Ranks in the group.
@@ -266,6 +270,7 @@ impl RequestReport {
             mode: mode.to_string(),
             strategy: owner.strategy.label(),
             reason: owner.reason.clone().unwrap_or_default(),
+            fallback: owner.fallback,
             backend: comm.backend().to_string(),
             world_size: comm.size(),
             parallel_size,

@@ -592,6 +592,7 @@ fn agree_on_choice(executor: &DistributedVaeExecutor, mine: Decision) -> Result<
 /// The report carries the reason for the strategy that ran, and the cost model's prediction
 /// for it.
 fn with_reason(mut out: ExecOutput, choice: StrategyChoice, predicted: Option<Predicted>) -> ExecOutput {
+    out.report.fallback = choice.fallback;
     out.report.reason = Some(choice.reason);
     out.report.predicted = predicted;
     out

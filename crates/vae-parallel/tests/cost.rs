@@ -202,7 +202,7 @@ fn every_rank_runs_rank_zeros_choice_whatever_its_own_profile_says() {
     use vae_parallel::{CostProfile, Decode, Tiling, Vae};
 
     let model = fixtures().join("sd_like");
-    let latent = vae_parallel::io::read_tensor(&fixtures().join("sd_like.decode_tiled.in.npy")).unwrap();
+    let latent = vae_parallel::io::read_tensor(fixtures().join("sd_like.decode_tiled.in.npy")).unwrap();
     let placement = Placement { threads_per_rank: 1.0, ranks_per_host: 2, threads_alone: 2.0 };
     let slow_links = DeviceProfile { link_latency_us: 3.6e9, ..DeviceProfile::builtin_cpu() };
     let engines: Vec<Vae> = [DeviceProfile::builtin_cpu(), slow_links]

@@ -172,7 +172,7 @@ fn a_latent_that_does_not_fit_is_an_invalid_input_on_every_rank() {
     let f = fixtures();
     let vae = Vae::builder(f.join("sd_like")).cost_profile(CostProfile::Off).build().unwrap();
     // A FLUX.2 latent: not the SD-like model's 4 channels.
-    let latent = vae_parallel::io::read_npy(&f.join("flux2_like.decode.in.npy")).unwrap();
+    let latent = vae_parallel::io::read_npy(f.join("flux2_like.decode.in.npy")).unwrap();
     let tiles = Decode::default().tiling(Tiling::Reference { asked: false });
     let results = run_local(2, TransportConfig::default(), |comm| {
         let exec = DistributedVaeExecutor::new(Arc::new(comm), 2).unwrap();

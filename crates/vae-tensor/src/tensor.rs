@@ -46,7 +46,22 @@ pub struct BoxOf<'a> {
     pub extent: &'a [usize],
 }
 
-/// A dense row-major tensor.
+/// A dense row-major tensor: NCHW images and NCTHW videos, as diffusers lays them out. f32 on
+/// the host; f32 or bf16 on a CUDA device. Requests take and return host f32 tensors.
+///
+/// ```
+/// use vae_tensor::{Device, Tensor};
+///
+/// // A latent from values (e.g. a NumPy array's), and one from a seed.
+/// let z = Tensor::from_vec(vec![0.5; 2 * 4 * 8 * 8], vec![2, 4, 8, 8], &Device::Cpu)?;
+/// let noise = Tensor::seeded_uniform([2, 4, 8, 8], 42, -1.0, 1.0, &Device::Cpu)?;
+/// assert_eq!((z.dims(), z.elem_count()), (&[2, 4, 8, 8][..], 512));
+/// // The second image of the batch, its values back as a vector.
+/// let second = noise.narrow(0, 1, 1)?;
+/// assert_eq!(second.to_vec_f32()?.len(), 256);
+/// assert!(second.max_abs_diff(&noise.narrow(0, 1, 1)?)? == 0.0);
+/// # Ok::<(), vae_tensor::TensorError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
     shape: Shape,

@@ -7,6 +7,11 @@ tuple) whose ``.sample`` is diffusers' own within the fixtures' tolerance, ``enc
 (``.mean``, ``.sample(generator)``, ``.mode()``), and ``.config``, ``.dtype``, ``.device``,
 ``.parameters()``, ``enable_tiling()`` / ``disable_tiling()`` behave as a pipeline uses them.
 
+The pixels follow the tiling state the caller set, as diffusers' do, whatever the number of
+ranks: without ``enable_tiling()`` the untiled decode and encode (split exactly over the ranks
+by a spatial shard where the family has one; otherwise computed on one rank, with a warning
+naming why), after it diffusers' tiled decode and encode, the tiles spread over the ranks.
+
 The model computes where ``device`` and ``dtype`` said when it was loaded; tensors come back
 on the device and in the dtype they were given. ``.to(...)`` changes nothing. Importing this
 module imports torch and diffusers; ``import vae_parallel`` alone does not.
@@ -41,17 +46,26 @@ TILING_KEYWORDS = (
 FRAME_KEYWORDS = ("tile_sample_min_num_frames", "tile_sample_stride_num_frames")
 # The classes whose latent statistics are weights (`latents_mean` / `latents_std` buffers).
 LTX_CLASSES = ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")
+# The classes with Wan's causal 3-D layout (`temperal_downsample` and `z_dim` attributes).
+WAN_CLASSES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 
 
 class DistributedVae:
     """A diffusers VAE directory served by vae_parallel over ``ranks`` local ranks.
 
-    ``mode`` is the CLI's ``--vae-parallel-mode``: ``"tile"`` (the default) gives diffusers'
-    own results, tiled where tiling is enabled; ``"auto"`` may instead shard a large map over
-    the ranks, which gives the untiled decode's pixels (exact, no tile seams).
+    Its results are diffusers' own for the tiling state set on it, as a stock VAE's would be:
+    untiled until ``enable_tiling()`` (any number of ranks), diffusers' tiled decode and encode
+    after it. ``mode`` is the CLI's ``--vae-parallel-mode`` and only says how the ranks share
+    the work: ``"auto"`` (the default) picks the fastest strategy that gives those pixels (an
+    exact spatial shard of an untiled request where the family has one, the tiles spread over
+    the ranks of a tiled one). A named mode forces its strategy: ``"tile"`` computes an untiled
+    request on one rank (logged as a warning; ``last_report()["reason"]`` says why), and a shard
+    mode (``"spatial_shard_height"``, ...) gives the untiled pixels even after
+    ``enable_tiling()`` (a shard has no tiles). ``tiling`` keywords are diffusers' tile sizes
+    (as ``enable_tiling(**tiling)`` takes them); they do not turn tiling on.
     """
 
-    def __init__(self, directory, *, ranks=1, mode="tile", device="cpu", dtype="f32", **tiling):
+    def __init__(self, directory, *, ranks=1, mode="auto", device="cpu", dtype="f32", **tiling):
         self._directory = Path(directory)
         self._options = {"ranks": ranks, "mode": mode, "device": device, "dtype": dtype}
         self._tiling = {}
@@ -66,6 +80,8 @@ class DistributedVae:
         self._vae = self._load(tiling)
         if self.config.get("_class_name") in LTX_CLASSES:
             self._ltx_attributes()
+        else:
+            self._video_attributes()
 
     def _ltx_attributes(self):
         """What the LTX pipelines read off their VAE: the latent statistics (weights of the
@@ -87,6 +103,24 @@ class DistributedVae:
         self.spatial_compression_ratio = ratio or self.config.get("patch_size", 4) * doublings
         ratio = self.config.get("temporal_compression_ratio")
         self.temporal_compression_ratio = ratio or self.config.get("patch_size_t", 1) * doublings
+
+    def _video_attributes(self):
+        """What the other video pipelines read off their VAE besides its config: Wan's and
+        Qwen-Image's ``z_dim``, ``temperal_downsample`` / ``temperal_upsample`` (the Qwen-Image
+        pipelines derive their scale factor from it) and the compression ratios (HunyuanVideo-1.5,
+        Wan), as the diffusers classes set them."""
+        name = self.config.get("_class_name")
+        if name in WAN_CLASSES:
+            self.z_dim = self.config.get("z_dim", 16)
+            self.temperal_downsample = list(self.config.get("temperal_downsample", (False, True, True)))
+            self.temperal_upsample = self.temperal_downsample[::-1]
+            if name == "AutoencoderKLWan":
+                self.spatial_compression_ratio = self.config.get("scale_factor_spatial") or 8
+            else:
+                self.spatial_compression_ratio = 2 ** len(self.temperal_downsample)
+        elif name == "AutoencoderKLHunyuanVideo15":
+            self.spatial_compression_ratio = self.config.get("spatial_compression_ratio", 16)
+            self.temporal_compression_ratio = self.config.get("temporal_compression_ratio", 4)
 
     @property
     def use_framewise_decoding(self):
@@ -125,7 +159,8 @@ class DistributedVae:
         self.use_tiling = True
 
     def disable_tiling(self):
-        """Untiled decode and encode (several ranks still tile: the work is split by tiles)."""
+        """Untiled decode and encode from now on, whatever the number of ranks (split exactly over
+        them where the family has a spatial shard; otherwise on one rank, with a warning)."""
         self.use_tiling = False
 
     def enable_slicing(self):

@@ -171,6 +171,7 @@ fn run_and_compare<O: TileOperator + Sync>(
             mode: "tile".into(),
             strategy: out.report.strategy.label(),
             reason: strategy,
+            fallback: false,
             backend: comm.backend().to_string(),
             world_size: world,
             parallel_size: executor.parallel_size(),

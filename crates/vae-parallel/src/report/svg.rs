@@ -224,6 +224,7 @@ mod tests {
             mode: "tile".into(),
             strategy: "tile".into(),
             reason: "a <reason> & \"quotes\"".into(),
+            fallback: false,
             backend: "local".into(),
             world_size: 2,
             parallel_size: 2,

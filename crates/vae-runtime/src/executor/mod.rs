@@ -307,6 +307,7 @@ impl DistributedVaeExecutor {
             device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
             strategy: work.strategy,
             reason: None,
+            fallback: false,
             predicted: None,
         };
         Ok(ExecOutput { tensor, report })

@@ -89,6 +89,10 @@ pub struct RankReport {
     pub strategy: StrategyReport,
     /// Why that strategy: the model policy's choice or fallback (set by the caller that chose).
     pub reason: Option<String>,
+    /// The strategy is not what the request asked for (a forced mode that fell back, untiled
+    /// pixels computed on one rank): `reason` says why, and the caller warns (set by the caller
+    /// that chose).
+    pub fallback: bool,
     /// The cost model's figures for the strategy that ran (set by the caller that has one).
     pub predicted: Option<Predicted>,
 }
