@@ -170,6 +170,7 @@ fn compile(source: &str, name: &str, arch: &str, include_dirs: &[PathBuf], cubin
     options.extend(include_dirs.iter().map(|d| format!("--include-path={}", d.display())));
     // SAFETY: `prog` was created above and is destroyed once, below; `src` and `cname` outlive it.
     let outcome = unsafe { result::compile_program(prog, &options) };
+    // SAFETY: `prog` is live (created above, destroyed below); the log comes back as a copy.
     let log = unsafe { result::get_program_log(prog) }.map(|l| c_text(&l)).unwrap_or_default();
     let output =
         outcome.map_err(|e| anyhow::anyhow!("{name}.cu ({arch}) failed to compile: {e}\n{log}")).and_then(|()| {
@@ -177,8 +178,10 @@ fn compile(source: &str, name: &str, arch: &str, include_dirs: &[PathBuf], cubin
                 bail!("{name}.cu ({arch}) compiled with diagnostics:\n{log}");
             }
             if cubin {
+                // SAFETY: `prog` is live, and compiled (the outcome above is `Ok`).
                 unsafe { cubin_bytes(prog) }
             } else {
+                // SAFETY: as above; the PTX comes back as a copy.
                 Ok(unsafe { result::get_ptx(prog) }
                     .map_err(|e| anyhow::anyhow!("{name}: {e}"))?
                     .into_iter()
@@ -187,6 +190,7 @@ fn compile(source: &str, name: &str, arch: &str, include_dirs: &[PathBuf], cubin
                     .collect())
             }
         });
+    // SAFETY: `prog` was created above, is destroyed once, here, and not used afterwards.
     unsafe { result::destroy_program(prog) }.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     output
 }
@@ -197,8 +201,11 @@ fn compile(source: &str, name: &str, arch: &str, include_dirs: &[PathBuf], cubin
 /// `prog` must be a live, compiled program.
 unsafe fn cubin_bytes(prog: sys::nvrtcProgram) -> anyhow::Result<Vec<u8>> {
     let mut size = 0usize;
+    // SAFETY: `prog` is live and compiled (the caller's contract); `size` is a valid place for the
+    // size NVRTC writes.
     unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| anyhow::anyhow!("cubin size: {e}"))?;
     let mut bytes = vec![0u8; size];
+    // SAFETY: `prog` as above; `bytes` holds the `size` bytes NVRTC writes.
     unsafe { sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast()) }
         .result()
         .map_err(|e| anyhow::anyhow!("cubin: {e}"))?;

@@ -17,6 +17,8 @@ mod boxes;
 pub mod cuda;
 mod device;
 mod error;
+#[cfg(feature = "cuda")]
+mod kernel_args;
 pub mod memory;
 mod ops;
 pub mod process;

@@ -198,17 +198,22 @@ fn elementwise_kernels_match_the_cpu() {
     let n = a.elem_count() as u64;
     let (da, db, mut out) = (gpu.upload(&a), gpu.upload(&b), gpu.zeros(a.elem_count()));
     let f = gpu.function("elementwise", "add_f32");
+    // SAFETY: `add_f32(const float* a, const float* b, float* out, u64 n)`: three f32 buffers of
+    // `n` elements, then `n`; the kernel touches elements below `n` whatever the grid.
     unsafe { gpu.stream.launch_builder(&f).arg(&da).arg(&db).arg(&mut out).arg(&n).launch(grid(n as usize)) }.unwrap();
     close(&gpu.download(&out, a.dims()), &a.add(&b).unwrap(), 0.0, "add");
 
     let f = gpu.function("elementwise", "silu_f32");
     let mut x = gpu.upload(&a);
+    // SAFETY: `silu_f32(float* x, u64 n)`: `x` holds `n` f32, and the kernel touches no more.
     unsafe { gpu.stream.launch_builder(&f).arg(&mut x).arg(&n).launch(grid(n as usize)) }.unwrap();
     close(&gpu.download(&x, a.dims()), &a.silu().unwrap(), 1e-6, "silu");
 
     let f = gpu.function("elementwise", "clamp_f32");
     let mut x = gpu.upload(&a.affine(3.0, 0.0).unwrap());
     let (lo, hi) = (-1.0f32, 1.0f32);
+    // SAFETY: `clamp_f32(float* x, u64 n, float lo, float hi)`: `x` holds `n` f32, and the
+    // kernel touches no more.
     unsafe { gpu.stream.launch_builder(&f).arg(&mut x).arg(&n).arg(&lo).arg(&hi).launch(grid(n as usize)) }.unwrap();
     close(&gpu.download(&x, a.dims()), &a.affine(3.0, 0.0).unwrap().clamp(-1.0, 1.0).unwrap(), 0.0, "clamp");
 }
@@ -222,6 +227,10 @@ fn the_rms_norm_matches_the_cpu() {
     let (batch, channels, inner) = (2u64, 12u64, 90u64);
     let (eps, silu) = (1e-12f32, 0i32);
     let f = gpu.function("norm", "rms_norm_channels_f32");
+    // SAFETY: `rms_norm_channels_f32(const float* x, float* out, const float* gamma, const float*
+    // bias, u64 batch, u64 channels, u64 inner, float eps, int fuse_silu)`, pushed in that order:
+    // `x` and `out` hold `batch · channels · inner` f32, `gamma` a value per channel, `bias` is
+    // null; blocks of 256 threads are within the kernel's launch bound of 768.
     unsafe {
         gpu.stream
             .launch_builder(&f)
@@ -305,10 +314,16 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    // SAFETY: `conv_input_channels_last_{copies}(const T* x, T* xp, ConvGeom g)`, `T` the type of
+    // the `{copies}` the callers name: `x` holds the `[n, cin, t, h, w]` input `g` describes (the
+    // callers build `g` from its tensor), `xp` the padded `[n, tp, hp, wp, cp]`, and the grid has
+    // one block per padded row.
     unsafe { gpu.stream.launch_builder(&f).arg(x).arg(&mut xp).arg(g).launch(cfg) }.unwrap();
     let wr_len = (g.cout * g.kt * g.kh * g.kw * p.c) as usize;
     let mut wr = gpu.stream.alloc_zeros::<T>(wr_len).unwrap();
     let f = gpu.function("conv", &format!("conv_weight_channels_last_{copies}"));
+    // SAFETY: `conv_weight_channels_last_{copies}(const T* w, T* wr, ConvGeom g)`: `w` holds the
+    // `[cout, cin, kt, kh, kw]` weights of `g`, `wr` the `cout · taps · cp` the kernel writes.
     unsafe { gpu.stream.launch_builder(&f).arg(w).arg(&mut wr).arg(g).launch(grid(wr_len)) }.unwrap();
     let mut out = gpu.stream.alloc_zeros::<T>((g.n * g.cout * g.to * g.ho * g.wo) as usize).unwrap();
     let cols = g.n * g.to * g.ho * g.wo;
@@ -334,6 +349,10 @@ fn tensor_core_conv<T: DeviceRepr + ValidAsZeroBits>(
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
             .unwrap();
     }
+    // SAFETY: every GEMM kernel is `(const T* xp, const T* wr, const float* bias, T* out, ConvGeom
+    // g)`, `T` that of the `{gemm}` the callers name: `xp` and `wr` as made above, `bias` a value
+    // per output channel, `out` the whole `[n, cout, to, ho, wo]`; the grid covers the tiles and
+    // the kernel was allowed, and is given, the dynamic shared memory its stages take.
     unsafe { gpu.stream.launch_builder(&f).arg(&xp).arg(&wr).arg(bias).arg(&mut out).arg(g).launch(cfg) }.unwrap();
     out
 }
@@ -413,6 +432,11 @@ fn gemm(
         launch.arg(st);
     }
     launch.arg(&alpha).arg(&beta);
+    // SAFETY: `gemm_batched_f32(const float* A, const float* B, float* C, u64 M, u64 N, u64 K,
+    // i64 a_batch, a_rs, a_cs, b_batch, b_rs, b_cs, c_batch, ldc, float alpha, float beta)`,
+    // pushed in that order; the callers' strides keep every `[batch, m, k]`, `[batch, k, n]` and
+    // dense `[batch, m, n]` element inside `a`, `b` and `c`, and blocks are the 256 threads the
+    // kernel's tiles take.
     unsafe { launch.launch(cfg) }.unwrap();
 }
 
@@ -430,6 +454,8 @@ fn gemm_and_softmax_make_the_cpu_attention() {
     let softmax = gpu.function("attention", "softmax_rows_f32");
     let (rows, cols, scale) = ((batch * len) as u64, len as u64, 1.0f32 / (dim as f32).sqrt());
     let cfg_rows = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: `softmax_rows_f32(float* x, u64 rows, u64 cols, float scale)`: `scores` holds
+    // `rows · cols` f32; blocks of 128 threads are whole warps.
     unsafe { gpu.stream.launch_builder(&softmax).arg(&mut scores).arg(&rows).arg(&cols).arg(&scale).launch(cfg_rows) }
         .unwrap();
     let mut out = gpu.zeros(batch * len * dim);
@@ -456,6 +482,8 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
         let mut out = gpu.stream.alloc_zeros::<u16>(t.elem_count()).unwrap();
         let f = gpu.function("elementwise", "cast_f32_bf16");
         let n = t.elem_count() as u64;
+        // SAFETY: `cast_f32_bf16(const float* x, unsigned short* out, u64 n)`: both hold `n`
+        // elements.
         unsafe { gpu.stream.launch_builder(&f).arg(&src).arg(&mut out).arg(&n).launch(grid(n as usize)) }.unwrap();
         out
     };
@@ -464,6 +492,8 @@ fn the_tensor_core_conv_matches_the_cpu_conv_within_bf16_rounding() {
         let mut out = gpu.zeros(n);
         let f = gpu.function("elementwise", "cast_bf16_f32");
         let n64 = n as u64;
+        // SAFETY: `cast_bf16_f32(const unsigned short* x, float* out, u64 n)`: both hold `n`
+        // elements (`d` holds the `dims` its callers name).
         unsafe { gpu.stream.launch_builder(&f).arg(d).arg(&mut out).arg(&n64).launch(grid(n)) }.unwrap();
         gpu.download(&out, dims)
     };
@@ -538,6 +568,9 @@ fn layout_kernels_match_the_cpu() {
     let (dx, mut out) = (gpu.upload(&x), gpu.zeros(120));
     let n = 120u64;
     let f = gpu.function("layout", "copy_box_f32");
+    // SAFETY: `copy_box_f32(const float* src, float* dst, Box8 box, u64 n)`: the box's farthest
+    // element is at offset 1·60 + 3·5 + 2·20 + 4 = 119 in `src` and 1·60 + 3·15 + 2·5 + 4 = 119 in
+    // `dst`, both of 120 f32.
     unsafe { gpu.stream.launch_builder(&f).arg(&dx).arg(&mut out).arg(&b).arg(&n).launch(grid(120)) }.unwrap();
     close(&gpu.download(&out, want.dims()), &want, 0.0, "permute");
 
@@ -545,6 +578,8 @@ fn layout_kernels_match_the_cpu() {
     let mut out = gpu.zeros(up.elem_count());
     let (planes, h, w, f2) = (6u64, 4u64, 5u64, 2u64);
     let f = gpu.function("layout", "upsample_nearest2d_f32");
+    // SAFETY: `upsample_nearest2d_f32(const float* x, float* out, u64 planes, u64 h, u64 w, u64
+    // f)`: `dx` holds the 6 · 4 · 5 inputs, `out` the `up` tensor's 6 · 8 · 10 outputs.
     unsafe {
         gpu.stream
             .launch_builder(&f)
@@ -571,6 +606,9 @@ fn layout_kernels_match_the_cpu() {
     for a in &args {
         launch.arg(a);
     }
+    // SAFETY: `dup_up3d_f32(const float* x, float* out, u64 batch, channels, t, h, w,
+    // out_channels, ft, fs, repeats, drop)`: `dv` holds the `[1, 8, 2, 3, 4]` input, `out` the
+    // `[1, 4, 3, 6, 8]` output, and the 4 · 2 · 2 · 2 folded channels read 32 / 4 = 8 inputs.
     unsafe { launch.launch(grid(want.elem_count())) }.unwrap();
     close(&gpu.download(&out, want.dims()), &want, 0.0, "dup_up3d");
 
@@ -586,6 +624,9 @@ fn layout_kernels_match_the_cpu() {
     for a in &args {
         launch.arg(a);
     }
+    // SAFETY: `avg_down3d_f32(const float* x, float* out, u64 batch, channels, t, h, w,
+    // out_channels, ft, fs, group, pad_t)`: `dv` holds the `[1, 4, 3, 4, 6]` input, `out` the
+    // `[1, 8, 2, 2, 3]` output, whose 8 · 4 folded channels are the input's 4 · 2 · 2 · 2.
     unsafe { launch.launch(grid(want.elem_count())) }.unwrap();
     close(&gpu.download(&out, want.dims()), &want, 1e-7, "avg_down3d");
 }

@@ -16,7 +16,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub(crate) mod backend;
-mod kernels;
+pub(crate) mod kernels;
 
 use crate::Device;
 

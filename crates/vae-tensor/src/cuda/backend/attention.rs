@@ -1,13 +1,13 @@
-//! Launchers of `kernels-cu/attention.cu` and attention itself: two products around the row
-//! softmax, on the tensor-core convolution where the rows allow it.
+//! Attention: two products around the row softmax of `kernels-cu/attention.cu`, on the
+//! tensor-core convolution where the rows allow it.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::super::kernels;
-use super::select::{TensorCoreMath, TensorCoreTile, tensor_core_tile};
-use super::storage::{CudaStorage, NULL};
+use super::select::{ConvKernel, SCORES_TILE, TensorCoreMath, TensorCoreTile, tensor_core_tile};
+use super::storage::CudaStorage;
 use crate::abi::ConvGeom;
 use crate::backend::{DeviceAttention, DeviceLayout, DeviceStore};
+use crate::kernel_args::{ConvProduct, SoftmaxRows, SoftmaxRowsToBf16};
 use crate::{DType, Result};
 
 impl DeviceAttention for CudaStorage {
@@ -49,25 +49,10 @@ impl CudaStorage {
         let blocks = rows.clamp(1, 1 << 20) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (rows, cols) = (rows as u64, cols as u64);
-        let stream = self.device.stream();
+        let x = scores.data.view_mut(0);
         let launched = match probabilities {
-            None => {
-                let f = self.device.function(kernels::SOFTMAX_ROWS)?;
-                unsafe { stream.launch_builder(&f).arg(&mut scores.data).arg(&rows).arg(&cols).arg(&scale).launch(cfg) }
-            }
-            Some(p) => {
-                let f = self.device.function(kernels::SOFTMAX_ROWS_TO_BF16)?;
-                unsafe {
-                    stream
-                        .launch_builder(&f)
-                        .arg(&mut scores.data)
-                        .arg(&mut p.data)
-                        .arg(&rows)
-                        .arg(&cols)
-                        .arg(&scale)
-                        .launch(cfg)
-                }
-            }
+            None => SoftmaxRows { x, rows, cols, scale }.launch(&self.device, cfg),
+            Some(p) => SoftmaxRowsToBf16 { x, p: p.data.view_mut(0), rows, cols, scale }.launch(&self.device, cfg),
         };
         launched.map_err(self.err("attention"))?;
         Ok(())
@@ -90,7 +75,7 @@ impl CudaStorage {
         // Every product below writes all of its output.
         let mut scores = q.output_typed(batch * n * m, DType::F32)?;
         let tile = if bf16 {
-            TensorCoreTile::new(128, 128, "conv3d_tc_bf16_f32out_m4")
+            SCORES_TILE
         } else {
             // Full f32 products in TF32 mode too, as PyTorch leaves matrix products in f32.
             tensor_core_tile(TensorCoreMath::F32, n as u64, m as u64, sms)
@@ -125,18 +110,19 @@ impl CudaStorage {
     ) -> Result<()> {
         let (outs, cols) = (outs as u64, cols as u64);
         let g = ConvGeom::pointwise(outs, cols, channels as u64);
-        let f = self.device.tensor_core_function(tile)?;
         let cfg = LaunchConfig {
             grid_dim: tile.grid(cols, outs),
             block_dim: (256, 1, 1),
             shared_mem_bytes: tile.dynamic_shared_bytes(),
         };
-        let (xp, wr, mut dst) =
-            (pixels.data.view(pixels_from), filters.data.view(filters_from), out.data.view_mut(out_from));
-        let stream = self.device.stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&xp).arg(&wr).arg(&NULL).arg(&mut dst).arg(&g);
-        unsafe { launch.launch(cfg) }.map_err(self.err("attention"))?;
+        let product = ConvProduct {
+            xp: pixels.data.view(pixels_from),
+            wr: filters.data.view(filters_from),
+            bias: None,
+            out: out.data.view_mut(out_from),
+            g,
+        };
+        product.launch(ConvKernel::TensorCores(tile), &self.device, cfg).map_err(self.err("attention"))?;
         Ok(())
     }
 }

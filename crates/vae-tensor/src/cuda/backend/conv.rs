@@ -1,13 +1,13 @@
-//! Launchers of `kernels-cu/conv.cu` and `conv_sm90a.cu`: the channels-last copies of input
+//! The convolution, on `kernels-cu/conv.cu` and `conv_sm90a.cu`: the channels-last copies of input
 //! and weights, then the product on the kernel [`super::select`] chooses.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::super::kernels;
 use super::select::{ConvKernel, TensorCoreMath, conv_kernel};
-use super::storage::{CudaStorage, NULL, elementwise};
+use super::storage::{CudaStorage, elementwise};
 use crate::abi::{ChannelsLast, ConvGeom};
 use crate::backend::{DeviceConv, DeviceStore};
+use crate::kernel_args::{ConvInput, ConvInputSplit, ConvProduct, ConvWeight};
 use crate::{DType, Result, TensorError};
 
 impl DeviceConv for CudaStorage {
@@ -73,56 +73,37 @@ impl DeviceConv for CudaStorage {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let stream = self.device.stream();
-        match front {
+        let launched = match front {
             None => {
-                let f = self.kernel(kernels::CONV_INPUT)?;
-                unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut padded.data).arg(&g).launch(cfg) }
+                let copy = ConvInput { x: self.data.view(0), xp: padded.data.view_mut(0), g };
+                copy.launch(&self.device, cfg)
             }
             Some((front, front_t)) => {
-                let f = self.kernel(kernels::CONV_INPUT_SPLIT)?;
-                let mut launch = stream.launch_builder(&f);
-                launch.arg(&front.data).arg(&front_t).arg(&self.data).arg(&mut padded.data).arg(&g);
-                unsafe { launch.launch(cfg) }
+                let (front, x, xp) = (front.data.view(0), self.data.view(0), padded.data.view_mut(0));
+                ConvInputSplit { front, front_t, x, xp, g }.launch(&self.device, cfg)
             }
-        }
-        .map_err(self.err("conv3d"))?;
+        };
+        launched.map_err(self.err("conv3d"))?;
         let weight_len = (g.cout * taps * cp) as usize;
         let mut reordered = self.output(weight_len)?;
-        let f = self.kernel(kernels::CONV_WEIGHT)?;
-        unsafe {
-            self.device
-                .stream()
-                .launch_builder(&f)
-                .arg(&weight.data)
-                .arg(&mut reordered.data)
-                .arg(&g)
-                .launch(elementwise(weight_len))
-        }
-        .map_err(self.err("conv3d"))?;
+        let copy = ConvWeight { w: weight.data.view(0), wr: reordered.data.view_mut(0), g };
+        copy.launch(&self.device, elementwise(weight_len)).map_err(self.err("conv3d"))?;
 
         let mut out = self.output(len)?;
-        let (f, grid_dim, shared_mem_bytes) = match kernel {
-            ConvKernel::SmallCout => {
-                let f = self.kernel(kernels::CONV_SMALL_COUT)?;
-                (f, (cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1), 0)
-            }
-            ConvKernel::TensorCores(tile) => {
-                (self.device.tensor_core_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
-            }
-            ConvKernel::Wgmma(tile) => {
-                (self.device.wgmma_function(tile)?, tile.grid(cols, g.cout), tile.dynamic_shared_bytes())
-            }
+        let (grid_dim, shared_mem_bytes) = match kernel {
+            ConvKernel::SmallCout => ((cols.div_ceil(256).min(self.device.sms as u64 * 8) as u32, 1, 1), 0),
+            ConvKernel::TensorCores(tile) => (tile.grid(cols, g.cout), tile.dynamic_shared_bytes()),
+            ConvKernel::Wgmma(tile) => (tile.grid(cols, g.cout), tile.dynamic_shared_bytes()),
         };
         let cfg = LaunchConfig { grid_dim, block_dim: (256, 1, 1), shared_mem_bytes };
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&padded.data).arg(&reordered.data);
-        match bias {
-            Some(b) => launch.arg(&b.data),
-            None => launch.arg(&NULL),
+        let product = ConvProduct {
+            xp: padded.data.view(0),
+            wr: reordered.data.view(0),
+            bias: bias.map(|b| b.data.view(0)),
+            out: out.data.view_mut(0),
+            g,
         };
-        launch.arg(&mut out.data).arg(&g);
-        unsafe { launch.launch(cfg) }.map_err(self.err("conv3d"))?;
+        product.launch(kernel, &self.device, cfg).map_err(self.err("conv3d"))?;
         Ok(out)
     }
 }

@@ -41,7 +41,7 @@ pub(super) fn unavailable(ordinal: usize, reason: impl Into<String>) -> TensorEr
     TensorError::DeviceUnavailable { device: Device::Cuda(ordinal), reason: reason.into() }
 }
 
-pub(super) fn driver(ordinal: usize, op: &'static str, e: impl std::fmt::Display) -> TensorError {
+pub(crate) fn driver(ordinal: usize, op: &'static str, e: impl std::fmt::Display) -> TensorError {
     TensorError::InvalidArgument { op, reason: format!("CUDA driver error on cuda:{ordinal}: {e}") }
 }
 
@@ -104,17 +104,17 @@ impl CudaDevice {
         self.wgmma
     }
 
-    pub(super) fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
         self.function_with_dynamic_shared(kernel.module, kernel.name, 0)
     }
 
     /// The tensor-core convolution kernel of `tile`, allowed its dynamic shared memory.
-    pub(super) fn tensor_core_function(&self, tile: TensorCoreTile) -> Result<CudaFunction> {
+    pub(crate) fn tensor_core_function(&self, tile: TensorCoreTile) -> Result<CudaFunction> {
         self.function_with_dynamic_shared("conv", tile.name, tile.dynamic_shared_bytes())
     }
 
     /// The warpgroup-MMA convolution kernel of `tile`, allowed its dynamic shared memory.
-    pub(super) fn wgmma_function(&self, tile: WgmmaTile) -> Result<CudaFunction> {
+    pub(crate) fn wgmma_function(&self, tile: WgmmaTile) -> Result<CudaFunction> {
         self.function_with_dynamic_shared(WGMMA_MODULE, tile.name, tile.dynamic_shared_bytes())
     }
 
@@ -156,7 +156,7 @@ impl CudaDevice {
 
     /// The stream the calling thread's work on this device goes to: the innermost of its
     /// [`OwnStream`]s for the device, else the default stream.
-    pub(super) fn stream(&self) -> Arc<CudaStream> {
+    pub(crate) fn stream(&self) -> Arc<CudaStream> {
         OWN_STREAMS
             .with_borrow(|own| own.iter().rev().find(|(o, _)| *o == self.ordinal).map(|(_, s)| Arc::clone(s)))
             .unwrap_or_else(|| Arc::clone(&self.default_stream))
@@ -194,10 +194,12 @@ impl CudaDevice {
     /// stream writes in full (clearing it first would cost a whole extra pass over memory).
     pub(super) fn alloc_for_kernel(&self, n: usize, dtype: DType) -> Result<CudaData> {
         let err = |e| driver(self.ordinal, "alloc", e);
-        // SAFETY: the memory is only read after the kernel queued next on this stream has written
-        // every element (the callers' contract); stream order makes that write happen first.
         match dtype {
+            // SAFETY: the memory is only read after the kernel queued next on this stream has
+            // written every element (the callers' contract); stream order makes that write happen
+            // first. Any bits are a valid f32 besides.
             DType::F32 => Ok(CudaData::F32(unsafe { self.stream().alloc::<f32>(n.max(1)) }.map_err(err)?)),
+            // SAFETY: as for f32; any bits are valid bf16 bits.
             DType::BF16 => Ok(CudaData::Bf16(unsafe { self.stream().alloc::<u16>(n.max(1)) }.map_err(err)?)),
         }
     }

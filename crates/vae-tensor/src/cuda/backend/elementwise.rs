@@ -1,11 +1,8 @@
-//! Launchers of `kernels-cu/elementwise.cu`: casts, add, affine, SiLU, clamp.
+//! The ops of `kernels-cu/elementwise.cu`: casts, add, affine, SiLU, clamp.
 
-use cudarc::driver::PushKernelArg;
-
-use super::super::kernels;
-use super::device::driver;
 use super::storage::CudaStorage;
 use crate::backend::{DeviceElementwise, DeviceStore, no_device_path};
+use crate::kernel_args::{Add, Affine, Cast, Clamp, Silu, SiluInto};
 use crate::{DType, Result};
 
 impl DeviceElementwise for CudaStorage {
@@ -41,22 +38,8 @@ impl DeviceElementwise for CudaStorage {
             return Ok(self.clone());
         }
         let mut out = self.output_typed(self.len, dtype)?;
-        let cast = match dtype {
-            DType::BF16 => kernels::CAST_F32_BF16,
-            DType::F32 => kernels::CAST_BF16_F32,
-        };
-        let f = self.device.function(cast)?;
-        let n = self.len as u64;
-        unsafe {
-            self.device
-                .stream()
-                .launch_builder(&f)
-                .arg(&self.data)
-                .arg(&mut out.data)
-                .arg(&n)
-                .launch(self.device.streaming(self.len.div_ceil(4)))
-        }
-        .map_err(self.err("to_dtype"))?;
+        let cast = Cast { x: self.data.view(0), out: out.data.view_mut(0), n: self.len as u64 };
+        cast.launch(&self.device, self.device.streaming(self.len.div_ceil(4))).map_err(self.err("to_dtype"))?;
         Ok(out)
     }
 
@@ -64,19 +47,8 @@ impl DeviceElementwise for CudaStorage {
     fn add(&self, other: &Self) -> Result<Self> {
         self.same_dtype("add", &[other])?;
         let mut out = self.output(self.len)?;
-        let f = self.kernel(kernels::ADD)?;
-        let n = self.len as u64;
-        unsafe {
-            self.device
-                .stream()
-                .launch_builder(&f)
-                .arg(&self.data)
-                .arg(&other.data)
-                .arg(&mut out.data)
-                .arg(&n)
-                .launch(self.packs())
-        }
-        .map_err(self.err("add"))?;
+        let add = Add { a: self.data.view(0), b: other.data.view(0), out: out.data.view_mut(0), n: self.len as u64 };
+        add.launch(&self.device, self.packs()).map_err(self.err("add"))?;
         Ok(out)
     }
 
@@ -84,52 +56,30 @@ impl DeviceElementwise for CudaStorage {
     /// signed zeros included.
     fn affine(&self, mul: f32, add: f32) -> Result<Self> {
         let mut out = self.output(self.len)?;
-        let f = self.kernel(kernels::AFFINE)?;
-        let n = self.len as u64;
-        unsafe {
-            self.device
-                .stream()
-                .launch_builder(&f)
-                .arg(&self.data)
-                .arg(&mut out.data)
-                .arg(&n)
-                .arg(&mul)
-                .arg(&add)
-                .launch(self.packs())
-        }
-        .map_err(self.err("affine"))?;
+        let affine = Affine { x: self.data.view(0), out: out.data.view_mut(0), n: self.len as u64, mul, add };
+        affine.launch(&self.device, self.packs()).map_err(self.err("affine"))?;
         Ok(out)
     }
 
     /// SiLU in place.
     fn silu_inplace(&mut self) -> Result<()> {
-        let f = self.kernel(kernels::SILU)?;
-        let n = self.len as u64;
-        let (stream, cfg) = (self.device.stream(), self.packs());
-        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).launch(cfg) }
-            .map_err(|e| driver(self.device.ordinal, "silu", e))?;
-        Ok(())
+        let (ordinal, cfg) = (self.device.ordinal, self.packs());
+        let silu = Silu { x: self.data.view_mut(0), n: self.len as u64 };
+        silu.launch(&self.device, cfg).map_err(|e| e.into_tensor(ordinal, "silu"))
     }
 
     /// SiLU into a new tensor: one pass (read, write) instead of a copy and an in-place pass.
     fn silu(&self) -> Result<Self> {
         let mut out = self.output(self.len)?;
-        let f = self.kernel(kernels::SILU_INTO)?;
-        let n = self.len as u64;
-        unsafe {
-            self.device.stream().launch_builder(&f).arg(&self.data).arg(&mut out.data).arg(&n).launch(self.packs())
-        }
-        .map_err(self.err("silu"))?;
+        let silu = SiluInto { x: self.data.view(0), out: out.data.view_mut(0), n: self.len as u64 };
+        silu.launch(&self.device, self.packs()).map_err(self.err("silu"))?;
         Ok(out)
     }
 
     /// Clamp to `[lo, hi]` in place.
     fn clamp_inplace(&mut self, lo: f32, hi: f32) -> Result<()> {
-        let f = self.kernel(kernels::CLAMP)?;
-        let n = self.len as u64;
-        let (stream, cfg) = (self.device.stream(), self.packs());
-        unsafe { stream.launch_builder(&f).arg(&mut self.data).arg(&n).arg(&lo).arg(&hi).launch(cfg) }
-            .map_err(|e| driver(self.device.ordinal, "clamp", e))?;
-        Ok(())
+        let (ordinal, cfg) = (self.device.ordinal, self.packs());
+        let clamp = Clamp { x: self.data.view_mut(0), n: self.len as u64, lo, hi };
+        clamp.launch(&self.device, cfg).map_err(|e| e.into_tensor(ordinal, "clamp"))
     }
 }

@@ -1,10 +1,10 @@
-//! Launchers of `kernels-cu/gemm.cu`: batched GEMM on CUDA cores, matmul and linear.
+//! The ops of `kernels-cu/gemm.cu`: batched GEMM on CUDA cores, matmul and linear.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::super::kernels;
 use super::storage::CudaStorage;
 use crate::backend::{DeviceElementwise, DeviceLayout, DeviceLinalg, DeviceStore};
+use crate::kernel_args::GemmBatched;
 use crate::{DType, Result, TensorError};
 
 impl DeviceLinalg for CudaStorage {
@@ -54,18 +54,18 @@ impl CudaStorage {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        let name = match (self.dtype(), b.dtype(), c.dtype()) {
-            (DType::F32, DType::F32, DType::F32) => kernels::GEMM_F32,
-            (DType::BF16, DType::BF16, DType::F32) => kernels::GEMM_BF16_BF16_F32,
-            (DType::F32, DType::BF16, DType::BF16) => kernels::GEMM_F32_BF16_BF16,
+        // The kernel's three instantiations (see `GemmBatched`).
+        match (self.dtype(), b.dtype(), c.dtype()) {
+            (DType::F32, DType::F32, DType::F32)
+            | (DType::BF16, DType::BF16, DType::F32)
+            | (DType::F32, DType::BF16, DType::BF16) => {}
             (x, y, z) => {
                 return Err(TensorError::InvalidArgument {
                     op: "gemm",
                     reason: format!("no GEMM kernel for {x} x {y} -> {z}"),
                 });
             }
-        };
-        let f = self.device.function(name)?;
+        }
         // One block per 64x64 tile of one batch entry: rows in grid y and batches in grid z,
         // both limited to 65535 by the hardware.
         if m.div_ceil(64) > 65_535 || batch > 65_535 {
@@ -81,19 +81,27 @@ impl CudaStorage {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let dims = [m as u64, n as u64, k as u64];
-        let strides: Vec<i64> = a_strides.iter().chain(&b_strides).chain(&[m * n, n]).map(|&v| v as i64).collect();
-        let stream = self.device.stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&self.data).arg(&b.data).arg(&mut c.data);
-        for d in &dims {
-            launch.arg(d);
-        }
-        for st in &strides {
-            launch.arg(st);
-        }
-        launch.arg(&alpha).arg(&beta);
-        unsafe { launch.launch(cfg) }.map_err(self.err("gemm"))?;
+        let [a_batch, a_rs, a_cs] = a_strides.map(|v| v as i64);
+        let [b_batch, b_rs, b_cs] = b_strides.map(|v| v as i64);
+        let product = GemmBatched {
+            a: self.data.view(0),
+            b: b.data.view(0),
+            c: c.data.view_mut(0),
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            a_batch,
+            a_rs,
+            a_cs,
+            b_batch,
+            b_rs,
+            b_cs,
+            c_batch: (m * n) as i64,
+            ldc: n as i64,
+            alpha,
+            beta,
+        };
+        product.launch(&self.device, cfg).map_err(self.err("gemm"))?;
         Ok(())
     }
 }

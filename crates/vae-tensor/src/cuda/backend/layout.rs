@@ -1,12 +1,11 @@
-//! Launchers of `kernels-cu/layout.cu`: nearest upsample, strided box copies (narrow, cat,
+//! The ops of `kernels-cu/layout.cu`: nearest upsample, strided box copies (narrow, cat,
 //! permute, halos), Wan2.2's DupUp3D / AvgDown3D.
 
-use cudarc::driver::PushKernelArg;
-
-use super::super::kernels::{self, Typed};
-use super::storage::{CudaData, CudaStorage, elementwise};
+use super::super::kernels;
+use super::storage::{CudaStorage, elementwise};
 use crate::abi::Box8;
 use crate::backend::{DeviceLayout, DeviceStore};
+use crate::kernel_args::{AvgDown3d, CopyBox, DupUp3d, UpsampleNearest};
 use crate::{Result, TensorError};
 
 /// The same box copy with fewer dimensions (`copy_box` in layout.cu walks rows of the last one):
@@ -46,22 +45,11 @@ impl DeviceLayout for CudaStorage {
     fn upsample_nearest2d(&self, planes: usize, h: usize, w: usize, factor: usize) -> Result<Self> {
         let len = planes * h * w * factor * factor;
         let mut out = self.output(len)?;
-        let f = self.kernel(kernels::UPSAMPLE_NEAREST)?;
-        let (p, hh, ww, k) = (planes as u64, h as u64, w as u64, factor as u64);
-        unsafe {
-            self.device
-                .stream()
-                .launch_builder(&f)
-                .arg(&self.data)
-                .arg(&mut out.data)
-                .arg(&p)
-                .arg(&hh)
-                .arg(&ww)
-                .arg(&k)
-                // 32 lanes per input row (see layout.cu).
-                .launch(self.device.streaming(planes * h * 32))
-        }
-        .map_err(self.err("upsample_nearest2d"))?;
+        // 32 lanes per input row (see layout.cu).
+        let cfg = self.device.streaming(planes * h * 32);
+        let (planes, h, w, f) = (planes as u64, h as u64, w as u64, factor as u64);
+        let upsample = UpsampleNearest { x: self.data.view(0), out: out.data.view_mut(0), planes, h, w, f };
+        upsample.launch(&self.device, cfg).map_err(self.err("upsample_nearest2d"))?;
         Ok(out)
     }
 
@@ -90,57 +78,33 @@ impl DeviceLayout for CudaStorage {
         let last = extent[extent.len() - 1];
         let cfg = self.device.streaming(n / last * last.div_ceil(COPY_SEGMENT) * if last >= 32 { 32 } else { 1 });
         self.same_dtype("copy_box", &[dst])?;
-        let f = self.kernel(kernels::COPY_BOX)?;
-        let total = n as u64;
-        let stream = &self.device.stream();
-        let launched = match (&self.data, &mut dst.data) {
-            (CudaData::F32(s), CudaData::F32(d)) => {
-                let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
-                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(cfg) }
-            }
-            (CudaData::Bf16(s), CudaData::Bf16(d)) => {
-                let (src, mut dst) = (s.slice(src_offset..), d.slice_mut(dst_offset..));
-                unsafe { stream.launch_builder(&f).arg(&src).arg(&mut dst).arg(&b).arg(&total).launch(cfg) }
-            }
-            _ => return Err(TensorError::InvalidArgument { op: "copy_box", reason: "operand types differ".into() }),
-        };
-        launched.map_err(self.err("copy_box"))?;
+        let (src, dst) = (self.data.view(src_offset), dst.data.view_mut(dst_offset));
+        let copy = CopyBox { src, dst, r#box: b, n: n as u64 };
+        copy.launch(&self.device, cfg).map_err(self.err("copy_box"))?;
         Ok(())
     }
 
     /// Wan2.2's `DupUp3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, repeats, drop]`.
     fn dup_up3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        self.layout_kernel(kernels::DUP_UP3D, dims, params, out_len)
+        let mut out = self.like(out_len)?;
+        let [batch, channels, t, h, w] = dims.map(|v| v as u64);
+        let [out_channels, ft, fs, repeats, drop] = params.map(|v| v as u64);
+        let (x, out_view) = (self.data.view(0), out.data.view_mut(0));
+        let up = DupUp3d { x, out: out_view, batch, channels, t, h, w, out_channels, ft, fs, repeats, drop };
+        up.launch(&self.device, elementwise(out_len)).map_err(self.err(kernels::DUP_UP3D.of(self.dtype()).name))?;
+        Ok(out)
     }
 
     /// Wan2.2's `AvgDown3D` (see `layout.cu`): `dims` = `[batch, channels, t, h, w]`,
     /// `[out_channels, ft, fs, group, pad_t]`.
     fn avg_down3d(&self, dims: [usize; 5], params: [usize; 5], out_len: usize) -> Result<Self> {
-        self.layout_kernel(kernels::AVG_DOWN3D, dims, params, out_len)
-    }
-}
-
-impl CudaStorage {
-    /// A `layout.cu` kernel taking `(x, out, five dims, five parameters)` as u64s.
-    pub(super) fn layout_kernel(
-        &self,
-        kernel: Typed,
-        dims: [usize; 5],
-        params: [usize; 5],
-        out_len: usize,
-    ) -> Result<Self> {
         let mut out = self.like(out_len)?;
-        let kernel = kernel.of(self.dtype());
-        let f = self.device.function(kernel)?;
-        let args: Vec<u64> = dims.iter().chain(&params).map(|&v| v as u64).collect();
-        let stream = self.device.stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&self.data).arg(&mut out.data);
-        for a in &args {
-            launch.arg(a);
-        }
-        unsafe { launch.launch(elementwise(out_len)) }.map_err(self.err(kernel.name))?;
+        let [batch, channels, t, h, w] = dims.map(|v| v as u64);
+        let [out_channels, ft, fs, group, pad_t] = params.map(|v| v as u64);
+        let (x, out_view) = (self.data.view(0), out.data.view_mut(0));
+        let down = AvgDown3d { x, out: out_view, batch, channels, t, h, w, out_channels, ft, fs, group, pad_t };
+        down.launch(&self.device, elementwise(out_len)).map_err(self.err(kernels::AVG_DOWN3D.of(self.dtype()).name))?;
         Ok(out)
     }
 }

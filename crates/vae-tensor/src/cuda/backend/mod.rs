@@ -12,8 +12,9 @@
 //! (`to_device(Cpu)`, `to_vec_f32`; bf16 widens exactly to f32 on the way).
 //!
 //! Files by concern: [`device`] (registry and streams), [`storage`] (memory and the launchers'
-//! shared checks), [`select`] (kernel choice and the thread's scopes), and one launcher file per
-//! `kernels-cu/` file.
+//! shared checks), [`select`] (kernel choice and the thread's scopes), and one file of ops per
+//! `kernels-cu/` file, each launching its kernels through their typed launchers
+//! (`crate::kernel_args`).
 
 mod attention;
 mod conv;
@@ -25,6 +26,9 @@ mod norm;
 mod select;
 mod storage;
 
-pub(crate) use device::{CudaDevice, OwnStream};
-pub(crate) use select::{ConvTilesGuard, Tf32Guard, wgmma_takes};
-pub(crate) use storage::CudaStorage;
+pub(crate) use device::{CudaDevice, OwnStream, driver};
+pub(crate) use select::{
+    BF16_TILES, ConvKernel, ConvTilesGuard, F32_TILES, SCORES_TILE, SMALL_COUT_SMEM, TF32_TILES, Tf32Guard,
+    WGMMA_MODULE, WGMMA_TILES, wgmma_takes,
+};
+pub(crate) use storage::{CudaStorage, DataView, DataViewMut};

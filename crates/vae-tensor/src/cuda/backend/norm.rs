@@ -1,11 +1,11 @@
-//! Launchers of `kernels-cu/norm.cu`: Wan's channel RMS norm and GroupNorm, each with an
+//! The ops of `kernels-cu/norm.cu`: Wan's channel RMS norm and GroupNorm, each with an
 //! optional fused SiLU.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::super::kernels;
-use super::storage::{CudaStorage, NULL, per_pack};
+use super::storage::{CudaStorage, per_pack};
 use crate::backend::{DeviceNorm, DeviceStore};
+use crate::kernel_args::{GroupNormApply, GroupNormPartials, GroupNormStats, RmsNorm, RmsNormX4};
 use crate::{DType, Result, TensorError};
 
 impl DeviceNorm for CudaStorage {
@@ -28,16 +28,6 @@ impl DeviceNorm for CudaStorage {
         }
         // bf16 takes four pixels per lane (one 8-byte access) where the pixel count allows it.
         let four = self.dtype() == DType::BF16 && inner % 4 == 0;
-        let f = if four { self.device.function(kernels::RMS_NORM_X4_BF16)? } else { self.kernel(kernels::RMS_NORM)? };
-        let (b, c, i, silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
-        let stream = self.device.stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&self.data).arg(&mut out.data).arg(&gamma.data);
-        match bias {
-            Some(bias) => launch.arg(&bias.data),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(&b).arg(&c).arg(&i).arg(&eps).arg(&silu);
         // Blocks of 32 pixel lanes by enough channel slices that each thread holds at most
         // RMS_HELD channels in registers (12 with one pixel per lane, 8 with four), as many slices
         // as the launch bound allows (768 or 512 threads; more channels are read twice, the
@@ -51,7 +41,17 @@ impl DeviceNorm for CudaStorage {
             block_dim: (32, slices as u32, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { launch.launch(cfg) }.map_err(self.err("rms_norm_channels"))?;
+        let (x, out_view) = (self.data.view(0), out.data.view_mut(0));
+        let (gamma, bias) = (gamma.data.view(0), bias.map(|b| b.data.view(0)));
+        let (batch, channels, inner, fuse_silu) = (batch as u64, channels as u64, inner as u64, i32::from(fuse_silu));
+        let launched = if four {
+            let norm = RmsNormX4 { x, out: out_view, gamma, bias, batch, channels, inner, eps, fuse_silu };
+            norm.launch(&self.device, cfg)
+        } else {
+            let norm = RmsNorm { x, out: out_view, gamma, bias, batch, channels, inner, eps, fuse_silu };
+            norm.launch(&self.device, cfg)
+        };
+        launched.map_err(self.err("rms_norm_channels"))?;
         Ok(out)
     }
 
@@ -88,7 +88,6 @@ impl DeviceNorm for CudaStorage {
                 reason: format!("{groups_total} (sample, group) pairs exceed one launch's 65535"),
             });
         }
-        let stream = &self.device.stream();
         let mut partials = self.device.alloc_zeros::<f64>(2 * groups_total * chunks)?;
         let mut stats = self.device.alloc_zeros::<f64>(2 * groups_total)?;
         let per_chunk = LaunchConfig {
@@ -96,55 +95,39 @@ impl DeviceNorm for CudaStorage {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (gl, cl, ch, gt) = (group_len as u64, chunk_len as u64, chunks as u64, groups_total as u64);
-        let f = self.kernel(kernels::GROUP_NORM_PARTIALS)?;
-        unsafe { stream.launch_builder(&f).arg(&self.data).arg(&mut partials).arg(&gl).arg(&cl).launch(per_chunk) }
-            .map_err(self.err("group_norm"))?;
-        let f = self.device.function(kernels::GROUP_NORM_STATS)?;
+        let (group_len, chunk_len) = (group_len as u64, chunk_len as u64);
+        let sums = GroupNormPartials { x: self.data.view(0), partials: &mut partials, group_len, chunk_len };
+        sums.launch(&self.device, per_chunk).map_err(self.err("group_norm"))?;
         let per_group = LaunchConfig {
             grid_dim: (groups_total.clamp(1, 65_535) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe {
-            stream
-                .launch_builder(&f)
-                .arg(&partials)
-                .arg(&mut stats)
-                .arg(&gt)
-                .arg(&ch)
-                .arg(&gl)
-                .arg(&cl)
-                .arg(&eps)
-                .launch(per_group)
-        }
-        .map_err(self.err("group_norm"))?;
+        let (groups_total, chunks) = (groups_total as u64, chunks as u64);
+        let statistics =
+            GroupNormStats { partials: &partials, stats: &mut stats, groups_total, chunks, group_len, chunk_len, eps };
+        statistics.launch(&self.device, per_group).map_err(self.err("group_norm"))?;
         // Rows of `spatial` elements (one per sample and channel) in grid y, pieces of a row in
         // grid x: enough blocks for a few waves over the whole tensor, each thread about one
         // 16-byte pack per row it visits.
-        let f = self.kernel(kernels::GROUP_NORM_APPLY)?;
         let grid_y = rows.clamp(1, 65_535);
         let per_row = spatial.div_ceil(per_pack(self.dtype()) * 256).max(1);
         let grid_x = per_row.min((self.device.sms * 32).div_ceil(grid_y)).max(1);
         let apply =
             LaunchConfig { grid_dim: (grid_x as u32, grid_y as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let (r, c, sp, g, silu) = (rows as u64, channels as u64, spatial as u64, groups as u64, i32::from(fuse_silu));
-        unsafe {
-            stream
-                .launch_builder(&f)
-                .arg(&self.data)
-                .arg(&mut out.data)
-                .arg(&gamma.data)
-                .arg(&beta.data)
-                .arg(&stats)
-                .arg(&r)
-                .arg(&c)
-                .arg(&sp)
-                .arg(&g)
-                .arg(&silu)
-                .launch(apply)
-        }
-        .map_err(self.err("group_norm"))?;
+        let normalise = GroupNormApply {
+            x: self.data.view(0),
+            out: out.data.view_mut(0),
+            gamma: gamma.data.view(0),
+            beta: beta.data.view(0),
+            stats: &stats,
+            rows: rows as u64,
+            channels: channels as u64,
+            spatial: spatial as u64,
+            groups: groups as u64,
+            fuse_silu: i32::from(fuse_silu),
+        };
+        normalise.launch(&self.device, apply).map_err(self.err("group_norm"))?;
         Ok(out)
     }
 }

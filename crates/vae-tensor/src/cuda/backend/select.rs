@@ -9,7 +9,7 @@ use crate::DType;
 
 /// `SMALL_COUT_SMEM` of conv.cu: the bytes of weights (4 output channels' worth) the small-Cout
 /// convolution stages in shared memory.
-pub(super) const SMALL_COUT_SMEM: u64 = 45056;
+pub(crate) const SMALL_COUT_SMEM: u64 = 45056;
 
 /// How the tensor-core conv multiplies: bf16 products, f32 products as three TF32 products (f32
 /// accuracy), or one TF32 product each (TF32 mode, see [`Tf32Guard`]).
@@ -85,7 +85,7 @@ impl Drop for ConvTilesGuard {
 }
 
 /// The module of the warpgroup-MMA convolutions (`kernels-cu/conv_sm90a.cu`).
-pub(super) const WGMMA_MODULE: &str = "conv_sm90a";
+pub(crate) const WGMMA_MODULE: &str = "conv_sm90a";
 
 /// Whether this thread's bf16 convolutions take the warpgroup-MMA kernels where a device has them:
 /// as a [`ConvTilesGuard`] says, else as [`WGMMA_ENV`] says (read once per process).
@@ -134,7 +134,7 @@ impl WgmmaTile {
         (stages * (self.channels + 128) * 64 + 512) as u32
     }
 
-    pub(super) fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
+    pub(crate) fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
         (cols.div_ceil(128) as u32, cout.div_ceil(self.channels) as u32, 1)
     }
 }
@@ -144,14 +144,16 @@ impl WgmmaTile {
 /// grid, so that every rank of a sharded or tiled decode runs a given convolution on the same
 /// kernel as one device would.
 pub(super) fn wgmma_tile(cout: u64) -> WgmmaTile {
-    const TILES: [WgmmaTile; 4] = [
-        WgmmaTile { channels: 256, name: "conv3d_wgmma_bf16_n256" },
-        WgmmaTile { channels: 192, name: "conv3d_wgmma_bf16_n192" },
-        WgmmaTile { channels: 128, name: "conv3d_wgmma_bf16_n128" },
-        WgmmaTile { channels: 96, name: "conv3d_wgmma_bf16_n96" },
-    ];
-    *TILES.iter().min_by_key(|t| cout.div_ceil(t.channels) * t.channels).expect("tiles")
+    *WGMMA_TILES.iter().min_by_key(|t| cout.div_ceil(t.channels) * t.channels).expect("tiles")
 }
+
+/// The warpgroup-MMA tiles, widest first.
+pub(crate) const WGMMA_TILES: [WgmmaTile; 4] = [
+    WgmmaTile { channels: 256, name: "conv3d_wgmma_bf16_n256" },
+    WgmmaTile { channels: 192, name: "conv3d_wgmma_bf16_n192" },
+    WgmmaTile { channels: 128, name: "conv3d_wgmma_bf16_n128" },
+    WgmmaTile { channels: 96, name: "conv3d_wgmma_bf16_n96" },
+];
 
 /// A tensor-core convolution kernel (conv.cu's `conv3d_tc_*`): tiles of `rows` output channels
 /// by `pixels` output pixels.
@@ -175,7 +177,7 @@ impl TensorCoreTile {
     }
 
     /// The launch grid over `cols` output pixels and `cout` output channels.
-    pub(super) fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
+    pub(crate) fn grid(&self, cols: u64, cout: u64) -> (u32, u32, u32) {
         (cols.div_ceil(self.pixels) as u32, cout.div_ceil(self.rows) as u32, 1)
     }
 }
@@ -198,30 +200,10 @@ pub(super) const WIDE_TILE_SPEEDUP: (u64, u64) = (5, 4);
 /// smaller tiles to a second, nearly empty wave. Ties go to the taller, then the wider tile. A
 /// [`ConvTilesGuard`] on the calling thread restricts the widths.
 pub(super) fn tensor_core_tile(math: TensorCoreMath, cout: u64, cols: u64, sms: u64) -> TensorCoreTile {
-    const T: fn(u64, u64, &'static str) -> TensorCoreTile = TensorCoreTile::new;
     let tiles: &[TensorCoreTile] = match math {
-        TensorCoreMath::Bf16 => &[
-            T(128, 128, "conv3d_tc_bf16_m4"),
-            T(96, 128, "conv3d_tc_bf16_m3"),
-            T(64, 128, "conv3d_tc_bf16_m2"),
-            T(128, 256, "conv3d_tc_bf16_m4_n256"),
-            T(96, 256, "conv3d_tc_bf16_m3_n256"),
-            T(64, 256, "conv3d_tc_bf16_m2_n256"),
-        ],
-        TensorCoreMath::F32 => &[
-            T(96, 128, "conv3d_tc_f32_m3"),
-            T(64, 128, "conv3d_tc_f32_m2"),
-            T(96, 256, "conv3d_tc_f32_m3_n256"),
-            T(64, 256, "conv3d_tc_f32_m2_n256"),
-        ],
-        TensorCoreMath::Tf32 => &[
-            T(128, 128, "conv3d_tc_tf32_m4"),
-            T(96, 128, "conv3d_tc_tf32_m3"),
-            T(64, 128, "conv3d_tc_tf32_m2"),
-            T(128, 256, "conv3d_tc_tf32_m4_n256"),
-            T(96, 256, "conv3d_tc_tf32_m3_n256"),
-            T(64, 256, "conv3d_tc_tf32_m2_n256"),
-        ],
+        TensorCoreMath::Bf16 => &BF16_TILES,
+        TensorCoreMath::F32 => &F32_TILES,
+        TensorCoreMath::Tf32 => &TF32_TILES,
     };
     let only = CONV_KERNELS.get().and_then(ConvKernels::mma_pixels);
     let (fast, slow) = WIDE_TILE_SPEEDUP;
@@ -238,9 +220,41 @@ pub(super) fn tensor_core_tile(math: TensorCoreMath, cout: u64, cols: u64, sms: 
         .expect("tile shapes")
 }
 
+/// The `mma.sync` tiles of bf16 products.
+pub(crate) const BF16_TILES: [TensorCoreTile; 6] = [
+    TensorCoreTile::new(128, 128, "conv3d_tc_bf16_m4"),
+    TensorCoreTile::new(96, 128, "conv3d_tc_bf16_m3"),
+    TensorCoreTile::new(64, 128, "conv3d_tc_bf16_m2"),
+    TensorCoreTile::new(128, 256, "conv3d_tc_bf16_m4_n256"),
+    TensorCoreTile::new(96, 256, "conv3d_tc_bf16_m3_n256"),
+    TensorCoreTile::new(64, 256, "conv3d_tc_bf16_m2_n256"),
+];
+
+/// The `mma.sync` tiles of f32 products as three TF32 products (no 128-row tile: its operand
+/// split leaves no registers for it).
+pub(crate) const F32_TILES: [TensorCoreTile; 4] = [
+    TensorCoreTile::new(96, 128, "conv3d_tc_f32_m3"),
+    TensorCoreTile::new(64, 128, "conv3d_tc_f32_m2"),
+    TensorCoreTile::new(96, 256, "conv3d_tc_f32_m3_n256"),
+    TensorCoreTile::new(64, 256, "conv3d_tc_f32_m2_n256"),
+];
+
+/// The `mma.sync` tiles of f32 products as one TF32 product (TF32 mode).
+pub(crate) const TF32_TILES: [TensorCoreTile; 6] = [
+    TensorCoreTile::new(128, 128, "conv3d_tc_tf32_m4"),
+    TensorCoreTile::new(96, 128, "conv3d_tc_tf32_m3"),
+    TensorCoreTile::new(64, 128, "conv3d_tc_tf32_m2"),
+    TensorCoreTile::new(128, 256, "conv3d_tc_tf32_m4_n256"),
+    TensorCoreTile::new(96, 256, "conv3d_tc_tf32_m3_n256"),
+    TensorCoreTile::new(64, 256, "conv3d_tc_tf32_m2_n256"),
+];
+
+/// Attention's scores: bf16 operands, an f32 product.
+pub(crate) const SCORES_TILE: TensorCoreTile = TensorCoreTile::new(128, 128, "conv3d_tc_bf16_f32out_m4");
+
 /// The kernel of a convolution's product (after the channels-last copies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ConvKernel {
+pub(crate) enum ConvKernel {
     /// The tensor-core implicit GEMM on `mma.sync`.
     TensorCores(TensorCoreTile),
     /// The same on Hopper's warpgroup MMA (bf16).

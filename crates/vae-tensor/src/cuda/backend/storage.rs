@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
-use super::super::kernels::Typed;
 use super::device::{CudaDevice, driver};
 use crate::backend::DeviceStore;
+use crate::kernel_args::LaunchError;
 use crate::memory::DeviceCharge;
 use crate::{DType, Result, TensorError};
 
@@ -29,49 +29,30 @@ pub(crate) enum CudaData {
     Bf16(CudaSlice<u16>),
 }
 
-// A storage of either type is one device pointer to the kernels (which are instantiated per
-// type), so it is pushed as whichever slice it holds.
-unsafe impl<'a, 'b: 'a> PushKernelArg<&'b CudaData> for LaunchArgs<'a> {
-    #[inline(always)]
-    fn arg(&mut self, arg: &'b CudaData) -> &mut Self {
-        match arg {
-            CudaData::F32(s) => self.arg(s),
-            CudaData::Bf16(s) => self.arg(s),
-        }
-    }
-}
-
-unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaData> for LaunchArgs<'a> {
-    #[inline(always)]
-    fn arg(&mut self, arg: &'b mut CudaData) -> &mut Self {
-        match arg {
-            CudaData::F32(s) => self.arg(s),
-            CudaData::Bf16(s) => self.arg(s),
-        }
-    }
-}
-
-/// A storage from an element on, as a kernel argument (a batch's operand inside a batched
-/// tensor).
-pub(super) enum DataView<'a> {
+/// A storage from an element on, as a kernel argument the kernel reads (a `const` pointer; a
+/// batch's operand inside a batched tensor, or the whole storage from element 0).
+pub(crate) enum DataView<'a> {
     F32(CudaView<'a, f32>),
     Bf16(CudaView<'a, u16>),
 }
 
-pub(super) enum DataViewMut<'a> {
+/// A storage from an element on, as a kernel argument the kernel writes.
+pub(crate) enum DataViewMut<'a> {
     F32(CudaViewMut<'a, f32>),
     Bf16(CudaViewMut<'a, u16>),
 }
 
 impl CudaData {
-    pub(super) fn view(&self, from: usize) -> DataView<'_> {
+    /// The elements from `from` on, for a kernel to read.
+    pub(crate) fn view(&self, from: usize) -> DataView<'_> {
         match self {
             CudaData::F32(s) => DataView::F32(s.slice(from..)),
             CudaData::Bf16(s) => DataView::Bf16(s.slice(from..)),
         }
     }
 
-    pub(super) fn view_mut(&mut self, from: usize) -> DataViewMut<'_> {
+    /// The elements from `from` on, for a kernel to write.
+    pub(crate) fn view_mut(&mut self, from: usize) -> DataViewMut<'_> {
         match self {
             CudaData::F32(s) => DataViewMut::F32(s.slice_mut(from..)),
             CudaData::Bf16(s) => DataViewMut::Bf16(s.slice_mut(from..)),
@@ -79,6 +60,39 @@ impl CudaData {
     }
 }
 
+impl DataView<'_> {
+    /// Elements from the view's start to the allocation's end.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            DataView::F32(v) => v.len(),
+            DataView::Bf16(v) => v.len(),
+        }
+    }
+
+    /// The storage type.
+    pub(crate) fn dtype(&self) -> DType {
+        if matches!(self, DataView::F32(_)) { DType::F32 } else { DType::BF16 }
+    }
+}
+
+impl DataViewMut<'_> {
+    /// Elements from the view's start to the allocation's end.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            DataViewMut::F32(v) => v.len(),
+            DataViewMut::Bf16(v) => v.len(),
+        }
+    }
+
+    /// The storage type.
+    pub(crate) fn dtype(&self) -> DType {
+        if matches!(self, DataViewMut::F32(_)) { DType::F32 } else { DType::BF16 }
+    }
+}
+
+// SAFETY: a view of either type is one device pointer to the kernels (which are instantiated
+// per storage type), so it pushes exactly what cudarc's impl for the view it holds pushes: the
+// pointer, with the view's events recorded as a read.
 unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b DataView<'c>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b DataView<'c>) -> &mut Self {
@@ -89,6 +103,7 @@ unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b DataView<'c>> for LaunchArgs<'
     }
 }
 
+// SAFETY: as for `DataView`, the events recorded as a write.
 unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b mut DataViewMut<'c>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut DataViewMut<'c>) -> &mut Self {
@@ -120,9 +135,6 @@ impl std::fmt::Debug for CudaStorage {
         write!(f, "CudaStorage(cuda:{}, {} {})", self.device.ordinal, self.len, self.dtype())
     }
 }
-
-/// A null device pointer, for optional kernel arguments.
-pub(super) const NULL: u64 = 0;
 
 /// A 1-D grid-stride launch over `n` elements.
 pub(super) fn elementwise(n: usize) -> LaunchConfig {
@@ -232,11 +244,6 @@ impl CudaStorage {
         self.output_typed(len, self.dtype())
     }
 
-    /// The kernel `f32` or `bf16` of `module`, by this storage's type.
-    pub(super) fn kernel(&self, kernel: Typed) -> Result<CudaFunction> {
-        self.device.function(kernel.of(self.dtype()))
-    }
-
     /// An error unless every storage in `others` has this one's type (`op`'s operands).
     pub(super) fn same_dtype(&self, op: &'static str, others: &[&Self]) -> Result<()> {
         match others.iter().find(|o| o.dtype() != self.dtype()) {
@@ -260,8 +267,9 @@ impl CudaStorage {
         Ok(())
     }
 
-    pub(super) fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TensorError + '_ {
-        move |e| driver(self.device.ordinal, op, e)
+    /// A failed launch as an error of `op`.
+    pub(super) fn err(&self, op: &'static str) -> impl Fn(LaunchError) -> TensorError + '_ {
+        move |e| e.into_tensor(self.device.ordinal, op)
     }
 
     /// A streaming launch with one thread per 16-byte pack of this tensor's elements.

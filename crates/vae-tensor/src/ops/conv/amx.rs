@@ -174,7 +174,7 @@ impl Session {
         for n0 in (0..nb).step_by(2) {
             for m0 in (0..mb).step_by(2) {
                 let shape = (m0 + 1 < mb, n0 + 1 < nb);
-                // SAFETY (block): the caller's contract covers the tiles of C at (m0, n0) and
+                // SAFETY: the caller's contract covers the tiles of C at (m0, n0) and
                 // the A and B tiles of every step.
                 unsafe {
                     let c0 = c.add(16 * m0 * ldc + 16 * n0);

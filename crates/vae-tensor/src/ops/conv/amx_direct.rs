@@ -176,21 +176,27 @@ pub(super) fn run(job: &ConvJob<'_>, out_len: usize) -> Result<Buffer> {
                         }
                         let init = (bias_tiles[cb * amx::ROWS * 2 * COLS..].as_ptr(), 2 * COLS);
                         let (m, n) = ((cout - cb * amx::ROWS).min(32), (wo - ox0).min(2 * COLS));
-                        // SAFETY (both calls): `a` starts the tile pairs of blocks `cb`,
-                        // `cb + 1` from the first temporal tap listed on, in `conv_block`'s
-                        // order; every B tile named lies in this column's tiles (rows
-                        // `ry + ky < band_rows`, channel blocks `< kb`, the second of a pair only
-                        // where `two_n`); `init` in the bias tiles (rows `cb·16..+32`).
+                        // Both calls below: `a` starts the tile pairs of blocks `cb`, `cb + 1`
+                        // from the first temporal tap listed on, in `conv_block`'s order; every
+                        // B tile named lies in this column's tiles (rows `ry + ky < band_rows`,
+                        // channel blocks `< kb`, the second of a pair only where `two_n`);
+                        // `init` in the bias tiles (rows `cb·16..+32`); `session` is this
+                        // thread's only one.
                         if m == 16 * (1 + two_m as usize) && n == 16 * (1 + two_n as usize) {
                             // Whole tiles: stored straight into the output, channels a plane
                             // apart: row `oy`, columns `ox0..+n` of channels `cb·16..+m` of this
                             // output frame, which belong to this task alone.
                             let out = dst.raw(out_at(cb * amx::ROWS, oy, ox0), (m - 1) * to * plane_out + n);
+                            // SAFETY: `a`, the B tiles of `taps` and `init` as above; `out` holds
+                            // the `m` rows of `n` columns, a channel plane apart, that this task
+                            // alone writes.
                             unsafe {
                                 session.conv_block((two_m, two_n), a, &taps, (kb, taps2), init, (out, to * plane_out))
                             };
                         } else {
                             // Into this task's own block, then the part inside the output.
+                            // SAFETY: `a`, the B tiles of `taps` and `init` as above; `c` is this
+                            // task's own 32 × 32 block.
                             unsafe {
                                 session.conv_block((two_m, two_n), a, &taps, (kb, taps2), init, (c.0.as_mut_ptr(), 32))
                             };

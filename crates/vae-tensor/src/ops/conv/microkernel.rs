@@ -200,7 +200,8 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        // SAFETY (whole body): the caller's contract bounds every pointer offset below.
+        // SAFETY: the caller's contract bounds every pointer offset below, and this function's
+        // target features are the ones its intrinsics need.
         unsafe {
             let mut acc = load_block_8x48(c, ldc, accumulate);
             let (mut pa, mut pb) = (a, b);
@@ -237,7 +238,8 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        // SAFETY (whole body): the caller's contract bounds every pointer offset below.
+        // SAFETY: the caller's contract bounds every pointer offset below, and this function's
+        // target features are the ones its intrinsics need.
         unsafe {
             let mut acc = load_block_8x48(c, ldc, accumulate);
             let (mut pa, mut pb) = (a, b);
@@ -273,7 +275,8 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        // SAFETY (whole body): the caller's contract bounds every pointer offset below.
+        // SAFETY: the caller's contract bounds every pointer offset below, and this function's
+        // target features are the ones its intrinsics need.
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); 2]; M];
             if accumulate {

@@ -13,8 +13,8 @@ pub(crate) struct Avx2(__m256);
 #[derive(Clone, Copy)]
 pub(crate) struct Avx2Wide(__m256d);
 
-// SAFETY (every `unsafe` block in these impls that is not a memory access): AVX2 and FMA
-// are enabled where these inline (see the module docs).
+// Every method inlines into the AVX2 + FMA kernels alone (see the module docs): the `unsafe`
+// blocks that touch no memory need nothing more.
 impl WideLanes for Avx2Wide {
     const L: usize = 4;
     #[inline(always)]
@@ -29,22 +29,27 @@ impl WideLanes for Avx2Wide {
     }
     #[inline(always)]
     fn splat(v: f64) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_set1_pd(v) })
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_mul_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_add_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_sub_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_fmadd_pd(a.0, b.0, c.0) })
     }
     #[inline(always)]
@@ -71,42 +76,52 @@ impl Lanes for Avx2 {
     }
     #[inline(always)]
     fn splat(v: f32) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_set1_ps(v) })
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_add_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_sub_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_mul_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn div(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_div_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })
     }
     #[inline(always)]
     fn min(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_min_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn max(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_max_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn round(self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         Self(unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
     }
     #[inline(always)]
     fn pow2(self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         unsafe {
             let n = _mm256_cvtps_epi32(self.0);
             Self(_mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127)))))
@@ -114,14 +129,17 @@ impl Lanes for Avx2 {
     }
     #[inline(always)]
     fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         unsafe { Self(_mm256_blendv_ps(if_false.0, if_true.0, _mm256_cmp_ps::<_CMP_GT_OQ>(self.0, o.0))) }
     }
     #[inline(always)]
     fn keep_nan(self, other: Self) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         unsafe { Self(_mm256_blendv_ps(other.0, self.0, _mm256_cmp_ps::<_CMP_UNORD_Q>(self.0, self.0))) }
     }
     #[inline(always)]
     fn widen(self) -> [Avx2Wide; 2] {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         unsafe {
             [
                 Avx2Wide(_mm256_cvtps_pd(_mm256_castps256_ps128(self.0))),
@@ -131,6 +149,7 @@ impl Lanes for Avx2 {
     }
     #[inline(always)]
     fn narrow([a, b]: [Avx2Wide; 2]) -> Self {
+        // SAFETY: register operands only, and AVX2 and FMA are enabled wherever this inlines (module docs).
         unsafe { Self(_mm256_set_m128(_mm256_cvtpd_ps(b.0), _mm256_cvtpd_ps(a.0))) }
     }
     #[inline(always)]
@@ -219,8 +238,8 @@ pub(crate) struct Avx512(__m512);
 #[derive(Clone, Copy)]
 pub(crate) struct Avx512Wide(__m512d);
 
-// SAFETY (every `unsafe` block in these impls that is not a memory access): AVX-512F is
-// enabled where these inline (see the module docs).
+// Every method inlines into the AVX-512 kernels alone (see the module docs): the `unsafe`
+// blocks that touch no memory need nothing more.
 impl WideLanes for Avx512Wide {
     const L: usize = 8;
     #[inline(always)]
@@ -235,22 +254,27 @@ impl WideLanes for Avx512Wide {
     }
     #[inline(always)]
     fn splat(v: f64) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_set1_pd(v) })
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_mul_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_add_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_sub_pd(self.0, o.0) })
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_fmadd_pd(a.0, b.0, c.0) })
     }
     #[inline(always)]
@@ -277,42 +301,52 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn splat(v: f32) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_set1_ps(v) })
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_add_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_sub_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_mul_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn div(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_div_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })
     }
     #[inline(always)]
     fn min(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_min_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn max(self, o: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_max_ps(self.0, o.0) })
     }
     #[inline(always)]
     fn round(self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         Self(unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
     }
     #[inline(always)]
     fn pow2(self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         unsafe {
             let n = _mm512_cvtps_epi32(self.0);
             Self(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127)))))
@@ -320,6 +354,7 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn select_gt(self, o: Self, if_true: Self, if_false: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         unsafe {
             let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(self.0, o.0);
             Self(_mm512_mask_blend_ps(m, if_false.0, if_true.0))
@@ -327,6 +362,7 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn keep_nan(self, other: Self) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         unsafe {
             let m = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0);
             Self(_mm512_mask_blend_ps(m, other.0, self.0))
@@ -334,6 +370,7 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn widen(self) -> [Avx512Wide; 2] {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         unsafe {
             [
                 Avx512Wide(_mm512_cvtps_pd(_mm512_castps512_ps256(self.0))),
@@ -343,6 +380,7 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn narrow([a, b]: [Avx512Wide; 2]) -> Self {
+        // SAFETY: register operands only, and AVX-512F is enabled wherever this inlines (module docs).
         unsafe {
             let lo = _mm512_castps256_ps512(_mm512_cvtpd_ps(a.0));
             let hi = _mm512_cvtpd_ps(b.0);

@@ -704,13 +704,15 @@ unsafe fn run_input<T: Tile>(
     v: *mut f32,
     p_stride: usize,
 ) {
-    // SAFETY (each arm): `isa` is supported by this CPU (`simd::isa` checked it), and `v`
-    // meets `input_transform`'s contract (the caller's).
     match isa {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is supported by this CPU (`simd::isa` checked it), and `v` meets
+        // `input_transform`'s contract (the caller's).
         Isa::Avx512 => unsafe { input_avx512::<T>(job, plan, task, rows, v, p_stride) },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
         Isa::Avx2 => unsafe { input_avx2::<T>(job, plan, task, rows, v, p_stride) },
+        // SAFETY: portable code; `v` meets `input_transform`'s contract (the caller's).
         _ => unsafe { input_transform::<T, Portable>(job, plan, task, rows, v, p_stride) },
     }
 }
