@@ -7,14 +7,50 @@ use std::process::Command;
 use support::{cli, json_line};
 
 #[test]
-fn the_demo_decodes_with_the_built_in_vae_and_is_bit_identical() {
+fn the_demo_decodes_a_photo_with_the_built_in_vae_and_is_bit_identical() {
     let out = temp_path("demo.png");
-    let (ok, text) = cli(&["demo", "--ranks", "3", "--height", "24", "--width", "20", "--out", out.to_str().unwrap()]);
+    let svg = temp_path("demo.svg");
+    let (ok, text) = cli(&[
+        "demo",
+        "--ranks",
+        "3",
+        "--height",
+        "160",
+        "--width",
+        "144",
+        "--out",
+        out.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
     assert!(ok, "{text}");
-    assert!(text.contains("built-in AutoencoderKL") && text.contains("[1, 3, 192, 160]"), "{text}");
-    assert!(text.contains("bit-identical to a single-rank run"), "{text}");
-    assert!(std::fs::metadata(&out).unwrap().len() > 1000);
-    let _ = std::fs::remove_file(&out);
+    assert!(
+        text.contains("built-in trained VAE") && text.contains("[1, 3, 160, 144] -> latent [1, 4, 40, 36]"),
+        "{text}"
+    );
+    for (decode, reference) in [
+        ("tile", "tiled, 1 rank"),
+        ("spatial_shard_height", "untiled, 1 rank"),
+        ("spatial_shard_2d", "untiled, 1 rank"),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{decode} ")))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(line.contains(&format!("{reference}: bit-identical")), "{line}");
+    }
+    assert!(text.contains("every 3-rank decode is bit-identical to its one-rank decode"), "{text}");
+    // The photo and four decodes side by side, 4-pixel gaps between them.
+    let png = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&out).unwrap())).read_info().unwrap();
+    assert_eq!((png.info().width, png.info().height), (5 * 144 + 4 * 4, 160));
+    assert!(text.contains("4 tile(s)"), "the tile mode tiles: {text}");
+    // The figure: a well-formed SVG with a piece per tile, band and block, and the timeline.
+    let figure = std::fs::read_to_string(&svg).unwrap();
+    let doc = roxmltree::Document::parse(&figure).expect("the figure is well-formed XML");
+    let pieces = doc.descendants().filter(|n| n.has_tag_name("rect") && n.attribute("fill-opacity").is_some()).count();
+    assert!(pieces >= 3 + 3 + 1, "{pieces} pieces");
+    assert_eq!(doc.descendants().filter(|n| n.attribute("data-phase") == Some("exec")).count(), 3);
+    let _ = (std::fs::remove_file(&out), std::fs::remove_file(&svg));
 }
 
 #[test]

@@ -1,45 +1,33 @@
-//! `vae-parallel demo`: the README's main job with nothing to download. By default a built-in
-//! small AutoencoderKL (SD-like, seeded random weights) decodes a seeded latent on one rank
-//! and on N ranks (tile-parallel), and the two are compared; `--operator synthetic` runs a
-//! stand-in decoder instead (fast, for exercising the executor and transports).
+//! `vae-parallel demo`: the README's main job with nothing to download. A small AutoencoderKL
+//! trained on public-domain photos (`fixtures/demo_vae`, built into the binary) encodes a photo
+//! it never saw, then decodes the latent on one rank and on N ranks in the tile mode, in height
+//! bands and in a 2-D grid of blocks; every N-rank decode is compared bit for bit with its
+//! one-rank counterpart (the tiles with the tiled decode, the shards with the untiled one), and
+//! the pictures are written side by side. `--operator synthetic` runs the executor alone on a
+//! stand-in decoder instead ([`crate::demo_synthetic`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use vae_parallel::io;
-use vae_parallel::models::autoencoder_kl::{AutoencoderKl, AutoencoderKlConfig, KlOperator, KlTask};
-use vae_parallel::report::{RequestReport, gather_summaries, human_bytes};
-use vae_parallel::runtime::synthetic::SyntheticDecoder;
-use vae_parallel::runtime::{
-    DistributedVaeExecutor, ExecOutput, Job, Output, OutputPlacement, TileOperator, execute_serial,
-};
-use vae_parallel::tensor::{Device, Tensor};
-use vae_parallel::transport::{Communicator, CommunicatorExt};
+use vae_parallel::models::autoencoder_kl::AutoencoderKl;
+use vae_parallel::report::{RequestReport, human_bytes};
+use vae_parallel::runtime::ParallelMode;
+use vae_parallel::{Decode, Device, Encode, Finished, Group, Request, Tensor, Vae, io};
 
 use crate::ranks::GroupArgs;
 
-/// The built-in model: diffusers `AutoencoderKL`, SD layout (4 levels, 4 latent channels, 8×)
-/// at reduced widths, 128-pixel tiles (16 latent, stride 12).
-const PRESET_CONFIG: &str = r#"{
-    "_class_name": "AutoencoderKL",
-    "block_out_channels": [16, 32, 64, 64],
-    "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"],
-    "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"],
-    "layers_per_block": 1,
-    "latent_channels": 4,
-    "norm_num_groups": 8,
-    "sample_size": 128
-}"#;
-const PRESET_SEED: u64 = 2026;
+/// The demo model and photo, built into the binary: the demo needs no checkout and no download.
+const DEMO_CONFIG: &[u8] = include_bytes!("../../../../fixtures/demo_vae/config.json");
+const DEMO_WEIGHTS: &[u8] = include_bytes!("../../../../fixtures/demo_vae/diffusion_pytorch_model.safetensors");
+const DEMO_PHOTO: &[u8] = include_bytes!("../../../../fixtures/demo_vae/chelsea_256.png");
 
 /// Which operator the demo runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DemoOperator {
-    /// The built-in AutoencoderKL preset (seeded weights), tiled as diffusers tiles.
+    /// The built-in trained AutoencoderKL on a photo.
     Vae,
     /// A stand-in decoder: nearest upsampling, doubled, offset per tile.
     Synthetic,
@@ -49,247 +37,279 @@ pub enum DemoOperator {
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     #[command(flatten)]
-    group: GroupArgs,
+    pub(crate) group: GroupArgs,
     /// What to run.
     #[arg(long, value_enum, default_value_t = DemoOperator::Vae)]
-    operator: DemoOperator,
+    pub(crate) operator: DemoOperator,
+    /// A diffusers AutoencoderKL directory to run instead of the built-in one.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// An 8-bit PNG to encode instead of the built-in photo (its size a multiple of the
+    /// model's scale).
+    #[arg(long)]
+    image: Option<PathBuf>,
     /// Ranks that execute tiles (default: all).
     #[arg(long)]
-    parallel_size: Option<usize>,
-    /// Latent height (default: 40 for the VAE = 320 px; 60 for the synthetic operator).
+    pub(crate) parallel_size: Option<usize>,
+    /// The VAE: crop the photo to this many pixel rows (from the top left). Synthetic operator:
+    /// latent height (default 60).
     #[arg(long)]
-    height: Option<usize>,
-    /// Latent width (default: 56 for the VAE = 448 px; 104 for the synthetic operator).
+    pub(crate) height: Option<usize>,
+    /// The VAE: crop the photo to this many pixel columns. Synthetic operator: latent width
+    /// (default 104).
     #[arg(long)]
-    width: Option<usize>,
+    pub(crate) width: Option<usize>,
     /// Synthetic operator: input channels.
     #[arg(long, default_value_t = 4)]
-    channels: usize,
+    pub(crate) channels: usize,
     /// Synthetic operator: tile size in latent units.
     #[arg(long, default_value_t = 32)]
-    tile: usize,
+    pub(crate) tile: usize,
     /// Synthetic operator: tile stride in latent units.
     #[arg(long, default_value_t = 24)]
-    stride: usize,
+    pub(crate) stride: usize,
     /// Synthetic operator: output pixels per latent unit.
     #[arg(long, default_value_t = 8)]
-    scale: usize,
+    pub(crate) scale: usize,
     /// Synthetic operator: simulated work per tile, in milliseconds.
     #[arg(long, default_value_t = 0)]
-    work_ms: u64,
-    /// Give the output to every rank instead of rank 0 only.
+    pub(crate) work_ms: u64,
+    /// Synthetic operator: give the output to every rank instead of rank 0 only.
     #[arg(long)]
-    broadcast: bool,
-    /// Where the VAE demo writes the decoded image (PNG).
+    pub(crate) broadcast: bool,
+    /// Where the VAE demo writes its pictures side by side (PNG): the photo, one rank, then the
+    /// N-rank tile, band and block decodes.
     #[arg(long, default_value = "vae-parallel-demo.png")]
     out: PathBuf,
-    /// Also write the report as JSON to this file.
+    /// Also write the reports as JSON to this file.
     #[arg(long)]
-    json: Option<PathBuf>,
-    /// Also write the report as an SVG plot of every rank's phases to this file.
+    pub(crate) json: Option<PathBuf>,
+    /// Also write a figure to this file (SVG): the VAE demo's tiles, bands and blocks over the
+    /// picture and a timeline of every rank; the synthetic one's rank timeline.
     #[arg(long)]
-    svg: Option<PathBuf>,
+    pub(crate) svg: Option<PathBuf>,
 }
 
-/// What rank 0 found.
-struct Outcome {
-    report: RequestReport,
-    output_dims: Vec<usize>,
-    max_abs_diff: f32,
-    copies_agree: bool,
-    wall: Duration,
-    single_wall: Duration,
-    single_peak: usize,
-    written: Option<PathBuf>,
-}
-
-impl Outcome {
-    fn identical(&self) -> bool {
-        self.max_abs_diff == 0.0 && self.copies_agree
-    }
-}
-
-/// A deterministic input with structure and noise.
-fn pattern(dims: [usize; 4]) -> anyhow::Result<Tensor> {
-    let n: usize = dims.iter().product();
-    let data = (0..n)
-        .map(|i| {
-            let h = (i as u32).wrapping_mul(2654435761) >> 8;
-            ((i as f32) * 0.001).sin() + (h as f32 / (1u32 << 24) as f32 - 0.5)
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
-}
-
-fn synthetic(args: &DemoArgs) -> SyntheticDecoder {
-    SyntheticDecoder {
-        tile: args.tile,
-        stride: args.stride,
-        scale: args.scale,
-        tile_offset: 1.0 / 64.0,
-        work_per_tile: Duration::from_millis(args.work_ms),
-    }
-}
-
-/// Runs `op` on every rank, then (rank 0) on a group of one for comparison.
-fn run_and_compare<O: TileOperator + Sync>(
-    comm: Arc<dyn Communicator>,
-    args: &DemoArgs,
-    x: &Tensor,
-    op: &O,
+/// One decode of the demo and what it is compared with.
+struct Run {
+    /// How it is named in the table.
+    label: &'static str,
+    /// What ran, the report's way (`tile (9)`, `shard-height`).
     strategy: String,
-) -> anyhow::Result<Option<(Outcome, Tensor)>> {
-    let world = comm.size();
-    let placement = if args.broadcast { OutputPlacement::AllRanks } else { OutputPlacement::OwnerOnly };
-    let executor = DistributedVaeExecutor::new(Arc::clone(&comm), args.parallel_size.unwrap_or(world))?;
-    let started = Instant::now();
-    let out: ExecOutput = executor.run(x, Job::tiles(op), Output::Placed(placement))?;
-    let wall = started.elapsed();
-
-    // Every rank that holds the output says what it holds.
-    let hash = out.tensor.as_ref().map(Tensor::content_hash).transpose()?.unwrap_or(0);
-    let hashes = comm.gather(0, &[hash])?;
-    let summaries = gather_summaries(comm.as_ref(), 0, &out.report)?;
-    let (Some(hashes), Some(summaries)) = (hashes, summaries) else {
-        return Ok(None);
-    };
-
-    // The same request without a group, on this thread, for comparison (same thread: the
-    // memory high-water marks then count the same model and input).
-    vae_parallel::tensor::memory::reset_peak();
-    let started = Instant::now();
-    let reference = execute_serial(op, x)?;
-    let single_wall = started.elapsed();
-    let single_peak = vae_parallel::tensor::memory::peak_bytes();
-    let merged = out.tensor.context("rank 0 owns the output")?;
-    let copies_agree = hashes.as_flat().iter().enumerate().all(|(r, h)| {
-        let holds = r == 0 || placement == OutputPlacement::AllRanks;
-        if holds { *h == hashes.as_flat()[0] } else { *h == 0 }
-    });
-    let outcome = Outcome {
-        report: RequestReport {
-            mode: "tile".into(),
-            strategy: out.report.strategy.label(),
-            reason: strategy,
-            fallback: false,
-            backend: comm.backend().to_string(),
-            world_size: world,
-            parallel_size: executor.parallel_size(),
-            tile_count: out.report.tile_count,
-            predicted_ms: None,
-            predicted_peak_bytes: None,
-            ranks: summaries,
-        },
-        output_dims: merged.dims().to_vec(),
-        max_abs_diff: merged.max_abs_diff(&reference)?,
-        copies_agree,
-        wall,
-        single_wall,
-        single_peak,
-        written: None,
-    };
-    Ok(Some((outcome, merged)))
+    seconds: f64,
+    /// The busiest rank's peak above what it held when the request started.
+    peak_bytes: u64,
+    /// The pixels (on rank 0).
+    pixels: Tensor,
+    /// Which one-rank decode gives the same pixels.
+    reference: Reference,
+    report: Option<RequestReport>,
 }
 
-fn rank_body(comm: Arc<dyn Communicator>, args: &DemoArgs) -> anyhow::Result<Option<Outcome>> {
-    match args.operator {
-        DemoOperator::Vae => {
-            let config = AutoencoderKlConfig::from_json(PRESET_CONFIG).map_err(anyhow::Error::msg)?;
-            let model = AutoencoderKl::synthetic(config, PRESET_SEED)?;
-            let (h, w) = (args.height.unwrap_or(40), args.width.unwrap_or(56));
-            let z = pattern([1, 4, h, w])?;
-            let op = KlOperator::new(&model, KlTask::Decode, true);
-            let tiles = model.tiling();
-            let strategy =
-                format!("tile ({} px tiles, overlap {})", tiles.tile_sample_min_size, tiles.tile_overlap_factor);
-            let Some((mut outcome, image)) = run_and_compare(comm, args, &z, &op, strategy)? else { return Ok(None) };
-            outcome.written = io::write_png_batch(&args.out, &image)?.into_iter().next();
-            Ok(Some(outcome))
-        }
-        DemoOperator::Synthetic => {
-            let x = pattern([1, args.channels, args.height.unwrap_or(60), args.width.unwrap_or(104)])?;
-            let op = synthetic(args);
-            let strategy = format!("tile ({}/{} synthetic tiles)", args.tile, args.stride);
-            Ok(run_and_compare(comm, args, &x, &op, strategy)?.map(|(o, _)| o))
+/// The one-rank decodes the N-rank ones are compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reference {
+    /// `vae.decode(z)`.
+    Untiled,
+    /// `vae.enable_tiling(); vae.decode(z)`.
+    Tiled,
+}
+
+impl Reference {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Untiled => "untiled, 1 rank",
+            Self::Tiled => "tiled, 1 rank",
         }
     }
 }
 
 /// Runs the demo and prints what happened.
 pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
-    if let Some(dir) = args.out.parent().filter(|p| !p.as_os_str().is_empty())
-        && !dir.is_dir()
-    {
-        anyhow::bail!("output directory {} does not exist", dir.display());
+    for path in std::iter::once(&args.out).chain(&args.json).chain(&args.svg) {
+        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !dir.is_dir()
+        {
+            anyhow::bail!("output directory {} does not exist", dir.display());
+        }
+    }
+    if args.operator == DemoOperator::Synthetic {
+        return crate::demo_synthetic::run(args);
     }
     let group = match crate::ranks::ranks(&args.group, None)?.group()? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
-    let rank0 = group.run_on_ranks(|comm| {
-        rank_body(Arc::clone(comm), args)
-            .map_err(|e| vae_parallel::Error::Runtime(vae_parallel::runtime::RuntimeError::Protocol(format!("{e:#}"))))
-    })?;
+    // The built-in model goes to a private directory of this process for the loader.
+    let unpacked = tempfile::Builder::new().prefix("vae-parallel-demo-").tempdir()?;
+    let model_dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => {
+            std::fs::write(unpacked.path().join("config.json"), DEMO_CONFIG)?;
+            std::fs::write(unpacked.path().join("diffusion_pytorch_model.safetensors"), DEMO_WEIGHTS)?;
+            unpacked.path().to_path_buf()
+        }
+    };
+    let vae = Vae::load(&model_dir)?;
+    let photo = match &args.image {
+        Some(path) => io::read_png(path)?,
+        None => io::png_from_bytes(DEMO_PHOTO)?,
+    };
+    let photo = crop(photo, args.height, args.width)?;
+
+    let n = group.size();
+    let started = Instant::now();
+    let encoded = group.run(&vae, Request::encode(&photo, &Encode::default()))?;
+    let encode_seconds = started.elapsed().as_secs_f64();
+    let encode_report = encoded.report;
+    let latent = encoded.output.context("every rank receives the latent")?;
+    let decodes = [
+        ("tile", Decode::default().mode(ParallelMode::Tile).tiled(), Reference::Tiled),
+        ("spatial_shard_height", Decode::default().mode(ParallelMode::SpatialShardHeight), Reference::Untiled),
+        ("spatial_shard_2d", Decode::default().mode(ParallelMode::SpatialShard2d), Reference::Untiled),
+    ];
+    let mut runs = Vec::new();
+    for (label, options, reference) in decodes {
+        let options = match args.parallel_size {
+            Some(p) => options.parallel_size(p),
+            None => options,
+        };
+        let started = Instant::now();
+        let finished = group.run(&vae, Request::decode(&latent, &options))?;
+        runs.push((label, reference, started.elapsed().as_secs_f64(), finished));
+    }
     if group.rank() != 0 {
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(o) = rank0 else { anyhow::bail!("rank 0 produced no outcome") };
 
-    match args.operator {
-        DemoOperator::Vae => println!(
-            "vae-parallel demo: built-in AutoencoderKL (SD layout, seeded weights) decoding a latent to {:?}",
-            o.output_dims
-        ),
-        DemoOperator::Synthetic => println!(
-            "vae-parallel demo: synthetic decoder (nearest ×{} upsample, doubled, offset per tile) → {:?}",
-            args.scale, o.output_dims
-        ),
+    // The one-rank decodes, on this process.
+    let one = Group::local(1)?;
+    let mut references = Vec::new();
+    for (reference, options) in [(Reference::Untiled, Decode::default()), (Reference::Tiled, Decode::default().tiled())]
+    {
+        let started = Instant::now();
+        let finished = one.run(&vae, Request::decode(&latent, &options))?;
+        references.push(run_of(reference.name(), reference, started.elapsed().as_secs_f64(), finished)?);
     }
+    let runs: Vec<Run> = runs
+        .into_iter()
+        .map(|(label, reference, seconds, finished)| run_of(label, reference, seconds, finished))
+        .collect::<anyhow::Result<_>>()?;
+    let reference = |r: Reference| &references[if r == Reference::Untiled { 0 } else { 1 }].pixels;
+
     println!(
-        "  transport {}, {} rank(s), parallel size {}, output to {}; mode {}: {} tiles",
-        o.report.backend,
-        o.report.world_size,
-        o.report.parallel_size,
-        if args.broadcast { "all ranks" } else { "rank 0" },
-        o.report.reason,
-        o.report.tile_count
+        "vae-parallel demo: {} ({}, {} parameters) on a {}x{} photo, {n} rank(s) ({} transport)",
+        if args.model.is_some() { model_dir.display().to_string() } else { "the built-in trained VAE".into() },
+        vae.class_name(),
+        vae.model().describe().iter().find(|(k, _)| *k == "parameters").map_or("?".into(), |(_, v)| v.clone()),
+        photo.dims()[3],
+        photo.dims()[2],
+        group.backend()
+    );
+    println!(
+        "  encode {:?} -> latent {:?} on {n} rank(s): {} in {:.0} ms",
+        photo.dims(),
+        latent.dims(),
+        encode_report.as_ref().map_or("-".into(), RequestReport::what_ran),
+        encode_seconds * 1e3
     );
     println!();
-    let peak = o.report.ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
-    println!("  {:>8}  {:>10}  {:>12}  {:>16}", "ranks", "time ms", "peak mem", "max |diff| vs 1");
-    println!(
-        "  {:>8}  {:>10.1}  {:>12}  {:>16}",
-        1,
-        o.single_wall.as_secs_f64() * 1e3,
-        human_bytes(o.single_peak as u64),
-        "-"
-    );
-    println!(
-        "  {:>8}  {:>10.1}  {:>12}  {:>16}",
-        o.report.world_size,
-        o.wall.as_secs_f64() * 1e3,
-        human_bytes(peak),
-        o.max_abs_diff
-    );
-    println!();
-    print!("{}", o.report.to_table());
-    println!("  (* = owner: merged the tiles; 'other ms' = split + input agreement; peak mem per rank)");
-    if let Some(path) = &o.written {
-        println!("  image written to {}", path.display());
+    println!("  {:<22} {:>5}  {:<14} {:>9} {:>12}  same pixels as", "decode", "ranks", "ran as", "ms", "peak/rank");
+    let mut identical = true;
+    for (run, compared) in references.iter().map(|r| (r, false)).chain(runs.iter().map(|r| (r, true))) {
+        let same = if compared {
+            let ok = run.pixels.bit_eq(reference(run.reference));
+            identical &= ok;
+            if ok {
+                format!("{}: bit-identical", run.reference.name())
+            } else {
+                format!("{}: MISMATCH", run.reference.name())
+            }
+        } else {
+            "-".to_string()
+        };
+        println!(
+            "  {:<22} {:>5}  {:<14} {:>9.1} {:>12}  {same}",
+            run.label,
+            run.report.as_ref().map_or(1, |r| r.world_size),
+            run.strategy,
+            run.seconds * 1e3,
+            human_bytes(run.peak_bytes)
+        );
     }
+    let untiled = reference(Reference::Untiled);
+    let panels = [&photo, untiled, &runs[0].pixels, &runs[1].pixels, &runs[2].pixels];
+    let written = io::write_decoded(&args.out, &side_by_side(&panels)?, 16)?;
+    println!();
+    println!(
+        "  wrote {}: the photo | 1 rank | {n} ranks: tiles | height bands | 2-D blocks",
+        written.first().map_or_else(|| args.out.display().to_string(), |p| p.display().to_string())
+    );
+    let reports: Vec<&RequestReport> = runs.iter().filter_map(|r| r.report.as_ref()).collect();
     if let Some(path) = &args.json {
-        io::write_atomically(path, &serde_json::to_vec_pretty(&o.report)?)?;
-        println!("  report written to {}", path.display());
+        io::write_atomically(path, &serde_json::to_vec_pretty(&reports)?)?;
+        println!("  reports written to {}", path.display());
     }
     if let Some(path) = &args.svg {
-        io::write_atomically(path, o.report.to_svg().as_bytes())?;
-        println!("  report plot written to {}", path.display());
+        let layout = tile_layout(&vae, &latent);
+        let figure = crate::figure::figure(untiled, layout.as_ref(), &reports)?;
+        io::write_atomically(path, figure.as_bytes())?;
+        println!("  figure written to {}", path.display());
     }
-    if o.identical() {
-        println!("  result: bit-identical to a single-rank run (max |diff| 0) on every rank that holds it");
+    if identical {
+        println!("  result: every {n}-rank decode is bit-identical to its one-rank decode");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("  result: MISMATCH — max |diff| vs single rank {}, copies agree: {}", o.max_abs_diff, o.copies_agree);
+        println!("  result: MISMATCH between a {n}-rank decode and its one-rank decode");
         Ok(ExitCode::FAILURE)
     }
+}
+
+/// A request's row of the table.
+fn run_of(label: &'static str, reference: Reference, seconds: f64, finished: Finished) -> anyhow::Result<Run> {
+    let pixels = finished.output.context("rank 0 holds the pixels")?;
+    let report = finished.report;
+    let strategy = match &report {
+        // One tile is the whole latent: the direct decode.
+        Some(r) if r.strategy == "tile" && r.tile_count <= 1 => "direct".to_string(),
+        Some(r) => r.what_ran(),
+        None => "direct".to_string(),
+    };
+    let peak_bytes = report
+        .as_ref()
+        .and_then(|r| r.ranks.iter().map(|s| s.peak_bytes.saturating_sub(s.start_bytes)).max())
+        .unwrap_or(finished.peak_bytes);
+    Ok(Run { label, strategy, seconds, peak_bytes, pixels, reference, report })
+}
+
+/// The photo's top-left `height` × `width` pixels (all of it where not given).
+fn crop(photo: Tensor, height: Option<usize>, width: Option<usize>) -> anyhow::Result<Tensor> {
+    let (h, w) = (photo.dims()[2], photo.dims()[3]);
+    let (ch, cw) = (height.unwrap_or(h), width.unwrap_or(w));
+    anyhow::ensure!(ch >= 1 && cw >= 1 && ch <= h && cw <= w, "--height/--width: the photo is {w}x{h} pixels");
+    if (ch, cw) == (h, w) {
+        return Ok(photo);
+    }
+    Ok(photo.narrow(2, 0, ch)?.narrow(3, 0, cw)?)
+}
+
+/// Images `[1, 3, H, W]` of one height side by side, a white gap between them.
+fn side_by_side(images: &[&Tensor]) -> anyhow::Result<Tensor> {
+    let h = images[0].dims()[2];
+    let gap = Tensor::from_vec(vec![1.0; 3 * h * 4], vec![1, 3, h, 4], &Device::Cpu)?;
+    let mut parts: Vec<&Tensor> = Vec::new();
+    for (i, image) in images.iter().enumerate() {
+        if i > 0 {
+            parts.push(&gap);
+        }
+        parts.push(image);
+    }
+    Ok(Tensor::cat(&parts, 3)?)
+}
+
+/// The tiles of a tiled decode of `latent` (an AutoencoderKL's; None for another family).
+fn tile_layout(vae: &Vae, latent: &Tensor) -> Option<vae_parallel::planner::TileLayout2d> {
+    let kl: &AutoencoderKl = vae.model().as_any().downcast_ref()?;
+    let d = latent.dims();
+    kl.tiling().decode_layout(d[2], d[3], kl.config().spatial_scale()).ok()
 }

@@ -5,6 +5,8 @@
 mod bench;
 mod calibrate;
 mod demo;
+mod demo_synthetic;
+mod figure;
 mod kernel_bench;
 mod model_cmds;
 mod plan_cmd;
@@ -30,8 +32,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the tile executor across ranks on a built-in synthetic decoder (no downloads) and
-    /// check the result is bit-identical to one rank.
+    /// A photo through a small trained VAE built into the binary (no downloads): encoded, then
+    /// decoded on one rank and on N ranks in tiles, bands and 2-D blocks, every N-rank decode
+    /// checked bit for bit against one rank's, the pictures written side by side.
     Demo(demo::DemoArgs),
     /// Decode a latent with a diffusers VAE.
     Decode(model_cmds::DecodeArgs),
