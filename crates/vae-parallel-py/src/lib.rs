@@ -490,12 +490,22 @@ fn save(py: Python<'_>, path: PathBuf, pixels: &Bound<'_, PyAny>, fps: u32) -> P
     })
 }
 
+/// Reads an image to encode as the CLI's `encode --input` does: an 8-bit PNG (no resizing) or a
+/// `.npy` / `.safetensors` tensor, as a float32 array `[1, 3, H, W]` in [-1, 1] (diffusers'
+/// `x / 255 * 2 - 1` for a PNG).
+#[pyfunction]
+fn read_image<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+    let image = py.detach(|| vae_parallel::io::read_image(&path)).map_err(|e| to_py(&e.into()))?;
+    to_python(py, image, None)
+}
+
 /// The module.
 #[pymodule(name = "_native")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(read_image, m)?)?;
     m.add_class::<PyVae>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
     m.add("InputError", py.get_type::<InputError>())?;

@@ -15,6 +15,7 @@ from ._native import (
     VaeParallelError,
     __version__,
     load,
+    read_image,
     save,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "VaeParallelError",
     "__version__",
     "load",
+    "read_image",
     "save",
 ]
