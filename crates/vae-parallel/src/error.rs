@@ -171,7 +171,11 @@ impl Error {
             // A group's settings (its environment, a size, an address) that cannot form one.
             Self::Transport(TransportError::InvalidArgument(_)) => ErrorKind::InvalidOption,
             Self::Transport(TransportError::Unavailable(_)) => ErrorKind::Unsupported,
-            Self::Transport(_) | Self::Launch(_) | Self::LocalRanks(_) => ErrorKind::Group,
+            // Forming the group failed.
+            Self::Transport(TransportError::Rendezvous(_) | TransportError::Io { .. }) => ErrorKind::Group,
+            // A formed group failed while it worked: a peer died, timed out or was aborted.
+            Self::Transport(_) => ErrorKind::Execution,
+            Self::Launch(_) | Self::LocalRanks(_) => ErrorKind::Group,
             Self::Io(IoError::Os { .. }) => ErrorKind::Io,
             Self::Io(IoError::Unsupported(_)) => ErrorKind::Unsupported,
             Self::Io(_) => ErrorKind::InvalidInput,

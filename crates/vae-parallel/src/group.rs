@@ -365,8 +365,11 @@ impl Group {
     /// on a local group the error is rank 0's, or the first failed rank's (naming it) when
     /// rank 0's part succeeded.
     pub fn run(&self, vae: &Vae, request: Request<'_>) -> Result<Finished> {
+        // A local group's ranks are all here: a request cancelled before it starts need not
+        // start. A process's rank runs it, so that enlisting aborts the whole group.
         if let Some(token) = request.cancel
             && token.is_cancelled()
+            && self.is_local()
         {
             return Err(Error::Runtime(vae_runtime::RuntimeError::Transport(vae_transport::TransportError::Aborted {
                 rank: self.rank(),
