@@ -48,7 +48,7 @@ fn the_demo_decodes_a_photo_with_the_built_in_vae_and_is_bit_identical() {
     let figure = std::fs::read_to_string(&svg).unwrap();
     let doc = roxmltree::Document::parse(&figure).expect("the figure is well-formed XML");
     let pieces = doc.descendants().filter(|n| n.has_tag_name("rect") && n.attribute("fill-opacity").is_some()).count();
-    assert!(pieces >= 3 + 3 + 1, "{pieces} pieces");
+    assert!(pieces >= 7, "{pieces} pieces: four tiles, three bands, three blocks");
     assert_eq!(doc.descendants().filter(|n| n.attribute("data-phase") == Some("exec")).count(), 3);
     let _ = (std::fs::remove_file(&out), std::fs::remove_file(&svg));
 }
