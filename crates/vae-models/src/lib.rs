@@ -1,5 +1,5 @@
-//! VAE families. Each family (AutoencoderKL for SD / FLUX.1 / Z-Image, FLUX.2, Qwen-Image,
-//! Wan2.1/2.2) is one folder that mirrors diffusers' module tree and weight names and owns the
+//! VAE families. Each family (AutoencoderKL for SD / FLUX.1 / Z-Image, FLUX.2, Wan2.1/2.2 and
+//! Qwen-Image, HunyuanVideo-1.5, LTX-Video and LTX-2) is one folder that mirrors diffusers' module tree and weight names and owns the
 //! family's *policy*: which parallel modes it supports, how it picks one per request, its tile
 //! geometry, and who receives the output. [`family`] is the interface they implement and the
 //! registry that finds one by `_class_name`; shared crates below only provide mechanism.

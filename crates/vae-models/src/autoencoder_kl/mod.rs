@@ -2,9 +2,11 @@
 //! `AutoencoderKLFlux2` (FLUX.2): the same encoder and decoder; FLUX.2 adds a separate decoder
 //! width and a latent batch-norm that its pipeline uses for (de)normalisation.
 //!
-//! Policy of this family: the `tile` parallel mode only (the shard modes need a distributed
-//! GroupNorm, which this family does not have); diffusers' tile geometry and routing; decoded pixels go to the
-//! owner for AutoencoderKL and to every rank for FLUX.2, encoded latents to every rank.
+//! Policy of this family: tiles, and on the CPU spatial shards along either axis and over a 2-D
+//! grid (its GroupNorm statistics summed exactly over the ranks, on the host: on CUDA a forced
+//! shard mode is a typed error and `auto` keeps tiles); no pipeline (an image has no frames);
+//! diffusers' tile geometry and routing; decoded pixels go to the owner for AutoencoderKL and to
+//! every rank for FLUX.2, encoded latents to every rank.
 
 mod config;
 mod cost;
