@@ -81,8 +81,8 @@ impl LoadedVae for AutoencoderKl {
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
         if tiling.has_rectangular() || tiling.has_latent() || tiling.has_frames() {
             return Err(ModelError::Unsupported(format!(
-                "{} tiles by tile_sample_min_size and tile_overlap_factor (--tile-sample-min-size / \
-                 --tile-overlap-factor), not by tile height, width, stride, latent size or frames",
+                "{} tiles by `tile_sample_min_size` and `tile_overlap_factor`, not by tile height, width, \
+                 stride, latent size or frames",
                 self.class_name()
             )));
         }

@@ -144,12 +144,12 @@ fn check_memory(model: &AutoencoderKl, task: KlTask, input: &Tensor, extent: Map
         KlTask::Decode => (
             b * c.out_channels as u64 * pixels * 4,
             *c.decoder_block_out_channels.first().unwrap_or(&0) as u64,
-            "decode with tiles (--vae-use-tiling)",
+            "decode with tiles (`vae_use_tiling`)",
         ),
         KlTask::Encode => (
             b * 2 * c.latent_channels as u64 * (pixels / (scale * scale)) * 4,
             *c.block_out_channels.first().unwrap_or(&0) as u64,
-            "encode with tiles (--vae-use-tiling)",
+            "encode with tiles (`vae_use_tiling`)",
         ),
     };
     crate::checks::ensure_fits(output, b * widest * map_pixels * 4, advice)

@@ -135,9 +135,9 @@ impl LoadedVae for HunyuanVideo15Vae {
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
         if tiling.sample_min_size.is_some() || tiling.has_stride() || tiling.has_frames() {
             return Err(ModelError::Unsupported(format!(
-                "{CLASS_NAME} tiles by tile_sample_min_height / _width, tile_latent_min_height / _width and \
-                 tile_overlap_factor (--tile-sample-min-height/-width, --tile-latent-min-height/-width, \
-                 --tile-overlap-factor), not by tile_sample_min_size, tile strides or frame tiles"
+                "{CLASS_NAME} tiles by `tile_sample_min_height`, `tile_sample_min_width`, \
+                 `tile_latent_min_height`, `tile_latent_min_width` and `tile_overlap_factor`, not by \
+                 `tile_sample_min_size`, tile strides or frame tiles"
             )));
         }
         let t = *self.tiling();

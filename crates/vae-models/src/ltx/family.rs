@@ -167,9 +167,10 @@ impl LoadedVae for LtxVae {
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
         if tiling.has_square() || tiling.has_latent() {
             return Err(ModelError::Unsupported(format!(
-                "{} tiles by tile_sample_min_height / _width / _num_frames and tile_sample_stride_height / _width / \
-                 _num_frames (--tile-sample-min-*, --tile-sample-stride-*), not by tile_sample_min_size, \
-                 tile_overlap_factor or tile_latent_min_*",
+                "{} tiles by `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_min_num_frames`, \
+                 `tile_sample_stride_height`, `tile_sample_stride_width` and `tile_sample_stride_num_frames`, \
+                 not by `tile_sample_min_size`, `tile_overlap_factor` or `tile_latent_min_height` / \
+                 `tile_latent_min_width`",
                 self.class_name()
             )));
         }

@@ -83,9 +83,9 @@ impl LoadedVae for WanVae {
     fn enable_tiling(&mut self, tiling: &TileOverrides) -> Result<()> {
         if tiling.has_square() || tiling.has_latent() || tiling.has_frames() {
             return Err(ModelError::Unsupported(format!(
-                "{} tiles by tile_sample_min_height / _width and tile_sample_stride_height / _width \
-                 (--tile-sample-min-height/-width, --tile-sample-stride-height/-width), not by \
-                 tile_sample_min_size, tile_overlap_factor, tile_latent_min_height / _width or frame tiles",
+                "{} tiles by `tile_sample_min_height`, `tile_sample_min_width`, `tile_sample_stride_height` and \
+                 `tile_sample_stride_width`, not by `tile_sample_min_size`, `tile_overlap_factor`, \
+                 `tile_latent_min_height` / `tile_latent_min_width` or frame tiles",
                 self.class_name()
             )));
         }
