@@ -1,6 +1,11 @@
 //! The cost model on a loaded model ([`vae_planner::cost`]): the strategies a request could
 //! run, each one's predicted latency and per-rank peak memory, and `auto`'s choice under a
 //! memory cap. `vae-parallel plan` prints the same table without running anything.
+//!
+//! The device's constants come from a profile file `vae-parallel calibrate` wrote, timing the
+//! kernels with [`measure`].
+
+pub mod measure;
 
 use std::path::{Path, PathBuf};
 
