@@ -10,8 +10,11 @@
 //! rate is scaled by the ratio of the time the built-in constants predict for the probed shape
 //! nearest to it (the profile's own distance: kernel, algorithm, channels) to the time
 //! measured; the element-wise and attention rates are scaled the same way (which makes them
-//! the measured ones), and the thread scaling, the core count and the link are the measured
-//! ones. The memory constants are the built-in ones: they follow the code, not the CPU.
+//! the measured ones), and the core count, the link and the thread scaling are the measured
+//! ones (the built-in scaling where other processes held the cores while it was read). The
+//! memory constants are the built-in ones: they follow the code, not the CPU. A slow CPU times
+//! smaller maps, and the probe stops timing convolutions after 6 seconds, so that
+//! it ends within seconds anywhere (about 3 s on a 2-vCPU Xeon).
 //!
 //! The result is cached per CPU in the directory of the calibrated profile
 //! ([`super::default_profile_path`]: `$XDG_CONFIG_HOME/vae-parallel/`), as
@@ -244,7 +247,7 @@ fn probe_here() -> Result<DeviceProfile, MeasureError> {
     let mut speeds: Vec<Speed> = Vec::with_capacity(PROBED.len());
     for shape in PROBED {
         if late() {
-            tracing::debug!(?shape, "cost model probe: out of time; the other shapes' speed");
+            tracing::debug!(?shape, "cost model probe: out of time; scaled as the nearest timed shape");
             continue;
         }
         let speed = if speeds.is_empty() { pilot } else { typical(&speeds) };
