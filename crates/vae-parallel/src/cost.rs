@@ -1,8 +1,16 @@
 //! The cost model on a loaded model ([`vae_planner::cost`]): the strategies a request could
 //! run, each one's predicted latency and per-rank peak memory, and `auto`'s choice under a
 //! memory cap. `vae-parallel plan` prints the same table without running anything.
+//!
+//! The device's constants come from a profile file `vae-parallel calibrate` wrote, or on a CPU
+//! nobody calibrated from the built-in ones scaled by a first-use probe ([`probe`]), which
+//! times a few kernels with the code `calibrate` uses ([`measure`]).
+
+pub mod measure;
+pub mod probe;
 
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 
 use vae_models::{CostNetworks, Direction, LoadedVae};
 use vae_planner::cost::{DeviceKind, DeviceProfile, Layout, Placement, Prediction, predict};
@@ -292,19 +300,56 @@ pub fn default_profile_path(kind: DeviceKind) -> Option<PathBuf> {
     Some(base.join("vae-parallel").join(name))
 }
 
+/// The profile `calibrate` wrote at the default path, if a usable one is there (one that is
+/// not is logged and passed over).
+pub fn calibrated_profile() -> Option<DeviceProfile> {
+    let path = default_profile_path(DeviceKind::Cpu).filter(|p| p.is_file())?;
+    read_profile(&path).map_err(|e| tracing::warn!("{e}; passed over (run `vae-parallel calibrate` again)")).ok()
+}
+
 /// The profile at `path` (an error if it cannot be used), else the default path's when a
-/// usable file is there (one that is not is logged and passed over), else the built-in
-/// defaults.
+/// usable file is there (one that is not is logged and passed over), else this CPU's probed
+/// constants ([`probe::probed_profile`]: the built-in ones scaled by a first-use probe, which
+/// takes seconds once per CPU and is cached; the built-in ones as they are under
+/// `VAE_COST_PROBE=0`).
 pub fn load_profile(path: Option<&Path>) -> Result<DeviceProfile, CostError> {
     if let Some(path) = path {
         return read_profile(path);
     }
-    match default_profile_path(DeviceKind::Cpu) {
-        Some(p) if p.is_file() => Ok(read_profile(&p).unwrap_or_else(|e| {
-            tracing::warn!("{e}; using the built-in constants (run `vae-parallel calibrate` again)");
-            DeviceProfile::builtin_cpu()
-        })),
-        _ => Ok(DeviceProfile::builtin_cpu()),
+    Ok(calibrated_profile().unwrap_or_else(|| probe::probed_profile().clone()))
+}
+
+/// A loaded model's cost constants.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Constants {
+    /// These (a profile file's, or the caller's).
+    Given(DeviceProfile),
+    /// This CPU's probed constants ([`probe::probed_profile`]), found when a request first
+    /// needs them.
+    ThisCpu,
+}
+
+/// The built-in constants, for a request that does not wait for the probe.
+static BUILTIN: LazyLock<DeviceProfile> = LazyLock::new(DeviceProfile::builtin_cpu);
+
+impl Constants {
+    /// The constants: the given ones; or this CPU's, probed first where `probe` is set (a
+    /// request whose choice depends on them) and otherwise what is known without measuring
+    /// ([`probe::ready_profile`], else the built-in constants).
+    pub(crate) fn get(&self, probe: bool) -> &DeviceProfile {
+        match self {
+            Self::Given(profile) => profile,
+            Self::ThisCpu if probe => probe::probed_profile(),
+            Self::ThisCpu => probe::ready_profile().unwrap_or(&BUILTIN),
+        }
+    }
+
+    /// The kind of device the constants describe (without probing).
+    pub(crate) fn kind(&self) -> DeviceKind {
+        match self {
+            Self::Given(profile) => profile.kind,
+            Self::ThisCpu => DeviceKind::Cpu,
+        }
     }
 }
 

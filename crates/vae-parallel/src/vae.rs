@@ -16,7 +16,7 @@ use vae_runtime::{
 };
 use vae_tensor::{DType, Device, Tensor};
 
-use crate::cost::{self, CostSettings};
+use crate::cost::{self, Constants, CostSettings};
 use crate::error::{Error, Result};
 use crate::launch::TransportKind;
 use crate::options::{Decode, Encode, EncodeOutput, Options, Tiling};
@@ -24,8 +24,10 @@ use crate::options::{Decode, Encode, EncodeOutput, Options, Tiling};
 /// Where the cost model's device constants come from.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub enum CostProfile {
-    /// The profile `vae-parallel calibrate` wrote in its default place, else built-in
-    /// constants for this kind of machine.
+    /// The profile `vae-parallel calibrate` wrote in its default place, else this CPU's probed
+    /// constants: the built-in ones scaled by a first-use probe of a few seconds, cached per
+    /// CPU ([`cost::probe`]), run when a request first needs them (`auto` on rank 0) rather than
+    /// at load; the built-in ones as they are under `VAE_COST_PROBE=0`.
     #[default]
     Default,
     /// A profile file `calibrate` wrote.
@@ -107,9 +109,9 @@ impl VaeBuilder {
             )));
         }
         let profile = match self.profile {
-            CostProfile::Default => Some(cost::load_profile(None)?),
-            CostProfile::File(path) => Some(cost::read_profile(&path)?),
-            CostProfile::Given(profile) => Some(profile),
+            CostProfile::Default => Some(cost::calibrated_profile().map_or(Constants::ThisCpu, Constants::Given)),
+            CostProfile::File(path) => Some(Constants::Given(cost::read_profile(&path)?)),
+            CostProfile::Given(profile) => Some(Constants::Given(profile)),
             CostProfile::Off => None,
         };
         let dtype = if cpu_bf16 { DType::F32 } else { self.dtype };
@@ -149,7 +151,7 @@ pub struct Vae {
     cpu_bf16: bool,
     /// The cost model's device constants: predictions in every report, and `auto` choosing by
     /// them (None: the family's rules).
-    profile: Option<DeviceProfile>,
+    profile: Option<Constants>,
 }
 
 impl std::fmt::Debug for Vae {
@@ -160,7 +162,7 @@ impl std::fmt::Debug for Vae {
 
 impl Vae {
     /// Loads a diffusers VAE directory onto the CPU in f32, with the calibrated cost profile
-    /// (or built-in constants).
+    /// (or this CPU's probed constants: [`CostProfile::Default`]).
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         Self::builder(dir).build()
     }
@@ -209,14 +211,16 @@ impl Vae {
         self.model.as_ref()
     }
 
-    /// The cost model's device constants, if it has any.
+    /// The cost model's device constants, if it has any. Under [`CostProfile::Default`] on a
+    /// CPU nobody calibrated, this CPU's probed constants: the probe runs first (seconds, once
+    /// per CPU) where no request has needed it yet.
     pub fn cost_profile(&self) -> Option<&DeviceProfile> {
-        self.profile.as_ref()
+        self.profile.as_ref().map(|c| c.get(true))
     }
 
     /// Replaces the cost model's constants (None: the family's rules).
     pub fn set_cost_profile(&mut self, profile: Option<DeviceProfile>) {
-        self.profile = profile;
+        self.profile = profile.map(Constants::Given);
     }
 
     /// Whether the family streams a video decode frame by frame
@@ -374,12 +378,18 @@ impl Vae {
     /// predicts for this model: its own kind of device, and a GPU profile its element type (a
     /// model on another device or in another type runs by the family's rules). Ranks share the
     /// host's cores as their group places them: a local rank or a rank process on its pool
-    /// (the calling thread's), NCCL ranks a GPU each, other ranks on a GPU sharing it.
-    fn cost_settings(&self, executor: &DistributedVaeExecutor) -> Option<CostSettings> {
-        let profile = self.profile.as_ref()?;
+    /// (the calling thread's), NCCL ranks a GPU each, other ranks on a GPU sharing it. `decides`:
+    /// the request's choice depends on the constants here (rank 0 under `auto`), so this CPU's
+    /// are probed first where they have not been ([`Constants::get`]).
+    fn cost_settings(&self, executor: &DistributedVaeExecutor, decides: bool) -> Option<CostSettings> {
+        let constants = self.profile.as_ref()?;
         let on_gpu = !self.model.device().is_cpu();
+        if (constants.kind() == DeviceKind::Cuda) != on_gpu {
+            return None;
+        }
+        let profile = constants.get(decides);
         let elem = self.model.dtype().size_in_bytes() as u64;
-        if (profile.kind == DeviceKind::Cuda) != on_gpu || profile.map_bytes().is_some_and(|b| b != elem) {
+        if profile.map_bytes().is_some_and(|b| b != elem) {
             return None;
         }
         let comm = executor.communicator();
@@ -417,7 +427,10 @@ impl Vae {
     ) -> Result<(StrategyChoice, bool, Option<Predicted>)> {
         let ranks = executor.parallel_size();
         let model = self.model.as_ref();
-        let settings = self.cost_settings(executor);
+        // Only rank 0's choice counts (it is broadcast); the other ranks' predictions need not
+        // wait for a probe.
+        let decides = options.mode == ParallelMode::Auto && executor.communicator().rank() == 0;
+        let settings = self.cost_settings(executor, decides);
         let cap = options.max_memory_per_rank;
         let human_bytes = crate::report::human_bytes;
         let no_model = || -> Error {

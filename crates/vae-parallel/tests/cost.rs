@@ -171,6 +171,65 @@ fn the_wan_decoder_has_a_cost_model_too() {
     assert!(json["predicted_peak_bytes"].as_u64().unwrap() > 0, "{json}");
 }
 
+/// Without `--profile`: the calibrated profile in the config directory, else this CPU's probed
+/// constants (here a cache the test writes, so nothing is measured), else, with the probe off,
+/// the built-in ones. `auto` follows the probed constants; a request in a named mode does not
+/// wait for a probe.
+#[test]
+fn without_a_profile_the_calibrated_else_the_probed_else_the_builtin_constants_predict() {
+    use vae_parallel::cost::probe::{self, ProbeKey};
+    use vae_parallel::planner::cost::DeviceProfile;
+
+    let config = scratch("probe-config");
+    let dir = config.join("vae-parallel");
+    let model = fixtures().join("sd_like");
+    let env = |probe: &'static str| [("XDG_CONFIG_HOME", s(&config).to_string()), ("VAE_COST_PROBE", probe.into())];
+    let run = |args: &[&str], probe: &'static str| {
+        let env = env(probe);
+        let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        support::cli_with_env(args, &pairs)
+    };
+
+    // The probe on, nothing cached: a named mode runs with the built-in constants' prediction
+    // and measures nothing.
+    let scratch_dir = scratch("probe-decode");
+    let (out, report) = (scratch_dir.join("out.npy"), scratch_dir.join("r.json"));
+    let latent = fixtures().join("sd_like.decode_tiled.in.npy");
+    let mut decode = vec!["decode", "--model", s(&model), "--latent", s(&latent), "--out", s(&out)];
+    decode.extend(["--vae-patch-parallel-size", "2", "--report", s(&report)]);
+    let named = [decode.clone(), vec!["--vae-parallel-mode", "spatial_shard_height"]].concat();
+    let (ok, text) = run(&named, "1");
+    assert!(ok, "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert!(json["predicted_ms"].as_f64().unwrap() > 0.0, "{json}");
+    assert!(!dir.exists() || std::fs::read_dir(&dir).unwrap().next().is_none(), "a named mode probed");
+
+    // This CPU's cached probe, whose messages cost an hour: `plan` and `auto` follow it (tiles,
+    // where the built-in constants shard).
+    let probed =
+        DeviceProfile { link_latency_us: 3.6e9, source: "probed by the test".into(), ..DeviceProfile::builtin_cpu() };
+    probe::write_cached(&dir, &ProbeKey::current(), &probed).unwrap();
+    let plan = plan_args(s(&model), "2", &[]);
+    let (ok, text) = run(&plan, "1");
+    assert!(ok && text.contains("[probed by the test]") && text.contains("auto would run: tile"), "{text}");
+    let auto = [decode.clone(), vec!["--vae-parallel-mode", "auto"]].concat();
+    std::fs::remove_file(&out).unwrap();
+    let (ok, text) = run(&auto, "1");
+    assert!(ok, "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(json["strategy"], "tile", "{json}");
+
+    // The probe off: the built-in constants, which shard.
+    let (ok, text) = run(&plan, "0");
+    assert!(ok && text.contains("built-in defaults") && text.contains("auto would run: shard"), "{text}");
+
+    // A calibrated profile wins over the probe.
+    let calibrated = DeviceProfile { source: "calibrated by the test".into(), ..DeviceProfile::builtin_cpu() };
+    std::fs::write(dir.join("cpu-profile.toml"), toml::to_string_pretty(&calibrated).unwrap()).unwrap();
+    let (ok, text) = run(&plan, "1");
+    assert!(ok && text.contains("[calibrated by the test]"), "{text}");
+}
+
 #[test]
 fn calibrate_writes_a_profile_that_plan_reads() {
     let dir = scratch("calibrate");

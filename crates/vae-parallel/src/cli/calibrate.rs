@@ -13,16 +13,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use vae_parallel::cost::measure::{
+    ConvShape, Timing, attention_gmacs, conv_call, cpu_name, link, norm_silu_gbps, per_call, side_for, uniform,
+};
 use vae_parallel::planner::cost::kernels::cpu_conv_scratch_bytes;
 use vae_parallel::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
 use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
-use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
-use vae_parallel::transport::{Communicator, CommunicatorExt, TransportConfig, run_local};
+use vae_parallel::tensor::{Conv2dParams, Device, Tensor};
 
 use crate::model_cmds::{ComputeType, DeviceArgs, compute_type};
 
@@ -53,7 +53,7 @@ pub struct CalibrateArgs {
 /// The convolutions measured: `(kernel [t, h, w], align, C_in, C_out)` of the AutoencoderKL
 /// encoders and decoders (SD, FLUX.1, FLUX.2) and the Wan2.1 / Qwen-Image and Wan2.2 decoders,
 /// each in the alignment class its layer runs in (the CPU's algorithm).
-const SHAPES: &[([usize; 3], usize, usize, usize)] = &[
+const SHAPES: &[ConvShape] = &[
     ([1, 3, 3], 1, 16, 512),
     ([1, 3, 3], 1, 512, 512),
     ([1, 3, 3], 2, 512, 512),
@@ -97,75 +97,6 @@ const CPU_QUICK_LEVELS: [f64; 2] = [0.0625e9, 1e9];
 /// The level at which the CPU's thread scaling is timed (pooled over the shapes).
 const CPU_SCALING_LEVEL: usize = 2;
 
-fn uniform(dims: Vec<usize>, seed: u64) -> anyhow::Result<Tensor> {
-    Ok(Tensor::seeded_uniform(dims, seed, -1.0, 1.0, &Device::Cpu)?)
-}
-
-/// How a device's convolutions are timed.
-#[derive(Debug, Clone, Copy)]
-struct Timing {
-    device: Device,
-    dtype: DType,
-    /// The large map's side lies within these.
-    sides: [usize; 2],
-    /// Sides are multiples of this (on the CPU 8, so that every band alignment divides them).
-    multiple: usize,
-    /// Calls back to back per timed batch, on the large map and on the small one.
-    calls: [usize; 2],
-    /// Timed batches, the best kept.
-    reps: usize,
-}
-
-impl Timing {
-    /// One thread of the CPU, in f32: one call a batch, the best of two.
-    const CPU: Self =
-        Self { device: Device::Cpu, dtype: DType::F32, sides: [8, 512], multiple: 8, calls: [1, 1], reps: 2 };
-}
-
-/// One convolution: its seconds per call at a map of `side`² pixels (a 3-D one over `frames`
-/// output frames), `calls` back to back, and the multiply-adds of a call.
-fn conv_call(
-    timing: &Timing,
-    &(kernel, align, cin, cout): &([usize; 3], usize, usize, usize),
-    (side, frames): (usize, usize),
-    calls: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let [kt, k, _] = kernel;
-    let frames = if kt > 1 { frames } else { 1 };
-    let (device, dtype) = (timing.device, timing.dtype);
-    let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
-    let w = on(uniform(vec![cout, cin, kt, k, k], 2)?.mul_scalar(0.05)?)?;
-    let b = uniform(vec![cout], 3)?.to_device(&device)?;
-    let seconds = if kt > 1 {
-        let x = on(uniform(vec![1, cin, frames + kt - 1, side, side], 1)?)?;
-        let p = k / 2;
-        let params = Conv3dParams::new([1, 1, 1], [0, 0, p, p, p, p]).band_aligned(align);
-        per_call(device, calls, timing.reps, || Ok(x.conv3d(&w, Some(&b), &params)?))?
-    } else {
-        let x = on(uniform(vec![1, cin, side, side], 1)?)?;
-        let w = w.reshape(vec![cout, cin, k, k])?;
-        let params = Conv2dParams::same(k).band_aligned(align);
-        per_call(device, calls, timing.reps, || Ok(x.conv2d(&w, Some(&b), &params)?))?
-    };
-    Ok((seconds, (cin * cout * kernel.iter().product::<usize>() * frames * side * side) as f64))
-}
-
-/// The side of a square map on which a convolution does about `budget` multiply-adds (a 3-D
-/// one over `frames` output frames), within `least..=most`, rounded up to a multiple of
-/// `multiple` (on the CPU 8, so that every band alignment divides it).
-fn side_for(
-    &(kernel, _, cin, cout): &([usize; 3], usize, usize, usize),
-    budget: f64,
-    frames: usize,
-    [least, most]: [usize; 2],
-    multiple: usize,
-) -> usize {
-    let frames = if kernel[0] > 1 { frames as f64 } else { 1.0 };
-    let per_pixel = (cin * cout * kernel.iter().product::<usize>()) as f64;
-    let least = least.max(multiple);
-    ((budget / per_pixel / frames).sqrt() as usize).clamp(least, most.max(least)).next_multiple_of(multiple)
-}
-
 /// The small map's side for a large map of `side`: a quarter, rounded up to a multiple of
 /// `multiple` (and at least that).
 fn small_side(side: usize, multiple: usize) -> usize {
@@ -194,7 +125,7 @@ fn fit(large: (f64, f64), small: (f64, f64)) -> (f64, f64) {
 /// enough to be timed (a 3-D one over 4 output frames) and one with a sixteenth of its pixels
 /// (and one output frame: the video decoders' widest convolutions run on one latent frame a
 /// call): `t = call + macs / rate` through both.
-fn conv_rate(timing: &Timing, shape: &([usize; 3], usize, usize, usize), budget: f64) -> anyhow::Result<ConvRate> {
+fn conv_rate(timing: &Timing, shape: &ConvShape, budget: f64) -> anyhow::Result<ConvRate> {
     let &(kernel, align, cin, cout) = shape;
     let side = side_for(shape, budget, 4, timing.sides, timing.multiple);
     let large = conv_call(timing, shape, (side, 4), timing.calls[0])?;
@@ -215,16 +146,13 @@ fn conv_rate(timing: &Timing, shape: &([usize; 3], usize, usize, usize), budget:
 /// per call (a distinct side each): its times, and its rate and fixed cost from the smallest
 /// and the largest map (for shapes and readers that use the line). Also each timed map's side
 /// and seconds.
-fn cpu_conv_times(
-    shape: &([usize; 3], usize, usize, usize),
-    levels: &[f64],
-) -> anyhow::Result<(ConvRate, Vec<(usize, f64)>)> {
+fn cpu_conv_times(shape: &ConvShape, levels: &[f64]) -> anyhow::Result<(ConvRate, Vec<(usize, f64)>)> {
     let &(kernel, align, cin, cout) = shape;
     let timing = &Timing::CPU;
     let mut sides: Vec<usize> =
         levels.iter().map(|&budget| side_for(shape, budget, 1, timing.sides, timing.multiple)).collect();
     sides.dedup();
-    let timed = sides.iter().map(|&side| conv_call(timing, shape, (side, 1), 1)).collect::<anyhow::Result<Vec<_>>>()?;
+    let timed = sides.iter().map(|&side| conv_call(timing, shape, (side, 1), 1)).collect::<Result<Vec<_>, _>>()?;
     let (first, last) = (timed[0], timed[timed.len() - 1]);
     let (rate, call) = if timed.len() > 1 { fit(last, first) } else { (last.1 / last.0, 0.0) };
     // One size (a shape so large that every level is the least side) is a rate, not a curve.
@@ -362,17 +290,12 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
 
     // GroupNorm + SiLU: bytes read and written.
     let side = (if args.quick { 128 } else { 256 } / args.downscale).max(8);
-    let map = uniform(vec![1, 128, side, side], 4)?;
-    let (gamma, beta) = (uniform(vec![128], 5)?, uniform(vec![128], 6)?);
-    let seconds = one.install(|| per_call(Device::Cpu, 1, 2, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?)))?;
-    let elementwise_gbps = 2.0 * (map.dims().iter().product::<usize>() * 4) as f64 / seconds / 1e9;
+    let elementwise_gbps = one.install(|| norm_silu_gbps(&Timing::CPU, side, 1))?;
     eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
 
     // Attention over a 32×32 (64×64) map of 512 channels.
     let n = (if args.quick { 1024 } else { 4096 } / down as usize).max(64);
-    let q = uniform(vec![1, n, 512], 7)?;
-    let seconds = one.install(|| per_call(Device::Cpu, 1, 1, || Ok(Tensor::attention(&q, &q, &q)?)))?;
-    let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
+    let attention_gmacs = one.install(|| attention_gmacs(&Timing { reps: 1, ..Timing::CPU }, n, 1))?;
     eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
 
     // What a 3×3 Winograd F(4×4) convolution holds beyond its output and what the model counts
@@ -415,28 +338,6 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
     })
 }
 
-/// Seconds per call of `f` on `device` when `calls` run back to back (as a decode queues
-/// them) and the device is waited for once: the best of `reps` such batches after one
-/// untimed call. The outputs live until the wait, so that no buffer is reused early.
-fn per_call<T>(
-    device: Device,
-    calls: usize,
-    reps: usize,
-    mut f: impl FnMut() -> anyhow::Result<T>,
-) -> anyhow::Result<f64> {
-    drop(f()?);
-    synchronize(device)?;
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
-        let t = Instant::now();
-        let outs = (0..calls).map(|_| f()).collect::<anyhow::Result<Vec<T>>>()?;
-        synchronize(device)?;
-        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
-        drop(outs);
-    }
-    Ok(best)
-}
-
 /// Calls back to back per timed batch on a GPU: `n`, or one in a downscaled run, which only
 /// checks that the command works.
 fn calls(downscale: usize, n: usize) -> usize {
@@ -468,12 +369,8 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
 
     // GroupNorm + SiLU over a large map: bytes read and written.
     let side = (if args.quick { 512 } else { 1024 } / args.downscale).max(8);
-    let map = on(uniform(vec![1, 128, side, side], 4)?)?;
-    let (gamma, beta) = (uniform(vec![128], 5)?.to_device(&device)?, uniform(vec![128], 6)?.to_device(&device)?);
-    let seconds = per_call(device, calls(4), reps, || Ok(map.group_norm_silu(32, &gamma, &beta, 1e-6)?))?;
-    let elementwise_gbps = 2.0 * (map.dims().iter().product::<usize>() * elem) as f64 / seconds / 1e9;
+    let elementwise_gbps = norm_silu_gbps(&timing, side, calls(4))?;
     eprintln!("  group norm + SiLU: {elementwise_gbps:.1} GB/s");
-    drop(map);
 
     // A small op's fixed cost: SiLU over 8 Ki elements, many back to back.
     let tiny = on(uniform(vec![1, 32, 16, 16], 7)?)?;
@@ -482,11 +379,8 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
 
     // Attention over a 64×64 map of 512 channels (96×96 unless --quick).
     let n = (if args.quick { 4096 } else { 9216 } / down as usize).max(64);
-    let q = on(uniform(vec![1, n, 512], 8)?)?;
-    let seconds = per_call(device, calls(2), reps, || Ok(Tensor::attention(&q, &q, &q)?))?;
-    let attention_gmacs = 2.0 * (n * n * 512) as f64 / seconds / 1e9;
+    let attention_gmacs = attention_gmacs(&timing, n, calls(2))?;
     eprintln!("  attention: {attention_gmacs:.1} GMAC/s");
-    drop(q);
 
     // A 3×3 convolution's device scratch beyond its output, its padded channels-last input
     // and its reordered weights.
@@ -530,48 +424,4 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
         link_gbps,
         conv_scratch_bytes,
     })
-}
-
-/// Two local ranks: the mean of 200 barriers (latency) and an all-gather of 32 MiB each way
-/// (bandwidth).
-fn link() -> anyhow::Result<(f64, f64)> {
-    let results = run_local(2, TransportConfig::default(), |comm| -> anyhow::Result<(f64, f64)> {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let rounds = 200;
-        let t = Instant::now();
-        for _ in 0..rounds {
-            comm.barrier()?;
-        }
-        let latency_us = t.elapsed().as_secs_f64() / rounds as f64 * 1e6;
-        let data = vec![1.0f32; 8 << 20];
-        let mut gathered = Vec::new();
-        comm.all_gather_into(&data, &mut gathered)?;
-        let t = Instant::now();
-        comm.all_gather_into(&data, &mut gathered)?;
-        let gbps = (data.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9;
-        Ok((latency_us, gbps))
-    })?;
-    let mut out = (0.0f64, f64::INFINITY);
-    for r in results {
-        let (l, g) = r.map_err(|panic| anyhow::anyhow!("a rank panicked: {panic}"))??;
-        out = (out.0.max(l), out.1.min(g));
-    }
-    Ok(out)
-}
-
-/// The CPU's model name and the SIMD features the kernels choose from.
-fn cpu_name() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split(':').nth(1)))
-        .map_or("unknown CPU".to_string(), |m| m.trim().to_string());
-    let flags: Vec<&str> = info
-        .lines()
-        .find_map(|l| l.strip_prefix("flags").and_then(|r| r.split(':').nth(1)))
-        .map(|f| {
-            f.split_whitespace().filter(|f| ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"].contains(f)).collect()
-        })
-        .unwrap_or_default();
-    format!("{model} ({})", flags.join(", "))
 }

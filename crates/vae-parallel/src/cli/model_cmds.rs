@@ -181,15 +181,11 @@ impl ParallelArgs {
             // Only the first configuration takes effect; later calls in one process change nothing.
             let _ = vae_parallel::init(vae_parallel::Config::default().threads(n).map_large_allocations(false));
         }
-        let profile = cost::load_profile(settings.profile.as_deref())?;
-        let threads = settings.threads.unwrap_or_else(rayon::current_num_threads);
-        let placement = cost::placement(profile.kind, settings.transport, threads, settings.ranks, None);
         Ok(Resolved {
             model: self.model.clone(),
             group: GroupArgs { ranks: settings.ranks, transport: settings.transport, rank: None, master_addr: None },
             report: self.report.clone(),
             config: self.config.clone(),
-            cost: CostSettings { profile, placement },
             settings,
         })
     }
@@ -204,11 +200,19 @@ pub(crate) struct Resolved {
     report: Option<PathBuf>,
     /// The `--config` file, if any.
     config: Option<PathBuf>,
-    /// The cost model's settings for `plan` (requests derive their own from their group).
-    pub(crate) cost: CostSettings,
 }
 
 impl Resolved {
+    /// The cost model's settings for `plan` (requests derive their own from their group): the
+    /// profile (`--profile`, else the calibrated one, else this CPU's probed constants, probed
+    /// first where no cache holds them) and the request's ranks placed on this host's cores.
+    pub(crate) fn cost_settings(&self) -> anyhow::Result<CostSettings> {
+        let profile = cost::load_profile(self.settings.profile.as_deref())?;
+        let threads = self.settings.threads.unwrap_or_else(rayon::current_num_threads);
+        let placement = cost::placement(profile.kind, self.settings.transport, threads, self.settings.ranks, None);
+        Ok(CostSettings { profile, placement })
+    }
+
     /// The model directory.
     pub(crate) fn model_dir(&self) -> &Path {
         &self.model

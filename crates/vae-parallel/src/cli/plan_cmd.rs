@@ -57,28 +57,31 @@ struct Measured {
 
 /// `vae-parallel plan`.
 pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
-    let mut r = args.parallel.resolve()?;
+    let r = args.parallel.resolve()?;
     if let Some(n) = args.ranks_per_host {
         anyhow::ensure!(n >= 1, "--ranks-per-host must be at least 1");
         anyhow::ensure!(!args.measure, "--measure runs the ranks on this host: leave --ranks-per-host out");
-        r.cost.placement = vae_parallel::planner::cost::Placement {
-            threads_per_rank: r.cost.profile.threads as f64,
-            ranks_per_host: n,
-            threads_alone: r.cost.profile.threads as f64,
-        };
     }
     let dims = crate::parse_shape(&args.shape, "a comma-separated list of sizes")?;
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
+    let mut cost = r.cost_settings()?;
+    if let Some(n) = args.ranks_per_host {
+        cost.placement = vae_parallel::planner::cost::Placement {
+            threads_per_rank: cost.profile.threads as f64,
+            ranks_per_host: n,
+            threads_alone: cost.profile.threads as f64,
+        };
+    }
     let direction = if args.encode { Direction::Encode } else { Direction::Decode };
     let vae = r.load_vae_on(r.settings.device)?;
     let model = vae.model();
     let ranks = r.settings.parallel_size;
     let options = r.options();
-    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, options.tiling, &r.cost) else {
+    let Some(candidates) = cost::candidates(model, direction, &dims, ranks, options.tiling, &cost) else {
         anyhow::bail!("{} has no cost model for an input of {dims:?}", model.class_name());
     };
     anyhow::ensure!(!candidates.is_empty(), "no strategy is modelled for an input of {dims:?} on {ranks} rank(s)");
-    let profile = &r.cost.profile;
+    let profile = &cost.profile;
     println!("model     {} ({})", r.model_dir().display(), model.class_name());
     println!("request   {} {dims:?} on {ranks} rank(s)", if args.encode { "encode" } else { "decode" });
     println!("profile   {} [{}]", profile.device, profile.source);
@@ -93,9 +96,9 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     match profile.kind {
         DeviceKind::Cpu => println!(
             "threads   {:.2} per rank, {} rank(s) sharing {} core(s)",
-            r.cost.placement.threads_per_rank, r.cost.placement.ranks_per_host, profile.cores
+            cost.placement.threads_per_rank, cost.placement.ranks_per_host, profile.cores
         ),
-        DeviceKind::Cuda => println!("gpus      {} rank(s) sharing each GPU", r.cost.placement.ranks_per_host),
+        DeviceKind::Cuda => println!("gpus      {} rank(s) sharing each GPU", cost.placement.ranks_per_host),
     }
     if let Some(cap) = options.max_memory_per_rank {
         println!("cap       {} per rank", vae_parallel::report::human_bytes(cap));

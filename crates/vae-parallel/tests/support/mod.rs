@@ -14,11 +14,13 @@ pub fn cli(args: &[&str]) -> (bool, String) {
 /// [`cli`] with extra environment variables.
 pub fn cli_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     // A profile `calibrate` wrote under the developer's config must not change what the
-    // tests see: the built-in constants, unless a test names a profile.
+    // tests see: the built-in constants (not probed), unless a test names a profile or
+    // overrides this.
     let config_home = std::env::temp_dir().join(format!("vae-parallel-tests-config-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
         .args(args)
         .env("XDG_CONFIG_HOME", &config_home)
+        .env("VAE_COST_PROBE", "0")
         .envs(env.iter().copied())
         .output()
         .expect("run vae-parallel");
