@@ -435,8 +435,9 @@ impl Group {
 /// included) aborts the group with its reason.
 fn on_rank<R>(comm: &Arc<dyn Communicator>, body: &(impl Fn(&Arc<dyn Communicator>) -> Result<R> + Sync)) -> Result<R> {
     let rank = comm.rank();
-    let result = std::panic::catch_unwind(AssertUnwindSafe(|| body(comm)))
-        .unwrap_or_else(|payload| Err(Error::Panicked { rank, message: panic_message(payload.as_ref()) }));
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| body(comm))).unwrap_or_else(|payload| {
+        Err(Error::Panicked { rank, message: vae_transport::panic_message(payload.as_ref()) })
+    });
     if let Err(err) = &result
         && !err.known_to_all_ranks()
     {
@@ -477,15 +478,4 @@ fn rank_work(vae: &Vae, request: &Request<'_>, comm: &Arc<dyn Communicator>) -> 
         )
     });
     Ok(Finished { output: out.tensor, report, peak_bytes: 0 })
-}
-
-/// The message of a panic payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_string()
-    }
 }

@@ -58,7 +58,7 @@ pub fn check_world_size(size: usize) -> Result<()> {
 }
 pub use auth::GroupSecret;
 pub use error::{Result, TransportError};
-pub use local::{LocalComm, local_group, run_local};
+pub use local::{LocalComm, local_group, panic_message, run_local};
 pub use mailbox::{Mailbox, Parcel};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, nccl_available};

@@ -437,12 +437,7 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     if args.stream {
         return decode_streamed(args, &r);
     }
-    check_output_path(&args.out, &io::DECODED_EXTENSIONS)?;
-    r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
-    if args.fps == 0 {
-        bail!("--fps must be at least 1");
-    }
-    let group = match r.ranks()?.group()? {
+    let group = match prepare_decode(args, &r, &io::DECODED_EXTENSIONS)? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
@@ -463,6 +458,18 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
     print_done("decode", Done { report, staged, seconds }, r.report.as_deref())
 }
 
+/// Before any work, what a decode refuses (an output it cannot write as `extensions` say, one
+/// that would overwrite an input, a frame rate of 0); then the ranks: the group, or the end of a
+/// supervisor whose rank processes ran the command.
+fn prepare_decode(args: &DecodeArgs, r: &Resolved, extensions: &[&str]) -> anyhow::Result<Result<Group, ExitCode>> {
+    check_output_path(&args.out, extensions)?;
+    r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
+    if args.fps == 0 {
+        bail!("--fps must be at least 1");
+    }
+    r.ranks()?.group()
+}
+
 /// The frame sink of a rank other than the owner's, which the group never calls.
 struct NoFrames;
 
@@ -481,12 +488,7 @@ impl FrameSink for NoFrames {
 fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> {
     use vae_parallel::runtime::OnOwnThread;
     use vae_parallel::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
-    check_output_path(&args.out, &STREAMED_EXTENSIONS)?;
-    r.refuse_overwriting(&args.out, ("--latent", &args.latent))?;
-    if args.fps == 0 {
-        bail!("--fps must be at least 1");
-    }
-    let group = match r.ranks()?.group()? {
+    let group = match prepare_decode(args, r, &STREAMED_EXTENSIONS)? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
