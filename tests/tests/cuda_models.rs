@@ -404,7 +404,7 @@ fn on_cuda_auto_keeps_the_family_rules_and_a_memory_cap_is_refused() {
         let (strategy, predicted, refused) = r.unwrap();
         assert_eq!(strategy, "tile");
         assert!(predicted.is_none());
-        assert!(matches!(refused, Error::Cost(CostError::NoModel { .. })), "{refused}");
+        assert!(matches!(refused, Error::Refused(CostError::NoModel { .. })), "{refused}");
         assert!(refused.to_string().contains("on cuda"), "{refused}");
     }
 }

@@ -28,7 +28,8 @@ use vae_parallel::models::Direction;
 use vae_parallel::report::RequestReport;
 use vae_parallel::settings::Settings;
 use vae_parallel::{
-    CancelToken, Decode, Device, Encode, EncodeOutput, Group, Options, ParallelMode, Request, Tensor, Tiling, Vae,
+    CancelToken, Decode, Device, Encode, EncodeOutput, FrameSink, Group, Options, ParallelMode, Request, Tensor,
+    Tiling, Vae,
 };
 
 use crate::errors::{
@@ -289,6 +290,19 @@ impl PyVae {
     }
 }
 
+/// The frame sink of a socket rank other than the owner's, which the group never calls.
+struct NoFrames;
+
+impl FrameSink for NoFrames {
+    fn begin(&mut self, _dims: &[usize]) -> Result<(), vae_parallel::SinkError> {
+        Ok(())
+    }
+
+    fn frames(&mut self, _first: usize, _run: Tensor) -> Result<(), vae_parallel::SinkError> {
+        Ok(())
+    }
+}
+
 /// A host tensor as a float32 numpy array of its shape that owns the tensor's memory (no
 /// copy), or (for a torch input) a float32 torch tensor on the input's device (sharing that
 /// memory on the CPU).
@@ -381,34 +395,36 @@ impl PyVae {
         }
         drop(StreamedOutput::new(&path, fps).map_err(io_error)?);
         let owner = self.group.rank() == 0;
-        if owner {
-            vae_parallel::output::check_writable(&path).map_err(io_error)?;
-        }
         let latent = input(z)?;
         let decode = Decode::default().with_options(self.options(mode, use_tiling, latents_normalized)?);
         let z = &latent.tensor;
-        // The owner's frames go to the files on a thread of their own; a socket rank other than
-        // 0 is never handed any.
-        let mut sink = OnOwnThread::start(StreamedOutput::new(&path, fps).map_err(io_error)?, 1)
-            .map_err(|e| ExecutionError::new_err(e.to_string()))?;
+        // The owner's frames go to the files, written on a thread of their own. Only the owner
+        // checks where they go: when it cannot write there, it aborts a group of processes with
+        // the reason, so that the other ranks, which will make the request, fail with it rather
+        // than wait for a rank that never joins.
+        let owner_sink = || -> PyResult<OnOwnThread<StreamedOutput>> {
+            vae_parallel::output::check_writable(&path).map_err(io_error)?;
+            OnOwnThread::start(StreamedOutput::new(&path, fps).map_err(io_error)?, 1)
+                .map_err(|e| ExecutionError::new_err(e.to_string()))
+        };
+        let mut sink = match owner {
+            true => Some(owner_sink().inspect_err(|e| self.group.abort(&e.to_string()))?),
+            false => None,
+        };
+        let mut elsewhere = NoFrames;
         let token = CancelToken::new();
         let finished = {
-            let sink = &mut sink;
-            interrupt::run(py, &self.group, &self.vae, |t| Request::decode_to(z, &decode, sink).cancel_on(t), &token)
+            let frames: &mut (dyn FrameSink + Send) = match sink.as_mut() {
+                Some(sink) => sink,
+                None => &mut elsewhere,
+            };
+            interrupt::run(py, &self.group, &self.vae, |t| Request::decode_to(z, &decode, frames).cancel_on(t), &token)
         };
-        let finished = match finished {
-            Ok(finished) => finished,
-            Err(e) => {
-                // Nothing is written: the staged files go with the sink.
-                drop(sink);
-                return Err(e);
-            }
-        };
+        // On a failure nothing is written: the staged files go with the sink.
+        let finished = finished?;
         self.keep_report(py, finished.report)?;
+        let Some(sink) = sink else { return Ok(Vec::new()) };
         let written = sink.finish().map_err(|e| ExecutionError::new_err(message(&e.to_string())))?;
-        if !owner {
-            return Ok(Vec::new());
-        }
         let staged = written.finish().map_err(io_error)?;
         py.detach(|| staged.commit()).map_err(io_error)
     }

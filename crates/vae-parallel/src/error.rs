@@ -79,9 +79,14 @@ pub enum Error {
     /// The model could not be loaded, or refused the request.
     #[error(transparent)]
     Model(ModelError),
-    /// The cost model refused the request, or its settings are invalid.
+    /// The cost model's settings are invalid, or (outside a request's agreement) it found
+    /// nothing that fits.
     #[error(transparent)]
     Cost(#[from] CostError),
+    /// The group refused the request, every rank alike, on rank 0's word: nothing fits the
+    /// memory cap, or there is no cost model for the cap. The group stays usable.
+    #[error(transparent)]
+    Refused(CostError),
     /// The distributed run failed.
     #[error(transparent)]
     Runtime(RuntimeError),
@@ -155,12 +160,16 @@ impl Error {
     /// What kind of failure this is.
     pub fn kind(&self) -> ErrorKind {
         match self {
+            // A device that cannot be used, or an element type it cannot compute in.
+            Self::Model(ModelError::Tensor(
+                vae_tensor::TensorError::DeviceUnavailable { .. } | vae_tensor::TensorError::UnsupportedDType { .. },
+            )) => ErrorKind::Unsupported,
             Self::Model(ModelError::InvalidInput(_) | ModelError::Tensor(_)) => ErrorKind::InvalidInput,
             Self::Model(ModelError::Unsupported(_)) => ErrorKind::Unsupported,
             Self::Model(ModelError::Sink(_)) => ErrorKind::Execution,
             Self::Model(_) => ErrorKind::Model,
             Self::Cost(CostError::Profile { .. } | CostError::Size { .. }) => ErrorKind::InvalidOption,
-            Self::Cost(_) => ErrorKind::Unsupported,
+            Self::Cost(_) | Self::Refused(_) => ErrorKind::Unsupported,
             Self::Runtime(RuntimeError::Config(_)) => ErrorKind::InvalidOption,
             Self::Runtime(RuntimeError::InputMismatch { .. }) => ErrorKind::InvalidInput,
             // A model's refusal inside the executor reaches every rank with its kind; any other
@@ -194,8 +203,8 @@ impl Error {
         match self {
             Self::Runtime(r) => r.is_agreed() || matches!(r, RuntimeError::Transport(_)),
             Self::Transport(_) => true,
-            // The cost model's refusals are rank 0's decision, broadcast to every rank.
-            Self::Cost(c) => !matches!(c, CostError::Profile { .. } | CostError::Size { .. }),
+            // Rank 0's decision, broadcast to every rank.
+            Self::Refused(_) => true,
             Self::OnRank { source, .. } => source.known_to_all_ranks(),
             _ => false,
         }

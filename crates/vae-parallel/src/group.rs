@@ -36,6 +36,8 @@ pub struct CancelToken(Arc<CancelState>);
 #[derive(Default)]
 struct CancelState {
     reason: Mutex<Option<String>>,
+    /// The communicators of the request in flight; emptied when it ends, so that a late
+    /// cancel (a client that leaves after its answer) aborts nothing.
     comms: Mutex<Vec<Arc<dyn Communicator>>>,
 }
 
@@ -63,6 +65,17 @@ impl CancelToken {
     /// Whether [`Self::cancel`] was called.
     pub fn is_cancelled(&self) -> bool {
         self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// The reason given to [`Self::cancel`], if it was called.
+    pub fn reason(&self) -> Option<String> {
+        self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The request ended: its communicators are let go, and a cancel from now on aborts
+    /// nothing (a group of processes outlives a request that finished).
+    fn release(&self) {
+        self.0.comms.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// A rank's communicator of the request, aborted at once if the token was cancelled.
@@ -156,8 +169,11 @@ enum Ranks {
 }
 
 /// The ranks requests run on: local threads, or this process as one rank of a group of
-/// processes. Requests run one at a time, in the order they are made; the same [`Vae`] serves
-/// every rank of a local group.
+/// processes. Requests run one at a time (calls from several threads wait for the one in
+/// flight; a request must not be made from inside [`Group::run_on_ranks`]'s body, which holds
+/// the group); the same [`Vae`] serves every rank of a local group. On an NCCL group a rank's
+/// abort reaches only itself (NCCL has no abort across ranks): a failure on one rank that the
+/// others cannot know of leaves them waiting until their collective times out.
 ///
 /// ```
 /// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");
@@ -373,9 +389,54 @@ impl Group {
         {
             return Err(Error::Runtime(vae_runtime::RuntimeError::Transport(vae_transport::TransportError::Aborted {
                 rank: self.rank(),
-                reason: token.0.reason.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default(),
+                reason: token.reason().unwrap_or_default(),
             })));
         }
+        let result = self.run_prepared(vae, |prepared| self.run_request(vae, prepared), &request);
+        if let Some(token) = request.cancel {
+            token.release();
+        }
+        result
+    }
+
+    /// What every rank would refuse alike (an invalid option, a mode the model cannot run, a
+    /// latent the pipeline's normalisation does not fit) is refused here, before any collective:
+    /// each process of a group refuses the same request on its own, and the group stays usable.
+    /// The pipeline's normalisation is undone once, here, for every local rank.
+    fn run_prepared(
+        &self,
+        vae: &Vae,
+        run: impl FnOnce(&Request<'_>) -> Result<Finished>,
+        request: &Request<'_>,
+    ) -> Result<Finished> {
+        let options = request.options();
+        options.validate()?;
+        vae.check_mode(options.mode)?;
+        if let Work::Encode(_, encode) = &request.work {
+            encode.validate()?;
+        }
+        let (latent, decode) = match &request.work {
+            Work::Decode(z, o) | Work::DecodeTo(z, o, _) if o.latents_normalized => {
+                let mut plain = (*o).clone();
+                plain.latents_normalized = false;
+                (vae.denormalize(z)?, plain)
+            }
+            _ => return run(request),
+        };
+        let work = match &request.work {
+            Work::DecodeTo(_, _, sink) => {
+                // The caller's sink, its trait object's lifetime shortened to the new request's.
+                let sink = sink.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let sink = sink.map(|s| -> &mut (dyn FrameSink + Send) { s });
+                Work::DecodeTo(&latent, &decode, Mutex::new(sink))
+            }
+            _ => Work::Decode(&latent, &decode),
+        };
+        run(&Request { work, cancel: request.cancel, progress: request.progress.clone() })
+    }
+
+    /// The request on every rank, its output checked on a local group.
+    fn run_request(&self, vae: &Vae, request: &Request<'_>) -> Result<Finished> {
         let progress = request.progress.clone();
         let finished = self.run_on_ranks(|comm| {
             if let Some(token) = request.cancel {
@@ -384,7 +445,7 @@ impl Group {
             let _progress = progress.clone().filter(|_| comm.rank() == 0).map(ProgressScope::enter);
             vae_tensor::memory::reset_peak();
             let before = vae_tensor::memory::live_bytes();
-            let finished = rank_work(vae, &request, comm)?;
+            let finished = rank_work(vae, request, comm)?;
             let peak_bytes = vae_tensor::memory::peak_bytes().saturating_sub(before) as u64;
             Ok(Finished { peak_bytes, ..finished })
         })?;
@@ -392,6 +453,17 @@ impl Group {
             return Err(Error::Runtime(vae_runtime::RuntimeError::Protocol("the owner received no output".into())));
         }
         Ok(finished)
+    }
+
+    /// Aborts a group of processes with `reason`: every other rank's pending or next collective
+    /// fails naming this rank and the reason, and the group serves no more requests. For a
+    /// process that cannot take part in a request the others make (it failed to load the model,
+    /// to read the input): better than leaving them waiting. Nothing for a local group, whose
+    /// ranks start with each request.
+    pub fn abort(&self, reason: &str) {
+        if let Ranks::Joined(comm) = &self.ranks {
+            comm.abort(reason);
+        }
     }
 
     /// Runs `body` on every rank with the rank's communicator, under the group's rules: one at

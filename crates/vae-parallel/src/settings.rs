@@ -150,8 +150,8 @@ impl Settings {
     }
 
     /// Every setting parsed and checked, defaults filled in. A CUDA device that cannot be used
-    /// resolves to the CPU, with the reason in [`Resolved::device_fallback`] (and a warning in
-    /// the log); the element type is checked against the device that resolves.
+    /// resolves to the CPU, with the reason in [`Resolved::device_fallback`] for the caller to
+    /// say; the element type is checked against the device that resolves.
     pub fn resolve(&self) -> Result<Resolved> {
         let parallel_size = self.vae_patch_parallel_size.unwrap_or(1);
         if parallel_size == 0 {
@@ -171,10 +171,8 @@ impl Settings {
         }
         let transport: TransportKind = self.transport.as_deref().unwrap_or("local").parse()?;
         let requested = parse_device(self.device.as_deref().unwrap_or("cpu"))?;
+        // Why the device cannot be used goes back to the caller, which says it its own way.
         let (device, device_fallback) = vae_tensor::cuda::resolve_device(requested);
-        if let Some(why) = &device_fallback {
-            tracing::warn!("`device` {requested}: {why}");
-        }
         let (dtype, tf32) = parse_dtype(self.dtype.as_deref().unwrap_or("f32"), device)?;
         let ranks = self.ranks.unwrap_or(parallel_size);
         if ranks == 0 {

@@ -339,6 +339,11 @@ impl Vae {
         Ok(Some(with_reason(out, choice, predicted)))
     }
 
+    /// Latents as the family's diffusion pipeline produces them → latents the VAE decodes.
+    pub(crate) fn denormalize(&self, z: &Tensor) -> Result<Tensor> {
+        Ok(self.model.denormalize_latents(z)?)
+    }
+
     /// The latent a decode request gives the VAE (after checking the request's mode): as given,
     /// or with the pipeline's normalisation undone (kept in `slot`).
     fn decoder_input<'a>(
@@ -427,21 +432,30 @@ impl Vae {
     ) -> Result<(StrategyChoice, bool, Option<Predicted>)> {
         let ranks = executor.parallel_size();
         let model = self.model.as_ref();
-        // Only rank 0's choice counts (it is broadcast); the other ranks' predictions need not
-        // wait for a probe.
-        let decides = options.mode == ParallelMode::Auto && executor.communicator().rank() == 0;
-        let settings = self.cost_settings(executor, decides);
+        // Only rank 0's choice counts (it is broadcast), and only a choice between two strategies
+        // or more needs this CPU's constants: the other ranks' predictions, and a request with
+        // one candidate (the memory constants are the built-in ones either way), need not wait
+        // for a probe.
+        let mut settings = self.cost_settings(executor, false);
+        if options.mode == ParallelMode::Auto && executor.communicator().rank() == 0 {
+            let choices = settings
+                .as_ref()
+                .and_then(|s| cost::candidates(model, direction, dims, ranks, options.tiling, s))
+                .map_or(0, |c| c.len());
+            if choices > 1 {
+                settings = self.cost_settings(executor, true);
+            }
+        }
         let cap = options.max_memory_per_rank;
         let human_bytes = crate::report::human_bytes;
         let no_model = || -> Error {
-            match &self.profile {
-                None => cost::CostError::NoProfile.into(),
+            Error::Cost(match &self.profile {
+                None => cost::CostError::NoProfile,
                 Some(_) => cost::CostError::NoModel {
                     class: format!("{} on {}", model.class_name(), model.device()),
                     dims: dims.to_vec(),
-                }
-                .into(),
-            }
+                },
+            })
         };
         if options.mode == ParallelMode::Auto {
             // What this rank would run: the cost model's choice, a refusal, or the family's rules
@@ -462,8 +476,13 @@ impl Vae {
                 Err(_) => Decision::Refuse,
             };
             match agree_on_choice(executor, mine)? {
-                // Every rank refuses this request alike (a cost error): the group stays usable.
-                Decision::Refuse => return Err(local.err().unwrap_or_else(|| cost::CostError::RefusedByOwner.into())),
+                // Every rank refuses this request alike: the group stays usable.
+                Decision::Refuse => {
+                    return Err(Error::Refused(match local {
+                        Err(Error::Cost(e)) => e,
+                        _ => cost::CostError::RefusedByOwner,
+                    }));
+                }
                 Decision::Rules => {}
                 Decision::Run(strategy, tiling) => {
                     let prediction = candidates.as_deref().and_then(|all| cost::prediction_of(all, strategy, tiling));
@@ -483,9 +502,14 @@ impl Vae {
             // Refused alike on every rank, as rank 0 decides.
             let mine = if settings.is_none() { Decision::Refuse } else { Decision::Rules };
             if agree_on_choice(executor, mine)? == Decision::Refuse {
-                return Err(if settings.is_none() { no_model() } else { cost::CostError::RefusedByOwner.into() });
+                return Err(Error::Refused(match (settings.is_none(), no_model()) {
+                    (true, Error::Cost(e)) => e,
+                    _ => cost::CostError::RefusedByOwner,
+                }));
             }
-            tracing::warn!(mode = %options.mode, "`max_memory_per_rank` applies to `vae_parallel_mode` auto; ignored");
+            if executor.communicator().rank() == 0 {
+                tracing::warn!(mode = %options.mode, "`max_memory_per_rank` applies to `vae_parallel_mode` auto; ignored");
+            }
         }
         let choice = with_grid(model.strategy(direction, options.mode, dims, ranks), options);
         let (choice, use_tiling) = follow_tiling(choice, options, ranks, direction);
@@ -531,6 +555,12 @@ fn follow_tiling(
         }
         Tiling::On if options.mode == ParallelMode::Auto && choice.strategy != Strategy::Tile => {
             choice = StrategyChoice::chosen(Strategy::Tile, "auto: tiled pixels asked for (`vae_use_tiling`); tiles");
+        }
+        // A named shard or pipeline has no tiles: the untiled pixels, though tiled ones were asked.
+        Tiling::On if choice.strategy != Strategy::Tile => {
+            choice.reason =
+                format!("{}; untiled pixels, though tiling is on (a {} has no tiles)", choice.reason, options.mode);
+            choice.fallback = true;
         }
         _ => {}
     }

@@ -116,3 +116,37 @@ fn a_group_of_zero_ranks_is_an_invalid_option() {
     assert_eq!(err.kind(), ErrorKind::InvalidOption);
     assert_eq!(err.to_string(), "`ranks` must be at least 1");
 }
+
+/// Two ranks of a group of processes (threads here, each holding its own `Group` made from its
+/// communicator, as two processes would): what every rank refuses alike leaves the group
+/// usable, and so does a cancel that comes after its request ended.
+#[test]
+fn refusals_and_late_cancels_leave_a_group_of_processes_usable() {
+    use std::sync::Arc;
+
+    use vae_parallel::ParallelMode;
+    use vae_parallel::transport::{TransportConfig, run_local};
+
+    let vae = Vae::load(support::fixtures().join("sd_like")).unwrap();
+    let latent = Tensor::seeded_uniform([1, 4, 12, 16], 5, -1.0, 1.0, &Device::Cpu).unwrap();
+    let results = run_local(2, TransportConfig::default(), |comm| {
+        let group = Group::from_communicator(Arc::new(comm));
+        // An image VAE has no pipeline: refused by each rank on its own, nothing aborted.
+        let piped = group.decode(&vae, &latent, &Decode::default().mode(ParallelMode::Pipeline)).unwrap_err();
+        assert_eq!(piped.kind(), ErrorKind::Unsupported, "{piped}");
+        let mut grid = Decode::default().mode(ParallelMode::Tile);
+        grid.shard_grid = Some([0, 2]);
+        assert_eq!(group.decode(&vae, &latent, &grid).unwrap_err().kind(), ErrorKind::InvalidOption);
+        // A request that finished, then its token cancelled (a client that left after its answer).
+        let token = CancelToken::new();
+        group.run(&vae, Request::decode(&latent, &Decode::default()).cancel_on(&token)).unwrap();
+        token.cancel("the client went away");
+        // The group still serves requests.
+        let image = group.decode(&vae, &latent, &Decode::default().mode(ParallelMode::SpatialShardHeight)).unwrap();
+        assert!(group.failure().is_none());
+        image.map(|t| t.dims().to_vec())
+    })
+    .unwrap();
+    assert_eq!(results[0].as_ref().unwrap().as_deref(), Some(&[1, 3, 96, 128][..]));
+    assert!(results[1].as_ref().unwrap().is_none(), "the pixels go to the owner");
+}

@@ -265,7 +265,9 @@ impl Resolved {
         if let Some(latent) =
             latent.filter(|_| !group.is_local() && self.settings.options.mode == ParallelMode::Pipeline)
         {
-            match vae.keep_only_pipeline_stage(latent.dims(), self.settings.parallel_size, group.rank()) {
+            // The stages of the ranks that compute: the parallel size, at most the group.
+            let stages = self.settings.parallel_size.min(group.size());
+            match vae.keep_only_pipeline_stage(latent.dims(), stages, group.rank()) {
                 Ok(steps) => {
                     tracing::debug!(rank = group.rank(), ?steps, "this process keeps one pipeline stage's weights")
                 }
@@ -442,8 +444,11 @@ pub fn decode(args: &DecodeArgs) -> anyhow::Result<ExitCode> {
         Err(supervised) => return Ok(supervised),
     };
     let started = Instant::now();
-    let latent = io::read_tensor(&args.latent)?;
-    let vae = r.load_vae(&group, Some(&latent))?;
+    let (latent, vae) = or_abort(&group, || {
+        let latent = io::read_tensor(&args.latent)?;
+        let vae = r.load_vae(&group, Some(&latent))?;
+        Ok((latent, vae))
+    })?;
     let decode = Decode::default().with_options(r.options());
     let progress = ProgressDisplay::start("decoding", "frame", group.rank() == 0);
     let finished = group.run(&vae, Request::decode(&latent, &decode).progress(progress.sink()))?;
@@ -468,6 +473,13 @@ fn prepare_decode(args: &DecodeArgs, r: &Resolved, extensions: &[&str]) -> anyho
         bail!("--fps must be at least 1");
     }
     r.ranks()?.group()
+}
+
+/// `prepare`'s result; on a failure this process's rank aborts its group of processes with the
+/// reason first, so that the other ranks, already in the request, fail naming it rather than
+/// waiting for a rank that left.
+fn or_abort<T>(group: &Group, prepare: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    prepare().inspect_err(|e| group.abort(&crate::error_text(e)))
 }
 
 /// The frame sink of a rank other than the owner's, which the group never calls.
@@ -496,8 +508,11 @@ fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> 
         bail!("--report is written for a streamed decode over several ranks, not on one rank yet");
     }
     let started = Instant::now();
-    let latent = io::read_tensor(&args.latent)?;
-    let vae = r.load_vae(&group, Some(&latent))?;
+    let (latent, vae) = or_abort(&group, || {
+        let latent = io::read_tensor(&args.latent)?;
+        let vae = r.load_vae(&group, Some(&latent))?;
+        Ok((latent, vae))
+    })?;
     let decode = Decode::default().with_options(r.options());
     // Only the owner writes (it checked the path and --fps before any rank started), on a
     // thread of its own: frame t is written while frame t + 1 decodes.
@@ -550,11 +565,7 @@ pub fn encode(args: &EncodeArgs) -> anyhow::Result<ExitCode> {
         Err(supervised) => return Ok(supervised),
     };
     let started = Instant::now();
-    let vae = r.load_vae(&group, None)?;
-    let image = match args.input.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
-        Some("png") => io::read_png(&args.input)?,
-        _ => io::read_tensor(&args.input)?,
-    };
+    let (vae, image) = or_abort(&group, || Ok((r.load_vae(&group, None)?, io::read_image(&args.input)?)))?;
     let encode = Encode::default().with_options(r.options()).output(output);
     let progress = ProgressDisplay::start("encoding", "chunk", group.rank() == 0);
     let finished = group.run(&vae, Request::encode(&image, &encode).progress(progress.sink()))?;
