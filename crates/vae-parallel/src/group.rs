@@ -147,6 +147,7 @@ impl<'a> Request<'a> {
 
 /// What a request leaves on this process.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct Finished {
     /// The output on the ranks it goes to (the owner, rank 0, or every rank as the request's
     /// placement says; on a local group, rank 0's); `None` on a rank it does not go to, and

@@ -241,6 +241,7 @@ macro_rules! option_setters {
 /// assert_eq!(blocks.mode, ParallelMode::SpatialShard2d);
 /// ```
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct Decode {
     /// The shared options.
     pub options: Options,
@@ -250,6 +251,7 @@ option_setters!(Decode);
 
 /// The options of an encode: pixels to latents.
 #[derive(Debug, Clone, PartialEq, Default)]
+#[non_exhaustive]
 pub struct Encode {
     /// The shared options.
     pub options: Options,
