@@ -119,17 +119,24 @@ fn chunks(data: &[u8], size: usize, count: usize) -> Result<std::slice::ChunksEx
 
 fn read_safetensors(path: &Path) -> Result<Tensor, IoError> {
     let bytes = std::fs::read(path).map_err(os_err(path))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format_err(path, e.to_string()))?;
+    parse_safetensors(&bytes).map_err(|m| format_err(path, m))
+}
+
+/// The one tensor of a `.safetensors` file's bytes in memory (as [`read_tensor`] reads the file).
+pub fn safetensors_from_bytes(bytes: &[u8]) -> Result<Tensor, IoError> {
+    parse_safetensors(bytes).map_err(IoError::Malformed)
+}
+
+fn parse_safetensors(bytes: &[u8]) -> Result<Tensor, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
     let names = st.names();
     let [name] = names.as_slice() else {
-        return Err(format_err(path, format!("expected exactly one tensor, found {}", names.len())));
+        return Err(format!("expected exactly one tensor, found {}", names.len()));
     };
-    let view = st.tensor(name).map_err(|e| format_err(path, e.to_string()))?;
+    let view = st.tensor(name).map_err(|e| e.to_string())?;
     Tensor::from_safetensors_view(&view).map_err(|e| match e {
-        SafetensorsError::NotFloat { dtype } => {
-            format_err(path, format!("tensor {name:?} is {dtype:?}, expected a float type"))
-        }
-        SafetensorsError::Tensor(e) => format_err(path, e.to_string()),
+        SafetensorsError::NotFloat { dtype } => format!("tensor {name:?} is {dtype:?}, expected a float type"),
+        SafetensorsError::Tensor(e) => e.to_string(),
     })
 }
 

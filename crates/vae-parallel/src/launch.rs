@@ -201,8 +201,9 @@ pub fn launch_processes(ranks: usize, args: &[OsString], grace: Duration) -> Res
 }
 
 /// Makes the process `cmd` starts end with the supervisor: killed by the kernel when the
-/// supervisor dies, however it dies (Linux's parent-death signal; elsewhere nothing).
-fn die_with_parent(cmd: &mut Command) -> &mut Command {
+/// supervisor dies, however it dies (Linux's parent-death signal; elsewhere nothing). For a
+/// program that starts rank processes of its own (the CLI's service relaunches its ranks).
+pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;

@@ -32,3 +32,4 @@ __all__ = [
     "read_image",
     "save",
 ]
+from .client import Client, ServiceError  # noqa: E402,F401  (the HTTP client of `vae-parallel serve`)

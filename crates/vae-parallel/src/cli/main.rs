@@ -12,6 +12,7 @@ mod model_cmds;
 mod plan_cmd;
 mod progress_bar;
 mod ranks;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -49,6 +50,9 @@ enum Command {
     /// attention and link rates) and write them as a TOML profile; `--device cuda` measures a
     /// GPU in `--dtype` (an error without a usable one).
     Calibrate(calibrate::CalibrateArgs),
+    /// Serve decodes and encodes over HTTP: the group and every model's weights stay loaded
+    /// between requests (docs/serving.md).
+    Serve(serve::ServeArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -90,6 +94,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => model_cmds::inspect(&args),
         Command::Plan(args) => plan_cmd::plan(&args),
         Command::Calibrate(args) => calibrate::calibrate(&args),
+        Command::Serve(args) => serve::serve(&args),
         Command::Bench(which) => bench::run(&which),
         Command::Devices => devices(),
     };

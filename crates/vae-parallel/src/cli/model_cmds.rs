@@ -28,6 +28,17 @@ pub struct ParallelArgs {
     /// A diffusers VAE directory (`config.json` + safetensors weights).
     #[arg(long)]
     model: PathBuf,
+    #[command(flatten)]
+    flags: ParallelFlags,
+    /// Also write the per-rank report to this file: an SVG plot of every rank's phases for a
+    /// `.svg` name, JSON otherwise.
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+/// The group's and the requests' settings as flags: `decode`, `encode` and `serve` take the same.
+#[derive(Debug, Clone, Args)]
+pub struct ParallelFlags {
     /// Ranks that execute tiles (the reference's `vae_patch_parallel_size`); also the number
     /// of ranks started, unless --ranks says otherwise.
     #[arg(long)]
@@ -128,15 +139,11 @@ pub struct ParallelArgs {
     /// TOML file with any of the settings above.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Also write the per-rank report to this file: an SVG plot of every rank's phases for a
-    /// `.svg` name, JSON otherwise.
-    #[arg(long)]
-    report: Option<PathBuf>,
 }
 
-impl ParallelArgs {
+impl ParallelFlags {
     /// The flags given, by their settings' names.
-    fn flags(&self) -> Settings {
+    pub(crate) fn flags(&self) -> Settings {
         Settings {
             vae_patch_parallel_size: self.vae_patch_parallel_size,
             vae_parallel_mode: self.vae_parallel_mode.clone(),
@@ -167,8 +174,9 @@ impl ParallelArgs {
     }
 
     /// Flags over the config file over defaults, resolved by the library (which refuses what
-    /// Python and Rust callers would be refused, in the same words).
-    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
+    /// Python and Rust callers would be refused, in the same words); a CUDA device that cannot be
+    /// used is said once, here.
+    pub(crate) fn settings(&self) -> anyhow::Result<settings::Resolved> {
         let file = match &self.config {
             Some(path) => Settings::from_toml_file(path)?,
             None => Settings::default(),
@@ -181,11 +189,25 @@ impl ParallelArgs {
             // Only the first configuration takes effect; later calls in one process change nothing.
             let _ = vae_parallel::init(vae_parallel::Config::default().threads(n).map_large_allocations(false));
         }
+        Ok(settings)
+    }
+
+    /// The `--config` file, if any.
+    pub(crate) fn config(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+}
+
+impl ParallelArgs {
+    /// Flags over the config file over defaults, resolved by the library (which refuses what
+    /// Python and Rust callers would be refused, in the same words).
+    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
+        let settings = self.flags.settings()?;
         Ok(Resolved {
             model: self.model.clone(),
             group: GroupArgs { ranks: settings.ranks, transport: settings.transport, rank: None, master_addr: None },
             report: self.report.clone(),
-            config: self.config.clone(),
+            config: self.flags.config.clone(),
             settings,
         })
     }

@@ -1,0 +1,285 @@
+//! The group's thread: the service's one place that runs requests. Requests wait in a bounded
+//! queue in arrival order and run one at a time on the group (every rank runs each whole
+//! request; the group holds one request at a time). A request whose client left before it
+//! started is dropped; one whose client leaves while it runs is cancelled at the next tile,
+//! frame or collective. After a rank fails the group is rebuilt before the next request (the
+//! ranks this service launched are started again); an idle group of processes gets a heartbeat
+//! so that its collectives stay within their timeout and a rank that died is found.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use vae_parallel::settings::Settings;
+use vae_parallel::{CancelToken, Error, FrameSink, Group, Request, RequestReport, SinkError, Tensor, Vae, io};
+
+use super::metrics::Metrics;
+use super::ranks::ServiceGroup;
+use super::spec::{Frame, Kind, RequestOptions};
+
+/// How often an idle group of processes is sent a heartbeat.
+const HEARTBEAT: Duration = Duration::from_secs(30);
+
+/// What a request leaves: its output and report, or the library's error.
+pub enum Outcome {
+    /// It ran.
+    Done {
+        /// The output (none for a streamed decode, whose frames went to the stream).
+        output: Option<Tensor>,
+        /// Every rank's part, when the group made one.
+        report: Option<RequestReport>,
+        /// How long it waited in the queue.
+        queued: Duration,
+        /// How long it ran.
+        ran: Duration,
+    },
+    /// It failed (or was refused, or its client left).
+    Failed(Error),
+    /// The group could not run it: the ranks failed and could not be replaced.
+    Unavailable(String),
+}
+
+/// One request on its way to the group.
+pub struct Job {
+    /// Decode or encode.
+    pub kind: Kind,
+    /// Its options (the model by name).
+    pub options: RequestOptions,
+    /// The input tensor.
+    pub input: Tensor,
+    /// Where a streamed decode's frames go, as `.npy` chunks; `None`: the whole output.
+    pub stream: Option<mpsc::Sender<Vec<u8>>>,
+    /// Cancelled when the client leaves.
+    pub cancel: CancelToken,
+    /// The answer.
+    pub reply: oneshot::Sender<Outcome>,
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// The handle the HTTP side holds: the queue into the group's thread.
+#[derive(Clone)]
+pub struct Engine {
+    queue: SyncSender<Job>,
+    /// The service's counters.
+    pub metrics: Arc<Metrics>,
+    /// Whether the group can take requests (`/readyz`).
+    pub ready: Arc<AtomicBool>,
+    /// Set when the service stops: the group's thread answers what still waits, stops the
+    /// group (no rank left behind) and ends.
+    pub stop: Arc<AtomicBool>,
+}
+
+impl Engine {
+    /// Queues `job`; gives it back when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), Job> {
+        self.metrics.queued.fetch_add(1, Ordering::Relaxed);
+        match self.queue.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
+                self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+                Err(job)
+            }
+        }
+    }
+}
+
+/// Starts the group's thread on `group` with `models`; a queue of `capacity` requests waits
+/// for it. The thread ends, stopping the group, when every [`Engine`] is dropped.
+pub fn start(
+    group: ServiceGroup,
+    models: Arc<Vec<(String, Vae)>>,
+    base: Settings,
+    capacity: usize,
+) -> (Engine, std::thread::JoinHandle<()>) {
+    let (queue, jobs) = std::sync::mpsc::sync_channel(capacity);
+    let metrics = Arc::new(Metrics::default());
+    let ready = Arc::new(AtomicBool::new(true));
+    let stop = Arc::new(AtomicBool::new(false));
+    let engine = Engine { queue, metrics: Arc::clone(&metrics), ready: Arc::clone(&ready), stop: Arc::clone(&stop) };
+    let thread = std::thread::Builder::new()
+        .name("vae-group".into())
+        .spawn(move || group_thread(group, &models, &base, jobs, &metrics, &ready, &stop))
+        .expect("starting the group's thread");
+    (engine, thread)
+}
+
+fn group_thread(
+    mut group: ServiceGroup,
+    models: &[(String, Vae)],
+    base: &Settings,
+    jobs: Receiver<Job>,
+    metrics: &Metrics,
+    ready: &AtomicBool,
+    stop: &AtomicBool,
+) {
+    let mut last_sent = Instant::now();
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            // What still waits is answered, never dropped silently.
+            while let Ok(job) = jobs.try_recv() {
+                metrics.queued.fetch_sub(1, Ordering::Relaxed);
+                let _ = job.reply.send(Outcome::Unavailable("the service is stopping".into()));
+            }
+            break;
+        }
+        let job = match jobs.recv_timeout(Duration::from_millis(200)) {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                if last_sent.elapsed() >= HEARTBEAT {
+                    if group.failure().is_none() {
+                        let _ = group.broadcast(&Frame::Heartbeat, None);
+                    }
+                    last_sent = Instant::now();
+                    heal(&mut group, metrics, ready);
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
+        last_sent = Instant::now();
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        // A client that left while its request waited: nothing to run.
+        if job.cancel.is_cancelled() {
+            let reason = job.cancel.reason().unwrap_or_default();
+            let _ = job.reply.send(Outcome::Failed(Error::invalid_option(reason)));
+            continue;
+        }
+        heal(&mut group, metrics, ready);
+        if !ready.load(Ordering::Relaxed) {
+            let why = group.failure().unwrap_or_else(|| "the group is down".into());
+            let _ = job.reply.send(Outcome::Unavailable(why));
+            continue;
+        }
+        metrics.running.store(1, Ordering::Relaxed);
+        run_job(&group, models, base, job);
+        metrics.running.store(0, Ordering::Relaxed);
+        // A rank that died (or a cancel that aborted a group of processes) is replaced now,
+        // before the next request.
+        heal(&mut group, metrics, ready);
+    }
+    group.stop();
+}
+
+/// Rebuilds a failed group where it can (the time it took in the metrics); marks the service
+/// unready where it cannot.
+fn heal(group: &mut ServiceGroup, metrics: &Metrics, ready: &AtomicBool) {
+    let Some(why) = group.failure() else {
+        ready.store(true, Ordering::Relaxed);
+        return;
+    };
+    if !group.can_rebuild() {
+        if ready.swap(false, Ordering::Relaxed) {
+            tracing::error!("the group failed ({why}); its ranks were placed by the environment: not ready");
+        }
+        return;
+    }
+    tracing::warn!("the group failed ({why}): rebuilding it");
+    let started = Instant::now();
+    match group.rebuild() {
+        Ok(()) => {
+            let ms = started.elapsed().as_millis() as u64;
+            metrics.rebuilds.fetch_add(1, Ordering::Relaxed);
+            metrics.last_rebuild_ms.store(ms, Ordering::Relaxed);
+            tracing::warn!("the group was rebuilt in {ms} ms");
+            ready.store(true, Ordering::Relaxed);
+        }
+        Err(e) => {
+            tracing::error!("rebuilding the group failed: {e:#}");
+            ready.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Runs one job on the group and answers it.
+fn run_job(group: &ServiceGroup, models: &[(String, Vae)], base: &Settings, job: Job) {
+    let queued = job.arrived.elapsed();
+    let Some((_, vae)) = models.iter().find(|(name, _)| *name == job.options.model) else {
+        let _ =
+            job.reply.send(Outcome::Failed(Error::invalid_option(format!("unknown model {:?}", job.options.model))));
+        return;
+    };
+    let started = Instant::now();
+    let streamed = job.stream.is_some();
+    let frame = Frame::Run { kind: job.kind, options: job.options.clone(), streamed };
+    let result = group.broadcast(&frame, Some(&job.input)).and_then(|()| {
+        run_request(
+            &group.group,
+            vae,
+            base,
+            job.kind,
+            &job.options,
+            &job.input,
+            streamed,
+            job.stream,
+            Some(&job.cancel),
+        )
+    });
+    let outcome = match result {
+        Ok((output, report)) => Outcome::Done { output, report, queued, ran: started.elapsed() },
+        Err(err) => Outcome::Failed(err),
+    };
+    let _ = job.reply.send(outcome);
+}
+
+/// One request on `group` (every rank calls this with the same arguments, in the same order):
+/// the output on the owner, and its report.
+#[allow(clippy::too_many_arguments)]
+pub fn run_request(
+    group: &Group,
+    vae: &Vae,
+    base: &Settings,
+    kind: Kind,
+    options: &RequestOptions,
+    input: &Tensor,
+    streamed: bool,
+    stream: Option<mpsc::Sender<Vec<u8>>>,
+    cancel: Option<&CancelToken>,
+) -> vae_parallel::Result<(Option<Tensor>, Option<RequestReport>)> {
+    let finished = match kind {
+        Kind::Encode => {
+            let encode = options.encode(base)?;
+            let request = Request::encode(input, &encode);
+            group.run(vae, with_cancel(request, cancel))?
+        }
+        Kind::Decode if streamed => {
+            let decode = options.decode(base)?;
+            let mut sink = NpyChunks { to: stream };
+            let request = Request::decode_to(input, &decode, &mut sink);
+            group.run(vae, with_cancel(request, cancel))?
+        }
+        Kind::Decode => {
+            let decode = options.decode(base)?;
+            let request = Request::decode(input, &decode);
+            group.run(vae, with_cancel(request, cancel))?
+        }
+    };
+    Ok((finished.output, finished.report))
+}
+
+fn with_cancel<'a>(request: Request<'a>, cancel: Option<&'a CancelToken>) -> Request<'a> {
+    match cancel {
+        Some(token) => request.cancel_on(token),
+        None => request,
+    }
+}
+
+/// A streamed decode's sink: each run of frames as a `.npy` chunk on the way to the client
+/// (nothing on ranks other than the owner). A client that left fails the decode.
+struct NpyChunks {
+    to: Option<mpsc::Sender<Vec<u8>>>,
+}
+
+impl FrameSink for NpyChunks {
+    fn begin(&mut self, _dims: &[usize]) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    fn frames(&mut self, _first: usize, run: Tensor) -> Result<(), SinkError> {
+        let Some(to) = &self.to else { return Ok(()) };
+        let bytes = io::npy_bytes(&run)?;
+        to.blocking_send(bytes).map_err(|_| "the client disconnected".into())
+    }
+}

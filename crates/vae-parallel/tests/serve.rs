@@ -1,0 +1,400 @@
+//! `vae-parallel serve` end to end: the real binary on a loopback port, driven with curl. Every
+//! family's decode and encode equals the CLI's `.npy` bit for bit, a streamed decode equals the
+//! whole, bad input gets a 4xx with one line (and the next request succeeds), the trust rules
+//! hold, and a service over socket rank processes replaces a rank that died and leaves none
+//! behind when it stops.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const EXE: &str = env!("CARGO_BIN_EXE_vae-parallel");
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+/// (name, model dir, decode input, encode input) of one model per family.
+fn families() -> Vec<(&'static str, PathBuf, PathBuf, PathBuf)> {
+    let f = fixtures();
+    let one = |name, dir: &str, model: &str, decode: &str, encode: &str| {
+        let d = f.join(dir);
+        (name, d.join(model), d.join(format!("{model}.{decode}.in.npy")), d.join(format!("{model}.{encode}.in.npy")))
+    };
+    vec![
+        one("sd", "autoencoder_kl", "sd_like", "decode", "encode"),
+        one("flux2", "autoencoder_kl", "flux2_like", "decode", "encode"),
+        one("wan", "wan", "wan21_like", "decode_t3", "encode_f5"),
+        one("qwen", "qwen_image", "qwen_image_like", "decode_t3", "encode_f5"),
+        one("hv15", "hunyuan_video15", "hunyuan_video15_like", "decode_t3", "encode_f5"),
+        one("ltx", "ltx", "ltx_video_like", "decode_t3", "encode_f5"),
+    ]
+}
+
+/// A running service; stopped with SIGTERM when dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(args: &[String]) -> Server {
+        let mut child = Command::new(EXE)
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("VAE_COST_PROBE", "0")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the service");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let base = loop {
+            let line = lines.next().expect("the service exited before listening").unwrap();
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                break addr.to_string();
+            }
+        };
+        // Keep reading (and dropping) what it prints, so that it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, base }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// SIGTERM, then the exit status (within 30 s).
+    fn stop(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the service did not stop within 30 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// What curl received.
+struct Reply {
+    status: u16,
+    headers: String,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+    }
+
+    /// A refusal: the status, and a body of one line.
+    fn assert_refused(&self, status: u16, words: &str) {
+        let text = self.text();
+        assert_eq!(self.status, status, "{text}");
+        assert!(text.ends_with('\n') && text.trim_end().lines().count() == 1, "not one line: {text:?}");
+        assert!(text.contains(words), "{text:?} does not say {words:?}");
+    }
+}
+
+/// A request through curl: `options` in X-VAE-Options, `body` from a file.
+fn curl(url: &str, options: Option<&str>, body: Option<&Path>, extra: &[&str]) -> Reply {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, head) = (dir.path().join("body"), dir.path().join("headers"));
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "-o"]).arg(&out).arg("-D").arg(&head).args(["-w", "%{http_code}"]);
+    if let Some(options) = options {
+        cmd.args(["-H", &format!("X-VAE-Options: {options}")]);
+    }
+    if let Some(body) = body {
+        cmd.arg("--data-binary").arg(format!("@{}", body.display()));
+    }
+    cmd.args(extra).arg(url);
+    let done = cmd.output().expect("running curl");
+    let status = String::from_utf8_lossy(&done.stdout).trim().parse().unwrap_or(0);
+    Reply {
+        status,
+        headers: std::fs::read_to_string(&head).unwrap_or_default(),
+        body: std::fs::read(&out).unwrap_or_default(),
+    }
+}
+
+/// The CLI's answer: `decode`/`encode` of `input` with `flags`, the `--out` file's bytes.
+fn cli(command: &str, model: &Path, input: &Path, out_name: &str, flags: &[&str]) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join(out_name);
+    let input_flag = if command == "decode" { "--latent" } else { "--input" };
+    let done = Command::new(EXE)
+        .args([command, "--model"])
+        .arg(model)
+        .arg(input_flag)
+        .arg(input)
+        .arg("--out")
+        .arg(&out)
+        .args(flags)
+        .env("VAE_COST_PROBE", "0")
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    std::fs::read(&out).unwrap()
+}
+
+fn model_flags(models: &[(&str, PathBuf, PathBuf, PathBuf)]) -> Vec<String> {
+    models.iter().flat_map(|(name, dir, _, _)| ["--model".to_string(), format!("{name}={}", dir.display())]).collect()
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Splits a stream of `.npy` arrays into (shape, values).
+fn npy_chunks(mut bytes: &[u8]) -> Vec<(Vec<usize>, Vec<f32>)> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        assert_eq!(&bytes[..6], b"\x93NUMPY");
+        let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+        let header = std::str::from_utf8(&bytes[10..10 + header_len]).unwrap();
+        let shape_text = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+        let shape: Vec<usize> =
+            shape_text.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect();
+        let end = 10 + header_len + shape.iter().product::<usize>() * 4;
+        let tensor = vae_parallel::io::npy_from_bytes(&bytes[..end]).unwrap();
+        out.push((shape, tensor.to_vec_f32().unwrap()));
+        bytes = &bytes[end..];
+    }
+    out
+}
+
+#[test]
+fn every_familys_decode_and_encode_match_the_cli_bit_for_bit() {
+    let models = families();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--vae-patch-parallel-size", "2"]));
+    let server = Server::start(&args);
+    let flags = ["--vae-patch-parallel-size", "2"];
+    for (name, dir, decode_in, encode_in) in &models {
+        let options = format!(r#"{{"model":"{name}"}}"#);
+        let served = curl(&server.url("/v1/decode"), Some(&options), Some(decode_in), &[]);
+        assert_eq!(served.status, 200, "{name} decode: {}", served.text());
+        assert_eq!(
+            served.body,
+            cli("decode", dir, decode_in, "out.npy", &flags),
+            "{name}: decode differs from the CLI's"
+        );
+        let report: serde_json::Value = serde_json::from_str(&served.header("x-vae-report").unwrap()).unwrap();
+        assert!(report["strategy"].is_string() && report["ranks"].as_array().unwrap().len() == 2, "{report}");
+        let served = curl(&server.url("/v1/encode"), Some(&options), Some(encode_in), &[]);
+        assert_eq!(served.status, 200, "{name} encode: {}", served.text());
+        assert_eq!(
+            served.body,
+            cli("encode", dir, encode_in, "out.npy", &flags),
+            "{name}: encode differs from the CLI's"
+        );
+    }
+    // Moments, the same as the CLI's --output moments.
+    let (_, sd, _, sd_image) = &models[0];
+    let served = curl(&server.url("/v1/encode"), Some(r#"{"model":"sd","output":"moments"}"#), Some(sd_image), &[]);
+    assert_eq!(served.body, cli("encode", sd, sd_image, "m.npy", &[&flags[..], &["--output", "moments"]].concat()));
+    // A PNG answer is the CLI's PNG file.
+    let (_, _, sd_latent, _) = &models[0];
+    let png = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd","response":"png"}"#), Some(sd_latent), &[]);
+    assert_eq!(png.status, 200, "{}", png.text());
+    assert_eq!(png.header("content-type").as_deref(), Some("image/png"));
+    assert_eq!(png.body, cli("decode", sd, sd_latent, "out.png", &flags));
+    // The same latent as .safetensors gives the same pixels.
+    let latent = vae_parallel::io::read_npy(sd_latent).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let st = dir.path().join("z.safetensors");
+    let data: Vec<u8> = latent.to_vec_f32().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, latent.dims().to_vec(), &data).unwrap();
+    safetensors::serialize_to_file([("z", view)], None, &st).unwrap();
+    let from_st = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&st), &[]);
+    assert_eq!(from_st.body, cli("decode", sd, sd_latent, "out.npy", &flags));
+    // The models and the metrics say what was served.
+    let listed = curl(&server.url("/v1/models"), None, None, &[]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.body).unwrap();
+    assert_eq!(listed["models"].as_array().unwrap().len(), models.len());
+    let metrics = curl(&server.url("/metrics"), None, None, &[]).text();
+    assert!(metrics.contains(r#"vae_requests_total{model="sd",kind="decode",outcome="ok"} 3"#), "{metrics}");
+    assert!(metrics.contains("vae_last_request_peak_bytes{rank=\"1\"}"), "{metrics}");
+}
+
+#[test]
+fn a_streamed_decode_is_the_whole_decode_frame_by_frame() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "wan").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "spatial_shard_height"]));
+    let server = Server::start(&args);
+    let latent = &models[0].2;
+    let whole = curl(&server.url("/v1/decode"), Some(r#"{"model":"wan"}"#), Some(latent), &[]);
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    let streamed = curl(&server.url("/v1/decode"), Some(r#"{"model":"wan","response":"frames"}"#), Some(latent), &[]);
+    assert_eq!(streamed.status, 200, "{}", streamed.text());
+    assert_eq!(streamed.header("transfer-encoding").as_deref(), Some("chunked"));
+    let whole = npy_chunks(&whole.body).pop().unwrap();
+    let chunks = npy_chunks(&streamed.body);
+    assert!(chunks.len() > 1, "one chunk: nothing was streamed");
+    // Concatenated along the frames' axis, the runs are the whole decode, bit for bit.
+    let [b, c, t, h, w] = whole.0[..] else { panic!("{:?}", whole.0) };
+    let mut joined = vec![f32::NAN; whole.1.len()];
+    let mut first = 0;
+    for (shape, values) in &chunks {
+        let n = shape[2];
+        assert_eq!((shape[0], shape[1], shape[3], shape[4]), (b, c, h, w));
+        for (i, v) in values.iter().enumerate() {
+            let (bc, rest) = (i / (n * h * w), i % (n * h * w));
+            joined[bc * t * h * w + first * h * w + rest] = *v;
+        }
+        first += n;
+    }
+    assert_eq!(first, t);
+    assert!(joined.iter().zip(&whole.1).all(|(a, b)| a.to_bits() == b.to_bits()), "the streamed frames differ");
+}
+
+#[test]
+fn bad_input_gets_a_4xx_with_one_line_and_the_service_keeps_serving() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--max-body", "64K", "--token-file", token_file.to_str().unwrap()]));
+    let server = Server::start(&args);
+    let auth = ["-H", "Authorization: Bearer s3cret-token"];
+    let decode = server.url("/v1/decode");
+    let good_latent = &models[0].2;
+    let good = || {
+        let reply = curl(&decode, Some(r#"{"model":"sd"}"#), Some(good_latent), &auth);
+        assert_eq!(reply.status, 200, "the next request failed: {}", reply.text());
+    };
+    good();
+    let write = |name: &str, bytes: &[u8]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    };
+    let npy = |dims: &[usize], fill: f32| {
+        let t = vae_parallel::Tensor::from_vec(
+            vec![fill; dims.iter().product()],
+            dims.to_vec(),
+            &vae_parallel::Device::Cpu,
+        )
+        .unwrap();
+        vae_parallel::io::npy_bytes(&t).unwrap()
+    };
+    let good_bytes = std::fs::read(good_latent).unwrap();
+    let cases: Vec<(&str, Option<PathBuf>, &str, u16, &str, &[&str])> = vec![
+        (
+            "truncated npy",
+            Some(write("t.npy", &good_bytes[..good_bytes.len() - 7])),
+            r#"{"model":"sd"}"#,
+            422,
+            "",
+            &auth,
+        ),
+        ("wrong rank", Some(write("r.npy", &npy(&[4, 8, 8], 0.1))), r#"{"model":"sd"}"#, 422, "", &auth),
+        ("NaN", Some(write("n.npy", &npy(&[1, 4, 8, 8], f32::NAN))), r#"{"model":"sd"}"#, 422, "non-finite", &auth),
+        ("unknown model", Some(good_latent.clone()), r#"{"model":"/etc"}"#, 404, "unknown model", &auth),
+        ("oversized body", Some(write("big.npy", &npy(&[1, 4, 96, 96], 0.1))), r#"{"model":"sd"}"#, 413, "cap", &auth),
+        ("malformed JSON", Some(good_latent.clone()), r#"{"model":"sd""#, 400, "not valid options JSON", &auth),
+        ("unknown option", Some(good_latent.clone()), r#"{"model":"sd","ranks":8}"#, 400, "unknown field", &auth),
+        (
+            "bad mode",
+            Some(good_latent.clone()),
+            r#"{"model":"sd","vae_parallel_mode":"sideways"}"#,
+            400,
+            "`vae_parallel_mode`",
+            &auth,
+        ),
+        ("no options", Some(good_latent.clone()), "", 400, "X-VAE-Options", &auth),
+        ("missing token", Some(good_latent.clone()), r#"{"model":"sd"}"#, 401, "bearer token is required", &[]),
+        (
+            "wrong token",
+            Some(good_latent.clone()),
+            r#"{"model":"sd"}"#,
+            401,
+            "wrong",
+            &["-H", "Authorization: Bearer s3cret-tokeX"],
+        ),
+    ];
+    for (what, body, options, status, words, headers) in cases {
+        let options = (!options.is_empty()).then_some(options);
+        let reply = curl(&decode, options, body.as_deref(), headers);
+        assert_eq!(reply.status, status, "{what}: {}", reply.text());
+        reply.assert_refused(status, words);
+        good();
+    }
+    // The probes need no token; the rest does.
+    assert_eq!(curl(&server.url("/healthz"), None, None, &[]).status, 200);
+    assert_eq!(curl(&server.url("/readyz"), None, None, &[]).status, 200);
+    assert_eq!(curl(&server.url("/metrics"), None, None, &[]).status, 401);
+    let metrics = curl(&server.url("/metrics"), None, None, &auth).text();
+    assert!(metrics.contains(r#"outcome="invalid_input"}"#), "{metrics}");
+}
+
+#[test]
+fn a_reachable_address_without_a_token_is_refused_before_anything_loads() {
+    let done =
+        Command::new(EXE).args(["serve", "--listen", "0.0.0.0:0", "--model", "m=/nonexistent"]).output().unwrap();
+    assert!(!done.status.success());
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(stderr.contains("--token-file"), "{stderr}");
+}
+
+/// The pids of `parent`'s children.
+fn children(parent: u32) -> Vec<u32> {
+    let out = Command::new("pgrep").args(["-P", &parent.to_string()]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+#[test]
+fn socket_ranks_serve_the_same_bits_and_a_rank_that_dies_is_replaced() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--transport", "socket", "--ranks", "2", "--vae-patch-parallel-size", "2"]));
+    let mut server = Server::start(&args);
+    let (_, dir, latent, _) = &models[0];
+    let expected = cli("decode", dir, latent, "out.npy", &["--vae-patch-parallel-size", "2"]);
+    let decode = || curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(latent), &[]);
+    let first = decode();
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.body, expected);
+    assert!(first.header("x-vae-report").unwrap().contains(r#""backend":"socket""#));
+    // Rank 1 is killed: the service replaces it before the next request.
+    let ranks = children(server.child.id());
+    assert_eq!(ranks.len(), 1, "one launched rank process: {ranks:?}");
+    let _ = Command::new("kill").args(["-KILL", &ranks[0].to_string()]).status();
+    std::thread::sleep(Duration::from_millis(200));
+    let next = decode();
+    assert_eq!(next.status, 200, "{}", next.text());
+    assert_eq!(next.body, expected);
+    let relaunched = children(server.child.id());
+    assert_eq!(relaunched.len(), 1);
+    assert_ne!(relaunched, ranks);
+    let metrics = curl(&server.url("/metrics"), None, None, &[]).text();
+    assert!(metrics.contains("vae_group_rebuilds_total 1"), "{metrics}");
+    // SIGTERM: a clean exit, and no rank process left.
+    let status = server.stop();
+    assert!(status.success(), "{status:?}");
+    for pid in relaunched {
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank process {pid} was left behind");
+    }
+}
