@@ -301,7 +301,9 @@ fn bad_input_gets_a_4xx_with_one_line_and_the_service_keeps_serving() {
         vae_parallel::io::npy_bytes(&t).unwrap()
     };
     let good_bytes = std::fs::read(good_latent).unwrap();
-    let cases: Vec<(&str, Option<PathBuf>, &str, u16, &str, &[&str])> = vec![
+    // (what, body, options, status, words the line holds, extra curl arguments)
+    type Case<'a> = (&'a str, Option<PathBuf>, &'a str, u16, &'a str, &'a [&'a str]);
+    let cases: Vec<Case> = vec![
         (
             "truncated npy",
             Some(write("t.npy", &good_bytes[..good_bytes.len() - 7])),

@@ -44,6 +44,10 @@ pub enum BenchCommand {
     /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak (`--device cuda`
     /// without a usable GPU: the CPU, with a warning).
     Kernels(crate::kernel_bench::KernelBenchArgs),
+    /// A soak of a running `vae-parallel serve`: mixed requests from concurrent clients,
+    /// latency percentiles, throughput, the processes' RSS, every answer checked against its
+    /// case's first; `--kill-rank` then times the recovery from a rank killed mid-request.
+    Serve(crate::serve_bench::ServeBenchArgs),
 }
 
 /// Options of `bench shard`.
@@ -186,6 +190,7 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Encode(args) => one_rank(Task::Encode, &args.input, &args.common),
         BenchCommand::Shard(args) => shard(args),
         BenchCommand::Kernels(args) => crate::kernel_bench::run(args),
+        BenchCommand::Serve(args) => crate::serve_bench::run(args),
     }
 }
 

@@ -13,6 +13,7 @@ mod plan_cmd;
 mod progress_bar;
 mod ranks;
 mod serve;
+mod serve_bench;
 
 use std::process::ExitCode;
 

@@ -29,7 +29,7 @@ pub enum Outcome {
         /// The output (none for a streamed decode, whose frames went to the stream).
         output: Option<Tensor>,
         /// Every rank's part, when the group made one.
-        report: Option<RequestReport>,
+        report: Option<Box<RequestReport>>,
         /// How long it waited in the queue.
         queued: Duration,
         /// How long it ran.
@@ -59,6 +59,10 @@ pub struct Job {
     pub arrived: Instant,
 }
 
+/// A request refused because the queue is full.
+#[derive(Debug)]
+pub struct QueueFull;
+
 /// The handle the HTTP side holds: the queue into the group's thread.
 #[derive(Clone)]
 pub struct Engine {
@@ -73,14 +77,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Queues `job`; gives it back when the queue is full.
-    pub fn submit(&self, job: Job) -> Result<(), Job> {
+    /// Queues `job`; refuses it when the queue is full (or the group's thread has ended).
+    pub fn submit(&self, job: Job) -> Result<(), QueueFull> {
         self.metrics.queued.fetch_add(1, Ordering::Relaxed);
         match self.queue.try_send(job) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
-                Err(job)
+                Err(QueueFull)
             }
         }
     }
@@ -218,7 +222,7 @@ fn run_job(group: &ServiceGroup, models: &[(String, Vae)], base: &Settings, job:
         )
     });
     let outcome = match result {
-        Ok((output, report)) => Outcome::Done { output, report, queued, ran: started.elapsed() },
+        Ok((output, report)) => Outcome::Done { output, report: report.map(Box::new), queued, ran: started.elapsed() },
         Err(err) => Outcome::Failed(err),
     };
     let _ = job.reply.send(outcome);

@@ -370,7 +370,7 @@ async fn answered(
         }
     };
     let mut response = ([(header::CONTENT_TYPE, content_type)], bytes).into_response();
-    add_report(response.headers_mut(), report.as_ref(), queued, ran);
+    add_report(response.headers_mut(), report.as_deref(), queued, ran);
     Ok(response)
 }
 
