@@ -119,7 +119,8 @@ pub fn serve(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     engine.stop.store(true, Ordering::Relaxed);
     drop(app);
     let _ = thread.join();
-    runtime.shutdown_timeout(Duration::from_secs(1));
+    // The connections were drained (or given up on) above: nothing left to wait for.
+    runtime.shutdown_background();
     served?;
     Ok(ExitCode::SUCCESS)
 }
