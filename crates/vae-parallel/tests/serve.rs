@@ -400,3 +400,67 @@ fn socket_ranks_serve_the_same_bits_and_a_rank_that_dies_is_replaced() {
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank process {pid} was left behind");
     }
 }
+
+/// The number after `name` (a whole metric line's name and labels) in the exposition.
+fn metric(server: &Server, name: &str) -> f64 {
+    let text = curl(&server.url("/metrics"), None, None, &[]).text();
+    text.lines().find_map(|l| l.strip_prefix(name)?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+/// Polls until `metric` reaches `value` (10 s at most).
+fn wait_for(server: &Server, name: &str, value: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(server, name) != value {
+        assert!(Instant::now() < deadline, "{name} did not reach {value}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_request() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--queue", "1"]));
+    let server = Server::start(&args);
+    // A latent whose decode takes a while (a second or more here), so that requests overlap.
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.npy");
+    let latent =
+        vae_parallel::Tensor::seeded_uniform([1, 4, 80, 80], 3, -1.0, 1.0, &vae_parallel::Device::Cpu).unwrap();
+    vae_parallel::io::write_npy(&big, &latent).unwrap();
+    let spawn = |extra: &[&str]| {
+        let mut cmd = Command::new("curl");
+        cmd.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", r#"X-VAE-Options: {"model":"sd"}"#])
+            .arg("--data-binary")
+            .arg(format!("@{}", big.display()))
+            .args(extra)
+            .arg(server.url("/v1/decode"))
+            .stdout(Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let first_started = Instant::now();
+    let running = spawn(&[]);
+    wait_for(&server, "vae_requests_running", 1.0);
+    let queued = spawn(&[]);
+    wait_for(&server, "vae_queue_depth", 1.0);
+    // One running, one waiting: the queue of one is full.
+    let refused = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&big), &[]);
+    refused.assert_refused(429, "queue is full");
+    assert!(refused.header("retry-after").is_some_and(|s| s.parse::<u64>().unwrap() >= 1));
+    let out = running.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    // At least one whole decode of the latent (it ran alone).
+    let whole = first_started.elapsed();
+    let out = queued.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    // A client that gives up: its request is cancelled, counted, and the group is free at once.
+    let t = Instant::now();
+    let gone = spawn(&["--max-time", "0.3"]).wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&gone.stdout), "000");
+    wait_for(&server, r#"vae_requests_total{model="sd",kind="decode",outcome="cancelled"}"#, 1.0);
+    wait_for(&server, "vae_requests_running", 0.0);
+    // It stopped before a whole decode's time: cancelled, not run to its end.
+    assert!(t.elapsed() < whole, "the abandoned request ran {:?}, a whole decode {whole:?}", t.elapsed());
+    let small = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    assert_eq!(small.status, 200);
+}

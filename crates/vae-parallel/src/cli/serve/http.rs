@@ -185,12 +185,17 @@ struct CancelOnDrop {
     id: u64,
     token: CancelToken,
     armed: bool,
+    /// For the metrics: the request's model, kind and arrival.
+    model: String,
+    kind: Kind,
+    arrived: Instant,
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if self.armed {
             self.token.cancel("the client disconnected");
+            count(&self.app, &self.model, self.kind, "cancelled", self.arrived);
         }
         self.app.in_flight.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
     }
@@ -282,7 +287,15 @@ async fn admit(
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let token = CancelToken::new();
     app.in_flight.lock().unwrap_or_else(|e| e.into_inner()).insert(id, token.clone());
-    let mut guard = CancelOnDrop { app: Arc::clone(app), id, token: token.clone(), armed: true };
+    let mut guard = CancelOnDrop {
+        app: Arc::clone(app),
+        id,
+        token: token.clone(),
+        armed: true,
+        model: model.clone(),
+        kind,
+        arrived,
+    };
     let (reply, answer) = oneshot::channel();
     let streamed = kind == Kind::Decode && options.response == spec::Response::Frames;
     let (stream, chunks) = if streamed {
