@@ -326,6 +326,14 @@ fn bad_input_gets_a_4xx_with_one_line_and_the_service_keeps_serving() {
             "`vae_parallel_mode`",
             &auth,
         ),
+        (
+            "never fits the memory cap",
+            Some(good_latent.clone()),
+            r#"{"model":"sd","vae_parallel_mode":"auto","max_memory_per_rank":"1K"}"#,
+            422,
+            "the smallest predicted peak per rank",
+            &auth,
+        ),
         ("no options", Some(good_latent.clone()), "", 400, "X-VAE-Options", &auth),
         ("missing token", Some(good_latent.clone()), r#"{"model":"sd"}"#, 401, "bearer token is required", &[]),
         (
