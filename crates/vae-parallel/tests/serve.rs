@@ -472,3 +472,59 @@ fn a_full_queue_answers_429_and_a_client_that_leaves_cancels_its_request() {
     let small = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
     assert_eq!(small.status, 200);
 }
+
+#[test]
+fn ranks_placed_by_the_environment_that_die_make_the_service_unready() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let dir = tempfile::tempdir().unwrap();
+    let master = format!("unix:{}", dir.path().join("m.sock").display());
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--transport", "socket", "--ranks", "2", "--vae-patch-parallel-size", "2"]));
+    let env = |rank: &str| {
+        [("VAE_RANK", rank.to_string()), ("VAE_WORLD_SIZE", "2".into()), ("VAE_MASTER_ADDR", master.clone())]
+    };
+    let mut rank1 = Command::new(EXE)
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0"])
+        .args(&args)
+        .envs(env("1"))
+        .env("VAE_FAILURE_TIMEOUT_S", "1")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Rank 0 serves HTTP.
+    let server = {
+        let mut child = Command::new(EXE)
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(&args)
+            .envs(env("0"))
+            .env("VAE_FAILURE_TIMEOUT_S", "1")
+            .env("VAE_COST_PROBE", "0")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let base = loop {
+            let line = lines.next().expect("rank 0 exited before listening").unwrap();
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                break addr.to_string();
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, base }
+    };
+    let reply = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(curl(&server.url("/readyz"), None, None, &[]).status, 200);
+    rank1.kill().unwrap();
+    rank1.wait().unwrap();
+    // Unready within a few seconds, without a request to find it; requests are then refused.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while curl(&server.url("/readyz"), None, None, &[]).status != 503 {
+        assert!(Instant::now() < deadline, "/readyz stayed 200 after rank 1 died");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let refused = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    refused.assert_refused(503, "rank 1");
+}

@@ -132,6 +132,11 @@ fn group_thread(
         let job = match jobs.recv_timeout(Duration::from_millis(200)) {
             Ok(job) => job,
             Err(RecvTimeoutError::Timeout) => {
+                // A rank that died while the group was idle: replaced now (or the service made
+                // unready), not when the next request comes.
+                if group.failure().is_some() {
+                    heal(&mut group, metrics, ready);
+                }
                 if last_sent.elapsed() >= HEARTBEAT {
                     if group.failure().is_none() {
                         let _ = group.broadcast(&Frame::Heartbeat, None);
