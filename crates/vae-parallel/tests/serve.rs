@@ -267,6 +267,11 @@ fn a_streamed_decode_is_the_whole_decode_frame_by_frame() {
     }
     assert_eq!(first, t);
     assert!(joined.iter().zip(&whole.1).all(|(a, b)| a.to_bits() == b.to_bits()), "the streamed frames differ");
+    // A GIF answer is the CLI's GIF file.
+    let gif = curl(&server.url("/v1/decode"), Some(r#"{"model":"wan","response":"gif"}"#), Some(latent), &[]);
+    assert_eq!(gif.status, 200, "{}", gif.text());
+    let flags = ["--vae-patch-parallel-size", "2", "--vae-parallel-mode", "spatial_shard_height"];
+    assert_eq!(gif.body, cli("decode", &models[0].1, latent, "out.gif", &flags));
 }
 
 #[test]
