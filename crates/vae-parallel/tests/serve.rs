@@ -406,8 +406,29 @@ fn socket_ranks_serve_the_same_bits_and_a_rank_that_dies_is_replaced() {
     assert_ne!(relaunched, ranks);
     let metrics = curl(&server.url("/metrics"), None, None, &[]).text();
     assert!(metrics.contains("vae_group_rebuilds_total 1"), "{metrics}");
-    // SIGTERM: a clean exit, and no rank process left.
+    // SIGTERM under load: the request in flight finishes (200), then a clean exit and no rank
+    // process left.
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.npy");
+    let latent =
+        vae_parallel::Tensor::seeded_uniform([1, 4, 64, 64], 5, -1.0, 1.0, &vae_parallel::Device::Cpu).unwrap();
+    vae_parallel::io::write_npy(&big, &latent).unwrap();
+    let in_flight = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", r#"X-VAE-Options: {"model":"sd"}"#])
+        .arg("--data-binary")
+        .arg(format!("@{}", big.display()))
+        .arg(server.url("/v1/decode"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !curl(&server.url("/metrics"), None, None, &[]).text().contains("vae_requests_running 1") {
+        assert!(Instant::now() < deadline, "the request did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let status = server.stop();
+    let answered = in_flight.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&answered.stdout), "200", "the request in flight did not finish");
     assert!(status.success(), "{status:?}");
     for pid in relaunched {
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank process {pid} was left behind");
