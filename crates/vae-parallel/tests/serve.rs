@@ -554,3 +554,34 @@ fn ranks_placed_by_the_environment_that_die_make_the_service_unready() {
     let refused = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
     refused.assert_refused(503, "rank 1");
 }
+
+#[test]
+fn slow_and_idle_connections_time_out() {
+    use std::io::{Read, Write};
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--read-timeout-s", "1"]));
+    let server = Server::start(&args);
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    // What the server answers (and when) to a connection that sends `bytes` and then stalls.
+    let stall = |bytes: &[u8]| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t = Instant::now();
+        s.write_all(bytes).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        (t.elapsed(), String::from_utf8_lossy(&answer).into_owned())
+    };
+    let (idle, answer) = stall(b"");
+    assert!(idle < Duration::from_secs(5) && answer.is_empty(), "{idle:?} {answer:?}");
+    let (half, _) = stall(b"POST /v1/decode HTTP/1.1\r\nHost: x\r\n");
+    assert!(half < Duration::from_secs(5), "{half:?}");
+    let (slow, answer) = stall(
+        b"POST /v1/decode HTTP/1.1\r\nHost: x\r\nX-VAE-Options: {\"model\":\"sd\"}\r\nContent-Length: 1000\r\n\r\nabc",
+    );
+    assert!(slow < Duration::from_secs(5) && answer.starts_with("HTTP/1.1 408"), "{slow:?} {answer:?}");
+    // Still serving.
+    let reply = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    assert_eq!(reply.status, 200);
+}
