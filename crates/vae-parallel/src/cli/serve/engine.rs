@@ -153,7 +153,10 @@ fn group_thread(
         // A client that left while its request waited: nothing to run.
         if job.cancel.is_cancelled() {
             let reason = job.cancel.reason().unwrap_or_default();
-            let _ = job.reply.send(Outcome::Failed(Error::invalid_option(reason)));
+            let aborted = vae_parallel::transport::TransportError::Aborted { rank: 0, reason };
+            let _ = job
+                .reply
+                .send(Outcome::Failed(Error::Runtime(vae_parallel::runtime::RuntimeError::Transport(aborted))));
             continue;
         }
         heal(&mut group, metrics, ready);
