@@ -215,19 +215,13 @@ fn run_job(group: &ServiceGroup, models: &[(String, Vae)], base: &Settings, job:
     };
     let started = Instant::now();
     let streamed = job.stream.is_some();
+    // A cancel aborts a group of processes; ranks placed by the environment cannot be replaced,
+    // so there a request whose client left runs to its end (its frames dropped) rather than
+    // leave the service unready.
+    let cancel = group.can_rebuild().then_some(&job.cancel);
     let frame = Frame::Run { kind: job.kind, options: job.options.clone(), streamed };
     let result = group.broadcast(&frame, Some(&job.input)).and_then(|()| {
-        run_request(
-            &group.group,
-            vae,
-            base,
-            job.kind,
-            &job.options,
-            &job.input,
-            streamed,
-            job.stream,
-            Some(&job.cancel),
-        )
+        run_request(&group.group, vae, base, job.kind, &job.options, &job.input, streamed, job.stream, cancel)
     });
     let outcome = match result {
         Ok((output, report)) => Outcome::Done { output, report: report.map(Box::new), queued, ran: started.elapsed() },
@@ -258,7 +252,7 @@ pub fn run_request(
         }
         Kind::Decode if streamed => {
             let decode = options.decode(base)?;
-            let mut sink = NpyChunks { to: stream };
+            let mut sink = NpyChunks { to: stream, fail_when_gone: cancel.is_some() };
             let request = Request::decode_to(input, &decode, &mut sink);
             group.run(vae, with_cancel(request, cancel))?
         }
@@ -282,6 +276,9 @@ fn with_cancel<'a>(request: Request<'a>, cancel: Option<&'a CancelToken>) -> Req
 /// (nothing on ranks other than the owner). A client that left fails the decode.
 struct NpyChunks {
     to: Option<mpsc::Sender<Vec<u8>>>,
+    /// Whether a client that left fails the decode (else its frames are dropped: a group whose
+    /// ranks cannot be replaced must not be aborted).
+    fail_when_gone: bool,
 }
 
 impl FrameSink for NpyChunks {
@@ -292,6 +289,9 @@ impl FrameSink for NpyChunks {
     fn frames(&mut self, _first: usize, run: Tensor) -> Result<(), SinkError> {
         let Some(to) = &self.to else { return Ok(()) };
         let bytes = io::npy_bytes(&run)?;
-        to.blocking_send(bytes).map_err(|_| "the client disconnected".into())
+        match to.blocking_send(bytes) {
+            Err(_) if self.fail_when_gone => Err("the client disconnected".into()),
+            _ => Ok(()),
+        }
     }
 }
