@@ -225,7 +225,7 @@ impl Elem {
     /// # Safety
     /// `p` must point to a readable element of this type (any alignment).
     unsafe fn read(self, p: *const u8) -> f32 {
-        // SAFETY (each arm): the caller's contract; unaligned reads allow any alignment.
+        // SAFETY: the caller's contract, for every arm; unaligned reads allow any alignment.
         unsafe {
             match self {
                 Self::F32 => p.cast::<f32>().read_unaligned(),

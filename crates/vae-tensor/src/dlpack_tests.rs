@@ -170,7 +170,8 @@ fn refusals_are_typed_and_still_call_the_deleter_once() {
     let int32 = DLDataType { code: DL_INT, bits: 32, lanes: 1 };
     let lanes = DLDataType { code: DL_FLOAT, bits: 32, lanes: 2 };
     let cuda = DLDevice { device_type: DL_CUDA, device_id: 1 };
-    let cases: [(_, fn(&DlpackError) -> bool, &str); 4] = [
+    type Check = fn(&DlpackError) -> bool;
+    let cases: [(_, Check, &str); 4] = [
         (versioned(vec![0; 16], &[4], None, int32, HOST, 0, 1, 0), |e| matches!(e, DlpackError::DType(_)), "int32"),
         (versioned(vec![0; 32], &[4], None, lanes, HOST, 0, 1, 0), |e| matches!(e, DlpackError::DType(_)), "float32x2"),
         (versioned(vec![0; 16], &[4], None, F32, cuda, 0, 1, 0), |e| matches!(e, DlpackError::Device(_)), "cuda:1"),
