@@ -3,11 +3,15 @@
 //! processes joined over sockets, torchrun's way included), with the bits the CLI writes for the
 //! same model, input and options.
 //!
-//! Inputs are torch tensors (any device and float type: on the host in float32) or anything
-//! `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and layout,
-//! lists). A row-major float32 input on the CPU is read in place, not copied (so it must not be
-//! written while the request runs); any other is converted once. Results are float32 arrays of
-//! the same kind that own the decoder's memory, no copy (torch: on the input's device). The GIL is
+//! Inputs are read through DLPack ([`dlpack`]): any object with `__dlpack__` and
+//! `__dlpack_device__` on the host (NumPy ≥ 1.22 arrays, torch tensors, CuPy's and JAX's host
+//! arrays) of a float type; a torch tensor on a device is copied to the host by torch first (the
+//! requests compute on host tensors), a device tensor of another library is refused. Anything
+//! else `numpy.asarray(x, dtype=float32)` accepts (lists, older NumPy) goes through NumPy. A
+//! row-major float32 input is read in place, not copied (so it must not be written while the
+//! request runs); any other is converted once. Results are [`dlpack::DlpackTensor`]s that own
+//! the decoder's memory, adopted without a copy by `numpy.from_dlpack` (NumPy input, and the
+//! default) or `torch.from_dlpack` (torch input; then moved to the input's device). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the library's one-line messages (options named as the keywords).
 //!
