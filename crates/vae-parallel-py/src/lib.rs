@@ -3,17 +3,22 @@
 //! processes joined over sockets, torchrun's way included), with the bits the CLI writes for the
 //! same model, input and options.
 //!
-//! Inputs are torch tensors (any device and float type: on the host in float32) or anything
-//! `numpy.asarray(x, dtype=float32)` accepts (numpy arrays of any float type and layout,
-//! lists). A row-major float32 input on the CPU is read in place, not copied (so it must not be
-//! written while the request runs); any other is converted once. Results are float32 arrays of
-//! the same kind that own the decoder's memory, no copy (torch: on the input's device). The GIL is
+//! Inputs are read through DLPack ([`dlpack`]): any object with `__dlpack__` and
+//! `__dlpack_device__` on the host (NumPy ≥ 1.22 arrays, torch tensors, CuPy's and JAX's host
+//! arrays) of a float type; a torch tensor on a device is copied to the host by torch first (the
+//! requests compute on host tensors), a device tensor of another library is refused. Anything
+//! else `numpy.asarray(x, dtype=float32)` accepts (lists, older NumPy) goes through NumPy. A
+//! row-major float32 input is read in place, not copied (so it must not be written while the
+//! request runs); any other is converted once. Results are [`dlpack::DlpackTensor`]s that own
+//! the decoder's memory, adopted without a copy by `numpy.from_dlpack` (NumPy input, and the
+//! default) or `torch.from_dlpack` (torch input; then moved to the input's device). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the library's one-line messages (options named as the keywords).
 //!
 //! This crate is the bindings only: loading, resolving the keywords, running a request on a
 //! group and its errors are the `vae-parallel` library's ([`Vae`], [`Settings`], [`Group`]).
 
+mod dlpack;
 mod errors;
 mod interrupt;
 
@@ -21,7 +26,7 @@ use std::any::Any;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use numpy::{IntoPyArray, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vae_parallel::models::Direction;
@@ -210,27 +215,43 @@ fn is_torch_tensor(x: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(ty.module()?.to_cow()?.starts_with("torch") && ty.name()?.to_cow()? == "Tensor")
 }
 
-/// `x` as a host tensor: a torch tensor is detached and moved to the CPU in float32 first (no
-/// copy when it is there already); anything else goes through
-/// `numpy.asarray(x, dtype=float32)`; a row-major result is read in place.
+/// `x` as a host f32 tensor. A DLPack producer on the host (NumPy ≥ 1.22, torch, CuPy's and
+/// JAX's host arrays, ...) is read through DLPack ([`dlpack::read`]): f32 in row-major order in
+/// place, other float types and layouts converted once. A torch tensor is detached first, and
+/// one on a device is copied to the host by torch (the requests compute on host tensors); a
+/// device tensor of any other library is an `InputError`. Anything else (lists, NumPy before
+/// 1.22, read-only arrays NumPy before 2.1 will not export) goes through
+/// `numpy.asarray(x, dtype=float32)`, a row-major result read in place.
 fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
     let py = x.py();
-    let (array, torch_device) = if is_torch_tensor(x)? {
-        let torch = py.import("torch")?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("dtype", torch.getattr("float32")?)?;
-        let host = x.call_method0("detach")?.call_method1("cpu", ())?.call_method("to", (), Some(&kwargs))?;
-        (host.call_method0("numpy")?, Some(x.getattr("device")?))
-    } else {
-        (x.clone(), None)
-    };
+    let torch = is_torch_tensor(x)?;
+    let torch_device = if torch { Some(x.getattr("device")?) } else { None };
+    // A tensor that requires grad exports nothing: its values, detached.
+    let x = if torch { x.call_method0("detach")? } else { x.clone() };
+    match dlpack::read(&x)? {
+        dlpack::Read::Tensor(tensor) => return Ok(Input { tensor, torch_device }),
+        dlpack::Read::OnDevice(..) if torch => {
+            if let dlpack::Read::Tensor(tensor) = dlpack::read(&x.call_method0("cpu")?)? {
+                return Ok(Input { tensor, torch_device });
+            }
+            return Err(InputError::new_err("torch did not export the tensor it copied to the host"));
+        }
+        dlpack::Read::OnDevice(device_type, device_id) => {
+            return Err(InputError::new_err(format!(
+                "the input is on DLPack device {}: only host tensors are read (requests compute on host \
+                 tensors); copy it to the host first",
+                dlpack::device_name(device_type, device_id)
+            )));
+        }
+        dlpack::Read::NotExported => {}
+    }
     let kwargs = PyDict::new(py);
     kwargs.set_item("dtype", "float32")?;
-    let array = py.import("numpy")?.call_method("asarray", (array,), Some(&kwargs))?;
+    let array = py.import("numpy")?.call_method("asarray", (x,), Some(&kwargs))?;
     let array = array.cast_into::<PyArrayDyn<f32>>().map_err(PyErr::from)?;
     let shape = array.shape().to_vec();
-    // A row-major, aligned float32 array (a CPU torch tensor's too) is read in place: the
-    // tensor holds a reference to the array, and an op that would write it copies it first.
+    // A row-major, aligned float32 array is read in place: the tensor holds a reference to the
+    // array, and an op that would write it copies it first.
     let aligned = (array.data() as usize).is_multiple_of(std::mem::align_of::<f32>());
     if array.is_c_contiguous() && aligned {
         let data = array.data().cast_const();
@@ -303,16 +324,22 @@ impl FrameSink for NoFrames {
     }
 }
 
-/// A host tensor as a float32 numpy array of its shape that owns the tensor's memory (no
-/// copy), or (for a torch input) a float32 torch tensor on the input's device (sharing that
-/// memory on the CPU).
+/// A host tensor as a [`dlpack::DlpackTensor`] that owns its memory (no copy), adopted through
+/// DLPack by numpy (`numpy.from_dlpack`: a float32 array; copied once only where NumPy before
+/// 2.1 adopts it read-only) or, for a torch input, by torch (`torch.from_dlpack`, then moved to
+/// the input's device: no copy on the CPU).
 fn to_python<'py>(py: Python<'py>, t: Tensor, torch_device: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
-    let dims = t.dims().to_vec();
-    let data = t.into_vec_f32().map_err(|e| ExecutionError::new_err(e.to_string()))?;
-    let array = data.into_pyarray(py).reshape(dims)?.into_any();
+    let tensor = Bound::new(py, dlpack::DlpackTensor::new(t)?)?;
     match torch_device {
-        None => Ok(array),
-        Some(device) => py.import("torch")?.call_method1("from_numpy", (array,))?.call_method1("to", (device,)),
+        None => {
+            let array = py.import("numpy")?.call_method1("from_dlpack", (tensor,))?;
+            if array.getattr("flags")?.getattr("writeable")?.extract::<bool>()? {
+                Ok(array)
+            } else {
+                array.call_method0("copy")
+            }
+        }
+        Some(device) => py.import("torch")?.call_method1("from_dlpack", (tensor,))?.call_method1("to", (device,)),
     }
 }
 
@@ -523,6 +550,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(read_image, m)?)?;
     m.add_class::<PyVae>()?;
+    m.add_class::<dlpack::DlpackTensor>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
     m.add("InputError", py.get_type::<InputError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;

@@ -23,6 +23,8 @@
 //! balancing, the cost model), [`runtime`] (the distributed executor), [`models`] (the VAE
 //! families and their policies).
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod config;
 pub mod cost;
 pub mod error;

@@ -16,6 +16,7 @@ mod boxes;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+pub mod dlpack;
 mod error;
 #[cfg(feature = "cuda")]
 mod kernel_args;

@@ -1,7 +1,9 @@
 """Decode and encode diffusion latents over ranks, bit-identical to one device.
 
 ``vae = vae_parallel.load(dir, ranks=4)`` loads a diffusers VAE directory; ``vae.decode(z)`` and
-``vae.encode(x)`` take numpy arrays or torch tensors and return the same kind. The diffusers
+``vae.encode(x)`` take numpy arrays, torch tensors or any host DLPack producer (read in place
+when row-major float32) and return numpy arrays (torch tensors for torch input), adopted through
+DLPack without a copy. The diffusers
 drop-in is :mod:`vae_parallel.diffusers` (imports torch and diffusers only when used).
 """
 

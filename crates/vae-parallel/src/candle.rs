@@ -1,0 +1,114 @@
+//! `candle_core::Tensor`s in and out (feature `candle`), so that a candle-based engine (the
+//! candle examples, mistral.rs) decodes and encodes with the tensors it holds:
+//! [`Group::decode_candle`] and [`Group::encode_candle`], and the conversions under them,
+//! [`from_candle`] and [`to_candle`].
+//!
+//! - In: a CPU tensor of f32 elements in a contiguous layout is read in place (our tensor holds
+//!   a clone of the candle tensor, which keeps its storage alive); any other float type (bf16,
+//!   f16, f64) or layout is converted by candle once (`to_dtype(F32)` / `contiguous()`), as the
+//!   CPU backend computes in f32. Integer tensors are refused ([`ErrorKind::InvalidInput`]).
+//! - Out: an f32 CPU tensor over our result's memory, handed over without a copy.
+//! - Devices: CPU only. candle's CUDA backend needs nvcc when it is built (its kernels crate),
+//!   which this project's builds do not have, so this feature builds candle without it; a
+//!   tensor on another device is refused ([`ErrorKind::Unsupported`]).
+//!
+//! ```
+//! # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");
+//! use vae_parallel::{Decode, Group, Vae};
+//!
+//! let vae = Vae::load(dir)?;
+//! let latent = candle_core::Tensor::zeros((1, 4, 16, 16), candle_core::DType::F32, &candle_core::Device::Cpu)
+//!     .expect("a candle tensor");
+//! let image = Group::local(2)?.decode_candle(&vae, &latent, &Decode::default())?.expect("rank 0's");
+//! assert_eq!(image.dims(), &[1, 3, 128, 128]);
+//! # Ok::<(), vae_parallel::Error>(())
+//! ```
+//!
+//! [`ErrorKind::InvalidInput`]: crate::ErrorKind::InvalidInput
+//! [`ErrorKind::Unsupported`]: crate::ErrorKind::Unsupported
+
+use std::sync::Arc;
+
+use candle_core::{DType as CandleDType, Device as CandleDevice, Storage, Tensor as CandleTensor};
+use vae_models::ModelError;
+use vae_tensor::Tensor;
+
+use crate::{Decode, Encode, Error, Group, Result, Vae};
+
+/// A candle tensor as a host f32 tensor of ours: read in place when it is f32 and contiguous
+/// on the CPU, else converted once by candle. The candle tensor must not be written in place
+/// (`slice_set`, ...) while the returned tensor lives.
+pub fn from_candle(t: &CandleTensor) -> Result<Tensor> {
+    if !matches!(t.device(), CandleDevice::Cpu) {
+        return Err(Error::Model(ModelError::Unsupported(format!(
+            "a candle tensor on {:?}: only CPU tensors are read (the candle feature is built without CUDA)",
+            t.device().location()
+        ))));
+    }
+    let t = match t.dtype() {
+        CandleDType::F32 => t.clone(),
+        CandleDType::BF16 | CandleDType::F16 | CandleDType::F64 => {
+            t.to_dtype(CandleDType::F32).map_err(candle_error)?
+        }
+        other => {
+            return Err(Error::Model(ModelError::InvalidInput(format!(
+                "a candle tensor of {other:?}: expected f32, bf16, f16 or f64"
+            ))));
+        }
+    };
+    let t = t.contiguous().map_err(candle_error)?;
+    let dims = t.dims().to_vec();
+    let data = {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            return Err(Error::Model(ModelError::Unsupported("a candle tensor off the CPU".into())));
+        };
+        let values = cpu.as_slice::<f32>().map_err(candle_error)?;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(Error::Model(ModelError::InvalidInput("a candle tensor that is not contiguous".into())));
+        };
+        values[start..end].as_ptr()
+    };
+    let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(t);
+    // SAFETY: `data` starts the tensor's elements (`dims`' count of f32, contiguous, aligned as
+    // a `Vec<f32>`'s) in the candle storage that `owner`, a clone of the tensor held by ours,
+    // keeps alive; a CPU storage's vector is never reallocated, and the caller does not write it
+    // in place while our tensor lives (this function's contract). Our tensors never write lent
+    // memory.
+    Ok(unsafe { Tensor::lent(data, dims, owner) })
+}
+
+/// A host tensor of ours as an f32 candle tensor on the CPU, over the same memory (no copy when
+/// the tensor owns it).
+pub fn to_candle(t: Tensor) -> Result<CandleTensor> {
+    let dims = t.dims().to_vec();
+    if !t.device().is_cpu() {
+        return Err(Error::Model(ModelError::Unsupported(format!(
+            "a tensor on {}: only CPU tensors become candle tensors (the candle feature is built without CUDA)",
+            t.device()
+        ))));
+    }
+    let data = t.into_vec_f32()?;
+    CandleTensor::from_vec(data, dims, &CandleDevice::Cpu).map_err(candle_error)
+}
+
+/// A candle failure (a conversion of the caller's tensor) as an invalid input.
+fn candle_error(e: candle_core::Error) -> Error {
+    Error::Model(ModelError::InvalidInput(format!("candle: {e}")))
+}
+
+impl Group {
+    /// [`Group::decode`] of a candle tensor (see [`from_candle`]): the pixels as an f32 candle
+    /// tensor on the CPU, on the ranks the output goes to.
+    pub fn decode_candle(&self, vae: &Vae, latent: &CandleTensor, options: &Decode) -> Result<Option<CandleTensor>> {
+        let latent = from_candle(latent)?;
+        self.decode(vae, &latent, options)?.map(to_candle).transpose()
+    }
+
+    /// [`Group::encode`] of a candle tensor (see [`from_candle`]): the latent (or moments) as
+    /// an f32 candle tensor on the CPU, on the ranks it goes to.
+    pub fn encode_candle(&self, vae: &Vae, image: &CandleTensor, options: &Encode) -> Result<Option<CandleTensor>> {
+        let image = from_candle(image)?;
+        self.encode(vae, &image, options)?.map(to_candle).transpose()
+    }
+}
