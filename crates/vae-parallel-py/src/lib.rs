@@ -14,6 +14,7 @@
 //! This crate is the bindings only: loading, resolving the keywords, running a request on a
 //! group and its errors are the `vae-parallel` library's ([`Vae`], [`Settings`], [`Group`]).
 
+mod devices;
 mod errors;
 mod interrupt;
 
@@ -522,6 +523,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(read_image, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
     m.add_class::<PyVae>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;
     m.add("InputError", py.get_type::<InputError>())?;

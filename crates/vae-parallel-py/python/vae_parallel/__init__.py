@@ -3,6 +3,7 @@
 ``vae = vae_parallel.load(dir, ranks=4)`` loads a diffusers VAE directory; ``vae.decode(z)`` and
 ``vae.encode(x)`` take numpy arrays or torch tensors and return the same kind. The diffusers
 drop-in is :mod:`vae_parallel.diffusers` (imports torch and diffusers only when used).
+``vae_parallel.devices()`` says whether this installation runs on a GPU here, and why not.
 """
 
 from ._native import (
@@ -14,6 +15,7 @@ from ._native import (
     Vae,
     VaeParallelError,
     __version__,
+    devices,
     load,
     read_image,
     save,
@@ -28,6 +30,7 @@ __all__ = [
     "Vae",
     "VaeParallelError",
     "__version__",
+    "devices",
     "load",
     "read_image",
     "save",
