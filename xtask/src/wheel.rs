@@ -22,9 +22,7 @@
 //! which rewrites the RECORD), then `auditwheel show`, which must find the wheel consistent with
 //! its `manylinux_2_28_x86_64` tag. The wheel goes to `target/wheels/` (or `--out`).
 //!
-//! `--profile` is a Cargo profile: `release` (the default, what users get) or `wheel-ci` (the
-//! same build at a lower optimisation level, CI's check of the packaging: see the workspace's
-//! Cargo.toml).
+//! `--profile` is a Cargo profile (default `release`, what users get and what CI checks).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
