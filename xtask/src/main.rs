@@ -24,6 +24,10 @@
 //!   safetensors, the wire messages, socket frames and hellos, tile summaries) fed random and
 //!   mutated input, N cases per target (default 200,000: over 10⁶ in all), in release mode;
 //!   CI runs the same targets with proptest's 256 cases as part of the test suite.
+//! - `wheel [--profile NAME] [--out DIR]`: the Python package as one wheel that
+//!   installs without a Rust toolchain (CPython >= 3.9 abi3, manylinux_2_28 x86_64: the
+//!   extension with the CUDA backend and kernels, the `vae-parallel` command, type stubs),
+//!   checked by `auditwheel show` (see `wheel.rs`).
 //! - `fixtures [--python PATH] [--out DIR]`: regenerates the diffusers ground-truth fixtures
 //!   (`fixtures/autoencoder_kl/` and its siblings `wan/`, `qwen_image/`, `hunyuan_video15/`,
 //!   `ltx/`) with `scripts/gen_fixtures.py`, after checking that the Python has the packages
@@ -41,10 +45,12 @@ mod bench;
 mod gpu_emu;
 mod kernels;
 mod kernels_emu;
+mod wheel;
 
 const USAGE: &str = "usage: cargo xtask <ci | kernels | kernels-emu | gpu-emu | bench [--decode-only | --no-decode] [--cases A,B] \
                      [--threads 1,2] [--iters N] [--dtypes f32,bf16] [--layouts nchw,channels_last] [--python PATH] \
-                     | bench --tabulate FILE.jsonl | fuzz [--cases N] | fixtures [--python PATH] [--out DIR]>";
+                     | bench --tabulate FILE.jsonl | fuzz [--cases N] | fixtures [--python PATH] [--out DIR] \
+                     | wheel [--profile NAME] [--out DIR]>";
 
 /// The pinned Python packages of the fixture generator, relative to the repository root.
 const FIXTURE_REQUIREMENTS: &str = "scripts/requirements-fixtures.txt";
@@ -64,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         Some("kernels-emu") => kernels_emu::kernels_emu(&repo_root()),
         Some("gpu-emu") => gpu_emu::gpu_emu(&repo_root()),
         Some("fixtures") => fixtures(std::env::args().skip(2)),
+        Some("wheel") => wheel::wheel(&repo_root(), std::env::args().skip(2)),
         Some("fuzz") => fuzz(std::env::args().skip(2)),
         Some("-h" | "--help") | None => {
             println!("{USAGE}");

@@ -18,6 +18,7 @@
 //! This crate is the bindings only: loading, resolving the keywords, running a request on a
 //! group and its errors are the `vae-parallel` library's ([`Vae`], [`Settings`], [`Group`]).
 
+mod devices;
 mod dlpack;
 mod errors;
 mod interrupt;
@@ -549,6 +550,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(read_image, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
     m.add_class::<PyVae>()?;
     m.add_class::<dlpack::DlpackTensor>()?;
     m.add("VaeParallelError", py.get_type::<VaeParallelError>())?;

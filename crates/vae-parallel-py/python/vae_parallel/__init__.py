@@ -5,6 +5,7 @@
 when row-major float32) and return numpy arrays (torch tensors for torch input), adopted through
 DLPack without a copy. The diffusers
 drop-in is :mod:`vae_parallel.diffusers` (imports torch and diffusers only when used).
+``vae_parallel.devices()`` says whether this installation runs on a GPU here, and why not.
 """
 
 from ._native import (
@@ -16,6 +17,7 @@ from ._native import (
     Vae,
     VaeParallelError,
     __version__,
+    devices,
     load,
     read_image,
     save,
@@ -30,6 +32,7 @@ __all__ = [
     "Vae",
     "VaeParallelError",
     "__version__",
+    "devices",
     "load",
     "read_image",
     "save",
