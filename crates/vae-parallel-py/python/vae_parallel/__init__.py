@@ -5,6 +5,7 @@
 when row-major float32) and return numpy arrays (torch tensors for torch input), adopted through
 DLPack without a copy. The diffusers
 drop-in is :mod:`vae_parallel.diffusers` (imports torch and diffusers only when used).
+``vae_parallel.Client(url)`` calls a ``vae-parallel serve`` service.
 ``vae_parallel.devices()`` says whether this installation runs on a GPU here, and why not.
 """
 
@@ -22,13 +23,16 @@ from ._native import (
     read_image,
     save,
 )
+from .client import Client, ServiceError
 
 __all__ = [
+    "Client",
     "ConfigError",
     "ExecutionError",
     "GroupError",
     "InputError",
     "ModelError",
+    "ServiceError",
     "Vae",
     "VaeParallelError",
     "__version__",
@@ -37,4 +41,3 @@ __all__ = [
     "read_image",
     "save",
 ]
-from .client import Client, ServiceError  # noqa: E402,F401  (the HTTP client of `vae-parallel serve`)

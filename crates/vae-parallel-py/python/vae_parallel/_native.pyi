@@ -94,6 +94,22 @@ class Vae:
     def world_size(self) -> int: ...
     def last_report(self) -> dict[str, Any] | None: ...
 
+class DLPackTensor:
+    """A decoder's float32 result on the host, lent through DLPack (``numpy.from_dlpack``,
+    ``torch.from_dlpack``) without a copy; it owns the memory until the last consumer lets go."""
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    @property
+    def shape(self) -> list[int]: ...
+
 def load(
     model: _PathLike,
     *,
