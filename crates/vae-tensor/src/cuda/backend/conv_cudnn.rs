@@ -38,6 +38,11 @@ fn symmetric_pads(g: &ConvGeom) -> Option<[i64; 3]> {
     Some(pads)
 }
 
+/// The `[t, h, w]` extents of the zero-padded copy: what the output reads, padding included.
+fn padded_extents(g: &ConvGeom) -> [u64; 3] {
+    [(g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw]
+}
+
 /// An extent as cuDNN's `int`.
 fn int(v: u64) -> Result<i32> {
     i32::try_from(v).map_err(|_| TensorError::InvalidArgument {
@@ -80,33 +85,37 @@ impl CudaStorage {
         {
             return Ok((None, [g.t, g.h, g.w], pads));
         }
-        let ext = [(g.to - 1) * g.stride_t + g.kt, (g.ho - 1) * g.stride + g.kh, (g.wo - 1) * g.stride + g.kw];
+        let ext = padded_extents(g);
         let lead = [g.pad_front, g.pad_top, g.pad_left];
-        if lead.iter().any(|&p| p < 0) || lead.iter().zip(ext).any(|(&p, e)| p as u64 > e) {
-            return Err(TensorError::InvalidArgument {
-                op: "conv3d (cuDNN)",
-                reason: format!("padding {lead:?} before extents {ext:?} is not a copy cuDNN can read"),
-            });
-        }
         let (n, c) = (g.n as usize, g.cin as usize);
-        let [tp, hp, wp] = ext.map(|e| e as usize);
-        let mut padded = self.like(n * c * tp * hp * wp)?;
-        let dst = [c * tp * hp * wp, tp * hp * wp, hp * wp, wp, 1];
-        let rows = (hp - lead[1] as usize).min(g.h as usize);
-        let cols = (wp - lead[2] as usize).min(g.w as usize);
-        // Frames: `front`'s, then `self`'s, from frame `pad_front` on, as many as fit.
-        let mut frame = lead[0] as usize;
-        let parts = front.map(|(f, ft)| (f, ft)).into_iter().chain([(self, g.t - front.map_or(0, |(_, ft)| ft))]);
-        for (part, frames) in parts {
-            let frames = frames as usize;
-            let fit = frames.min(tp.saturating_sub(frame));
+        let [tp, hp, wp] = ext.map(|e| e as i64);
+        let mut padded = self.like(n * c * (tp * hp * wp) as usize)?;
+        let dst = [c * (tp * hp * wp) as usize, (tp * hp * wp) as usize, (hp * wp) as usize, wp as usize, 1];
+        // Along each dimension, input index `i` lands at `i + lead`; what falls outside the
+        // copy (a negative lead's first rows, rows past what the output reads) is not copied.
+        let span = |lead: i64, from: i64, count: i64, extent: i64| {
+            let first = from.max(-lead);
+            let end = (from + count).min(extent - lead);
+            (first, (end - first).max(0))
+        };
+        let (h0, rows) = span(lead[1], 0, g.h as i64, hp);
+        let (w0, cols) = span(lead[2], 0, g.w as i64, wp);
+        // Frames: `front`'s, then `self`'s, as one sequence along time.
+        let ft = front.map_or(0, |(_, ft)| ft as i64);
+        let parts = front.map(|(f, _)| (f, 0, ft)).into_iter().chain([(self, ft, g.t as i64 - ft)]);
+        for (part, start, frames) in parts {
+            let (t0, fit) = span(lead[0], start, frames, tp);
+            if fit == 0 || rows == 0 || cols == 0 {
+                continue;
+            }
             let plane = (g.h * g.w) as usize;
-            let src = [c * frames * plane, frames * plane, plane, g.w as usize, 1];
-            let offset = (frame * hp + lead[1] as usize) * wp + lead[2] as usize;
-            part.copy_box_into(&src, 0, &mut padded, &dst, offset, &[n, c, fit, rows, cols])?;
-            frame += frames;
+            let src = [c * frames as usize * plane, frames as usize * plane, plane, g.w as usize, 1];
+            let src_offset = ((t0 - start) as usize * g.h as usize + h0 as usize) * g.w as usize + w0 as usize;
+            let dst_offset = (((t0 + lead[0]) * hp + h0 + lead[1]) * wp + w0 + lead[2]) as usize;
+            let extent = [n, c, fit as usize, rows as usize, cols as usize];
+            part.copy_box_into(&src, src_offset, &mut padded, &dst, dst_offset, &extent)?;
         }
-        Ok((Some(padded), [tp as u64, hp as u64, wp as u64], [0; 3]))
+        Ok((Some(padded), ext, [0; 3]))
     }
 
     /// The convolution on cuDNN with `algorithm`, or cuDNN's first admissible candidate
@@ -223,8 +232,10 @@ impl CudaStorage {
             Ok(start.elapsed().as_secs_f64())
         };
         let ours = time(&|| self.conv3d_ours(front, weight, bias, g))?;
-        let (padded, [t, h, w], pads) = self.padded_input(front, &g)?;
-        drop(padded);
+        let ([t, h, w], pads) = match (front, symmetric_pads(&g)) {
+            (None, Some(pads)) => ([g.t, g.h, g.w], pads),
+            _ => (padded_extents(&g), [0; 3]),
+        };
         let problem = problem(&g, self.dtype(), [t, h, w], pads)?;
         let d = Descriptors::new(self.device.ordinal, &problem)?;
         let allowed = admissible(&d.candidates(cudnn::thread_handle(&self.device)?)?);
