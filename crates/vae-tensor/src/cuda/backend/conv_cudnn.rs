@@ -187,12 +187,13 @@ impl CudaStorage {
             bytes => Some(self.device.alloc_zeros::<u8>(bytes)?),
         };
         let mut out = self.output((g.n * g.cout * g.to * g.ho * g.wo) as usize)?;
-        let (x, wv) = (input.data.view(0), weight.data.view(0));
-        let b = bias.as_ref().map(|b| b.data.view(0));
-        let mut y = out.data.view_mut(0);
-        let ops = Operands { x: &x, w: &wv, bias: b.as_ref(), y: &mut y, workspace: workspace.as_mut() };
-        cudnn::forward(&self.device, &d, chosen.algorithm, ops)?;
-        drop(y);
+        {
+            let (x, wv) = (input.data.view(0), weight.data.view(0));
+            let b = bias.as_ref().map(|b| b.data.view(0));
+            let mut y = out.data.view_mut(0);
+            let ops = Operands { x: &x, w: &wv, bias: b.as_ref(), y: &mut y, workspace: workspace.as_mut() };
+            cudnn::forward(&self.device, &d, chosen.algorithm, ops)?;
+        }
         Ok(out)
     }
 
