@@ -152,7 +152,8 @@ const CUDNN_MODELS: Suite = Suite {
 /// and fast against the compute_80 one (the same kernels, already checked), the model, CLI and
 /// NCCL tests fast. The NCCL tests run every world size up to the
 /// device count (one rank per device, as NCCL requires) and two rank processes; the models
-/// shard over NCCL on up to three devices; the CLI decodes over NCCL on two.
+/// shard over NCCL on up to three devices; the CLI decodes over NCCL on two. The model tests run
+/// twice: on our kernels, then with every convolution on the fake cuDNN ([`CUDNN_MODELS`]).
 const SUITES: [Suite; 14] = [
     suite("vae-tensor", "lib", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0", 1),
