@@ -57,6 +57,14 @@ if [ -d .whl ] && ! python3 -c "import diffusers" 2>/dev/null; then
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# cuDNN (for the cuDNN convolutions' tests and timings): VAE_CUDNN_PATH if set, else the
+# nvidia-cudnn-cu12 wheel torch installs, else the loader's path.
+if [ -z "${VAE_CUDNN_PATH:-}" ]; then
+    VAE_CUDNN_PATH=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' \
+        2>/dev/null || true)
+    export VAE_CUDNN_PATH
+fi
+
 step "vae-parallel devices"
 "$BUNDLE/vae-parallel" devices 2>&1 | tee "$OUT/devices.txt" || status=1
 
@@ -79,6 +87,17 @@ done
 step "cuda_models with VAE_CUDA_WGMMA=1 (warpgroup-MMA convolutions)"
 VAE_CUDA_WGMMA=1 timeout 90 "$BUNDLE/cuda_models" --test-threads=1 --nocapture 2>&1 | tee "$OUT/cuda_models_wgmma.txt" \
     || status=1
+
+# The decoders once more with every convolution on cuDNN (never run on a GPU before): the
+# fixtures' tolerances, and the tile-parallel runs bit-identical to one rank. Only where cuDNN
+# loads (convolutions_run_on_cudnn_where_the_process_asks_for_it fails otherwise).
+if python3 -c 'import ctypes, os; p = os.environ.get("VAE_CUDNN_PATH", ""); ctypes.CDLL(os.path.join(p, "libcudnn.so.9") if os.path.isdir(p) else (p or "libcudnn.so.9"))' 2>/dev/null; then
+    step "cuda_models with VAE_CUDA_CONV=cudnn (cuDNN convolutions)"
+    VAE_CUDA_CONV=cudnn timeout 120 "$BUNDLE/cuda_models" --test-threads=1 --nocapture 2>&1 \
+        | tee "$OUT/cuda_models_cudnn.txt" || status=1
+else
+    echo "cuda_models with cuDNN: not run, no libcudnn.so.9 here (set VAE_CUDNN_PATH)"
+fi
 
 # The CLI over NCCL: a one-rank NCCL group (bootstrap over sockets, then NCCL collectives) on
 # cuda:0 decodes a fixture latent to what the CPU decodes.
@@ -118,6 +137,16 @@ if python3 -c "import torch, diffusers" 2>/dev/null; then
         timeout 90 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype bf16 --conv-tiles $tiles \
             --model "$OUT/wan21" --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 \
             | tee -a "$OUT/bench_ours_bf16.json" || status=1
+    done
+    # cuDNN's convolutions forced, and the per-layer choice between them and ours, in bf16 and
+    # TF32 (never run on a GPU before: the JSON's cudnn_convolutions says whether cuDNN ran,
+    # conv_choices what `fastest` chose); without cuDNN ours run, with a warning.
+    for dtype in bf16 tf32; do
+        for tiles in cudnn fastest; do
+            timeout 120 "$BUNDLE/vae-parallel" bench decode --device cuda --dtype $dtype --conv-tiles $tiles \
+                --model "$OUT/wan21" --latent "$OUT/wan21/z.npy" --iters 2 --json 2>&1 \
+                | tee -a "$OUT/bench_ours_cudnn.json" || status=1
+        done
     done
     # Two ranks of one process on the one GPU, each queueing on a stream of its own: the direct
     # decode, the 2-rank shard (halos device to device) and 2-rank tiles, each after a warm-up.

@@ -196,6 +196,23 @@ fn block_shard_decode_on_cuda_matches_the_direct_decode_on_cuda() {
     assert!(diff <= 1e-5, "2 x 2 blocks: max |blocks - direct| on CUDA = {diff}");
 }
 
+/// Under `VAE_CUDA_CONV=cudnn` (the second pass of `cargo xtask gpu-emu`, on the fake cuDNN) the
+/// convolutions do run on cuDNN: the other tests' checks hold for its results, not ours.
+#[test]
+fn convolutions_run_on_cudnn_where_the_process_asks_for_it() {
+    let Some(device) = cuda("cuDNN convolutions on CUDA") else { return };
+    if std::env::var(vae_tensor::cuda::CONV_ENV).as_deref() != Ok("cudnn") {
+        eprintln!("cuDNN convolutions: not asked for in this run ({} is not cudnn)", vae_tensor::cuda::CONV_ENV);
+        return;
+    }
+    let version = vae_tensor::cuda::cudnn_version();
+    assert!(version.is_ok(), "{}=cudnn but cuDNN does not load: {version:?}", vae_tensor::cuda::CONV_ENV);
+    let before = vae_tensor::cuda::cudnn_convolutions();
+    let model = WanVae::load_on(&fixtures_dir().join("wan").join("wan21_like"), device).unwrap();
+    model.decode(&random_tensor(&[1, 16, 2, 7, 10], 4)).unwrap();
+    assert!(vae_tensor::cuda::cudnn_convolutions() > before, "the decode's convolutions ran on cuDNN");
+}
+
 #[test]
 fn without_a_usable_gpu_loading_onto_cuda_is_a_typed_error() {
     if cuda("CUDA load errors (this machine has a GPU)").is_some() {

@@ -27,6 +27,13 @@
 //! two processes; with three, the models shard over NCCL; with two, the CLI decodes over NCCL
 //! with a rank process per device.
 //!
+//! `kernels-cu/emu/fake_cudnn/` is a fake `libcudnn.so` (fast build only, beside the fake NCCL):
+//! the cuDNN calls of the backend's cuDNN convolutions, computed on the host from the
+//! descriptors and checked against what the backend promises (layouts, types, workspaces,
+//! buffers). The model tests run a second time with `VAE_CUDA_CONV=cudnn`, every convolution on
+//! it. `VAE_GPU_EMU_ONLY=package/target[,...]` (`+cudnn` for that second pass) runs only the
+//! suites named, for a quicker check of one.
+//!
 //! A GPU test that prints "skipped" fails the run, as in `scripts/gpu-check.sh` (only the tests
 //! that need no GPU may say "this machine has a usable GPU").
 
@@ -48,6 +55,8 @@ const OUT_DIR: &str = "target/gpu-emu";
 const DRIVER_DIR: &str = "kernels-cu/emu/fake_driver";
 /// The fake NCCL's sources, relative to the repository root.
 const NCCL_DIR: &str = "kernels-cu/emu/fake_nccl";
+/// The fake cuDNN's sources, relative to the repository root.
+const CUDNN_DIR: &str = "kernels-cu/emu/fake_cudnn";
 /// Host stand-ins for kernels, per `.cu` file (`<stem>.h`), relative to the kernels folder.
 const DRIVER_STAND_INS: &str = "emu/fake_driver/stand_ins";
 
@@ -109,6 +118,9 @@ struct Suite {
     compute_capability: &'static str,
     /// How many devices the fake reports (`FAKE_CUDA_DEVICE_COUNT`).
     devices: usize,
+    /// Extra environment of the run (the second pass of the model tests forces cuDNN's
+    /// convolutions through `VAE_CUDA_CONV`).
+    env: &'static [(&'static str, &'static str)],
 }
 
 const fn suite(
@@ -119,15 +131,30 @@ const fn suite(
     compute_capability: &'static str,
     devices: usize,
 ) -> Suite {
-    Suite { package, target, filter, flavor, compute_capability, devices }
+    Suite { package, target, filter, flavor, compute_capability, devices, env: &[] }
 }
+
+/// The model tests again with every convolution on the fake cuDNN (`kernels-cu/emu/fake_cudnn/`),
+/// which computes each on the host from the descriptors the backend gives it and checks them:
+/// the cuDNN path's layouts, types, workspaces and buffers, against the same fixtures and
+/// tolerances as our kernels, and its bit-identity across rank counts (the shard and tile tests).
+const CUDNN_MODELS: Suite = Suite {
+    package: "vae-integration-tests",
+    target: "cuda_models",
+    filter: None,
+    flavor: Flavor::Fast,
+    compute_capability: "9.0",
+    devices: 3,
+    env: &[("VAE_CUDA_CONV", "cudnn")],
+};
 
 /// The runs of the GPU test binaries. The op-level suites run checked against the sm_90 image
 /// and fast against the compute_80 one (the same kernels, already checked), the model, CLI and
 /// NCCL tests fast. The NCCL tests run every world size up to the
 /// device count (one rank per device, as NCCL requires) and two rank processes; the models
-/// shard over NCCL on up to three devices; the CLI decodes over NCCL on two.
-const SUITES: [Suite; 13] = [
+/// shard over NCCL on up to three devices; the CLI decodes over NCCL on two. The model tests run
+/// twice: on our kernels, then with every convolution on the fake cuDNN ([`CUDNN_MODELS`]).
+const SUITES: [Suite; 14] = [
     suite("vae-tensor", "lib", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0", 1),
@@ -138,6 +165,7 @@ const SUITES: [Suite; 13] = [
     suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Fast, "8.0", 1),
     suite("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Fast, "8.0", 1),
     suite("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0", 3),
+    CUDNN_MODELS,
     suite("vae-parallel", "cuda_cli", None, Flavor::Fast, "9.0", 2),
     suite("vae-transport", "nccl", None, Flavor::Fast, "9.0", 4),
     suite("vae-transport", "nccl_device", None, Flavor::Fast, "9.0", 4),
@@ -154,11 +182,19 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let fast = &libraries.iter().find(|(f, _)| *f == Flavor::Fast).context("no fast build")?.1;
     build_fake_nccl(root, fast)?;
-    eprintln!("fake driver and NCCL built in {:.1} s", start.elapsed().as_secs_f64());
+    build_fake_cudnn(root, fast)?;
+    eprintln!("fake driver, NCCL and cuDNN built in {:.1} s", start.elapsed().as_secs_f64());
     let binaries = build_tests(root)?;
     let asan = sanitizer_runtime()?;
     let (mut passed, mut problems) = (0, Vec::new());
-    for Suite { package, target, filter, flavor, compute_capability, devices } in SUITES {
+    // `VAE_GPU_EMU_ONLY=package/target[,...]` runs those suites alone (a quicker check of one).
+    let only = std::env::var("VAE_GPU_EMU_ONLY").ok();
+    let wanted = |s: &Suite| {
+        let name = format!("{}/{}{}", s.package, s.target, if s.env.is_empty() { "" } else { "+cudnn" });
+        only.as_deref().is_none_or(|o| o.split(',').any(|w| w.trim() == name))
+    };
+    for suite in SUITES.iter().filter(|s| wanted(s)) {
+        let Suite { package, target, flavor, compute_capability, devices, env, .. } = *suite;
         let (binary, dir) = binaries
             .iter()
             .find(|b| b.package == package && b.target == target)
@@ -167,8 +203,10 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         let lib_dir = &libraries.iter().find(|(f, _)| *f == flavor).context("a flavor without a build")?.1;
         let preload = (flavor == Flavor::Checked).then_some(asan.as_path());
         let start = Instant::now();
-        let run = run_suite(binary, dir, filter, lib_dir, preload, compute_capability, devices)?;
-        let what = format!("{package}/{target} on compute capability {compute_capability}, {devices} device(s)");
+        let run = run_suite(binary, dir, suite, lib_dir, preload)?;
+        let forced = env.iter().map(|(k, v)| format!(", {k}={v}")).collect::<String>();
+        let what =
+            format!("{package}/{target} on compute capability {compute_capability}, {devices} device(s){forced}");
         eprintln!("{what}: {} passed in {:.1} s", run.passed, start.elapsed().as_secs_f64());
         passed += run.passed;
         problems.extend(run.problems.into_iter().map(|p| format!("{what}: {p}")));
@@ -271,6 +309,34 @@ fn build_fake_driver(root: &Path, registries: &[PathBuf], flavor: Flavor) -> any
         bail!("linking {} failed", library.display());
     }
     Ok(lib_dir)
+}
+
+/// Compiles and links the fake cuDNN into `lib_dir` (the fast build's, beside its `libcuda.so`,
+/// whose device memory it reads and writes, as the fake NCCL does).
+fn build_fake_cudnn(root: &Path, lib_dir: &Path) -> anyhow::Result<()> {
+    let cxx = compiler()?;
+    let out = root.join(OUT_DIR).join(Flavor::Fast.name());
+    let mut args: Vec<String> = FLAGS.iter().map(|f| f.to_string()).collect();
+    args.push(format!("-I{}", root.join(DRIVER_DIR).display()));
+    let jobs = files_with_extension(&root.join(CUDNN_DIR), "cpp")?
+        .into_iter()
+        .map(|source| Ok((source.clone(), out.join(format!("cudnn_{}.o", stem(&source)?)))))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    compile_all(&cxx, &args, &jobs, newest_input(root)?)?;
+    let library = lib_dir.join("libcudnn.so");
+    let status = Command::new(&cxx)
+        .args(FLAGS)
+        .args(["-shared", "-Wl,--no-undefined", "-o"])
+        .arg(&library)
+        .args(jobs.iter().map(|(_, object)| object))
+        .arg(format!("-L{}", lib_dir.display()))
+        .args(["-lcuda", "-Wl,-rpath,$ORIGIN"])
+        .status()
+        .with_context(|| format!("starting {cxx}"))?;
+    if !status.success() {
+        bail!("linking {} failed", library.display());
+    }
+    Ok(())
 }
 
 /// Compiles and links the fake NCCL into `lib_dir` (the fast build's, next to its `libcuda.so`,
@@ -414,12 +480,11 @@ struct SuiteRun {
 fn run_suite(
     binary: &Path,
     dir: &Path,
-    filter: Option<&str>,
+    suite: &Suite,
     lib_dir: &Path,
     preload: Option<&Path>,
-    compute_capability: &str,
-    devices: usize,
 ) -> anyhow::Result<SuiteRun> {
+    let Suite { filter, compute_capability, devices, env, .. } = *suite;
     let mut path = lib_dir.as_os_str().to_owned();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
         path.push(":");
@@ -437,13 +502,19 @@ fn run_suite(
         // allocations anyway. Rust installs its own SIGSEGV handler (stack overflows).
         .env("ASAN_OPTIONS", "detect_leaks=0:handle_segv=0")
         .env("UBSAN_OPTIONS", "print_stacktrace=1")
+        .envs(env.iter().copied())
         .stdout(writer.try_clone().context("duplicating a pipe")?)
         .stderr(writer);
     if let Some(runtime) = preload {
         cmd.env("LD_PRELOAD", runtime);
+    } else {
+        // The fast build has the fake cuDNN beside its driver: a cuDNN test that finds no
+        // cuDNN there fails rather than checking the fallback only.
+        cmd.env("VAE_CUDNN_REQUIRED", "1");
     }
+    let forced: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
     eprintln!(
-        "$ FAKE_CUDA_COMPUTE_CAPABILITY={compute_capability} FAKE_CUDA_DEVICE_COUNT={devices} LD_LIBRARY_PATH={} {} \
+        "$ {forced}FAKE_CUDA_COMPUTE_CAPABILITY={compute_capability} FAKE_CUDA_DEVICE_COUNT={devices} LD_LIBRARY_PATH={} {} \
          --nocapture {}",
         lib_dir.display(),
         binary.display(),

@@ -236,12 +236,14 @@ fn the_kernel_bench_rates_every_op_and_gives_no_peak_on_the_cpu() {
     // So is a choice of tensor-core kernels (before anything is loaded), and a width we lack.
     let decode =
         |tiles: &str| cli(&["bench", "decode", "--model", "no-model", "--latent", "no.npy", "--conv-tiles", tiles]);
-    for tiles in ["256", "wgmma"] {
+    for tiles in ["256", "wgmma", "cudnn", "fastest"] {
         let (ok, text) = decode(tiles);
         assert!(!ok && text.contains(&format!("--conv-tiles {tiles} needs a CUDA device")), "{text}");
     }
-    let (ok, text) = decode("64");
-    assert!(!ok && text.contains("is not auto, 128, 256 or wgmma"), "{text}");
+    for bad in ["64", "cuDNN", "ours"] {
+        let (ok, text) = decode(bad);
+        assert!(!ok && text.contains("is not auto, 128, 256, wgmma, cudnn or fastest"), "{text}");
+    }
 }
 
 #[test]

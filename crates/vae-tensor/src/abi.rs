@@ -6,7 +6,7 @@
 /// the output extents, strides, and the front / top / left padding (back, bottom and right
 /// padding follow from the output extents).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[allow(missing_docs)] // the fields are named as in conv.cu
 pub struct ConvGeom {
     pub n: u64,

@@ -242,6 +242,103 @@ fn both_conv_tile_widths_give_the_same_bits() {
     }
 }
 
+/// cuDNN's convolutions (`ConvKernels::Cudnn`; under `cargo xtask gpu-emu` the fake cuDNN, which
+/// computes each from the descriptors it is given and checks them) against the CPU and next to
+/// ours: convolutions cuDNN reads in place (3x3 "same", 1x1) and those it reads through a padded
+/// copy (Wan's causal time padding, a causal cache in front, diffusers' stride-2 downsample padded
+/// bottom/right), with and without a bias, in f32, TF32 and bf16; within each type's bound of the
+/// CPU. `ConvKernels::Fastest` stays within the same bound and reports its choices. Without cuDNN on this
+/// machine, it says so and checks that ours run instead, unless `VAE_CUDNN_REQUIRED=1` (set by
+/// gpu-emu, where the fake is beside the fake driver), which makes that a failure.
+#[test]
+fn cudnn_convolutions_match_the_cpu() {
+    if !gpu("cuDNN convolutions") {
+        return;
+    }
+    use vae_tensor::cuda::{ConvKernels, ConvTilesScope, cudnn_convolutions, cudnn_version, export_conv_choices};
+    let available = cudnn_version();
+    let required = std::env::var("VAE_CUDNN_REQUIRED").is_ok_and(|v| v == "1");
+    assert!(available.is_ok() || !required, "VAE_CUDNN_REQUIRED=1, but cuDNN does not load: {available:?}");
+    if let Err(why) = &available {
+        eprintln!("cuDNN convolutions: not run, {why}; ours run in their place");
+    }
+    let x = pattern(&[1, 12, 3, 13, 10], 80);
+    let front = pattern(&[1, 12, 2, 13, 10], 81);
+    let w3 = pattern(&[20, 12, 3, 3, 3], 82).affine(0.1, 0.0).unwrap();
+    let b = pattern(&[20], 83);
+    let x2 = pattern(&[2, 12, 13, 10], 84);
+    let w2 = pattern(&[20, 12, 3, 3], 85).affine(0.1, 0.0).unwrap();
+    let w1 = pattern(&[20, 12, 1, 1], 86).affine(0.3, 0.0).unwrap();
+    let causal = Conv3dParams::causal([1, 1, 1], [1, 1, 1]);
+    let after = Conv3dParams::new([1, 1, 1], [0, 0, 1, 1, 1, 1]);
+    type Case<'a> = (&'a str, Box<dyn Fn(&[Tensor]) -> Tensor + 'a>, Vec<&'a Tensor>);
+    let cases: Vec<Case> = vec![
+        (
+            "3x3 same, bias",
+            Box::new(|t: &[Tensor]| t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::same(3)).unwrap()),
+            vec![&x2, &w2, &b],
+        ),
+        (
+            "1x1, no bias",
+            Box::new(|t: &[Tensor]| t[0].conv2d(&t[1], None, &Conv2dParams::default()).unwrap()),
+            vec![&x2, &w1],
+        ),
+        (
+            "stride-2 downsample",
+            Box::new(|t: &[Tensor]| t[0].conv2d(&t[1], Some(&t[2]), &Conv2dParams::diffusers_downsample()).unwrap()),
+            vec![&x2, &w2, &b],
+        ),
+        (
+            "causal 3x3x3, bias",
+            Box::new(|t: &[Tensor]| t[0].conv3d(&t[1], Some(&t[2]), &causal).unwrap()),
+            vec![&x, &w3, &b],
+        ),
+        (
+            "causal cache in front",
+            Box::new(|t: &[Tensor]| t[0].conv3d_after(&t[1], &t[2], None, &after).unwrap()),
+            vec![&x, &front, &w3],
+        ),
+    ];
+    for (dtype, tf32, tol) in [(DType::F32, false, 1e-4), (DType::F32, true, 0.03), (DType::BF16, false, 0.25)] {
+        let _tf32 = tf32.then(vae_tensor::Tf32Scope::enter);
+        let what = format!("{dtype}{}", if tf32 { " (tf32)" } else { "" });
+        for (name, op, inputs) in &cases {
+            let cpu: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+            let want = op(&cpu);
+            // Weights and inputs in the dtype; biases stay f32 (the backend's rule).
+            let on: Vec<Tensor> = inputs
+                .iter()
+                .map(|t| {
+                    let g = gpu_of(t);
+                    if t.dims().len() == 1 { g } else { g.to_dtype(dtype).unwrap() }
+                })
+                .collect();
+            let run = |kernels: Option<ConvKernels>| {
+                let _only = kernels.map(ConvTilesScope::only);
+                op(&on).to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap()
+            };
+            let ours = run(None);
+            let before = cudnn_convolutions();
+            let cudnn = run(Some(ConvKernels::Cudnn));
+            let ran = cudnn_convolutions() > before;
+            assert_eq!(ran, available.is_ok(), "{what} {name}: cuDNN ran where it loads, not elsewhere");
+            let err = cudnn.max_abs_diff(&want).unwrap();
+            assert!(err <= tol, "{what} {name}: max |cudnn - cpu| = {err} > {tol}");
+            if available.is_err() {
+                assert!(cudnn.bit_eq(&ours), "{what} {name}: without cuDNN, ours run");
+            }
+            let fastest = run(Some(ConvKernels::Fastest));
+            let err = fastest.max_abs_diff(&want).unwrap();
+            assert!(err <= tol, "{what} {name}: max |fastest - cpu| = {err} > {tol}");
+        }
+    }
+    if available.is_ok() {
+        let choices = export_conv_choices();
+        assert!(choices.lines().count() >= cases.len(), "one choice per layer timed: {choices}");
+        eprintln!("cuDNN convolutions: per-layer choices\n{choices}");
+    }
+}
+
 /// The warpgroup-MMA convolutions (`ConvKernels::Wgmma`, compute capability 9.0) at every tile
 /// width they take (96, 128, 192 and 256 channels, 384 as two tiles of 192, 200 as a partial tile
 /// of 256), causal 3x3x3 over a grid that ends in a partial tile of pixels, with and without a

@@ -137,25 +137,27 @@ pub struct OneRankBenchArgs {
     /// `f32` (default), `bf16` or `tf32` (CUDA only; see `decode --help`).
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// The tensor-core convolutions' kernels: `auto` (default: the backend picks per launch),
+    /// The convolutions' kernels: `auto` (default: ours, the backend picks a tile per launch),
     /// `mma.sync` tiles of `128` or `256` pixels (bit-identical results, only the time differs),
-    /// or `wgmma`: Hopper's warpgroup MMA for the bf16 convolutions of 96 channels and more
-    /// (compute capability 9.0; elsewhere and for other convolutions, auto). CUDA only.
+    /// `wgmma`: Hopper's warpgroup MMA for the bf16 convolutions of 96 channels and more
+    /// (compute capability 9.0; elsewhere and for other convolutions, auto), `cudnn`: cuDNN's
+    /// convolutions (libcudnn.so.9 loaded at run time, see VAE_CUDNN_PATH; ours where it does not
+    /// load), or `fastest`: per convolution shape, ours or a cuDNN algorithm, whichever ran
+    /// fastest when the shape was first timed. CUDA only.
     #[arg(long, default_value = "auto")]
     conv_tiles: String,
 }
 
 /// Parses `--conv-tiles`: `None` for the backend's own choice.
 fn conv_tiles(flag: &str, device: Device) -> anyhow::Result<Option<ConvKernels>> {
-    let width = match flag.trim() {
-        "auto" => return Ok(None),
-        "128" => ConvKernels::Pixels128,
-        "256" => ConvKernels::Pixels256,
-        "wgmma" => ConvKernels::Wgmma,
-        other => anyhow::bail!("--conv-tiles {other:?} is not auto, 128, 256 or wgmma"),
-    };
+    if flag.trim() == "auto" {
+        return Ok(None);
+    }
+    let kernels = flag.parse::<ConvKernels>().map_err(|_| {
+        anyhow::anyhow!("--conv-tiles {:?} is not auto, 128, 256, wgmma, cudnn or fastest", flag.trim())
+    })?;
     anyhow::ensure!(!device.is_cpu(), "--conv-tiles {flag} needs a CUDA device (the CPU has no tensor-core tiles)");
-    Ok(Some(width))
+    Ok(Some(kernels))
 }
 
 /// Options of `bench transport`.
@@ -469,6 +471,11 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
              capability 9.0 only); the convolutions take the backend's mma.sync choice"
         );
     }
+    if matches!(tiles, Some(ConvKernels::Cudnn | ConvKernels::Fastest))
+        && let Err(why) = vae_parallel::tensor::cuda::cudnn_version()
+    {
+        eprintln!("warning: --conv-tiles {}: {why}; our kernels run instead", args.conv_tiles.trim());
+    }
     let run = run_on_one_rank(task, input, args, device, dtype, tiles)?;
     let peak_kib = proc_status_kib("VmHWM")?;
 
@@ -495,6 +502,9 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
             "device": device.to_string(),
             "dtype": dtype.to_string(),
             "conv_tiles": tiles.map_or("auto".to_string(), |w| w.to_string()),
+            // Whether cuDNN ran (`cudnn`, `fastest`), and what `fastest` chose per shape.
+            "cudnn_convolutions": vae_parallel::tensor::cuda::cudnn_convolutions(),
+            "conv_choices": vae_parallel::tensor::cuda::export_conv_choices(),
             "size": image.last().copied().unwrap_or(0),
             "input_shape": run.input,
             "output_shape": run.output,

@@ -128,6 +128,52 @@ pub enum ConvKernels {
     /// default: it has run only under the kernel emulator and the fake driver so far. The
     /// environment variable `VAE_CUDA_WGMMA=1` makes it the default of a process.
     Wgmma,
+    /// cuDNN's convolutions (`libcudnn.so.9`, loaded at run time; see [`CUDNN_PATH_ENV`]): for
+    /// each convolution the first algorithm cuDNN's heuristics offer among those that keep
+    /// results bit-identical across rank counts (deterministic GEMM and direct algorithms; FFT
+    /// and Winograd never run). Where cuDNN cannot be loaded, our kernels run, with a warning
+    /// once. Built and tested only against a fake cuDNN so far (`cargo xtask gpu-emu`), never on
+    /// a GPU. `VAE_CUDA_CONV=cudnn` ([`CONV_ENV`]) makes it the default of a process.
+    Cudnn,
+    /// Per convolution shape, whichever of our kernels and cuDNN's admissible algorithms ran
+    /// fastest when the shape was first timed on this kind of device; the choices are kept per
+    /// device name and can be written out and read back ([`export_conv_choices`],
+    /// [`import_conv_choices`]) so that every rank of a group runs rank 0's. As [`Self::Cudnn`],
+    /// our kernels alone where cuDNN cannot be loaded.
+    Fastest,
+}
+
+/// The environment variable that makes [`ConvKernels::Cudnn`] (`cudnn`) or
+/// [`ConvKernels::Fastest`] (`fastest`) the default of a process; unset, empty or `auto`: our
+/// kernels.
+pub const CONV_ENV: &str = "VAE_CUDA_CONV";
+
+pub use backend::cudnn::CUDNN_PATH_ENV;
+
+/// cuDNN's version where it loads (see [`CUDNN_PATH_ENV`] for where it is looked for), or why
+/// it cannot be used. Never panics.
+pub fn cudnn_version() -> Result<usize, String> {
+    backend::cudnn::library()
+}
+
+/// How many convolutions this process has queued on cuDNN (a check that a run asked to use it
+/// did).
+pub fn cudnn_convolutions() -> u64 {
+    backend::cudnn::convolutions()
+}
+
+/// The per-shape convolution choices [`ConvKernels::Fastest`] made in this process, one line
+/// each (`device<TAB>shape<TAB>choice`), for [`import_conv_choices`] in another.
+pub fn export_conv_choices() -> String {
+    backend::export_conv_choices()
+}
+
+/// Reads choices written by [`export_conv_choices`]: later convolutions of those shapes on
+/// devices of those names run what they say instead of being timed. Returns how many were read;
+/// a malformed line, or a cuDNN algorithm the bit-identity rule refuses, refuses the whole text.
+pub fn import_conv_choices(text: &str) -> crate::Result<usize> {
+    backend::import_conv_choices(text)
+        .map_err(|reason| crate::TensorError::InvalidArgument { op: "import_conv_choices", reason })
 }
 
 /// The environment variable that makes [`ConvKernels::Wgmma`] the default of a process (`1`),
@@ -140,8 +186,24 @@ impl ConvKernels {
         match self {
             Self::Pixels128 => Some(128),
             Self::Pixels256 => Some(256),
-            Self::Wgmma => None,
+            Self::Wgmma | Self::Cudnn | Self::Fastest => None,
         }
+    }
+}
+
+impl std::str::FromStr for ConvKernels {
+    type Err = String;
+
+    /// `128`, `256`, `wgmma`, `cudnn` or `fastest` (as [`std::fmt::Display`] writes them).
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.trim() {
+            "128" => Self::Pixels128,
+            "256" => Self::Pixels256,
+            "wgmma" => Self::Wgmma,
+            "cudnn" => Self::Cudnn,
+            "fastest" => Self::Fastest,
+            other => return Err(format!("{other:?} is not 128, 256, wgmma, cudnn or fastest")),
+        })
     }
 }
 
@@ -151,6 +213,8 @@ impl std::fmt::Display for ConvKernels {
             Self::Pixels128 => "128",
             Self::Pixels256 => "256",
             Self::Wgmma => "wgmma",
+            Self::Cudnn => "cudnn",
+            Self::Fastest => "fastest",
         })
     }
 }
@@ -281,6 +345,21 @@ mod tests {
         let count = device_count();
         assert!((0..count).all(|o| probe(o).is_ok()), "{count} devices");
         assert!(probe(count).is_err(), "no device {count}");
+    }
+
+    #[test]
+    fn conv_kernel_choices_read_back_what_they_write() {
+        for k in [
+            ConvKernels::Pixels128,
+            ConvKernels::Pixels256,
+            ConvKernels::Wgmma,
+            ConvKernels::Cudnn,
+            ConvKernels::Fastest,
+        ] {
+            assert_eq!(k.to_string().parse::<ConvKernels>(), Ok(k));
+        }
+        assert!("auto".parse::<ConvKernels>().is_err_and(|e| e.contains("cudnn or fastest")));
+        assert!("cuDNN".parse::<ConvKernels>().is_err());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The convolution, on `kernels-cu/conv.cu` and `conv_sm90a.cu`: the channels-last copies of input
-//! and weights, then the product on the kernel [`super::select`] chooses.
+//! and weights, then the product on the kernel [`super::select`] chooses; or on cuDNN
+//! ([`super::conv_cudnn`]) where the calling thread or the process asks for it
+//! ([`super::select::conv_route`]).
 
 use cudarc::driver::LaunchConfig;
 
-use super::select::{ConvKernel, TensorCoreMath, conv_kernel};
+use super::select::{ConvKernel, ConvRoute, TensorCoreMath, conv_kernel, conv_route};
 use super::storage::{CudaStorage, elementwise};
 use crate::abi::{ChannelsLast, ConvGeom};
 use crate::backend::{DeviceConv, DeviceStore};
@@ -35,6 +37,32 @@ impl DeviceConv for CudaStorage {
         if len == 0 {
             return self.like(0);
         }
+        let route = conv_route();
+        if route == ConvRoute::Ours {
+            return self.conv3d_ours(front, weight, bias, g);
+        }
+        match super::cudnn::library() {
+            Ok(_) if route == ConvRoute::Cudnn => self.conv3d_cudnn(front, weight, bias, g, None),
+            Ok(_) => self.conv3d_fastest(front, weight, bias, g),
+            Err(why) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| tracing::warn!("cuDNN convolutions were asked for, but {why}: ours run instead"));
+                self.conv3d_ours(front, weight, bias, g)
+            }
+        }
+    }
+}
+
+impl CudaStorage {
+    /// Our tensor-core convolution (see `DeviceConv::conv3d`); the arguments' types were checked.
+    pub(super) fn conv3d_ours(
+        &self,
+        front: Option<(&Self, u64)>,
+        weight: &Self,
+        bias: Option<&Self>,
+        g: ConvGeom,
+    ) -> Result<Self> {
+        let len = (g.n * g.cout * g.to * g.ho * g.wo) as usize;
         let bf16 = self.dtype() == DType::BF16;
         let ChannelsLast { t: tp, h: hp, w: wp, c: cp } = g.channels_last(if bf16 { 2 } else { 4 });
         let taps = g.kt * g.kh * g.kw;

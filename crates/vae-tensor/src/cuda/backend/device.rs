@@ -22,6 +22,9 @@ pub(crate) struct CudaDevice {
     /// Streaming multiprocessors: the memory-bound kernels launch a few waves of blocks per SM,
     /// the tensor-core conv picks its tile height to fill them.
     pub(super) sms: usize,
+    /// The device's name and compute capability: the per-shape convolution choices are kept
+    /// per name (`conv_choice`), so identical GPUs of a process share them.
+    pub(super) name: String,
     /// Where work goes unless the calling thread has a stream of its own ([`OwnStream`]).
     default_stream: Arc<CudaStream>,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
@@ -90,6 +93,7 @@ impl CudaDevice {
         let device = Arc::new(Self {
             ordinal,
             sms: (info.multiprocessors as usize).max(1),
+            name: format!("{} (sm_{}{})", info.name, info.compute_capability.0, info.compute_capability.1),
             default_stream: ctx.default_stream(),
             modules,
             wgmma,

@@ -12,12 +12,16 @@
 //! (`to_device(Cpu)`, `to_vec_f32`; bf16 widens exactly to f32 on the way).
 //!
 //! Files by concern: [`device`] (registry and streams), [`storage`] (memory and the launchers'
-//! shared checks), [`select`] (kernel choice and the thread's scopes), and one file of ops per
+//! shared checks), [`select`] (kernel choice and the thread's scopes), [`cudnn`] (cuDNN, loaded at
+//! run time), [`conv_choice`] (our kernels or cuDNN's, per shape), and one file of ops per
 //! `kernels-cu/` file, each launching its kernels through their typed launchers
 //! (`crate::kernel_args`).
 
 mod attention;
 mod conv;
+mod conv_choice;
+mod conv_cudnn;
+pub(crate) mod cudnn;
 mod device;
 mod elementwise;
 mod gemm;
@@ -26,6 +30,7 @@ mod norm;
 mod select;
 mod storage;
 
+pub(crate) use conv_choice::{export as export_conv_choices, import as import_conv_choices};
 pub(crate) use device::{CudaDevice, OwnStream, driver};
 pub(crate) use select::{
     BF16_TILES, ConvKernel, ConvTilesGuard, F32_TILES, SCORES_TILE, SMALL_COUT_SMEM, TF32_TILES, Tf32Guard,

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use super::super::{ConvKernels, WGMMA_ENV};
+use super::super::{CONV_ENV, ConvKernels, WGMMA_ENV};
 use crate::DType;
 
 /// `SMALL_COUT_SMEM` of conv.cu: the bytes of weights (4 output channels' worth) the small-Cout
@@ -81,6 +81,45 @@ impl ConvTilesGuard {
 impl Drop for ConvTilesGuard {
     fn drop(&mut self) {
         CONV_KERNELS.set(self.previous);
+    }
+}
+
+/// Where a convolution runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ConvRoute {
+    /// Our kernels.
+    Ours,
+    /// cuDNN's first admissible algorithm ([`ConvKernels::Cudnn`]).
+    Cudnn,
+    /// The per-shape choice ([`ConvKernels::Fastest`]).
+    Fastest,
+}
+
+/// Where the calling thread's convolutions run: as a [`ConvTilesGuard`] says, else as
+/// [`CONV_ENV`] says (read once per process), else on our kernels.
+pub(super) fn conv_route() -> ConvRoute {
+    static DEFAULT: OnceLock<Option<ConvKernels>> = OnceLock::new();
+    let kernels =
+        CONV_KERNELS.get().or_else(|| *DEFAULT.get_or_init(|| conv_env_says(std::env::var(CONV_ENV).ok().as_deref())));
+    match kernels {
+        Some(ConvKernels::Cudnn) => ConvRoute::Cudnn,
+        Some(ConvKernels::Fastest) => ConvRoute::Fastest,
+        _ => ConvRoute::Ours,
+    }
+}
+
+/// What a value of [`CONV_ENV`] asks for: `cudnn` or `fastest`; unset, empty and `auto` leave the
+/// backend's own kernels; anything else leaves them with a warning.
+pub(super) fn conv_env_says(value: Option<&str>) -> Option<ConvKernels> {
+    match value.map(str::trim) {
+        None | Some("" | "auto") => None,
+        Some(v) => match v.parse::<ConvKernels>() {
+            Ok(k @ (ConvKernels::Cudnn | ConvKernels::Fastest)) => Some(k),
+            _ => {
+                tracing::warn!("{CONV_ENV}={v:?} is not auto, cudnn or fastest: our kernels run");
+                None
+            }
+        },
     }
 }
 
@@ -291,8 +330,8 @@ pub(super) fn conv_kernel(
 #[cfg(test)]
 mod tests {
     use super::{
-        ConvKernel, ConvKernels, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_kernel, tensor_core_tile,
-        wgmma_env_says, wgmma_tile,
+        ConvKernel, ConvKernels, ConvRoute, ConvTilesGuard, SMALL_COUT_SMEM, TensorCoreMath, conv_env_says,
+        conv_kernel, conv_route, tensor_core_tile, wgmma_env_says, wgmma_tile,
     };
 
     /// A large Wan2.1 chunk (4 frames of 480x832) and an H200's multiprocessors.
@@ -400,6 +439,30 @@ mod tests {
         // A thread that forces an mma.sync width gets it.
         let _narrow = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
         assert!(matches!(kernel(TensorCoreMath::Bf16, 96, true), ConvKernel::TensorCores(t) if t.pixels == 128));
+    }
+
+    #[test]
+    fn a_guard_or_the_variable_routes_convolutions_to_cudnn() {
+        assert_eq!(conv_env_says(Some("cudnn")), Some(ConvKernels::Cudnn));
+        assert_eq!(conv_env_says(Some(" fastest ")), Some(ConvKernels::Fastest));
+        for ours in [None, Some(""), Some("auto"), Some("128"), Some("wgmma"), Some("cuDNN!")] {
+            assert_eq!(conv_env_says(ours), None, "{ours:?}");
+        }
+        let _cudnn = ConvTilesGuard::enter(Some(ConvKernels::Cudnn));
+        assert_eq!(conv_route(), ConvRoute::Cudnn);
+        // cuDNN forces no mma.sync width and no wgmma where ours run instead.
+        assert_eq!(tensor_core_tile(TensorCoreMath::Bf16, 384, BIG, SMS).pixels, 256);
+        assert!(matches!(
+            conv_kernel(TensorCoreMath::Bf16, 96, 27 * 96, 2, BIG, SMS, true),
+            ConvKernel::TensorCores(_)
+        ));
+        {
+            let _fastest = ConvTilesGuard::enter(Some(ConvKernels::Fastest));
+            assert_eq!(conv_route(), ConvRoute::Fastest);
+        }
+        assert_eq!(conv_route(), ConvRoute::Cudnn);
+        let _tiles = ConvTilesGuard::enter(Some(ConvKernels::Pixels128));
+        assert_eq!(conv_route(), ConvRoute::Ours);
     }
 
     #[test]
