@@ -585,3 +585,66 @@ fn slow_and_idle_connections_time_out() {
     let reply = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
     assert_eq!(reply.status, 200);
 }
+
+/// A `.npy` of `shape` (f32, small values) at `path`.
+fn write_npy(path: &Path, shape: &[usize]) {
+    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    let n: usize = shape.iter().product();
+    for i in 0..n {
+        bytes.extend_from_slice(&(((i % 97) as f32 / 97.0) - 0.5).to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Sends a streamed decode of `body` over a raw connection and never reads the answer.
+fn stalled_frames_request(server: &Server, body: &[u8]) -> std::net::TcpStream {
+    use std::io::Write as _;
+    let addr = server.base.strip_prefix("http://").unwrap();
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /v1/decode HTTP/1.1\r\nHost: {addr}\r\nX-VAE-Options: {{\"model\":\"wan\",\"response\":\"frames\"}}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).unwrap();
+    conn.write_all(body).unwrap();
+    conn
+}
+
+#[test]
+fn a_client_that_stops_reading_its_frames_holds_neither_the_group_nor_the_shutdown() {
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "wan").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--read-timeout-s", "8", "--grace-s", "1"]));
+    let mut server = Server::start(&args);
+    let dir = tempfile::tempdir().unwrap();
+    // A decode whose frames (about 16 MB) are far more than the socket buffers and the
+    // service's four chunks hold.
+    let big = dir.path().join("big.npy");
+    write_npy(&big, &[1, 16, 21, 16, 16]);
+    let body = std::fs::read(&big).unwrap();
+    let stalled = stalled_frames_request(&server, &body);
+    std::thread::sleep(Duration::from_millis(500));
+    // The next request is served once the stalled one is given up on (8 s), not never.
+    let started = Instant::now();
+    let latent = &models[0].2;
+    let next = curl(&server.url("/v1/decode"), Some(r#"{"model":"wan"}"#), Some(latent), &["--max-time", "120"]);
+    assert_eq!(next.status, 200, "{}", next.text());
+    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+    drop(stalled);
+    // A second client stalls; SIGTERM ends the service within its grace (1 s) and a margin,
+    // well before the stall limit (8 s) would have freed the group.
+    let _stalled = stalled_frames_request(&server, &body);
+    std::thread::sleep(Duration::from_millis(1500));
+    let started = Instant::now();
+    let status = server.stop();
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(6), "stopped after {:?}", started.elapsed());
+}

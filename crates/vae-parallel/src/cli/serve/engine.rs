@@ -50,13 +50,22 @@ pub struct Job {
     /// The input tensor.
     pub input: Tensor,
     /// Where a streamed decode's frames go, as `.npy` chunks; `None`: the whole output.
-    pub stream: Option<mpsc::Sender<Vec<u8>>>,
+    pub stream: Option<Stream>,
     /// Cancelled when the client leaves.
     pub cancel: CancelToken,
     /// The answer.
     pub reply: oneshot::Sender<Outcome>,
     /// When it arrived.
     pub arrived: Instant,
+}
+
+/// A streamed decode's way to its client: the channel of `.npy` chunks, and how long a chunk
+/// may wait for room in it (the client reads too slowly) before the request fails.
+pub struct Stream {
+    /// The chunks, bounded: the HTTP side writes them to the connection as the client reads.
+    pub to: mpsc::Sender<Vec<u8>>,
+    /// The longest a chunk may wait for the client (`--read-timeout-s`).
+    pub stall: Duration,
 }
 
 /// A request refused because the queue is full.
@@ -221,7 +230,8 @@ fn run_job(group: &ServiceGroup, models: &[(String, Vae)], base: &Settings, job:
     let cancel = group.can_rebuild().then_some(&job.cancel);
     let frame = Frame::Run { kind: job.kind, options: job.options.clone(), streamed };
     let result = group.broadcast(&frame, Some(&job.input)).and_then(|()| {
-        run_request(&group.group, vae, base, job.kind, &job.options, &job.input, streamed, job.stream, cancel)
+        let stream = job.stream.map(|s| (s, job.cancel.clone()));
+        run_request(&group.group, vae, base, job.kind, &job.options, &job.input, streamed, stream, cancel)
     });
     let outcome = match result {
         Ok((output, report)) => Outcome::Done { output, report: report.map(Box::new), queued, ran: started.elapsed() },
@@ -241,7 +251,7 @@ pub fn run_request(
     options: &RequestOptions,
     input: &Tensor,
     streamed: bool,
-    stream: Option<mpsc::Sender<Vec<u8>>>,
+    stream: Option<(Stream, CancelToken)>,
     cancel: Option<&CancelToken>,
 ) -> vae_parallel::Result<(Option<Tensor>, Option<RequestReport>)> {
     let finished = match kind {
@@ -273,13 +283,20 @@ fn with_cancel<'a>(request: Request<'a>, cancel: Option<&'a CancelToken>) -> Req
 }
 
 /// A streamed decode's sink: each run of frames as a `.npy` chunk on the way to the client
-/// (nothing on ranks other than the owner). A client that left fails the decode.
+/// (nothing on ranks other than the owner). A client that left, or that reads so slowly that a
+/// chunk waits longer than the stream's stall limit, fails the decode (the group's thread is
+/// never held by a client).
 struct NpyChunks {
-    to: Option<mpsc::Sender<Vec<u8>>>,
+    /// The channel, the stall limit and the request's cancel token; `None` once the client is
+    /// given up on (its frames then dropped).
+    to: Option<(Stream, CancelToken)>,
     /// Whether a client that left fails the decode (else its frames are dropped: a group whose
     /// ranks cannot be replaced must not be aborted).
     fail_when_gone: bool,
 }
+
+/// How often a chunk waiting for a slow client retries.
+const STALL_POLL: Duration = Duration::from_millis(5);
 
 impl FrameSink for NpyChunks {
     fn begin(&mut self, _dims: &[usize]) -> Result<(), SinkError> {
@@ -287,11 +304,25 @@ impl FrameSink for NpyChunks {
     }
 
     fn frames(&mut self, _first: usize, run: Tensor) -> Result<(), SinkError> {
-        let Some(to) = &self.to else { return Ok(()) };
-        let bytes = io::npy_bytes(&run)?;
-        match to.blocking_send(bytes) {
-            Err(_) if self.fail_when_gone => Err("the client disconnected".into()),
-            _ => Ok(()),
-        }
+        let Some((stream, token)) = &self.to else { return Ok(()) };
+        let mut bytes = io::npy_bytes(&run)?;
+        let deadline = Instant::now() + stream.stall;
+        let gone = loop {
+            match stream.to.try_send(bytes) {
+                Ok(()) => return Ok(()),
+                Err(mpsc::error::TrySendError::Closed(_)) => break "the client disconnected".to_string(),
+                Err(mpsc::error::TrySendError::Full(back)) => bytes = back,
+            }
+            if token.is_cancelled() {
+                break token.reason().unwrap_or_else(|| "the request was cancelled".into());
+            }
+            if Instant::now() >= deadline {
+                break format!("the client reads its frames too slowly (none taken in {} s)", stream.stall.as_secs());
+            }
+            std::thread::sleep(STALL_POLL);
+        };
+        // Given up on: the rest of its frames are dropped, or the decode fails.
+        self.to = None;
+        if self.fail_when_gone { Err(gone.into()) } else { Ok(()) }
     }
 }

@@ -300,7 +300,7 @@ async fn admit(
     let streamed = kind == Kind::Decode && options.response == spec::Response::Frames;
     let (stream, chunks) = if streamed {
         let (tx, rx) = mpsc::channel(4);
-        (Some(tx), Some(rx))
+        (Some(super::engine::Stream { to: tx, stall: app.body_timeout }), Some(rx))
     } else {
         (None, None)
     };

@@ -118,9 +118,11 @@ pub fn serve(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // Stop the group: what waits is answered, the ranks leave, none is left behind.
     engine.stop.store(true, Ordering::Relaxed);
     drop(app);
-    let _ = thread.join();
-    // The connections were drained (or given up on) above: nothing left to wait for.
+    // The connections were drained (or given up on) above. Dropping what is left of them first
+    // closes every stream of frames and cancels every request still admitted, so that the
+    // group's thread, which may be sending frames, is never waited on for a client.
     runtime.shutdown_background();
+    let _ = thread.join();
     served?;
     Ok(ExitCode::SUCCESS)
 }
