@@ -68,9 +68,14 @@ pub struct Stream {
     pub stall: Duration,
 }
 
-/// A request refused because the queue is full.
+/// Why a request was not queued.
 #[derive(Debug)]
-pub struct QueueFull;
+pub enum Refused {
+    /// The queue is full (429).
+    QueueFull,
+    /// The group's thread has ended: the service can run nothing more (503, not ready).
+    Gone,
+}
 
 /// The handle the HTTP side holds: the queue into the group's thread.
 #[derive(Clone)]
@@ -86,16 +91,20 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Queues `job`; refuses it when the queue is full (or the group's thread has ended).
-    pub fn submit(&self, job: Job) -> Result<(), QueueFull> {
+    /// Queues `job`; refuses it when the queue is full, or when the group's thread has ended
+    /// (the service is then marked not ready).
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
         self.metrics.queued.fetch_add(1, Ordering::Relaxed);
-        match self.queue.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
-                Err(QueueFull)
+        let refused = match self.queue.try_send(job) {
+            Ok(()) => return Ok(()),
+            Err(TrySendError::Full(_)) => Refused::QueueFull,
+            Err(TrySendError::Disconnected(_)) => {
+                self.ready.store(false, Ordering::Relaxed);
+                Refused::Gone
             }
-        }
+        };
+        self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        Err(refused)
     }
 }
 
@@ -175,7 +184,19 @@ fn group_thread(
             continue;
         }
         metrics.running.store(1, Ordering::Relaxed);
-        run_job(&group, models, base, job);
+        let Job { kind, options, input, stream, cancel, reply, arrived } = job;
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_job(&group, models, base, kind, &options, &input, stream, &cancel, arrived)
+        }));
+        let outcome = ran.unwrap_or_else(|panic| {
+            // A bug, not the client's: this request fails, the group (which may have been
+            // left mid-collective) is rebuilt, and the service keeps its thread.
+            let message = panic_message(panic.as_ref());
+            tracing::error!("a request panicked: {message}");
+            group.mark_failed(format!("a request panicked: {message}"));
+            Outcome::Failed(Error::Panicked { rank: 0, message })
+        });
+        let _ = reply.send(outcome);
         metrics.running.store(0, Ordering::Relaxed);
         // A rank that died (or a cancel that aborted a group of processes) is replaced now,
         // before the next request.
@@ -214,30 +235,47 @@ fn heal(group: &mut ServiceGroup, metrics: &Metrics, ready: &AtomicBool) {
     }
 }
 
-/// Runs one job on the group and answers it.
-fn run_job(group: &ServiceGroup, models: &[(String, Vae)], base: &Settings, job: Job) {
-    let queued = job.arrived.elapsed();
-    let Some((_, vae)) = models.iter().find(|(name, _)| *name == job.options.model) else {
-        let _ =
-            job.reply.send(Outcome::Failed(Error::invalid_option(format!("unknown model {:?}", job.options.model))));
-        return;
+/// Runs one job on the group: its outcome.
+#[allow(clippy::too_many_arguments)]
+fn run_job(
+    group: &ServiceGroup,
+    models: &[(String, Vae)],
+    base: &Settings,
+    kind: Kind,
+    options: &RequestOptions,
+    input: &Tensor,
+    stream: Option<Stream>,
+    token: &CancelToken,
+    arrived: Instant,
+) -> Outcome {
+    let queued = arrived.elapsed();
+    let Some((_, vae)) = models.iter().find(|(name, _)| *name == options.model) else {
+        return Outcome::Failed(Error::invalid_option(format!("unknown model {:?}", options.model)));
     };
     let started = Instant::now();
-    let streamed = job.stream.is_some();
+    let streamed = stream.is_some();
     // A cancel aborts a group of processes; ranks placed by the environment cannot be replaced,
     // so there a request whose client left runs to its end (its frames dropped) rather than
     // leave the service unready.
-    let cancel = group.can_rebuild().then_some(&job.cancel);
-    let frame = Frame::Run { kind: job.kind, options: job.options.clone(), streamed };
-    let result = group.broadcast(&frame, Some(&job.input)).and_then(|()| {
-        let stream = job.stream.map(|s| (s, job.cancel.clone()));
-        run_request(&group.group, vae, base, job.kind, &job.options, &job.input, streamed, stream, cancel)
+    let cancel = group.can_rebuild().then_some(token);
+    let frame = Frame::Run { kind, options: options.clone(), streamed };
+    let result = group.broadcast(&frame, Some(input)).and_then(|()| {
+        let stream = stream.map(|s| (s, token.clone()));
+        run_request(&group.group, vae, base, kind, options, input, streamed, stream, cancel)
     });
-    let outcome = match result {
+    match result {
         Ok((output, report)) => Outcome::Done { output, report: report.map(Box::new), queued, ran: started.elapsed() },
         Err(err) => Outcome::Failed(err),
-    };
-    let _ = job.reply.send(outcome);
+    }
+}
+
+/// A panic's message, where it is text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// One request on `group` (every rank calls this with the same arguments, in the same order):

@@ -305,8 +305,12 @@ async fn admit(
         (None, None)
     };
     let job = Job { kind, options: options.clone(), input, stream, cancel: token, reply, arrived };
-    if app.engine.submit(job).is_err() {
+    if let Err(refused) = app.engine.submit(job) {
         guard.armed = false;
+        if let super::engine::Refused::Gone = refused {
+            let line = "the service's group thread has ended: it can run no more requests";
+            return Err(refuse(refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable", line)));
+        }
         let wait = app.engine.metrics.mean_seconds().max(1.0).ceil() as u64;
         let line = "the service's queue is full: retry later";
         let mut response = refusal(StatusCode::TOO_MANY_REQUESTS, "queue_full", line);

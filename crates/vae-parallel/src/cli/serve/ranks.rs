@@ -69,6 +69,8 @@ pub struct ServiceGroup {
     /// The command line of a launched rank (`serve` and its flags).
     args: Vec<OsString>,
     launched: Option<Launched>,
+    /// Set when a request panicked: the group may be mid-collective, so it is rebuilt.
+    panicked: Option<String>,
 }
 
 impl ServiceGroup {
@@ -83,6 +85,7 @@ impl ServiceGroup {
             threads: settings.threads,
             args,
             launched: None,
+            panicked: None,
         };
         this.group = this.form()?;
         Ok(this)
@@ -159,6 +162,9 @@ impl ServiceGroup {
     /// Why the group can serve no more requests, if it cannot: a transport failure, or a
     /// launched rank that has exited.
     pub fn failure(&mut self) -> Option<String> {
+        if let Some(why) = &self.panicked {
+            return Some(why.clone());
+        }
         if let Some(err) = self.group.failure() {
             return Some(err.to_line());
         }
@@ -173,7 +179,14 @@ impl ServiceGroup {
             anyhow::bail!("the ranks were placed by the environment: the service cannot replace them");
         }
         self.group = self.form()?;
+        self.panicked = None;
         Ok(())
+    }
+
+    /// Marks the group failed (a request panicked on it): [`Self::failure`] says `why` until it
+    /// is rebuilt.
+    pub fn mark_failed(&mut self, why: String) {
+        self.panicked = Some(why);
     }
 
     /// Sends `frame` to the other rank processes (nothing for a local group).
