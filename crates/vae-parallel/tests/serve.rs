@@ -648,3 +648,39 @@ fn a_client_that_stops_reading_its_frames_holds_neither_the_group_nor_the_shutdo
     assert!(status.success(), "{status:?}");
     assert!(started.elapsed() < Duration::from_secs(6), "stopped after {:?}", started.elapsed());
 }
+
+#[test]
+fn bodies_beyond_the_queue_are_refused_before_they_are_read() {
+    use std::io::Write as _;
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--queue", "1"]));
+    let server = Server::start(&args);
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    // Two bodies (the queue's one + the one running) that arrive slowly hold both permits.
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+            let head = format!(
+                "POST /v1/decode HTTP/1.1\r\nHost: {addr}\r\nX-VAE-Options: {{\"model\":\"sd\"}}\r\nContent-Length: 100000\r\n\r\nNUMPY"
+            );
+            conn.write_all(head.as_bytes()).unwrap();
+            conn
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let refused = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    refused.assert_refused(429, "queue is full");
+    assert!(refused.header("retry-after").is_some());
+    // The slow clients leave: their permits are free again.
+    drop(slow);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+        if reply.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still refused: {} {}", reply.status, reply.text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -45,6 +45,9 @@ pub struct App {
     /// The requests admitted and not yet answered, by id: cancelled when the grace period of a
     /// shutdown runs out.
     pub in_flight: Mutex<HashMap<u64, CancelToken>>,
+    /// Permits to read a request body into memory: `--queue` + 1 (every place in the queue and
+    /// the one running), so that the bodies held at once are bounded before the queue is seen.
+    pub bodies: Arc<tokio::sync::Semaphore>,
     next_id: AtomicU64,
 }
 
@@ -59,6 +62,7 @@ impl App {
         token: Option<Vec<u8>>,
         max_body: usize,
         body_timeout: Duration,
+        queue: usize,
     ) -> Self {
         Self {
             engine,
@@ -69,6 +73,7 @@ impl App {
             max_body,
             body_timeout,
             in_flight: Mutex::new(HashMap::new()),
+            bodies: Arc::new(tokio::sync::Semaphore::new(queue + 1)),
             next_id: AtomicU64::new(0),
         }
     }
@@ -271,6 +276,11 @@ async fn admit(
     if declared.is_some_and(|n| n > app.max_body as u64) {
         return Err(refuse(too_large()));
     }
+    // A permit to hold a body: none free means as many bodies as the queue can take are
+    // already being read or waiting, so this one is refused before it is read.
+    let Ok(permit) = Arc::clone(&app.bodies).try_acquire_owned() else {
+        return Err(refuse(queue_full(app)));
+    };
     let bytes = match tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, app.max_body)).await {
         Err(_) => {
             let line = format!("the request body did not arrive within {} s", app.body_timeout.as_secs());
@@ -311,12 +321,10 @@ async fn admit(
             let line = "the service's group thread has ended: it can run no more requests";
             return Err(refuse(refusal(StatusCode::SERVICE_UNAVAILABLE, "unavailable", line)));
         }
-        let wait = app.engine.metrics.mean_seconds().max(1.0).ceil() as u64;
-        let line = "the service's queue is full: retry later";
-        let mut response = refusal(StatusCode::TOO_MANY_REQUESTS, "queue_full", line);
-        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
-        return Err(refuse(response));
+        return Err(refuse(queue_full(app)));
     }
+    // Queued (the queue bounds it from here): the permit is the next body's.
+    drop(permit);
     if let Some(chunks) = chunks {
         return streamed_response(Arc::clone(app), chunks, answer, guard, model.clone(), arrived).await.map_err(refuse);
     }
@@ -325,6 +333,15 @@ async fn admit(
     let response = answered(app, &options, outcome).await.map_err(refuse)?;
     count(app, &model, kind, "ok", arrived);
     Ok(response)
+}
+
+/// 429 with `Retry-After` (the mean request's seconds, at least 1).
+fn queue_full(app: &App) -> Response {
+    let wait = app.engine.metrics.mean_seconds().max(1.0).ceil() as u64;
+    let line = "the service's queue is full: retry later";
+    let mut response = refusal(StatusCode::TOO_MANY_REQUESTS, "queue_full", line);
+    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait));
+    response
 }
 
 /// Refuses, before the request is queued, an answer its output cannot take: an image format for

@@ -44,7 +44,9 @@ pub struct ServeArgs {
     /// A file holding the bearer token every request (but /healthz and /readyz) must carry.
     #[arg(long)]
     token_file: Option<PathBuf>,
-    /// Requests that may wait for the group beyond the one running; more are answered 429.
+    /// Requests that may wait for the group beyond the one running; more are answered 429. At
+    /// most this many + 1 request bodies are read into memory at once; more are answered 429
+    /// before their body is read.
     #[arg(long, default_value_t = 16)]
     queue: usize,
     /// The largest request body: bytes, or a number with K, M or G.
@@ -110,6 +112,7 @@ pub fn serve(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         token,
         max_body,
         Duration::from_secs(args.read_timeout_s),
+        args.queue,
     ));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let timeout = Duration::from_secs(args.read_timeout_s);
