@@ -684,3 +684,41 @@ fn bodies_beyond_the_queue_are_refused_before_they_are_read() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn a_unix_socket_serves_decodes_to_its_owner_only() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vae.sock");
+    // A stale socket from a service that did not stop cleanly is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists());
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--listen", &format!("unix:{}", socket.display())]));
+    let mut child = Command::new(EXE)
+        .arg("serve")
+        .args(&args)
+        .env("VAE_COST_PROBE", "0")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the service");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines.next().expect("the service exited before listening").unwrap();
+        if line.starts_with("listening on unix:") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    let mut server = Server { child, base: String::new() };
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "{mode:o}");
+    let sock = socket.display().to_string();
+    let reply =
+        curl("http://localhost/v1/decode", Some(r#"{"model":"sd"}"#), Some(&models[0].2), &["--unix-socket", &sock]);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.body, cli("decode", &models[0].1, &models[0].2, "out.npy", &[]));
+    assert!(server.stop().success());
+    assert!(!socket.exists(), "the socket was left behind");
+}

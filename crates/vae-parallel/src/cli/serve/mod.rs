@@ -251,8 +251,13 @@ async fn run_http(
             Listener::Tcp(l)
         }
         Listen::Unix(path) => {
+            remove_stale_socket(path)?;
             let l =
                 tokio::net::UnixListener::bind(path).with_context(|| format!("--listen unix:{}", path.display()))?;
+            // This user's only: a Unix socket carries no token check when --token-file is unset.
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("--listen unix:{}: setting its permissions", path.display()))?;
             println!("listening on unix:{}", path.display());
             Listener::Unix(l, path.clone())
         }
@@ -296,6 +301,22 @@ async fn run_http(
         tracing::warn!("the grace period ran out: the requests still in flight were cancelled");
     }
     Ok(())
+}
+
+/// Removes the socket a service that did not stop cleanly left at `path`; anything there but a
+/// socket is an error (never removed).
+fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt as _;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("--listen unix:{}", path.display())),
+        Ok(meta) if meta.file_type().is_socket() => {
+            tracing::warn!("removing the stale socket {}", path.display());
+            std::fs::remove_file(path)
+                .with_context(|| format!("--listen unix:{}: removing the stale socket", path.display()))
+        }
+        Ok(_) => bail!("--listen unix:{}: the path exists and is not a socket", path.display()),
+    }
 }
 
 /// A connection's stream, TCP or Unix.
