@@ -722,3 +722,35 @@ fn a_unix_socket_serves_decodes_to_its_owner_only() {
     assert!(server.stop().success());
     assert!(!socket.exists(), "the socket was left behind");
 }
+
+#[test]
+fn a_chunked_body_over_the_cap_is_413_and_a_broken_one_is_400() {
+    use std::io::{Read as _, Write as _};
+    let models: Vec<_> = families().into_iter().filter(|m| m.0 == "sd").collect();
+    let mut args = model_flags(&models);
+    args.extend(strings(&["--max-body", "64K"]));
+    let server = Server::start(&args);
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.npy");
+    write_npy(&big, &[1, 4, 96, 96]);
+    // No Content-Length: the cap is found as the body arrives.
+    let chunked = ["-H", "Transfer-Encoding: chunked"];
+    let reply = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&big), &chunked);
+    reply.assert_refused(413, "cap");
+    // A chunk whose size is not hex: a bad request, not a body too large.
+    let addr = server.base.strip_prefix("http://").unwrap();
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let head = format!(
+        "POST /v1/decode HTTP/1.1\r\nHost: {addr}\r\nX-VAE-Options: {{\"model\":\"sd\"}}\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nNUMP\r\nzz\r\n"
+    );
+    conn.write_all(head.as_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("the request body could not be read"), "{answer}");
+    // The service keeps serving.
+    let small = curl(&server.url("/v1/decode"), Some(r#"{"model":"sd"}"#), Some(&models[0].2), &[]);
+    assert_eq!(small.status, 200, "{}", small.text());
+}

@@ -286,7 +286,11 @@ async fn admit(
             let line = format!("the request body did not arrive within {} s", app.body_timeout.as_secs());
             return Err(refuse(refusal(StatusCode::REQUEST_TIMEOUT, "timeout", &line)));
         }
-        Ok(Err(_)) => return Err(refuse(too_large())),
+        Ok(Err(e)) if is_length_limit(&e) => return Err(refuse(too_large())),
+        Ok(Err(e)) => {
+            let line = format!("the request body could not be read: {e}");
+            return Err(refuse(refusal(StatusCode::BAD_REQUEST, "invalid_input", &line)));
+        }
         Ok(Ok(bytes)) => bytes,
     };
     let input = spec::read_body(&bytes, kind).map_err(|e| refuse(library_refusal(&e)))?;
@@ -333,6 +337,18 @@ async fn admit(
     let response = answered(app, &options, outcome).await.map_err(refuse)?;
     count(app, &model, kind, "ok", arrived);
     Ok(response)
+}
+
+/// Whether reading a body failed on the cap (not on a broken connection or a malformed chunk).
+fn is_length_limit(err: &axum::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cause {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// 429 with `Retry-After` (the mean request's seconds, at least 1).
