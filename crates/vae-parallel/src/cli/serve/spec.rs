@@ -64,25 +64,25 @@ pub struct RequestOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fps: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// How the ranks split the work (`--vae-parallel-mode`), e.g. `spatial_shard_height`.
     pub vae_parallel_mode: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// How many ranks share the request (`--vae-patch-parallel-size`).
     pub vae_patch_parallel_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// The grid of shards, `RxC` (`--shard-grid`).
     pub shard_grid: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// How tiles' overlaps are merged (`--tile-merge`).
     pub tile_merge: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// Whether the input is cut into tiles (`--vae-use-tiling`).
     pub vae_use_tiling: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// Whether the latent is already normalized (`--latents-normalized`).
     pub latents_normalized: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[allow(missing_docs)]
+    /// The memory each rank may use, bytes or with K, M or G (`--max-memory-per-rank`).
     pub max_memory_per_rank: Option<String>,
 }
 
