@@ -52,7 +52,8 @@ pub struct ServeArgs {
     /// The largest request body: bytes, or a number with K, M or G.
     #[arg(long, default_value = "256M")]
     max_body: String,
-    /// Seconds a request's headers, and then its body, may take to arrive.
+    /// Seconds a request's headers, and then its body, may take to arrive; and the longest a
+    /// stream of frames waits for its client to take the next chunk before the request fails.
     #[arg(long, default_value_t = 30)]
     read_timeout_s: u64,
     /// Seconds SIGTERM or ctrl-c leaves the requests in flight to finish before they are
