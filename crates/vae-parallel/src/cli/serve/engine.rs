@@ -364,3 +364,43 @@ impl FrameSink for NpyChunks {
         if self.fail_when_gone { Err(gone.into()) } else { Ok(()) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_whose_thread_ended_refuses_as_gone_and_unready() {
+        let (queue, jobs) = std::sync::mpsc::sync_channel(1);
+        drop(jobs);
+        let ready = Arc::new(AtomicBool::new(true));
+        let engine = Engine {
+            queue,
+            metrics: Arc::new(Metrics::default()),
+            ready: Arc::clone(&ready),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let input = Tensor::seeded_uniform([1, 4, 2, 2], 1, -1.0, 1.0, &vae_parallel::Device::Cpu).unwrap();
+        let (reply, _answer) = oneshot::channel();
+        let job = Job {
+            kind: Kind::Decode,
+            options: RequestOptions::default(),
+            input,
+            stream: None,
+            cancel: CancelToken::new(),
+            reply,
+            arrived: Instant::now(),
+        };
+        assert!(matches!(engine.submit(job), Err(Refused::Gone)));
+        assert!(!ready.load(Ordering::Relaxed));
+        assert_eq!(engine.metrics.queued.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_panics_message_is_its_text() {
+        let caught = std::panic::catch_unwind(|| panic!("boom {}", 7)).unwrap_err();
+        assert_eq!(panic_message(caught.as_ref()), "boom 7");
+        let caught = std::panic::catch_unwind(|| std::panic::panic_any(3_u8)).unwrap_err();
+        assert_eq!(panic_message(caught.as_ref()), "(no message)");
+    }
+}
