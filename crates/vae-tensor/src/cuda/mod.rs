@@ -129,11 +129,12 @@ pub enum ConvKernels {
     /// environment variable `VAE_CUDA_WGMMA=1` makes it the default of a process.
     Wgmma,
     /// cuDNN's convolutions (`libcudnn.so.9`, loaded at run time; see [`CUDNN_PATH_ENV`]): for
-    /// each convolution the first algorithm cuDNN's heuristics offer among those that keep
-    /// results bit-identical across rank counts (deterministic GEMM and direct algorithms; FFT
-    /// and Winograd never run). Where cuDNN cannot be loaded, our kernels run, with a warning
-    /// once. Built and tested only against a fake cuDNN so far (`cargo xtask gpu-emu`), never on
-    /// a GPU. `VAE_CUDA_CONV=cudnn` ([`CONV_ENV`]) makes it the default of a process.
+    /// each convolution the first algorithm cuDNN's heuristics offer among those admitted
+    /// (deterministic GEMM and direct algorithms; FFT and Winograd never run). Results are
+    /// meant to be bit-identical across rank counts by construction of that admitted set; this
+    /// has been verified only against the fake cuDNN (`cargo xtask gpu-emu`), not yet with
+    /// NVIDIA's library on a GPU. Where cuDNN cannot be loaded, our kernels run, with a warning
+    /// once. `VAE_CUDA_CONV=cudnn` ([`CONV_ENV`]) makes it the default of a process.
     Cudnn,
     /// Per convolution shape, whichever of our kernels and cuDNN's admissible algorithms ran
     /// fastest when the shape was first timed on this kind of device; the choices are kept per
