@@ -52,9 +52,11 @@ fn int(v: u64) -> Result<i32> {
 }
 
 /// The convolution `g` of operands of `dtype` on this thread (TF32 mode or not) as cuDNN is
-/// asked it, its input `[t, h, w]` padded by `pads` on both sides.
+/// asked it, its input `[t, h, w]` padded by `pads` on both sides. Refused (a
+/// [`TensorError::InvalidArgument`]) when an extent, a stride or an operand's element count
+/// does not fit cuDNN's 32-bit `int`.
 fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> Result<Problem> {
-    Ok(Problem {
+    let p = Problem {
         x: [int(g.n)?, int(g.cin)?, int(t)?, int(h)?, int(w)?],
         w: [int(g.cout)?, int(g.cin)?, int(g.kt)?, int(g.kh)?, int(g.kw)?],
         pads: [int(pads[0] as u64)?, int(pads[1] as u64)?, int(pads[2] as u64)?],
@@ -62,7 +64,11 @@ fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> R
         y: [int(g.n)?, int(g.cout)?, int(g.to)?, int(g.ho)?, int(g.wo)?],
         dtype,
         tf32: TensorCoreMath::for_conv(dtype) == TensorCoreMath::Tf32,
-    })
+    };
+    for dims in [p.x, p.w, p.y] {
+        cudnn::packed(dims)?;
+    }
+    Ok(p)
 }
 
 /// The error of a problem cuDNN offers no admitted algorithm for.
@@ -252,8 +258,9 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::symmetric_pads;
+    use super::{problem, symmetric_pads};
     use crate::abi::ConvGeom;
+    use crate::{DType, TensorError};
 
     fn geom(h: u64, k: u64, s: u64, o: u64, p: i64) -> ConvGeom {
         ConvGeom {
@@ -290,5 +297,18 @@ mod tests {
         let causal = ConvGeom { t: 3, kt: 3, to: 3, pad_front: 2, ..geom(9, 3, 1, 9, 1) };
         assert_eq!(symmetric_pads(&causal), None);
         assert_eq!(symmetric_pads(&geom(9, 3, 1, 9, -1)), None);
+    }
+
+    #[test]
+    fn operands_past_cudnns_int_are_refused_though_each_extent_fits() {
+        // A 512-channel 4096x4096 "same" conv: every extent fits an int, the 2^33 elements do not.
+        let big = ConvGeom { cin: 512, cout: 512, ..geom(4096, 3, 1, 4096, 1) };
+        let err = problem(&big, DType::F32, [1, 4096, 4096], [0, 1, 1]).unwrap_err();
+        assert!(matches!(err, TensorError::InvalidArgument { op: "conv3d (cuDNN)", .. }), "{err}");
+        assert!(err.to_string().contains("32-bit int"), "{err}");
+        // The same layer at 64x64 is asked as is.
+        let small = ConvGeom { cin: 512, cout: 512, ..geom(64, 3, 1, 64, 1) };
+        let p = problem(&small, DType::F32, [1, 64, 64], [0, 1, 1]).unwrap();
+        assert_eq!(p.x, [1, 512, 1, 64, 64]);
     }
 }
