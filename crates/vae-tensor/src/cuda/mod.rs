@@ -151,10 +151,19 @@ pub const CONV_ENV: &str = "VAE_CUDA_CONV";
 
 pub use backend::cudnn::CUDNN_PATH_ENV;
 
+/// Why cuDNN cannot be used in this process (not found, too old, failed to load); its
+/// message is the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct CudnnUnavailable {
+    /// Why, in words.
+    pub reason: String,
+}
+
 /// cuDNN's version where it loads (see [`CUDNN_PATH_ENV`] for where it is looked for), or why
 /// it cannot be used. Never panics.
-pub fn cudnn_version() -> Result<usize, String> {
-    backend::cudnn::library()
+pub fn cudnn_version() -> Result<usize, CudnnUnavailable> {
+    backend::cudnn::library().map_err(|reason| CudnnUnavailable { reason })
 }
 
 /// How many convolutions this process has queued on cuDNN (a check that a run asked to use it
@@ -192,18 +201,26 @@ impl ConvKernels {
     }
 }
 
+/// A name that is not a [`ConvKernels`] (see its [`std::str::FromStr`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{given:?} is not 128, 256, wgmma, cudnn or fastest")]
+pub struct UnknownConvKernels {
+    /// The text given, trimmed.
+    pub given: String,
+}
+
 impl std::str::FromStr for ConvKernels {
-    type Err = String;
+    type Err = UnknownConvKernels;
 
     /// `128`, `256`, `wgmma`, `cudnn` or `fastest` (as [`std::fmt::Display`] writes them).
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, UnknownConvKernels> {
         Ok(match s.trim() {
             "128" => Self::Pixels128,
             "256" => Self::Pixels256,
             "wgmma" => Self::Wgmma,
             "cudnn" => Self::Cudnn,
             "fastest" => Self::Fastest,
-            other => return Err(format!("{other:?} is not 128, 256, wgmma, cudnn or fastest")),
+            other => return Err(UnknownConvKernels { given: other.to_owned() }),
         })
     }
 }
@@ -359,7 +376,7 @@ mod tests {
         ] {
             assert_eq!(k.to_string().parse::<ConvKernels>(), Ok(k));
         }
-        assert!("auto".parse::<ConvKernels>().is_err_and(|e| e.contains("cudnn or fastest")));
+        assert!("auto".parse::<ConvKernels>().is_err_and(|e| e.to_string().contains("cudnn or fastest") && e.given == "auto"));
         assert!("cuDNN".parse::<ConvKernels>().is_err());
     }
 
