@@ -71,6 +71,19 @@ fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> R
     Ok(p)
 }
 
+/// Each algorithm's seconds by `time`; one that fails is skipped with a warning, so that a
+/// failing candidate never fails the convolution being timed.
+fn time_each(algorithms: &[u32], mut time: impl FnMut(u32) -> Result<f64>) -> Vec<(u32, f64)> {
+    let mut timed = Vec::new();
+    for &algorithm in algorithms {
+        match time(algorithm) {
+            Ok(seconds) => timed.push((algorithm, seconds)),
+            Err(e) => tracing::warn!(algorithm, error = %e, "a cuDNN candidate failed when timed; skipped"),
+        }
+    }
+    timed
+}
+
 /// The error of a problem cuDNN offers no admitted algorithm for.
 fn none_admitted(problem: &Problem, offered: &[super::conv_choice::Candidate]) -> TensorError {
     TensorError::InvalidArgument {
@@ -222,7 +235,10 @@ impl CudaStorage {
     }
 
     /// Times ours and each admissible cuDNN algorithm on these operands (one warm-up run, then
-    /// one timed run each, the device idle before and after) and returns the fastest.
+    /// one timed run each, the device idle before and after) and returns the fastest. A cuDNN
+    /// candidate that fails (or a problem cuDNN cannot be asked) is skipped with a warning:
+    /// the user's convolution fails only when ours does, and ours is the choice when no cuDNN
+    /// candidate ran.
     fn time_candidates(
         &self,
         front: Option<(&Self, u64)>,
@@ -243,13 +259,19 @@ impl CudaStorage {
             (None, Some(pads)) => ([g.t, g.h, g.w], pads),
             _ => (padded_extents(&g), [0; 3]),
         };
-        let problem = problem(&g, self.dtype(), [t, h, w], pads)?;
-        let d = Descriptors::new(self.device.ordinal, &problem)?;
-        let allowed = admissible(&d.candidates(cudnn::thread_handle(&self.device)?)?);
-        let mut timed = Vec::new();
-        for c in allowed {
-            timed.push((c.algorithm, time(&|| self.conv3d_cudnn(front, weight, bias, g, Some(c.algorithm)))?));
-        }
+        let offered = problem(&g, self.dtype(), [t, h, w], pads).and_then(|problem| {
+            let d = Descriptors::new(self.device.ordinal, &problem)?;
+            d.candidates(cudnn::thread_handle(&self.device)?)
+        });
+        let allowed = match offered {
+            Ok(offered) => admissible(&offered),
+            Err(e) => {
+                tracing::warn!(device = %self.device.name, ?g, error = %e, "cuDNN not timed for this convolution; ours runs");
+                Vec::new()
+            }
+        };
+        let algorithms: Vec<u32> = allowed.iter().map(|c| c.algorithm).collect();
+        let timed = time_each(&algorithms, |a| time(&|| self.conv3d_cudnn(front, weight, bias, g, Some(a))));
         let choice = conv_choice::fastest(ours, &timed);
         tracing::info!(device = %self.device.name, ?g, ours, ?timed, %choice, "convolution timed");
         Ok(choice)
@@ -258,8 +280,9 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::{problem, symmetric_pads};
+    use super::{problem, symmetric_pads, time_each};
     use crate::abi::ConvGeom;
+    use crate::cuda::backend::conv_choice::{ConvChoice, fastest};
     use crate::{DType, TensorError};
 
     fn geom(h: u64, k: u64, s: u64, o: u64, p: i64) -> ConvGeom {
@@ -310,5 +333,16 @@ mod tests {
         let small = ConvGeom { cin: 512, cout: 512, ..geom(64, 3, 1, 64, 1) };
         let p = problem(&small, DType::F32, [1, 64, 64], [0, 1, 1]).unwrap();
         assert_eq!(p.x, [1, 512, 1, 64, 64]);
+    }
+
+    #[test]
+    fn a_failing_cudnn_candidate_is_skipped_and_none_left_means_ours() {
+        let fail = |a: u32| TensorError::InvalidArgument { op: "test", reason: format!("algorithm {a}") };
+        let timed = time_each(&[0, 1, 6], |a| if a == 1 { Err(fail(a)) } else { Ok(a as f64 + 1.0) });
+        assert_eq!(timed, [(0, 1.0), (6, 7.0)]);
+        assert_eq!(fastest(2.0, &timed), ConvChoice::Cudnn(0));
+        let none = time_each(&[0, 1], |a| Err(fail(a)));
+        assert!(none.is_empty());
+        assert_eq!(fastest(2.0, &none), ConvChoice::Ours);
     }
 }
