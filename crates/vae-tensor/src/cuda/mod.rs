@@ -376,7 +376,11 @@ mod tests {
         ] {
             assert_eq!(k.to_string().parse::<ConvKernels>(), Ok(k));
         }
-        assert!("auto".parse::<ConvKernels>().is_err_and(|e| e.to_string().contains("cudnn or fastest") && e.given == "auto"));
+        assert!(
+            "auto"
+                .parse::<ConvKernels>()
+                .is_err_and(|e| e.to_string().contains("cudnn or fastest") && e.given == "auto")
+        );
         assert!("cuDNN".parse::<ConvKernels>().is_err());
     }
 
