@@ -1,9 +1,10 @@
 //! The `candle` feature: candle tensors in and out give bit for bit the plain `Tensor` path's
-//! results, f32 inputs are read in place and results handed over without a copy, other float
+//! results, f32 inputs are copied by the safe path (and read in place by the unchecked one) and
+//! results handed over without a copy, other float
 //! types and layouts are converted, and what cannot be read is refused by kind.
 
 use candle_core::{DType as CandleDType, Device as CandleDevice, Storage, Tensor as CandleTensor};
-use vae_parallel::candle::{from_candle, to_candle};
+use vae_parallel::candle::{from_candle, from_candle_unchecked, to_candle};
 use vae_parallel::{Decode, Device, Encode, EncodeOutput, ErrorKind, Group, Tensor, Vae};
 
 const SD_LIKE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");
@@ -46,9 +47,25 @@ fn decode_and_encode_give_the_plain_paths_bits_on_two_ranks() {
 }
 
 #[test]
-fn f32_inputs_are_read_in_place_and_results_handed_over() {
-    let latent = CandleTensor::arange(0f32, 24.0, &CandleDevice::Cpu).unwrap().reshape((2, 3, 4)).unwrap();
+fn f32_inputs_are_copied_by_the_safe_path_and_untouched_by_later_writes() {
+    let latent = CandleTensor::zeros((2, 3, 4), CandleDType::F32, &CandleDevice::Cpu).unwrap();
     let ours = from_candle(&latent).unwrap();
+    assert_ne!(ours.as_slice_f32().unwrap().as_ptr() as usize, address(&latent), "copied");
+    // The caller writes its tensor in place: ours keeps the values it was given.
+    let ones = CandleTensor::ones((2, 3, 4), CandleDType::F32, &CandleDevice::Cpu).unwrap();
+    latent.slice_set(&ones, 0, 0).unwrap();
+    assert_eq!(values(&latent), vec![1.0; 24]);
+    assert_eq!(ours.to_vec_f32().unwrap(), vec![0.0; 24]);
+    // A converted input (a fresh tensor only ours holds) is read in place, with no second copy.
+    let bf16 = CandleTensor::arange(0f32, 24.0, &CandleDevice::Cpu).unwrap().to_dtype(CandleDType::BF16).unwrap();
+    assert_eq!(from_candle(&bf16).unwrap().to_vec_f32().unwrap(), (0..24).map(|i| i as f32).collect::<Vec<_>>());
+}
+
+#[test]
+fn f32_inputs_are_read_in_place_by_the_unchecked_path_and_results_handed_over() {
+    let latent = CandleTensor::arange(0f32, 24.0, &CandleDevice::Cpu).unwrap().reshape((2, 3, 4)).unwrap();
+    // SAFETY: nothing writes `latent`'s storage in place while `ours` lives.
+    let ours = unsafe { from_candle_unchecked(&latent) }.unwrap();
     assert_eq!(ours.as_slice_f32().unwrap().as_ptr() as usize, address(&latent), "read in place");
     // The candle tensor may go: ours holds its storage.
     drop(latent);

@@ -451,15 +451,30 @@ fn is_row_major(dims: &[usize], strides: &[i64]) -> bool {
 }
 
 /// A host f32 tensor of ours to lend through DLPack: each managed tensor made from it holds it,
-/// so its memory lives until the last consumer's deleter (and this value) are gone.
+/// so its memory lives until the last consumer's deleter (and this value) are gone. The memory
+/// is lent writable (consumers such as PyTorch may write it in place), so this value reads it
+/// only through `ptr`, never through a shared reference.
 #[derive(Debug)]
 pub struct Exported {
+    /// Owns the elements (freed when this value goes); never read or moved from after `ptr`
+    /// was taken, only its length.
     data: Vec<f32>,
+    /// The elements' start, taken once with `Vec::as_mut_ptr` (so writes through it are
+    /// allowed); valid for `data.len()` elements while `data` lives.
+    ptr: NonNull<f32>,
     shape: Vec<i64>,
     strides: Vec<i64>,
     /// The flags of every managed tensor made from it (`FLAG_IS_COPIED` for a copy).
     flags: u64,
 }
+
+// SAFETY: `ptr` points into `data`, which this value owns; the elements are plain f32s, read
+// here only by copy through `ptr` (no references), so sharing or sending the value across
+// threads is as sound as sending the `Vec` (concurrent writes by consumers are theirs to order,
+// as with any DLPack memory lent writable).
+unsafe impl Send for Exported {}
+// SAFETY: as for `Send`: `&Exported` gives no reference into the elements.
+unsafe impl Sync for Exported {}
 
 /// What a managed tensor of ours points at: the exported tensor and its own shape and strides.
 struct Context {
@@ -479,18 +494,31 @@ impl Exported {
         let dims = tensor.dims().to_vec();
         let data = tensor.into_vec_f32()?;
         let shape = dims.iter().map(|&d| d as i64).collect();
-        Ok(Self { data, strides: row_major(&dims), shape, flags: 0 })
+        Ok(Self::owning(data, shape, row_major(&dims), 0))
+    }
+
+    /// Takes the elements' mutable pointer once, before any consumer can see them.
+    fn owning(mut data: Vec<f32>, shape: Vec<i64>, strides: Vec<i64>, flags: u64) -> Self {
+        let ptr = NonNull::from(data.as_mut_slice()).cast::<f32>();
+        Self { data, ptr, shape, strides, flags }
+    }
+
+    /// A copy of the elements as they are now (read through `ptr`: a consumer may hold them).
+    fn read(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.data.len());
+        // SAFETY: `ptr` is valid for `data.len()` f32s while `self.data` lives, and `out` has
+        // that capacity, disjoint from them; the copy makes no reference to the lent memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), out.as_mut_ptr(), self.data.len());
+            out.set_len(self.data.len());
+        }
+        out
     }
 
     /// A copy of the elements of its own, lent with `FLAG_IS_COPIED` (for a consumer that asks
     /// for a copy: the Python protocol's `copy=True`).
     pub fn copied(&self) -> Self {
-        Self {
-            data: self.data.clone(),
-            shape: self.shape.clone(),
-            strides: self.strides.clone(),
-            flags: FLAG_IS_COPIED,
-        }
+        Self::owning(self.read(), self.shape.clone(), self.strides.clone(), FLAG_IS_COPIED)
     }
 
     /// The extents.
@@ -498,9 +526,9 @@ impl Exported {
         self.shape.iter().map(|&d| d as usize).collect()
     }
 
-    /// The elements, row-major.
-    pub fn as_slice(&self) -> &[f32] {
-        &self.data
+    /// A copy of the elements, row-major, as they are now.
+    pub fn to_vec(&self) -> Vec<f32> {
+        self.read()
     }
 
     /// The DLPack device: the host.
@@ -514,7 +542,7 @@ impl Exported {
 
     fn dl_tensor(context: &mut Context) -> DLTensor {
         DLTensor {
-            data: context.tensor.data.as_ptr().cast_mut().cast(),
+            data: context.tensor.ptr.as_ptr().cast(),
             device: context.tensor.device(),
             ndim: context.shape.len() as i32,
             dtype: DLDataType { code: DL_FLOAT, bits: 32, lanes: 1 },

@@ -129,11 +129,12 @@ pub enum ConvKernels {
     /// environment variable `VAE_CUDA_WGMMA=1` makes it the default of a process.
     Wgmma,
     /// cuDNN's convolutions (`libcudnn.so.9`, loaded at run time; see [`CUDNN_PATH_ENV`]): for
-    /// each convolution the first algorithm cuDNN's heuristics offer among those that keep
-    /// results bit-identical across rank counts (deterministic GEMM and direct algorithms; FFT
-    /// and Winograd never run). Where cuDNN cannot be loaded, our kernels run, with a warning
-    /// once. Built and tested only against a fake cuDNN so far (`cargo xtask gpu-emu`), never on
-    /// a GPU. `VAE_CUDA_CONV=cudnn` ([`CONV_ENV`]) makes it the default of a process.
+    /// each convolution the first algorithm cuDNN's heuristics offer among those admitted
+    /// (deterministic GEMM and direct algorithms; FFT and Winograd never run). Results are
+    /// meant to be bit-identical across rank counts by construction of that admitted set; this
+    /// has been verified only against the fake cuDNN (`cargo xtask gpu-emu`), not yet with
+    /// NVIDIA's library on a GPU. Where cuDNN cannot be loaded, our kernels run, with a warning
+    /// once. `VAE_CUDA_CONV=cudnn` ([`CONV_ENV`]) makes it the default of a process.
     Cudnn,
     /// Per convolution shape, whichever of our kernels and cuDNN's admissible algorithms ran
     /// fastest when the shape was first timed on this kind of device; the choices are kept per
@@ -150,10 +151,19 @@ pub const CONV_ENV: &str = "VAE_CUDA_CONV";
 
 pub use backend::cudnn::CUDNN_PATH_ENV;
 
+/// Why cuDNN cannot be used in this process (not found, too old, failed to load); its
+/// message is the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct CudnnUnavailable {
+    /// Why, in words.
+    pub reason: String,
+}
+
 /// cuDNN's version where it loads (see [`CUDNN_PATH_ENV`] for where it is looked for), or why
 /// it cannot be used. Never panics.
-pub fn cudnn_version() -> Result<usize, String> {
-    backend::cudnn::library()
+pub fn cudnn_version() -> Result<usize, CudnnUnavailable> {
+    backend::cudnn::library().map_err(|reason| CudnnUnavailable { reason })
 }
 
 /// How many convolutions this process has queued on cuDNN (a check that a run asked to use it
@@ -191,18 +201,26 @@ impl ConvKernels {
     }
 }
 
+/// A name that is not a [`ConvKernels`] (see its [`std::str::FromStr`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{given:?} is not 128, 256, wgmma, cudnn or fastest")]
+pub struct UnknownConvKernels {
+    /// The text given, trimmed.
+    pub given: String,
+}
+
 impl std::str::FromStr for ConvKernels {
-    type Err = String;
+    type Err = UnknownConvKernels;
 
     /// `128`, `256`, `wgmma`, `cudnn` or `fastest` (as [`std::fmt::Display`] writes them).
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, UnknownConvKernels> {
         Ok(match s.trim() {
             "128" => Self::Pixels128,
             "256" => Self::Pixels256,
             "wgmma" => Self::Wgmma,
             "cudnn" => Self::Cudnn,
             "fastest" => Self::Fastest,
-            other => return Err(format!("{other:?} is not 128, 256, wgmma, cudnn or fastest")),
+            other => return Err(UnknownConvKernels { given: other.to_owned() }),
         })
     }
 }
@@ -358,7 +376,11 @@ mod tests {
         ] {
             assert_eq!(k.to_string().parse::<ConvKernels>(), Ok(k));
         }
-        assert!("auto".parse::<ConvKernels>().is_err_and(|e| e.contains("cudnn or fastest")));
+        assert!(
+            "auto"
+                .parse::<ConvKernels>()
+                .is_err_and(|e| e.to_string().contains("cudnn or fastest") && e.given == "auto")
+        );
         assert!("cuDNN".parse::<ConvKernels>().is_err());
     }
 

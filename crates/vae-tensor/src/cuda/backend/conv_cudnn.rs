@@ -52,9 +52,11 @@ fn int(v: u64) -> Result<i32> {
 }
 
 /// The convolution `g` of operands of `dtype` on this thread (TF32 mode or not) as cuDNN is
-/// asked it, its input `[t, h, w]` padded by `pads` on both sides.
+/// asked it, its input `[t, h, w]` padded by `pads` on both sides. Refused (a
+/// [`TensorError::InvalidArgument`]) when an extent, a stride or an operand's element count
+/// does not fit cuDNN's 32-bit `int`.
 fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> Result<Problem> {
-    Ok(Problem {
+    let p = Problem {
         x: [int(g.n)?, int(g.cin)?, int(t)?, int(h)?, int(w)?],
         w: [int(g.cout)?, int(g.cin)?, int(g.kt)?, int(g.kh)?, int(g.kw)?],
         pads: [int(pads[0] as u64)?, int(pads[1] as u64)?, int(pads[2] as u64)?],
@@ -62,7 +64,24 @@ fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> R
         y: [int(g.n)?, int(g.cout)?, int(g.to)?, int(g.ho)?, int(g.wo)?],
         dtype,
         tf32: TensorCoreMath::for_conv(dtype) == TensorCoreMath::Tf32,
-    })
+    };
+    for dims in [p.x, p.w, p.y] {
+        cudnn::packed(dims)?;
+    }
+    Ok(p)
+}
+
+/// Each algorithm's seconds by `time`; one that fails is skipped with a warning, so that a
+/// failing candidate never fails the convolution being timed.
+fn time_each(algorithms: &[u32], mut time: impl FnMut(u32) -> Result<f64>) -> Vec<(u32, f64)> {
+    let mut timed = Vec::new();
+    for &algorithm in algorithms {
+        match time(algorithm) {
+            Ok(seconds) => timed.push((algorithm, seconds)),
+            Err(e) => tracing::warn!(algorithm, error = %e, "a cuDNN candidate failed when timed; skipped"),
+        }
+    }
+    timed
 }
 
 /// The error of a problem cuDNN offers no admitted algorithm for.
@@ -216,7 +235,10 @@ impl CudaStorage {
     }
 
     /// Times ours and each admissible cuDNN algorithm on these operands (one warm-up run, then
-    /// one timed run each, the device idle before and after) and returns the fastest.
+    /// one timed run each, the device idle before and after) and returns the fastest. A cuDNN
+    /// candidate that fails (or a problem cuDNN cannot be asked) is skipped with a warning:
+    /// the user's convolution fails only when ours does, and ours is the choice when no cuDNN
+    /// candidate ran.
     fn time_candidates(
         &self,
         front: Option<(&Self, u64)>,
@@ -237,13 +259,19 @@ impl CudaStorage {
             (None, Some(pads)) => ([g.t, g.h, g.w], pads),
             _ => (padded_extents(&g), [0; 3]),
         };
-        let problem = problem(&g, self.dtype(), [t, h, w], pads)?;
-        let d = Descriptors::new(self.device.ordinal, &problem)?;
-        let allowed = admissible(&d.candidates(cudnn::thread_handle(&self.device)?)?);
-        let mut timed = Vec::new();
-        for c in allowed {
-            timed.push((c.algorithm, time(&|| self.conv3d_cudnn(front, weight, bias, g, Some(c.algorithm)))?));
-        }
+        let offered = problem(&g, self.dtype(), [t, h, w], pads).and_then(|problem| {
+            let d = Descriptors::new(self.device.ordinal, &problem)?;
+            d.candidates(cudnn::thread_handle(&self.device)?)
+        });
+        let allowed = match offered {
+            Ok(offered) => admissible(&offered),
+            Err(e) => {
+                tracing::warn!(device = %self.device.name, ?g, error = %e, "cuDNN not timed for this convolution; ours runs");
+                Vec::new()
+            }
+        };
+        let algorithms: Vec<u32> = allowed.iter().map(|c| c.algorithm).collect();
+        let timed = time_each(&algorithms, |a| time(&|| self.conv3d_cudnn(front, weight, bias, g, Some(a))));
         let choice = conv_choice::fastest(ours, &timed);
         tracing::info!(device = %self.device.name, ?g, ours, ?timed, %choice, "convolution timed");
         Ok(choice)
@@ -252,8 +280,10 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::symmetric_pads;
+    use super::{problem, symmetric_pads, time_each};
     use crate::abi::ConvGeom;
+    use crate::cuda::backend::conv_choice::{ConvChoice, fastest};
+    use crate::{DType, TensorError};
 
     fn geom(h: u64, k: u64, s: u64, o: u64, p: i64) -> ConvGeom {
         ConvGeom {
@@ -290,5 +320,29 @@ mod tests {
         let causal = ConvGeom { t: 3, kt: 3, to: 3, pad_front: 2, ..geom(9, 3, 1, 9, 1) };
         assert_eq!(symmetric_pads(&causal), None);
         assert_eq!(symmetric_pads(&geom(9, 3, 1, 9, -1)), None);
+    }
+
+    #[test]
+    fn operands_past_cudnns_int_are_refused_though_each_extent_fits() {
+        // A 512-channel 4096x4096 "same" conv: every extent fits an int, the 2^33 elements do not.
+        let big = ConvGeom { cin: 512, cout: 512, ..geom(4096, 3, 1, 4096, 1) };
+        let err = problem(&big, DType::F32, [1, 4096, 4096], [0, 1, 1]).unwrap_err();
+        assert!(matches!(err, TensorError::InvalidArgument { op: "conv3d (cuDNN)", .. }), "{err}");
+        assert!(err.to_string().contains("32-bit int"), "{err}");
+        // The same layer at 64x64 is asked as is.
+        let small = ConvGeom { cin: 512, cout: 512, ..geom(64, 3, 1, 64, 1) };
+        let p = problem(&small, DType::F32, [1, 64, 64], [0, 1, 1]).unwrap();
+        assert_eq!(p.x, [1, 512, 1, 64, 64]);
+    }
+
+    #[test]
+    fn a_failing_cudnn_candidate_is_skipped_and_none_left_means_ours() {
+        let fail = |a: u32| TensorError::InvalidArgument { op: "test", reason: format!("algorithm {a}") };
+        let timed = time_each(&[0, 1, 6], |a| if a == 1 { Err(fail(a)) } else { Ok(a as f64 + 1.0) });
+        assert_eq!(timed, [(0, 1.0), (6, 7.0)]);
+        assert_eq!(fastest(2.0, &timed), ConvChoice::Cudnn(0));
+        let none = time_each(&[0, 1], |a| Err(fail(a)));
+        assert!(none.is_empty());
+        assert_eq!(fastest(2.0, &none), ConvChoice::Ours);
     }
 }

@@ -199,13 +199,19 @@ pub(crate) struct Problem {
     pub(crate) tf32: bool,
 }
 
-/// The strides of a contiguous tensor of `dims`.
-pub(crate) fn packed(dims: [c_int; 5]) -> [c_int; 5] {
-    let mut s = [1; 5];
+/// The strides of a contiguous tensor of `dims`, refused (a [`TensorError::InvalidArgument`])
+/// when a stride or the element count does not fit cuDNN's 32-bit `int`.
+pub(crate) fn packed(dims: [c_int; 5]) -> Result<[c_int; 5]> {
+    let too_large = || TensorError::InvalidArgument {
+        op: "conv3d (cuDNN)",
+        reason: format!("a tensor of {dims:?} has more elements than cuDNN's 32-bit int counts"),
+    };
+    let mut s: [c_int; 5] = [1; 5];
     for d in (0..4).rev() {
-        s[d] = s[d + 1] * dims[d + 1];
+        s[d] = s[d + 1].checked_mul(dims[d + 1]).ok_or_else(too_large)?;
     }
-    s
+    s[0].checked_mul(dims[0]).ok_or_else(too_large)?;
+    Ok(s)
 }
 
 macro_rules! descriptor {
@@ -263,7 +269,7 @@ impl Descriptors {
         let dt = data_type(p.dtype);
         let tensor = |dims: [c_int; 5]| -> Result<TensorDesc> {
             let t = TensorDesc::new(ordinal)?;
-            let strides = packed(dims);
+            let strides = packed(dims)?;
             // SAFETY: a live descriptor; 5 dimensions and 5 strides.
             let s = unsafe { sys::cudnnSetTensorNdDescriptor(t.0, dt, 5, dims.as_ptr(), strides.as_ptr()) };
             check(ordinal, "cudnnSetTensorNdDescriptor", s)?;
@@ -486,11 +492,22 @@ mod tests {
 
     #[test]
     fn contiguous_strides_and_algorithm_numbers_follow_cudnn() {
-        assert_eq!(packed([2, 3, 4, 5, 6]), [360, 120, 30, 6, 1]);
+        assert_eq!(packed([2, 3, 4, 5, 6]), Ok([360, 120, 30, 6, 1]));
         for a in 0..8 {
             assert_eq!(algorithm_enum(a).map(|e| e as u32), Some(a));
         }
         assert_eq!(algorithm_enum(8), None);
+    }
+
+    #[test]
+    fn element_counts_past_cudnns_int_are_refused() {
+        // 2^31 - 1 elements fit; 2^31 (every extent small) and a stride past it do not.
+        assert_eq!(packed([1, 1, 1, 1, i32::MAX]), Ok([i32::MAX, i32::MAX, i32::MAX, i32::MAX, 1]));
+        for dims in [[2, 4, 16, 4096, 4096], [1, 2, 1, 1 << 16, 1 << 15], [1 << 20, 1, 1, 1, 1 << 11]] {
+            let err = packed(dims).unwrap_err();
+            assert!(matches!(err, TensorError::InvalidArgument { .. }), "{dims:?}: {err}");
+            assert!(err.to_string().contains("32-bit int"), "{err}");
+        }
     }
 
     #[test]
