@@ -4,7 +4,6 @@ are the whole decode's, `decode_to` writes the whole file, and a refusal is a `S
 which the service keeps serving. Skipped only where no CLI binary is found ($VAE_PARALLEL_CLI,
 else the workspace's debug or release build)."""
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -12,23 +11,13 @@ import numpy as np
 import pytest
 
 import vae_parallel as vp
+from cli_under_test import find_cli
 
 ROOT = Path(__file__).resolve().parents[3]
 FIX = ROOT / "fixtures"
 SD = FIX / "autoencoder_kl" / "sd_like"
 WAN = FIX / "wan" / "wan21_like"
 TOKEN = "client-test-token"
-
-
-def cli_binary():
-    named = os.environ.get("VAE_PARALLEL_CLI")
-    if named:
-        return Path(named)
-    for profile in ("debug", "release"):
-        path = ROOT / "target" / profile / "vae-parallel"
-        if path.exists():
-            return path
-    return None
 
 
 def same_bits(a, b) -> bool:
@@ -38,7 +27,7 @@ def same_bits(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    exe = cli_binary()
+    exe = find_cli()
     if exe is None:
         pytest.skip("no vae-parallel binary: build it (cargo build -p vae-parallel) or set VAE_PARALLEL_CLI")
     token_file = tmp_path_factory.mktemp("token") / "token"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import vae_parallel as vp
+from cli_under_test import find_cli
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "fixtures"
@@ -52,13 +53,9 @@ def flags(tiling: dict) -> list:
 
 
 def cli() -> Path:
-    named = os.environ.get("VAE_PARALLEL_CLI")
-    if named:
-        return Path(named)
-    for profile in ("debug", "release"):
-        path = ROOT / "target" / profile / "vae-parallel"
-        if path.exists():
-            return path
+    found = find_cli()
+    if found is not None:
+        return found
     pytest.fail("no vae-parallel binary: build it (cargo build -p vae-parallel) or set VAE_PARALLEL_CLI")
 
 
