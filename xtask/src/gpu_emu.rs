@@ -181,8 +181,8 @@ pub fn gpu_emu(root: &Path) -> anyhow::Result<()> {
         .map(|flavor| Ok((flavor, build_fake_driver(root, &registries, flavor)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let fast = &libraries.iter().find(|(f, _)| *f == Flavor::Fast).context("no fast build")?.1;
-    build_fake_nccl(root, fast)?;
-    build_fake_cudnn(root, fast)?;
+    build_fake_library(root, fast, NCCL_DIR, "libnccl.so")?;
+    build_fake_library(root, fast, CUDNN_DIR, "libcudnn.so")?;
     eprintln!("fake driver, NCCL and cuDNN built in {:.1} s", start.elapsed().as_secs_f64());
     let binaries = build_tests(root)?;
     let asan = sanitizer_runtime()?;
@@ -311,56 +311,29 @@ fn build_fake_driver(root: &Path, registries: &[PathBuf], flavor: Flavor) -> any
     Ok(lib_dir)
 }
 
-/// Compiles and links the fake cuDNN into `lib_dir` (the fast build's, beside its `libcuda.so`,
-/// whose device memory it reads and writes, as the fake NCCL does).
-fn build_fake_cudnn(root: &Path, lib_dir: &Path) -> anyhow::Result<()> {
+/// Compiles the C++ sources of `dir` and links them into `lib_dir/name` (the fast build's, next
+/// to its `libcuda.so`, which the library links against for the device memory it reads and writes,
+/// whatever the loader's path says). Only the fast build has the fake NCCL and cuDNN: their tests
+/// exercise the backend's logic, not kernels, and both fakes check every buffer's range with the
+/// fake driver before they touch it.
+fn build_fake_library(root: &Path, lib_dir: &Path, dir: &str, name: &str) -> anyhow::Result<()> {
     let cxx = compiler()?;
     let out = root.join(OUT_DIR).join(Flavor::Fast.name());
     let mut args: Vec<String> = FLAGS.iter().map(|f| f.to_string()).collect();
     args.push(format!("-I{}", root.join(DRIVER_DIR).display()));
-    let jobs = files_with_extension(&root.join(CUDNN_DIR), "cpp")?
+    let prefix = name.trim_start_matches("lib").trim_end_matches(".so");
+    let jobs = files_with_extension(&root.join(dir), "cpp")?
         .into_iter()
-        .map(|source| Ok((source.clone(), out.join(format!("cudnn_{}.o", stem(&source)?)))))
+        .map(|source| Ok((source.clone(), out.join(format!("{prefix}_{}.o", stem(&source)?)))))
         .collect::<anyhow::Result<Vec<_>>>()?;
     compile_all(&cxx, &args, &jobs, newest_input(root)?)?;
-    let library = lib_dir.join("libcudnn.so");
+    let library = lib_dir.join(name);
     let status = Command::new(&cxx)
         .args(FLAGS)
         .args(["-shared", "-Wl,--no-undefined", "-o"])
         .arg(&library)
         .args(jobs.iter().map(|(_, object)| object))
         .arg(format!("-L{}", lib_dir.display()))
-        .args(["-lcuda", "-Wl,-rpath,$ORIGIN"])
-        .status()
-        .with_context(|| format!("starting {cxx}"))?;
-    if !status.success() {
-        bail!("linking {} failed", library.display());
-    }
-    Ok(())
-}
-
-/// Compiles and links the fake NCCL into `lib_dir` (the fast build's, next to its `libcuda.so`,
-/// which it links against for the device memory it reads and writes). Only the fast build has
-/// one: NCCL's tests exercise the transport's logic, not kernels, and the fake NCCL checks every
-/// buffer's range with the fake driver before it copies.
-fn build_fake_nccl(root: &Path, lib_dir: &Path) -> anyhow::Result<()> {
-    let cxx = compiler()?;
-    let out = root.join(OUT_DIR).join(Flavor::Fast.name());
-    let mut args: Vec<String> = FLAGS.iter().map(|f| f.to_string()).collect();
-    args.push(format!("-I{}", root.join(DRIVER_DIR).display()));
-    let jobs = files_with_extension(&root.join(NCCL_DIR), "cpp")?
-        .into_iter()
-        .map(|source| Ok((source.clone(), out.join(format!("nccl_{}.o", stem(&source)?)))))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    compile_all(&cxx, &args, &jobs, newest_input(root)?)?;
-    let library = lib_dir.join("libnccl.so");
-    let status = Command::new(&cxx)
-        .args(FLAGS)
-        .args(["-shared", "-Wl,--no-undefined", "-o"])
-        .arg(&library)
-        .args(jobs.iter().map(|(_, object)| object))
-        .arg(format!("-L{}", lib_dir.display()))
-        // The libcuda.so beside it, whatever the loader's path says.
         .args(["-lcuda", "-Wl,-rpath,$ORIGIN"])
         .status()
         .with_context(|| format!("starting {cxx}"))?;
