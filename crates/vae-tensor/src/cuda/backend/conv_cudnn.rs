@@ -71,14 +71,16 @@ fn problem(g: &ConvGeom, dtype: DType, [t, h, w]: [u64; 3], pads: [i64; 3]) -> R
     Ok(p)
 }
 
-/// Each algorithm's seconds by `time`; one that fails is skipped with a warning, so that a
+/// Each algorithm's seconds by `time`; one that fails is left out with a warning, so that a
 /// failing candidate never fails the convolution being timed.
 fn time_each(algorithms: &[u32], mut time: impl FnMut(u32) -> Result<f64>) -> Vec<(u32, f64)> {
     let mut timed = Vec::new();
     for &algorithm in algorithms {
         match time(algorithm) {
             Ok(seconds) => timed.push((algorithm, seconds)),
-            Err(e) => tracing::warn!(algorithm, error = %e, "a cuDNN candidate failed when timed; skipped"),
+            Err(e) => {
+                tracing::warn!(algorithm, error = %e, "a cuDNN candidate failed when timed; left out of the choice")
+            }
         }
     }
     timed
@@ -236,7 +238,7 @@ impl CudaStorage {
 
     /// Times ours and each admissible cuDNN algorithm on these operands (one warm-up run, then
     /// one timed run each, the device idle before and after) and returns the fastest. A cuDNN
-    /// candidate that fails (or a problem cuDNN cannot be asked) is skipped with a warning:
+    /// candidate that fails (or a problem cuDNN cannot be asked) is left out with a warning:
     /// the user's convolution fails only when ours does, and ours is the choice when no cuDNN
     /// candidate ran.
     fn time_candidates(
@@ -336,7 +338,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failing_cudnn_candidate_is_skipped_and_none_left_means_ours() {
+    fn a_failing_cudnn_candidate_is_left_out_and_none_left_means_ours() {
         let fail = |a: u32| TensorError::InvalidArgument { op: "test", reason: format!("algorithm {a}") };
         let timed = time_each(&[0, 1, 6], |a| if a == 1 { Err(fail(a)) } else { Ok(a as f64 + 1.0) });
         assert_eq!(timed, [(0, 1.0), (6, 7.0)]);
