@@ -139,7 +139,8 @@ pub enum ConvKernels {
     /// Per convolution shape, whichever of our kernels and cuDNN's admissible algorithms ran
     /// fastest when the shape was first timed on this kind of device; the choices are kept per
     /// device name and can be written out and read back ([`export_conv_choices`],
-    /// [`import_conv_choices`]) so that every rank of a group runs rank 0's. As [`Self::Cudnn`],
+    /// [`import_conv_choices`]); a group of processes runs rank 0's ([`conv_decision`],
+    /// [`ConvDecisionScope`]). As [`Self::Cudnn`],
     /// our kernels alone where cuDNN cannot be loaded.
     Fastest,
 }

@@ -33,7 +33,9 @@
 //! decision is followed, so ranks whose clocks or tables differ cannot disagree mid-request;
 //! timing happens in one-process groups (whose ranks share the table under its lock) and in
 //! `calibrate`. The other ranks also import rank 0's choices into their table, so that they
-//! hold them afterwards (and, having imported, time nothing themselves).
+//! hold them afterwards (and, having imported, time nothing themselves). A GPU profile that
+//! `calibrate --model` wrote carries a table too, imported when it is loaded. None of this has
+//! run on a GPU: it is tested against the fake driver and fake cuDNN of `cargo xtask gpu-emu`.
 //!
 //! With cuDNN forced (`ConvKernels::Cudnn`), the algorithm is the first of
 //! [`PREFERENCE`] that cuDNN offers and the rule admits, not its heuristics' favourite (which may
@@ -327,7 +329,7 @@ pub(crate) fn choice_for(
     key: LayerKey,
     choose: impl FnOnce() -> crate::Result<ConvChoice>,
 ) -> crate::Result<ConvChoice> {
-    if let Some(c) = AGREED.with_borrow(|d| d.as_ref().map(|d| d.choice(&key))) {
+    if let Some(c) = agreed_choice(&key) {
         return Ok(c);
     }
     load_env_choices().map_err(|reason| crate::TensorError::InvalidArgument { op: "conv3d", reason })?;
@@ -395,6 +397,12 @@ thread_local! {
 /// The route of the decision the calling thread follows, if it follows one.
 pub(super) fn agreed_route() -> Option<ConvRoute> {
     AGREED.with_borrow(|d| d.as_ref().map(|d| d.route))
+}
+
+/// Rank 0's choice for layer `key` where the calling thread follows a decision (ours for a
+/// layer it did not decide).
+pub(super) fn agreed_choice(key: &LayerKey) -> Option<ConvChoice> {
+    AGREED.with_borrow(|d| d.as_ref().map(|d| d.choice(key)))
 }
 
 /// The calling thread's part of its group's decision: rank 0's text ([`decision`]), its
