@@ -109,9 +109,11 @@ impl VaeBuilder {
             )));
         }
         let profile = match self.profile {
-            CostProfile::Default => Some(cost::calibrated_profile().map_or(Constants::ThisCpu, Constants::Given)),
-            CostProfile::File(path) => Some(Constants::Given(cost::read_profile(&path)?)),
-            CostProfile::Given(profile) => Some(Constants::Given(profile)),
+            CostProfile::Default => {
+                Some(cost::calibrated_profile().map_or(Constants::ThisCpu, |p| Constants::Given(Box::new(p))))
+            }
+            CostProfile::File(path) => Some(Constants::Given(Box::new(cost::read_profile(&path)?))),
+            CostProfile::Given(profile) => Some(Constants::Given(Box::new(profile))),
             CostProfile::Off => None,
         };
         if let Some(Constants::Given(p)) = &profile {
@@ -227,7 +229,7 @@ impl Vae {
         if let Some(p) = &profile {
             import_conv_choices(p)?;
         }
-        self.profile = profile.map(Constants::Given);
+        self.profile = profile.map(|p| Constants::Given(Box::new(p)));
         Ok(())
     }
 

@@ -518,6 +518,7 @@ mod tests {
     /// (NVIDIA's library accepts strided tensors and may run other algorithms): elsewhere it says
     /// it did not run.
     #[test]
+    #[allow(clippy::print_stderr)] // a test that does not run says why
     fn the_fake_cudnn_refuses_descriptors_the_backend_must_never_pass() {
         let required = std::env::var("VAE_CUDNN_REQUIRED").is_ok_and(|v| v == "1");
         let fake = std::env::var_os("FAKE_CUDA_COMPUTE_CAPABILITY").is_some();
