@@ -323,7 +323,7 @@ pub fn load_profile(path: Option<&Path>) -> Result<DeviceProfile, CostError> {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Constants {
     /// These (a profile file's, or the caller's).
-    Given(DeviceProfile),
+    Given(Box<DeviceProfile>),
     /// This CPU's probed constants ([`probe::probed_profile`]), found when a request first
     /// needs them.
     ThisCpu,

@@ -109,11 +109,16 @@ impl VaeBuilder {
             )));
         }
         let profile = match self.profile {
-            CostProfile::Default => Some(cost::calibrated_profile().map_or(Constants::ThisCpu, Constants::Given)),
-            CostProfile::File(path) => Some(Constants::Given(cost::read_profile(&path)?)),
-            CostProfile::Given(profile) => Some(Constants::Given(profile)),
+            CostProfile::Default => {
+                Some(cost::calibrated_profile().map_or(Constants::ThisCpu, |p| Constants::Given(Box::new(p))))
+            }
+            CostProfile::File(path) => Some(Constants::Given(Box::new(cost::read_profile(&path)?))),
+            CostProfile::Given(profile) => Some(Constants::Given(Box::new(profile))),
             CostProfile::Off => None,
         };
+        if let Some(Constants::Given(p)) = &profile {
+            import_conv_choices(p)?;
+        }
         let dtype = if cpu_bf16 { DType::F32 } else { self.dtype };
         let mut model = vae_models::family::load(&self.dir, self.device, dtype)?;
         model.enable_tiling(&self.tiling)?;
@@ -218,9 +223,14 @@ impl Vae {
         self.profile.as_ref().map(|c| c.get(true))
     }
 
-    /// Replaces the cost model's constants (None: the family's rules).
-    pub fn set_cost_profile(&mut self, profile: Option<DeviceProfile>) {
-        self.profile = profile.map(Constants::Given);
+    /// Replaces the cost model's constants (None: the family's rules). A GPU profile's
+    /// convolution choices are imported into this process, as at load.
+    pub fn set_cost_profile(&mut self, profile: Option<DeviceProfile>) -> Result<()> {
+        if let Some(p) = &profile {
+            import_conv_choices(p)?;
+        }
+        self.profile = profile.map(|p| Constants::Given(Box::new(p)));
+        Ok(())
     }
 
     /// Whether the family streams a video decode frame by frame
@@ -326,6 +336,7 @@ impl Vae {
             self.model.decode_streaming(z, sink)?;
             return Ok(None);
         }
+        let _convolutions = agree_on_convolutions(executor)?;
         let (choice, use_tiling, predicted) = self.choose(executor, Direction::Decode, z.dims(), options)?;
         let run = Execution {
             executor,
@@ -367,6 +378,7 @@ impl Vae {
         input: &Tensor,
         options: &Options,
     ) -> Result<ExecOutput> {
+        let _convolutions = agree_on_convolutions(executor)?;
         let (choice, use_tiling, predicted) = self.choose(executor, direction, input.dims(), options)?;
         let out = self.model.execute(Execution {
             executor,
@@ -630,6 +642,46 @@ fn agree_on_choice(executor: &DistributedVaeExecutor, mine: Decision) -> Result<
         }
     };
     Ok(Decision::Run(strategy, word[4] == 1))
+}
+
+/// A GPU profile's per-layer convolution choices (`calibrate --model`), imported into this
+/// process: its convolutions under `fastest` run them instead of being timed, and as rank 0 of
+/// a group of processes it hands them to every rank ([`agree_on_convolutions`]).
+fn import_conv_choices(profile: &DeviceProfile) -> Result<()> {
+    if profile.conv_choices.is_empty() {
+        return Ok(());
+    }
+    let text: String = profile.conv_choices.iter().map(|l| format!("{l}\n")).collect();
+    let n = vae_tensor::cuda::import_conv_choices(&text).map_err(ModelError::from)?;
+    tracing::info!("{n} convolution choices read from the cost profile");
+    Ok(())
+}
+
+/// Rank 0's convolution decision (its route and per-layer choices, see
+/// [`vae_tensor::cuda::conv_decision`]), followed by every rank of a group of processes for
+/// one request: one broadcast of its text before the request's first convolution, as `auto`'s
+/// strategy is agreed ([`agree_on_choice`]). Ranks that are processes may have been given
+/// other `VAE_CUDA_CONV` settings or tables, or would time a layer to other winners; following
+/// rank 0's text alone they run the same implementation per layer, so that their parts are
+/// bit-identical to one rank's under it. Local ranks share the process's table (a layer is
+/// timed once, under its lock) and need none. The broadcast happens on every request of a
+/// group of processes, on any device, so that no rank's own settings decide whether it
+/// takes part.
+fn agree_on_convolutions(executor: &DistributedVaeExecutor) -> Result<Option<vae_tensor::cuda::ConvDecisionScope>> {
+    use vae_transport::CommunicatorExt;
+    let comm = executor.communicator();
+    if comm.size() <= 1 || comm.backend() == "local" {
+        return Ok(None);
+    }
+    let mut text = match comm.rank() {
+        0 => vae_tensor::cuda::conv_decision().map_err(ModelError::from)?.into_bytes(),
+        _ => Vec::new(),
+    };
+    comm.broadcast(0, &mut text).map_err(RuntimeError::from)?;
+    let text = String::from_utf8(text)
+        .map_err(|_| RuntimeError::Protocol("rank 0 sent a convolution decision that is not UTF-8".into()))?;
+    let scope = vae_tensor::cuda::ConvDecisionScope::enter(&text, comm.rank() != 0).map_err(ModelError::from)?;
+    Ok(Some(scope))
 }
 
 /// The report carries the reason for the strategy that ran, and the cost model's prediction

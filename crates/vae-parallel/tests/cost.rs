@@ -333,6 +333,7 @@ fn a_gpu_profile_predicts_for_the_gpu_wherever_plan_runs() {
         threads: 1,
         thread_efficiency: 1.0,
         conv_scratch_bytes: 0,
+        conv_choices: Vec::new(),
         ..DeviceProfile::builtin_cpu()
     };
     let (model, latent) = wan21_fixture();

@@ -1,7 +1,8 @@
 //! The CLI's CUDA paths as a user runs them: `bench kernels` on the device (rates next to the
 //! device's peak), a video decode with `--device cuda` in f32, tf32 and bf16 against the CPU,
-//! `calibrate` and `plan --measure` on the device, and the same decode over NCCL with a rank
-//! process per GPU. Needs a usable GPU (or the fake
+//! `calibrate` and `plan --measure` on the device, rank 0's convolution choices followed by a
+//! group of rank processes, and the same decode over NCCL with a rank process per GPU. Needs a
+//! usable GPU (or the fake
 //! driver of `cargo xtask gpu-emu`, whose NCCL run needs FAKE_CUDA_DEVICE_COUNT=2 at least);
 //! elsewhere each test says why it is skipped.
 #![allow(clippy::print_stderr)] // a skipped GPU test says so
@@ -10,7 +11,7 @@ mod support;
 
 use std::path::Path;
 
-use support::{json_line, max_abs_diff, read_npy_f32, wan21_fixture};
+use support::{WAN_FIXTURE_TILING, json_line, max_abs_diff, read_npy_f32, wan21_fixture};
 
 use vae_parallel::planner::cost::{DeviceKind, DeviceProfile};
 use vae_parallel::tensor::Device;
@@ -217,4 +218,108 @@ fn a_decode_over_nccl_with_a_rank_process_per_gpu_matches_the_cpu() {
     assert_eq!(nccl.len(), cpu.len());
     assert!(diff <= 1e-4, "{diff}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A group of processes convolves as its rank 0 chose. `calibrate --model` records a choice
+/// per layer of the Wan fixture in the profile it writes; rank 0 loads that profile with every
+/// choice set to cuDNN's algorithm 1, rank 1 is handed a table (`VAE_CUDA_CONV_CHOICES`) that
+/// says ours for every layer, both under `VAE_CUDA_CONV=fastest`, as two rank processes placed
+/// by the environment over sockets. Rank 0's decision is broadcast before the first
+/// convolution: rank 1 takes its choices, and the tiled decode is bit-identical to one rank's
+/// under rank 0's profile (which differs from one under ours: were rank 1 to follow its own
+/// table, its tiles would differ). Needs cuDNN (under `cargo xtask gpu-emu` the fake).
+#[test]
+fn a_group_of_processes_convolves_as_rank_0_chose() {
+    if !gpu("rank 0's convolution choices") {
+        return;
+    }
+    if let Err(why) = vae_parallel::tensor::cuda::cudnn_version() {
+        eprintln!("rank 0's convolution choices: skipped, {why}");
+        return;
+    }
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/wan/wan21_like");
+    let latent = model.with_file_name("wan21_like.decode_tiled.in.npy");
+    let dir = tempfile::tempdir().unwrap();
+    let at = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let m = model.to_str().unwrap();
+
+    // The profile holds a choice for each layer the model's decode ran.
+    let calibrated = at("calibrated.toml");
+    let args = ["calibrate", "--device", "cuda", "--quick", "--downscale", "16", "--out", &calibrated];
+    cli(&[&args[..], &["--model", m, "--shape", "1,16,2,3,5"]].concat());
+    let mut p: DeviceProfile = toml::from_str(&std::fs::read_to_string(&calibrated).unwrap()).unwrap();
+    assert!(p.conv_choices.len() >= 4, "{:?}", p.conv_choices);
+    for line in &p.conv_choices {
+        let fields: Vec<&str> = line.split('\t').collect();
+        assert_eq!(fields.len(), 3, "{line:?}");
+        assert_eq!(fields[1].split(' ').count(), 13, "{line:?}");
+        assert!(fields[2] == "ours" || fields[2].starts_with("cudnn:"), "{line:?}");
+    }
+    let with = |choice: &str| -> Vec<String> {
+        p.conv_choices.iter().map(|l| format!("{}\t{choice}", l.rsplit_once('\t').unwrap().0)).collect()
+    };
+    let ours = with("ours");
+    p.conv_choices = with("cudnn:1");
+    let n = p.conv_choices.len();
+    let profile = at("cudnn.toml");
+    std::fs::write(&profile, toml::to_string(&p).unwrap()).unwrap();
+    let ours_file = at("ours.txt");
+    std::fs::write(&ours_file, ours.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+
+    let tiled =
+        [&["--device", "cuda", "--vae-parallel-mode", "tile", "--vae-use-tiling"][..], &WAN_FIXTURE_TILING].concat();
+    let decode = [&["decode", "--model", m, "--latent", latent.to_str().unwrap()][..], &tiled].concat();
+    let fastest = ("VAE_CUDA_CONV", "fastest");
+    // One rank under rank 0's profile (its choices read from it), and one under ours.
+    let one = at("one.npy");
+    let (ok, text) = support::cli_with_env(
+        &[&decode[..], &["--profile", &profile, "--out", &one, "--vae-patch-parallel-size", "1"]].concat(),
+        &[fastest, ("RUST_LOG", "info")],
+    );
+    assert!(ok, "{text}");
+    assert!(text.contains(&format!("{n} convolution choices read from the cost profile")), "{text}");
+    let one_ours = at("one_ours.npy");
+    let (ok, text) = support::cli_with_env(
+        &[&decode[..], &["--out", &one_ours, "--vae-patch-parallel-size", "1"]].concat(),
+        &[fastest, ("VAE_CUDA_CONV_CHOICES", &ours_file)],
+    );
+    assert!(ok, "{text}");
+    let (one, one_ours) = (read_npy_f32(Path::new(&one)), read_npy_f32(Path::new(&one_ours)));
+    assert_ne!(one, one_ours, "cuDNN's bits and ours must differ for this test to tell the ranks' choices apart");
+
+    // Two rank processes placed by the environment, each with its own table.
+    let master = format!("unix:{}", at("master.sock"));
+    let group = [&decode[..], &["--transport", "socket", "--ranks", "2", "--vae-patch-parallel-size", "2"]].concat();
+    let spawn = |rank: usize, extra: &[&str], env: &[(&str, &str)]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_vae-parallel"))
+            .args(&group)
+            .args(extra)
+            .args(["--out", &at(&format!("rank{rank}.npy"))])
+            .env("VAE_RANK", rank.to_string())
+            .env("VAE_WORLD_SIZE", "2")
+            .env("VAE_MASTER_ADDR", &master)
+            .env("XDG_CONFIG_HOME", dir.path())
+            .env("VAE_COST_PROBE", "0")
+            .env("RUST_LOG", "info")
+            .envs([fastest])
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank1 = spawn(1, &[], &[("VAE_CUDA_CONV_CHOICES", &ours_file)]);
+    let rank0 = spawn(0, &["--profile", &profile], &[]);
+    let output = |child: std::process::Child| {
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    let ((ok0, text0), (ok1, text1)) = (output(rank0), output(rank1));
+    assert!(ok0 && ok1, "rank 0:\n{text0}\nrank 1:\n{text1}");
+    let two = read_npy_f32(&dir.path().join("rank0.npy"));
+    assert_eq!(two.len(), one.len());
+    let differing = two.iter().zip(&one).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(differing, 0, "2 rank processes vs 1 rank under rank 0's choices: {differing} values differ");
+    assert!(text1.contains(&format!("{n} convolution choices of rank 0 taken")), "{text1}");
 }

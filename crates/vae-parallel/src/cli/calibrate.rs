@@ -9,10 +9,12 @@
 //! more threads, a convolution's scratch and the in-process link between two ranks; on a GPU
 //! the same pass and attention on the whole device, the fixed cost of a small op, a
 //! device-to-device copy for the link between ranks sharing the GPU, and the scratch a
-//! convolution allocates on the device.
+//! convolution allocates on the device. With `--model` on a GPU, the per-layer choice between
+//! our convolutions and cuDNN's for that model (`fastest`), kept in the profile.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
@@ -21,8 +23,12 @@ use vae_parallel::cost::measure::{
 };
 use vae_parallel::planner::cost::kernels::cpu_conv_scratch_bytes;
 use vae_parallel::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
-use vae_parallel::tensor::cuda::{probe, resolve_device, synchronize};
+use vae_parallel::runtime::DistributedVaeExecutor;
+use vae_parallel::tensor::cuda::{
+    CONV_CHOICES_ENV, ConvKernels, ConvTilesScope, export_conv_choices, probe, resolve_device, synchronize,
+};
 use vae_parallel::tensor::{Conv2dParams, Device, Tensor};
+use vae_parallel::{CostProfile, Decode, Group, Vae};
 
 use crate::model_cmds::{ComputeType, DeviceArgs, compute_type};
 
@@ -48,6 +54,18 @@ pub struct CalibrateArgs {
     /// their least size).
     #[arg(long, default_value_t = 1)]
     downscale: usize,
+    /// A model directory whose convolution layers to choose for on the GPU: one decode of a
+    /// latent of `--shape` on one rank with `VAE_CUDA_CONV=fastest` semantics (each layer timed
+    /// on our kernels and cuDNN's admissible algorithms), its choices written into the profile
+    /// (`conv_choices`) for every process that loads it (`--profile`) and the groups whose
+    /// rank 0 it is. CUDA only.
+    #[arg(long, requires = "shape")]
+    model: Option<PathBuf>,
+    /// With `--model`: the latent decoded, `B,C,H,W` (video `B,C,T,H,W`; two frames at least,
+    /// so that the layers that read cached frames are chosen too). Choices are per layer, not
+    /// per extent: a small latent chooses for every size.
+    #[arg(long, requires = "model")]
+    shape: Option<String>,
 }
 
 /// The convolutions measured: `(kernel [t, h, w], align, C_in, C_out)` of the AutoencoderKL
@@ -178,6 +196,10 @@ pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     }
     let (profile, kind) = match device {
         Device::Cpu => {
+            anyhow::ensure!(
+                args.model.is_none(),
+                "--model chooses between our convolutions and cuDNN's on a GPU: it needs --device cuda"
+            );
             anyhow::ensure!(
                 args.target.dtype.trim() == "f32",
                 "calibrate measures the CPU in f32 (the cost model's CPU rates); --dtype {} is for --device cuda",
@@ -335,6 +357,7 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
         link_latency_us,
         link_gbps,
         conv_scratch_bytes,
+        conv_choices: Vec::new(),
     })
 }
 
@@ -423,5 +446,40 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
         link_latency_us,
         link_gbps,
         conv_scratch_bytes,
+        conv_choices: model_conv_choices(args, device, compute)?,
     })
+}
+
+/// `--model`'s per-layer convolution choices on `device`: one decode of a seeded latent of
+/// `--shape` on one rank, every convolution under `fastest` (timed the first time its layer is
+/// seen), then the process's table as [`export_conv_choices`] writes it, a line each.
+fn model_conv_choices(args: &CalibrateArgs, device: Device, compute: ComputeType) -> anyhow::Result<Vec<String>> {
+    let (Some(model), Some(shape)) = (&args.model, &args.shape) else { return Ok(Vec::new()) };
+    let dims = crate::parse_shape(shape, "a comma-separated latent shape")?;
+    if std::env::var_os(CONV_CHOICES_ENV).is_some_and(|v| !v.is_empty()) {
+        eprintln!(
+            "warning: {CONV_CHOICES_ENV} is set: its choices are recorded, and the layers it does not name as ours"
+        );
+    }
+    eprintln!("  choosing convolutions for {} …", model.display());
+    let latent = Tensor::seeded_uniform(dims, 7, -1.0, 1.0, &Device::Cpu)?;
+    let decode = Decode::default();
+    Group::local(1)?.run_on_ranks(|comm| {
+        // On the rank's thread: its scopes hold there.
+        let _fastest = ConvTilesScope::only(ConvKernels::Fastest);
+        let vae = Vae::builder(model)
+            .device(device)
+            .dtype(compute.dtype)
+            .tf32(compute.tf32)
+            .cost_profile(CostProfile::Off)
+            .build()?;
+        let executor = DistributedVaeExecutor::new(Arc::clone(comm), 1)?;
+        vae.decode_on(&executor, &latent, &decode)?;
+        Ok(())
+    })?;
+    let choices: Vec<String> = export_conv_choices().lines().map(str::to_owned).collect();
+    for line in &choices {
+        eprintln!("  conv choice {}", line.replace('\t', "  "));
+    }
+    Ok(choices)
 }

@@ -546,6 +546,7 @@ mod tests {
             link_latency_us: 0.0,
             link_gbps: 1e6,
             conv_scratch_bytes: 0,
+            conv_choices: Vec::new(),
         }
     }
 

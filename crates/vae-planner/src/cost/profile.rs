@@ -127,6 +127,14 @@ pub struct DeviceProfile {
     /// the input. (CPU profiles calibrated before the model counted the kernels' buffers hold
     /// about 7 MiB here, a Winograd band's buffers counted twice now: calibrate again.)
     pub conv_scratch_bytes: u64,
+    /// A GPU's per-layer convolution choices (`VAE_CUDA_CONV=fastest`: our kernels or one of
+    /// cuDNN's algorithms), one `device<TAB>layer<TAB>choice` line each as
+    /// `vae_tensor::cuda::export_conv_choices` writes them; `calibrate --model` records them,
+    /// and a process that loads the profile imports them, so that it (and the group whose
+    /// rank 0 it is) runs them instead of timing its own. Empty on CPU profiles and where none
+    /// were recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conv_choices: Vec<String>,
 }
 
 impl DeviceProfile {
@@ -346,6 +354,7 @@ impl DeviceProfile {
             link_latency_us: 5.9,
             link_gbps: 2.16,
             conv_scratch_bytes: 16 << 10,
+            conv_choices: Vec::new(),
         }
     }
 }

@@ -139,7 +139,8 @@ pub enum ConvKernels {
     /// Per convolution shape, whichever of our kernels and cuDNN's admissible algorithms ran
     /// fastest when the shape was first timed on this kind of device; the choices are kept per
     /// device name and can be written out and read back ([`export_conv_choices`],
-    /// [`import_conv_choices`]) so that every rank of a group runs rank 0's. As [`Self::Cudnn`],
+    /// [`import_conv_choices`]); a group of processes runs rank 0's ([`conv_decision`],
+    /// [`ConvDecisionScope`]). As [`Self::Cudnn`],
     /// our kernels alone where cuDNN cannot be loaded.
     Fastest,
 }
@@ -150,6 +151,11 @@ pub enum ConvKernels {
 pub const CONV_ENV: &str = "VAE_CUDA_CONV";
 
 pub use backend::cudnn::CUDNN_PATH_ENV;
+
+/// The environment variable naming a file of per-layer convolution choices
+/// ([`export_conv_choices`]' text) that a process reads before its first convolution under
+/// [`ConvKernels::Fastest`]; a process that read one times nothing.
+pub use backend::CHOICES_ENV as CONV_CHOICES_ENV;
 
 /// Why cuDNN cannot be used in this process (not found, too old, failed to load); its
 /// message is the reason.
@@ -184,6 +190,47 @@ pub fn export_conv_choices() -> String {
 pub fn import_conv_choices(text: &str) -> crate::Result<usize> {
     backend::import_conv_choices(text)
         .map_err(|reason| crate::TensorError::InvalidArgument { op: "import_conv_choices", reason })
+}
+
+/// What rank 0 of a group of processes tells every rank before a request, so that the group
+/// convolves alike: the route the calling thread's convolutions take (our kernels, forced
+/// cuDNN, or [`ConvKernels::Fastest`]), then this process's per-layer choices as
+/// [`export_conv_choices`] writes them (under `fastest`, those of the file
+/// `VAE_CUDA_CONV_CHOICES` names read first). Every rank, rank 0 included, follows it through a
+/// [`ConvDecisionScope`] for the request.
+pub fn conv_decision() -> crate::Result<String> {
+    backend::conv_decision().map_err(|reason| crate::TensorError::InvalidArgument { op: "conv_decision", reason })
+}
+
+/// While it lives, the calling thread's convolutions follow rank 0's [`conv_decision`]: its
+/// route, and under `fastest` its choice per layer (whatever device name rank 0 made it
+/// under), a layer it did not decide running our kernels; nothing is timed. So ranks whose
+/// own tables, clocks or `VAE_CUDA_CONV` differ still run the same implementation for the
+/// same layer, and their results stay bit-identical to one rank's under the same decision.
+/// Forced cuDNN picks its algorithm per layer on each rank by a fixed preference, not by
+/// rank 0's text. Scopes nest; the previous decision (or none) returns when one ends. A scope
+/// belongs to the thread that opened it.
+#[must_use = "the decision holds only while the scope lives"]
+pub struct ConvDecisionScope {
+    _guard: backend::AgreedConvGuard,
+}
+
+impl ConvDecisionScope {
+    /// Follows `decision` (rank 0's [`conv_decision`]) on the calling thread. With `hold` (the
+    /// other ranks), its choices are also imported into this process's table
+    /// ([`import_conv_choices`]: kept afterwards, and nothing timed by this process from then
+    /// on). A malformed text is refused and changes nothing.
+    pub fn enter(decision: &str, hold: bool) -> crate::Result<Self> {
+        let guard = backend::AgreedConvGuard::enter(decision, hold)
+            .map_err(|reason| crate::TensorError::InvalidArgument { op: "ConvDecisionScope", reason })?;
+        Ok(Self { _guard: guard })
+    }
+}
+
+impl std::fmt::Debug for ConvDecisionScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConvDecisionScope")
+    }
 }
 
 /// The environment variable that makes [`ConvKernels::Wgmma`] the default of a process (`1`),

@@ -5,6 +5,7 @@
 
 use cudarc::driver::LaunchConfig;
 
+use super::conv_choice::{ConvChoice, LayerKey, agreed_choice};
 use super::select::{ConvKernel, ConvRoute, TensorCoreMath, conv_kernel, conv_route};
 use super::storage::{CudaStorage, elementwise};
 use crate::abi::{ChannelsLast, ConvGeom};
@@ -45,6 +46,21 @@ impl DeviceConv for CudaStorage {
             Ok(_) if route == ConvRoute::Cudnn => self.conv3d_cudnn(front, weight, bias, g, None),
             Ok(_) => self.conv3d_fastest(front, weight, bias, g),
             Err(why) => {
+                // Under rank 0's decision, ours in place of cuDNN would give other bits than
+                // the ranks that load it: refused.
+                if super::conv_choice::agreed_route().is_some() {
+                    let tf32 = TensorCoreMath::for_conv(self.dtype()) == TensorCoreMath::Tf32;
+                    let key = LayerKey::of(&g, front.is_some(), self.dtype(), tf32);
+                    if route == ConvRoute::Cudnn || agreed_choice(&key) != Some(ConvChoice::Ours) {
+                        return Err(TensorError::InvalidArgument {
+                            op: "conv3d",
+                            reason: format!(
+                                "rank 0 of this group runs this convolution on cuDNN, but {why}: refused, as ours would \
+                                 give other bits"
+                            ),
+                        });
+                    }
+                }
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| tracing::warn!("cuDNN convolutions were asked for, but {why}: ours run instead"));
                 self.conv3d_ours(front, weight, bias, g)

@@ -25,6 +25,18 @@
 //! process that read one times nothing: a layer the text does not name runs ours, so that every
 //! process holding rank 0's text decides alike.
 //!
+//! A group of processes decides once, on rank 0 ([`decision`], [`Agreed`]): before a request's
+//! first convolution rank 0's route (ours, forced cuDNN or `fastest`) and its whole table go to
+//! every rank as text, and while the request runs every rank's convolutions follow that text
+//! alone: the route rank 0 takes, and under `fastest` rank 0's choice for each layer, a layer
+//! it has not decided running ours on every rank, rank 0 included. Nothing is timed while a
+//! decision is followed, so ranks whose clocks or tables differ cannot disagree mid-request;
+//! timing happens in one-process groups (whose ranks share the table under its lock) and in
+//! `calibrate`. The other ranks also import rank 0's choices into their table, so that they
+//! hold them afterwards (and, having imported, time nothing themselves). A GPU profile that
+//! `calibrate --model` wrote carries a table too, imported when it is loaded. None of this has
+//! run on a GPU: it is tested against the fake driver and fake cuDNN of `cargo xtask gpu-emu`.
+//!
 //! With cuDNN forced (`ConvKernels::Cudnn`), the algorithm is the first of
 //! [`PREFERENCE`] that cuDNN offers and the rule admits, not its heuristics' favourite (which may
 //! differ between extents and devices); it too is kept per layer.
@@ -32,6 +44,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+use super::select::ConvRoute;
 use crate::DType;
 use crate::abi::ConvGeom;
 
@@ -306,7 +319,8 @@ fn load_env_choices() -> Result<(), String> {
         .clone()
 }
 
-/// The choice for layer `key` on device `device`: the process table's, else (after reading
+/// The choice for layer `key` on device `device`: under a group's decision ([`Agreed`]) rank
+/// 0's, else ours, nothing timed; otherwise the process table's, else (after reading
 /// [`CHOICES_ENV`]'s file, if set) made by `choose` and kept, or ours where choices were
 /// imported (see the module doc). The table's lock is held while `choose` runs, so that of
 /// several ranks of a process asking at once one times the layer and the others take its choice.
@@ -315,6 +329,9 @@ pub(crate) fn choice_for(
     key: LayerKey,
     choose: impl FnOnce() -> crate::Result<ConvChoice>,
 ) -> crate::Result<ConvChoice> {
+    if let Some(c) = agreed_choice(&key) {
+        return Ok(c);
+    }
     load_env_choices().map_err(|reason| crate::TensorError::InvalidArgument { op: "conv3d", reason })?;
     table().lock().unwrap_or_else(|p| p.into_inner()).choose(device, key, choose)
 }
@@ -329,6 +346,108 @@ pub(crate) fn forced_for<E>(
 ) -> Result<ConvChoice, E> {
     static FORCED: OnceLock<Mutex<Choices>> = OnceLock::new();
     FORCED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner()).choose(device, key, choose)
+}
+
+/// Rank 0's decision as a group of processes follows it ([`Agreed`]): the route its
+/// convolutions take and its choice per layer, whatever device name it was made under.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Decision {
+    route: ConvRoute,
+    choices: HashMap<LayerKey, ConvChoice>,
+}
+
+/// The first line of a decision's text names its route.
+const ROUTE_PREFIX: &str = "route\t";
+
+impl Decision {
+    /// Reads [`decision`]'s text: the route line, then choices as [`export`] writes them. A
+    /// layer named under several device names takes the first line's choice (the text is
+    /// sorted, so every rank reading it takes the same).
+    fn parse(text: &str) -> Result<Self, String> {
+        let (first, rest) = text.split_once('\n').unwrap_or((text, ""));
+        let route = match first.strip_prefix(ROUTE_PREFIX) {
+            Some("ours") => ConvRoute::Ours,
+            Some("cudnn") => ConvRoute::Cudnn,
+            Some("fastest") => ConvRoute::Fastest,
+            _ => return Err(format!("a decision starts with `route<TAB>ours|cudnn|fastest`, not {first:?}")),
+        };
+        let mut read = Choices::default();
+        read.import(rest)?;
+        let mut choices = HashMap::new();
+        let mut lines: Vec<(&String, &LayerKey, &ConvChoice)> =
+            read.table.iter().flat_map(|(d, layers)| layers.iter().map(move |(k, c)| (d, k, c))).collect();
+        lines.sort_by(|a, b| (a.0, a.1.text()).cmp(&(b.0, b.1.text())));
+        for (_, &key, &choice) in lines {
+            choices.entry(key).or_insert(choice);
+        }
+        Ok(Self { route, choices })
+    }
+
+    /// The choice for `key` under this decision: rank 0's, else ours.
+    fn choice(&self, key: &LayerKey) -> ConvChoice {
+        self.choices.get(key).copied().unwrap_or(ConvChoice::Ours)
+    }
+}
+
+thread_local! {
+    /// The decision the calling thread's convolutions follow ([`Agreed`]).
+    static AGREED: std::cell::RefCell<Option<std::rc::Rc<Decision>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The route of the decision the calling thread follows, if it follows one.
+pub(super) fn agreed_route() -> Option<ConvRoute> {
+    AGREED.with_borrow(|d| d.as_ref().map(|d| d.route))
+}
+
+/// Rank 0's choice for layer `key` where the calling thread follows a decision (ours for a
+/// layer it did not decide).
+pub(super) fn agreed_choice(key: &LayerKey) -> Option<ConvChoice> {
+    AGREED.with_borrow(|d| d.as_ref().map(|d| d.choice(key)))
+}
+
+/// The calling thread's part of its group's decision: rank 0's text ([`decision`]), its
+/// route and choices followed by this thread's convolutions while this lives. Guards nest;
+/// the previous decision (or none) returns when one ends.
+pub(crate) struct Agreed {
+    previous: Option<std::rc::Rc<Decision>>,
+}
+
+impl Agreed {
+    /// Follows `text` on the calling thread; with `hold`, also imports its choices into the
+    /// process's table (the other ranks: they hold rank 0's choices afterwards). A malformed
+    /// text changes nothing.
+    pub(crate) fn enter(text: &str, hold: bool) -> Result<Self, String> {
+        let decision = Decision::parse(text)?;
+        if hold && !decision.choices.is_empty() {
+            let rest = text.split_once('\n').map_or("", |(_, rest)| rest);
+            let n = import(rest)?;
+            tracing::info!("{n} convolution choices of rank 0 taken");
+        }
+        Ok(Self { previous: AGREED.replace(Some(std::rc::Rc::new(decision))) })
+    }
+}
+
+impl Drop for Agreed {
+    fn drop(&mut self) {
+        AGREED.set(self.previous.take());
+    }
+}
+
+/// What rank 0 of a group of processes tells the others before a request (see the module
+/// doc): the calling thread's route, then the process's choices (those of
+/// [`CHOICES_ENV`]'s file read first, where set). Under a decision it follows, that
+/// decision's route.
+pub(crate) fn decision() -> Result<String, String> {
+    let route = super::select::conv_route();
+    if route == ConvRoute::Fastest {
+        load_env_choices()?;
+    }
+    let name = match route {
+        ConvRoute::Ours => "ours",
+        ConvRoute::Cudnn => "cudnn",
+        ConvRoute::Fastest => "fastest",
+    };
+    Ok(format!("{ROUTE_PREFIX}{name}\n{}", export()))
 }
 
 /// The process's choices, one line each (`device<TAB>layer<TAB>choice`), sorted.
@@ -444,6 +563,37 @@ mod tests {
         // A layer rank 0 did not name runs ours on every rank.
         assert_eq!(rank1.choose("H200 (sm_90)", key(9), never), Ok(ConvChoice::Ours));
         assert_eq!(rank1.export().lines().count(), 3);
+    }
+
+    #[test]
+    fn a_thread_following_rank_0s_decision_takes_its_route_and_choices_and_times_nothing() {
+        let mut rank0 = Choices::default();
+        rank0.choose("H200 (sm_90)", key(7), || Ok::<_, ()>(ConvChoice::Cudnn(1))).unwrap();
+        // A second device name naming the same layer otherwise: the sorted text's first wins.
+        rank0.choose("A100 (sm_80)", key(7), || Ok::<_, ()>(ConvChoice::Cudnn(0))).unwrap();
+        let text = format!("route\tfastest\n{}", rank0.export());
+        let never = || -> crate::Result<ConvChoice> { panic!("nothing is timed under a decision") };
+        assert_eq!(agreed_route(), None);
+        {
+            let _agreed = Agreed::enter(&text, false).unwrap();
+            assert_eq!(agreed_route(), Some(ConvRoute::Fastest));
+            assert_eq!(super::super::select::conv_route(), ConvRoute::Fastest);
+            // Rank 0's choice whatever this rank's device is called; a layer it did not decide: ours.
+            assert_eq!(choice_for("another GPU", key(7), never).unwrap(), ConvChoice::Cudnn(0));
+            assert_eq!(choice_for("H200 (sm_90)", key(9), never).unwrap(), ConvChoice::Ours);
+            {
+                let _ours = Agreed::enter("route\tours\n", false).unwrap();
+                assert_eq!(super::super::select::conv_route(), ConvRoute::Ours);
+                assert_eq!(choice_for("H200 (sm_90)", key(7), never).unwrap(), ConvChoice::Ours);
+            }
+            assert_eq!(agreed_route(), Some(ConvRoute::Fastest));
+        }
+        assert_eq!(agreed_route(), None);
+        // What is not a decision changes nothing.
+        for bad in ["", "fastest\n", "route\tquick\n", "route\tfastest\ngpu\t1 2\tours\n"] {
+            assert!(Agreed::enter(bad, false).is_err(), "{bad:?}");
+            assert_eq!(agreed_route(), None);
+        }
     }
 
     #[test]

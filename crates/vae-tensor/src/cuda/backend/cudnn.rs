@@ -510,6 +510,109 @@ mod tests {
         }
     }
 
+    /// The fake cuDNN of `cargo xtask gpu-emu` (`kernels-cu/emu/fake_cudnn/`) refuses what the
+    /// backend must never pass: a forward convolution through cuDNN's own entry points with an
+    /// output of other extents, a workspace a byte short, an algorithm it did not offer, and an
+    /// input whose strides are not the packed ones, each an error status (and a well-formed call
+    /// of the same problem succeeds), so that its checks are known to bite. Against the fake only
+    /// (NVIDIA's library accepts strided tensors and may run other algorithms): elsewhere it says
+    /// it did not run.
+    #[test]
+    #[allow(clippy::print_stderr)] // a test that does not run says why
+    fn the_fake_cudnn_refuses_descriptors_the_backend_must_never_pass() {
+        let required = std::env::var("VAE_CUDNN_REQUIRED").is_ok_and(|v| v == "1");
+        let fake = std::env::var_os("FAKE_CUDA_COMPUTE_CAPABILITY").is_some();
+        if let Err(why) = library() {
+            assert!(!required, "VAE_CUDNN_REQUIRED=1, but cuDNN does not load: {why}");
+            eprintln!("the fake cuDNN's refusals: not run, {why}");
+            return;
+        }
+        if !fake {
+            eprintln!("the fake cuDNN's refusals: not run, cuDNN here is not the fake of `cargo xtask gpu-emu`");
+            return;
+        }
+        let device = CudaDevice::get(0).unwrap();
+        let p = Problem {
+            x: [1, 4, 1, 6, 6],
+            w: [8, 4, 1, 3, 3],
+            pads: [0, 1, 1],
+            strides: [1, 1, 1],
+            y: [1, 8, 1, 6, 6],
+            dtype: DType::F32,
+            tf32: false,
+        };
+        let d = Descriptors::new(0, &p).unwrap();
+        let h = thread_handle(&device).unwrap();
+        let precomp = d.candidates(h).unwrap().into_iter().find(|c| c.algorithm == 1).expect("the fake offers 1");
+        assert!(precomp.workspace > 0, "{precomp:?}");
+        let count = |dims: [c_int; 5]| dims.iter().product::<c_int>() as usize;
+        let x = device.alloc_zeros::<f32>(count(p.x) * 2).unwrap();
+        let w = device.alloc_zeros::<f32>(count(p.w)).unwrap();
+        let mut y = device.alloc_zeros::<f32>(count(p.y)).unwrap();
+        let mut space = device.alloc_zeros::<u8>(precomp.workspace).unwrap();
+        let stream = device.stream();
+        let forward = |xd: sys::cudnnTensorDescriptor_t,
+                       yd: sys::cudnnTensorDescriptor_t,
+                       algorithm: u32,
+                       bytes: usize,
+                       y: &mut CudaSlice<f32>,
+                       space: &mut CudaSlice<u8>| {
+            let (one, zero) = (1.0f32, 0.0f32);
+            let (xp, _x) = x.device_ptr(&stream);
+            let (wp, _w) = w.device_ptr(&stream);
+            let (yp, _y) = y.device_ptr_mut(&stream);
+            let (sp, _s) = space.device_ptr_mut(&stream);
+            // SAFETY: live handle and descriptors; device buffers at least as large as the
+            // problem's operands (x twice over, for the strided case) and the workspace
+            // `bytes` at most, valid until the guards drop after the call.
+            unsafe {
+                sys::cudnnConvolutionForward(
+                    h,
+                    (&one as *const f32).cast::<c_void>(),
+                    xd,
+                    xp as *const c_void,
+                    d.w.0,
+                    wp as *const c_void,
+                    d.conv.0,
+                    algorithm_enum(algorithm).unwrap(),
+                    sp as *mut c_void,
+                    bytes,
+                    (&zero as *const f32).cast::<c_void>(),
+                    yd,
+                    yp as *mut c_void,
+                )
+            }
+        };
+        let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+        let all = precomp.workspace;
+        // The well-formed call runs: the refusals below are the fake's checks, not a broken call.
+        assert_eq!(forward(d.x.0, d.y.0, 1, all, &mut y, &mut space), ok);
+        // A workspace a byte short of what the fake reported for the algorithm.
+        assert_ne!(forward(d.x.0, d.y.0, 1, all - 1, &mut y, &mut space), ok, "a short workspace");
+        // Winograd: not among the algorithms the fake offers.
+        assert_ne!(forward(d.x.0, d.y.0, 6, all, &mut y, &mut space), ok, "an algorithm not offered");
+        // An output of other extents than the convolution gives.
+        let small = TensorDesc::new(0).unwrap();
+        let dims: [c_int; 5] = [1, 8, 1, 5, 5];
+        let strides = packed(dims).unwrap();
+        // SAFETY: a live descriptor; 5 dimensions and 5 strides.
+        let s = unsafe {
+            sys::cudnnSetTensorNdDescriptor(small.0, data_type(DType::F32), 5, dims.as_ptr(), strides.as_ptr())
+        };
+        assert_eq!(s, ok);
+        assert_ne!(forward(d.x.0, small.0, 1, all, &mut y, &mut space), ok, "wrong output extents");
+        // An input whose rows are 12 elements apart (a view of a wider tensor), not packed: refused
+        // when described or when used.
+        let strided = TensorDesc::new(0).unwrap();
+        let strides: [c_int; 5] = [288, 72, 72, 12, 1];
+        // SAFETY: as above.
+        let s = unsafe {
+            sys::cudnnSetTensorNdDescriptor(strided.0, data_type(DType::F32), 5, p.x.as_ptr(), strides.as_ptr())
+        };
+        let refused = s != ok || forward(strided.0, d.y.0, 1, all, &mut y, &mut space) != ok;
+        assert!(refused, "a non-packed input");
+    }
+
     #[test]
     fn a_missing_library_is_a_reason_not_a_panic() {
         // Whatever this machine has: loading never panics, and a failure says what to set.

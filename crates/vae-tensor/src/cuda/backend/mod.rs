@@ -30,7 +30,10 @@ mod norm;
 mod select;
 mod storage;
 
-pub(crate) use conv_choice::{export as export_conv_choices, import as import_conv_choices};
+pub use conv_choice::CHOICES_ENV;
+pub(crate) use conv_choice::{
+    Agreed as AgreedConvGuard, decision as conv_decision, export as export_conv_choices, import as import_conv_choices,
+};
 pub(crate) use device::{CudaDevice, OwnStream, driver};
 pub(crate) use select::{
     BF16_TILES, ConvKernel, ConvTilesGuard, F32_TILES, SCORES_TILE, SMALL_COUT_SMEM, TF32_TILES, Tf32Guard,

@@ -95,10 +95,14 @@ pub(super) enum ConvRoute {
     Fastest,
 }
 
-/// Where the calling thread's convolutions run: as a [`ConvTilesGuard`] says, else as
-/// [`CONV_ENV`] says (read once per process), else on our kernels.
+/// Where the calling thread's convolutions run: as its group's rank 0 decided where the
+/// thread follows such a decision (`conv_choice::Agreed`), else as a [`ConvTilesGuard`] says,
+/// else as [`CONV_ENV`] says (read once per process), else on our kernels.
 pub(super) fn conv_route() -> ConvRoute {
     static DEFAULT: OnceLock<Option<ConvKernels>> = OnceLock::new();
+    if let Some(route) = super::conv_choice::agreed_route() {
+        return route;
+    }
     let kernels =
         CONV_KERNELS.get().or_else(|| *DEFAULT.get_or_init(|| conv_env_says(std::env::var(CONV_ENV).ok().as_deref())));
     match kernels {
