@@ -154,8 +154,9 @@ const CUDNN_MODELS: Suite = Suite {
 /// device count (one rank per device, as NCCL requires) and two rank processes; the models
 /// shard over NCCL on up to three devices; the CLI decodes over NCCL on two. The model tests run
 /// twice: on our kernels, then with every convolution on the fake cuDNN ([`CUDNN_MODELS`]).
-const SUITES: [Suite; 14] = [
+const SUITES: [Suite; 15] = [
     suite("vae-tensor", "lib", None, Flavor::Checked, "9.0", 1),
+    suite("vae-tensor", "cuda_dlpack", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "9.0", 1),
