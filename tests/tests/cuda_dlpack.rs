@@ -130,12 +130,8 @@ fn a_tiled_decode_of_a_device_latent_crosses_the_host_and_returns_to_the_device(
     let _serial = serial();
     let dir = fixtures_dir().join("autoencoder_kl");
     let tiling = vae_parallel::TileOverrides { sample_min_size: Some(32), ..Default::default() };
-    let vae = Vae::builder(dir.join("sd_like"))
-        .device(device)
-        .tiling(tiling)
-        .cost_profile(CostProfile::Off)
-        .build()
-        .unwrap();
+    let vae =
+        Vae::builder(dir.join("sd_like")).device(device).tiling(tiling).cost_profile(CostProfile::Off).build().unwrap();
     let group = Group::local(1).unwrap();
     let z = read_npy(dir.join("sd_like.decode_tiled.in.npy")).unwrap();
     let options = Decode::default().tiled();

@@ -326,6 +326,15 @@ impl Vae {
             self.model.decode_streaming(z, sink)?;
             return Ok(None);
         }
+        // The executor works on host tensors: a device latent crosses to the host once.
+        let on_host;
+        let z = if z.device().is_cpu() {
+            z
+        } else {
+            tracing::debug!(device = %z.device(), "a streamed decode of a device latent: copied to the host once");
+            on_host = z.to_device(&Device::Cpu).map_err(ModelError::from)?;
+            &on_host
+        };
         let (choice, use_tiling, predicted) = self.choose(executor, Direction::Decode, z.dims(), options)?;
         let run = Execution {
             executor,

@@ -630,7 +630,10 @@ impl Exported {
     /// `cuStreamWaitEvent` on theirs); `None`: the host waits for those writes before this
     /// returns. The consumer must finish with the memory before it calls the deleter (the
     /// memory may be reused by later work on our stream).
-    pub fn to_versioned(self: &Arc<Self>, stream: Option<u64>) -> Result<NonNull<DLManagedTensorVersioned>, DlpackError> {
+    pub fn to_versioned(
+        self: &Arc<Self>,
+        stream: Option<u64>,
+    ) -> Result<NonNull<DLManagedTensorVersioned>, DlpackError> {
         let mut context = self.context();
         let dl_tensor = Self::dl_tensor(&mut context, stream)?;
         let managed = Box::new(DLManagedTensorVersioned {

@@ -61,7 +61,12 @@ impl Imported {
     /// The producer's description must be true: `data + byte_offset` starts the elements in
     /// device memory of that device, valid until the deleter runs, and `ready`, when given, is a
     /// stream of that device's context.
-    pub unsafe fn into_device_tensor(self, ordinal: usize, dtype: DType, ready: Option<u64>) -> Result<Tensor, DlpackError> {
+    pub unsafe fn into_device_tensor(
+        self,
+        ordinal: usize,
+        dtype: DType,
+        ready: Option<u64>,
+    ) -> Result<Tensor, DlpackError> {
         let t = self.dl_tensor();
         let want = DLDevice { device_type: DL_CUDA, device_id: ordinal as i32 };
         if t.device.device_type != DL_CUDA {

@@ -196,7 +196,10 @@ fn other_float_types_and_alignments_cost_one_copy_on_the_device() {
     let lent = lend(Lend { byte_offset: 4, ..Lend::f32(values.clone(), &[48]) });
     let x = without_host_copies("misaligned import", || read_on_device(&lent, DType::F32).unwrap());
     assert_eq!(lent.deleted(), 1, "copied, the producer's memory let go");
-    assert_eq!(bits(&x.silu().unwrap().to_vec_f32().unwrap()), bits(&Tensor::from_vec(values, vec![48], &CUDA).unwrap().silu().unwrap().to_vec_f32().unwrap()));
+    assert_eq!(
+        bits(&x.silu().unwrap().to_vec_f32().unwrap()),
+        bits(&Tensor::from_vec(values, vec![48], &CUDA).unwrap().silu().unwrap().to_vec_f32().unwrap())
+    );
 }
 
 #[test]
@@ -212,14 +215,16 @@ fn device_tensors_it_cannot_read_in_place_are_refused_by_type() {
         assert_eq!(lent.deleted(), 1, "a refused tensor's deleter runs once: {err}");
         err
     };
-    let other = refused(Lend { device: DLDevice { device_type: DL_CUDA, device_id: 1 }, ..Lend::f32(values.clone(), &[2, 3]) });
+    let other =
+        refused(Lend { device: DLDevice { device_type: DL_CUDA, device_id: 1 }, ..Lend::f32(values.clone(), &[2, 3]) });
     assert!(matches!(&other, DlpackError::OtherDevice { got, want } if got == "cuda:1" && want == "cuda:0"), "{other}");
     let f16 = DLDataType { code: DL_FLOAT, bits: 16, lanes: 1 };
     let err = refused(Lend { claimed_dtype: Some(f16), ..Lend::f32(values.clone(), &[2, 3]) });
     assert!(matches!(&err, DlpackError::DType(name) if name.starts_with("float16")), "{err}");
     let err = refused(Lend { strides: Some(vec![1, 2]), ..Lend::f32(values.clone(), &[2, 3]) });
     assert!(matches!(&err, DlpackError::Layout(_)), "{err}");
-    let err = refused(Lend { device: DLDevice { device_type: DL_CPU, device_id: 0 }, ..Lend::f32(values.clone(), &[2, 3]) });
+    let err =
+        refused(Lend { device: DLDevice { device_type: DL_CPU, device_id: 0 }, ..Lend::f32(values.clone(), &[2, 3]) });
     assert!(matches!(&err, DlpackError::Device(_)), "{err}");
     // Extents of 1 may have any stride (as PyTorch gives them): read in place.
     let lent = lend(Lend { strides: Some(vec![99, 1]), ..Lend::f32(values.clone(), &[1, 6]) });
