@@ -154,10 +154,13 @@ const CUDNN_MODELS: Suite = Suite {
 /// device count (one rank per device, as NCCL requires) and two rank processes; the models
 /// shard over NCCL on up to three devices; the CLI decodes over NCCL on two. The model tests run
 /// twice: on our kernels, then with every convolution on the fake cuDNN ([`CUDNN_MODELS`]).
-const SUITES: [Suite; 15] = [
+/// The DLPack device tests (`cuda_dlpack`: the tensor layer's checked, the facade's fast) read
+/// the fake's count of host copies (`fake_cuda_host_copies`) to prove a path made none.
+const SUITES: [Suite; 17] = [
     suite("vae-tensor", "lib", None, Flavor::Checked, "9.0", 1),
     // The cuDNN wrapper's tests again where the fake cuDNN is (the fast build): its refusals.
     suite("vae-tensor", "lib", Some("cuda::backend::cudnn::"), Flavor::Fast, "9.0", 1),
+    suite("vae-tensor", "cuda_dlpack", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_kernels", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "cuda_ops", None, Flavor::Checked, "9.0", 1),
     suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Checked, "9.0", 1),
@@ -167,6 +170,7 @@ const SUITES: [Suite; 15] = [
     suite("vae-tensor", "conformance", Some("cuda::"), Flavor::Fast, "8.0", 1),
     suite("vae-tensor", "conformance_video", Some("cuda::"), Flavor::Fast, "8.0", 1),
     suite("vae-integration-tests", "cuda_models", None, Flavor::Fast, "9.0", 3),
+    suite("vae-integration-tests", "cuda_dlpack", None, Flavor::Fast, "9.0", 1),
     CUDNN_MODELS,
     suite("vae-parallel", "cuda_cli", None, Flavor::Fast, "9.0", 2),
     suite("vae-transport", "nccl", None, Flavor::Fast, "9.0", 4),

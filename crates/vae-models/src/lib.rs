@@ -22,3 +22,4 @@ pub mod weights;
 
 pub use error::{ModelError, Result};
 pub use family::{CostNetworks, Direction, Execution, FamilySpec, LoadedVae, TileOverrides};
+pub use placement::ResultsOnDevice;

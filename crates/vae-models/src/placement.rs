@@ -1,14 +1,60 @@
 //! Moving a computation's input to the model's device and its result back. Models keep their
 //! weights on one device, while everything above them (tiles, bands, transports, files) works
-//! on host tensors, so each computation uploads its input once and downloads its result once.
+//! on host tensors, so each computation uploads its input once (none when it is on the model's
+//! device in the model's type already) and downloads its result once, unless the caller keeps
+//! results on the device ([`ResultsOnDevice`]: a whole untiled decode or encode on one rank,
+//! whose input and output never need the host).
+
+use std::cell::Cell;
 
 use vae_tensor::{DType, Device, Tensor};
 
 use crate::{ModelError, Result};
 
-/// `t` in host memory (no copy when it is there already).
+thread_local! {
+    /// How many [`ResultsOnDevice`] scopes the calling thread holds.
+    static ON_DEVICE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// While it lives, the calling thread's model computations (`LoadedVae::decode`,
+/// `encode_moments`) return their results on the model's device instead of bringing them to the
+/// host. For a caller that runs a whole untiled computation on one rank and wants the device
+/// tensor (a DLPack or candle consumer on the same GPU); every path that tiles, splits or
+/// exchanges works on host tensors and must not run under it. Scopes nest; not `Send`.
+#[must_use = "results stay on the device only while the scope lives"]
+pub struct ResultsOnDevice {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl ResultsOnDevice {
+    /// Keeps the calling thread's model results on the device until the scope drops.
+    pub fn enter() -> Self {
+        ON_DEVICE.with(|n| n.set(n.get() + 1));
+        Self { _not_send: std::marker::PhantomData }
+    }
+
+    /// Whether the calling thread holds a scope.
+    pub fn active() -> bool {
+        ON_DEVICE.with(Cell::get) > 0
+    }
+}
+
+impl Drop for ResultsOnDevice {
+    fn drop(&mut self) {
+        ON_DEVICE.with(|n| n.set(n.get().saturating_sub(1)));
+    }
+}
+
+impl std::fmt::Debug for ResultsOnDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResultsOnDevice")
+    }
+}
+
+/// `t` in host memory (no copy when it is there already), or `t` itself under
+/// [`ResultsOnDevice`].
 pub(crate) fn to_host(t: Tensor) -> Result<Tensor> {
-    if t.device().is_cpu() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
+    if t.device().is_cpu() || ResultsOnDevice::active() { Ok(t) } else { Ok(t.to_device(&Device::Cpu)?) }
 }
 
 /// `x` on `device` with elements of `dtype` (as a pipeline casts latents to the VAE's dtype):
@@ -75,5 +121,18 @@ mod tests {
         assert!(check_precision(Device::Cuda(1), DType::BF16).is_ok());
         let err = check_precision(Device::Cpu, DType::BF16).unwrap_err();
         assert!(matches!(err, ModelError::Unsupported(_)), "{err}");
+    }
+
+    #[test]
+    fn results_stay_on_the_device_only_inside_the_scope() {
+        assert!(!ResultsOnDevice::active());
+        let outer = ResultsOnDevice::enter();
+        let inner = ResultsOnDevice::enter();
+        drop(inner);
+        assert!(ResultsOnDevice::active(), "scopes nest");
+        drop(outer);
+        assert!(!ResultsOnDevice::active());
+        let host = Tensor::from_vec(vec![1.0], vec![1], &Device::Cpu).unwrap();
+        assert!(to_host(host).unwrap().device().is_cpu());
     }
 }

@@ -8,6 +8,12 @@
 //! capsule's destructor calls the deleter only when nobody did adopt it, so each deleter runs
 //! exactly once.
 //!
+//! A producer on the CUDA device the model computes on (`__dlpack_device__() == (kDLCUDA, id)`)
+//! is asked for its tensor on our stream (`__dlpack__(stream=<our stream>, max_version=(1, 0))`,
+//! so that it orders its writes before our work) and read in place there; a result on that
+//! device is a [`DlpackTensor`] on `kDLCUDA` whose `__dlpack__(stream=...)` orders our writes
+//! before the consumer's stream.
+//!
 //! What [`vae_parallel::tensor::dlpack`] reads in place or copies, and what it refuses, is its
 //! own documentation; this module adds the Python side: which producers are asked, with which
 //! arguments, and the `BufferError` fallbacks.
@@ -18,10 +24,11 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use vae_parallel::Tensor;
 use vae_parallel::tensor::dlpack::{
-    DL_CPU, DL_CUDA_HOST, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DlpackError, Exported, Imported,
+    DL_CPU, DL_CUDA, DL_CUDA_HOST, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DlpackError, Exported,
+    Imported, consumer_stream,
 };
+use vae_parallel::{DType, Tensor};
 
 use crate::errors::InputError;
 
@@ -54,12 +61,19 @@ pub(crate) enum Read {
 /// Reads `x` through DLPack when it is a producer whose tensor lives on the host: f32 in
 /// row-major order in place (the producer's memory, held until the request's tensor is
 /// dropped), other float types and layouts converted once; non-float types are an
-/// `InputError`.
-pub(crate) fn read(x: &Bound<'_, PyAny>) -> PyResult<Read> {
+/// `InputError`. With `cuda = Some((ordinal, dtype))` (the model computes on that CUDA device
+/// in that type), a producer on that device is read there, in place ([`read_on_device`]).
+pub(crate) fn read(x: &Bound<'_, PyAny>, cuda: Option<(usize, DType)>) -> PyResult<Read> {
     if !x.hasattr("__dlpack__")? || !x.hasattr("__dlpack_device__")? {
         return Ok(Read::NotExported);
     }
     let (device_type, device_id): (i32, i32) = x.call_method0("__dlpack_device__")?.extract()?;
+    if let Some((ordinal, dtype)) = cuda
+        && device_type == DL_CUDA
+        && usize::try_from(device_id).ok() == Some(ordinal)
+    {
+        return read_on_device(x, ordinal, dtype).map(Read::Tensor);
+    }
     if device_type != DL_CPU && device_type != DL_CUDA_HOST {
         return Ok(Read::OnDevice(device_type, device_id));
     }
@@ -80,6 +94,33 @@ pub(crate) fn read(x: &Bound<'_, PyAny>) -> PyResult<Read> {
     };
     let imported = take(&capsule)?;
     imported.into_tensor().map(Read::Tensor).map_err(input_error)
+}
+
+/// Reads a producer's tensor on CUDA device `ordinal` in place: asks for it on our stream (the
+/// Python specification's `stream` argument: the producer orders its writes before it), DLPack
+/// 1.0 or the legacy capsule, and reads it as [`Imported::into_device_tensor`] does (f32 or
+/// bf16 row-major in place; the other of the two converted on the device; anything else an
+/// `InputError`, never a copy through the host).
+fn read_on_device(x: &Bound<'_, PyAny>, ordinal: usize, dtype: DType) -> PyResult<Tensor> {
+    let py = x.py();
+    let stream = consumer_stream(ordinal).map_err(input_error)?;
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("stream", stream)?;
+    kwargs.set_item("max_version", (1, 0))?;
+    let capsule = match x.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(capsule) => capsule,
+        // A producer of the protocol before `max_version`.
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("stream", stream)?;
+            x.call_method("__dlpack__", (), Some(&kwargs))?
+        }
+        Err(e) => return Err(e),
+    };
+    let imported = take(&capsule)?;
+    // SAFETY: the producer describes its own memory, as DLPack has it, and ordered its writes
+    // before `stream`, our stream of that device, as the Python specification requires of it.
+    unsafe { imported.into_device_tensor(ordinal, dtype, Some(stream)) }.map_err(input_error)
 }
 
 /// Takes over the managed tensor of a capsule `__dlpack__` returned, renaming the capsule so
@@ -114,10 +155,12 @@ fn take(capsule: &Bound<'_, PyAny>) -> PyResult<Imported> {
     .map_err(input_error)
 }
 
-/// A result of this package as a DLPack producer: float32 on the host, row-major, owning its
-/// memory. `torch.from_dlpack(t)` and `numpy.from_dlpack(t)` adopt it without a copy; the memory
-/// lives until this object and every tensor adopted from it are gone (however long after the
-/// model or group that computed it).
+/// A result of this package as a DLPack producer, row-major, owning its memory: float32 on the
+/// host, or on the CUDA device the model computes on (float32, or bfloat16 for a bf16 model)
+/// when the request's input was there. `torch.from_dlpack(t)` (and `numpy.from_dlpack(t)` on
+/// the host, `cupy.from_dlpack(t)` on a GPU) adopt it without a copy; the memory lives until
+/// this object and every tensor adopted from it are gone (however long after the model or
+/// group that computed it).
 #[pyclass(name = "DLPackTensor", module = "vae_parallel", frozen)]
 pub(crate) struct DlpackTensor {
     exported: Arc<Exported>,
@@ -190,9 +233,12 @@ unsafe fn capsule_free(managed: *mut c_void, name: &CStr) {
 #[pymethods]
 impl DlpackTensor {
     /// A DLPack capsule over the elements (the Python specification's `__dlpack__`): versioned
-    /// when `max_version` is 1.0 or later, else the legacy capsule. The memory is on the host,
-    /// so `stream` must be `None` (or -1); `dl_device` may only name the CPU; `copy=True` lends
-    /// a copy of the elements of its own.
+    /// when `max_version` is 1.0 or later, else the legacy capsule. On the host `stream` must be
+    /// `None` (or -1). On a CUDA device `stream` is the consumer's stream (an integer handle,
+    /// `1` the legacy default stream), which waits on the device for our writes; `None` or -1:
+    /// the host waits for them before the capsule is made. `dl_device` may only name the
+    /// tensor's own device; `copy=True` lends a copy of the elements of its own (on the same
+    /// device).
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
         &self,
@@ -202,30 +248,54 @@ impl DlpackTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        if let Some(stream) = stream
-            && !stream.is_none()
-            && stream.extract::<i64>().ok() != Some(-1)
-        {
-            return Err(PyBufferError::new_err("a host tensor takes no stream (stream=None)"));
-        }
+        let here = self.exported.device();
+        let stream = match stream.filter(|s| !s.is_none()) {
+            None => None,
+            Some(s) => match s.extract::<i64>() {
+                Ok(-1) => None,
+                Ok(handle) if here.device_type == DL_CUDA && handle > 0 => Some(handle as u64),
+                Ok(handle) if here.device_type == DL_CUDA => {
+                    return Err(PyBufferError::new_err(format!(
+                        "stream {handle}: a CUDA consumer names its stream (1: the legacy default stream)"
+                    )));
+                }
+                _ if here.device_type == DL_CUDA => {
+                    return Err(PyTypeError::new_err("stream must be an integer CUDA stream handle or None"));
+                }
+                _ => return Err(PyBufferError::new_err("a host tensor takes no stream (stream=None)")),
+            },
+        };
         if let Some(device) = dl_device
-            && device != (DL_CPU, 0)
+            && device != (here.device_type, here.device_id)
         {
-            return Err(PyBufferError::new_err(format!("the tensor is on the CPU, not on DLPack device {device:?}")));
+            return Err(PyBufferError::new_err(format!(
+                "the tensor is on {}, not on DLPack device {device:?}",
+                device_name(here.device_type, here.device_id)
+            )));
         }
+        let failed = |e: DlpackError| PyBufferError::new_err(e.to_string());
         let exported = match copy {
-            Some(true) => Arc::new(self.exported.copied()),
+            Some(true) => Arc::new(self.exported.copied().map_err(failed)?),
             _ => Arc::clone(&self.exported),
         };
         match max_version {
-            Some((major, _)) if major >= 1 => capsule(py, exported.to_versioned().as_ptr().cast(), VERSIONED),
-            _ => capsule(py, exported.to_legacy().as_ptr().cast(), LEGACY),
+            Some((major, _)) if major >= 1 => {
+                capsule(py, exported.to_versioned(stream).map_err(failed)?.as_ptr().cast(), VERSIONED)
+            }
+            _ => capsule(py, exported.to_legacy(stream).map_err(failed)?.as_ptr().cast(), LEGACY),
         }
     }
 
-    /// `(kDLCPU, 0)`: the memory is on the host.
+    /// `(kDLCPU, 0)` for a result on the host, `(kDLCUDA, ordinal)` for one on a GPU.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (DL_CPU, 0)
+        let device = self.exported.device();
+        (device.device_type, device.device_id)
+    }
+
+    /// Whether the elements are on a CUDA device (else on the host).
+    #[getter]
+    fn is_cuda(&self) -> bool {
+        self.exported.device().device_type == DL_CUDA
     }
 
     /// The extents.
@@ -235,6 +305,12 @@ impl DlpackTensor {
     }
 
     fn __repr__(&self) -> String {
-        format!("DLPackTensor(shape={:?}, dtype=float32, device=cpu)", self.exported.dims())
+        let dtype = if self.exported.dtype() == DType::BF16 { "bfloat16" } else { "float32" };
+        let device = self.exported.device();
+        format!(
+            "DLPackTensor(shape={:?}, dtype={dtype}, device={})",
+            self.exported.dims(),
+            device_name(device.device_type, device.device_id).replace("cpu:0", "cpu")
+        )
     }
 }

@@ -5,13 +5,17 @@
 //!
 //! Inputs are read through DLPack ([`dlpack`]): any object with `__dlpack__` and
 //! `__dlpack_device__` on the host (NumPy ≥ 1.22 arrays, torch tensors, CuPy's and JAX's host
-//! arrays) of a float type; a torch tensor on a device is copied to the host by torch first (the
-//! requests compute on host tensors), a device tensor of another library is refused. Anything
+//! arrays) of a float type, or on the CUDA device the model computes on (torch, CuPy, ...: read
+//! there in place, on our stream; see [`dlpack::read`]). A torch tensor on another device is
+//! copied to the host by torch first, a device tensor of another library is refused. Anything
 //! else `numpy.asarray(x, dtype=float32)` accepts (lists, older NumPy) goes through NumPy. A
 //! row-major float32 input is read in place, not copied (so it must not be written while the
 //! request runs); any other is converted once. Results are [`dlpack::DlpackTensor`]s that own
 //! the decoder's memory, adopted without a copy by `numpy.from_dlpack` (NumPy input, and the
-//! default) or `torch.from_dlpack` (torch input; then moved to the input's device). The GIL is
+//! default) or `torch.from_dlpack` (torch input; then moved to the input's device). An input on
+//! the model's GPU gives a result on that GPU (which stays there on one rank untiled; see
+//! `Vae::run` in the library for the paths that cross the host): a torch tensor on it, or the
+//! `DLPackTensor` itself for other libraries (`cupy.from_dlpack` adopts it). The GIL is
 //! released while a model loads and while a request runs. Errors are Python exceptions under
 //! `VaeParallelError`, with the library's one-line messages (options named as the keywords).
 //!
@@ -216,23 +220,24 @@ fn is_torch_tensor(x: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(ty.module()?.to_cow()?.starts_with("torch") && ty.name()?.to_cow()? == "Tensor")
 }
 
-/// `x` as a host f32 tensor. A DLPack producer on the host (NumPy ≥ 1.22, torch, CuPy's and
+/// `x` as a request's input tensor. A producer on the CUDA device `cuda` names (the model's,
+/// with its compute type) is read there in place ([`dlpack::read`]). A DLPack producer on the host (NumPy ≥ 1.22, torch, CuPy's and
 /// JAX's host arrays, ...) is read through DLPack ([`dlpack::read`]): f32 in row-major order in
 /// place, other float types and layouts converted once. A torch tensor is detached first, and
 /// one on a device is copied to the host by torch (the requests compute on host tensors); a
 /// device tensor of any other library is an `InputError`. Anything else (lists, NumPy before
 /// 1.22, read-only arrays NumPy before 2.1 will not export) goes through
 /// `numpy.asarray(x, dtype=float32)`, a row-major result read in place.
-fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
+fn input<'py>(x: &Bound<'py, PyAny>, cuda: Option<(usize, vae_parallel::DType)>) -> PyResult<Input<'py>> {
     let py = x.py();
     let torch = is_torch_tensor(x)?;
     let torch_device = if torch { Some(x.getattr("device")?) } else { None };
     // A tensor that requires grad exports nothing: its values, detached.
     let x = if torch { x.call_method0("detach")? } else { x.clone() };
-    match dlpack::read(&x)? {
+    match dlpack::read(&x, cuda)? {
         dlpack::Read::Tensor(tensor) => return Ok(Input { tensor, torch_device }),
         dlpack::Read::OnDevice(..) if torch => {
-            if let dlpack::Read::Tensor(tensor) = dlpack::read(&x.call_method0("cpu")?)? {
+            if let dlpack::Read::Tensor(tensor) = dlpack::read(&x.call_method0("cpu")?, None)? {
                 return Ok(Input { tensor, torch_device });
             }
             return Err(InputError::new_err("torch did not export the tensor it copied to the host"));
@@ -270,6 +275,15 @@ fn input<'py>(x: &Bound<'py, PyAny>) -> PyResult<Input<'py>> {
 }
 
 impl PyVae {
+    /// The CUDA device (and compute type) whose DLPack producers are read in place: the model's,
+    /// when it computes on a GPU.
+    fn cuda(&self) -> Option<(usize, vae_parallel::DType)> {
+        match self.vae.device() {
+            Device::Cuda(ordinal) => Some((ordinal, self.vae.compute_dtype())),
+            Device::Cpu => None,
+        }
+    }
+
     /// A request's options: the model's, with this request's mode when it names one, the
     /// pixels diffusers gives with or without `enable_tiling()` (`use_tiling`), and the
     /// pipeline's normalisation when `latents_normalized`.
@@ -330,8 +344,11 @@ impl FrameSink for NoFrames {
 /// 2.1 adopts it read-only) or, for a torch input, by torch (`torch.from_dlpack`, then moved to
 /// the input's device: no copy on the CPU).
 fn to_python<'py>(py: Python<'py>, t: Tensor, torch_device: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    let on_gpu = !t.device().is_cpu();
     let tensor = Bound::new(py, dlpack::DlpackTensor::new(t)?)?;
     match torch_device {
+        // A result on the GPU for another library than torch: its `from_dlpack` adopts it.
+        None if on_gpu => Ok(tensor.into_any()),
         None => {
             let array = py.import("numpy")?.call_method1("from_dlpack", (tensor,))?;
             if array.getattr("flags")?.getattr("writeable")?.extract::<bool>()? {
@@ -362,7 +379,7 @@ impl PyVae {
         use_tiling: bool,
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let latent = input(z)?;
+        let latent = input(z, self.cuda())?;
         let decode = Decode::default().with_options(self.options(mode, use_tiling, latents_normalized)?);
         let token = CancelToken::new();
         let z = &latent.tensor;
@@ -384,7 +401,7 @@ impl PyVae {
         latents_normalized: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let kind: EncodeOutput = output.parse().map_err(|e| to_py(&e))?;
-        let image = input(x)?;
+        let image = input(x, self.cuda())?;
         let encode = Encode::default().with_options(self.options(mode, use_tiling, latents_normalized)?).output(kind);
         let token = CancelToken::new();
         let x = &image.tensor;
@@ -423,7 +440,8 @@ impl PyVae {
         }
         drop(StreamedOutput::new(&path, fps).map_err(io_error)?);
         let owner = self.group.rank() == 0;
-        let latent = input(z)?;
+        // A streamed decode reads its latent on the host (its frames go to files).
+        let latent = input(z, None)?;
         let decode = Decode::default().with_options(self.options(mode, use_tiling, latents_normalized)?);
         let z = &latent.tensor;
         // The owner's frames go to the files, written on a thread of their own. Only the owner
@@ -525,7 +543,7 @@ fn save(py: Python<'_>, path: PathBuf, pixels: &Bound<'_, PyAny>, fps: u32) -> P
     if !io::DECODED_EXTENSIONS.contains(&ext.as_str()) {
         return Err(ConfigError::new_err(format!("{} must end in .npy, .png, .mp4 or .gif", path.display())));
     }
-    let pixels = input(pixels)?.tensor;
+    let pixels = input(pixels, None)?.tensor;
     let io_error = |e: io::IoError| to_py(&e.into());
     py.detach(|| {
         let mut staged = vae_parallel::output::Staged::new();

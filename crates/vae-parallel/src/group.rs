@@ -354,6 +354,11 @@ impl Group {
 
     /// Decodes `latent` on every rank; the pixels on the ranks the output goes to (the owner,
     /// rank 0, by default), `None` elsewhere.
+    ///
+    /// `latent` may be on the model's CUDA device (a tensor lent through DLPack, for one): on
+    /// a group of one rank, untiled, it is decoded in place and the pixels stay on the device;
+    /// otherwise it crosses to the host once and the pixels come back to the device once. The
+    /// same holds for [`Self::encode`].
     pub fn decode(&self, vae: &Vae, latent: &Tensor, options: &Decode) -> Result<Option<Tensor>> {
         Ok(self.run(vae, Request::decode(latent, options))?.output)
     }

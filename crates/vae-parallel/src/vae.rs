@@ -337,6 +337,15 @@ impl Vae {
             return Ok(None);
         }
         let _convolutions = agree_on_convolutions(executor)?;
+        // The executor works on host tensors: a device latent crosses to the host once.
+        let on_host;
+        let z = if z.device().is_cpu() {
+            z
+        } else {
+            tracing::debug!(device = %z.device(), "a streamed decode of a device latent: copied to the host once");
+            on_host = z.to_device(&Device::Cpu).map_err(ModelError::from)?;
+            &on_host
+        };
         let (choice, use_tiling, predicted) = self.choose(executor, Direction::Decode, z.dims(), options)?;
         let run = Execution {
             executor,
@@ -371,6 +380,12 @@ impl Vae {
     }
 
     /// One request, in the strategy chosen for it.
+    ///
+    /// An input on the model's CUDA device (a DLPack or candle tensor) stays there where the
+    /// request is one whole untiled computation on one rank: the model reads it in place and
+    /// its result is left on the device ([`Self::run_on_device`]). Every other path (tiles,
+    /// bands, several ranks) works on host tensors: the input is copied to the host once and
+    /// the result back to the device once. An input on another device is refused.
     fn run(
         &self,
         executor: &DistributedVaeExecutor,
@@ -379,16 +394,93 @@ impl Vae {
         options: &Options,
     ) -> Result<ExecOutput> {
         let _convolutions = agree_on_convolutions(executor)?;
+        let device = self.model.device();
+        if !input.device().is_cpu() && input.device() != device {
+            return Err(Error::Model(ModelError::InvalidInput(format!(
+                "the input is on {}, the model on {device}: move it to the model's device or the CPU first",
+                input.device()
+            ))));
+        }
         let (choice, use_tiling, predicted) = self.choose(executor, direction, input.dims(), options)?;
-        let out = self.model.execute(Execution {
+        if input.device().is_cpu() {
+            let out = self.execute(executor, direction, input, options, choice.strategy, use_tiling)?;
+            return Ok(with_reason(out, choice, predicted));
+        }
+        let whole = executor.communicator().size() == 1 && choice.strategy == Strategy::Tile && !use_tiling;
+        if whole {
+            tracing::debug!(%device, "the input is on the model's device: computed in place, the result left there");
+            let out = self.run_on_device(direction, input)?;
+            return Ok(with_reason(out, choice, predicted));
+        }
+        tracing::debug!(
+            %device,
+            strategy = ?choice.strategy,
+            use_tiling,
+            ranks = executor.communicator().size(),
+            "a device input on a path that works on host tensors: copied to the host once, the result back to \
+             the device once"
+        );
+        let host = input.to_device(&Device::Cpu).map_err(ModelError::from)?;
+        let mut out = self.execute(executor, direction, &host, options, choice.strategy, use_tiling)?;
+        out.tensor = out.tensor.map(|t| t.to_device(&device)).transpose().map_err(ModelError::from)?;
+        Ok(with_reason(out, choice, predicted))
+    }
+
+    /// The request through the family's executor (host tensors).
+    fn execute(
+        &self,
+        executor: &DistributedVaeExecutor,
+        direction: Direction,
+        input: &Tensor,
+        options: &Options,
+        strategy: Strategy,
+        use_tiling: bool,
+    ) -> Result<ExecOutput> {
+        Ok(self.model.execute(Execution {
             executor,
             direction,
             input,
-            strategy: choice.strategy,
+            strategy,
             use_tiling,
             placement: self.placement(direction, options),
-        })?;
-        Ok(with_reason(out, choice, predicted))
+        })?)
+    }
+
+    /// A whole untiled computation of an input on the model's device, on this (the only)
+    /// rank: the model reads the input in place and the result stays on the device
+    /// ([`vae_models::ResultsOnDevice`]); no tile plan, no transport, no host copy. What the
+    /// executor's one direct tile computes, bit for bit (the same model call).
+    fn run_on_device(&self, direction: Direction, input: &Tensor) -> Result<ExecOutput> {
+        let start_bytes = vae_tensor::memory::live_bytes();
+        let clock = std::time::Instant::now();
+        let tensor = {
+            let _on_device = vae_models::ResultsOnDevice::enter();
+            match direction {
+                Direction::Decode => self.model.decode(input)?,
+                Direction::Encode => self.model.encode_moments(input)?,
+            }
+        };
+        let peak_bytes = vae_tensor::memory::peak_bytes();
+        let report = vae_runtime::RankReport {
+            rank: 0,
+            world_size: 1,
+            parallel_size: 1,
+            tile_count: 1,
+            tiles: vec![0],
+            workload: tensor.elem_count() as u64,
+            is_owner: true,
+            timings: vae_runtime::PhaseTimings { exec: clock.elapsed(), ..Default::default() },
+            traffic: Default::default(),
+            peak_bytes,
+            exec_peak_bytes: peak_bytes,
+            start_bytes,
+            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
+            strategy: vae_runtime::StrategyReport::Tile,
+            reason: None,
+            fallback: false,
+            predicted: None,
+        };
+        Ok(ExecOutput { tensor: Some(tensor), report })
     }
 
     /// The cost model's settings for a request on `executor`'s group, where the profile

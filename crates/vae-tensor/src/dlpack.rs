@@ -11,19 +11,29 @@
 //!   a byte offset) is copied once, in logical order, into an f32 tensor of our own: the CPU
 //!   backend computes in f32 only.
 //! - Integer, boolean and complex tensors, vector lanes, and tensors on other devices than the
-//!   host are refused ([`DlpackError`]). Device tensors (CUDA) are not read yet: the requests of
-//!   the layers above take host tensors, and the device import is not built.
+//!   host are refused by [`Imported::into_tensor`] ([`DlpackError`]).
+//! - CUDA tensors are read by [`Imported::into_device_tensor`] (builds with the `cuda`
+//!   feature): f32 or bf16, row-major, on the device asked for, read in place (the producer's
+//!   memory, never written, released once the device has finished with it); another of those
+//!   two types, or an address not 16-byte aligned, costs one copy on the device; other types,
+//!   strides and devices are refused. Never through the host.
 //!
 //! Our tensors are lent as [`DLManagedTensorVersioned`] (or the legacy struct for consumers
-//! that ask no version), host f32 in row-major order with explicit strides; the memory stays
-//! alive until the consumer calls the deleter, however long that is after the tensor's model
-//! or group is gone.
+//! that ask no version), in row-major order with explicit strides: host tensors as f32, CUDA
+//! tensors as `kDLCUDA` in their own type (f32 or bf16) without a copy, ordered before the
+//! consumer's stream (see [`Exported::to_versioned`]). The memory stays alive until the
+//! consumer calls the deleter, however long that is after the tensor's model or group is gone.
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::{Device, Tensor, TensorError};
+use crate::{DType, Device, Tensor, TensorError};
+
+#[path = "dlpack_cuda.rs"]
+mod cuda;
+
+pub use cuda::consumer_stream;
 
 /// The DLPack ABI version this module implements (1.1).
 pub const DLPACK_VERSION: DLPackVersion = DLPackVersion { major: 1, minor: 1 };
@@ -154,6 +164,18 @@ pub enum DlpackError {
     /// Memory on a device this module does not read.
     #[error("DLPack tensor on {0}: only host (CPU) tensors are read; move it to the CPU first")]
     Device(String),
+    /// A device tensor on another device than the one asked for.
+    #[error("DLPack tensor on {got}, expected one on {want}")]
+    OtherDevice {
+        /// Where the tensor is.
+        got: String,
+        /// Where it was expected.
+        want: String,
+    },
+    /// A device tensor in a layout read only by a copy through the host (strides that are not
+    /// row-major): refused rather than copied silently.
+    #[error("DLPack device tensor: {0}")]
+    Layout(String),
     /// A tensor op failed (an allocation, a shape).
     #[error(transparent)]
     Tensor(#[from] TensorError),
@@ -450,28 +472,38 @@ fn is_row_major(dims: &[usize], strides: &[i64]) -> bool {
     dims.iter().zip(strides.iter().zip(&want)).all(|(&d, (&s, &w))| d == 1 || s == w)
 }
 
-/// A host f32 tensor of ours to lend through DLPack: each managed tensor made from it holds it,
-/// so its memory lives until the last consumer's deleter (and this value) are gone. The memory
-/// is lent writable (consumers such as PyTorch may write it in place), so this value reads it
-/// only through `ptr`, never through a shared reference.
+/// A tensor of ours to lend through DLPack: each managed tensor made from it holds it, so its
+/// memory lives until the last consumer's deleter (and this value) are gone.
 #[derive(Debug)]
 pub struct Exported {
-    /// Owns the elements (freed when this value goes); never read or moved from after `ptr`
-    /// was taken, only its length.
-    data: Vec<f32>,
-    /// The elements' start, taken once with `Vec::as_mut_ptr` (so writes through it are
-    /// allowed); valid for `data.len()` elements while `data` lives.
-    ptr: NonNull<f32>,
+    memory: Memory,
     shape: Vec<i64>,
     strides: Vec<i64>,
     /// The flags of every managed tensor made from it (`FLAG_IS_COPIED` for a copy).
     flags: u64,
 }
 
+/// Where an exported tensor's elements are.
+#[derive(Debug)]
+enum Memory {
+    /// Host f32 elements. The memory is lent writable (consumers such as PyTorch may write it
+    /// in place), so this value reads it only through `ptr`, never through a shared reference.
+    Host {
+        /// Owns the elements (freed when this value goes); never read or moved from after
+        /// `ptr` was taken, only its length.
+        data: Vec<f32>,
+        /// The elements' start, taken once with `Vec::as_mut_ptr` (so writes through it are
+        /// allowed); valid for `data.len()` elements while `data` lives.
+        ptr: NonNull<f32>,
+    },
+    /// A CUDA tensor (f32 or bf16), lent in place: its device memory lives while this does.
+    Device(Tensor),
+}
+
 // SAFETY: `ptr` points into `data`, which this value owns; the elements are plain f32s, read
 // here only by copy through `ptr` (no references), so sharing or sending the value across
 // threads is as sound as sending the `Vec` (concurrent writes by consumers are theirs to order,
-// as with any DLPack memory lent writable).
+// as with any DLPack memory lent writable). A device tensor is `Send + Sync` itself.
 unsafe impl Send for Exported {}
 // SAFETY: as for `Send`: `&Exported` gives no reference into the elements.
 unsafe impl Sync for Exported {}
@@ -484,41 +516,53 @@ struct Context {
 }
 
 impl Exported {
-    /// A host tensor's elements, handed over without a copy when the tensor owns them (a
-    /// tensor reading lent memory is copied once, so that consumers may write theirs). A
-    /// device tensor is refused: the device export is not built.
+    /// A tensor's elements, handed over without a copy: a host tensor that owns them gives its
+    /// buffer (one reading lent memory is copied once, so that consumers may write theirs); a
+    /// CUDA tensor is kept whole and lent where it is, in its own type.
     pub fn new(tensor: Tensor) -> Result<Self, DlpackError> {
-        if let Device::Cuda(ordinal) = tensor.device() {
-            return Err(DlpackError::Device(format!("cuda:{ordinal} (only host tensors are lent)")));
-        }
         let dims = tensor.dims().to_vec();
-        let data = tensor.into_vec_f32()?;
         let shape = dims.iter().map(|&d| d as i64).collect();
+        if !tensor.device().is_cpu() {
+            return Ok(Self { memory: Memory::Device(tensor), shape, strides: row_major(&dims), flags: 0 });
+        }
+        let data = tensor.into_vec_f32()?;
         Ok(Self::owning(data, shape, row_major(&dims), 0))
     }
 
     /// Takes the elements' mutable pointer once, before any consumer can see them.
     fn owning(mut data: Vec<f32>, shape: Vec<i64>, strides: Vec<i64>, flags: u64) -> Self {
         let ptr = NonNull::from(data.as_mut_slice()).cast::<f32>();
-        Self { data, ptr, shape, strides, flags }
+        Self { memory: Memory::Host { data, ptr }, shape, strides, flags }
     }
 
-    /// A copy of the elements as they are now (read through `ptr`: a consumer may hold them).
-    fn read(&self) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.data.len());
-        // SAFETY: `ptr` is valid for `data.len()` f32s while `self.data` lives, and `out` has
-        // that capacity, disjoint from them; the copy makes no reference to the lent memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), out.as_mut_ptr(), self.data.len());
-            out.set_len(self.data.len());
+    /// A copy of the elements as f32 as they are now (read through `ptr` on the host: a
+    /// consumer may hold them; downloaded from a device).
+    fn read(&self) -> Result<Vec<f32>, DlpackError> {
+        match &self.memory {
+            Memory::Host { data, ptr } => {
+                let mut out = Vec::with_capacity(data.len());
+                // SAFETY: `ptr` is valid for `data.len()` f32s while `data` lives, and `out` has
+                // that capacity, disjoint from them; the copy makes no reference to the lent
+                // memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(ptr.as_ptr(), out.as_mut_ptr(), data.len());
+                    out.set_len(data.len());
+                }
+                Ok(out)
+            }
+            Memory::Device(t) => Ok(t.to_vec_f32()?),
         }
-        out
     }
 
-    /// A copy of the elements of its own, lent with `FLAG_IS_COPIED` (for a consumer that asks
-    /// for a copy: the Python protocol's `copy=True`).
-    pub fn copied(&self) -> Self {
-        Self::owning(self.read(), self.shape.clone(), self.strides.clone(), FLAG_IS_COPIED)
+    /// A copy of the elements of its own (on the same device), lent with `FLAG_IS_COPIED` (for
+    /// a consumer that asks for a copy: the Python protocol's `copy=True`).
+    pub fn copied(&self) -> Result<Self, DlpackError> {
+        let (shape, strides) = (self.shape.clone(), self.strides.clone());
+        Ok(match &self.memory {
+            Memory::Host { .. } => Self::owning(self.read()?, shape, strides, FLAG_IS_COPIED),
+            // A device copy: `Tensor::clone` of device memory is a new allocation.
+            Memory::Device(t) => Self { memory: Memory::Device(t.clone()), shape, strides, flags: FLAG_IS_COPIED },
+        })
     }
 
     /// The extents.
@@ -526,37 +570,72 @@ impl Exported {
         self.shape.iter().map(|&d| d as usize).collect()
     }
 
-    /// A copy of the elements, row-major, as they are now.
-    pub fn to_vec(&self) -> Vec<f32> {
+    /// A copy of the elements as f32, row-major, as they are now (a device tensor's downloaded).
+    pub fn to_vec(&self) -> Result<Vec<f32>, DlpackError> {
         self.read()
     }
 
-    /// The DLPack device: the host.
+    /// The element type lent: f32, or bf16 for a bf16 device tensor.
+    pub fn dtype(&self) -> DType {
+        match &self.memory {
+            Memory::Host { .. } => DType::F32,
+            Memory::Device(t) => t.dtype(),
+        }
+    }
+
+    /// The DLPack device: the host, or `kDLCUDA` and the tensor's ordinal.
     pub fn device(&self) -> DLDevice {
-        DLDevice { device_type: DL_CPU, device_id: 0 }
+        match &self.memory {
+            Memory::Device(t) => match t.device() {
+                Device::Cuda(ordinal) => DLDevice { device_type: DL_CUDA, device_id: ordinal as i32 },
+                Device::Cpu => DLDevice { device_type: DL_CPU, device_id: 0 },
+            },
+            Memory::Host { .. } => DLDevice { device_type: DL_CPU, device_id: 0 },
+        }
     }
 
     fn context(self: &Arc<Self>) -> Box<Context> {
         Box::new(Context { tensor: Arc::clone(self), shape: self.shape.clone(), strides: self.strides.clone() })
     }
 
-    fn dl_tensor(context: &mut Context) -> DLTensor {
-        DLTensor {
-            data: context.tensor.ptr.as_ptr().cast(),
+    /// The description of the elements for a consumer on `stream` (see [`Self::to_versioned`]).
+    fn dl_tensor(context: &mut Context, stream: Option<u64>) -> Result<DLTensor, DlpackError> {
+        let (data, dtype) = match &context.tensor.memory {
+            Memory::Host { ptr, .. } => (ptr.as_ptr().cast(), DLDataType { code: DL_FLOAT, bits: 32, lanes: 1 }),
+            Memory::Device(t) => {
+                let dtype = match t.dtype() {
+                    DType::F32 => DLDataType { code: DL_FLOAT, bits: 32, lanes: 1 },
+                    DType::BF16 => DLDataType { code: DL_BFLOAT, bits: 16, lanes: 1 },
+                };
+                (cuda::address_for(t, stream)? as *mut c_void, dtype)
+            }
+        };
+        Ok(DLTensor {
+            data,
             device: context.tensor.device(),
             ndim: context.shape.len() as i32,
-            dtype: DLDataType { code: DL_FLOAT, bits: 32, lanes: 1 },
+            dtype,
             shape: context.shape.as_mut_ptr(),
             strides: context.strides.as_mut_ptr(),
             byte_offset: 0,
-        }
+        })
     }
 
     /// A versioned managed tensor over these elements, writable, for a consumer to adopt; the
     /// consumer calls its deleter once (which releases this hold on the elements).
-    pub fn to_versioned(self: &Arc<Self>) -> NonNull<DLManagedTensorVersioned> {
+    ///
+    /// `stream` matters for a device tensor only: the consumer's stream (a handle of the
+    /// device's context; `1` the legacy default stream), which waits on the device until every
+    /// write to the elements queued so far has run (an event recorded on ours,
+    /// `cuStreamWaitEvent` on theirs); `None`: the host waits for those writes before this
+    /// returns. The consumer must finish with the memory before it calls the deleter (the
+    /// memory may be reused by later work on our stream).
+    pub fn to_versioned(
+        self: &Arc<Self>,
+        stream: Option<u64>,
+    ) -> Result<NonNull<DLManagedTensorVersioned>, DlpackError> {
         let mut context = self.context();
-        let dl_tensor = Self::dl_tensor(&mut context);
+        let dl_tensor = Self::dl_tensor(&mut context, stream)?;
         let managed = Box::new(DLManagedTensorVersioned {
             version: DLPACK_VERSION,
             manager_ctx: Box::into_raw(context).cast(),
@@ -564,19 +643,20 @@ impl Exported {
             flags: self.flags,
             dl_tensor,
         });
-        NonNull::from(Box::leak(managed))
+        Ok(NonNull::from(Box::leak(managed)))
     }
 
-    /// A legacy managed tensor over these elements, for consumers that ask for no version.
-    pub fn to_legacy(self: &Arc<Self>) -> NonNull<DLManagedTensor> {
+    /// A legacy managed tensor over these elements, for consumers that ask for no version;
+    /// `stream` as for [`Self::to_versioned`].
+    pub fn to_legacy(self: &Arc<Self>, stream: Option<u64>) -> Result<NonNull<DLManagedTensor>, DlpackError> {
         let mut context = self.context();
-        let dl_tensor = Self::dl_tensor(&mut context);
+        let dl_tensor = Self::dl_tensor(&mut context, stream)?;
         let managed = Box::new(DLManagedTensor {
             dl_tensor,
             manager_ctx: Box::into_raw(context).cast(),
             deleter: Some(delete_legacy),
         });
-        NonNull::from(Box::leak(managed))
+        Ok(NonNull::from(Box::leak(managed)))
     }
 }
 

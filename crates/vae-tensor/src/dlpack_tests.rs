@@ -233,8 +233,8 @@ fn an_exported_tensor_outlives_its_source_and_reads_back_bit_for_bit() {
     let source = Tensor::from_vec(values.clone(), vec![3, 4], &Device::Cpu).unwrap();
     let exported = Arc::new(Exported::new(source).unwrap());
     assert_eq!(exported.dims(), vec![3, 4]);
-    let versioned = exported.to_versioned();
-    let legacy = exported.to_legacy();
+    let versioned = exported.to_versioned(None).unwrap();
+    let legacy = exported.to_legacy(None).unwrap();
     let weak = Arc::downgrade(&exported);
     drop(exported);
     // SAFETY: ours, handed over once each.
@@ -254,22 +254,22 @@ fn a_lent_tensor_is_exported_as_a_copy_of_its_own() {
     let lent = import(ptr).unwrap();
     let exported = Exported::new(lent).unwrap();
     assert_eq!(made.deleted(), 1, "the producer's memory is not lent on");
-    assert_eq!(exported.to_vec(), [1.0, 2.0]);
+    assert_eq!(exported.to_vec().unwrap(), [1.0, 2.0]);
 }
 
 #[test]
 fn a_consumers_write_through_the_lent_pointer_is_what_we_read_and_copy() {
     let source = Tensor::from_vec(vec![1.0, 2.0, 3.0], vec![3], &Device::Cpu).unwrap();
     let exported = Arc::new(Exported::new(source).unwrap());
-    let versioned = exported.to_versioned();
+    let versioned = exported.to_versioned(None).unwrap();
     // SAFETY: ours, live until its deleter below; 3 f32s, lent writable (flags 0), as a
     // consumer such as PyTorch writes them in place.
     unsafe {
         let data = (*versioned.as_ptr()).dl_tensor.data.cast::<f32>();
         *data.add(1) = 20.0;
     }
-    assert_eq!(exported.to_vec(), [1.0, 20.0, 3.0]);
-    assert_eq!(exported.copied().to_vec(), [1.0, 20.0, 3.0]);
+    assert_eq!(exported.to_vec().unwrap(), [1.0, 20.0, 3.0]);
+    assert_eq!(exported.copied().unwrap().to_vec().unwrap(), [1.0, 20.0, 3.0]);
     // SAFETY: the deleter of our own managed tensor, called once.
     unsafe { (*versioned.as_ptr()).deleter.unwrap()(versioned.as_ptr()) };
 }

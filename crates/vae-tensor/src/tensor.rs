@@ -141,10 +141,17 @@ impl Tensor {
         }
     }
 
-    /// The device storage, mutable.
+    /// The device storage, mutable, for a write in place: device memory another library lent
+    /// (a DLPack import) is first copied into memory of our own, so it is never written.
     pub(crate) fn cuda_mut(&mut self) -> Option<&mut DeviceStorage> {
         match &mut self.storage {
-            Storage::Cuda(c) => Some(c),
+            Storage::Cuda(c) => {
+                #[cfg(feature = "cuda")]
+                if c.is_lent() {
+                    *c = c.clone();
+                }
+                Some(c)
+            }
             Storage::Cpu(_) => None,
         }
     }
@@ -169,9 +176,9 @@ impl Tensor {
     /// The caller must write only within it, and finish before the tensor is used again.
     pub fn device_memory_mut(&mut self) -> Result<Option<DeviceMemory>> {
         let bytes = self.size_in_bytes();
-        match &mut self.storage {
-            Storage::Cpu(_) => Ok(None),
-            Storage::Cuda(c) => {
+        match self.cuda_mut() {
+            None => Ok(None),
+            Some(c) => {
                 let address = c.settled_address_mut()?;
                 Ok(Some(DeviceMemory { ordinal: c.ordinal(), address, len: bytes }))
             }

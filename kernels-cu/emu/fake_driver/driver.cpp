@@ -195,6 +195,10 @@ std::set<CUmod_st*> g_modules;
 std::set<CUfunc_st*> g_functions;
 std::set<CUstream_st*> g_streams;
 std::set<CUevent_st*> g_events;
+// Copies between host and device memory made through the driver API (cuMemcpyHtoD*,
+// cuMemcpyDtoH*), each way: fake_cuda_host_copies lets a test prove a path made none.
+unsigned long long g_copies_to_device = 0;
+unsigned long long g_copies_to_host = 0;
 // Allocations whose stream-ordered free is queued and has not run.
 std::set<CUdeviceptr> g_freeing;
 // The context whose queued work is running (a fault is that context's sticky error).
@@ -681,6 +685,7 @@ CUresult memset_d8(const char* api, CUdeviceptr dst, unsigned char value, std::s
 // soon as the call returns).
 CUresult copy_htod(const char* api, CUdeviceptr dst, const void* src, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
+    ++g_copies_to_device;
     if (!src) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host source");
     if (CUresult r = check_range(api, "destination", dst, n)) return r;
     auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src,
@@ -692,6 +697,7 @@ CUresult copy_htod(const char* api, CUdeviceptr dst, const void* src, std::size_
 // Into pageable host memory: the call returns with the data, after the work queued before it.
 CUresult copy_dtoh(const char* api, void* dst, CUdeviceptr src, std::size_t n, CUstream s) {
     if (n == 0) return CUDA_SUCCESS;
+    ++g_copies_to_host;
     if (!dst) return refuse(CUDA_ERROR_INVALID_VALUE, api, "null host destination");
     if (CUresult r = check_range(api, "source", src, n)) return r;
     const std::shared_ptr<Queue> q = queue_of(s);
@@ -1145,5 +1151,13 @@ FAKE_API CUresult fake_cuda_write(CUdeviceptr dst, const void* src, std::size_t 
     if (bytes == 0) return CUDA_SUCCESS;
     if (CUresult r = range_of(dst, bytes, device, nullptr)) return r;
     std::memmove((void*)dst, src, bytes);
+    return CUDA_SUCCESS;
+}
+
+FAKE_API CUresult fake_cuda_host_copies(unsigned long long* to_device, unsigned long long* to_host) {
+    Lock lock(g_mutex);
+    if (!to_device || !to_host) return CUDA_ERROR_INVALID_VALUE;
+    *to_device = g_copies_to_device;
+    *to_host = g_copies_to_host;
     return CUDA_SUCCESS;
 }

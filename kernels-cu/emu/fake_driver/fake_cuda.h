@@ -32,4 +32,10 @@ CUresult fake_cuda_synchronize(CUstream s, int device, int* owner);
 // device memory of `device` at `dst`; fails as fake_cuda_check_range does.
 CUresult fake_cuda_read(void* dst, CUdeviceptr src, std::size_t bytes, int device);
 CUresult fake_cuda_write(CUdeviceptr dst, const void* src, std::size_t bytes, int device);
+
+// How many copies of a non-empty range from the host to device memory (cuMemcpyHtoD*) and back
+// (cuMemcpyDtoH*) the process has asked the driver for since it loaded, all devices and
+// threads together: a test reads them before and after a path that must not touch the host.
+// CUDA_ERROR_INVALID_VALUE for a null output.
+CUresult fake_cuda_host_copies(unsigned long long* to_device, unsigned long long* to_host);
 }

@@ -95,8 +95,10 @@ class Vae:
     def last_report(self) -> dict[str, Any] | None: ...
 
 class DLPackTensor:
-    """A decoder's float32 result on the host, lent through DLPack (``numpy.from_dlpack``,
-    ``torch.from_dlpack``) without a copy; it owns the memory until the last consumer lets go."""
+    """A result lent through DLPack without a copy: float32 on the host (``numpy.from_dlpack``,
+    ``torch.from_dlpack``), or on the model's CUDA device when the input was there (float32, or
+    bfloat16 for a bf16 model; ``torch.from_dlpack``, ``cupy.from_dlpack``); it owns the memory
+    until the last consumer lets go."""
 
     def __dlpack__(
         self,
@@ -107,6 +109,8 @@ class DLPackTensor:
         copy: bool | None = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
+    @property
+    def is_cuda(self) -> bool: ...
     @property
     def shape(self) -> list[int]: ...
 

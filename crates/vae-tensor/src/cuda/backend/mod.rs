@@ -39,4 +39,4 @@ pub(crate) use select::{
     BF16_TILES, ConvKernel, ConvTilesGuard, F32_TILES, SCORES_TILE, SMALL_COUT_SMEM, TF32_TILES, Tf32Guard,
     WGMMA_MODULE, WGMMA_TILES, wgmma_takes,
 };
-pub(crate) use storage::{CudaStorage, DataView, DataViewMut};
+pub(crate) use storage::{CudaStorage, DataView, DataViewMut, Lender, stream_handle};

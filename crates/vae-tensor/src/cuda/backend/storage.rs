@@ -2,6 +2,7 @@
 //! launcher works on: allocation (charged to the allocating thread), upload, download, and the
 //! argument checks and launch shapes the launchers share.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -114,25 +115,67 @@ unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b mut DataViewMut<'c>> for Launc
     }
 }
 
+/// What keeps memory lent by another library (a DLPack producer) alive; dropped, it lets the
+/// lender free the memory.
+pub(crate) type Lender = Arc<dyn std::any::Any + Send + Sync>;
+
 /// Elements on a CUDA device, charged to the allocating thread's device-memory account
-/// ([`crate::memory::device_peak_bytes`]) while they live.
+/// ([`crate::memory::device_peak_bytes`]) while they live; or device memory another library
+/// lent ([`CudaStorage::lent`]): not charged, never freed here, and never written (the tensor
+/// copies it before any write in place, see [`crate::Tensor`]'s `cuda_mut`).
 pub(crate) struct CudaStorage {
-    pub(crate) data: CudaData,
+    /// The elements. Dropped by hand in `drop`: lent memory is leaked back to its lender
+    /// instead of freed.
+    pub(crate) data: ManuallyDrop<CudaData>,
     pub(crate) device: Arc<CudaDevice>,
     pub(super) len: usize,
+    /// The lender of `data`'s memory, when it is lent.
+    lender: Option<Lender>,
     _charge: DeviceCharge,
 }
 
 impl Clone for CudaStorage {
-    /// A device copy: a new allocation, charged to the thread that makes it.
+    /// A device copy: a new allocation of our own (also of lent memory), charged to the thread
+    /// that makes it.
     fn clone(&self) -> Self {
-        Self::new(self.data.clone(), Arc::clone(&self.device), self.len)
+        Self::new(CudaData::clone(&self.data), Arc::clone(&self.device), self.len)
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        // SAFETY: `data` is taken once, here, and not used after.
+        let data = unsafe { ManuallyDrop::take(&mut self.data) };
+        let Some(lender) = self.lender.take() else {
+            drop(data);
+            return;
+        };
+        // Lent memory: not ours to free. `leak` orders the stream after the slice's last
+        // reader and writer; the lender may reuse the memory as soon as it is released, on
+        // streams that know nothing of ours, so the device finishes with it first.
+        match data {
+            CudaData::F32(s) => drop(s.leak()),
+            CudaData::Bf16(s) => drop(s.leak()),
+        }
+        if let Err(e) = self.device.synchronize() {
+            tracing::warn!(device = self.device.ordinal, "finishing with lent device memory: {e}");
+        }
+        drop(lender);
     }
 }
 
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaStorage(cuda:{}, {} {})", self.device.ordinal, self.len, self.dtype())
+    }
+}
+
+/// A stream's handle as the DLPack Python protocol names it: the legacy default stream (cudarc's
+/// null handle) is `1` there (`0` is ambiguous and not allowed).
+pub(crate) fn stream_handle(stream: &cudarc::driver::CudaStream) -> u64 {
+    match stream.cu_stream() as u64 {
+        0 => 1,
+        handle => handle,
     }
 }
 
@@ -162,7 +205,7 @@ impl DeviceStore for CudaStorage {
     /// The elements, copied to the host as f32 (bf16 widens exactly).
     fn download(&self) -> Result<Vec<f32>> {
         let err = |e| driver(self.device.ordinal, "download", e);
-        let mut v = match &self.data {
+        let mut v = match &*self.data {
             CudaData::F32(d) => self.device.stream().clone_dtoh(d).map_err(err)?,
             CudaData::Bf16(d) => {
                 let bits = self.device.stream().clone_dtoh(d).map_err(err)?;
@@ -183,7 +226,7 @@ impl DeviceStore for CudaStorage {
         let stream = self.device.stream();
         // The pointer call makes `stream` wait for the buffer's last writer on another stream;
         // synchronising the stream then waits for all of it.
-        let address = match &self.data {
+        let address = match &*self.data {
             CudaData::F32(d) => d.device_ptr(&stream).0,
             CudaData::Bf16(d) => d.device_ptr(&stream).0,
         };
@@ -195,7 +238,7 @@ impl DeviceStore for CudaStorage {
     /// read and write queued before has finished.
     fn settled_address_mut(&mut self) -> Result<u64> {
         let stream = self.device.stream();
-        let address = match &mut self.data {
+        let address = match &mut *self.data {
             CudaData::F32(d) => d.device_ptr_mut(&stream).0,
             CudaData::Bf16(d) => d.device_ptr_mut(&stream).0,
         };
@@ -205,7 +248,7 @@ impl DeviceStore for CudaStorage {
 
     /// The storage type.
     fn dtype(&self) -> DType {
-        match self.data {
+        match *self.data {
             CudaData::F32(_) => DType::F32,
             CudaData::Bf16(_) => DType::BF16,
         }
@@ -222,7 +265,83 @@ impl CudaStorage {
     /// The one constructor: every allocation is charged here.
     pub(super) fn new(data: CudaData, device: Arc<CudaDevice>, len: usize) -> Self {
         let bytes = len * if matches!(data, CudaData::F32(_)) { 4 } else { 2 };
-        Self { data, device, len, _charge: DeviceCharge::new(bytes) }
+        Self { data: ManuallyDrop::new(data), device, len, lender: None, _charge: DeviceCharge::new(bytes) }
+    }
+
+    /// `len` elements of `dtype` at `address` on device `ordinal`, memory another library
+    /// lends: read in place, never freed here (dropping the storage waits until the device has
+    /// finished with it, then drops `lender`), never written (see [`Self::is_lent`]).
+    ///
+    /// `ready`: a stream (a handle of this device's context; `1` the legacy default stream)
+    /// that the lender ordered its writes before; when it is not the calling thread's stream,
+    /// that stream waits for it on the device. `None`: the writes have finished.
+    ///
+    /// # Safety
+    /// `address` must be the start of `len` elements of `dtype` in device memory of `ordinal`
+    /// that stay valid, and that nobody writes, while `lender` lives; `ready` as above.
+    pub(crate) unsafe fn lent(
+        ordinal: usize,
+        address: u64,
+        len: usize,
+        dtype: DType,
+        ready: Option<u64>,
+        lender: Lender,
+    ) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        let stream = device.stream();
+        if let Some(handle) = ready
+            && handle != stream_handle(&stream)
+        {
+            use cudarc::driver::sys;
+            let event = stream.context().new_event(None).map_err(|e| driver(ordinal, "event", e))?;
+            // SAFETY: `handle` is a stream of this device's context (the caller's contract), the
+            // event is live until the calls return; both only queue work.
+            let recorded = unsafe { sys::cuEventRecord(event.cu_event(), handle as sys::CUstream) };
+            recorded.result().map_err(|e| driver(ordinal, "event record", e))?;
+            stream.wait(&event).map_err(|e| driver(ordinal, "stream wait", e))?;
+        }
+        // SAFETY: the caller's contract: a valid allocation of `len` elements of `dtype` (the
+        // slice is leaked, never freed, in `drop`).
+        let data = unsafe {
+            match dtype {
+                DType::F32 => CudaData::F32(stream.upgrade_device_ptr(address, len)),
+                DType::BF16 => CudaData::Bf16(stream.upgrade_device_ptr(address, len)),
+            }
+        };
+        Ok(Self { data: ManuallyDrop::new(data), device, len, lender: Some(lender), _charge: DeviceCharge::new(0) })
+    }
+
+    /// Whether the memory is lent ([`Self::lent`]): a write in place must copy it first.
+    pub(crate) fn is_lent(&self) -> bool {
+        self.lender.is_some()
+    }
+
+    /// The device address of the elements, for a consumer on `consumer` (a stream of this
+    /// device, or the legacy default stream `1`), or on any stream when `None`: the consumer's
+    /// stream waits (on the device) until every write queued to the elements so far has run;
+    /// with `None` the host waits. The address is valid while the storage lives.
+    pub(crate) fn address_for(&self, consumer: Option<u64>) -> Result<u64> {
+        let stream = self.device.stream();
+        let ordinal = self.device.ordinal;
+        // The pointer call makes `stream` wait for the last writer on another stream.
+        let address = match &*self.data {
+            CudaData::F32(d) => d.device_ptr(&stream).0,
+            CudaData::Bf16(d) => d.device_ptr(&stream).0,
+        };
+        match consumer {
+            None => stream.synchronize().map_err(|e| driver(ordinal, "synchronize", e))?,
+            Some(handle) => {
+                let event = stream.record_event(None).map_err(|e| driver(ordinal, "event", e))?;
+                // SAFETY: `handle` is a stream of this device's context (the consumer's word, as
+                // the DLPack protocol has it) and the event is live until this call returns;
+                // cuStreamWaitEvent only queues the wait.
+                let waited = unsafe {
+                    cudarc::driver::sys::cuStreamWaitEvent(handle as cudarc::driver::sys::CUstream, event.cu_event(), 0)
+                };
+                waited.result().map_err(|e| driver(ordinal, "stream wait", e))?;
+            }
+        }
+        Ok(address)
     }
 
     /// `len` zeros of the same type on the same device.
