@@ -252,7 +252,7 @@ fn a_group_of_processes_convolves_as_rank_0_chose() {
     for line in &p.conv_choices {
         let fields: Vec<&str> = line.split('\t').collect();
         assert_eq!(fields.len(), 3, "{line:?}");
-        assert_eq!(fields[1].split(' ').count(), 13, "{line:?}");
+        assert_eq!(fields[1].split(' ').count(), 10, "{line:?}");
         assert!(fields[2] == "ours" || fields[2].starts_with("cudnn:"), "{line:?}");
     }
     let with = |choice: &str| -> Vec<String> {

@@ -15,10 +15,14 @@
 //! for tile-parallel ones, so that a choice made on one rank holds for any group.
 //!
 //! The choice is kept per layer, not per extent: a [`LayerKey`] is a convolution without its
-//! batch and spatial extents (channels, kernel, strides, padding, whether the input comes in two
+//! batch, spatial extents and padding (channels, kernel, strides, whether the input comes in two
 //! parts, storage type, TF32 mode). The ranks of a tiled or sharded run convolve tiles and bands
-//! of other extents than one rank does; keyed by extent, each could time its own winner and a
-//! layer would run ours on one rank and cuDNN on another, whose bits differ. Keyed by layer, the
+//! of other extents than one rank does, and a shard's haloed band with other padding than the
+//! whole map (its halo rows stand where the whole's zero rows were); keyed by extent or padding,
+//! each could time its own winner and a layer would run ours on one rank and cuDNN on another,
+//! whose bits differ. Padding changes no output's sum under either implementation: ours is
+//! bit-identical across paddings by construction (the shard tests hold it), and a padded tap is
+//! a zero product that cuDNN's per-output dot products add exactly. Keyed by layer, the
 //! first extent seen decides for all of them. Within a process the table is shared by every
 //! thread (ranks of one process decide once, under its lock); between processes the table goes
 //! as text ([`export`], [`import`]; `VAE_CUDA_CONV_CHOICES` names a file every rank reads), and a
@@ -157,16 +161,15 @@ pub(crate) fn fastest(ours: f64, cudnn: &[(u32, f64)]) -> ConvChoice {
     best.0
 }
 
-/// A convolution layer as the choice table keys it: the geometry without the batch and spatial
-/// extents (see the module doc), whether the input comes in two parts along time (`front`), the
-/// storage type, and TF32 mode.
+/// A convolution layer as the choice table keys it: the geometry without the batch, the spatial
+/// extents and the padding (see the module doc), whether the input comes in two parts along
+/// time (`front`), the storage type, and TF32 mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct LayerKey {
     pub(crate) cin: u64,
     pub(crate) cout: u64,
     pub(crate) kernel: [u64; 3],
     pub(crate) stride: [u64; 2],
-    pub(crate) pad: [i64; 3],
     pub(crate) front: bool,
     pub(crate) dtype: DType,
     pub(crate) tf32: bool,
@@ -180,19 +183,16 @@ impl LayerKey {
             cout: g.cout,
             kernel: [g.kt, g.kh, g.kw],
             stride: [g.stride_t, g.stride],
-            pad: [g.pad_front, g.pad_top, g.pad_left],
             front,
             dtype,
             tf32,
         }
     }
 
-    /// The key's fields, space-separated: `cin cout kt kh kw stride_t stride pad_front pad_top
-    /// pad_left front dtype math`.
+    /// The key's fields, space-separated: `cin cout kt kh kw stride_t stride front dtype math`.
     fn text(&self) -> String {
         let mut words: Vec<String> =
             [self.cin, self.cout].iter().chain(&self.kernel).chain(&self.stride).map(u64::to_string).collect();
-        words.extend(self.pad.iter().map(i64::to_string));
         words.push(u8::from(self.front).to_string());
         words.push(self.dtype.to_string());
         words.push(if self.tf32 { "tf32" } else { "full" }.into());
@@ -200,11 +200,10 @@ impl LayerKey {
     }
 
     fn parse(words: &[&str]) -> Result<Self, String> {
-        let [cin, cout, kt, kh, kw, st, s, pf, pt, pl, front, dtype, math] = words[..] else {
-            return Err(format!("{} fields, not 13", words.len()));
+        let [cin, cout, kt, kh, kw, st, s, front, dtype, math] = words[..] else {
+            return Err(format!("{} fields, not 10", words.len()));
         };
         let n = |v: &str| v.parse::<u64>().map_err(|e| format!("{v:?}: {e}"));
-        let pad = |p: &str| p.parse::<i64>().map_err(|e| format!("{p:?}: {e}"));
         let front = match front {
             "0" => false,
             "1" => true,
@@ -225,7 +224,6 @@ impl LayerKey {
             cout: n(cout)?,
             kernel: [n(kt)?, n(kh)?, n(kw)?],
             stride: [n(st)?, n(s)?],
-            pad: [pad(pf)?, pad(pt)?, pad(pl)?],
             front,
             dtype,
             tf32,
@@ -532,6 +530,11 @@ mod tests {
         // Another tile or band of the same layer (other rows): the same choice, not timed again.
         let band = LayerKey::of(&geom(7, 4), true, DType::BF16, false);
         assert_eq!(band, key(7));
+        // A shard's haloed band: its halo rows stand where the whole map's zero rows were, so it
+        // convolves with other padding; still the same layer, or ranks could choose apart.
+        let haloed = LayerKey::of(&ConvGeom { pad_top: 0, pad_left: 0, ..geom(7, 6) }, true, DType::BF16, false);
+        assert_eq!(haloed, key(7));
+        assert_eq!(choices.choose("gpu", haloed, || choose(ConvChoice::Ours)), Ok(ConvChoice::Cudnn(1)));
         assert_eq!(choices.choose("gpu", band, || choose(ConvChoice::Ours)), Ok(ConvChoice::Cudnn(1)));
         assert_eq!(timed.get(), 1);
         // Another device name, type or math mode is another entry.
@@ -552,7 +555,7 @@ mod tests {
         let text = rank0.export();
         assert_eq!(
             text,
-            "H200 (sm_90)\t96 7 3 3 3 1 1 2 1 -1 1 bf16 full\tcudnn:1\nH200 (sm_90)\t96 8 3 3 3 1 1 2 1 -1 1 bf16 full\tours\n"
+            "H200 (sm_90)\t96 7 3 3 3 1 1 1 bf16 full\tcudnn:1\nH200 (sm_90)\t96 8 3 3 3 1 1 1 bf16 full\tours\n"
         );
         let mut rank1 = Choices::default();
         // What it had timed itself is replaced by rank 0's.
@@ -598,13 +601,13 @@ mod tests {
 
     #[test]
     fn imports_refuse_malformed_lines_and_refused_algorithms_whole() {
-        let good = "gpu\t96 7 3 3 3 1 1 2 1 -1 1 bf16 full\tours\n";
+        let good = "gpu\t96 7 3 3 3 1 1 1 bf16 full\tours\n";
         for bad in [
             "gpu\t1 2 3\tours",
-            "gpu\t96 7 3 3 3 1 1 2 1 -1 1 f16 full\tours",
-            "gpu\t96 7 3 3 3 1 1 2 1 -1 2 bf16 full\tours",
-            "gpu\t96 7 3 3 3 1 1 2 1 -1 1 bf16 full\tcudnn:6",
-            "gpu\t96 7 3 3 3 1 1 2 1 -1 1 bf16 full\tfast",
+            "gpu\t96 7 3 3 3 1 1 1 f16 full\tours",
+            "gpu\t96 7 3 3 3 1 1 2 bf16 full\tours",
+            "gpu\t96 7 3 3 3 1 1 1 bf16 full\tcudnn:6",
+            "gpu\t96 7 3 3 3 1 1 1 bf16 full\tfast",
             "gpu only two\tfields",
         ] {
             let mut choices = Choices::default();
