@@ -96,6 +96,20 @@ pub fn assert_all_succeeded(what: &str, exits: &[RankExit]) {
     }
 }
 
+/// `cuda:0` when this machine (or the fake driver) can run ops on it; otherwise prints why
+/// `test` is skipped and gives `None`.
+#[allow(clippy::print_stderr, reason = "a test's skip reason goes to the test output")]
+pub fn cuda(test: &str) -> Option<vae_tensor::Device> {
+    use vae_tensor::Device;
+    match vae_tensor::cuda::resolve_device(Device::Cuda(0)) {
+        (Device::Cuda(n), None) => Some(Device::Cuda(n)),
+        (_, why) => {
+            eprintln!("{test}: skipped, {}", why.unwrap_or_default());
+            None
+        }
+    }
+}
+
 /// The repository's `fixtures/` directory (`$VAE_FIXTURES_DIR` when set).
 pub fn fixtures_dir() -> std::path::PathBuf {
     // A test binary carried to another machine (scripts/gpu-check.sh) names the checkout there.

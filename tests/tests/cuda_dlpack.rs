@@ -12,22 +12,11 @@ mod cuda_producer;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cuda_producer::{Lend, f32s, host_copies, lend, read_device};
-use vae_integration_tests::fixtures_dir;
+use vae_integration_tests::{cuda, fixtures_dir};
 use vae_parallel::io::read_npy;
 use vae_parallel::tensor::dlpack::{DL_CUDA, DL_FLOAT, DLDataType, DLDevice, Exported, Imported, consumer_stream};
 use vae_parallel::{CostProfile, Decode, Encode, EncodeOutput, Group, Tensor, Vae};
-use vae_tensor::cuda::resolve_device;
-use vae_tensor::{DType, Device};
-
-fn cuda(test: &str) -> Option<Device> {
-    match resolve_device(Device::Cuda(0)) {
-        (Device::Cuda(n), None) => Some(Device::Cuda(n)),
-        (_, why) => {
-            eprintln!("{test}: skipped, {}", why.unwrap_or_default());
-            None
-        }
-    }
-}
+use vae_tensor::DType;
 
 /// The host-copy count is the process's: one test at a time reads it.
 fn serial() -> MutexGuard<'static, ()> {

@@ -6,25 +6,14 @@
 
 use std::sync::Arc;
 
-use vae_integration_tests::{fixture_cases, fixtures_dir, kl_case_output, random_tensor};
+use vae_integration_tests::{cuda, fixture_cases, fixtures_dir, kl_case_output, random_tensor};
 use vae_models::ModelError;
 use vae_models::autoencoder_kl::{AutoencoderKl, KlOperator, KlTask};
 use vae_models::wan::{WanShardDecodeOperator, WanVae};
 use vae_parallel::io::read_npy;
 use vae_runtime::{DistributedVaeExecutor, Job, Output, OutputPlacement, ShardAxis};
-use vae_tensor::cuda::resolve_device;
 use vae_tensor::{DType, Device, TensorError};
 use vae_transport::{BytePathOnly, Communicator, NcclComm, TransportConfig, nccl_available, run_local};
-
-fn cuda(test: &str) -> Option<Device> {
-    match resolve_device(Device::Cuda(0)) {
-        (Device::Cuda(n), None) => Some(Device::Cuda(n)),
-        (_, why) => {
-            eprintln!("{test}: skipped, {}", why.unwrap_or_default());
-            None
-        }
-    }
-}
 
 #[test]
 fn video_vaes_decode_and_encode_on_cuda_as_diffusers_does() {
