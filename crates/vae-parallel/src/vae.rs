@@ -460,26 +460,8 @@ impl Vae {
                 Direction::Encode => self.model.encode_moments(input)?,
             }
         };
-        let peak_bytes = vae_tensor::memory::peak_bytes();
-        let report = vae_runtime::RankReport {
-            rank: 0,
-            world_size: 1,
-            parallel_size: 1,
-            tile_count: 1,
-            tiles: vec![0],
-            workload: tensor.elem_count() as u64,
-            is_owner: true,
-            timings: vae_runtime::PhaseTimings { exec: clock.elapsed(), ..Default::default() },
-            traffic: Default::default(),
-            peak_bytes,
-            exec_peak_bytes: peak_bytes,
-            start_bytes,
-            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
-            strategy: vae_runtime::StrategyReport::Tile,
-            reason: None,
-            fallback: false,
-            predicted: None,
-        };
+        let report =
+            vae_runtime::RankReport::whole_on_one_rank(clock.elapsed(), tensor.elem_count() as u64, start_bytes);
         Ok(ExecOutput { tensor: Some(tensor), report })
     }
 

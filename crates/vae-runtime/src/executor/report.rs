@@ -97,6 +97,35 @@ pub struct RankReport {
     pub predicted: Option<Predicted>,
 }
 
+impl RankReport {
+    /// The report of a request computed whole on a group of one rank outside the executor (one
+    /// direct tile: a device input decoded in place), its computation taking `exec` and
+    /// producing `workload` output elements; the memory figures are read now, against
+    /// `start_bytes` (what was alive when the request began).
+    pub fn whole_on_one_rank(exec: std::time::Duration, workload: u64, start_bytes: usize) -> Self {
+        let peak_bytes = vae_tensor::memory::peak_bytes();
+        Self {
+            rank: 0,
+            world_size: 1,
+            parallel_size: 1,
+            tile_count: 1,
+            tiles: vec![0],
+            workload,
+            is_owner: true,
+            timings: PhaseTimings { exec, ..Default::default() },
+            traffic: Default::default(),
+            peak_bytes,
+            exec_peak_bytes: peak_bytes,
+            start_bytes,
+            device_peak_bytes: vae_tensor::memory::device_peak_bytes(),
+            strategy: StrategyReport::Tile,
+            reason: None,
+            fallback: false,
+            predicted: None,
+        }
+    }
+}
+
 /// A cost model's prediction for one request (`vae_planner::cost`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Predicted {
