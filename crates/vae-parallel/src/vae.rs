@@ -451,6 +451,8 @@ impl Vae {
     /// ([`vae_models::ResultsOnDevice`]); no tile plan, no transport, no host copy. What the
     /// executor's one direct tile computes, bit for bit (the same model call).
     fn run_on_device(&self, direction: Direction, input: &Tensor) -> Result<ExecOutput> {
+        // The report's peak is this request's, as the executor's requests reset it.
+        vae_tensor::memory::reset_peak();
         let start_bytes = vae_tensor::memory::live_bytes();
         let clock = std::time::Instant::now();
         let tensor = {
