@@ -92,32 +92,55 @@ pub fn kernels(root: &Path) -> anyhow::Result<()> {
     if files.is_empty() {
         bail!("no .cu files in {}", sources.display());
     }
-    let mut reports = Vec::new();
-    for file in &files {
-        let stem = file.file_stem().and_then(|s| s.to_str()).context("kernel file name")?.to_string();
-        let source = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    // Every (file, architecture) compile is a job, and so is each file's resource report; the
+    // jobs run on one worker per core (NVRTC compiles distinct programs on distinct threads),
+    // and their results come back in order.
+    let sources: Vec<(String, String)> = files
+        .iter()
+        .map(|file| {
+            let stem = file.file_stem().and_then(|s| s.to_str()).context("kernel file name")?.to_string();
+            let source = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+            Ok((stem, source))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    // Hopper-only instructions (wgmma): PTX for compute_90a (for the report) and the sm_90a
+    // cubin the backend loads on compute capability 9.0; nothing for other GPUs. The other files:
+    // PTX for each of PTX_ARCHS and the CUBIN_ARCH cubin.
+    let targets = |stem: &str| -> Vec<(String, bool)> {
         if stem.ends_with(SM90A_SUFFIX) {
-            // Hopper-only instructions (wgmma): PTX for compute_90a (for the report) and the
-            // sm_90a cubin the backend loads on compute capability 9.0; nothing for other GPUs.
-            let ptx = compile(&source, &stem, "--gpu-architecture=compute_90a", &include_dirs, false)?;
-            let ptx_path = out.join(format!("{stem}.compute_90a.ptx"));
-            std::fs::write(&ptx_path, &ptx)?;
-            let cubin = compile(&source, &stem, "--gpu-architecture=sm_90a", &include_dirs, true)?;
-            std::fs::write(out.join(format!("{stem}.sm_90a.cubin")), &cubin)?;
-            reports.extend(resource_report(&ptxas, &ptx_path, "sm_90a")?);
-            eprintln!("compiled {stem}.cu: sm_90a cubin ({} bytes)", cubin.len());
-            continue;
+            vec![("compute_90a".into(), false), ("sm_90a".into(), true)]
+        } else {
+            PTX_ARCHS.iter().map(|a| (a.to_string(), false)).chain([(CUBIN_ARCH.to_string(), true)]).collect()
         }
-        for arch in PTX_ARCHS {
-            let ptx = compile(&source, &stem, &format!("--gpu-architecture={arch}"), &include_dirs, false)?;
-            std::fs::write(out.join(format!("{stem}.{arch}.ptx")), &ptx)?;
-        }
-        let cubin = compile(&source, &stem, &format!("--gpu-architecture={CUBIN_ARCH}"), &include_dirs, true)?;
-        std::fs::write(out.join(format!("{stem}.{CUBIN_ARCH}.cubin")), &cubin)?;
-        let ptx90 = out.join(format!("{stem}.compute_90.ptx"));
-        reports.extend(resource_report(&ptxas, &ptx90, CUBIN_ARCH)?);
-        eprintln!("compiled {stem}.cu: PTX for {}, {CUBIN_ARCH} cubin ({} bytes)", PTX_ARCHS.join(", "), cubin.len());
+    };
+    let jobs: Vec<(usize, String, bool)> = sources
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (stem, _))| targets(stem).into_iter().map(move |(arch, cubin)| (i, arch, cubin)))
+        .collect();
+    let sizes = parallel(&jobs, |(i, arch, cubin)| {
+        let (stem, source) = &sources[*i];
+        let bytes = compile(source, stem, &format!("--gpu-architecture={arch}"), &include_dirs, *cubin)?;
+        let kind = if *cubin { "cubin" } else { "ptx" };
+        std::fs::write(out.join(format!("{stem}.{arch}.{kind}")), &bytes)?;
+        Ok(bytes.len())
+    })?;
+    let reports = parallel(&sources, |(stem, _)| {
+        let (arch, ptx) =
+            if stem.ends_with(SM90A_SUFFIX) { ("sm_90a", "compute_90a") } else { (CUBIN_ARCH, "compute_90") };
+        resource_report(&ptxas, &out.join(format!("{stem}.{ptx}.ptx")), arch)
+    })?;
+    for (i, (stem, _)) in sources.iter().enumerate() {
+        let cubin_bytes: usize =
+            jobs.iter().zip(&sizes).filter(|((j, _, cubin), _)| *j == i && *cubin).map(|(_, n)| n).sum();
+        let what = if stem.ends_with(SM90A_SUFFIX) {
+            "sm_90a cubin".to_string()
+        } else {
+            format!("PTX for {}, {CUBIN_ARCH} cubin", PTX_ARCHS.join(", "))
+        };
+        eprintln!("compiled {stem}.cu: {what} ({cubin_bytes} bytes)");
     }
+    let reports: Vec<KernelReport> = reports.into_iter().flatten().collect();
 
     let mut table = String::from("kernel                              registers  spill bytes  shared bytes\n");
     for r in &reports {
@@ -159,6 +182,29 @@ fn toolchain(root: &Path) -> anyhow::Result<PathBuf> {
     find()
         .filter(|n| ready(n))
         .with_context(|| format!("the wheels did not install NVRTC, headers and ptxas in {}", venv.display()))
+}
+
+/// `f` over `items` on one worker per core (each taking the next item); the results in the
+/// items' order, or the first item's error.
+fn parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> anyhow::Result<R> + Sync) -> anyhow::Result<Vec<R>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<anyhow::Result<R>>>> = items.iter().map(|_| Default::default()).collect();
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(f(item));
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_else(|e| e.into_inner()).context("a job did not run")?)
+        .collect()
 }
 
 /// Compiles one translation unit; warnings are errors. `cubin` takes the SASS instead of the PTX.
