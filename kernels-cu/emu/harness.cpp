@@ -1,6 +1,10 @@
 // The harness's helpers and `main`: runs every registered kernel test, one line each, with the
-// block's threads as OS threads and again as fibers, then `emu: N passed, M failed`. Arguments name the kernels that must have a test (xtask passes every
-// kernel it finds in the .cu files); the exit status is non-zero if any test failed or is missing.
+// block's threads as OS threads and again as fibers, then `emu: N passed, M failed`. A first
+// argument `--threads` or `--fibers` runs one of the two only, and `--shard K/N` after it every
+// N-th test (xtask runs the fibers and two shards of the OS threads as three processes at once:
+// the fibers keep one core busy, the OS threads mostly wait on each other). The other arguments name the kernels that must have a test
+// (xtask passes every kernel it finds in the .cu files); the exit status is non-zero if any test
+// failed or is missing.
 #include "harness.h"
 
 #include <unistd.h>
@@ -12,6 +16,7 @@
 #include <cstring>
 #include <set>
 #include <utility>
+#include <vector>
 
 namespace emu_test {
 
@@ -209,8 +214,27 @@ int main(int argc, char** argv) {
               [](const emu_test::Test& a, const emu_test::Test& b) { return std::strcmp(a.kernel, b.kernel) < 0; });
     std::set<std::string> tested;
     for (const auto& t : tests) tested.insert(t.kernel);
+    std::vector<bool> modes = {false, true};
+    int first = 1;
+    if (argc > 1 && std::strcmp(argv[1], "--threads") == 0) {
+        modes = {false};
+        first = 2;
+    } else if (argc > 1 && std::strcmp(argv[1], "--fibers") == 0) {
+        modes = {true};
+        first = 2;
+    }
+    // `--shard K/N`: the tests whose place in the sorted list is K modulo N, and no check of the
+    // kernel list (the whole run of N shards makes it once each: shard 0 does).
+    unsigned shard = 0, shards = 1;
+    if (argc > first + 1 && std::strcmp(argv[first], "--shard") == 0) {
+        if (std::sscanf(argv[first + 1], "%u/%u", &shard, &shards) != 2 || shards == 0 || shard >= shards) {
+            std::printf("FAIL --shard wants K/N with K < N, not %s\n", argv[first + 1]);
+            return 1;
+        }
+        first += 2;
+    }
     int passed = 0, failed = 0;
-    for (int i = 1; i < argc; ++i) {
+    for (int i = first; i < argc && shard == 0; ++i) {
         if (tested.count(argv[i]) == 0) {
             std::printf("FAIL %-34s no emulator test (add a KERNEL_TEST)\n", argv[i]);
             ++failed;
@@ -218,10 +242,11 @@ int main(int argc, char** argv) {
     }
     // Every test under both ways of running a block's threads: OS threads, which really run at
     // the same time, and the fibers the fake driver (fake_driver/) runs the backend's tests on.
-    for (const bool fibers : {false, true}) {
+    for (const bool fibers : modes) {
         emu::use_fibers(fibers);
         std::printf("-- threads as %s\n", fibers ? "fibers" : "OS threads");
-        for (const auto& t : tests) {
+        for (std::size_t i = shard; i < tests.size(); i += shards) {
+            const auto& t = tests[i];
             g_running = t.kernel;
             alarm(kTimeoutSeconds);
             emu_test::Check check;

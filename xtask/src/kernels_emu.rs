@@ -2,7 +2,8 @@
 //!
 //! The unchanged `.cu` files compile with the system C++ compiler (`$CXX`, else `c++`, `g++` or
 //! `clang++`) against the emulation layer in `kernels-cu/emu/` (blocks run one at a time, each
-//! thread an OS thread; real barriers and warp exchanges; see `kernels-cu/README.md`), under the
+//! thread an OS thread, and in a second process at the same time a fiber; real barriers and warp
+//! exchanges; see `kernels-cu/README.md`), under the
 //! address and undefined-behaviour sanitizers, so an out-of-bounds index fails the run. Each
 //! `kernels-cu/<stem>.cu` has its tests in `kernels-cu/emu/test_<stem>.cpp`, which includes it: one
 //! test per kernel, launched as the Rust backend launches it, against a naive reference. The
@@ -79,16 +80,35 @@ pub fn kernels_emu(root: &Path) -> anyhow::Result<()> {
         bail!("linking {} failed", binary.display());
     }
 
-    eprintln!("$ {} <{} kernels>", binary.display(), names.len());
-    // LeakSanitizer needs ptrace, which containers often forbid; leaks are not what this checks.
-    let status = Command::new(&binary)
-        .args(&names)
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .env("UBSAN_OPTIONS", "print_stacktrace=1")
-        .status()
-        .with_context(|| format!("running {}", binary.display()))?;
-    if !status.success() {
-        bail!("kernel emulator tests failed ({status})");
+    // The two ways of running a block's threads as processes at once: the fibers keep one core
+    // busy, while a block's OS threads mostly wait on each other's barriers, so they run as two
+    // shards beside the fibers. Each process's lines are printed whole when it ends.
+    eprintln!(
+        "$ {} --fibers | --threads --shard 0/2 | --threads --shard 1/2 <{} kernels>",
+        binary.display(),
+        names.len()
+    );
+    let run = |mode: &[&str]| {
+        // LeakSanitizer needs ptrace, which containers often forbid; leaks are not what this checks.
+        Command::new(&binary)
+            .args(mode)
+            .args(&names)
+            .env("ASAN_OPTIONS", "detect_leaks=0")
+            .env("UBSAN_OPTIONS", "print_stacktrace=1")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {}", binary.display()))
+    };
+    let children =
+        [run(&["--threads", "--shard", "0/2"])?, run(&["--threads", "--shard", "1/2"])?, run(&["--fibers"])?];
+    let mut failed = false;
+    for child in children {
+        let output = child.wait_with_output().with_context(|| format!("running {}", binary.display()))?;
+        print!("{}", String::from_utf8_lossy(&output.stdout));
+        failed |= !output.status.success();
+    }
+    if failed {
+        bail!("kernel emulator tests failed");
     }
     Ok(())
 }
