@@ -17,9 +17,11 @@
 //!
 //! Steps: the CUDA kernels (`cargo xtask kernels`, when `target/kernels/` has none: a build
 //! without them runs on the CPU only), a tool venv under `target/wheel-tools` with the pinned
-//! [`TOOLS`], maturin's extension wheel and a wheel of the CLI (`-b bin`, same profile, target
-//! and zig), the CLI moved into the first one's `.data/scripts/` (`wheel unpack` / `wheel pack`,
-//! which rewrites the RECORD), then `auditwheel show`, which must find the wheel consistent with
+//! [`TOOLS`], maturin's extension wheel and a wheel of the CLI (`-b bin --features command` on
+//! the same package, profile, target and zig: the command is the library's `cli::main`, built
+//! from the Python package's crate so that every dependency resolves with the extension's
+//! features and the release tree compiles once for both), the CLI moved into the first one's
+//! `.data/scripts/` (`wheel unpack` / `wheel pack`, which rewrites the RECORD), then `auditwheel show`, which must find the wheel consistent with
 //! its `manylinux_2_28_x86_64` tag. The wheel goes to `target/wheels/` (or `--out`).
 //!
 //! `--profile` is a Cargo profile (default `release`, what users get and what CI checks).
@@ -47,9 +49,6 @@ const TARGET: &str = "x86_64-unknown-linux-gnu";
 /// The Python package's crate (the extension), relative to the repository root.
 const PY_CRATE: &str = "crates/vae-parallel-py/Cargo.toml";
 
-/// The CLI's crate, relative to the repository root.
-const CLI_CRATE: &str = "crates/vae-parallel/Cargo.toml";
-
 /// Builds the wheel; prints its path, size and auditwheel's report.
 pub fn wheel(root: &Path, mut args: impl Iterator<Item = String>) -> anyhow::Result<()> {
     let mut profile = "release".to_string();
@@ -72,7 +71,7 @@ pub fn wheel(root: &Path, mut args: impl Iterator<Item = String>) -> anyhow::Res
     let ext_dir = staging.join("extension");
     let cli_dir = staging.join("cli");
     maturin(root, &tools, &profile, PY_CRATE, &[], &ext_dir)?;
-    maturin(root, &tools, &profile, CLI_CRATE, &["-b", "bin"], &cli_dir)?;
+    maturin(root, &tools, &profile, PY_CRATE, &["-b", "bin", "--features", "command"], &cli_dir)?;
     let ext_wheel = only_wheel(&ext_dir)?;
     let cli_wheel = only_wheel(&cli_dir)?;
 

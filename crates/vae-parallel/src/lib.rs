@@ -25,6 +25,8 @@
 
 #[cfg(feature = "candle")]
 pub mod candle;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 pub mod cost;
 pub mod error;

@@ -5,22 +5,21 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use std::sync::Mutex;
-
-use crate::model_cmds::ComputeType;
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use vae_parallel::report::human_bytes;
-use vae_parallel::runtime::{DistributedVaeExecutor, HaloOverlap, RuntimeError};
-use vae_parallel::runtime::{ParallelMode, RankReport, StrategyReport};
-use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope};
-use vae_parallel::transport::TransportConfig;
-use vae_parallel::transport::{Communicator, CommunicatorExt, ReduceOp};
-use vae_parallel::{CostProfile, Decode, Device, Encode, Error, Group, Tensor, Tiling, Vae};
 
-use crate::ranks::{GroupArgs, Ranks};
+use crate::cli::model_cmds::ComputeType;
+use crate::cli::ranks::{GroupArgs, Ranks};
+use crate::report::human_bytes;
+use crate::runtime::{DistributedVaeExecutor, HaloOverlap, RuntimeError};
+use crate::runtime::{ParallelMode, RankReport, StrategyReport};
+use crate::tensor::cuda::{ConvKernels, ConvTilesScope};
+use crate::transport::TransportConfig;
+use crate::transport::{Communicator, CommunicatorExt, ReduceOp};
+use crate::{CostProfile, Decode, Device, Encode, Error, Group, Tensor, Tiling, Vae};
 
 /// Which benchmark.
 #[derive(Debug, Subcommand)]
@@ -43,11 +42,11 @@ pub enum BenchCommand {
     /// Each op the decoders spend their time in, alone, at a Wan2.1 480x832 (and SD 1024 px)
     /// decode's shapes: achieved FLOP/s or bytes/s next to the device's peak (`--device cuda`
     /// without a usable GPU: the CPU, with a warning).
-    Kernels(crate::kernel_bench::KernelBenchArgs),
+    Kernels(crate::cli::kernel_bench::KernelBenchArgs),
     /// A soak of a running `vae-parallel serve`: mixed requests from concurrent clients,
     /// latency percentiles, throughput, the processes' RSS, every answer checked against its
     /// case's first; `--kill-rank` then times the recovery from a rank killed mid-request.
-    Serve(crate::serve_bench::ServeBenchArgs),
+    Serve(crate::cli::serve_bench::ServeBenchArgs),
 }
 
 /// Options of `bench shard`.
@@ -191,8 +190,8 @@ pub fn run(which: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Decode(args) => one_rank(Task::Decode, &args.latent, &args.common),
         BenchCommand::Encode(args) => one_rank(Task::Encode, &args.input, &args.common),
         BenchCommand::Shard(args) => shard(args),
-        BenchCommand::Kernels(args) => crate::kernel_bench::run(args),
-        BenchCommand::Serve(args) => crate::serve_bench::run(args),
+        BenchCommand::Kernels(args) => crate::cli::kernel_bench::run(args),
+        BenchCommand::Serve(args) => crate::cli::serve_bench::run(args),
     }
 }
 
@@ -205,8 +204,8 @@ fn failed(what: &str) -> Error {
 fn time_collective(
     comm: &dyn Communicator,
     iters: usize,
-    mut op: impl FnMut() -> vae_parallel::Result<()>,
-) -> vae_parallel::Result<Vec<f64>> {
+    mut op: impl FnMut() -> crate::Result<()>,
+) -> crate::Result<Vec<f64>> {
     op()?; // warm-up: connections, page faults, allocations
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
@@ -227,7 +226,7 @@ struct TransportResult {
 
 fn transport(args: &TransportArgs) -> anyhow::Result<ExitCode> {
     let bytes = args.mib << 20;
-    let group = match crate::ranks::ranks(&args.group, None)?.group()? {
+    let group = match crate::cli::ranks::ranks(&args.group, None)?.group()? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
@@ -282,7 +281,7 @@ fn transport(args: &TransportArgs) -> anyhow::Result<ExitCode> {
 fn failover(args: &FailoverArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.group.ranks >= 2, "failover needs at least 2 ranks");
     let delay = Duration::from_millis(args.delay_ms);
-    let group = match crate::ranks::ranks(&args.group, None)? {
+    let group = match crate::cli::ranks::ranks(&args.group, None)? {
         Ranks::Group(group) => group,
         Ranks::Supervised(exit) => {
             // The victim is expected to fail; the others must succeed.
@@ -377,7 +376,7 @@ struct OneRankRun {
     hwm_reset: bool,
     baseline_kib: u64,
     /// Per-op totals over the timed runs (empty without `--profile`).
-    profile: Vec<vae_parallel::tensor::profile::OpTime>,
+    profile: Vec<crate::tensor::profile::OpTime>,
 }
 
 /// Loads the engine once, runs the task once to warm up, then times `iters` runs. Memory is
@@ -404,14 +403,14 @@ fn run_on_one_rank(
                 .tf32(compute.tf32)
                 .cost_profile(CostProfile::Off)
                 .build()?;
-            let input = vae_parallel::io::read_tensor(input)?;
+            let input = crate::io::read_tensor(input)?;
             let executor = DistributedVaeExecutor::new(Arc::clone(comm), 1)?;
             let run = || match task {
                 Task::Decode => vae.decode_on(&executor, &input, &decode),
                 Task::Encode => vae.encode_on(&executor, &input, &encode),
             };
             // Weights and the input: the high-water mark below counts them too.
-            let live_tensor_bytes = vae_parallel::tensor::memory::live_bytes();
+            let live_tensor_bytes = crate::tensor::memory::live_bytes();
             let hwm_reset = reset_rss_high_water();
             let baseline_kib =
                 proc_status_kib(if hwm_reset { "VmRSS" } else { "VmHWM" }).map_err(|e| failed(&e.to_string()))?;
@@ -421,9 +420,9 @@ fn run_on_one_rank(
             let mut peak_tensor_bytes = warm.report.peak_bytes;
             let mut peak_device_bytes = warm.report.device_peak_bytes;
             let mut times = Vec::with_capacity(iters);
-            let timers = vae_parallel::tensor::profile::set_enabled;
+            let timers = crate::tensor::profile::set_enabled;
             timers(profile);
-            let _ = vae_parallel::tensor::profile::take();
+            let _ = crate::tensor::profile::take();
             for _ in 0..iters {
                 let t = Instant::now();
                 let out = run()?;
@@ -433,7 +432,7 @@ fn run_on_one_rank(
                 drop(out);
             }
             timers(false);
-            let profile = vae_parallel::tensor::profile::take();
+            let profile = crate::tensor::profile::take();
             Ok(OneRankRun {
                 profile,
                 input: input.dims().to_vec(),
@@ -457,14 +456,14 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
         // First thing, before any parallel work can create the default pool.
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("sizing rayon's global thread pool")?;
     }
-    let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(args.device.parse()?);
+    let (device, fallback) = crate::tensor::cuda::resolve_device(args.device.parse()?);
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
+    let dtype = crate::cli::model_cmds::compute_type(&args.dtype, device)?;
     let tiles = conv_tiles(&args.conv_tiles, device)?;
     if let (Some(ConvKernels::Wgmma), Device::Cuda(ordinal)) = (tiles, device)
-        && !vae_parallel::tensor::cuda::wgmma_runs(ordinal, dtype.dtype)?
+        && !crate::tensor::cuda::wgmma_runs(ordinal, dtype.dtype)?
     {
         eprintln!(
             "warning: --conv-tiles wgmma: no warpgroup MMA kernels for {dtype} on cuda:{ordinal} (bf16 on compute \
@@ -472,7 +471,7 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
         );
     }
     if matches!(tiles, Some(ConvKernels::Cudnn | ConvKernels::Fastest))
-        && let Err(why) = vae_parallel::tensor::cuda::cudnn_version()
+        && let Err(why) = crate::tensor::cuda::cudnn_version()
     {
         eprintln!("warning: --conv-tiles {}: {why}; our kernels run instead", args.conv_tiles.trim());
     }
@@ -503,8 +502,8 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
             "dtype": dtype.to_string(),
             "conv_tiles": tiles.map_or("auto".to_string(), |w| w.to_string()),
             // Whether cuDNN ran (`cudnn`, `fastest`), and what `fastest` chose per shape.
-            "cudnn_convolutions": vae_parallel::tensor::cuda::cudnn_convolutions(),
-            "conv_choices": vae_parallel::tensor::cuda::export_conv_choices(),
+            "cudnn_convolutions": crate::tensor::cuda::cudnn_convolutions(),
+            "conv_choices": crate::tensor::cuda::export_conv_choices(),
             "size": image.last().copied().unwrap_or(0),
             "input_shape": run.input,
             "output_shape": run.output,
@@ -520,7 +519,7 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
             "peak_tensor_mib": tensor_mib,
             "peak_device_mib": run.peak_device_bytes as f64 / MIB,
             "live_tensor_mib_before": live_mib,
-            "cpu_isa": vae_parallel::tensor::cpu_isa_name(),
+            "cpu_isa": crate::tensor::cpu_isa_name(),
             "profile": run.profile.iter().map(|op| serde_json::json!({
                 "op": op.name,
                 "calls_per_run": op.calls as f64 / args.iters as f64,
@@ -564,10 +563,10 @@ fn one_rank(task: Task, input: &Path, args: &OneRankBenchArgs) -> anyhow::Result
 }
 
 /// The per-op split of the timed runs, per run, longest first, with the time outside ops.
-fn print_profile(ops: &[vae_parallel::tensor::profile::OpTime], iters: usize, run_s: f64) {
+fn print_profile(ops: &[crate::tensor::profile::OpTime], iters: usize, run_s: f64) {
     let per_run = |d: Duration| d.as_secs_f64() / iters as f64;
     let in_ops: f64 = ops.iter().map(|op| per_run(op.time)).sum();
-    println!("per-op split (CPU kernels: {}), per run:", vae_parallel::tensor::cpu_isa_name());
+    println!("per-op split (CPU kernels: {}), per run:", crate::tensor::cpu_isa_name());
     println!("  {:<20} {:>8} {:>10} {:>7}", "op", "calls", "ms", "share");
     for op in ops {
         let ms = per_run(op.time) * 1e3;
@@ -619,11 +618,11 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
         !matches!(mode, ParallelMode::Tile | ParallelMode::Pipeline),
         "--mode is the shard mode (auto or spatial_shard_*); tile and pipeline run as the runs `tile` and `pipeline`"
     );
-    let (device, fallback) = vae_parallel::tensor::cuda::resolve_device(args.device.parse()?);
+    let (device, fallback) = crate::tensor::cuda::resolve_device(args.device.parse()?);
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.device);
     }
-    let dtype = crate::model_cmds::compute_type(&args.dtype, device)?;
+    let dtype = crate::cli::model_cmds::compute_type(&args.dtype, device)?;
     let vae = Vae::builder(&args.model)
         .device(device)
         .dtype(dtype.dtype)
@@ -642,9 +641,9 @@ fn shard(args: &ShardBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let (one, many) = (group(1)?, group(args.ranks)?);
     let latent = match &args.latent {
-        Some(path) => vae_parallel::io::read_tensor(path)?,
+        Some(path) => crate::io::read_tensor(path)?,
         None => {
-            let dims = crate::parse_shape(&args.shape, "B,C,T,H,W")?;
+            let dims = crate::cli::parse_shape(&args.shape, "B,C,T,H,W")?;
             // Seed 0: the latent every `bench shard` run has used.
             Tensor::seeded_uniform(dims, 0, -2.0, 2.0, &Device::Cpu)?
         }

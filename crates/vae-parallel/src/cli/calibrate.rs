@@ -1,5 +1,5 @@
 //! `calibrate`: measures this machine's constants for the cost model
-//! ([`vae_parallel::planner::cost::DeviceProfile`]) and writes them as TOML.
+//! ([`crate::planner::cost::DeviceProfile`]) and writes them as TOML.
 //!
 //! Each convolution shape the image and video VAEs run is timed at several map sizes: on the
 //! CPU (one thread) at four, from maps too small to amortise packing or transforming the
@@ -18,19 +18,19 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::cost::measure::{
+
+use crate::cli::model_cmds::{ComputeType, DeviceArgs, compute_type};
+use crate::cost::measure::{
     ConvShape, Timing, attention_gmacs, conv_call, cpu_name, link, norm_silu_gbps, per_call, side_for, uniform,
 };
-use vae_parallel::planner::cost::kernels::cpu_conv_scratch_bytes;
-use vae_parallel::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
-use vae_parallel::runtime::DistributedVaeExecutor;
-use vae_parallel::tensor::cuda::{
+use crate::planner::cost::kernels::cpu_conv_scratch_bytes;
+use crate::planner::cost::{ConvRate, DeviceKind, DeviceProfile};
+use crate::runtime::DistributedVaeExecutor;
+use crate::tensor::cuda::{
     CONV_CHOICES_ENV, ConvKernels, ConvTilesScope, export_conv_choices, probe, resolve_device, synchronize,
 };
-use vae_parallel::tensor::{Conv2dParams, Device, Tensor};
-use vae_parallel::{CostProfile, Decode, Group, Vae};
-
-use crate::model_cmds::{ComputeType, DeviceArgs, compute_type};
+use crate::tensor::{Conv2dParams, Device, Tensor};
+use crate::{CostProfile, Decode, Group, Vae};
 
 /// `vae-parallel calibrate`.
 #[derive(Debug, Args)]
@@ -213,16 +213,14 @@ pub fn calibrate(args: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     };
     let out = match &args.out {
         Some(p) => p.clone(),
-        None => {
-            vae_parallel::cost::default_profile_path(kind).context("no HOME to put the profile under: pass --out")?
-        }
+        None => crate::cost::default_profile_path(kind).context("no HOME to put the profile under: pass --out")?,
     };
     profile.validate().map_err(|e| anyhow::anyhow!("the measured constants are not usable: {e}"))?;
     let text = toml::to_string_pretty(&profile).context("serialising the profile")?;
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let mut staged = vae_parallel::output::Staged::new();
+    let mut staged = crate::output::Staged::new();
     staged.add(&out, text.as_bytes())?;
     staged.commit()?;
     println!("wrote {}", out.display());
@@ -326,12 +324,12 @@ fn cpu_profile(args: &CalibrateArgs) -> anyhow::Result<DeviceProfile> {
         let (c, s) = (128, 128);
         let x = uniform(vec![1, c, s, s], 8)?;
         let w = uniform(vec![c, c, 3, 3], 9)?;
-        let mem = &vae_parallel::tensor::memory::Account::current();
+        let mem = &crate::tensor::memory::Account::current();
         let _charged = mem.enter();
-        vae_parallel::tensor::memory::reset_peak();
-        let before = vae_parallel::tensor::memory::live_bytes();
+        crate::tensor::memory::reset_peak();
+        let before = crate::tensor::memory::live_bytes();
         drop(x.conv2d(&w, None, &Conv2dParams::same(3).band_aligned(4))?);
-        let held = vae_parallel::tensor::memory::peak_bytes().saturating_sub(before);
+        let held = crate::tensor::memory::peak_bytes().saturating_sub(before);
         let kernel = cpu_conv_scratch_bytes([1, 3, 3], 4, [c, c], [s, s], rayon::current_num_threads());
         let known = (c * s * s * 4) as u64 + kernel;
         Ok((held as u64).saturating_sub(known))
@@ -377,7 +375,7 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
     let device = Device::Cuda(ordinal);
     let info = probe(ordinal).map_err(anyhow::Error::msg)?;
     let dtype = compute.dtype;
-    let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
+    let _tf32 = compute.tf32.then(crate::tensor::Tf32Scope::enter);
     let down = (args.downscale * args.downscale) as f64;
     let budget = if args.quick { 2.5e10 } else { 1e11 } / down;
     let on = |t: Tensor| -> anyhow::Result<Tensor> { Ok(t.to_device(&device)?.to_dtype(dtype)?) };
@@ -412,7 +410,7 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
         let x = on(uniform(vec![1, c, s, s], 9)?)?;
         let w = on(uniform(vec![c, c, 3, 3], 10)?)?;
         synchronize(device)?;
-        let mem = vae_parallel::tensor::memory::Account::new();
+        let mem = crate::tensor::memory::Account::new();
         let _charged = mem.enter();
         let out = x.conv2d(&w, None, &Conv2dParams::same(3))?;
         synchronize(device)?;
@@ -455,7 +453,7 @@ fn cuda_profile(ordinal: usize, compute: ComputeType, args: &CalibrateArgs) -> a
 /// seen), then the process's table as [`export_conv_choices`] writes it, a line each.
 fn model_conv_choices(args: &CalibrateArgs, device: Device, compute: ComputeType) -> anyhow::Result<Vec<String>> {
     let (Some(model), Some(shape)) = (&args.model, &args.shape) else { return Ok(Vec::new()) };
-    let dims = crate::parse_shape(shape, "a comma-separated latent shape")?;
+    let dims = crate::cli::parse_shape(shape, "a comma-separated latent shape")?;
     if std::env::var_os(CONV_CHOICES_ENV).is_some_and(|v| !v.is_empty()) {
         eprintln!(
             "warning: {CONV_CHOICES_ENV} is set: its choices are recorded, and the layers it does not name as ours"

@@ -4,7 +4,7 @@
 //! bands and in a 2-D grid of blocks; every N-rank decode is compared bit for bit with its
 //! one-rank counterpart (the tiles with the tiled decode, the shards with the untiled one), and
 //! the pictures are written side by side. `--operator synthetic` runs the executor alone on a
-//! stand-in decoder instead ([`crate::demo_synthetic`]).
+//! stand-in decoder instead ([`crate::cli::demo_synthetic`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,12 +12,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use vae_parallel::models::autoencoder_kl::AutoencoderKl;
-use vae_parallel::report::{RequestReport, human_bytes};
-use vae_parallel::runtime::ParallelMode;
-use vae_parallel::{Decode, Device, Encode, Finished, Group, Request, Tensor, Vae, io};
 
-use crate::ranks::GroupArgs;
+use crate::cli::ranks::GroupArgs;
+use crate::models::autoencoder_kl::AutoencoderKl;
+use crate::report::{RequestReport, human_bytes};
+use crate::runtime::ParallelMode;
+use crate::{Decode, Device, Encode, Finished, Group, Request, Tensor, Vae, io};
 
 /// The demo model and photo, built into the binary: the demo needs no checkout and no download.
 const DEMO_CONFIG: &[u8] = include_bytes!("../../../../fixtures/demo_vae/config.json");
@@ -134,9 +134,9 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if args.operator == DemoOperator::Synthetic {
-        return crate::demo_synthetic::run(args);
+        return crate::cli::demo_synthetic::run(args);
     }
-    let group = match crate::ranks::ranks(&args.group, None)?.group()? {
+    let group = match crate::cli::ranks::ranks(&args.group, None)?.group()? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
@@ -255,7 +255,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(path) = &args.svg {
         let layout = tile_layout(&vae, &latent);
-        let figure = crate::figure::figure(untiled, layout.as_ref(), &reports)?;
+        let figure = crate::cli::figure::figure(untiled, layout.as_ref(), &reports)?;
         io::write_atomically(path, figure.as_bytes())?;
         println!("  figure written to {}", path.display());
     }
@@ -311,7 +311,7 @@ fn side_by_side(images: &[&Tensor]) -> anyhow::Result<Tensor> {
 }
 
 /// The tiles of a tiled decode of `latent` (an AutoencoderKL's; None for another family).
-fn tile_layout(vae: &Vae, latent: &Tensor) -> Option<vae_parallel::planner::TileLayout2d> {
+fn tile_layout(vae: &Vae, latent: &Tensor) -> Option<crate::planner::TileLayout2d> {
     let kl: &AutoencoderKl = vae.model().as_any().downcast_ref()?;
     let d = latent.dims();
     kl.tiling().decode_layout(d[2], d[3], kl.config().spatial_scale()).ok()

@@ -7,16 +7,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use vae_parallel::io;
-use vae_parallel::report::{RequestReport, gather_summaries, human_bytes};
-use vae_parallel::runtime::synthetic::SyntheticDecoder;
-use vae_parallel::runtime::{
-    DistributedVaeExecutor, ExecOutput, Job, Output, OutputPlacement, TileOperator, execute_serial,
-};
-use vae_parallel::tensor::{Device, Tensor};
-use vae_parallel::transport::{Communicator, CommunicatorExt};
 
-use crate::demo::DemoArgs;
+use crate::cli::demo::DemoArgs;
+use crate::io;
+use crate::report::{RequestReport, gather_summaries, human_bytes};
+use crate::runtime::synthetic::SyntheticDecoder;
+use crate::runtime::{DistributedVaeExecutor, ExecOutput, Job, Output, OutputPlacement, TileOperator, execute_serial};
+use crate::tensor::{Device, Tensor};
+use crate::transport::{Communicator, CommunicatorExt};
 
 /// What rank 0 found.
 struct Outcome {
@@ -82,11 +80,11 @@ fn run_and_compare<O: TileOperator + Sync>(
 
     // The same request without a group, on this thread, for comparison (same thread: the
     // memory high-water marks then count the same model and input).
-    vae_parallel::tensor::memory::reset_peak();
+    crate::tensor::memory::reset_peak();
     let started = Instant::now();
     let reference = execute_serial(op, x)?;
     let single_wall = started.elapsed();
-    let single_peak = vae_parallel::tensor::memory::peak_bytes();
+    let single_peak = crate::tensor::memory::peak_bytes();
     let merged = out.tensor.context("rank 0 owns the output")?;
     let copies_agree = hashes.as_flat().iter().enumerate().all(|(r, h)| {
         let holds = r == 0 || placement == OutputPlacement::AllRanks;
@@ -125,13 +123,13 @@ fn rank_body(comm: Arc<dyn Communicator>, args: &DemoArgs) -> anyhow::Result<Opt
 
 /// Runs the synthetic demo and prints what happened.
 pub fn run(args: &DemoArgs) -> anyhow::Result<ExitCode> {
-    let group = match crate::ranks::ranks(&args.group, None)?.group()? {
+    let group = match crate::cli::ranks::ranks(&args.group, None)?.group()? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),
     };
     let rank0 = group.run_on_ranks(|comm| {
         rank_body(Arc::clone(comm), args)
-            .map_err(|e| vae_parallel::Error::Runtime(vae_parallel::runtime::RuntimeError::Protocol(format!("{e:#}"))))
+            .map_err(|e| crate::Error::Runtime(crate::runtime::RuntimeError::Protocol(format!("{e:#}"))))
     })?;
     if group.rank() != 0 {
         return Ok(ExitCode::SUCCESS);

@@ -7,9 +7,9 @@
 
 use std::fmt::Write as _;
 
-use vae_parallel::planner::TileLayout2d;
-use vae_parallel::report::RequestReport;
-use vae_parallel::{Tensor, io};
+use crate::planner::TileLayout2d;
+use crate::report::RequestReport;
+use crate::{Tensor, io};
 
 /// Rank colours (Tableau 10), cycled past ten ranks.
 const COLOURS: [&str; 10] =

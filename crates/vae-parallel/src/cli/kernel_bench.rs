@@ -10,15 +10,16 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize, wgmma_runs};
-use vae_parallel::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
+
+use crate::tensor::cuda::{ConvKernels, ConvTilesScope, probe, resolve_device, synchronize, wgmma_runs};
+use crate::tensor::{Conv2dParams, Conv3dParams, DType, Device, Tensor};
 
 /// Options of `bench kernels`.
 #[derive(Debug, Args)]
 pub struct KernelBenchArgs {
     /// Where the ops run and in what type.
     #[command(flatten)]
-    target: crate::model_cmds::DeviceArgs,
+    target: crate::cli::model_cmds::DeviceArgs,
     /// Divides every spatial extent (1: the real decoder shapes; larger for a quick look).
     #[arg(long, default_value_t = 1)]
     downscale: usize,
@@ -40,7 +41,7 @@ enum Bound {
 }
 
 /// The op of a case, on its prepared inputs.
-type OpFn = Box<dyn Fn(&[Tensor]) -> vae_parallel::tensor::Result<Tensor>>;
+type OpFn = Box<dyn Fn(&[Tensor]) -> crate::tensor::Result<Tensor>>;
 
 /// One op at one shape.
 struct Case {
@@ -195,12 +196,12 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(why) = fallback {
         eprintln!("warning: --device {}: {why}", args.target.device);
     }
-    let compute = crate::model_cmds::compute_type(&args.target.dtype, device)?;
+    let compute = crate::cli::model_cmds::compute_type(&args.target.dtype, device)?;
     let dtype = compute.dtype;
-    let _tf32 = compute.tf32.then(vae_parallel::tensor::Tf32Scope::enter);
+    let _tf32 = compute.tf32.then(crate::tensor::Tf32Scope::enter);
     // bf16 on the CPU: f32 tensors, convolutions with bf16 products.
     let cpu_bf16 = device.is_cpu() && dtype == DType::BF16;
-    let _bf16 = cpu_bf16.then(vae_parallel::tensor::CpuBf16Scope::enter).transpose()?;
+    let _bf16 = cpu_bf16.then(crate::tensor::CpuBf16Scope::enter).transpose()?;
     let info = match device {
         Device::Cuda(ordinal) => Some(probe(ordinal).map_err(anyhow::Error::msg)?),
         Device::Cpu => None,
@@ -231,7 +232,7 @@ pub fn run(args: &KernelBenchArgs) -> anyhow::Result<ExitCode> {
                 let t = t.to_device(&device)?;
                 if typed && !cpu_bf16 { t.to_dtype(dtype) } else { Ok(t) }
             })
-            .collect::<vae_parallel::tensor::Result<Vec<_>>>()
+            .collect::<crate::tensor::Result<Vec<_>>>()
             .with_context(|| format!("{}: preparing the inputs", case.name))?;
         for &width in widths.iter().filter(|w| case.tiled || w.is_none()) {
             let _tiles = width.map(ConvTilesScope::only);

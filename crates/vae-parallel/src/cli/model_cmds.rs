@@ -7,19 +7,19 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use vae_parallel::cost::{self, CostSettings};
-use vae_parallel::launch::TransportKind;
-use vae_parallel::models::Direction;
-use vae_parallel::output::{self, Staged};
-use vae_parallel::report::RequestReport;
-use vae_parallel::settings::{self, Settings};
-use vae_parallel::{
+
+use crate::cli::progress_bar::ProgressDisplay;
+use crate::cli::ranks::{GroupArgs, Ranks};
+use crate::cost::{self, CostSettings};
+use crate::launch::TransportKind;
+use crate::models::Direction;
+use crate::output::{self, Staged};
+use crate::report::RequestReport;
+use crate::settings::{self, Settings};
+use crate::{
     CostProfile, Decode, Device, Encode, EncodeOutput, FrameSink, Group, Options, ParallelMode, Request, SinkError,
     Tensor, Vae, io,
 };
-
-use crate::progress_bar::ProgressDisplay;
-use crate::ranks::{GroupArgs, Ranks};
 
 /// Settings shared by `decode` and `encode`; each can also come from `--config FILE` (TOML, the
 /// same names with underscores), flags winning.
@@ -187,7 +187,7 @@ impl ParallelFlags {
         }
         if let Some(n) = settings.threads {
             // Only the first configuration takes effect; later calls in one process change nothing.
-            let _ = vae_parallel::init(vae_parallel::Config::default().threads(n).map_large_allocations(false));
+            let _ = crate::init(crate::Config::default().threads(n).map_large_allocations(false));
         }
         Ok(settings)
     }
@@ -263,7 +263,7 @@ impl Resolved {
     /// The ranks of the command: a local group, this process's rank of a group of processes,
     /// or the supervisor of the rank processes it starts.
     pub(crate) fn ranks(&self) -> anyhow::Result<Ranks> {
-        crate::ranks::ranks(&self.group, self.settings.threads)
+        crate::cli::ranks::ranks(&self.group, self.settings.threads)
     }
 
     /// The model on `device` (the resolved one, unless a rank's own GPU), a mode it cannot run
@@ -280,7 +280,7 @@ impl Resolved {
     /// every weight (the request then refuses it, on every rank alike).
     fn load_vae(&self, group: &Group, latent: Option<&Tensor>) -> anyhow::Result<Vae> {
         let device = match self.group.transport {
-            TransportKind::Nccl => Device::Cuda(vae_parallel::launch::local_rank().unwrap_or(group.rank())),
+            TransportKind::Nccl => Device::Cuda(crate::launch::local_rank().unwrap_or(group.rank())),
             _ => self.settings.device,
         };
         let mut vae = self.load_vae_on(device)?;
@@ -314,7 +314,7 @@ pub struct DecodeArgs {
     #[arg(long)]
     out: PathBuf,
     /// Frames per second of an `.mp4` or `.gif` output.
-    #[arg(long, default_value_t = vae_parallel::video::DEFAULT_FPS)]
+    #[arg(long, default_value_t = crate::video::DEFAULT_FPS)]
     fps: u32,
     /// Write a video's frames as they are decoded (to any of the outputs above), never holding
     /// the whole video: memory no longer grows with the frame count, in every mode (tiles or
@@ -364,7 +364,7 @@ pub(crate) struct DeviceArgs {
 /// per product (`tf32`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ComputeType {
-    pub dtype: vae_parallel::tensor::DType,
+    pub dtype: crate::tensor::DType,
     pub tf32: bool,
 }
 
@@ -501,7 +501,7 @@ fn prepare_decode(args: &DecodeArgs, r: &Resolved, extensions: &[&str]) -> anyho
 /// reason first, so that the other ranks, already in the request, fail naming it rather than
 /// waiting for a rank that left.
 fn or_abort<T>(group: &Group, prepare: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-    prepare().inspect_err(|e| group.abort(&crate::error_text(e)))
+    prepare().inspect_err(|e| group.abort(&crate::cli::error_text(e)))
 }
 
 /// The frame sink of a rank other than the owner's, which the group never calls.
@@ -520,8 +520,8 @@ impl FrameSink for NoFrames {
 /// `vae-parallel decode --stream`: the frames written as they are decoded, on one rank (the
 /// direct decode) or over a group (the streamed spatial shard).
 fn decode_streamed(args: &DecodeArgs, r: &Resolved) -> anyhow::Result<ExitCode> {
-    use vae_parallel::runtime::OnOwnThread;
-    use vae_parallel::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
+    use crate::runtime::OnOwnThread;
+    use crate::stream_out::{STREAMED_EXTENSIONS, StreamedOutput};
     let group = match prepare_decode(args, r, &STREAMED_EXTENSIONS)? {
         Ok(group) => group,
         Err(supervised) => return Ok(supervised),

@@ -8,15 +8,15 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use vae_parallel::cost::{self, Candidate};
-use vae_parallel::models::Direction;
-use vae_parallel::planner::cost::DeviceKind;
-use vae_parallel::report::human_ms;
-use vae_parallel::runtime::Strategy;
-use vae_parallel::transport::TransportConfig;
-use vae_parallel::{Decode, Device, Encode, EncodeOutput, Group, Options, ParallelMode, Request, Tensor, Tiling, Vae};
 
-use crate::model_cmds::ParallelArgs;
+use crate::cli::model_cmds::ParallelArgs;
+use crate::cost::{self, Candidate};
+use crate::models::Direction;
+use crate::planner::cost::DeviceKind;
+use crate::report::human_ms;
+use crate::runtime::Strategy;
+use crate::transport::TransportConfig;
+use crate::{Decode, Device, Encode, EncodeOutput, Group, Options, ParallelMode, Request, Tensor, Tiling, Vae};
 
 /// `vae-parallel plan`.
 #[derive(Debug, Args)]
@@ -62,11 +62,11 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(n >= 1, "--ranks-per-host must be at least 1");
         anyhow::ensure!(!args.measure, "--measure runs the ranks on this host: leave --ranks-per-host out");
     }
-    let dims = crate::parse_shape(&args.shape, "a comma-separated list of sizes")?;
+    let dims = crate::cli::parse_shape(&args.shape, "a comma-separated list of sizes")?;
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
     let mut cost = r.cost_settings()?;
     if let Some(n) = args.ranks_per_host {
-        cost.placement = vae_parallel::planner::cost::Placement {
+        cost.placement = crate::planner::cost::Placement {
             threads_per_rank: cost.profile.threads as f64,
             ranks_per_host: n,
             threads_alone: cost.profile.threads as f64,
@@ -101,7 +101,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         DeviceKind::Cuda => println!("gpus      {} rank(s) sharing each GPU", cost.placement.ranks_per_host),
     }
     if let Some(cap) = options.max_memory_per_rank {
-        println!("cap       {} per rank", vae_parallel::report::human_bytes(cap));
+        println!("cap       {} per rank", crate::report::human_bytes(cap));
     }
     let choice = cost::choose(&candidates, options.max_memory_per_rank, ranks);
     let input = args.measure.then(|| Tensor::seeded_uniform(dims.clone(), 0, -1.0, 1.0, &Device::Cpu)).transpose()?;
@@ -130,7 +130,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             "{:<16} {:>12.0} {:>14} {:>6}",
             format!("{}{}", c.label, if chosen { " *" } else { "" }),
             c.prediction.ms,
-            vae_parallel::report::human_bytes(c.prediction.peak_bytes),
+            crate::report::human_bytes(c.prediction.peak_bytes),
             if fits { "yes" } else { "no" }
         );
         if let (Some(input), Some(group)) = (&input, &group) {
@@ -139,7 +139,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
                 " {:>11.0} {:>7.2} {:>14} {:>7.2}",
                 m.seconds * 1e3,
                 c.prediction.ms / (m.seconds * 1e3),
-                vae_parallel::report::human_bytes(m.peak_bytes),
+                crate::report::human_bytes(m.peak_bytes),
                 c.prediction.peak_bytes as f64 / m.peak_bytes.max(1) as f64
             );
         }
@@ -153,7 +153,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         Ok(best) => println!("auto would run: {}", best.label),
         Err(e) => println!(
             "auto would refuse: {}",
-            vae_parallel::settings::rename_options(&e.to_string(), vae_parallel::settings::cli_flag)
+            crate::settings::rename_options(&e.to_string(), crate::settings::cli_flag)
         ),
     }
     Ok(ExitCode::SUCCESS)
@@ -162,7 +162,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<ExitCode> {
 /// Each candidate's busiest rank (the most compute and messages), its predicted milliseconds
 /// by kind of step: one row per kind, one column per strategy.
 fn print_breakdown(candidates: &[Candidate]) {
-    let busiest: Vec<&vae_parallel::planner::cost::RankPrediction> = candidates
+    let busiest: Vec<&crate::planner::cost::RankPrediction> = candidates
         .iter()
         .filter_map(|c| {
             c.prediction.ranks.iter().max_by(|a, b| (a.compute_s + a.comm_s).total_cmp(&(b.compute_s + b.comm_s)))
@@ -201,7 +201,7 @@ fn measure(
     let (mode, shard_grid) = match candidate.strategy {
         Strategy::Tile | Strategy::Pipeline => (ParallelMode::Tile, None),
         Strategy::Shard(axis) => (
-            if axis == vae_parallel::planner::ShardAxis::Height {
+            if axis == crate::planner::ShardAxis::Height {
                 ParallelMode::SpatialShardHeight
             } else {
                 ParallelMode::SpatialShardWidth

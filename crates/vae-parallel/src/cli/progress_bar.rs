@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use vae_parallel::runtime::{Progress, ProgressSink};
+
+use crate::runtime::{Progress, ProgressSink};
 
 /// Bar positions: the share done in thousandths.
 const SCALE: u64 = 1000;

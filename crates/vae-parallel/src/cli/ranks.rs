@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use vae_parallel::Group;
-use vae_parallel::launch::{GroupExit, TransportKind, is_rank_process, launch_processes};
-use vae_parallel::transport::{GroupSecret, SocketOptions, TransportConfig};
+
+use crate::Group;
+use crate::launch::{GroupExit, TransportKind, is_rank_process, launch_processes};
+use crate::transport::{GroupSecret, SocketOptions, TransportConfig};
 
 /// Where the ranks run.
 #[derive(Debug, Clone, Args)]

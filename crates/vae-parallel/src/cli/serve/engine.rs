@@ -12,12 +12,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
-use vae_parallel::settings::Settings;
-use vae_parallel::{CancelToken, Error, FrameSink, Group, Request, RequestReport, SinkError, Tensor, Vae, io};
 
 use super::metrics::Metrics;
 use super::ranks::ServiceGroup;
 use super::spec::{Frame, Kind, RequestOptions};
+use crate::settings::Settings;
+use crate::{CancelToken, Error, FrameSink, Group, Request, RequestReport, SinkError, Tensor, Vae, io};
 
 /// How often an idle group of processes is sent a heartbeat.
 const HEARTBEAT: Duration = Duration::from_secs(30);
@@ -171,10 +171,8 @@ fn group_thread(
         // A client that left while its request waited: nothing to run.
         if job.cancel.is_cancelled() {
             let reason = job.cancel.reason().unwrap_or_default();
-            let aborted = vae_parallel::transport::TransportError::Aborted { rank: 0, reason };
-            let _ = job
-                .reply
-                .send(Outcome::Failed(Error::Runtime(vae_parallel::runtime::RuntimeError::Transport(aborted))));
+            let aborted = crate::transport::TransportError::Aborted { rank: 0, reason };
+            let _ = job.reply.send(Outcome::Failed(Error::Runtime(crate::runtime::RuntimeError::Transport(aborted))));
             continue;
         }
         heal(&mut group, metrics, ready);
@@ -291,7 +289,7 @@ pub fn run_request(
     streamed: bool,
     stream: Option<(Stream, CancelToken)>,
     cancel: Option<&CancelToken>,
-) -> vae_parallel::Result<(Option<Tensor>, Option<RequestReport>)> {
+) -> crate::Result<(Option<Tensor>, Option<RequestReport>)> {
     let finished = match kind {
         Kind::Encode => {
             let encode = options.encode(base)?;
@@ -380,7 +378,7 @@ mod tests {
             ready: Arc::clone(&ready),
             stop: Arc::new(AtomicBool::new(false)),
         };
-        let input = Tensor::seeded_uniform([1, 4, 2, 2], 1, -1.0, 1.0, &vae_parallel::Device::Cpu).unwrap();
+        let input = Tensor::seeded_uniform([1, 4, 2, 2], 1, -1.0, 1.0, &crate::Device::Cpu).unwrap();
         let (reply, _answer) = oneshot::channel();
         let job = Job {
             kind: Kind::Decode,

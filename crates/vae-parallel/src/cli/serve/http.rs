@@ -15,11 +15,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio::sync::{mpsc, oneshot};
-use vae_parallel::settings::Settings;
-use vae_parallel::{CancelToken, Error, ErrorKind, RequestReport, Tensor, Vae, io};
 
 use super::engine::{Engine, Job, Outcome};
 use super::spec::{self, Kind, RequestOptions};
+use crate::settings::Settings;
+use crate::{CancelToken, Error, ErrorKind, RequestReport, Tensor, Vae, io};
 
 /// The header that carries a request's options, as JSON.
 pub const OPTIONS_HEADER: &str = "x-vae-options";
@@ -410,7 +410,7 @@ async fn answered(
         return Err(refusal(StatusCode::INTERNAL_SERVER_ERROR, "execution", "the owner received no output"));
     };
     let response = options.response;
-    let fps = options.fps.unwrap_or(vae_parallel::video::DEFAULT_FPS);
+    let fps = options.fps.unwrap_or(crate::video::DEFAULT_FPS);
     let encoded = tokio::task::spawn_blocking(move || answer_bytes(response, &output, fps)).await;
     let (content_type, bytes) = match encoded {
         Ok(Ok(done)) => done,

@@ -24,11 +24,11 @@ use clap::Args;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use vae_parallel::Vae;
-use vae_parallel::launch::is_rank_process;
-use vae_parallel::settings::Settings;
 
-use crate::model_cmds::ParallelFlags;
+use crate::Vae;
+use crate::cli::model_cmds::ParallelFlags;
+use crate::launch::is_rank_process;
+use crate::settings::Settings;
 
 /// Options of `serve`.
 #[derive(Debug, Clone, Args)]
@@ -74,10 +74,10 @@ pub fn serve(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let settings = args.parallel.settings()?;
     let names = model_names(&args.models)?;
     if settings.transport.is_multi_process() && is_rank_process() {
-        let rank = vae_parallel::transport::SocketOptions::from_env()?.rank;
+        let rank = crate::transport::SocketOptions::from_env()?.rank;
         if rank != 0 {
             // One of the other ranks: no HTTP, only the requests rank 0 broadcasts.
-            let group = ranks::join(settings.transport, &vae_parallel::transport::SocketOptions::from_env()?)?;
+            let group = ranks::join(settings.transport, &crate::transport::SocketOptions::from_env()?)?;
             let models = load_models(&names, &settings, ranks::rank_device(&settings, group.rank()))?;
             ranks::rank_loop(&group, &models, &base)?;
             return Ok(ExitCode::SUCCESS);
@@ -93,8 +93,8 @@ pub fn serve(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             args.listen
         ),
     };
-    let max_body = usize::try_from(vae_parallel::settings::parse_memory(&args.max_body).map_err(|e| {
-        anyhow::anyhow!(vae_parallel::settings::rename_options(&e.to_string(), |_| Some("--max-body".into())))
+    let max_body = usize::try_from(crate::settings::parse_memory(&args.max_body).map_err(|e| {
+        anyhow::anyhow!(crate::settings::rename_options(&e.to_string(), |_| Some("--max-body".into())))
     })?)?;
     if args.queue == 0 {
         bail!("--queue must be at least 1");
@@ -150,8 +150,8 @@ fn model_names(specs: &[String]) -> anyhow::Result<Vec<(String, PathBuf)>> {
 
 fn load_models(
     names: &[(String, PathBuf)],
-    settings: &vae_parallel::settings::Resolved,
-    device: vae_parallel::Device,
+    settings: &crate::settings::Resolved,
+    device: crate::Device,
 ) -> anyhow::Result<Vec<(String, Vae)>> {
     names
         .iter()
@@ -165,7 +165,7 @@ fn load_models(
 
 /// `GET /v1/models`: each model's name, class, families, device, element type, modes, whether it
 /// streams, and what `inspect` says of it.
-fn models_json(models: &[(String, Vae)], settings: &vae_parallel::settings::Resolved) -> String {
+fn models_json(models: &[(String, Vae)], settings: &crate::settings::Resolved) -> String {
     let list: Vec<serde_json::Value> = models
         .iter()
         .map(|(name, vae)| {

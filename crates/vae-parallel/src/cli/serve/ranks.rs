@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use vae_parallel::launch::{TransportKind, die_with_parent, is_rank_process};
-use vae_parallel::settings;
-use vae_parallel::transport::socket::{ENV_MASTER_ADDR, ENV_RANK, ENV_WORLD_SIZE};
-use vae_parallel::transport::{Communicator, CommunicatorExt, GroupSecret, SocketOptions, TransportConfig};
-use vae_parallel::{Device, Group, Vae};
 
 use super::spec::Frame;
+use crate::launch::{TransportKind, die_with_parent, is_rank_process};
+use crate::settings;
+use crate::transport::socket::{ENV_MASTER_ADDR, ENV_RANK, ENV_WORLD_SIZE};
+use crate::transport::{Communicator, CommunicatorExt, GroupSecret, SocketOptions, TransportConfig};
+use crate::{Device, Group, Vae};
 
 /// Set on the rank processes the service launched: they exit when their group fails (the
 /// service relaunches them), rather than being placed by the environment.
@@ -142,8 +142,8 @@ impl ServiceGroup {
                 .env(ENV_RANK, rank.to_string())
                 .env(ENV_WORLD_SIZE, self.ranks.to_string())
                 .env(ENV_MASTER_ADDR, &master)
-                .env(vae_parallel::transport::auth::ENV_GROUP_SECRET, secret.to_hex())
-                .env_remove(vae_parallel::transport::auth::ENV_GROUP_SECRET_FILE)
+                .env(crate::transport::auth::ENV_GROUP_SECRET, secret.to_hex())
+                .env_remove(crate::transport::auth::ENV_GROUP_SECRET_FILE)
                 .env(ENV_SERVE_LAUNCHED, "1")
                 .spawn()
                 .with_context(|| format!("starting rank process {rank}"))?;
@@ -190,7 +190,7 @@ impl ServiceGroup {
     }
 
     /// Sends `frame` to the other rank processes (nothing for a local group).
-    pub fn broadcast(&self, frame: &Frame, input: Option<&vae_parallel::Tensor>) -> vae_parallel::Result<()> {
+    pub fn broadcast(&self, frame: &Frame, input: Option<&crate::Tensor>) -> crate::Result<()> {
         if self.group.is_local() {
             return Ok(());
         }
@@ -229,7 +229,7 @@ pub fn join(kind: TransportKind, options: &SocketOptions) -> anyhow::Result<Grou
 /// settings resolved.
 pub fn rank_device(settings: &settings::Resolved, rank: usize) -> Device {
     match settings.transport {
-        TransportKind::Nccl => Device::Cuda(vae_parallel::launch::local_rank().unwrap_or(rank)),
+        TransportKind::Nccl => Device::Cuda(crate::launch::local_rank().unwrap_or(rank)),
         _ => settings.device,
     }
 }

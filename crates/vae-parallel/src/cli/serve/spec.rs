@@ -5,8 +5,9 @@
 //! processes runs the same request.
 
 use serde::{Deserialize, Serialize};
-use vae_parallel::settings::Settings;
-use vae_parallel::{Decode, Encode, EncodeOutput, Error, Tensor, io};
+
+use crate::settings::Settings;
+use crate::{Decode, Encode, EncodeOutput, Error, Tensor, io};
 
 /// Decode or encode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,7 +205,7 @@ mod tests {
 
     #[test]
     fn a_frame_round_trips_with_its_input() {
-        let t = Tensor::from_vec(vec![1.0, -2.5, 3.0, 0.0], [1, 1, 2, 2], &vae_parallel::Device::Cpu).unwrap();
+        let t = Tensor::from_vec(vec![1.0, -2.5, 3.0, 0.0], [1, 1, 2, 2], &crate::Device::Cpu).unwrap();
         let frame = Frame::Run {
             kind: Kind::Decode,
             options: RequestOptions { model: "m".into(), ..Default::default() },

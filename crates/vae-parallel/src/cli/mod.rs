@@ -1,4 +1,8 @@
-//! The `vae-parallel` command line.
+//! The `vae-parallel` command line ([`main`]): argument parsing, progress bars, tables and the
+//! log subscriber over the library's API, and `vae-parallel serve`. It lives in the library,
+//! under the `cli` feature, so that any package can build the command: `src/main.rs` here, and
+//! the Python package's crate, whose wheel ships it beside the extension built with the same
+//! dependencies' features (one build of the tree for both).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)] // the CLI owns the terminal
 
@@ -72,10 +76,11 @@ fn parse_shape(text: &str, what: &str) -> anyhow::Result<Vec<usize>> {
         .with_context(|| format!("--shape {text:?} is not {what}"))
 }
 
-fn main() -> ExitCode {
+/// Runs the command on this process's arguments; the exit code says whether it succeeded.
+pub fn main() -> ExitCode {
     // First thing, while this is the only thread: glibc maps large allocations and returns
     // them when freed; the rest from the environment.
-    let init = vae_parallel::init(vae_parallel::Config::default());
+    let init = crate::init(crate::Config::default());
     let cli = Cli::parse();
     let default_level = match cli.verbose {
         0 => "warn",
@@ -104,7 +109,7 @@ fn main() -> ExitCode {
         Err(err) => {
             // Said once per failure: a supervisor whose rank 0 reported it, and the other ranks
             // of a supervised group (rank 0 names the rank that failed first), stay quiet.
-            if err.is::<ranks::AlreadyReported>() || vae_parallel::launch::is_supervised_non_owner() {
+            if err.is::<ranks::AlreadyReported>() || crate::launch::is_supervised_non_owner() {
                 tracing::debug!("{}", error_text(&err));
             } else {
                 eprintln!("error: {}", error_text(&err));
@@ -116,8 +121,8 @@ fn main() -> ExitCode {
 
 /// `vae-parallel devices`.
 fn devices() -> anyhow::Result<ExitCode> {
-    use vae_parallel::tensor::Device;
-    use vae_parallel::tensor::cuda::{embedded_modules, embedded_sm90a_modules, probe, resolve_device};
+    use crate::tensor::Device;
+    use crate::tensor::cuda::{embedded_modules, embedded_sm90a_modules, probe, resolve_device};
 
     println!("cpu       {} thread(s)", rayon::current_num_threads());
     match probe(0) {
@@ -180,7 +185,7 @@ fn error_text(err: &anyhow::Error) -> String {
             text.push_str(&part);
         }
     }
-    vae_parallel::settings::rename_options(&text, vae_parallel::settings::cli_flag)
+    crate::settings::rename_options(&text, crate::settings::cli_flag)
 }
 
 #[cfg(test)]
@@ -190,7 +195,7 @@ mod tests {
     #[test]
     fn a_cause_the_message_already_holds_is_said_once() {
         let os = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
-        let err = anyhow::Error::new(vae_parallel::io::IoError::Os { path: "z.npy".into(), source: os })
+        let err = anyhow::Error::new(crate::io::IoError::Os { path: "z.npy".into(), source: os })
             .context("reading the latent");
         assert_eq!(error_text(&err), "reading the latent: z.npy: No such file or directory (os error 2)");
         let plain = anyhow::anyhow!("inner").context("outer");

@@ -1,0 +1,5 @@
+//! The `vae-parallel` command ([`vae_parallel::cli::main`]).
+
+fn main() -> std::process::ExitCode {
+    vae_parallel::cli::main()
+}
