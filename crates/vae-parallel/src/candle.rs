@@ -11,9 +11,11 @@
 //!   in place, as the CPU backend computes in f32. Integer tensors are refused
 //!   ([`ErrorKind::InvalidInput`]).
 //! - Out: an f32 CPU tensor over our result's memory, handed over without a copy.
-//! - Devices: CPU only. candle's CUDA backend needs nvcc when it is built (its kernels crate),
-//!   which this project's builds do not have, so this feature builds candle without it; a
-//!   tensor on another device is refused ([`ErrorKind::Unsupported`]).
+//! - Devices: CPU only; a tensor on another device is refused ([`ErrorKind::Unsupported`]), so a
+//!   CUDA engine moves it to the CPU first. An engine built with candle's `cuda` feature still
+//!   links this crate, CUDA backend included (see `vae_tensor::cuda` on cudarc's linking); this
+//!   project does not build candle's CUDA backend (nvcc, and 10 minutes of it on two cores), so
+//!   candle CUDA tensors do not go in or out on the device (docs/embedding.md).
 //!
 //! ```
 //! # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/autoencoder_kl/sd_like");

@@ -70,17 +70,39 @@ fn nccl_err(op: &str, e: impl std::fmt::Debug + 'static) -> TransportError {
 
 /// Checks that the CUDA driver and NCCL libraries can be loaded (cudarc panics otherwise).
 fn check_libraries() -> Result<()> {
-    // SAFETY: only dlopens candidate library names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !loadable("cuda") {
         return Err(unavailable("no CUDA driver (libcuda.so was not found)"));
     }
-    // SAFETY: as above.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+    if !loadable("nccl") {
         return Err(unavailable(
             "libnccl.so was not found (pip wheels ship libnccl.so.2: link it as libnccl.so on LD_LIBRARY_PATH)",
         ));
     }
     Ok(())
+}
+
+/// Whether the shared library cudarc binds as `name` can be loaded under one of the names
+/// cudarc's loader tries on Linux (`libNAME.so`, `.so.12` down to `.so.9`, `.so.1`). It stands
+/// in for cudarc's `is_culib_present`, which exists only when cudarc loads libraries itself: a
+/// build that holds candle's CUDA backend links them instead (cudarc's `dynamic-linking`, which
+/// the workspace's `fallback-dynamic-loading` gives way to), and `dlopen` then finds the loaded
+/// library by its soname. NCCL's soname, `libnccl.so.2`, is not among the names, under either
+/// way of binding it (cudarc's loader does not try it): a `libnccl.so` link is needed.
+fn loadable(name: &str) -> bool {
+    let names = std::iter::once(format!("lib{name}.so"))
+        .chain(["12", "11", "10", "9", "1"].map(|major| format!("lib{name}.so.{major}")));
+    names.filter_map(|n| std::ffi::CString::new(n).ok()).any(|n| {
+        // SAFETY: `dlopen` of a NUL-terminated name, and `dlclose` of the handle it gave, as
+        // cudarc's own probe does.
+        unsafe {
+            let handle = libc::dlopen(n.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+            if handle.is_null() {
+                return false;
+            }
+            libc::dlclose(handle);
+            true
+        }
+    })
 }
 
 /// Device memory someone else owns, named by address ([`Communicator::exchange_device`]), in the

@@ -1086,6 +1086,28 @@ FAKE_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
     return CUDA_SUCCESS;
 }
 
+// ---------------------------------------------------------------- linked, never called
+
+// Entry points cudarc's safe layer names and the backend never calls. They are here so that a
+// build linking this library at build time resolves every symbol (cudarc's `dynamic-linking`,
+// which a build holding candle's CUDA backend turns on: vae_tensor::cuda's module doc); loaded
+// at run time, cudarc looks a function up only when it is called.
+
+FAKE_API CUresult cuCtxDestroy_v2(CUcontext) {
+    Lock lock(g_mutex);
+    return refuse(CUDA_ERROR_NOT_SUPPORTED, "cuCtxDestroy", "not emulated: only primary contexts are");
+}
+
+FAKE_API CUresult cuModuleLoad(CUmodule*, const char*) {
+    Lock lock(g_mutex);
+    return refuse(CUDA_ERROR_NOT_SUPPORTED, "cuModuleLoad", "not emulated: images load from memory");
+}
+
+FAKE_API CUresult cuMemcpyPeerAsync(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, std::size_t, CUstream) {
+    Lock lock(g_mutex);
+    return refuse(CUDA_ERROR_NOT_SUPPORTED, "cuMemcpyPeerAsync", "not emulated: addresses are unified");
+}
+
 // ---------------------------------------------------------------- errors
 
 FAKE_API CUresult cuGetErrorName(CUresult r, const char** name) {

@@ -2,8 +2,14 @@
 //!
 //! CUDA libraries are loaded at run time (cudarc's `dynamic-loading`), so the crate builds and
 //! runs on machines without any CUDA. cudarc panics when a library it calls is missing, so every
-//! entry point here probes for the library first and turns each failure into a reason that
-//! callers show before falling back to the CPU.
+//! entry point here probes for the library first ([`library_loadable`]) and turns each failure
+//! into a reason that callers show before falling back to the CPU.
+//!
+//! The workspace asks cudarc for `fallback-dynamic-loading`, not `dynamic-loading`: a build that
+//! also holds candle's CUDA backend (a candle-based engine) turns on cudarc's `dynamic-linking`,
+//! which cudarc refuses beside `dynamic-loading` but takes instead of the fallback. The crate then
+//! links the libraries at build time, and the probe (which uses none of cudarc's loader) finds
+//! them loaded.
 //!
 //! Status: device discovery, the kernel table, and f32 and bf16 CUDA tensors
 //! (`Tensor::to_device`, `Tensor::to_dtype`) with CUDA paths for every op the decoders and
@@ -331,11 +337,32 @@ pub fn synchronize(device: Device) -> crate::Result<()> {
     }
 }
 
+/// Whether the shared library cudarc binds as `name` (`"cuda"`, `"cudnn"`) can be loaded under
+/// one of the names cudarc's loader tries on Linux: `libNAME.so`, then the major versions
+/// `.so.12` down to `.so.9`, and `.so.1`. It stands in for cudarc's `is_culib_present`, which
+/// exists only when cudarc loads libraries itself; under `dynamic-linking` (see the module doc)
+/// the library is a load-time dependency, and `dlopen` finds it, loaded, by its soname.
+pub(crate) fn library_loadable(name: &str) -> bool {
+    let names = std::iter::once(format!("lib{name}.so"))
+        .chain(["12", "11", "10", "9", "1"].map(|major| format!("lib{name}.so.{major}")));
+    names.filter_map(|n| std::ffi::CString::new(n).ok()).any(|n| {
+        // SAFETY: `dlopen` of a NUL-terminated name, and `dlclose` of the handle it gave, as
+        // cudarc's own probe does (a loaded library's count goes up and back down).
+        unsafe {
+            let handle = libc::dlopen(n.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+            if handle.is_null() {
+                return false;
+            }
+            libc::dlclose(handle);
+            true
+        }
+    })
+}
+
 /// How many CUDA devices the driver reports: 0 without a driver (or one that fails to start).
 /// Never panics.
 pub fn device_count() -> usize {
-    // SAFETY: only tries to dlopen the driver library's candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !library_loadable("cuda") {
         return 0;
     }
     catch_unwind(cudarc::driver::CudaContext::device_count).ok().and_then(Result::ok).map_or(0, |n| n.max(0) as usize)
@@ -344,8 +371,7 @@ pub fn device_count() -> usize {
 /// Asks the driver about device `ordinal`, or says why it cannot be used (no driver library, no
 /// such device, a driver error). Never panics.
 pub fn probe(ordinal: usize) -> Result<CudaDeviceInfo, String> {
-    // SAFETY: only tries to dlopen the driver library's candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !library_loadable("cuda") {
         return Err("no CUDA driver (libcuda.so was not found)".into());
     }
     let asked = catch_unwind(AssertUnwindSafe(|| -> Result<CudaDeviceInfo, String> {

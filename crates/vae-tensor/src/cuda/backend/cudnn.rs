@@ -54,8 +54,7 @@ fn load() -> std::result::Result<usize, String> {
     if let Some(path) = std::env::var_os(CUDNN_PATH_ENV).filter(|p| !p.is_empty()) {
         preload(Path::new(&path))?;
     }
-    // SAFETY: only tries to dlopen the library's candidate names.
-    if !unsafe { sys::is_culib_present() } {
+    if !crate::cuda::library_loadable("cudnn") {
         return Err(format!(
             "no cuDNN library (libcudnn.so.9) on the loader's path; set {CUDNN_PATH_ENV} to the nvidia-cudnn-cu12 \
              wheel's nvidia/cudnn/lib or add it to LD_LIBRARY_PATH"
