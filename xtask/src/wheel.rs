@@ -21,8 +21,8 @@
 //! the same package, profile, target and zig: the command is the library's `cli::main`, built
 //! from the Python package's crate so that every dependency resolves with the extension's
 //! features and the release tree compiles once for both), the CLI moved into the first one's
-//! `.data/scripts/` (`wheel unpack` / `wheel pack`, which rewrites the RECORD), then `auditwheel show`, which must find the wheel consistent with
-//! its `manylinux_2_28_x86_64` tag. The wheel goes to `target/wheels/` (or `--out`).
+//! `.data/scripts/` (`wheel unpack` / `wheel pack`, which rewrites the RECORD), then `auditwheel
+//! show`, which must find the wheel consistent with its `manylinux_2_28_x86_64` tag. The wheel goes to `target/wheels/` (or `--out`).
 //!
 //! `--profile` is a Cargo profile (default `release`, what users get and what CI checks).
 
